@@ -1,0 +1,128 @@
+// Command idem-demo shows what idem guarantees on a real PostgreSQL server.
+//
+// Usage:
+//
+//	idem-demo [run]
+//
+// run (the default) finds a server (DATABASE_URL, localhost:5432, Docker, or
+// a temporary initdb cluster), recreates the database idem_demo on it,
+// installs idem's table and the Goose Kuzi draw tables, and puts the draw
+// API through the failure scenarios of the design: a retry after a lost
+// response, a reused key, concurrent duplicates, a failure before commit and
+// a stored refusal. It prints a table of what happened and of the numbers
+// read back from the database, and exits with status 1 if any invariant
+// fails. The database is left in place for inspection.
+package main
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/draw"
+	"github.com/pgidem/idem/internal/pgserver"
+)
+
+// database is the database the demo recreates on every run.
+const database = "idem_demo"
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	defer stop()
+
+	cmd := "run"
+	if len(os.Args) > 1 {
+		cmd = os.Args[1]
+	}
+	var err error
+	switch cmd {
+	case "run":
+		err = run(ctx, os.Stdout)
+	case "help", "-h", "-help", "--help":
+		usage(os.Stdout)
+		return
+	default:
+		fmt.Fprintf(os.Stderr, "idem-demo: unknown command %q\n", cmd)
+		usage(os.Stderr)
+		os.Exit(2)
+	}
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "idem-demo:", err)
+		os.Exit(1)
+	}
+}
+
+func usage(w io.Writer) {
+	fmt.Fprintln(w, `usage: idem-demo [run]
+
+  run   recreate the database idem_demo and run the draw scenarios (default)`)
+}
+
+// run prepares the database and runs the scenarios. It returns an error if
+// the database cannot be prepared or any scenario fails.
+func run(ctx context.Context, out io.Writer) error {
+	srv, err := pgserver.Resolve(ctx)
+	if err != nil {
+		return err
+	}
+	defer srv.Close()
+	fmt.Fprintf(out, "PostgreSQL from %s; database %s\n\n", srv.Source, database)
+
+	pool, err := openDemoDatabase(ctx, srv)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+
+	failed := runScenarios(ctx, out, pool)
+	if failed > 0 {
+		return fmt.Errorf("%d scenario(s) failed", failed)
+	}
+	fmt.Fprintln(out, "\nAll scenarios ok: every draw was charged and stocked exactly once.")
+	return nil
+}
+
+// openDemoDatabase drops and recreates the demo database, installs idem's
+// migrations and the draw tables and seeds, and returns a pool with enough
+// connections for the concurrent scenario.
+func openDemoDatabase(ctx context.Context, srv *pgserver.Server) (*pgxpool.Pool, error) {
+	admin, err := pgx.Connect(ctx, srv.URL)
+	if err != nil {
+		return nil, fmt.Errorf("connect to %s: %w", srv.Source, err)
+	}
+	defer admin.Close(context.Background())
+	name := pgx.Identifier{database}.Sanitize()
+	for _, sql := range []string{
+		"DROP DATABASE IF EXISTS " + name + " WITH (FORCE)",
+		"CREATE DATABASE " + name,
+	} {
+		if _, err := admin.Exec(ctx, sql); err != nil {
+			return nil, fmt.Errorf("%s: %w", sql, err)
+		}
+	}
+
+	cfg, err := pgxpool.ParseConfig(srv.DatabaseURL(database))
+	if err != nil {
+		return nil, err
+	}
+	cfg.MaxConns = duplicates + 2
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, err
+	}
+	if err := idem.Migrate(ctx, pool); err != nil {
+		pool.Close()
+		return nil, fmt.Errorf("migrate: %w", err)
+	}
+	if err := draw.Setup(ctx, pool); err != nil {
+		pool.Close()
+		return nil, err
+	}
+	return pool, nil
+}

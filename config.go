@@ -1,0 +1,122 @@
+package idem
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Config configures a Client. The zero value of every field means its
+// default; the package-level functions (Do, DoInTx, InTx) use Config{}.
+type Config struct {
+	// TTL is how long a key is remembered after it is claimed. Past it the
+	// key counts as a new request. Default 24 hours.
+	TTL time.Duration
+
+	// Wait bounds how long a call waits for a concurrent transaction that
+	// holds the same key before it gives up with ErrInProgress. Default 2
+	// seconds; a negative value means do not wait.
+	Wait time.Duration
+
+	// MinKeyLength and MaxKeyLength bound the key length in bytes. Defaults
+	// 1 and 255 (Stripe's limit); MaxKeyLength may be at most 1024.
+	MinKeyLength int
+	MaxKeyLength int
+
+	// MaxResponseBytes bounds the stored response: body plus header names
+	// and values. Default 1 MiB. Keep responses small and free of secrets.
+	MaxResponseBytes int
+
+	// IsolationLevel is the isolation level of the transactions InTx and
+	// DoInTx begin. Default: the server's default (READ COMMITTED unless
+	// configured otherwise).
+	IsolationLevel pgx.TxIsoLevel
+
+	// MaxRetries is how many times InTx and DoInTx run a transaction again
+	// after a serialization failure (40001) or a deadlock (40P01), with
+	// jittered exponential backoff. Default 5; a negative value disables
+	// retries.
+	MaxRetries int
+}
+
+// Defaults of Config.
+const (
+	DefaultTTL              = 24 * time.Hour
+	DefaultWait             = 2 * time.Second
+	DefaultMinKeyLength     = 1
+	DefaultMaxKeyLength     = 255
+	DefaultMaxResponseBytes = 1 << 20
+	DefaultMaxRetries       = 5
+
+	maxKeyLengthLimit = 1024
+)
+
+// Client is a configured form of the package-level API. It holds no
+// connections: every call takes the transaction or database handle to use.
+// A Client is safe for concurrent use.
+type Client struct {
+	cfg         Config
+	ttlMicros   int64
+	lockTimeout string
+	retryAfter  time.Duration
+}
+
+// New returns a Client for cfg, with zero fields replaced by their defaults.
+// A field out of range gives an error wrapping ErrInvalidConfig.
+func New(cfg Config) (*Client, error) {
+	if cfg.TTL == 0 {
+		cfg.TTL = DefaultTTL
+	}
+	if cfg.Wait == 0 {
+		cfg.Wait = DefaultWait
+	}
+	if cfg.MinKeyLength == 0 {
+		cfg.MinKeyLength = DefaultMinKeyLength
+	}
+	if cfg.MaxKeyLength == 0 {
+		cfg.MaxKeyLength = DefaultMaxKeyLength
+	}
+	if cfg.MaxResponseBytes == 0 {
+		cfg.MaxResponseBytes = DefaultMaxResponseBytes
+	}
+	if cfg.MaxRetries == 0 {
+		cfg.MaxRetries = DefaultMaxRetries
+	}
+	switch {
+	case cfg.TTL < time.Microsecond:
+		return nil, fmt.Errorf("%w: TTL %s must be positive", ErrInvalidConfig, cfg.TTL)
+	case cfg.MinKeyLength < 1:
+		return nil, fmt.Errorf("%w: MinKeyLength %d must be at least 1", ErrInvalidConfig, cfg.MinKeyLength)
+	case cfg.MaxKeyLength < cfg.MinKeyLength || cfg.MaxKeyLength > maxKeyLengthLimit:
+		return nil, fmt.Errorf("%w: MaxKeyLength %d must be between MinKeyLength %d and %d",
+			ErrInvalidConfig, cfg.MaxKeyLength, cfg.MinKeyLength, maxKeyLengthLimit)
+	case cfg.MaxResponseBytes < 0:
+		return nil, fmt.Errorf("%w: MaxResponseBytes %d must not be negative", ErrInvalidConfig, cfg.MaxResponseBytes)
+	}
+	switch cfg.IsolationLevel {
+	case "", pgx.ReadCommitted, pgx.RepeatableRead, pgx.Serializable, pgx.ReadUncommitted:
+	default:
+		return nil, fmt.Errorf("%w: unknown IsolationLevel %q", ErrInvalidConfig, cfg.IsolationLevel)
+	}
+
+	c := &Client{cfg: cfg, ttlMicros: cfg.TTL.Microseconds()}
+	wait := cfg.Wait
+	if wait < time.Millisecond {
+		wait = time.Millisecond // lock_timeout 0 would mean "wait forever"
+	}
+	c.lockTimeout = fmt.Sprintf("%dms", wait.Milliseconds())
+	c.retryAfter = max(time.Second, wait.Round(time.Second))
+	return c, nil
+}
+
+// Config returns the client's configuration with defaults filled in.
+func (c *Client) Config() Config { return c.cfg }
+
+var defaultClient = func() *Client {
+	c, err := New(Config{})
+	if err != nil {
+		panic(err)
+	}
+	return c
+}()

@@ -1,0 +1,104 @@
+package idem
+
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// Errors returned by Do and its relatives. Check them with errors.Is; the
+// returned error usually wraps one of these with a more specific message.
+var (
+	// ErrKeyReused means the key was already used under the same scope for a
+	// request with a different fingerprint: a client bug (HTTP 422). fn did not
+	// run and nothing changed.
+	ErrKeyReused = errors.New("idem: idempotency key reused with a different request")
+
+	// ErrInProgress means another transaction holds the key and did not finish
+	// within the configured wait (HTTP 409 with Retry-After). fn did not run.
+	// The error is an *InProgressError carrying a retry hint.
+	ErrInProgress = errors.New("idem: a request with this idempotency key is in progress")
+
+	// ErrInvalidKey means the idempotency key is empty, too long, or holds a
+	// character outside visible ASCII (0x21-0x7E). Nothing was touched.
+	ErrInvalidKey = errors.New("idem: invalid idempotency key")
+
+	// ErrInvalidScope means the scope's Actor or Operation is empty, too long
+	// or not valid text. Nothing was touched.
+	ErrInvalidScope = errors.New("idem: invalid scope")
+
+	// ErrInvalidResponse means fn returned a Response that cannot be stored
+	// and replayed exactly (bad status code, header that is not valid text).
+	// fn's writes and the claim were undone; nothing was stored.
+	ErrInvalidResponse = errors.New("idem: invalid response")
+
+	// ErrResponseTooLarge means fn returned a Response over the configured
+	// size limit. fn's writes and the claim were undone; nothing was stored.
+	ErrResponseTooLarge = errors.New("idem: response too large to store")
+
+	// ErrInvalidJSON means FingerprintJSON was given something that is not
+	// valid JSON (or could not be marshalled to JSON).
+	ErrInvalidJSON = errors.New("idem: invalid JSON")
+
+	// ErrInvalidConfig means a Config field is out of range.
+	ErrInvalidConfig = errors.New("idem: invalid config")
+
+	// ErrInvalidArgument means a required argument (transaction, function,
+	// database handle) is nil.
+	ErrInvalidArgument = errors.New("idem: invalid argument")
+)
+
+// InProgressError is returned when the key is held by a transaction that did
+// not finish within the wait. errors.Is(err, ErrInProgress) reports true.
+type InProgressError struct {
+	// RetryAfter is a hint for how long the client should wait before it
+	// retries (the HTTP Retry-After header).
+	RetryAfter time.Duration
+}
+
+func (e *InProgressError) Error() string {
+	return fmt.Sprintf("%s (retry after %s)", ErrInProgress.Error(), e.RetryAfter)
+}
+
+// Is makes errors.Is(err, ErrInProgress) true.
+func (e *InProgressError) Is(target error) bool { return target == ErrInProgress }
+
+// rejection is the error fn returns through Reject.
+type rejection struct{ resp Response }
+
+func (r *rejection) Error() string {
+	return fmt.Sprintf("idem: request rejected with status %d", r.resp.Status)
+}
+
+// Reject is returned by fn to refuse a request deterministically, for example
+// for insufficient funds. Do undoes fn's writes (they ran in a savepoint),
+// stores resp as the final outcome of the key, and returns it as a Result
+// with a nil error, so the caller commits. Later calls with the same key
+// replay resp and do not run fn.
+//
+// Reject is for refusals that would come out the same on every retry. A
+// transient failure should be returned as an ordinary error instead: then
+// nothing is stored and the key is free again once the caller rolls back.
+func Reject(resp Response) error { return &rejection{resp: resp} }
+
+// pgCode returns the SQLSTATE of err if it is (or wraps) a PostgreSQL error.
+func pgCode(err error) string {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr.Code
+	}
+	return ""
+}
+
+// isRetryable reports whether err is a serialization failure or a deadlock,
+// after which the whole transaction may be run again.
+func isRetryable(err error) bool {
+	switch pgCode(err) {
+	case pgerrcode.SerializationFailure, pgerrcode.DeadlockDetected:
+		return true
+	}
+	return false
+}

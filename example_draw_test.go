@@ -1,0 +1,174 @@
+package idem_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"sync"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/draw"
+	"github.com/pgidem/idem/internal/pgtest"
+)
+
+// The Goose Kuzi draw: one request debits points, takes stock from a box,
+// picks prizes at random and writes a batch, inventory rows and a ledger
+// debit. draw.Service.Draw runs it as
+//
+//	idem.DoInTx(ctx, pool, idem.Scope{Actor: user, Operation: "draw"}, key,
+//		idem.FingerprintJSON(body), draw.Execute)
+//
+// and this example puts it through the failure scenarios of the design,
+// printing what the database holds after each one.
+func Example_draw() {
+	ctx := context.Background()
+	check := func(err error) {
+		if err != nil {
+			panic(err)
+		}
+	}
+
+	// A fresh database with idem's table and the draw tables. alice holds
+	// 1000 points; box 1 costs 100 points a draw and holds 50 draws.
+	url, drop, err := pgtest.NewDatabase(ctx, idem.Migrate)
+	check(err)
+	defer drop()
+	cfg, err := pgxpool.ParseConfig(url)
+	check(err)
+	cfg.MaxConns = 10
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	check(err)
+	defer pool.Close()
+	check(draw.Setup(ctx, pool))
+
+	svc := draw.NewService(pool)
+	show := func() {
+		s, err := draw.Read(ctx, pool, "alice", 1)
+		check(err)
+		fmt.Printf("   points=%d stock=%d batches=%d debits=%d\n", s.Points, s.Stock, s.Batches, s.Debits)
+	}
+	batchID := func(res idem.Result) int64 {
+		var out draw.Outcome
+		check(json.Unmarshal(res.Body, &out))
+		return out.BatchID
+	}
+
+	// 1. The draw commits, but the response is lost on the way to the app.
+	// The app retries with the same key and the same body.
+	twoDraws := []byte(`{"box_id":1,"quantity":2}`)
+	first, err := svc.Draw(ctx, "alice", "req-0001", twoDraws)
+	check(err)
+	retry, err := svc.Draw(ctx, "alice", "req-0001", twoDraws)
+	check(err)
+	fmt.Println("1. retry after a lost response")
+	fmt.Printf("   first: %d replayed=%t; retry: %d replayed=%t; same batch: %t; same bytes: %t\n",
+		first.Status, first.Replayed, retry.Status, retry.Replayed,
+		batchID(first) == batchID(retry), bytes.Equal(first.Body, retry.Body))
+	show()
+
+	// 2. A client bug sends a different body under the same key.
+	_, err = svc.Draw(ctx, "alice", "req-0001", []byte(`{"box_id":1,"quantity":5}`))
+	fmt.Println("2. same key, different body")
+	fmt.Println("   refused with ErrKeyReused:", errors.Is(err, idem.ErrKeyReused))
+	show()
+
+	// 3. A double tap and an eager retry library: 8 copies of one request
+	// arrive at once, each on its own connection.
+	results := make([]idem.Result, 8)
+	errs := make([]error, 8)
+	var wg sync.WaitGroup
+	for i := range 8 {
+		wg.Go(func() {
+			results[i], errs[i] = svc.Draw(ctx, "alice", "req-0002", []byte(`{"box_id":1,"quantity":1}`))
+		})
+	}
+	wg.Wait()
+	executed, others := 0, 0
+	batches := map[int64]bool{}
+	for i := range 8 {
+		switch {
+		case errors.Is(errs[i], idem.ErrInProgress):
+			others++ // told to retry later
+		case errs[i] != nil:
+			panic(errs[i])
+		case results[i].Replayed:
+			others++
+			batches[batchID(results[i])] = true
+		default:
+			executed++
+			batches[batchID(results[i])] = true
+		}
+	}
+	fmt.Println("3. 8 concurrent duplicates")
+	fmt.Printf("   executed: %d; replayed or in progress: %d; batch ids seen: %d\n", executed, others, len(batches))
+	show()
+
+	// 4. The draw runs inside the caller's transaction, which then fails
+	// before COMMIT. The key, the debit, the stock and the batch all roll
+	// back together, and the retry with the same key draws normally.
+	oneDraw := []byte(`{"box_id":1,"quantity":1}`)
+	fp, err := idem.FingerprintJSON(oneDraw)
+	check(err)
+	lost := errors.New("connection lost before COMMIT")
+	err = idem.InTx(ctx, pool, func(ctx context.Context, tx pgx.Tx) error {
+		_, err := idem.Do(ctx, tx, idem.Scope{Actor: "alice", Operation: "draw"}, "req-0003", fp,
+			func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+				return draw.Execute(ctx, tx, "alice", draw.Request{BoxID: 1, Quantity: 1})
+			})
+		if err != nil {
+			return err
+		}
+		return lost
+	})
+	fmt.Println("4. failure before commit, then retry")
+	fmt.Println("   rolled back:", errors.Is(err, lost))
+	show()
+	again, err := svc.Draw(ctx, "alice", "req-0003", oneDraw)
+	check(err)
+	fmt.Printf("   retry: %d replayed=%t\n", again.Status, again.Replayed)
+	show()
+
+	// 5. Ten draws cost 1000 points; alice has 600 left. The refusal is
+	// stored: the retry replays it instead of drawing again.
+	tenDraws := []byte(`{"box_id":1,"quantity":10}`)
+	poor, err := svc.Draw(ctx, "alice", "req-0004", tenDraws)
+	check(err)
+	poorAgain, err := svc.Draw(ctx, "alice", "req-0004", tenDraws)
+	check(err)
+	fmt.Println("5. insufficient points")
+	fmt.Printf("   first: %d replayed=%t; retry: %d replayed=%t; same bytes: %t\n",
+		poor.Status, poor.Replayed, poorAgain.Status, poorAgain.Replayed, bytes.Equal(poor.Body, poorAgain.Body))
+	show()
+
+	// Points and stock add up: nothing was charged or taken twice.
+	s, err := draw.Read(ctx, pool, "alice", 1)
+	check(err)
+	fmt.Printf("points %d + debited %d = %d; stock %d + taken %d = %d; invariants hold: %t\n",
+		s.Points, s.Debited, s.Points+s.Debited, s.Stock, s.Taken, s.Stock+s.Taken,
+		s.Check(draw.SeedPoints, draw.SeedStock) == nil)
+
+	// Output:
+	// 1. retry after a lost response
+	//    first: 201 replayed=false; retry: 201 replayed=true; same batch: true; same bytes: true
+	//    points=800 stock=48 batches=1 debits=1
+	// 2. same key, different body
+	//    refused with ErrKeyReused: true
+	//    points=800 stock=48 batches=1 debits=1
+	// 3. 8 concurrent duplicates
+	//    executed: 1; replayed or in progress: 7; batch ids seen: 1
+	//    points=700 stock=47 batches=2 debits=2
+	// 4. failure before commit, then retry
+	//    rolled back: true
+	//    points=700 stock=47 batches=2 debits=2
+	//    retry: 201 replayed=false
+	//    points=600 stock=46 batches=3 debits=3
+	// 5. insufficient points
+	//    first: 402 replayed=false; retry: 402 replayed=true; same bytes: true
+	//    points=600 stock=46 batches=3 debits=3
+	// points 600 + debited 400 = 1000; stock 46 + taken 4 = 50; invariants hold: true
+}

@@ -1,0 +1,14 @@
+//go:build !unix
+
+package pgserver
+
+import (
+	"context"
+	"errors"
+	"runtime"
+)
+
+// StartTempCluster is not supported on this platform.
+func StartTempCluster(context.Context) (*Server, error) {
+	return nil, errors.New("temp clusters are not supported on " + runtime.GOOS)
+}

@@ -1,0 +1,266 @@
+package pgserver
+
+import (
+	"context"
+	"errors"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+const localURL = "postgres://postgres@127.0.0.1:5432/postgres?sslmode=disable"
+
+// requireLocalhost skips the test when no usable server answers on
+// localhost:5432.
+func requireLocalhost(t *testing.T) {
+	t.Helper()
+	srv, err := Localhost(t.Context())
+	if err != nil {
+		t.Skipf("no server on localhost:5432: %v", err)
+	}
+	_ = srv.Close()
+}
+
+func TestResolveFindsLocalhost(t *testing.T) {
+	requireLocalhost(t)
+	t.Setenv("DATABASE_URL", "")
+
+	srv, err := Resolve(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	if srv.Source != SourceLocalhost {
+		t.Fatalf("Source = %q, want %q", srv.Source, SourceLocalhost)
+	}
+	if err := Ping(t.Context(), srv.URL); err != nil {
+		t.Fatal(err)
+	}
+	if err := srv.Close(); err != nil {
+		t.Fatalf("Close of an external server: %v", err)
+	}
+	if err := Ping(t.Context(), srv.URL); err != nil {
+		t.Fatalf("Close must not stop an external server: %v", err)
+	}
+}
+
+func TestResolveUsesDatabaseURL(t *testing.T) {
+	requireLocalhost(t)
+	t.Setenv("DATABASE_URL", localURL)
+
+	srv, err := Resolve(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer srv.Close()
+	if srv.Source != SourceDatabaseURL || srv.URL != localURL {
+		t.Fatalf("got %q from %q, want %q from DATABASE_URL", srv.URL, srv.Source, localURL)
+	}
+}
+
+func TestResolveDoesNotFallThroughFromBadDatabaseURL(t *testing.T) {
+	port, err := freePort() // nothing listens there
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("DATABASE_URL", "postgres://postgres@127.0.0.1:"+strconv.Itoa(port)+"/postgres?sslmode=disable")
+
+	start := time.Now()
+	srv, err := Resolve(t.Context())
+	if err == nil {
+		srv.Close()
+		t.Fatalf("Resolve succeeded with %s; want an error", srv.Source)
+	}
+	if !strings.Contains(err.Error(), "DATABASE_URL") {
+		t.Errorf("error does not mention DATABASE_URL: %v", err)
+	}
+	if d := time.Since(start); d > 5*time.Second {
+		t.Errorf("took %v", d)
+	}
+}
+
+func TestResolveErrorNamesAllOptions(t *testing.T) {
+	fail := func(msg string) func(context.Context) (*Server, error) {
+		return func(context.Context) (*Server, error) { return nil, errors.New(msg) }
+	}
+	_, err := resolveWith(t.Context(), []step{
+		{"localhost:5432", fail("connection refused")},
+		{"testcontainers", fail("no docker")},
+		{"initdb", fail("no binaries")},
+	})
+	if !errors.Is(err, ErrNoServer) {
+		t.Fatalf("error %v does not wrap ErrNoServer", err)
+	}
+	for _, want := range []string{
+		"DATABASE_URL", "localhost:5432", "Docker", "initdb", // the options
+		"connection refused", "no docker", "no binaries", // why each failed
+	} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error does not mention %q:\n%v", want, err)
+		}
+	}
+}
+
+func TestResolveStopsAtFirstSuccess(t *testing.T) {
+	want := &Server{URL: "x", Source: "second"}
+	srv, err := resolveWith(t.Context(), []step{
+		{"first", func(context.Context) (*Server, error) { return nil, errors.New("no") }},
+		{"second", func(context.Context) (*Server, error) { return want, nil }},
+		{"third", func(context.Context) (*Server, error) { t.Fatal("third step ran"); return nil, nil }},
+	})
+	if err != nil || srv != want {
+		t.Fatalf("got %v, %v", srv, err)
+	}
+}
+
+func TestStartTempCluster(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts a PostgreSQL cluster")
+	}
+	if _, err := findServerBinaries(); err != nil {
+		t.Skip(err)
+	}
+	start := time.Now()
+	srv, err := StartTempCluster(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Logf("temp cluster up in %v: %s", time.Since(start).Round(time.Millisecond), srv.Source)
+	defer srv.Close()
+
+	if !strings.HasPrefix(srv.Source, "initdb (temp cluster at ") {
+		t.Errorf("Source = %q", srv.Source)
+	}
+	if _, err := os.Stat(filepath.Join(srv.dir, "data", "PG_VERSION")); err != nil {
+		t.Errorf("cluster directory: %v", err)
+	}
+
+	conn, err := pgx.Connect(t.Context(), srv.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var one int
+	if err := conn.QueryRow(t.Context(), "select 1").Scan(&one); err != nil || one != 1 {
+		t.Fatalf("select 1: %d, %v", one, err)
+	}
+	// The server must be usable for the test harness: create, use and
+	// drop a database through DatabaseURL.
+	if _, err := conn.Exec(t.Context(), "create database pgserver_check"); err != nil {
+		t.Fatal(err)
+	}
+	if err := Ping(t.Context(), srv.DatabaseURL("pgserver_check")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := conn.Exec(t.Context(), "drop database pgserver_check"); err != nil {
+		t.Fatal(err)
+	}
+	conn.Close(t.Context())
+
+	if err := srv.Close(); err != nil {
+		t.Fatalf("Close: %v", err)
+	}
+	if _, err := os.Stat(srv.dir); !os.IsNotExist(err) {
+		t.Errorf("cluster directory still there after Close: %v", err)
+	}
+	if err := Ping(t.Context(), srv.URL); err == nil {
+		t.Error("server still answers after Close")
+	}
+	if err := srv.Close(); err != nil {
+		t.Errorf("second Close: %v", err)
+	}
+}
+
+func TestRemoveStaleClusters(t *testing.T) {
+	base := t.TempDir()
+	mk := func(name, owner string) string {
+		dir := filepath.Join(base, name)
+		if err := os.MkdirAll(dir, 0o755); err != nil {
+			t.Fatal(err)
+		}
+		if owner != "" {
+			if err := os.WriteFile(filepath.Join(dir, ownerFile), []byte(owner), 0o644); err != nil {
+				t.Fatal(err)
+			}
+		}
+		return dir
+	}
+	dead := mk(clusterDirPrefix+"dead", "2147483646") // no such process
+	alive := mk(clusterDirPrefix+"alive", strconv.Itoa(os.Getpid()))
+	unowned := mk(clusterDirPrefix+"unowned", "")
+	other := mk("something-else", "2147483646")
+
+	removeStaleClusters(base)
+
+	for dir, wantGone := range map[string]bool{dead: true, alive: false, unowned: false, other: false} {
+		_, err := os.Stat(dir)
+		if gone := os.IsNotExist(err); gone != wantGone {
+			t.Errorf("%s: removed = %v, want %v", filepath.Base(dir), gone, wantGone)
+		}
+	}
+}
+
+func TestStartContainerWithoutDocker(t *testing.T) {
+	if err := probeDocker(t.Context()); err == nil {
+		t.Skip("a Docker engine answers here")
+	}
+	start := time.Now()
+	srv, err := StartContainer(t.Context())
+	if err == nil {
+		srv.Close()
+		t.Fatal("StartContainer succeeded without Docker")
+	}
+	if !errors.Is(err, ErrNoDocker) {
+		t.Errorf("error does not wrap ErrNoDocker: %v", err)
+	}
+	if !strings.Contains(err.Error(), "Docker") {
+		t.Errorf("error does not mention Docker: %v", err)
+	}
+	// Without any sign of Docker the check must be nearly free; with a
+	// dead socket it may take a little longer, but never the probe timeout.
+	limit := time.Second
+	if len(dockerHints()) > 0 {
+		limit = dockerProbeTimeout + time.Second
+	}
+	if d := time.Since(start); d > limit {
+		t.Errorf("took %v, want under %v", d, limit)
+	}
+	t.Logf("%v (in %v)", err, time.Since(start))
+}
+
+func TestDatabaseURL(t *testing.T) {
+	for _, tc := range []struct{ in, want string }{
+		{localURL, "postgres://postgres@127.0.0.1:5432/other?sslmode=disable"},
+		{"postgresql://u:p%40ss@h:1/db", "postgresql://u:p%40ss@h:1/other"},
+		{"host=h user=u dbname=db", "host=h user=u dbname=db dbname='other'"},
+	} {
+		s := &Server{URL: tc.in}
+		if got := s.DatabaseURL("other"); got != tc.want {
+			t.Errorf("DatabaseURL(%q) = %q, want %q", tc.in, got, tc.want)
+		}
+		cfg, err := pgx.ParseConfig(s.DatabaseURL("other"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if cfg.Database != "other" {
+			t.Errorf("%q: database = %q", tc.in, cfg.Database)
+		}
+	}
+}
+
+func TestVersionOf(t *testing.T) {
+	for in, want := range map[string]int{
+		"/usr/lib/postgresql/15/bin":          15,
+		"/usr/pgsql-9.6/bin":                  9,
+		"/opt/homebrew/opt/postgresql@16/bin": 16,
+		"/usr/local/bin":                      -1,
+	} {
+		if got := versionOf(in); got != want {
+			t.Errorf("versionOf(%q) = %d, want %d", in, got, want)
+		}
+	}
+}

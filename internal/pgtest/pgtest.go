@@ -1,0 +1,381 @@
+// Package pgtest gives each test its own freshly migrated PostgreSQL
+// database.
+//
+// The server is resolved once per test process with [pgserver.Resolve]
+// (DATABASE_URL, localhost:5432, testcontainers, or a temporary cluster).
+// For each migration function, the first request creates a template
+// database with a random name (idemtest_tpl_<hex>) and runs the migration on
+// it once; every database handed out after that is a cheap
+// CREATE DATABASE idemtest_<hex> TEMPLATE idemtest_tpl_<hex>. Names are
+// random, so parallel tests, parallel test processes (go test runs packages
+// concurrently) and leftovers of earlier runs never collide.
+//
+// Typical use:
+//
+//	func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }
+//
+//	func TestSomething(t *testing.T) {
+//		t.Parallel()
+//		pool := pgtest.Pool(t, idem.Migrate) // dropped when the test ends
+//		...
+//	}
+//
+// [Main] drops the templates and stops a server that Resolve started (a
+// container or temporary cluster). Without it, templates stay behind on an
+// external server, and a temporary cluster is only stopped when the process
+// exits (on Linux; its directory is removed by a later run).
+//
+// Dropping needs DROP DATABASE … WITH (FORCE), so PostgreSQL 13 or newer.
+package pgtest
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"os"
+	"reflect"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/idem/internal/pgserver"
+)
+
+// MigrateFunc brings an empty database to the current schema. It is passed
+// in by the caller so that pgtest does not import the package under test.
+//
+// Templates are keyed by the function's code: closures created from the
+// same function literal share one template, whatever they captured.
+type MigrateFunc func(ctx context.Context, pool *pgxpool.Pool) error
+
+// PoolMaxConns is the MaxConns of pools returned by Pool.
+const PoolMaxConns = 20
+
+const (
+	// resolveTimeout bounds server resolution, which may pull an image.
+	resolveTimeout = 5 * time.Minute
+	// setupTimeout bounds creating one database (and its template) in
+	// URL and Pool.
+	setupTimeout = 2 * time.Minute
+	// dropTimeout bounds dropping one database.
+	dropTimeout = 30 * time.Second
+)
+
+var (
+	serverOnce sync.Once
+	server     *pgserver.Server
+	serverErr  error
+	admin      *pgxpool.Pool // connections to server's admin database
+
+	mu        sync.Mutex
+	templates = map[uintptr]*template{} // by templateKey
+	live      = map[string]bool{}       // databases created and not yet dropped
+)
+
+// template is the template database of one MigrateFunc.
+type template struct {
+	// mu guards name and serializes CREATE DATABASE … TEMPLATE name:
+	// PostgreSQL refuses to copy a database that another session is
+	// copying ("source database is being accessed by other users").
+	mu   sync.Mutex
+	name string // "" until created
+}
+
+// resolve resolves the process-wide server and its admin pool once.
+func resolve() (*pgserver.Server, *pgxpool.Pool, error) {
+	serverOnce.Do(func() {
+		ctx, cancel := context.WithTimeout(context.Background(), resolveTimeout)
+		defer cancel()
+		server, serverErr = pgserver.Resolve(ctx)
+		if serverErr != nil {
+			return
+		}
+		cfg, err := pgxpool.ParseConfig(server.URL)
+		if err == nil {
+			cfg.MaxConns = 4
+			admin, err = pgxpool.NewWithConfig(ctx, cfg)
+		}
+		if err != nil {
+			_ = server.Close()
+			server, serverErr = nil, fmt.Errorf("pgtest: admin pool: %w", err)
+		}
+	})
+	return server, admin, serverErr
+}
+
+// Server returns the process-wide PostgreSQL server, resolving it on first
+// use. A resolution failure fails the test with t.Fatal.
+func Server(t testing.TB) *pgserver.Server {
+	t.Helper()
+	srv, _, err := resolve()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return srv
+}
+
+// NewDatabase creates a fresh database migrated by migrate (nil means an
+// empty database) and returns its connection URL and a function that drops
+// it. The drop function ignores errors and may be called more than once.
+// NewDatabase is safe for concurrent use.
+func NewDatabase(ctx context.Context, migrate MigrateFunc) (url string, drop func(), err error) {
+	name, err := newDatabase(ctx, migrate)
+	if err != nil {
+		return "", nil, err
+	}
+	var once sync.Once
+	drop = func() {
+		once.Do(func() { _ = dropDatabase(name) })
+	}
+	return server.DatabaseURL(name), drop, nil
+}
+
+// URL returns the URL of a fresh database migrated by migrate (nil means an
+// empty database), dropped when the test ends. Failures fail the test.
+func URL(t testing.TB, migrate MigrateFunc) string {
+	t.Helper()
+	if _, _, err := resolve(); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), setupTimeout)
+	defer cancel()
+	name, err := newDatabase(ctx, migrate)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if err := dropDatabase(name); err != nil {
+			t.Errorf("pgtest: %v", err)
+		}
+	})
+	return server.DatabaseURL(name)
+}
+
+// Pool returns a pool (MaxConns PoolMaxConns) on a fresh database migrated
+// by migrate (nil means an empty database). When the test ends the pool is
+// closed and the database dropped. Failures fail the test, and so does a
+// connection still acquired when the test ends (instead of hanging).
+func Pool(t testing.TB, migrate MigrateFunc) *pgxpool.Pool {
+	t.Helper()
+	url := URL(t, migrate)
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.MaxConns = PoolMaxConns
+	pool, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Runs before URL's cleanup drops the database.
+	t.Cleanup(func() {
+		if !closePool(pool, poolCloseTimeout) {
+			t.Errorf("pgtest: pool.Close still blocked after %v: a connection is still acquired "+
+				"(a goroutine holds it or a Rows was not closed); dropping the database anyway", poolCloseTimeout)
+		}
+	})
+	return pool
+}
+
+// poolCloseTimeout bounds the wait for a test's pool to close. pgxpool's
+// Close waits for every acquired connection to be released, so one leaked
+// connection would otherwise hang the test binary until go test's timeout.
+var poolCloseTimeout = 10 * time.Second
+
+// closePool closes pool and reports whether that finished within timeout.
+// If not, Close goes on in the background.
+func closePool(pool *pgxpool.Pool, timeout time.Duration) bool {
+	closed := make(chan struct{})
+	go func() {
+		pool.Close()
+		close(closed)
+	}()
+	select {
+	case <-closed:
+		return true
+	case <-time.After(timeout):
+		return false
+	}
+}
+
+// Main runs the tests and then cleans up with Shutdown, returning m.Run's
+// exit code. Call it from TestMain:
+//
+//	func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }
+//
+// (Plain `pgtest.Main(m)` works too: when TestMain returns, the testing
+// package exits with m.Run's code.) A test binary killed by go test's
+// -timeout never gets here; what it created stays behind, harmlessly, since
+// every run uses new random names.
+//
+// Cleanup errors are printed to stderr; they do not fail the run.
+func Main(m *testing.M) int {
+	code := m.Run()
+	if err := Shutdown(); err != nil {
+		fmt.Fprintln(os.Stderr, "pgtest: cleanup:", err)
+	}
+	return code
+}
+
+// Shutdown drops every database this process created and has not dropped
+// yet (templates included), then stops the server if Resolve started it.
+// Call it only once all tests are done; Main does.
+func Shutdown() error {
+	if server == nil {
+		return nil // never resolved, or resolution failed
+	}
+	mu.Lock()
+	names := make([]string, 0, len(live))
+	for name := range live {
+		names = append(names, name)
+	}
+	mu.Unlock()
+
+	var errs []error
+	for _, name := range names {
+		errs = append(errs, dropDatabase(name))
+	}
+	admin.Close()
+	errs = append(errs, server.Close())
+	return errors.Join(errs...)
+}
+
+// newDatabase creates a database from migrate's template (creating the
+// template first if needed) and returns its name.
+func newDatabase(ctx context.Context, migrate MigrateFunc) (string, error) {
+	srv, admin, err := resolve()
+	if err != nil {
+		return "", err
+	}
+	tpl := templateFor(migrate)
+	tpl.mu.Lock()
+	defer tpl.mu.Unlock()
+	if tpl.name == "" {
+		// Not cached on failure: the next caller tries again with a new
+		// template, so a canceled context does not poison later tests.
+		name, err := createTemplate(ctx, srv, admin, migrate)
+		if err != nil {
+			return "", err
+		}
+		tpl.name = name
+	}
+
+	name := "idemtest_" + randomHex()
+	if _, err := admin.Exec(ctx, "create database "+ident(name)+" template "+ident(tpl.name)); err != nil {
+		return "", fmt.Errorf("pgtest: creating database from template %s: %w", tpl.name, err)
+	}
+	track(name, true)
+	return name, nil
+}
+
+// createTemplate creates and migrates a new template database and returns
+// its name. Once migrated, the template accepts no connections, so that
+// copying it never fails because someone is connected.
+func createTemplate(ctx context.Context, srv *pgserver.Server, admin *pgxpool.Pool, migrate MigrateFunc) (string, error) {
+	name := "idemtest_tpl_" + randomHex()
+	// template0 rather than the default template1: nobody can be connected
+	// to it, and it holds nothing added locally.
+	if _, err := admin.Exec(ctx, "create database "+ident(name)+" template template0"); err != nil {
+		return "", fmt.Errorf("pgtest: creating template database: %w", err)
+	}
+	track(name, true)
+
+	err := runMigrate(ctx, srv.DatabaseURL(name), migrate)
+	if err == nil {
+		_, err = admin.Exec(ctx, "alter database "+ident(name)+" allow_connections false")
+	}
+	if err == nil {
+		// In case migrate left connections of its own open.
+		_, err = admin.Exec(ctx,
+			"select pg_terminate_backend(pid) from pg_stat_activity where datname = $1 and pid <> pg_backend_pid()",
+			name)
+	}
+	if err != nil {
+		_ = dropDatabase(name)
+		return "", fmt.Errorf("pgtest: preparing template %s: %w", name, err)
+	}
+	return name, nil
+}
+
+// runMigrate runs migrate on the database at url through a pool that is
+// closed before it returns.
+func runMigrate(ctx context.Context, url string, migrate MigrateFunc) error {
+	if migrate == nil {
+		return nil
+	}
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return err
+	}
+	cfg.MaxConns = 4
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if err := migrate(ctx, pool); err != nil {
+		return fmt.Errorf("migrate: %w", err)
+	}
+	return nil
+}
+
+// dropDatabase drops a database created by this process, disconnecting
+// anyone still connected to it.
+func dropDatabase(name string) error {
+	ctx, cancel := context.WithTimeout(context.Background(), dropTimeout)
+	defer cancel()
+	if _, err := admin.Exec(ctx, "drop database if exists "+ident(name)+" with (force)"); err != nil {
+		return fmt.Errorf("dropping database %s: %w", name, err)
+	}
+	track(name, false)
+	return nil
+}
+
+// templateFor returns the template record of migrate, creating it if new.
+func templateFor(migrate MigrateFunc) *template {
+	key := templateKey(migrate)
+	mu.Lock()
+	defer mu.Unlock()
+	tpl := templates[key]
+	if tpl == nil {
+		tpl = &template{}
+		templates[key] = tpl
+	}
+	return tpl
+}
+
+// templateKey identifies a MigrateFunc by its code pointer (0 for nil).
+func templateKey(migrate MigrateFunc) uintptr {
+	if migrate == nil {
+		return 0
+	}
+	return reflect.ValueOf(migrate).Pointer()
+}
+
+// track records that a database exists (or no longer does).
+func track(name string, exists bool) {
+	mu.Lock()
+	defer mu.Unlock()
+	if exists {
+		live[name] = true
+	} else {
+		delete(live, name)
+	}
+}
+
+// randomHex returns 16 random hex digits, for database names.
+func randomHex() string {
+	var b [8]byte
+	_, _ = rand.Read(b[:]) // never fails (crypto/rand panics instead)
+	return hex.EncodeToString(b[:])
+}
+
+// ident quotes a database name for SQL.
+func ident(name string) string {
+	return pgx.Identifier{name}.Sanitize()
+}

@@ -1,0 +1,146 @@
+package idem
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Beginner starts transactions. *pgxpool.Pool, *pgx.Conn and pgx.Tx (which
+// begins a savepoint) satisfy it.
+type Beginner interface {
+	Begin(ctx context.Context) (pgx.Tx, error)
+}
+
+// txBeginner is the richer form that *pgxpool.Pool and *pgx.Conn offer; InTx
+// uses it to set the isolation level in the BEGIN statement itself.
+type txBeginner interface {
+	BeginTx(ctx context.Context, opts pgx.TxOptions) (pgx.Tx, error)
+}
+
+// InTx runs fn in a transaction begun on db and commits it when fn returns
+// nil; when fn returns an error or panics the transaction is rolled back and
+// the error (or panic) is passed on.
+//
+// After a serialization failure (40001) or a deadlock (40P01), anywhere in
+// fn or at commit, the whole transaction is rolled back and run again, up to
+// Config.MaxRetries times with jittered exponential backoff, so fn must be
+// safe to run again: everything it did in the rolled-back transaction is
+// gone. InTx uses the package defaults; see Client.InTx.
+func InTx(ctx context.Context, db Beginner, fn func(ctx context.Context, tx pgx.Tx) error) error {
+	return defaultClient.InTx(ctx, db, fn)
+}
+
+// InTx is the package-level InTx with this client's isolation level and
+// retry budget.
+func (c *Client) InTx(ctx context.Context, db Beginner, fn func(ctx context.Context, tx pgx.Tx) error) error {
+	if db == nil {
+		return fmt.Errorf("%w: nil database handle", ErrInvalidArgument)
+	}
+	if fn == nil {
+		return fmt.Errorf("%w: nil function", ErrInvalidArgument)
+	}
+	for attempt := 0; ; attempt++ {
+		err := c.inTxOnce(ctx, db, fn)
+		if err == nil || !isRetryable(err) || attempt >= c.cfg.MaxRetries {
+			return err
+		}
+		if sleepErr := sleep(ctx, backoff(attempt)); sleepErr != nil {
+			return err
+		}
+	}
+}
+
+// DoInTx runs Do in a transaction of its own begun on db (with InTx), and
+// commits it when Do returns a nil error: the claim, fn's writes and the
+// stored response commit together. Serialization failures and deadlocks are
+// retried, and a retry of a duplicate replays the winner's response. Invalid
+// input is refused before a transaction begins.
+func DoInTx(ctx context.Context, db Beginner, scope Scope, key string, fp Fingerprint,
+	fn func(ctx context.Context, tx pgx.Tx) (Response, error)) (Result, error) {
+	return defaultClient.DoInTx(ctx, db, scope, key, fp, fn)
+}
+
+// DoInTx is the package-level DoInTx with this client's configuration.
+func (c *Client) DoInTx(ctx context.Context, db Beginner, scope Scope, key string, fp Fingerprint,
+	fn func(ctx context.Context, tx pgx.Tx) (Response, error)) (Result, error) {
+	if err := c.checkCall(scope, key, fn); err != nil {
+		return Result{}, err
+	}
+	var res Result
+	err := c.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) error {
+		r, err := c.Do(ctx, tx, scope, key, fp, fn)
+		res = r
+		return err
+	})
+	if err != nil {
+		return Result{}, err
+	}
+	return res, nil
+}
+
+func (c *Client) inTxOnce(ctx context.Context, db Beginner, fn func(ctx context.Context, tx pgx.Tx) error) (err error) {
+	tx, err := c.begin(ctx, db)
+	if err != nil {
+		return fmt.Errorf("idem: begin: %w", err)
+	}
+	committed := false
+	defer func() {
+		if committed {
+			return
+		}
+		// Roll back even when ctx is done; bound it so a dead server cannot
+		// hold the caller.
+		rbCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
+		defer cancel()
+		_ = tx.Rollback(rbCtx)
+	}()
+	if err := fn(ctx, tx); err != nil {
+		return err
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return fmt.Errorf("idem: commit: %w", err)
+	}
+	committed = true
+	return nil
+}
+
+func (c *Client) begin(ctx context.Context, db Beginner) (pgx.Tx, error) {
+	level := c.cfg.IsolationLevel
+	if level == "" {
+		return db.Begin(ctx)
+	}
+	if tb, ok := db.(txBeginner); ok {
+		return tb.BeginTx(ctx, pgx.TxOptions{IsoLevel: level})
+	}
+	tx, err := db.Begin(ctx)
+	if err != nil {
+		return nil, err
+	}
+	if _, err := tx.Exec(ctx, "SET TRANSACTION ISOLATION LEVEL "+string(level)); err != nil {
+		_ = tx.Rollback(ctx)
+		return nil, err
+	}
+	return tx, nil
+}
+
+// backoff returns a jittered exponential delay for retry number attempt.
+func backoff(attempt int) time.Duration {
+	d := 5 * time.Millisecond << min(attempt, 6)
+	return d/2 + rand.N(d/2+1)
+}
+
+func sleep(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return errors.Join(ctx.Err(), context.Cause(ctx))
+	}
+}
