@@ -59,6 +59,7 @@ type Client struct {
 	cfg         Config
 	ttlMicros   int64
 	lockTimeout string
+	txOptions   pgx.TxOptions
 	retryAfter  time.Duration
 }
 
@@ -107,6 +108,7 @@ func New(cfg Config) (*Client, error) {
 	}
 	c.lockTimeout = fmt.Sprintf("%dms", wait.Milliseconds())
 	c.retryAfter = max(time.Second, wait.Round(time.Second))
+	c.txOptions = pgx.TxOptions{IsoLevel: cfg.IsolationLevel}
 	return c, nil
 }
 

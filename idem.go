@@ -109,45 +109,54 @@ func (c *Client) Do(ctx context.Context, tx pgx.Tx, scope Scope, key string, fp 
 	k := rowKey{actor: scope.Actor, operation: scope.Operation, key: key}
 	takeOver := false
 	for range maxClaimAttempts {
-		claimed, err := c.claim(ctx, tx, k, fp, takeOver)
+		claimed, row, found, err := c.claim(ctx, tx, k, fp, takeOver)
 		if err != nil {
 			return Result{}, err
 		}
 		if claimed {
 			return c.run(ctx, tx, k, fn)
 		}
-		row, found, err := c.lookup(ctx, tx, k)
-		if err != nil {
-			return Result{}, err
-		}
+		var res Result
 		switch {
 		case !found:
 			takeOver = false // the row is gone (pruned): claim afresh
-			continue
+			err = errRetryClaim
 		case row.Expired:
 			takeOver = true // an expired key is a new request
-			continue
+			err = errRetryClaim
 		case [32]byte(row.Fingerprint) != fp:
-			return Result{}, fmt.Errorf("%w (actor %q, operation %q)", ErrKeyReused, k.actor, k.operation)
-		}
-		switch row.Status {
-		case statusSucceeded, statusRejected:
-			return replay(row)
+			err = fmt.Errorf("%w (actor %q, operation %q)", ErrKeyReused, k.actor, k.operation)
+		case row.Status == statusSucceeded || row.Status == statusRejected:
+			res, err = replay(row)
 		default:
-			return Result{}, c.inProgress()
+			err = c.inProgress()
+		}
+		// The outcome is final unless the claim is retried: then DoInTx's
+		// transaction can end in the same round trip.
+		if relErr := releaseClaim(ctx, tx, err != errRetryClaim); relErr != nil {
+			return Result{}, relErr
+		}
+		if err != errRetryClaim {
+			return res, err
 		}
 	}
 	return Result{}, c.inProgress()
 }
+
+// errRetryClaim marks a lookup after which Do claims again.
+var errRetryClaim = errors.New("idem: claim again")
 
 // rowKey is the primary key of a key row.
 type rowKey struct{ actor, operation, key string }
 
 // claim inserts a 'processing' row for k (or, with takeOver, takes over an
 // expired one) inside a new savepoint, waiting at most Config.Wait for a
-// concurrent claim of the same key. On success the savepoint stays open,
-// with a second savepoint for fn inside it; otherwise it is released.
-func (c *Client) claim(ctx context.Context, tx pgx.Tx, k rowKey, fp Fingerprint, takeOver bool) (bool, error) {
+// concurrent claim of the same key, and reads the row that holds the key, all
+// in one round trip. When claimed, the savepoint stays open with a second
+// savepoint for fn inside it. When not, row is the committed row holding the
+// key (found false if there is none) and the caller releases the savepoint.
+func (c *Client) claim(ctx context.Context, tx pgx.Tx, k rowKey, fp Fingerprint, takeOver bool) (
+	claimed bool, row db.KeyGetRow, found bool, err error) {
 	b := &pgx.Batch{}
 	q := queuer{b}
 	b.Queue("SAVEPOINT " + savepointClaim)
@@ -165,20 +174,70 @@ func (c *Client) claim(ctx context.Context, tx pgx.Tx, k rowKey, fp Fingerprint,
 	}
 	_ = queries.LockTimeoutPop(ctx, q)
 	b.Queue("SAVEPOINT " + savepointFn)
+	// Read in a statement of its own, after the claim: under READ COMMITTED
+	// it sees a twin that committed while the claim waited.
+	_, _ = queries.KeyGet(ctx, q, db.KeyGetParams{Actor: k.actor, Operation: k.operation, IdemKey: k.key})
 
 	br := tx.SendBatch(ctx, b)
 	if _, err := br.Exec(); err != nil {
 		_ = br.Close()
-		return false, fmt.Errorf("idem: claim: %w", err)
+		return false, row, false, fmt.Errorf("idem: claim: %w", err)
 	}
 	var expires pgtype.Timestamptz
-	_, err := br.Exec()
+	_, err = br.Exec()
 	if err == nil {
 		err = br.QueryRow().Scan(&expires)
+		claimed = err == nil
+		if errors.Is(err, pgx.ErrNoRows) {
+			err = nil
+		}
 	}
-	claimed := err == nil
-	if errors.Is(err, pgx.ErrNoRows) {
-		err = nil
+	if err == nil {
+		_, err = br.Exec()
+	}
+	if err == nil {
+		_, err = br.Exec()
+	}
+	if err == nil {
+		err = br.QueryRow().Scan(&row.Fingerprint, &row.Status, &row.ResponseStatus,
+			&row.ResponseHeaders, &row.ResponseBody, &row.Expired)
+		found = err == nil
+		if errors.Is(err, pgx.ErrNoRows) {
+			err = nil
+		}
+	}
+	if err == nil {
+		err = br.Close()
+	} else {
+		_ = br.Close()
+	}
+	if err == nil && found && len(row.Fingerprint) != len(Fingerprint{}) {
+		err = fmt.Errorf("stored fingerprint has %d bytes", len(row.Fingerprint))
+	}
+	if err != nil {
+		rbErr := rollbackSavepoint(ctx, tx)
+		if pgCode(err) == pgerrcode.LockNotAvailable && rbErr == nil {
+			return false, row, false, c.inProgress()
+		}
+		return false, row, false, errors.Join(fmt.Errorf("idem: claim: %w", err), rbErr)
+	}
+	return claimed, row, found, nil
+}
+
+// releaseClaim releases the claim savepoint after a claim that did not win.
+// With final set, a transaction of DoInTx's own is committed in the same
+// round trip: the claim wrote nothing, so there is nothing else to run.
+func releaseClaim(ctx context.Context, tx pgx.Tx, final bool) error {
+	b := &pgx.Batch{}
+	b.Queue("RELEASE SAVEPOINT " + savepointClaim)
+	own := ownTx(tx, final)
+	if own != nil {
+		b.Queue("COMMIT")
+	}
+	br := tx.SendBatch(ctx, b)
+	_, err := br.Exec()
+	if err == nil && own != nil {
+		err = own.commitResult(br.Exec())
 	}
 	if err == nil {
 		err = br.Close()
@@ -186,39 +245,9 @@ func (c *Client) claim(ctx context.Context, tx pgx.Tx, k rowKey, fp Fingerprint,
 		_ = br.Close()
 	}
 	if err != nil {
-		rbErr := rollbackSavepoint(ctx, tx)
-		if pgCode(err) == pgerrcode.LockNotAvailable && rbErr == nil {
-			return false, c.inProgress()
-		}
-		return false, errors.Join(fmt.Errorf("idem: claim: %w", err), rbErr)
+		return fmt.Errorf("idem: release claim: %w", err)
 	}
-	return claimed, nil
-}
-
-// lookup reads the row holding k and releases the claim savepoint.
-func (c *Client) lookup(ctx context.Context, tx pgx.Tx, k rowKey) (db.KeyGetRow, bool, error) {
-	b := &pgx.Batch{}
-	_, _ = queries.KeyGet(ctx, queuer{b}, db.KeyGetParams{Actor: k.actor, Operation: k.operation, IdemKey: k.key})
-	b.Queue("RELEASE SAVEPOINT " + savepointClaim)
-	br := tx.SendBatch(ctx, b)
-	var row db.KeyGetRow
-	err := br.QueryRow().Scan(&row.Fingerprint, &row.Status, &row.ResponseStatus,
-		&row.ResponseHeaders, &row.ResponseBody, &row.Expired)
-	found := err == nil
-	if errors.Is(err, pgx.ErrNoRows) {
-		err = nil
-	}
-	if err != nil {
-		_ = br.Close()
-		return row, false, errors.Join(fmt.Errorf("idem: look up key: %w", err), rollbackSavepoint(ctx, tx))
-	}
-	if err := br.Close(); err != nil {
-		return row, false, fmt.Errorf("idem: look up key: %w", err)
-	}
-	if found && len(row.Fingerprint) != len(Fingerprint{}) {
-		return row, false, fmt.Errorf("idem: look up key: stored fingerprint has %d bytes", len(row.Fingerprint))
-	}
-	return row, found, nil
+	return nil
 }
 
 // run executes fn for a claimed key and stores its outcome.
@@ -270,10 +299,22 @@ func (c *Client) run(ctx context.Context, tx pgx.Tx, k rowKey,
 		Actor:           k.actor, Operation: k.operation, IdemKey: k.key,
 	})
 	b.Queue("RELEASE SAVEPOINT " + savepointClaim)
+	// In DoInTx's own transaction Do is the last thing to run: commit in
+	// the same round trip.
+	own := ownTx(tx, true)
+	if own != nil {
+		b.Queue("COMMIT")
+	}
 	br := tx.SendBatch(ctx, b)
 	tag, err := br.Exec()
 	if err == nil && tag.RowsAffected() != 1 {
 		err = fmt.Errorf("claimed row not found (%d rows)", tag.RowsAffected())
+	}
+	if err == nil {
+		_, err = br.Exec()
+	}
+	if err == nil && own != nil {
+		err = own.commitResult(br.Exec())
 	}
 	if err == nil {
 		err = br.Close()
@@ -281,6 +322,9 @@ func (c *Client) run(ctx context.Context, tx pgx.Tx, k rowKey,
 		_ = br.Close()
 	}
 	if err != nil {
+		if own != nil && own.done {
+			return Result{}, fmt.Errorf("idem: commit: %w", err)
+		}
 		return Result{}, errors.Join(fmt.Errorf("idem: store response: %w", err), rollbackSavepoint(ctx, tx))
 	}
 	return Result{Response: resp}, nil

@@ -44,8 +44,13 @@ func (c *Client) InTx(ctx context.Context, db Beginner, fn func(ctx context.Cont
 	if fn == nil {
 		return fmt.Errorf("%w: nil function", ErrInvalidArgument)
 	}
+	return c.inTx(ctx, db, false, fn)
+}
+
+// inTx is InTx; with fold, Do may commit the transaction itself.
+func (c *Client) inTx(ctx context.Context, db Beginner, fold bool, fn func(ctx context.Context, tx pgx.Tx) error) error {
 	for attempt := 0; ; attempt++ {
-		err := c.inTxOnce(ctx, db, fn)
+		err := c.inTxOnce(ctx, db, fold, fn)
 		if err == nil || !isRetryable(err) || attempt >= c.cfg.MaxRetries {
 			return err
 		}
@@ -72,7 +77,10 @@ func (c *Client) DoInTx(ctx context.Context, db Beginner, scope Scope, key strin
 		return Result{}, err
 	}
 	var res Result
-	err := c.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) error {
+	if db == nil {
+		return Result{}, fmt.Errorf("%w: nil database handle", ErrInvalidArgument)
+	}
+	err := c.inTx(ctx, db, true, func(ctx context.Context, tx pgx.Tx) error {
 		r, err := c.Do(ctx, tx, scope, key, fp, fn)
 		res = r
 		return err
@@ -83,11 +91,12 @@ func (c *Client) DoInTx(ctx context.Context, db Beginner, scope Scope, key strin
 	return res, nil
 }
 
-func (c *Client) inTxOnce(ctx context.Context, db Beginner, fn func(ctx context.Context, tx pgx.Tx) error) (err error) {
-	tx, err := c.begin(ctx, db)
+func (c *Client) inTxOnce(ctx context.Context, db Beginner, fold bool, fn func(ctx context.Context, tx pgx.Tx) error) (err error) {
+	tx, release, err := c.begin(ctx, db, fold)
 	if err != nil {
 		return fmt.Errorf("idem: begin: %w", err)
 	}
+	defer release()
 	committed := false
 	defer func() {
 		if committed {
@@ -109,23 +118,36 @@ func (c *Client) inTxOnce(ctx context.Context, db Beginner, fn func(ctx context.
 	return nil
 }
 
-func (c *Client) begin(ctx context.Context, db Beginner) (pgx.Tx, error) {
+// begin starts a transaction on db. On a pool or a connection it is a
+// pipeTx, which sends BEGIN with the first statement; fold lets Do commit it
+// in its last round trip. release gives the connection back.
+func (c *Client) begin(ctx context.Context, db Beginner, fold bool) (tx pgx.Tx, release func(), err error) {
+	conn, release, ok, err := connFor(ctx, db)
+	if err != nil {
+		return nil, nil, err
+	}
+	if ok {
+		return &pipeTx{conn: conn, opts: c.txOptions, fold: fold}, release, nil
+	}
+	release = func() {}
 	level := c.cfg.IsolationLevel
 	if level == "" {
-		return db.Begin(ctx)
+		tx, err := db.Begin(ctx)
+		return tx, release, err
 	}
 	if tb, ok := db.(txBeginner); ok {
-		return tb.BeginTx(ctx, pgx.TxOptions{IsoLevel: level})
+		tx, err := tb.BeginTx(ctx, c.txOptions)
+		return tx, release, err
 	}
-	tx, err := db.Begin(ctx)
+	tx, err = db.Begin(ctx)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	if _, err := tx.Exec(ctx, "SET TRANSACTION ISOLATION LEVEL "+string(level)); err != nil {
 		_ = tx.Rollback(ctx)
-		return nil, err
+		return nil, nil, err
 	}
-	return tx, nil
+	return tx, release, nil
 }
 
 // backoff returns a jittered exponential delay for retry number attempt.

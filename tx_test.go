@@ -1,0 +1,171 @@
+package idem_test
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgidem/idem"
+)
+
+// The transactions InTx begins behave like pgx's own, whichever statement
+// comes first.
+func TestInTxBehavesLikePgxTx(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	serializable, err := idem.New(idem.Config{IsolationLevel: pgx.Serializable})
+	if err != nil {
+		t.Fatal(err)
+	}
+	steps := map[string]func(ctx context.Context, tx pgx.Tx) error{
+		"exec with args": func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, `INSERT INTO effects (key) VALUES ($1)`, "a")
+			return err
+		},
+		"exec without args": func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, `INSERT INTO effects (key) VALUES ('b'); INSERT INTO effects (key) VALUES ('b')`)
+			return err
+		},
+		"query": func(ctx context.Context, tx pgx.Tx) error {
+			rows, err := tx.Query(ctx, `INSERT INTO effects (key) VALUES ($1) RETURNING id`, "c")
+			if err != nil {
+				return err
+			}
+			rows.Close()
+			return rows.Err()
+		},
+		"query row": func(ctx context.Context, tx pgx.Tx) error {
+			var id int64
+			return tx.QueryRow(ctx, `INSERT INTO effects (key) VALUES ($1) RETURNING id`, "d").Scan(&id)
+		},
+		"batch": func(ctx context.Context, tx pgx.Tx) error {
+			b := &pgx.Batch{}
+			b.Queue(`INSERT INTO effects (key) VALUES ($1)`, "e")
+			return tx.SendBatch(ctx, b).Close()
+		},
+		"copy": func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.CopyFrom(ctx, pgx.Identifier{"effects"}, []string{"key"}, pgx.CopyFromRows([][]any{{"f"}}))
+			return err
+		},
+		"savepoint": func(ctx context.Context, tx pgx.Tx) error {
+			sp, err := tx.Begin(ctx)
+			if err != nil {
+				return err
+			}
+			if _, err := sp.Exec(ctx, `INSERT INTO effects (key) VALUES ('undone')`); err != nil {
+				return err
+			}
+			if err := sp.Rollback(ctx); err != nil {
+				return err
+			}
+			_, err = tx.Exec(ctx, `INSERT INTO effects (key) VALUES ($1)`, "g")
+			return err
+		},
+		"large object": func(ctx context.Context, tx pgx.Tx) error {
+			lo := tx.LargeObjects()
+			oid, err := lo.Create(ctx, 0)
+			if err != nil {
+				return err
+			}
+			_, err = tx.Exec(ctx, `INSERT INTO effects (key, note) VALUES ('h', $1::oid::text)`, uint32(oid))
+			return err
+		},
+	}
+	for name, step := range steps {
+		for _, commit := range []bool{true, false} {
+			before := effects(t, pool)
+			boom := errors.New("roll back")
+			err := idem.InTx(ctx, pool, func(ctx context.Context, tx pgx.Tx) error {
+				if err := step(ctx, tx); err != nil {
+					return err
+				}
+				if !commit {
+					return boom
+				}
+				return nil
+			})
+			switch {
+			case commit && err != nil:
+				t.Fatalf("%s: %v", name, err)
+			case !commit && !errors.Is(err, boom):
+				t.Fatalf("%s: err = %v, want the rollback error", name, err)
+			}
+			after := effects(t, pool)
+			if commit && after == before || !commit && after != before {
+				t.Fatalf("%s (commit %v): effects %d -> %d", name, commit, before, after)
+			}
+		}
+		// The isolation level applies whichever statement is first.
+		err := serializable.InTx(ctx, pool, func(ctx context.Context, tx pgx.Tx) error {
+			if err := step(ctx, tx); err != nil {
+				return err
+			}
+			var level string
+			if err := tx.QueryRow(ctx, `SHOW transaction_isolation`).Scan(&level); err != nil {
+				return err
+			}
+			if level != "serializable" {
+				t.Errorf("%s: isolation %q", name, level)
+			}
+			return nil
+		})
+		if err != nil {
+			t.Fatalf("%s serializable: %v", name, err)
+		}
+	}
+	// A transaction that ran nothing commits and rolls back without a word.
+	if err := idem.InTx(ctx, pool, func(context.Context, pgx.Tx) error { return nil }); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// DoInTx works on every kind of Beginner: a pool, a connection, and a pgx
+// transaction (where it runs in a savepoint).
+func TestDoInTxOnEveryBeginner(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	var calls atomic.Int64
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Release()
+	outer, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer outer.Rollback(ctx)
+	for name, db := range map[string]idem.Beginner{"pool": pool, "conn": conn.Conn(), "tx": outer} {
+		for range 2 {
+			res, err := idem.DoInTx(ctx, db, scope, "beginner-"+name, fpA, recordEffect(&calls, name))
+			if err != nil {
+				t.Fatalf("%s: %v", name, err)
+			}
+			_ = res
+		}
+		// A reused key ends the transaction cleanly: the handle still works.
+		if _, err := idem.DoInTx(ctx, db, scope, "beginner-"+name, fpB, recordEffect(&calls, name)); !errors.Is(err, idem.ErrKeyReused) {
+			t.Fatalf("%s: err = %v", name, err)
+		}
+		if err := idem.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, `SELECT 1`)
+			return err
+		}); err != nil {
+			t.Fatalf("%s unusable: %v", name, err)
+		}
+	}
+	if err := outer.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if calls.Load() != 3 || effects(t, pool) != 3 {
+		t.Fatalf("calls %d, effects %d; want 3 and 3", calls.Load(), effects(t, pool))
+	}
+	if pool.Stat().AcquiredConns() != 1 {
+		t.Fatalf("%d connections still acquired, want only the test's own", pool.Stat().AcquiredConns())
+	}
+}
