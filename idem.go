@@ -156,27 +156,27 @@ type rowKey struct{ actor, operation, key string }
 // savepoint for fn inside it. When not, row is the committed row holding the
 // key (found false if there is none) and the caller releases the savepoint.
 func (c *Client) claim(ctx context.Context, tx pgx.Tx, k rowKey, fp Fingerprint, takeOver bool) (
-	claimed bool, row db.KeyGetRow, found bool, err error) {
+	claimed bool, row db.KeyGetAfterClaimRow, found bool, err error) {
 	b := &pgx.Batch{}
 	q := queuer{b}
 	b.Queue("SAVEPOINT " + savepointClaim)
-	_ = queries.LockTimeoutPush(ctx, q, c.lockTimeout)
 	if takeOver {
 		_, _ = queries.KeyTakeOver(ctx, q, db.KeyTakeOverParams{
-			Fingerprint: fp[:], TtlMicros: c.ttlMicros,
+			Fingerprint: fp[:], TtlMicros: c.ttlMicros, LockTimeout: c.lockTimeout,
 			Actor: k.actor, Operation: k.operation, IdemKey: k.key,
 		})
 	} else {
 		_, _ = queries.KeyClaim(ctx, q, db.KeyClaimParams{
 			Actor: k.actor, Operation: k.operation, IdemKey: k.key,
-			Fingerprint: fp[:], TtlMicros: c.ttlMicros,
+			Fingerprint: fp[:], TtlMicros: c.ttlMicros, LockTimeout: c.lockTimeout,
 		})
 	}
-	_ = queries.LockTimeoutPop(ctx, q)
-	b.Queue("SAVEPOINT " + savepointFn)
 	// Read in a statement of its own, after the claim: under READ COMMITTED
-	// it sees a twin that committed while the claim waited.
-	_, _ = queries.KeyGet(ctx, q, db.KeyGetParams{Actor: k.actor, Operation: k.operation, IdemKey: k.key})
+	// it sees a twin that committed while the claim waited. It also puts
+	// lock_timeout back, before fn's savepoint, so that undoing fn's writes
+	// does not undo that.
+	_, _ = queries.KeyGetAfterClaim(ctx, q, db.KeyGetAfterClaimParams{Actor: k.actor, Operation: k.operation, IdemKey: k.key})
+	b.Queue("SAVEPOINT " + savepointFn)
 
 	br := tx.SendBatch(ctx, b)
 	if _, err := br.Exec(); err != nil {
@@ -184,33 +184,20 @@ func (c *Client) claim(ctx context.Context, tx pgx.Tx, k rowKey, fp Fingerprint,
 		return false, row, false, fmt.Errorf("idem: claim: %w", err)
 	}
 	var expires pgtype.Timestamptz
-	_, err = br.Exec()
-	if err == nil {
-		err = br.QueryRow().Scan(&expires)
-		claimed = err == nil
-		if errors.Is(err, pgx.ErrNoRows) {
-			err = nil
-		}
+	err = br.QueryRow().Scan(&expires)
+	claimed = err == nil
+	if errors.Is(err, pgx.ErrNoRows) {
+		err = nil
 	}
 	if err == nil {
-		_, err = br.Exec()
-	}
-	if err == nil {
-		_, err = br.Exec()
-	}
-	if err == nil {
-		err = br.QueryRow().Scan(&row.Fingerprint, &row.Status, &row.ResponseStatus,
+		err = br.QueryRow().Scan(&row.Found, &row.Fingerprint, &row.Status, &row.ResponseStatus,
 			&row.ResponseHeaders, &row.ResponseBody, &row.Expired)
-		found = err == nil
-		if errors.Is(err, pgx.ErrNoRows) {
-			err = nil
-		}
+		found = row.Found
 	}
 	if err == nil {
-		err = br.Close()
-	} else {
-		_ = br.Close()
+		_, err = br.Exec()
 	}
+	err = closeBatch(br, err)
 	if err == nil && found && len(row.Fingerprint) != len(Fingerprint{}) {
 		err = fmt.Errorf("stored fingerprint has %d bytes", len(row.Fingerprint))
 	}
@@ -239,11 +226,7 @@ func releaseClaim(ctx context.Context, tx pgx.Tx, final bool) error {
 	if err == nil && own != nil {
 		err = own.commitResult(br.Exec())
 	}
-	if err == nil {
-		err = br.Close()
-	} else {
-		_ = br.Close()
-	}
+	err = closeBatch(br, err)
 	if err != nil {
 		return fmt.Errorf("idem: release claim: %w", err)
 	}
@@ -316,11 +299,7 @@ func (c *Client) run(ctx context.Context, tx pgx.Tx, k rowKey,
 	if err == nil && own != nil {
 		err = own.commitResult(br.Exec())
 	}
-	if err == nil {
-		err = br.Close()
-	} else {
-		_ = br.Close()
-	}
+	err = closeBatch(br, err)
 	if err != nil {
 		if own != nil && own.done {
 			return Result{}, fmt.Errorf("idem: commit: %w", err)
@@ -374,7 +353,7 @@ func checkHeaderText(s string) error {
 }
 
 // replay turns a stored row into a replayed Result.
-func replay(row db.KeyGetRow) (Result, error) {
+func replay(row db.KeyGetAfterClaimRow) (Result, error) {
 	res := Result{Replayed: true}
 	res.Status = int(row.ResponseStatus.Int32)
 	res.Body = row.ResponseBody
@@ -387,6 +366,15 @@ func replay(row db.KeyGetRow) (Result, error) {
 }
 
 const rollbackClaimSQL = "ROLLBACK TO SAVEPOINT " + savepointClaim + "; RELEASE SAVEPOINT " + savepointClaim
+
+// closeBatch closes br and returns err, or the error of closing when err is
+// nil: the first error of the batch.
+func closeBatch(br pgx.BatchResults, err error) error {
+	if closeErr := br.Close(); err == nil {
+		err = closeErr
+	}
+	return err
+}
 
 // rollbackSavepoint undoes everything since the claim savepoint (the claim
 // and fn's writes) and releases it, leaving the caller's transaction as it

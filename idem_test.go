@@ -883,3 +883,60 @@ func TestConfigValidation(t *testing.T) {
 		t.Fatal("custom key bounds not applied")
 	}
 }
+
+// Do bounds its own wait with lock_timeout and leaves the caller's setting
+// as it found it, on every path.
+func TestCallerLockTimeoutIsRestored(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	var calls atomic.Int64
+	if _, err := idem.DoInTx(ctx, pool, scope, "replayed", fpA, recordEffect(&calls, "x")); err != nil {
+		t.Fatal(err)
+	}
+	paths := map[string]func(tx pgx.Tx) error{
+		"fresh": func(tx pgx.Tx) error {
+			_, err := idem.Do(ctx, tx, scope, "fresh", fpA, recordEffect(&calls, "x"))
+			return err
+		},
+		"replay": func(tx pgx.Tx) error {
+			_, err := idem.Do(ctx, tx, scope, "replayed", fpA, recordEffect(&calls, "x"))
+			return err
+		},
+		"reused": func(tx pgx.Tx) error {
+			if _, err := idem.Do(ctx, tx, scope, "replayed", fpB, recordEffect(&calls, "x")); !errors.Is(err, idem.ErrKeyReused) {
+				return fmt.Errorf("want ErrKeyReused, got %v", err)
+			}
+			return nil
+		},
+		"rejected": func(tx pgx.Tx) error {
+			_, err := idem.Do(ctx, tx, scope, "rejected", fpA, func(context.Context, pgx.Tx) (idem.Response, error) {
+				return idem.Response{}, idem.Reject(idem.Response{Status: 409})
+			})
+			return err
+		},
+	}
+	for name, path := range paths {
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer tx.Rollback(ctx)
+		if _, err := tx.Exec(ctx, `SET LOCAL lock_timeout = '7s'`); err != nil {
+			t.Fatal(err)
+		}
+		if err := path(tx); err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		var lt string
+		if err := tx.QueryRow(ctx, `SHOW lock_timeout`).Scan(&lt); err != nil {
+			t.Fatal(err)
+		}
+		if lt != "7s" {
+			t.Fatalf("%s: lock_timeout = %q after Do, want the caller's 7s", name, lt)
+		}
+		if err := tx.Rollback(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+}

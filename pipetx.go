@@ -97,10 +97,7 @@ func (t *pipeTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.Comm
 		b.Queue(sql, args...)
 		br := t.SendBatch(ctx, b)
 		tag, err := br.Exec()
-		if closeErr := br.Close(); err == nil {
-			err = closeErr
-		}
-		return tag, err
+		return tag, closeBatch(br, err)
 	}
 	tx, err := t.tx(ctx)
 	if err != nil {
@@ -208,11 +205,7 @@ func (r errRow) Scan(...any) error { return r.err }
 type batchRow struct{ br pgx.BatchResults }
 
 func (r *batchRow) Scan(dest ...any) error {
-	err := r.br.QueryRow().Scan(dest...)
-	if closeErr := r.br.Close(); err == nil {
-		err = closeErr
-	}
-	return err
+	return closeBatch(r.br, r.br.QueryRow().Scan(dest...))
 }
 
 // connFor returns a connection of db for a pipeTx and a function that gives

@@ -1,24 +1,38 @@
 -- Claims a key for the calling transaction. The primary key picks a single
 -- winner: while another transaction holds an uncommitted claim on the same key
--- this statement waits (bounded by lock_timeout) for it to finish. It returns
--- no row when a committed row already holds the key.
+-- this statement waits for it to finish, at most lock_timeout, which it sets
+-- to @lock_timeout for the rest of the transaction after saving the previous
+-- value for KeyGetAfterClaim to restore. It returns no row when a committed
+-- row already holds the key.
 -- name: KeyClaim :one
 INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, expires_at)
-VALUES (@actor, @operation, @idem_key, @fingerprint, 'processing',
-        now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond'))
+SELECT sqlc.arg(actor)::text, sqlc.arg(operation)::text, sqlc.arg(idem_key)::text,
+       sqlc.arg(fingerprint)::bytea, 'processing',
+       now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond')
+FROM (SELECT set_config('lock_timeout', sqlc.arg(lock_timeout)::text, true)
+      FROM (SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true)) AS saved
+     ) AS bounded_wait
 ON CONFLICT (actor, operation, idem_key) DO NOTHING
 RETURNING expires_at;
 
--- Reads the row that holds a key, and whether it has expired.
--- name: KeyGet :one
-SELECT fingerprint, status, response_status, response_headers, response_body,
-       expires_at <= now() AS expired
-FROM idem_keys
-WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key;
+-- Restores the lock_timeout saved by KeyClaim or KeyTakeOver and reads the
+-- row that holds a key. It always returns one row; found is false when no row
+-- holds the key.
+-- name: KeyGetAfterClaim :one
+SELECT (k.idem_key IS NOT NULL)::boolean AS found,
+       coalesce(k.fingerprint, '')::bytea AS fingerprint,
+       coalesce(k.status, '')::text AS status,
+       k.response_status, k.response_headers, k.response_body,
+       coalesce(k.expires_at <= now(), false)::boolean AS expired
+FROM (SELECT set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), true)) AS restored
+LEFT JOIN idem_keys AS k
+  ON k.actor = @actor AND k.operation = @operation AND k.idem_key = @idem_key;
 
--- Claims a key whose row has expired: an expired key is a new request. Returns
--- no row when the row is gone or no longer expired (another transaction took it
--- over first).
+-- Claims a key whose row has expired: an expired key is a new request. Like
+-- KeyClaim it waits at most @lock_timeout for a concurrent claim and leaves
+-- the previous lock_timeout for KeyGetAfterClaim to restore. Returns no row
+-- when the row is gone or no longer expired (another transaction took it over
+-- first).
 -- name: KeyTakeOver :one
 UPDATE idem_keys
 SET fingerprint      = @fingerprint,
@@ -29,6 +43,9 @@ SET fingerprint      = @fingerprint,
     created_at       = now(),
     completed_at     = NULL,
     expires_at       = now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond')
+FROM (SELECT set_config('lock_timeout', sqlc.arg(lock_timeout)::text, true) AS lock_timeout
+      FROM (SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true)) AS saved
+     ) AS bounded_wait
 WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
   AND expires_at <= now()
 RETURNING expires_at;

@@ -13,8 +13,12 @@ import (
 
 const KeyClaim = `-- name: KeyClaim :one
 INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, expires_at)
-VALUES ($1, $2, $3, $4, 'processing',
-        now() + ($5::bigint * interval '1 microsecond'))
+SELECT $1::text, $2::text, $3::text,
+       $4::bytea, 'processing',
+       now() + ($5::bigint * interval '1 microsecond')
+FROM (SELECT set_config('lock_timeout', $6::text, true)
+      FROM (SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true)) AS saved
+     ) AS bounded_wait
 ON CONFLICT (actor, operation, idem_key) DO NOTHING
 RETURNING expires_at
 `
@@ -25,12 +29,15 @@ type KeyClaimParams struct {
 	IdemKey     string
 	Fingerprint []byte
 	TtlMicros   int64
+	LockTimeout string
 }
 
 // Claims a key for the calling transaction. The primary key picks a single
 // winner: while another transaction holds an uncommitted claim on the same key
-// this statement waits (bounded by lock_timeout) for it to finish. It returns
-// no row when a committed row already holds the key.
+// this statement waits for it to finish, at most lock_timeout, which it sets
+// to @lock_timeout for the rest of the transaction after saving the previous
+// value for KeyGetAfterClaim to restore. It returns no row when a committed
+// row already holds the key.
 func (q *Queries) KeyClaim(ctx context.Context, db DBTX, arg KeyClaimParams) (pgtype.Timestamptz, error) {
 	row := db.QueryRow(ctx, KeyClaim,
 		arg.Actor,
@@ -38,6 +45,7 @@ func (q *Queries) KeyClaim(ctx context.Context, db DBTX, arg KeyClaimParams) (pg
 		arg.IdemKey,
 		arg.Fingerprint,
 		arg.TtlMicros,
+		arg.LockTimeout,
 	)
 	var expires_at pgtype.Timestamptz
 	err := row.Scan(&expires_at)
@@ -82,20 +90,25 @@ func (q *Queries) KeyComplete(ctx context.Context, db DBTX, arg KeyCompleteParam
 	return result.RowsAffected(), nil
 }
 
-const KeyGet = `-- name: KeyGet :one
-SELECT fingerprint, status, response_status, response_headers, response_body,
-       expires_at <= now() AS expired
-FROM idem_keys
-WHERE actor = $1 AND operation = $2 AND idem_key = $3
+const KeyGetAfterClaim = `-- name: KeyGetAfterClaim :one
+SELECT (k.idem_key IS NOT NULL)::boolean AS found,
+       coalesce(k.fingerprint, '')::bytea AS fingerprint,
+       coalesce(k.status, '')::text AS status,
+       k.response_status, k.response_headers, k.response_body,
+       coalesce(k.expires_at <= now(), false)::boolean AS expired
+FROM (SELECT set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), true)) AS restored
+LEFT JOIN idem_keys AS k
+  ON k.actor = $1 AND k.operation = $2 AND k.idem_key = $3
 `
 
-type KeyGetParams struct {
+type KeyGetAfterClaimParams struct {
 	Actor     string
 	Operation string
 	IdemKey   string
 }
 
-type KeyGetRow struct {
+type KeyGetAfterClaimRow struct {
+	Found           bool
 	Fingerprint     []byte
 	Status          string
 	ResponseStatus  pgtype.Int4
@@ -104,11 +117,14 @@ type KeyGetRow struct {
 	Expired         bool
 }
 
-// Reads the row that holds a key, and whether it has expired.
-func (q *Queries) KeyGet(ctx context.Context, db DBTX, arg KeyGetParams) (KeyGetRow, error) {
-	row := db.QueryRow(ctx, KeyGet, arg.Actor, arg.Operation, arg.IdemKey)
-	var i KeyGetRow
+// Restores the lock_timeout saved by KeyClaim or KeyTakeOver and reads the
+// row that holds a key. It always returns one row; found is false when no row
+// holds the key.
+func (q *Queries) KeyGetAfterClaim(ctx context.Context, db DBTX, arg KeyGetAfterClaimParams) (KeyGetAfterClaimRow, error) {
+	row := db.QueryRow(ctx, KeyGetAfterClaim, arg.Actor, arg.Operation, arg.IdemKey)
+	var i KeyGetAfterClaimRow
 	err := row.Scan(
+		&i.Found,
 		&i.Fingerprint,
 		&i.Status,
 		&i.ResponseStatus,
@@ -129,6 +145,9 @@ SET fingerprint      = $1,
     created_at       = now(),
     completed_at     = NULL,
     expires_at       = now() + ($2::bigint * interval '1 microsecond')
+FROM (SELECT set_config('lock_timeout', $6::text, true) AS lock_timeout
+      FROM (SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true)) AS saved
+     ) AS bounded_wait
 WHERE actor = $3 AND operation = $4 AND idem_key = $5
   AND expires_at <= now()
 RETURNING expires_at
@@ -140,11 +159,14 @@ type KeyTakeOverParams struct {
 	Actor       string
 	Operation   string
 	IdemKey     string
+	LockTimeout string
 }
 
-// Claims a key whose row has expired: an expired key is a new request. Returns
-// no row when the row is gone or no longer expired (another transaction took it
-// over first).
+// Claims a key whose row has expired: an expired key is a new request. Like
+// KeyClaim it waits at most @lock_timeout for a concurrent claim and leaves
+// the previous lock_timeout for KeyGetAfterClaim to restore. Returns no row
+// when the row is gone or no longer expired (another transaction took it over
+// first).
 func (q *Queries) KeyTakeOver(ctx context.Context, db DBTX, arg KeyTakeOverParams) (pgtype.Timestamptz, error) {
 	row := db.QueryRow(ctx, KeyTakeOver,
 		arg.Fingerprint,
@@ -152,6 +174,7 @@ func (q *Queries) KeyTakeOver(ctx context.Context, db DBTX, arg KeyTakeOverParam
 		arg.Actor,
 		arg.Operation,
 		arg.IdemKey,
+		arg.LockTimeout,
 	)
 	var expires_at pgtype.Timestamptz
 	err := row.Scan(&expires_at)
