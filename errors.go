@@ -3,6 +3,9 @@ package idem
 import (
 	"errors"
 	"fmt"
+	"io"
+	"net"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgerrcode"
@@ -46,6 +49,14 @@ var (
 	// ErrInvalidConfig means a Config field is out of range.
 	ErrInvalidConfig = errors.New("idem: invalid config")
 
+	// ErrUnavailable means the database could not be reached, or dropped
+	// the connection before the transaction's outcome was known. Fail closed
+	// (HTTP 503) and let the client retry with the same key: the retry
+	// replays if the first attempt did commit, and runs otherwise. InTx and
+	// DoInTx wrap such failures with it; the underlying error stays in the
+	// chain.
+	ErrUnavailable = errors.New("idem: store unavailable")
+
 	// ErrInvalidArgument means a required argument (transaction, function,
 	// database handle) is nil.
 	ErrInvalidArgument = errors.New("idem: invalid argument")
@@ -73,6 +84,16 @@ func (r *rejection) Error() string {
 	return fmt.Sprintf("idem: request rejected with status %d", r.resp.Status)
 }
 
+// RejectedResponse reports whether err is (or wraps) a refusal made with
+// Reject, and returns the refusal's response.
+func RejectedResponse(err error) (Response, bool) {
+	var rej *rejection
+	if errors.As(err, &rej) {
+		return rej.resp, true
+	}
+	return Response{}, false
+}
+
 // Reject is returned by fn to refuse a request deterministically, for example
 // for insufficient funds. Do undoes fn's writes (they ran in a savepoint),
 // stores resp as the final outcome of the key, and returns it as a Result
@@ -91,6 +112,27 @@ func pgCode(err error) string {
 		return pgErr.Code
 	}
 	return ""
+}
+
+// isUnavailable reports whether err means the server could not be reached,
+// refused the connection for lack of resources, or dropped it.
+func isUnavailable(err error) bool {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		switch {
+		case strings.HasPrefix(pgErr.Code, "08"), // connection exception
+			strings.HasPrefix(pgErr.Code, "53"), // insufficient resources
+			strings.HasPrefix(pgErr.Code, "58"), // system error
+			pgErr.Code == pgerrcode.AdminShutdown, pgErr.Code == pgerrcode.CrashShutdown,
+			pgErr.Code == pgerrcode.CannotConnectNow:
+			return true
+		}
+		return false
+	}
+	var connectErr *pgconn.ConnectError
+	var netErr net.Error
+	return errors.As(err, &connectErr) || errors.As(err, &netErr) || pgconn.Timeout(err) ||
+		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, net.ErrClosed)
 }
 
 // isRetryable reports whether err is a serialization failure or a deadlock,

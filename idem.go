@@ -125,7 +125,7 @@ func (c *Client) Do(ctx context.Context, tx pgx.Tx, scope Scope, key string, fp 
 			takeOver = true // an expired key is a new request
 			err = errRetryClaim
 		case [32]byte(row.Fingerprint) != fp:
-			err = fmt.Errorf("%w (actor %q, operation %q)", ErrKeyReused, k.actor, k.operation)
+			err = ErrKeyReused
 		case row.Status == statusSucceeded || row.Status == statusRejected:
 			res, err = replay(row)
 		default:
@@ -248,14 +248,14 @@ func (c *Client) run(ctx context.Context, tx pgx.Tx, k rowKey,
 
 	status := statusSucceeded
 	if fnErr != nil {
-		var rej *rejection
-		if !errors.As(fnErr, &rej) {
+		refusal, rejected := RejectedResponse(fnErr)
+		if !rejected {
 			if rbErr := rollbackSavepoint(ctx, tx); rbErr != nil {
 				return Result{}, errors.Join(fnErr, rbErr)
 			}
 			return Result{}, fnErr
 		}
-		status, resp = statusRejected, rej.resp
+		status, resp = statusRejected, refusal
 	}
 	headers, err := c.encodeResponse(resp)
 	if err != nil {

@@ -433,6 +433,12 @@ func TestRejectIsStoredAndReplayed(t *testing.T) {
 	if effects(t, pool) != 1 {
 		t.Fatal("the caller's write was lost")
 	}
+	if got, ok := idem.RejectedResponse(fmt.Errorf("wrapped: %w", idem.Reject(refusal))); !ok || !reflect.DeepEqual(got, refusal) {
+		t.Fatalf("RejectedResponse = %+v, %v", got, ok)
+	}
+	if _, ok := idem.RejectedResponse(errors.New("other")); ok {
+		t.Fatal("RejectedResponse accepted a plain error")
+	}
 	again, err := idem.DoInTx(ctx, pool, scope, "rej", fpA, fn)
 	if err != nil || !again.Replayed || !reflect.DeepEqual(again.Response, refusal) || calls.Load() != 1 {
 		t.Fatalf("replay of refusal: %+v, %v, calls %d", again, err, calls.Load())
@@ -710,8 +716,8 @@ func TestBackendTerminatedBeforeCommit(t *testing.T) {
 		_, err := tx.Exec(ctx, `SELECT 1`)
 		return idem.Response{Status: 200}, err
 	})
-	if err == nil {
-		t.Fatal("want an error from the terminated backend")
+	if !errors.Is(err, idem.ErrUnavailable) {
+		t.Fatalf("err = %v, want ErrUnavailable from the terminated backend", err)
 	}
 	if effects(t, pool) != 0 || keyRows(t, pool) != 0 {
 		t.Fatal("a terminated transaction left rows behind")
@@ -732,8 +738,8 @@ func TestStoreDown(t *testing.T) {
 	defer pool.Close()
 	var calls atomic.Int64
 	_, err = idem.DoInTx(ctx, pool, scope, "down", fpA, recordEffect(&calls, "down"))
-	if err == nil || calls.Load() != 0 {
-		t.Fatalf("err %v, calls %d: fn must not run without the store", err, calls.Load())
+	if !errors.Is(err, idem.ErrUnavailable) || calls.Load() != 0 {
+		t.Fatalf("err %v, calls %d: want ErrUnavailable, and fn must not run without the store", err, calls.Load())
 	}
 }
 

@@ -52,6 +52,9 @@ func (c *Client) inTx(ctx context.Context, db Beginner, fold bool, fn func(ctx c
 	for attempt := 0; ; attempt++ {
 		err := c.inTxOnce(ctx, db, fold, fn)
 		if err == nil || !isRetryable(err) || attempt >= c.cfg.MaxRetries {
+			if err != nil && !errors.Is(err, ErrUnavailable) && isUnavailable(err) {
+				err = fmt.Errorf("%w: %w", ErrUnavailable, err)
+			}
 			return err
 		}
 		if sleepErr := sleep(ctx, backoff(attempt)); sleepErr != nil {

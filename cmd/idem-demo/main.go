@@ -3,6 +3,7 @@
 // Usage:
 //
 //	idem-demo [run]
+//	idem-demo serve [-addr 127.0.0.1:8080] [-seed N] [-db idem_demo]
 //
 // run (the default) finds a server (DATABASE_URL, localhost:5432, Docker, or
 // a temporary initdb cluster), recreates the database idem_demo on it,
@@ -12,14 +13,26 @@
 // a stored refusal. It prints a table of what happened and of the numbers
 // read back from the database, and exits with status 1 if any invariant
 // fails. The database is left in place for inspection.
+//
+// serve recreates the same database and serves the draw API over HTTP on a
+// loopback address, with idemhttp in front of it, until SIGINT or SIGTERM:
+//
+//	POST /v1/draws           {"box_id":1,"quantity":2}, with an Idempotency-Key header
+//	GET  /v1/wallets/{user}  points and prizes of the caller
+//
+// The bearer token is the user name (alice or bob). -seed makes the prize
+// picks repeatable.
 package main
 
 import (
 	"context"
+	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"os"
 	"os/signal"
+	"syscall"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -33,7 +46,7 @@ import (
 const database = "idem_demo"
 
 func main() {
-	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 
 	cmd := "run"
@@ -44,6 +57,17 @@ func main() {
 	switch cmd {
 	case "run":
 		err = run(ctx, os.Stdout)
+	case "serve":
+		var cfg serveConfig
+		cfg, err = parseServeFlags(os.Args[2:], os.Stderr)
+		if errors.Is(err, flag.ErrHelp) {
+			return
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "idem-demo:", err)
+			os.Exit(2)
+		}
+		err = serve(ctx, os.Stdout, cfg)
 	case "help", "-h", "-help", "--help":
 		usage(os.Stdout)
 		return
@@ -60,8 +84,11 @@ func main() {
 
 func usage(w io.Writer) {
 	fmt.Fprintln(w, `usage: idem-demo [run]
+       idem-demo serve [-addr 127.0.0.1:8080] [-seed N] [-db idem_demo]
 
-  run   recreate the database idem_demo and run the draw scenarios (default)`)
+  run     recreate the database idem_demo and run the draw scenarios (default)
+  serve   recreate the database and serve the draw API over HTTP on a loopback
+          address until interrupted (serve -h lists the flags)`)
 }
 
 // run prepares the database and runs the scenarios. It returns an error if
@@ -74,7 +101,7 @@ func run(ctx context.Context, out io.Writer) error {
 	defer srv.Close()
 	fmt.Fprintf(out, "PostgreSQL from %s; database %s\n\n", srv.Source, database)
 
-	pool, err := openDemoDatabase(ctx, srv)
+	pool, err := openDatabase(ctx, srv, database)
 	if err != nil {
 		return err
 	}
@@ -88,26 +115,26 @@ func run(ctx context.Context, out io.Writer) error {
 	return nil
 }
 
-// openDemoDatabase drops and recreates the demo database, installs idem's
-// migrations and the draw tables and seeds, and returns a pool with enough
-// connections for the concurrent scenario.
-func openDemoDatabase(ctx context.Context, srv *pgserver.Server) (*pgxpool.Pool, error) {
+// openDatabase drops and recreates the database called name, installs
+// idem's migrations and the draw tables and seeds, and returns a pool with
+// enough connections for the concurrent scenario.
+func openDatabase(ctx context.Context, srv *pgserver.Server, name string) (*pgxpool.Pool, error) {
 	admin, err := pgx.Connect(ctx, srv.URL)
 	if err != nil {
 		return nil, fmt.Errorf("connect to %s: %w", srv.Source, err)
 	}
 	defer admin.Close(context.Background())
-	name := pgx.Identifier{database}.Sanitize()
+	ident := pgx.Identifier{name}.Sanitize()
 	for _, sql := range []string{
-		"DROP DATABASE IF EXISTS " + name + " WITH (FORCE)",
-		"CREATE DATABASE " + name,
+		"DROP DATABASE IF EXISTS " + ident + " WITH (FORCE)",
+		"CREATE DATABASE " + ident,
 	} {
 		if _, err := admin.Exec(ctx, sql); err != nil {
 			return nil, fmt.Errorf("%s: %w", sql, err)
 		}
 	}
 
-	cfg, err := pgxpool.ParseConfig(srv.DatabaseURL(database))
+	cfg, err := pgxpool.ParseConfig(srv.DatabaseURL(name))
 	if err != nil {
 		return nil, err
 	}

@@ -97,8 +97,42 @@ const (
 // stock >= quantity), so concurrent draws never overdraw either; the wallet
 // row is locked before the box row in every draw.
 func Execute(ctx context.Context, tx pgx.Tx, user string, req Request) (idem.Response, error) {
+	resp, err := attempt(ctx, tx, user, req, rand.IntN)
+	var r *refusal
+	if errors.As(err, &r) {
+		return idem.Response{}, idem.Reject(r.resp)
+	}
+	return resp, err
+}
+
+// Attempt performs one draw like Execute, for callers that keep or undo the
+// writes by the response status, as idemhttp does: a refusal comes back as
+// its 4xx response with a nil error, and the writes Attempt made before it
+// (the debit, when the box turns out to be out of stock) are still in tx,
+// so the caller must roll them back. intn picks the prizes: it returns a
+// uniform integer in [0, n) (nil means math/rand/v2's IntN).
+func Attempt(ctx context.Context, tx pgx.Tx, user string, req Request, intn func(n int) int) (idem.Response, error) {
+	if intn == nil {
+		intn = rand.IntN
+	}
+	resp, err := attempt(ctx, tx, user, req, intn)
+	var r *refusal
+	if errors.As(err, &r) {
+		return r.resp, nil
+	}
+	return resp, err
+}
+
+// refusal is a deterministic refusal: its response is the outcome.
+type refusal struct{ resp idem.Response }
+
+func (r *refusal) Error() string { return fmt.Sprintf("draw: refused with status %d", r.resp.Status) }
+
+func refuse(resp idem.Response) error { return &refusal{resp: resp} }
+
+func attempt(ctx context.Context, tx pgx.Tx, user string, req Request, intn func(int) int) (idem.Response, error) {
 	if err := req.Validate(); err != nil {
-		return idem.Response{}, idem.Reject(Problem(http.StatusUnprocessableEntity, CodeInvalidRequest, err.Error()))
+		return idem.Response{}, refuse(Problem(http.StatusUnprocessableEntity, CodeInvalidRequest, err.Error()))
 	}
 
 	// Debit the wallet, pricing the draw from the box in the same statement.
@@ -123,7 +157,7 @@ func Execute(ctx context.Context, tx pgx.Tx, user string, req Request) (idem.Res
 	if err != nil {
 		return idem.Response{}, err
 	}
-	won := pick(table, req.Quantity, rand.IntN)
+	won := pick(table, req.Quantity, intn)
 
 	// Take stock. Every draw from the box contends on this row, so it is
 	// locked last and held only until commit.
@@ -134,7 +168,7 @@ func Execute(ctx context.Context, tx pgx.Tx, user string, req Request) (idem.Res
 		return idem.Response{}, fmt.Errorf("draw: take stock: %w", err)
 	}
 	if tag.RowsAffected() == 0 {
-		return idem.Response{}, idem.Reject(Problem(http.StatusConflict, CodeOutOfStock,
+		return idem.Response{}, refuse(Problem(http.StatusConflict, CodeOutOfStock,
 			fmt.Sprintf("box %d has fewer than %d draws left", req.BoxID, req.Quantity)))
 	}
 
@@ -182,14 +216,14 @@ func refuseDebit(ctx context.Context, tx pgx.Tx, user string, req Request) error
 		return fmt.Errorf("draw: read wallet and box: %w", err)
 	}
 	if price == nil {
-		return idem.Reject(Problem(http.StatusNotFound, CodeUnknownBox,
+		return refuse(Problem(http.StatusNotFound, CodeUnknownBox,
 			fmt.Sprintf("box %d does not exist", req.BoxID)))
 	}
 	var have int64
 	if points != nil {
 		have = *points
 	}
-	return idem.Reject(Problem(http.StatusPaymentRequired, CodeInsufficientPoints,
+	return refuse(Problem(http.StatusPaymentRequired, CodeInsufficientPoints,
 		fmt.Sprintf("%d draws from box %d cost %d points; the wallet holds %d",
 			req.Quantity, req.BoxID, *price*int64(req.Quantity), have)))
 }

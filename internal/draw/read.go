@@ -2,6 +2,7 @@ package draw
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 
@@ -70,4 +71,38 @@ func (s Snapshot) Check(startPoints int64, startStock int) error {
 		errs = append(errs, fmt.Errorf("%d inventory rows for %d draws", s.Items, s.Draws))
 	}
 	return errors.Join(errs...)
+}
+
+// Wallet is what a user holds: points left and prizes won.
+type Wallet struct {
+	User   string         `json:"user"`
+	Points int64          `json:"points"`
+	Draws  int            `json:"draws"`  // draws in the user's batches
+	Prizes map[string]int `json:"prizes"` // prize name -> count in the inventory
+}
+
+// ErrNoWallet is returned by ReadWallet for a user without a wallet.
+var ErrNoWallet = errors.New("draw: no such wallet")
+
+// ReadWallet returns user's Wallet, read in a single statement.
+func ReadWallet(ctx context.Context, db Querier, user string) (Wallet, error) {
+	w := Wallet{User: user, Prizes: map[string]int{}}
+	var prizes []byte
+	err := db.QueryRow(ctx, `
+		SELECT w.points,
+			(SELECT coalesce(sum(quantity), 0) FROM draw_batches WHERE user_id = $1),
+			(SELECT coalesce(jsonb_object_agg(prize, n), '{}')
+			 FROM (SELECT prize, count(*) AS n FROM inventory WHERE user_id = $1 GROUP BY prize) AS p)
+		FROM wallets AS w WHERE w.user_id = $1`,
+		user).Scan(&w.Points, &w.Draws, &prizes)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return Wallet{}, fmt.Errorf("%w: %q", ErrNoWallet, user)
+	}
+	if err == nil {
+		err = json.Unmarshal(prizes, &w.Prizes)
+	}
+	if err != nil {
+		return Wallet{}, fmt.Errorf("draw: read wallet: %w", err)
+	}
+	return w, nil
 }

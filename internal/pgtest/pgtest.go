@@ -54,7 +54,7 @@ import (
 type MigrateFunc func(ctx context.Context, pool *pgxpool.Pool) error
 
 // PoolMaxConns is the MaxConns of pools returned by Pool.
-const PoolMaxConns = 20
+const PoolMaxConns = 16
 
 const (
 	// resolveTimeout bounds server resolution, which may pull an image.

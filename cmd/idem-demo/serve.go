@@ -1,0 +1,236 @@
+package main
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log/slog"
+	mrand "math/rand/v2"
+	"net"
+	"net/http"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idemhttp"
+	"github.com/pgidem/idem/internal/draw"
+	"github.com/pgidem/idem/internal/pgserver"
+)
+
+// The users serve knows: the bearer token is the user name.
+var demoUsers = []struct {
+	name   string
+	points int64
+}{{draw.SeedUser, draw.SeedPoints}, {"bob", 300}}
+
+// serveConfig is what the serve flags set.
+type serveConfig struct {
+	addr     string
+	database string
+	seed     uint64
+}
+
+func parseServeFlags(args []string, errOut io.Writer) (serveConfig, error) {
+	var cfg serveConfig
+	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
+	fs.SetOutput(errOut)
+	fs.StringVar(&cfg.addr, "addr", "127.0.0.1:8080", "loopback `address` to listen on (port 0 picks a free one)")
+	fs.StringVar(&cfg.database, "db", database, "`name` of the database to recreate and serve (idem, then [a-z0-9_])")
+	fs.Uint64Var(&cfg.seed, "seed", 0, "seed for the prize picks, for repeatable sessions (0: random)")
+	if err := fs.Parse(args); err != nil {
+		return cfg, err
+	}
+	if fs.NArg() > 0 {
+		return cfg, fmt.Errorf("serve: unexpected argument %q", fs.Arg(0))
+	}
+	if err := checkLoopback(cfg.addr); err != nil {
+		return cfg, err
+	}
+	// serve drops the database first: keep it to names that are the demo's.
+	if !strings.HasPrefix(cfg.database, "idem") || strings.Trim(cfg.database, "abcdefghijklmnopqrstuvwxyz0123456789_") != "" {
+		return cfg, fmt.Errorf("serve: -db %q: the name must start with idem and hold only a-z, 0-9 and _", cfg.database)
+	}
+	return cfg, nil
+}
+
+// checkLoopback refuses addresses other than loopback ones: the demo's
+// bearer tokens are user names, fine on one's own machine only.
+func checkLoopback(addr string) error {
+	host, _, err := net.SplitHostPort(addr)
+	if err != nil {
+		return fmt.Errorf("serve: -addr %q: %w", addr, err)
+	}
+	if host == "localhost" {
+		return nil
+	}
+	if ip := net.ParseIP(host); ip == nil || !ip.IsLoopback() {
+		return fmt.Errorf("serve: -addr %q: the demo listens on a loopback address only (127.0.0.1, ::1, localhost)", addr)
+	}
+	return nil
+}
+
+// serve recreates the demo database, seeds it, and runs the draw API over
+// HTTP until ctx is done; then it shuts the server down and returns nil.
+func serve(ctx context.Context, out io.Writer, cfg serveConfig) error {
+	srv, err := pgserver.Resolve(ctx)
+	if err != nil {
+		return err
+	}
+	defer srv.Close()
+	pool, err := openDatabase(ctx, srv, cfg.database)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	for _, u := range demoUsers[1:] {
+		if err := draw.AddWallet(ctx, pool, u.name, u.points); err != nil {
+			return err
+		}
+	}
+
+	ln, err := net.Listen("tcp", cfg.addr)
+	if err != nil {
+		return fmt.Errorf("serve: %w", err)
+	}
+	api := newAPI(pool, newPicker(cfg.seed), slog.New(slog.NewTextHandler(out, nil)))
+	httpSrv := &http.Server{Handler: api, ReadHeaderTimeout: 10 * time.Second}
+	served := make(chan error, 1)
+	go func() { served <- httpSrv.Serve(ln) }()
+
+	base := "http://" + ln.Addr().String()
+	fmt.Fprintf(out, "PostgreSQL from %s; database %s (recreated)\n", srv.Source, cfg.database)
+	fmt.Fprintf(out, "Serving the draw API on %s (Ctrl-C to stop)\n\n", base)
+	fmt.Fprintf(out, "Users (the bearer token is the name): %s; box %d costs %d points a draw.\n\n",
+		userList(), draw.SeedBoxID, draw.SeedPrice)
+	fmt.Fprintf(out, "Draw twice (run it again: the same response, with Idempotent-Replayed: true):\n"+
+		"  curl -si %s/v1/draws -H 'Authorization: Bearer alice' \\\n"+
+		"    -H 'Idempotency-Key: %s' -H 'Content-Type: application/json' \\\n"+
+		"    -d '{\"box_id\":1,\"quantity\":2}'\n", base, newKey())
+	fmt.Fprintf(out, "See the wallet:\n  curl -s %s/v1/wallets/alice -H 'Authorization: Bearer alice'\n\n", base)
+
+	select {
+	case err := <-served:
+		return fmt.Errorf("serve: %w", err)
+	case <-ctx.Done():
+	}
+	fmt.Fprintln(out, "Shutting down.")
+	shutdownCtx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := httpSrv.Shutdown(shutdownCtx); err != nil {
+		return fmt.Errorf("serve: shutdown: %w", err)
+	}
+	if err := <-served; !errors.Is(err, http.ErrServerClosed) {
+		return fmt.Errorf("serve: %w", err)
+	}
+	return nil
+}
+
+func userList() string {
+	var parts []string
+	for _, u := range demoUsers {
+		parts = append(parts, fmt.Sprintf("%s (%d points)", u.name, u.points))
+	}
+	return strings.Join(parts, ", ")
+}
+
+// newKey returns a random UUID (version 4), the kind of key a client sends.
+func newKey() string {
+	var b [16]byte
+	_, _ = rand.Read(b[:])
+	b[6] = b[6]&0x0f | 0x40
+	b[8] = b[8]&0x3f | 0x80
+	return fmt.Sprintf("%x-%x-%x-%x-%x", b[0:4], b[4:6], b[6:8], b[8:10], b[10:16])
+}
+
+// newPicker returns the intn function the draws pick prizes with: seeded
+// and safe for concurrent use, or math/rand/v2's IntN for seed 0.
+func newPicker(seed uint64) func(int) int {
+	if seed == 0 {
+		return mrand.IntN
+	}
+	var mu sync.Mutex
+	r := mrand.New(mrand.NewPCG(seed, seed))
+	return func(n int) int {
+		mu.Lock()
+		defer mu.Unlock()
+		return r.IntN(n)
+	}
+}
+
+// bearerUser is the demo's authentication: "Authorization: Bearer <user>"
+// for a known user.
+func bearerUser(r *http.Request) (string, error) {
+	token, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
+	if !ok {
+		return "", errors.New("no bearer token")
+	}
+	for _, u := range demoUsers {
+		if token == u.name {
+			return token, nil
+		}
+	}
+	return "", errors.New("unknown token")
+}
+
+// newAPI returns the draw API:
+//
+//	POST /v1/draws           {"box_id":1,"quantity":2}, with Idempotency-Key
+//	GET  /v1/wallets/{user}  the user's points and prizes (own wallet only)
+func newAPI(pool *pgxpool.Pool, intn func(int) int, log *slog.Logger) http.Handler {
+	idempotent := idemhttp.Middleware(pool, idemhttp.Options{Actor: bearerUser, Logger: log})
+	mux := http.NewServeMux()
+	mux.Handle("POST /v1/draws", idempotent(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		user, _ := bearerUser(r) // the middleware has authenticated the request
+		body, _ := io.ReadAll(r.Body)
+		req, err := draw.ParseRequest(body)
+		if err != nil {
+			writeResponse(w, draw.Problem(http.StatusUnprocessableEntity, draw.CodeInvalidRequest, err.Error()))
+			return
+		}
+		// A refusal comes back as its 4xx response; the middleware then
+		// rolls back what Attempt wrote and stores the refusal.
+		resp, err := draw.Attempt(r.Context(), idemhttp.Tx(r.Context()), user, req, intn)
+		if err != nil {
+			log.Error("draw failed", "error", err)
+			writeResponse(w, draw.Problem(http.StatusInternalServerError, "INTERNAL_ERROR", "The draw failed; nothing was charged."))
+			return
+		}
+		writeResponse(w, resp)
+	})))
+	mux.HandleFunc("GET /v1/wallets/{user}", func(w http.ResponseWriter, r *http.Request) {
+		user, err := bearerUser(r)
+		switch {
+		case err != nil:
+			writeResponse(w, draw.Problem(http.StatusUnauthorized, "UNAUTHENTICATED", "Send Authorization: Bearer <user>."))
+			return
+		case user != r.PathValue("user"):
+			writeResponse(w, draw.Problem(http.StatusForbidden, "FORBIDDEN", "You can only read your own wallet."))
+			return
+		}
+		wallet, err := draw.ReadWallet(r.Context(), pool, user)
+		if err != nil {
+			log.Error("read wallet failed", "error", err)
+			writeResponse(w, draw.Problem(http.StatusServiceUnavailable, "STORE_UNAVAILABLE", "The wallet could not be read."))
+			return
+		}
+		body, _ := json.Marshal(wallet)
+		w.Header().Set("Content-Type", "application/json")
+		_, _ = w.Write(body)
+	})
+	return mux
+}
+
+func writeResponse(w http.ResponseWriter, resp idem.Response) {
+	for name, values := range resp.Header {
+		w.Header()[name] = values
+	}
+	w.WriteHeader(resp.Status)
+	_, _ = w.Write(resp.Body)
+}

@@ -1,0 +1,262 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"encoding/hex"
+	"encoding/json"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"regexp"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/draw"
+	"github.com/pgidem/idem/internal/pgtest"
+)
+
+func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }
+
+func migrateDemo(ctx context.Context, pool *pgxpool.Pool) error {
+	if err := idem.Migrate(ctx, pool); err != nil {
+		return err
+	}
+	if err := draw.Setup(ctx, pool); err != nil {
+		return err
+	}
+	return draw.AddWallet(ctx, pool, "bob", 300)
+}
+
+type apiReply struct {
+	status   int
+	replayed bool
+	body     []byte
+}
+
+func apiCall(t *testing.T, base, method, path, token, key, body string) apiReply {
+	t.Helper()
+	req, err := http.NewRequestWithContext(t.Context(), method, base+path, strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if token != "" {
+		req.Header.Set("Authorization", "Bearer "+token)
+	}
+	if key != "" {
+		req.Header.Set("Idempotency-Key", key)
+	}
+	req.Header.Set("Content-Type", "application/json")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return apiReply{resp.StatusCode, resp.Header.Get("Idempotent-Replayed") == "true", b}
+}
+
+func wallet(t *testing.T, base, user string) draw.Wallet {
+	t.Helper()
+	r := apiCall(t, base, "GET", "/v1/wallets/"+user, user, "", "")
+	var w draw.Wallet
+	if r.status != http.StatusOK || json.Unmarshal(r.body, &w) != nil {
+		t.Fatalf("wallet %s: %d %s", user, r.status, r.body)
+	}
+	return w
+}
+
+func problemCode(t *testing.T, r apiReply) string {
+	t.Helper()
+	var p struct{ Code string }
+	if err := json.Unmarshal(r.body, &p); err != nil {
+		t.Fatalf("%d %s: %v", r.status, r.body, err)
+	}
+	return p.Code
+}
+
+func TestDrawAPI(t *testing.T) {
+	t.Parallel()
+	pool := pgtest.Pool(t, migrateDemo)
+	if err := draw.AddBox(t.Context(), pool, draw.Box{ID: 3, Name: "Last One", Price: 50, Stock: 1,
+		Prizes: []draw.Prize{{Name: "Goose Egg", Weight: 1}}}); err != nil {
+		t.Fatal(err)
+	}
+	srv := httptest.NewServer(newAPI(pool, newPicker(1), slog.New(slog.DiscardHandler)))
+	t.Cleanup(srv.Close)
+	base := srv.URL
+
+	first := apiCall(t, base, "POST", "/v1/draws", "alice", "k1", `{"box_id":1,"quantity":2}`)
+	if first.status != http.StatusCreated || first.replayed {
+		t.Fatalf("draw: %d %s", first.status, first.body)
+	}
+	again := apiCall(t, base, "POST", "/v1/draws", "alice", "k1", `{"quantity":2, "box_id":1}`)
+	if again.status != first.status || !again.replayed || !bytes.Equal(again.body, first.body) {
+		t.Errorf("retry: %d %t %s", again.status, again.replayed, again.body)
+	}
+	if r := apiCall(t, base, "POST", "/v1/draws", "alice", "k1", `{"box_id":1,"quantity":3}`); r.status != http.StatusUnprocessableEntity {
+		t.Errorf("reused key: %d %s", r.status, r.body)
+	}
+
+	// Refusals are stored; the out-of-stock one undoes the debit that came
+	// before it.
+	for _, c := range []struct {
+		token, key, body string
+		status           int
+		code             string
+	}{
+		{"bob", "b1", `{"box_id":1,"quantity":5}`, http.StatusPaymentRequired, draw.CodeInsufficientPoints},
+		{"alice", "k2", `{"box_id":3,"quantity":2}`, http.StatusConflict, draw.CodeOutOfStock},
+		{"alice", "k3", `{"box_id":9,"quantity":1}`, http.StatusNotFound, draw.CodeUnknownBox},
+		{"alice", "k4", `{"box_id":1,"quantity":0}`, http.StatusUnprocessableEntity, draw.CodeInvalidRequest},
+		{"alice", "k5", `{"box_id":1,"quantity":1,"user_id":"bob"}`, http.StatusUnprocessableEntity, draw.CodeInvalidRequest},
+	} {
+		for i := range 2 {
+			r := apiCall(t, base, "POST", "/v1/draws", c.token, c.key, c.body)
+			if r.status != c.status || problemCode(t, r) != c.code || r.replayed != (i == 1) {
+				t.Errorf("%s %s: %d replayed=%t %s", c.token, c.body, r.status, r.replayed, r.body)
+			}
+		}
+	}
+
+	if w := wallet(t, base, "alice"); w.Points != draw.SeedPoints-2*draw.SeedPrice || w.Draws != 2 {
+		t.Errorf("alice: %+v", w)
+	}
+	if w := wallet(t, base, "bob"); w.Points != 300 || w.Draws != 0 {
+		t.Errorf("bob: %+v", w)
+	}
+	s, err := draw.Read(t.Context(), pool, "alice", 3)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.Stock != 1 || s.Debits != 1 {
+		t.Errorf("box 3 after the refusal: %+v", s)
+	}
+
+	// Authentication.
+	for _, c := range []struct {
+		method, path, token string
+		status              int
+	}{
+		{"POST", "/v1/draws", "", http.StatusUnauthorized},
+		{"POST", "/v1/draws", "mallory", http.StatusUnauthorized},
+		{"GET", "/v1/wallets/alice", "", http.StatusUnauthorized},
+		{"GET", "/v1/wallets/alice", "bob", http.StatusForbidden},
+	} {
+		if r := apiCall(t, base, c.method, c.path, c.token, "k9", `{"box_id":1,"quantity":1}`); r.status != c.status {
+			t.Errorf("%s %s as %q: %d %s", c.method, c.path, c.token, r.status, r.body)
+		}
+	}
+}
+
+// lineWriter collects output and reports the serving address once printed.
+type lineWriter struct {
+	mu   sync.Mutex
+	buf  bytes.Buffer
+	addr chan string
+	sent bool
+}
+
+var servingRE = regexp.MustCompile(`Serving the draw API on (http://\S+)`)
+
+func (w *lineWriter) Write(p []byte) (int, error) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.buf.Write(p)
+	if m := servingRE.FindSubmatch(w.buf.Bytes()); m != nil && !w.sent {
+		w.sent = true
+		w.addr <- string(m[1])
+	}
+	return len(p), nil
+}
+
+func (w *lineWriter) String() string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return w.buf.String()
+}
+
+// serve prints its address and example requests, serves, and returns nil
+// once its context ends.
+func TestServeCommand(t *testing.T) {
+	t.Parallel()
+	srv := pgtest.Server(t)
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	name := "idemtest_serve_" + hex.EncodeToString(b[:])
+	t.Cleanup(func() {
+		conn, err := pgx.Connect(context.Background(), srv.URL)
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		defer conn.Close(context.Background())
+		if _, err := conn.Exec(context.Background(), "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)"); err != nil {
+			t.Error(err)
+		}
+	})
+
+	cfg, err := parseServeFlags([]string{"-addr", "127.0.0.1:0", "-db", name, "-seed", "1"}, io.Discard)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(t.Context())
+	out := &lineWriter{addr: make(chan string, 1)}
+	done := make(chan error, 1)
+	go func() { done <- serve(ctx, out, cfg) }()
+	var base string
+	select {
+	case base = <-out.addr:
+	case err := <-done:
+		t.Fatalf("serve returned early: %v\n%s", err, out)
+	case <-time.After(2 * time.Minute):
+		cancel()
+		t.Fatalf("serve printed no address:\n%s", out)
+	}
+	if r := apiCall(t, base, "POST", "/v1/draws", "alice", "k1", `{"box_id":1,"quantity":1}`); r.status != http.StatusCreated {
+		t.Errorf("draw: %d %s", r.status, r.body)
+	}
+	if w := wallet(t, base, "alice"); w.Points != draw.SeedPoints-draw.SeedPrice {
+		t.Errorf("wallet: %+v", w)
+	}
+	cancel()
+	if err := <-done; err != nil {
+		t.Errorf("serve: %v", err)
+	}
+	for _, want := range []string{"curl -si " + base + "/v1/draws", "Idempotency-Key: ", "Shutting down."} {
+		if !strings.Contains(out.String(), want) {
+			t.Errorf("output lacks %q:\n%s", want, out)
+		}
+	}
+}
+
+func TestServeFlags(t *testing.T) {
+	t.Parallel()
+	for _, args := range [][]string{
+		{}, {"-addr", "localhost:0"}, {"-addr", "[::1]:9000"}, {"-seed", "7", "-db", "idem_demo2"},
+	} {
+		if _, err := parseServeFlags(args, io.Discard); err != nil {
+			t.Errorf("%q: %v", args, err)
+		}
+	}
+	for _, args := range [][]string{
+		{"-addr", "0.0.0.0:8080"}, {"-addr", ":8080"}, {"-addr", "example.com:80"}, {"-addr", "nonsense"},
+		{"-db", "postgres"}, {"-db", "idem-x"}, {"-db", "idem;DROP"}, {"extra"}, {"-seed", "x"},
+	} {
+		if _, err := parseServeFlags(args, io.Discard); err == nil {
+			t.Errorf("%q: accepted", args)
+		}
+	}
+}

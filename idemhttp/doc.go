@@ -1,0 +1,25 @@
+// Package idemhttp is net/http middleware that makes POST and PATCH
+// requests idempotent by their Idempotency-Key header
+// (draft-ietf-httpapi-idempotency-key-header), with the handler's own
+// database writes in the same PostgreSQL transaction as the key and the
+// stored response.
+//
+//	mw := idemhttp.Middleware(pool, idemhttp.Options{Actor: userFromToken})
+//	mux.Handle("POST /v1/orders", mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+//		tx := idemhttp.Tx(r.Context()) // writes here commit with the key and the response
+//		...
+//	})))
+//
+// A client sends a new key (a UUID, say) with each new intent and the same
+// key with every retry of it. The first request runs the handler; the
+// response is written to the client only after everything committed. A
+// retry gets the stored response back with Idempotent-Replayed: true and the
+// handler does not run; the same key with a different body gets 422, and a
+// retry that arrives while the first request still runs waits briefly, then
+// gets 409 with Retry-After. 2xx and 3xx responses commit the handler's
+// writes; 4xx refusals are stored but undo the handler's writes; 5xx and
+// panics store nothing, so a retry runs again. See Middleware for the
+// details and Options for the knobs.
+//
+// Run idem.Migrate once before use.
+package idemhttp

@@ -1,0 +1,85 @@
+package idemhttp
+
+import (
+	"crypto/sha256"
+	"encoding/hex"
+	"mime"
+	"net/http"
+	"net/url"
+	"strings"
+	"unicode/utf8"
+
+	"github.com/pgidem/idem"
+)
+
+// DefaultFingerprint is the fingerprint the middleware uses when
+// Options.Fingerprint is nil. It binds the request method, the escaped path,
+// the query and the body:
+//   - a JSON body (Content-Type application/json or any +json type) counts
+//     by its RFC 8785 canonical form (idem.FingerprintJSON), so whitespace,
+//     member order and number spelling do not matter;
+//   - a form body (application/x-www-form-urlencoded) counts by its fields
+//     sorted by name, values of one name in the order sent, re-encoded;
+//   - any other body, and a JSON or form body that does not parse, counts as
+//     its raw bytes.
+//
+// The query is canonicalized like a form body. Headers, including
+// Content-Type beyond the choice above, do not count. DefaultFingerprint
+// never fails; the error is there to match Options.Fingerprint.
+func DefaultFingerprint(r *http.Request, body []byte) (idem.Fingerprint, error) {
+	kind, content := "raw", body
+	mediaType, _, _ := mime.ParseMediaType(r.Header.Get("Content-Type"))
+	switch {
+	case mediaType == "application/json" || strings.HasSuffix(mediaType, "+json"):
+		if fp, err := idem.FingerprintJSON(body); err == nil {
+			kind, content = "json", fp[:]
+		}
+	case mediaType == "application/x-www-form-urlencoded":
+		if form, err := url.ParseQuery(string(body)); err == nil {
+			kind, content = "form", []byte(form.Encode())
+		}
+	}
+	query := r.URL.RawQuery
+	if q, err := url.ParseQuery(query); err == nil {
+		query = q.Encode()
+	}
+	return idem.FingerprintParts(
+		[]byte("idemhttp/1"),
+		[]byte(r.Method),
+		[]byte(r.URL.EscapedPath()),
+		[]byte(query),
+		[]byte(kind),
+		content,
+	), nil
+}
+
+// DefaultOperation is the operation name the middleware uses when
+// Options.Operation is nil: the method and the route pattern that
+// http.ServeMux matched ("POST /v1/items/{id}"), so every request of one
+// route shares a key space and the path itself is part of the fingerprint.
+//
+// The pattern is known only when the middleware runs inside the mux, that
+// is when each route is wrapped (mux.Handle("POST /v1/items",
+// mw(handler))). When the middleware wraps the whole mux, r.Pattern is
+// empty and the operation is the method and the escaped path instead
+// ("POST /v1/items/42"): keys are then separate per path, and a request to
+// an unknown path is stored like any other 4xx. An operation over 255 bytes
+// is shortened to the method and a SHA-256 of the rest.
+func DefaultOperation(r *http.Request) string {
+	route := r.Pattern
+	if route != "" {
+		// A pattern may start with a method ("POST /x"); the request's own
+		// method replaces it.
+		if i := strings.IndexByte(route, ' '); i >= 0 {
+			route = strings.TrimLeft(route[i+1:], " \t")
+		}
+	} else {
+		route = r.URL.EscapedPath()
+	}
+	op := r.Method + " " + route
+	if len(op) > idem.MaxScopeLength || !utf8.ValidString(op) || strings.IndexByte(op, 0) >= 0 {
+		sum := sha256.Sum256([]byte(route))
+		op = r.Method + " sha256:" + hex.EncodeToString(sum[:])
+	}
+	return op
+}

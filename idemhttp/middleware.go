@@ -1,0 +1,577 @@
+package idemhttp
+
+import (
+	"bytes"
+	"context"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"runtime/debug"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/pgidem/idem"
+)
+
+// Options configures Middleware. Actor is required; every other field's
+// zero value means its default.
+type Options struct {
+	// Actor returns the authenticated principal of the request, the actor
+	// of the key's scope. It must come from authentication (a verified
+	// token, a session), never from the request body. An error, an empty
+	// actor, or one that idem.ValidateScope refuses (over 255 bytes, not
+	// valid text) is answered with 401 and nothing runs. Required.
+	Actor func(*http.Request) (string, error)
+
+	// Operation names the kind of request, the operation of the key's
+	// scope. Default: DefaultOperation, the method and the ServeMux route
+	// pattern ("POST /v1/draws"), or the method and the path when the
+	// middleware wraps the whole mux. An operation idem.ValidateScope
+	// refuses is a 500.
+	Operation func(*http.Request) string
+
+	// Methods are the request methods the middleware covers. Requests with
+	// other methods pass straight to the handler, without a transaction
+	// (Tx returns nil) and without a key. Default: POST and PATCH.
+	Methods []string
+
+	// KeyOptional lets a covered request without an Idempotency-Key header
+	// through: the handler runs in a transaction exactly as with a key (2xx
+	// and 3xx commit, anything else rolls back), but nothing is stored, so
+	// a retry runs again. Default false: such a request gets 400.
+	KeyOptional bool
+
+	// Fingerprint returns the fingerprint of a request given its body (read
+	// in full, at most MaxBodyBytes). The same key with a different
+	// fingerprint is refused with 422. An error is answered with 400 and
+	// nothing runs. Default: DefaultFingerprint (method, path, query and
+	// the canonical body).
+	Fingerprint func(r *http.Request, body []byte) (idem.Fingerprint, error)
+
+	// MaxBodyBytes bounds the request body, which is read in full before
+	// the key is claimed. A larger body is answered with 413 and nothing
+	// runs. Default 1 MiB.
+	MaxBodyBytes int64
+
+	// StoredHeaders are the response headers stored with the response and
+	// replayed with it; the first response carries every header the handler
+	// set, a replay only these. Keep secrets (Set-Cookie) out. Default:
+	// Content-Type and Location.
+	StoredHeaders []string
+
+	// Config configures the idempotency store (see idem.Config): the key's
+	// TTL (default 24 h), how long a duplicate waits for the request that
+	// holds its key before it gets 409 (Wait, default 2 s), the key length
+	// bounds (default 1 to 255 bytes of visible ASCII), the largest
+	// response (MaxResponseBytes, default 1 MiB; the handler's response is
+	// buffered up to this size), the isolation level and the retries after
+	// serialization failures.
+	Config idem.Config
+
+	// Timeout bounds the whole transaction of a covered request: claim,
+	// handler and commit. The transaction does not end when the client
+	// hangs up, so that a request that made it to the handler commits and
+	// its retry replays; Timeout is what ends it instead. The handler's
+	// context carries the request context's values and this deadline, not
+	// its cancellation. Default 30 seconds.
+	Timeout time.Duration
+
+	// Logger receives a record for every 5xx the middleware writes itself
+	// (handler panics, store failures), with a hash of the key, never the
+	// key. Default: slog.Default().
+	Logger *slog.Logger
+}
+
+// Defaults of Options.
+const (
+	DefaultMaxBodyBytes = 1 << 20
+	DefaultTimeout      = 30 * time.Second
+)
+
+// defaultMethods and defaultStoredHeaders are the defaults of Options.Methods
+// and Options.StoredHeaders.
+var (
+	defaultMethods       = []string{http.MethodPost, http.MethodPatch}
+	defaultStoredHeaders = []string{"Content-Type", "Location"}
+)
+
+// txKey is the context key of the request's transaction.
+type txKey struct{}
+
+// Tx returns the transaction of the covered request that ctx belongs to
+// (the handler's r.Context()), or nil outside one.
+//
+// The handler's writes through it commit together with the stored response
+// when the handler answers 2xx or 3xx, and are rolled back otherwise. The
+// handler must not commit or roll it back, nor keep it after returning.
+// After a serialization failure or a deadlock the middleware may run the
+// handler again in a new transaction (see idem.InTx), so the handler must
+// not have effects outside it.
+func Tx(ctx context.Context) pgx.Tx {
+	tx, _ := ctx.Value(txKey{}).(pgx.Tx)
+	return tx
+}
+
+// Middleware returns middleware that makes the covered requests (POST and
+// PATCH by default) idempotent by their Idempotency-Key header, with the
+// handler's own writes in the same transaction as the key.
+//
+// For a covered request it authenticates the actor (Options.Actor), parses
+// and validates the key, reads the body (up to Options.MaxBodyBytes) and
+// fingerprints it. It then begins a transaction on db, claims (actor,
+// operation, key) and runs the handler with Tx(ctx) available and a
+// ResponseWriter that buffers. The handler's outcome decides what happens:
+//
+//   - 2xx or 3xx: the handler's writes, the key and the response (status,
+//     Options.StoredHeaders, body) commit together. Only after the commit
+//     is the response written to the client. If the commit fails, the
+//     client gets a 5xx problem and nothing is stored.
+//   - 4xx, except 408, 425 and 429: a deterministic refusal. The handler's
+//     writes are rolled back; the refusal is stored and replayed.
+//   - 5xx, 408, 425, 429, or a panic: everything is rolled back and nothing
+//     is stored, so a retry runs again. The client gets the handler's own
+//     response (a panic gets a 500 problem; http.ErrAbortHandler is
+//     re-panicked after the rollback).
+//
+// A later request with the same key, actor, operation and fingerprint gets
+// the stored status, stored headers and body byte for byte, plus
+// Idempotent-Replayed: true, and the handler does not run. The middleware's
+// own errors are application/problem+json (RFC 9457) with a "code" member
+// (see the Code constants), and none of them changes anything: 400 for a
+// missing (when required) or malformed key, 401 when Actor fails, 413 for a
+// body over the limit, 422 for the same key with a different request, 409
+// with Retry-After while another request holds the key, and 503 when the
+// database cannot be reached (fail closed: the handler does not run).
+//
+// A client that hangs up does not cancel the work: the transaction runs to
+// its end (bounded by Options.Timeout) and commits, so the client's retry
+// replays. The handler cannot flush or hijack the connection: the response
+// is written only after the commit.
+//
+// Middleware panics if db is nil or opts is invalid (nil Actor, a negative
+// limit, an empty method or header name, a Config that idem.New refuses):
+// like an invalid ServeMux pattern, that is a programming error to find at
+// start-up.
+func Middleware(db idem.Beginner, opts Options) func(http.Handler) http.Handler {
+	m, err := newMiddleware(db, opts)
+	if err != nil {
+		panic(err)
+	}
+	return func(next http.Handler) http.Handler {
+		if next == nil {
+			panic("idemhttp: nil handler")
+		}
+		h := *m
+		h.next = next
+		return &h
+	}
+}
+
+// middleware is the configured middleware around one handler.
+type middleware struct {
+	db          idem.Beginner
+	client      *idem.Client
+	actor       func(*http.Request) (string, error)
+	operation   func(*http.Request) string
+	fingerprint func(*http.Request, []byte) (idem.Fingerprint, error)
+	methods     []string
+	stored      []string // canonical header names
+	keyOptional bool
+	maxBody     int64
+	maxResponse int
+	timeout     time.Duration
+	log         *slog.Logger
+	next        http.Handler
+}
+
+func newMiddleware(db idem.Beginner, opts Options) (*middleware, error) {
+	if db == nil {
+		return nil, errors.New("idemhttp: nil database handle")
+	}
+	if opts.Actor == nil {
+		return nil, errors.New("idemhttp: Options.Actor is required")
+	}
+	if opts.MaxBodyBytes < 0 {
+		return nil, fmt.Errorf("idemhttp: Options.MaxBodyBytes %d is negative", opts.MaxBodyBytes)
+	}
+	if opts.Timeout < 0 {
+		return nil, fmt.Errorf("idemhttp: Options.Timeout %s is negative", opts.Timeout)
+	}
+	client, err := idem.New(opts.Config)
+	if err != nil {
+		return nil, fmt.Errorf("idemhttp: Options.Config: %w", err)
+	}
+	m := &middleware{
+		db:          db,
+		client:      client,
+		actor:       opts.Actor,
+		operation:   opts.Operation,
+		fingerprint: opts.Fingerprint,
+		keyOptional: opts.KeyOptional,
+		maxBody:     opts.MaxBodyBytes,
+		maxResponse: client.Config().MaxResponseBytes,
+		timeout:     opts.Timeout,
+		log:         opts.Logger,
+	}
+	if m.operation == nil {
+		m.operation = DefaultOperation
+	}
+	if m.fingerprint == nil {
+		m.fingerprint = DefaultFingerprint
+	}
+	if m.maxBody == 0 {
+		m.maxBody = DefaultMaxBodyBytes
+	}
+	if m.timeout == 0 {
+		m.timeout = DefaultTimeout
+	}
+	if m.log == nil {
+		m.log = slog.Default()
+	}
+	m.methods = slices.Clone(opts.Methods)
+	if len(m.methods) == 0 {
+		m.methods = defaultMethods
+	}
+	for _, method := range m.methods {
+		if method == "" || !isToken(method) {
+			return nil, fmt.Errorf("idemhttp: Options.Methods: invalid method %q", method)
+		}
+	}
+	stored := opts.StoredHeaders
+	if len(stored) == 0 {
+		stored = defaultStoredHeaders
+	}
+	for _, name := range stored {
+		if name == "" || !isToken(name) {
+			return nil, fmt.Errorf("idemhttp: Options.StoredHeaders: invalid header name %q", name)
+		}
+		name = http.CanonicalHeaderKey(name)
+		if name != HeaderReplayed && !slices.Contains(m.stored, name) {
+			m.stored = append(m.stored, name)
+		}
+	}
+	return m, nil
+}
+
+func isToken(s string) bool {
+	for i := 0; i < len(s); i++ {
+		if !isTchar(s[i]) {
+			return false
+		}
+	}
+	return true
+}
+
+// errNotStored is what the handler's function returns to roll back a
+// response that must not be stored (5xx, 408, 425, 429).
+var errNotStored = errors.New("idemhttp: response not stored")
+
+// stores reports whether a handler response with status is final: stored
+// and replayed (2xx, 3xx, and 4xx refusals other than 408, 425 and 429).
+func stores(status int) bool {
+	switch status {
+	case http.StatusRequestTimeout, http.StatusTooEarly, http.StatusTooManyRequests:
+		return false
+	}
+	return status < 500
+}
+
+func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	if !slices.Contains(m.methods, r.Method) {
+		m.next.ServeHTTP(w, r)
+		return
+	}
+
+	actor, err := m.actor(r)
+	if err == nil && actor == "" {
+		err = errors.New("empty actor")
+	}
+	if err == nil {
+		err = idem.ValidateScope(idem.Scope{Actor: actor, Operation: "-"})
+	}
+	if err != nil {
+		writeProblem(w, http.StatusUnauthorized, CodeUnauthenticated, "The request is not authenticated.", 0)
+		return
+	}
+
+	key, err := parseKey(r.Header.Values(HeaderKey))
+	switch {
+	case errors.Is(err, ErrMissingKey) && m.keyOptional:
+		key, err = "", nil
+	case errors.Is(err, ErrMissingKey):
+		writeProblem(w, http.StatusBadRequest, CodeKeyMissing,
+			"This operation requires an Idempotency-Key header.", 0)
+		return
+	case err == nil:
+		err = m.client.ValidateKey(key)
+	}
+	if err != nil {
+		writeProblem(w, http.StatusBadRequest, CodeKeyInvalid, "Invalid Idempotency-Key header: "+errorText(err), 0)
+		return
+	}
+
+	body, status, detail := m.readBody(w, r)
+	if status != 0 {
+		code := CodeBodyUnreadable
+		if status == http.StatusRequestEntityTooLarge {
+			code = CodeBodyTooLarge
+		}
+		writeProblem(w, status, code, detail, 0)
+		return
+	}
+
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), m.timeout)
+	defer cancel()
+	if key == "" {
+		m.serveUnkeyed(ctx, w, r, body)
+		return
+	}
+
+	fp, err := m.fingerprint(r, body)
+	if err != nil {
+		writeProblem(w, http.StatusBadRequest, CodeBadRequest, errorText(err), 0)
+		return
+	}
+	scope := idem.Scope{Actor: actor, Operation: m.operation(r)}
+	if err := idem.ValidateScope(scope); err != nil {
+		m.fail(ctx, w, r, key, http.StatusInternalServerError, "invalid operation", err)
+		return
+	}
+	m.serveKeyed(ctx, w, r, body, scope, key, fp)
+}
+
+// readBody reads the whole request body, up to m.maxBody bytes. On failure
+// it returns the status and the detail to answer with.
+func (m *middleware) readBody(w http.ResponseWriter, r *http.Request) (body []byte, status int, detail string) {
+	tooLarge := fmt.Sprintf("The request body is larger than %d bytes.", m.maxBody)
+	if r.ContentLength > m.maxBody {
+		return nil, http.StatusRequestEntityTooLarge, tooLarge
+	}
+	if r.Body == nil {
+		return nil, 0, ""
+	}
+	body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, m.maxBody))
+	var maxErr *http.MaxBytesError
+	switch {
+	case errors.As(err, &maxErr):
+		return nil, http.StatusRequestEntityTooLarge, tooLarge
+	case err != nil:
+		return nil, http.StatusBadRequest, "The request body could not be read."
+	}
+	return body, 0, ""
+}
+
+// run runs the handler once in tx with a fresh buffer and request body, and
+// returns the buffer. A panic of the handler goes on to the caller.
+func (m *middleware) run(ctx context.Context, tx pgx.Tx, r *http.Request, base http.Header, body []byte) *bufferWriter {
+	buf := newBufferWriter(base, m.maxResponse)
+	req := r.WithContext(context.WithValue(ctx, txKey{}, tx))
+	req.Body = io.NopCloser(bytes.NewReader(body))
+	req.ContentLength = int64(len(body))
+	m.next.ServeHTTP(buf, req)
+	return buf
+}
+
+// serveKeyed runs the handler under idem for a request with a key.
+func (m *middleware) serveKeyed(ctx context.Context, w http.ResponseWriter, r *http.Request, body []byte,
+	scope idem.Scope, key string, fp idem.Fingerprint) {
+	base := w.Header().Clone()
+	var buf *bufferWriter // the buffer of the last run of the handler
+	var res idem.Result
+	err := m.guard(ctx, w, r, key, func() error {
+		var err error
+		res, err = m.client.DoInTx(ctx, m.db, scope, key, fp, func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+			buf = m.run(ctx, tx, r, base, body)
+			if buf.tooBig {
+				return idem.Response{}, fmt.Errorf("%w: the handler wrote more than %d bytes", idem.ErrResponseTooLarge, m.maxResponse)
+			}
+			status, header := buf.result()
+			resp := idem.Response{Status: status, Header: m.storedHeader(header), Body: buf.body.Bytes()}
+			switch {
+			case !stores(status):
+				return idem.Response{}, errNotStored
+			case status >= 400:
+				return idem.Response{}, idem.Reject(resp)
+			}
+			return resp, nil
+		})
+		return err
+	})
+	var inProgress *idem.InProgressError
+	switch {
+	case errors.Is(err, errPanicked):
+		// guard answered already.
+	case err == nil && res.Replayed:
+		writeReplay(w, res.Response)
+	case err == nil, errors.Is(err, errNotStored):
+		writeBuffered(w, buf)
+	case errors.Is(err, idem.ErrKeyReused):
+		writeProblem(w, http.StatusUnprocessableEntity, CodeKeyReused,
+			"This Idempotency-Key was used for a different request.", 0)
+	case errors.As(err, &inProgress):
+		writeProblem(w, http.StatusConflict, CodeInProgress,
+			"A request with this Idempotency-Key is in progress; retry later with the same key.", inProgress.RetryAfter)
+	case errors.Is(err, idem.ErrInvalidKey):
+		writeProblem(w, http.StatusBadRequest, CodeKeyInvalid, "Invalid Idempotency-Key header: "+errorText(err), 0)
+	default:
+		m.fail(ctx, w, r, key, storeStatus(err), "store failure", err)
+	}
+}
+
+// serveUnkeyed runs the handler in a transaction of its own for a request
+// without a key (Options.KeyOptional): the same outcomes, nothing stored.
+func (m *middleware) serveUnkeyed(ctx context.Context, w http.ResponseWriter, r *http.Request, body []byte) {
+	base := w.Header().Clone()
+	var buf *bufferWriter
+	err := m.guard(ctx, w, r, "", func() error {
+		return m.client.InTx(ctx, m.db, func(ctx context.Context, tx pgx.Tx) error {
+			buf = m.run(ctx, tx, r, base, body)
+			if buf.tooBig {
+				return fmt.Errorf("%w: the handler wrote more than %d bytes", idem.ErrResponseTooLarge, m.maxResponse)
+			}
+			if status, _ := buf.result(); status >= 400 {
+				return errNotStored
+			}
+			return nil
+		})
+	})
+	switch {
+	case errors.Is(err, errPanicked):
+	case err == nil, errors.Is(err, errNotStored):
+		writeBuffered(w, buf)
+	default:
+		m.fail(ctx, w, r, "", storeStatus(err), "store failure", err)
+	}
+}
+
+// errPanicked is what guard returns after it answered a handler panic.
+var errPanicked = errors.New("idemhttp: handler panicked")
+
+// guard calls f, which runs the handler in a transaction. If the handler
+// panics, the transaction has been rolled back by the time the panic
+// reaches guard, which answers 500 and returns errPanicked.
+// http.ErrAbortHandler is passed on.
+func (m *middleware) guard(ctx context.Context, w http.ResponseWriter, r *http.Request, key string, f func() error) (err error) {
+	defer func() {
+		v := recover()
+		if v == nil {
+			return
+		}
+		if v == http.ErrAbortHandler {
+			panic(v)
+		}
+		m.log.LogAttrs(ctx, slog.LevelError, "idemhttp: handler panicked; rolled back, nothing stored",
+			append(m.logAttrs(r, key), slog.Any("panic", v), slog.String("stack", string(debug.Stack())))...)
+		writeProblem(w, http.StatusInternalServerError, CodeInternal, "The request failed; nothing was stored.", 0)
+		err = errPanicked
+	}()
+	return f()
+}
+
+// fail logs err and answers status (500 or 503) with a problem.
+func (m *middleware) fail(ctx context.Context, w http.ResponseWriter, r *http.Request, key string, status int, msg string, err error) {
+	m.log.LogAttrs(ctx, slog.LevelError, "idemhttp: "+msg, append(m.logAttrs(r, key), slog.Any("error", err))...)
+	if status == http.StatusServiceUnavailable {
+		writeProblem(w, status, CodeStoreUnavailable,
+			"The idempotency store is unavailable; retry later with the same key.", time.Second)
+		return
+	}
+	writeProblem(w, status, CodeInternal, "The request failed; nothing was stored.", 0)
+}
+
+func (m *middleware) logAttrs(r *http.Request, key string) []slog.Attr {
+	attrs := []slog.Attr{slog.String("method", r.Method), slog.String("path", r.URL.Path)}
+	if key != "" {
+		sum := sha256.Sum256([]byte(key))
+		attrs = append(attrs, slog.String("key_sha256", hex.EncodeToString(sum[:8])))
+	}
+	return attrs
+}
+
+// storedHeader returns the headers of h that are stored, or nil.
+func (m *middleware) storedHeader(h http.Header) map[string][]string {
+	var out map[string][]string
+	for _, name := range m.stored {
+		if v, ok := h[name]; ok {
+			if out == nil {
+				out = make(map[string][]string, len(m.stored))
+			}
+			out[name] = slices.Clone(v)
+		}
+	}
+	return out
+}
+
+// storeStatus classifies an error of the store: 503 when the database could
+// not be reached or gave up (connection failures, timeouts, SQLSTATE
+// classes 08, 53, 57 and 58), 500 otherwise.
+func storeStatus(err error) int {
+	switch {
+	case errors.Is(err, idem.ErrUnavailable):
+		return http.StatusServiceUnavailable
+	case errors.Is(err, idem.ErrResponseTooLarge), errors.Is(err, idem.ErrInvalidResponse),
+		errors.Is(err, idem.ErrInvalidArgument), errors.Is(err, idem.ErrInvalidScope):
+		return http.StatusInternalServerError
+	}
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		if len(pgErr.Code) == 5 {
+			switch pgErr.Code[:2] {
+			case "08", "53", "57", "58":
+				return http.StatusServiceUnavailable
+			}
+		}
+		return http.StatusInternalServerError
+	}
+	return http.StatusServiceUnavailable
+}
+
+// writeBuffered writes the handler's response as it buffered it.
+func writeBuffered(w http.ResponseWriter, buf *bufferWriter) {
+	status, header := buf.result()
+	h := w.Header()
+	clear(h)
+	for name, v := range header {
+		h[name] = v
+	}
+	writeBody(w, status, buf.body.Bytes())
+}
+
+// writeReplay writes a stored response: its stored headers and
+// Idempotent-Replayed: true.
+func writeReplay(w http.ResponseWriter, resp idem.Response) {
+	h := w.Header()
+	for name, v := range resp.Header {
+		h[http.CanonicalHeaderKey(name)] = v
+	}
+	h.Set(HeaderReplayed, "true")
+	writeBody(w, resp.Status, resp.Body)
+}
+
+func writeBody(w http.ResponseWriter, status int, body []byte) {
+	if bodyAllowed(status) {
+		w.Header().Set("Content-Length", strconv.Itoa(len(body)))
+	} else {
+		w.Header().Del("Content-Length")
+	}
+	w.WriteHeader(status)
+	if bodyAllowed(status) && len(body) > 0 {
+		_, _ = w.Write(body) // the client may be gone; what was stored stays stored
+	}
+}
+
+// errorText returns err's message without the package prefixes of idem and
+// idemhttp, for a problem's detail.
+func errorText(err error) string {
+	s := strings.ReplaceAll(err.Error(), "idemhttp: ", "")
+	return strings.ReplaceAll(s, "idem: ", "")
+}

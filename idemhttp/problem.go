@@ -1,0 +1,77 @@
+package idemhttp
+
+import (
+	"encoding/json"
+	"net/http"
+	"strconv"
+	"time"
+)
+
+// Problem codes: the "code" member of the application/problem+json (RFC
+// 9457) responses the middleware writes itself. None of these responses is
+// stored, and none of the situations they describe changed anything.
+const (
+	// CodeKeyMissing (400): a covered request without an Idempotency-Key
+	// header, when a key is required.
+	CodeKeyMissing = "IDEMPOTENCY_KEY_MISSING"
+	// CodeKeyInvalid (400): the header is malformed, appears more than once,
+	// or holds a key of the wrong length or alphabet.
+	CodeKeyInvalid = "IDEMPOTENCY_KEY_INVALID"
+	// CodeKeyReused (422): the key was used before for a different request
+	// (another body, path or query) in the same scope.
+	CodeKeyReused = "IDEMPOTENCY_KEY_REUSED"
+	// CodeInProgress (409, with Retry-After): a request with this key is
+	// still running; retry later with the same key.
+	CodeInProgress = "REQUEST_IN_PROGRESS"
+	// CodeBodyTooLarge (413): the request body is over Options.MaxBodyBytes.
+	CodeBodyTooLarge = "REQUEST_BODY_TOO_LARGE"
+	// CodeBodyUnreadable (400): the request body could not be read.
+	CodeBodyUnreadable = "REQUEST_BODY_UNREADABLE"
+	// CodeBadRequest (400): Options.Fingerprint refused the request.
+	CodeBadRequest = "BAD_REQUEST"
+	// CodeUnauthenticated (401): Options.Actor returned an error or an
+	// unusable actor.
+	CodeUnauthenticated = "UNAUTHENTICATED"
+	// CodeStoreUnavailable (503, with Retry-After): the database could not be
+	// reached or failed while the request ran. The handler's writes, if it
+	// ran, were not committed, or the commit's outcome is unknown; a retry
+	// with the same key either replays or runs afresh.
+	CodeStoreUnavailable = "STORE_UNAVAILABLE"
+	// CodeInternal (500): anything else, such as a handler panic, a response
+	// too large to store, or a database error; nothing was stored.
+	CodeInternal = "INTERNAL_ERROR"
+)
+
+// ContentTypeProblem is the media type of the middleware's error responses.
+const ContentTypeProblem = "application/problem+json"
+
+// problem is an RFC 9457 problem details object with the "code" extension.
+type problem struct {
+	Type   string `json:"type"`
+	Title  string `json:"title"`
+	Status int    `json:"status"`
+	Code   string `json:"code"`
+	Detail string `json:"detail,omitempty"`
+}
+
+// writeProblem writes a problem response. retryAfter, when positive, is sent
+// as Retry-After in whole seconds (rounded up).
+func writeProblem(w http.ResponseWriter, status int, code, detail string, retryAfter time.Duration) {
+	body, _ := json.Marshal(problem{
+		Type:   "about:blank",
+		Title:  http.StatusText(status),
+		Status: status,
+		Code:   code,
+		Detail: detail,
+	})
+	h := w.Header()
+	h.Set("Content-Type", ContentTypeProblem)
+	h.Set("Content-Length", strconv.Itoa(len(body)))
+	h.Set("Cache-Control", "no-store")
+	if retryAfter > 0 {
+		secs := int64((retryAfter + time.Second - 1) / time.Second)
+		h.Set("Retry-After", strconv.FormatInt(secs, 10))
+	}
+	w.WriteHeader(status)
+	_, _ = w.Write(body)
+}
