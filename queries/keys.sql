@@ -1,19 +1,42 @@
--- Claims a key for the calling transaction. The primary key picks a single
--- winner: while another transaction holds an uncommitted claim on the same key
--- this statement waits for it to finish, at most lock_timeout, which it sets
--- to @lock_timeout for the rest of the transaction after saving the previous
--- value for KeyGetAfterClaim to restore. It returns no row when a committed
--- row already holds the key.
+-- Claims a key for the calling transaction, or reads the row that holds it.
+--
+-- The primary key picks a single winner: while another transaction holds an
+-- uncommitted claim on the same key, the INSERT waits for it to finish, at
+-- most @lock_timeout (set for the wait; the caller's value is saved first and
+-- restored by the final SELECT). The statement returns one row: claimed when
+-- this transaction now holds the key, otherwise the committed row that holds
+-- it. It returns no row when the row it waited for committed during the wait
+-- (invisible to this statement's snapshot); KeyGetAfterClaim then reads it
+-- and restores lock_timeout.
 -- name: KeyClaim :one
-INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, expires_at)
-SELECT sqlc.arg(actor)::text, sqlc.arg(operation)::text, sqlc.arg(idem_key)::text,
-       sqlc.arg(fingerprint)::bytea, 'processing',
-       now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond')
-FROM (SELECT set_config('lock_timeout', sqlc.arg(lock_timeout)::text, true)
-      FROM (SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true)) AS saved
-     ) AS bounded_wait
-ON CONFLICT (actor, operation, idem_key) DO NOTHING
-RETURNING expires_at;
+WITH claim AS (
+    INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, expires_at)
+    SELECT sqlc.arg(actor)::text, sqlc.arg(operation)::text, sqlc.arg(idem_key)::text,
+           sqlc.arg(fingerprint)::bytea, 'processing',
+           now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond')
+    FROM (SELECT set_config('lock_timeout', sqlc.arg(lock_timeout)::text, true)
+          FROM (SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true)) AS saved
+         ) AS bounded_wait
+    ON CONFLICT (actor, operation, idem_key) DO NOTHING
+    RETURNING true AS claimed
+), outcome AS (
+    SELECT claim.claimed, NULL::bytea AS fingerprint, NULL::text AS status,
+           NULL::integer AS response_status, NULL::jsonb AS response_headers,
+           NULL::bytea AS response_body, false AS expired
+    FROM claim
+    UNION ALL
+    SELECT false, k.fingerprint, k.status, k.response_status, k.response_headers,
+           k.response_body, k.expires_at <= now()
+    FROM idem_keys AS k
+    WHERE k.actor = sqlc.arg(actor)::text AND k.operation = sqlc.arg(operation)::text
+      AND k.idem_key = sqlc.arg(idem_key)::text
+      AND NOT EXISTS (SELECT FROM claim)
+)
+SELECT outcome.claimed::boolean AS claimed, outcome.fingerprint, outcome.status,
+       outcome.response_status, outcome.response_headers, outcome.response_body,
+       outcome.expired::boolean AS expired,
+       set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), true) AS restored
+FROM outcome;
 
 -- Restores the lock_timeout saved by KeyClaim or KeyTakeOver and reads the
 -- row that holds a key. It always returns one row; found is false when no row
@@ -58,5 +81,12 @@ SET status           = @status,
     response_headers = @response_headers,
     response_body    = @response_body,
     completed_at     = now()
+WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
+  AND status = 'processing';
+
+-- Gives up a claim that this transaction holds, after fn failed: the key is
+-- free again once the transaction ends.
+-- name: KeyRelease :exec
+DELETE FROM idem_keys
 WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
   AND status = 'processing';

@@ -12,15 +12,34 @@ import (
 )
 
 const KeyClaim = `-- name: KeyClaim :one
-INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, expires_at)
-SELECT $1::text, $2::text, $3::text,
-       $4::bytea, 'processing',
-       now() + ($5::bigint * interval '1 microsecond')
-FROM (SELECT set_config('lock_timeout', $6::text, true)
-      FROM (SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true)) AS saved
-     ) AS bounded_wait
-ON CONFLICT (actor, operation, idem_key) DO NOTHING
-RETURNING expires_at
+WITH claim AS (
+    INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, expires_at)
+    SELECT $1::text, $2::text, $3::text,
+           $4::bytea, 'processing',
+           now() + ($5::bigint * interval '1 microsecond')
+    FROM (SELECT set_config('lock_timeout', $6::text, true)
+          FROM (SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true)) AS saved
+         ) AS bounded_wait
+    ON CONFLICT (actor, operation, idem_key) DO NOTHING
+    RETURNING true AS claimed
+), outcome AS (
+    SELECT claim.claimed, NULL::bytea AS fingerprint, NULL::text AS status,
+           NULL::integer AS response_status, NULL::jsonb AS response_headers,
+           NULL::bytea AS response_body, false AS expired
+    FROM claim
+    UNION ALL
+    SELECT false, k.fingerprint, k.status, k.response_status, k.response_headers,
+           k.response_body, k.expires_at <= now()
+    FROM idem_keys AS k
+    WHERE k.actor = $1::text AND k.operation = $2::text
+      AND k.idem_key = $3::text
+      AND NOT EXISTS (SELECT FROM claim)
+)
+SELECT outcome.claimed::boolean AS claimed, outcome.fingerprint, outcome.status,
+       outcome.response_status, outcome.response_headers, outcome.response_body,
+       outcome.expired::boolean AS expired,
+       set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), true) AS restored
+FROM outcome
 `
 
 type KeyClaimParams struct {
@@ -32,13 +51,28 @@ type KeyClaimParams struct {
 	LockTimeout string
 }
 
-// Claims a key for the calling transaction. The primary key picks a single
-// winner: while another transaction holds an uncommitted claim on the same key
-// this statement waits for it to finish, at most lock_timeout, which it sets
-// to @lock_timeout for the rest of the transaction after saving the previous
-// value for KeyGetAfterClaim to restore. It returns no row when a committed
-// row already holds the key.
-func (q *Queries) KeyClaim(ctx context.Context, db DBTX, arg KeyClaimParams) (pgtype.Timestamptz, error) {
+type KeyClaimRow struct {
+	Claimed         bool
+	Fingerprint     []byte
+	Status          pgtype.Text
+	ResponseStatus  pgtype.Int4
+	ResponseHeaders []byte
+	ResponseBody    []byte
+	Expired         bool
+	Restored        string
+}
+
+// Claims a key for the calling transaction, or reads the row that holds it.
+//
+// The primary key picks a single winner: while another transaction holds an
+// uncommitted claim on the same key, the INSERT waits for it to finish, at
+// most @lock_timeout (set for the wait; the caller's value is saved first and
+// restored by the final SELECT). The statement returns one row: claimed when
+// this transaction now holds the key, otherwise the committed row that holds
+// it. It returns no row when the row it waited for committed during the wait
+// (invisible to this statement's snapshot); KeyGetAfterClaim then reads it
+// and restores lock_timeout.
+func (q *Queries) KeyClaim(ctx context.Context, db DBTX, arg KeyClaimParams) (KeyClaimRow, error) {
 	row := db.QueryRow(ctx, KeyClaim,
 		arg.Actor,
 		arg.Operation,
@@ -47,9 +81,18 @@ func (q *Queries) KeyClaim(ctx context.Context, db DBTX, arg KeyClaimParams) (pg
 		arg.TtlMicros,
 		arg.LockTimeout,
 	)
-	var expires_at pgtype.Timestamptz
-	err := row.Scan(&expires_at)
-	return expires_at, err
+	var i KeyClaimRow
+	err := row.Scan(
+		&i.Claimed,
+		&i.Fingerprint,
+		&i.Status,
+		&i.ResponseStatus,
+		&i.ResponseHeaders,
+		&i.ResponseBody,
+		&i.Expired,
+		&i.Restored,
+	)
+	return i, err
 }
 
 const KeyComplete = `-- name: KeyComplete :execrows
@@ -133,6 +176,25 @@ func (q *Queries) KeyGetAfterClaim(ctx context.Context, db DBTX, arg KeyGetAfter
 		&i.Expired,
 	)
 	return i, err
+}
+
+const KeyRelease = `-- name: KeyRelease :exec
+DELETE FROM idem_keys
+WHERE actor = $1 AND operation = $2 AND idem_key = $3
+  AND status = 'processing'
+`
+
+type KeyReleaseParams struct {
+	Actor     string
+	Operation string
+	IdemKey   string
+}
+
+// Gives up a claim that this transaction holds, after fn failed: the key is
+// free again once the transaction ends.
+func (q *Queries) KeyRelease(ctx context.Context, db DBTX, arg KeyReleaseParams) error {
+	_, err := db.Exec(ctx, KeyRelease, arg.Actor, arg.Operation, arg.IdemKey)
+	return err
 }
 
 const KeyTakeOver = `-- name: KeyTakeOver :one

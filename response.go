@@ -1,0 +1,96 @@
+package idem
+
+import (
+	"encoding/json"
+	"fmt"
+)
+
+// encodeResponse checks that resp can be stored and replayed exactly, and
+// returns its header encoded for the response_headers column (nil when resp
+// has no header map).
+func (c *Client) encodeResponse(resp Response) ([]byte, error) {
+	if resp.Status < 100 || resp.Status > 999 {
+		return nil, fmt.Errorf("%w: status %d is not a 3-digit HTTP status", ErrInvalidResponse, resp.Status)
+	}
+	size := len(resp.Body)
+	for name, values := range resp.Header {
+		if err := checkHeaderText(name); err != nil {
+			return nil, fmt.Errorf("%w: header name %q: %v", ErrInvalidResponse, name, err)
+		}
+		size += len(name)
+		for _, v := range values {
+			if err := checkHeaderText(v); err != nil {
+				return nil, fmt.Errorf("%w: header %q value %q: %v", ErrInvalidResponse, name, v, err)
+			}
+			size += len(v)
+		}
+	}
+	if size > c.cfg.MaxResponseBytes {
+		return nil, fmt.Errorf("%w: %d bytes, limit %d", ErrResponseTooLarge, size, c.cfg.MaxResponseBytes)
+	}
+	if resp.Header == nil {
+		return nil, nil
+	}
+	return appendHeaderJSON(make([]byte, 0, size+8*len(resp.Header)+2), resp.Header), nil
+}
+
+// replay turns a stored row into a replayed Result.
+func replay(row keyRow) (Result, error) {
+	res := Result{Replayed: true}
+	res.Status = int(row.ResponseStatus.Int32)
+	res.Body = row.ResponseBody
+	if row.ResponseHeaders != nil {
+		if err := json.Unmarshal(row.ResponseHeaders, &res.Header); err != nil {
+			return Result{}, fmt.Errorf("idem: stored response headers: %w", err)
+		}
+	}
+	return res, nil
+}
+
+// appendHeaderJSON appends h as a JSON object of string arrays, as
+// encoding/json would write it but without its reflection and allocations. A
+// nil value slice is written as null, so it reads back as nil. Names and
+// values are valid UTF-8 without NUL bytes (checkHeaderText).
+func appendHeaderJSON(b []byte, h map[string][]string) []byte {
+	b = append(b, '{')
+	first := true
+	for name, values := range h {
+		if !first {
+			b = append(b, ',')
+		}
+		first = false
+		b = appendJSONString(b, name)
+		b = append(b, ':')
+		if values == nil {
+			b = append(b, "null"...)
+			continue
+		}
+		b = append(b, '[')
+		for i, v := range values {
+			if i > 0 {
+				b = append(b, ',')
+			}
+			b = appendJSONString(b, v)
+		}
+		b = append(b, ']')
+	}
+	return append(b, '}')
+}
+
+// appendJSONString appends s as a JSON string. s is valid UTF-8, so only
+// quotes, backslashes and control characters need escaping.
+func appendJSONString(b []byte, s string) []byte {
+	const hex = "0123456789abcdef"
+	b = append(b, '"')
+	for i := 0; i < len(s); i++ {
+		switch c := s[i]; {
+		case c == '"' || c == '\\':
+			b = append(b, '\\', c)
+		case c < 0x20:
+			b = append(b, '\\', 'u', '0', '0', hex[c>>4], hex[c&0xf])
+		default:
+			b = append(b, c)
+		}
+	}
+	return append(b, '"')
+}

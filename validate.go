@@ -1,0 +1,82 @@
+package idem
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"unicode/utf8"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// checkCall validates the arguments every entry point shares.
+func (c *Client) checkCall(scope Scope, key string, fn func(ctx context.Context, tx pgx.Tx) (Response, error)) error {
+	if err := c.ValidateKey(key); err != nil {
+		return err
+	}
+	if err := ValidateScope(scope); err != nil {
+		return err
+	}
+	if fn == nil {
+		return fmt.Errorf("%w: nil function", ErrInvalidArgument)
+	}
+	return nil
+}
+
+// MaxScopeLength is the longest Actor or Operation, in bytes.
+const MaxScopeLength = 255
+
+// ValidateScope reports whether scope can be used: Actor and Operation must be
+// non-empty valid UTF-8 of at most MaxScopeLength bytes without NUL bytes.
+// The error wraps ErrInvalidScope.
+func ValidateScope(scope Scope) error {
+	for _, f := range [...]struct{ name, v string }{{"actor", scope.Actor}, {"operation", scope.Operation}} {
+		switch {
+		case f.v == "":
+			return fmt.Errorf("%w: empty %s", ErrInvalidScope, f.name)
+		case len(f.v) > MaxScopeLength:
+			return fmt.Errorf("%w: %s is %d bytes, limit %d", ErrInvalidScope, f.name, len(f.v), MaxScopeLength)
+		case checkHeaderText(f.v) != nil:
+			return fmt.Errorf("%w: %s: %v", ErrInvalidScope, f.name, checkHeaderText(f.v))
+		}
+	}
+	return nil
+}
+
+// ValidateKey reports whether key is a valid idempotency key under the
+// package defaults: 1 to 255 bytes of visible ASCII (0x21-0x7E), so no
+// spaces, control characters or non-ASCII. The error wraps ErrInvalidKey.
+func ValidateKey(key string) error { return defaultClient.ValidateKey(key) }
+
+// ValidateKey is the package-level ValidateKey with this client's key length
+// bounds.
+func (c *Client) ValidateKey(key string) error {
+	switch {
+	case key == "":
+		return fmt.Errorf("%w: empty key", ErrInvalidKey)
+	case len(key) < c.cfg.MinKeyLength:
+		return fmt.Errorf("%w: key is %d bytes, at least %d required", ErrInvalidKey, len(key), c.cfg.MinKeyLength)
+	case len(key) > c.cfg.MaxKeyLength:
+		return fmt.Errorf("%w: key is %d bytes, limit %d", ErrInvalidKey, len(key), c.cfg.MaxKeyLength)
+	}
+	for i := 0; i < len(key); i++ {
+		if b := key[i]; b < 0x21 || b > 0x7e {
+			return fmt.Errorf("%w: byte %d is 0x%02x; keys hold visible ASCII (0x21-0x7E) only", ErrInvalidKey, i, b)
+		}
+	}
+	return nil
+}
+
+// checkHeaderText reports whether s can be stored in a jsonb column and read
+// back unchanged.
+func checkHeaderText(s string) error {
+	if !utf8.ValidString(s) {
+		return errors.New("not valid UTF-8")
+	}
+	for i := 0; i < len(s); i++ {
+		if s[i] == 0 {
+			return errors.New("holds a NUL byte")
+		}
+	}
+	return nil
+}
