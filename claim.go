@@ -7,19 +7,20 @@ import (
 
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/pgidem/idem/internal/db"
 )
 
 // The claim protocol, all in the caller's transaction:
 //
-//  1. One round trip: KeyClaim claims the key or reads the committed row
-//     that holds it (waiting at most Config.Wait for an in-flight twin),
-//     then SAVEPOINT idem_fn.
+//  1. One round trip: KeyClaim claims the key (waiting at most Config.Wait
+//     for an in-flight twin), then SAVEPOINT idem_fn.
 //  2. fn runs inside idem_fn.
-//  3. One round trip: KeyComplete stores the outcome, RELEASE idem_fn (and
+//  3. One round trip: KeyComplete stores the outcome, RELEASE idem_fn (or
 //     COMMIT, in DoInTx's own transaction).
+//
+// When a committed row already holds the key, step 1 claims nothing and a
+// second round trip reads the row (KeyGetAfterClaim) and releases idem_fn.
 //
 // Reject rolls back to idem_fn first: fn's writes are undone but the claim is
 // kept, so a twin waiting on the claim never sees the key free. Any other
@@ -43,129 +44,101 @@ const undoFnSQL = "ROLLBACK TO SAVEPOINT " + savepointFn + "; RELEASE SAVEPOINT 
 // errRetryClaim marks a lookup after which Do claims again.
 var errRetryClaim = errors.New("idem: claim again")
 
-// rowKey is the primary key of a key row.
-type rowKey struct{ actor, operation, key string }
+// rowKey is the primary key of a key row, with its parts boxed once as
+// statement arguments: the claim and the completion both send them.
+type rowKey struct {
+	actor, operation, key string
+	args                  [3]any
+}
 
-// keyRow is the committed row that holds a key, as claim reads it.
-type keyRow struct {
-	Fingerprint     []byte
-	Status          string
-	ResponseStatus  pgtype.Int4
-	ResponseHeaders []byte
-	ResponseBody    []byte
-	Expired         bool
+func newRowKey(scope Scope, key string) *rowKey {
+	return &rowKey{actor: scope.Actor, operation: scope.Operation, key: key,
+		args: [3]any{scope.Actor, scope.Operation, key}}
+}
+
+// keyRow is the committed row that holds a key, as KeyGetAfterClaim reads it.
+type keyRow = db.KeyGetAfterClaimRow
+
+// The two statements of every fresh Do are queued with arguments built here,
+// in the order of the generated methods (TestHotArgsMatchGenerated checks
+// it), rather than through those methods, which would box the key's parts
+// again for each statement.
+
+func (c *Client) claimArgs(k *rowKey, fp []byte) []any {
+	return []any{k.args[0], k.args[1], k.args[2], fp, c.ttlArg, c.lockTimeoutArg}
+}
+
+func completeArgs(k *rowKey, status string, respStatus int, headers, body []byte) []any {
+	return []any{status, int32(respStatus), headers, body, k.args[0], k.args[1], k.args[2]}
 }
 
 // claim claims k for tx, waiting at most Config.Wait for a concurrent claim
-// of the same key, and otherwise reads the committed row that holds the key;
-// then it opens fn's savepoint. One round trip in the common cases. With
-// takeOver it takes over an expired row instead of inserting one. When not
-// claimed, row is the row holding the key (found false if there is none) and
-// the caller releases the savepoint.
-func (c *Client) claim(ctx context.Context, tx pgx.Tx, k rowKey, fp Fingerprint, takeOver bool) (
+// of the same key, and opens fn's savepoint: one round trip. With takeOver it
+// takes over an expired row instead of inserting one. When not claimed, it
+// reads the committed row that holds the key (found false if there is none)
+// and drops the savepoint again.
+func (c *Client) claim(ctx context.Context, tx pgx.Tx, k *rowKey, fp Fingerprint, takeOver bool) (
 	claimed bool, row keyRow, found bool, err error) {
-	b := &pgx.Batch{QueuedQueries: make([]*pgx.QueuedQuery, 0, 3)}
-	q := queuer{b}
+	b := &pgx.Batch{QueuedQueries: make([]*pgx.QueuedQuery, 0, 2)}
 	if takeOver {
-		_, _ = queries.KeyTakeOver(ctx, q, db.KeyTakeOverParams{
+		_, _ = queries.KeyTakeOver(ctx, queuer{b}, db.KeyTakeOverParams{
 			Fingerprint: fp[:], TtlMicros: c.ttlMicros, LockTimeout: c.lockTimeout,
 			Actor: k.actor, Operation: k.operation, IdemKey: k.key,
 		})
-		_, _ = queries.KeyGetAfterClaim(ctx, q, db.KeyGetAfterClaimParams{Actor: k.actor, Operation: k.operation, IdemKey: k.key})
 	} else {
-		_, _ = queries.KeyClaim(ctx, q, db.KeyClaimParams{
-			Actor: k.actor, Operation: k.operation, IdemKey: k.key,
-			Fingerprint: fp[:], TtlMicros: c.ttlMicros, LockTimeout: c.lockTimeout,
-		})
+		b.Queue(db.KeyClaim, c.claimArgs(k, fp[:])...)
 	}
-	// fn's savepoint comes after lock_timeout is restored, so that undoing
-	// fn's writes does not undo that.
 	b.Queue("SAVEPOINT " + savepointFn)
-
 	br := tx.SendBatch(ctx, b)
-	raced := false
-	if takeOver {
-		var expires pgtype.Timestamptz
-		err = br.QueryRow().Scan(&expires)
-		claimed = err == nil
-		if errors.Is(err, pgx.ErrNoRows) {
-			err = nil
-		}
-		if err == nil {
-			err = br.QueryRow().Scan(&found, &row.Fingerprint, &row.Status, &row.ResponseStatus,
-				&row.ResponseHeaders, &row.ResponseBody, &row.Expired)
-		}
-	} else {
-		var status pgtype.Text
-		var restored string
-		err = br.QueryRow().Scan(&claimed, &row.Fingerprint, &status, &row.ResponseStatus,
-			&row.ResponseHeaders, &row.ResponseBody, &row.Expired, &restored)
-		row.Status, found = status.String, err == nil && !claimed
-		if errors.Is(err, pgx.ErrNoRows) {
-			// The twin it waited for committed during the wait: read its
-			// row in a statement of its own, which can see it.
-			err, raced = nil, true
-		}
+	err = br.QueryRow().Scan(&claimed)
+	if errors.Is(err, pgx.ErrNoRows) {
+		err = nil
 	}
 	if err == nil {
 		_, err = br.Exec()
 	}
-	err = closeBatch(br, err)
-	if err == nil && raced {
-		var got db.KeyGetAfterClaimRow
-		got, err = queries.KeyGetAfterClaim(ctx, tx, db.KeyGetAfterClaimParams{Actor: k.actor, Operation: k.operation, IdemKey: k.key})
-		row, found = keyRow{got.Fingerprint, got.Status, got.ResponseStatus, got.ResponseHeaders, got.ResponseBody, got.Expired}, got.Found
+	if err = closeBatch(br, err); err != nil {
+		if pgCode(err) == pgerrcode.LockNotAvailable {
+			return false, row, false, c.inProgress()
+		}
+		return false, row, false, fmt.Errorf("idem: claim: %w", err)
 	}
-	if err == nil && found && len(row.Fingerprint) != len(Fingerprint{}) {
+	if claimed {
+		return true, row, false, nil
+	}
+
+	// A committed row holds the key. Read it in a statement of its own:
+	// under READ COMMITTED that one sees a twin that committed while the
+	// claim waited.
+	b = &pgx.Batch{QueuedQueries: make([]*pgx.QueuedQuery, 0, 2)}
+	_, _ = queries.KeyGetAfterClaim(ctx, queuer{b}, db.KeyGetAfterClaimParams{Actor: k.actor, Operation: k.operation, IdemKey: k.key})
+	b.Queue("RELEASE SAVEPOINT " + savepointFn)
+	br = tx.SendBatch(ctx, b)
+	err = br.QueryRow().Scan(&row.Found, &row.Fingerprint, &row.Status, &row.ResponseStatus,
+		&row.ResponseHeaders, &row.ResponseBody, &row.Expired)
+	if err == nil {
+		_, err = br.Exec()
+	}
+	if err == nil && row.Found && len(row.Fingerprint) != len(Fingerprint{}) {
 		err = fmt.Errorf("stored fingerprint has %d bytes", len(row.Fingerprint))
 	}
-	switch {
-	case err == nil:
-		return claimed, row, found, nil
-	case pgCode(err) == pgerrcode.LockNotAvailable:
-		return false, row, false, c.inProgress()
-	}
-	return false, row, false, fmt.Errorf("idem: claim: %w", err)
-}
-
-// releaseClaim drops fn's savepoint after a claim that did not win. With
-// final set, a transaction of DoInTx's own is committed in the same round
-// trip: the claim wrote nothing, so there is nothing else to run.
-func releaseClaim(ctx context.Context, tx pgx.Tx, final bool) error {
-	b := &pgx.Batch{QueuedQueries: make([]*pgx.QueuedQuery, 0, 2)}
-	b.Queue("RELEASE SAVEPOINT " + savepointFn)
-	own := ownTx(tx, final)
-	if own != nil {
-		b.Queue("COMMIT")
-	}
-	br := tx.SendBatch(ctx, b)
-	_, err := br.Exec()
-	if err == nil && own != nil {
-		err = own.commitResult(br.Exec())
-	}
 	if err = closeBatch(br, err); err != nil {
-		return fmt.Errorf("idem: release claim: %w", err)
+		return false, row, false, fmt.Errorf("idem: read key: %w", err)
 	}
-	return nil
+	return false, row, row.Found, nil
 }
 
 // complete stores the outcome of a claimed key and drops fn's savepoint. In
-// DoInTx's own transaction Do is the last thing to run, so it also commits
-// in the same round trip.
-func complete(ctx context.Context, tx pgx.Tx, k rowKey, status string, resp Response, headers []byte) error {
+// DoInTx's own transaction Do is the last thing to run, so it commits
+// instead, in the same round trip.
+func complete(ctx context.Context, tx pgx.Tx, k *rowKey, status string, resp Response, headers []byte) error {
 	body := resp.Body
 	if body == nil {
 		body = []byte{}
 	}
 	b := &pgx.Batch{QueuedQueries: make([]*pgx.QueuedQuery, 0, 2)}
-	_, _ = queries.KeyComplete(ctx, queuer{b}, db.KeyCompleteParams{
-		Status:          status,
-		ResponseStatus:  pgtype.Int4{Int32: int32(resp.Status), Valid: true},
-		ResponseHeaders: headers,
-		ResponseBody:    body,
-		Actor:           k.actor, Operation: k.operation, IdemKey: k.key,
-	})
-	own := ownTx(tx, true)
+	b.Queue(db.KeyComplete, completeArgs(k, status, resp.Status, headers, body)...)
+	own := ownTx(tx)
 	if own != nil {
 		b.Queue("COMMIT") // the savepoint ends with the transaction
 	} else {
@@ -199,8 +172,8 @@ func undoRejected(ctx context.Context, tx pgx.Tx) error {
 // undo undoes fn's writes and gives up the claim after fn failed, leaving
 // the caller's transaction as it was before Do. In DoInTx's own
 // transaction there is nothing to do: it is rolled back whole.
-func undo(ctx context.Context, tx pgx.Tx, k rowKey) error {
-	if ownTx(tx, true) != nil {
+func undo(ctx context.Context, tx pgx.Tx, k *rowKey) error {
+	if ownTx(tx) != nil {
 		return nil
 	}
 	if _, err := tx.Exec(ctx, undoFnSQL); err != nil {
@@ -213,7 +186,7 @@ func undo(ctx context.Context, tx pgx.Tx, k rowKey) error {
 }
 
 // withUndo returns err, joined with the error of undo if that failed.
-func withUndo(ctx context.Context, tx pgx.Tx, k rowKey, err error) error {
+func withUndo(ctx context.Context, tx pgx.Tx, k *rowKey, err error) error {
 	if undoErr := undo(ctx, tx, k); undoErr != nil {
 		return errors.Join(err, undoErr)
 	}

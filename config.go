@@ -59,8 +59,10 @@ type Client struct {
 	cfg         Config
 	ttlMicros   int64
 	lockTimeout string
-	txOptions   pgx.TxOptions
-	retryAfter  time.Duration
+	// The same two, boxed once as statement arguments.
+	ttlArg, lockTimeoutArg any
+	txOptions              pgx.TxOptions
+	retryAfter             time.Duration
 }
 
 // New returns a Client for cfg, with zero fields replaced by their defaults.
@@ -109,6 +111,7 @@ func New(cfg Config) (*Client, error) {
 	c.lockTimeout = fmt.Sprintf("%dms", wait.Milliseconds())
 	c.retryAfter = max(time.Second, wait.Round(time.Second))
 	c.txOptions = pgx.TxOptions{IsoLevel: cfg.IsolationLevel}
+	c.ttlArg, c.lockTimeoutArg = c.ttlMicros, c.lockTimeout
 	return c, nil
 }
 

@@ -97,45 +97,32 @@ func (c *Client) Do(ctx context.Context, tx pgx.Tx, scope Scope, key string, fp 
 	if tx == nil {
 		return Result{}, fmt.Errorf("%w: nil transaction", ErrInvalidArgument)
 	}
-	k := rowKey{actor: scope.Actor, operation: scope.Operation, key: key}
+	k := newRowKey(scope, key)
 	takeOver := false
 	for range maxClaimAttempts {
 		claimed, row, found, err := c.claim(ctx, tx, k, fp, takeOver)
-		if err != nil {
-			return Result{}, err
-		}
-		if claimed {
-			return c.run(ctx, tx, k, fn)
-		}
-		var res Result
 		switch {
+		case err != nil:
+			return Result{}, err
+		case claimed:
+			return c.run(ctx, tx, k, fn)
 		case !found:
 			takeOver = false // the row is gone (pruned): claim afresh
-			err = errRetryClaim
 		case row.Expired:
 			takeOver = true // an expired key is a new request
-			err = errRetryClaim
 		case [32]byte(row.Fingerprint) != fp:
-			err = ErrKeyReused
+			return Result{}, ErrKeyReused
 		case row.Status == statusSucceeded || row.Status == statusRejected:
-			res, err = replay(row)
+			return replay(row)
 		default:
-			err = c.inProgress()
-		}
-		// The outcome is final unless the claim is retried: then DoInTx's
-		// transaction can end in the same round trip.
-		if relErr := releaseClaim(ctx, tx, err != errRetryClaim); relErr != nil {
-			return Result{}, relErr
-		}
-		if err != errRetryClaim {
-			return res, err
+			return Result{}, c.inProgress()
 		}
 	}
 	return Result{}, c.inProgress()
 }
 
 // run executes fn for a claimed key and stores its outcome.
-func (c *Client) run(ctx context.Context, tx pgx.Tx, k rowKey,
+func (c *Client) run(ctx context.Context, tx pgx.Tx, k *rowKey,
 	fn func(ctx context.Context, tx pgx.Tx) (Response, error)) (Result, error) {
 	panicked := true
 	defer func() {

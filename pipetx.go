@@ -29,10 +29,10 @@ type pipeTx struct {
 var _ pgx.Tx = (*pipeTx)(nil)
 
 // ownTx returns tx as a *pipeTx whose transaction Do may commit in its last
-// round trip, or nil. final says whether Do has reached its outcome.
-func ownTx(tx pgx.Tx, final bool) *pipeTx {
+// round trip (DoInTx's own), or nil.
+func ownTx(tx pgx.Tx) *pipeTx {
 	pt, ok := tx.(*pipeTx)
-	if !ok || !final || !pt.fold || pt.done || pt.inner == nil {
+	if !ok || !pt.fold || pt.done || pt.inner == nil {
 		return nil
 	}
 	return pt

@@ -12,34 +12,15 @@ import (
 )
 
 const KeyClaim = `-- name: KeyClaim :one
-WITH claim AS (
-    INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, expires_at)
-    SELECT $1::text, $2::text, $3::text,
-           $4::bytea, 'processing',
-           now() + ($5::bigint * interval '1 microsecond')
-    FROM (SELECT set_config('lock_timeout', $6::text, true)
-          FROM (SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true)) AS saved
-         ) AS bounded_wait
-    ON CONFLICT (actor, operation, idem_key) DO NOTHING
-    RETURNING true AS claimed
-), outcome AS (
-    SELECT claim.claimed, NULL::bytea AS fingerprint, NULL::text AS status,
-           NULL::integer AS response_status, NULL::jsonb AS response_headers,
-           NULL::bytea AS response_body, false AS expired
-    FROM claim
-    UNION ALL
-    SELECT false, k.fingerprint, k.status, k.response_status, k.response_headers,
-           k.response_body, k.expires_at <= now()
-    FROM idem_keys AS k
-    WHERE k.actor = $1::text AND k.operation = $2::text
-      AND k.idem_key = $3::text
-      AND NOT EXISTS (SELECT FROM claim)
-)
-SELECT outcome.claimed::boolean AS claimed, outcome.fingerprint, outcome.status,
-       outcome.response_status, outcome.response_headers, outcome.response_body,
-       outcome.expired::boolean AS expired,
-       set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), true) AS restored
-FROM outcome
+INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, expires_at)
+SELECT $1::text, $2::text, $3::text,
+       $4::bytea, 'processing',
+       now() + ($5::bigint * interval '1 microsecond')
+FROM (SELECT set_config('lock_timeout', $6::text, true)
+      FROM (SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true)) AS saved
+     ) AS bounded_wait
+ON CONFLICT (actor, operation, idem_key) DO NOTHING
+RETURNING (set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), true) IS NOT NULL)::boolean AS claimed
 `
 
 type KeyClaimParams struct {
@@ -51,28 +32,14 @@ type KeyClaimParams struct {
 	LockTimeout string
 }
 
-type KeyClaimRow struct {
-	Claimed         bool
-	Fingerprint     []byte
-	Status          pgtype.Text
-	ResponseStatus  pgtype.Int4
-	ResponseHeaders []byte
-	ResponseBody    []byte
-	Expired         bool
-	Restored        string
-}
-
-// Claims a key for the calling transaction, or reads the row that holds it.
-//
-// The primary key picks a single winner: while another transaction holds an
-// uncommitted claim on the same key, the INSERT waits for it to finish, at
-// most @lock_timeout (set for the wait; the caller's value is saved first and
-// restored by the final SELECT). The statement returns one row: claimed when
-// this transaction now holds the key, otherwise the committed row that holds
-// it. It returns no row when the row it waited for committed during the wait
-// (invisible to this statement's snapshot); KeyGetAfterClaim then reads it
-// and restores lock_timeout.
-func (q *Queries) KeyClaim(ctx context.Context, db DBTX, arg KeyClaimParams) (KeyClaimRow, error) {
+// Claims a key for the calling transaction. The primary key picks a single
+// winner: while another transaction holds an uncommitted claim on the same
+// key, the INSERT waits for it to finish, at most @lock_timeout, which is set
+// while the row to insert is computed (before the insert can wait) after the
+// caller's value is saved. RETURNING restores the caller's value; it runs
+// only when the row was inserted. No row means a committed row holds the key:
+// KeyGetAfterClaim then reads it and restores lock_timeout.
+func (q *Queries) KeyClaim(ctx context.Context, db DBTX, arg KeyClaimParams) (bool, error) {
 	row := db.QueryRow(ctx, KeyClaim,
 		arg.Actor,
 		arg.Operation,
@@ -81,18 +48,9 @@ func (q *Queries) KeyClaim(ctx context.Context, db DBTX, arg KeyClaimParams) (Ke
 		arg.TtlMicros,
 		arg.LockTimeout,
 	)
-	var i KeyClaimRow
-	err := row.Scan(
-		&i.Claimed,
-		&i.Fingerprint,
-		&i.Status,
-		&i.ResponseStatus,
-		&i.ResponseHeaders,
-		&i.ResponseBody,
-		&i.Expired,
-		&i.Restored,
-	)
-	return i, err
+	var claimed bool
+	err := row.Scan(&claimed)
+	return claimed, err
 }
 
 const KeyComplete = `-- name: KeyComplete :execrows
@@ -212,7 +170,7 @@ FROM (SELECT set_config('lock_timeout', $6::text, true) AS lock_timeout
      ) AS bounded_wait
 WHERE actor = $3 AND operation = $4 AND idem_key = $5
   AND expires_at <= now()
-RETURNING expires_at
+RETURNING (set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), true) IS NOT NULL)::boolean AS claimed
 `
 
 type KeyTakeOverParams struct {
@@ -225,11 +183,10 @@ type KeyTakeOverParams struct {
 }
 
 // Claims a key whose row has expired: an expired key is a new request. Like
-// KeyClaim it waits at most @lock_timeout for a concurrent claim and leaves
-// the previous lock_timeout for KeyGetAfterClaim to restore. Returns no row
-// when the row is gone or no longer expired (another transaction took it over
-// first).
-func (q *Queries) KeyTakeOver(ctx context.Context, db DBTX, arg KeyTakeOverParams) (pgtype.Timestamptz, error) {
+// KeyClaim it waits at most @lock_timeout for a concurrent claim and restores
+// the caller's lock_timeout when it returns a row. Returns no row when the row
+// is gone or no longer expired (another transaction took it over first).
+func (q *Queries) KeyTakeOver(ctx context.Context, db DBTX, arg KeyTakeOverParams) (bool, error) {
 	row := db.QueryRow(ctx, KeyTakeOver,
 		arg.Fingerprint,
 		arg.TtlMicros,
@@ -238,7 +195,7 @@ func (q *Queries) KeyTakeOver(ctx context.Context, db DBTX, arg KeyTakeOverParam
 		arg.IdemKey,
 		arg.LockTimeout,
 	)
-	var expires_at pgtype.Timestamptz
-	err := row.Scan(&expires_at)
-	return expires_at, err
+	var claimed bool
+	err := row.Scan(&claimed)
+	return claimed, err
 }
