@@ -109,14 +109,23 @@ func (c *Client) claim(ctx context.Context, tx pgx.Tx, k *rowKey, fp Fingerprint
 
 	// A committed row holds the key. Read it in a statement of its own:
 	// under READ COMMITTED that one sees a twin that committed while the
-	// claim waited.
+	// claim waited. DoInTx's own transaction has written nothing, so it
+	// commits in the same round trip; Do reopens it if it has to claim
+	// again.
 	b = &pgx.Batch{QueuedQueries: make([]*pgx.QueuedQuery, 0, 2)}
 	_, _ = queries.KeyGetAfterClaim(ctx, queuer{b}, db.KeyGetAfterClaimParams{Actor: k.actor, Operation: k.operation, IdemKey: k.key})
-	b.Queue("RELEASE SAVEPOINT " + savepointFn)
+	own := ownTx(tx)
+	if own != nil {
+		b.Queue("COMMIT")
+	} else {
+		b.Queue("RELEASE SAVEPOINT " + savepointFn)
+	}
 	br = tx.SendBatch(ctx, b)
 	err = br.QueryRow().Scan(&row.Found, &row.Fingerprint, &row.Status, &row.ResponseStatus,
 		&row.ResponseHeaders, &row.ResponseBody, &row.Expired)
-	if err == nil {
+	if err == nil && own != nil {
+		err = own.commitResult(br.Exec())
+	} else if err == nil {
 		_, err = br.Exec()
 	}
 	if err == nil && row.Found && len(row.Fingerprint) != len(Fingerprint{}) {

@@ -108,8 +108,10 @@ func (c *Client) Do(ctx context.Context, tx pgx.Tx, scope Scope, key string, fp 
 			return c.run(ctx, tx, k, fn)
 		case !found:
 			takeOver = false // the row is gone (pruned): claim afresh
+			reopen(tx)
 		case row.Expired:
 			takeOver = true // an expired key is a new request
+			reopen(tx)
 		case [32]byte(row.Fingerprint) != fp:
 			return Result{}, ErrKeyReused
 		case row.Status == statusSucceeded || row.Status == statusRejected:

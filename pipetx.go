@@ -38,6 +38,15 @@ func ownTx(tx pgx.Tx) *pipeTx {
 	return pt
 }
 
+// reopen lets a DoInTx transaction that claim committed after reading the
+// key (it had written nothing) run again: the next statement sends a new
+// BEGIN. Other transactions are left alone.
+func reopen(tx pgx.Tx) {
+	if pt, ok := tx.(*pipeTx); ok && pt.fold && pt.committed {
+		pt.inner, pt.done, pt.committed = nil, false, false
+	}
+}
+
 // commitResult records the result of a COMMIT that Do queued in a batch.
 func (t *pipeTx) commitResult(tag pgconn.CommandTag, err error) error {
 	// Whatever the result, the server has ended the transaction.
