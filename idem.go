@@ -82,6 +82,10 @@ const maxClaimAttempts = 4
 // run the transaction again (InTx and DoInTx do so for 40001 and 40P01) and
 // the retry replays or runs. After any other outcome tx stays usable.
 //
+// fn runs in a savepoint, so a Do whose fn writes uses a subtransaction; keep
+// the number of Do calls in one transaction well under 64, PostgreSQL's
+// per-backend subtransaction cache.
+//
 // Do uses the package defaults; see Config and New for the configurable form.
 func Do(ctx context.Context, tx pgx.Tx, scope Scope, key string, fp Fingerprint,
 	fn func(ctx context.Context, tx pgx.Tx) (Response, error)) (Result, error) {
