@@ -2,7 +2,6 @@ package main
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"time"
@@ -83,11 +82,7 @@ func opFloorPiped(ctx context.Context, w *worker) error {
 		return err
 	}
 	err = func() error {
-		resp, err := r.execute(ctx, tx)
-		if err != nil {
-			return err
-		}
-		hdr, err := json.Marshal(resp.Header)
+		resp, hdr, err := r.executeJSON(ctx, tx)
 		if err != nil {
 			return err
 		}
@@ -146,18 +141,12 @@ func protoInTxWith(ctx context.Context, w *worker, savepoint bool, claimSQL, loc
 	if errors.Is(err, pgx.ErrNoRows) {
 		err = fmt.Errorf("%w: fresh key %s already claimed", errUnexpected, key)
 	}
-	if closeErr := br.Close(); err == nil {
-		err = closeErr
-	}
+	err = closeBatch(br, err)
 	if err != nil {
 		return err
 	}
 
-	resp, err := r.execute(ctx, tx)
-	if err != nil {
-		return err
-	}
-	hdr, err := json.Marshal(resp.Header)
+	resp, hdr, err := r.executeJSON(ctx, tx)
 	if err != nil {
 		return err
 	}
@@ -173,9 +162,7 @@ func protoInTxWith(ctx context.Context, w *worker, savepoint bool, claimSQL, loc
 		_, err = br.Exec()
 		open = err != nil
 	}
-	if closeErr := br.Close(); err == nil {
-		err = closeErr
-	}
+	err = closeBatch(br, err)
 	return err
 }
 
@@ -214,18 +201,12 @@ func protoDoWith(ctx context.Context, w *worker, savepoints bool, claimSQL, lock
 	if errors.Is(err, pgx.ErrNoRows) {
 		err = fmt.Errorf("%w: fresh key %s already claimed", errUnexpected, key)
 	}
-	if closeErr := br.Close(); err == nil {
-		err = closeErr
-	}
+	err = closeBatch(br, err)
 	if err != nil {
 		return err
 	}
 
-	resp, err := r.execute(ctx, tx)
-	if err != nil {
-		return err
-	}
-	hdr, err := json.Marshal(resp.Header)
+	resp, hdr, err := r.executeJSON(ctx, tx)
 	if err != nil {
 		return err
 	}
@@ -239,9 +220,7 @@ func protoDoWith(ctx context.Context, w *worker, savepoints bool, claimSQL, lock
 	if err == nil && tag.RowsAffected() != 1 {
 		err = fmt.Errorf("%w: completion matched %d rows", errUnexpected, tag.RowsAffected())
 	}
-	if closeErr := br.Close(); err == nil {
-		err = closeErr
-	}
+	err = closeBatch(br, err)
 	if err != nil {
 		return err
 	}
@@ -337,18 +316,12 @@ func protoInTxLate(ctx context.Context, w *worker) error {
 	if err == nil {
 		err = scanAbsent(br.QueryRow(), key)
 	}
-	if closeErr := br.Close(); err == nil {
-		err = closeErr
-	}
+	err = closeBatch(br, err)
 	if err != nil {
 		return err
 	}
 
-	resp, err := r.execute(ctx, tx)
-	if err != nil {
-		return err
-	}
-	hdr, err := json.Marshal(resp.Header)
+	resp, hdr, err := r.executeJSON(ctx, tx)
 	if err != nil {
 		return err
 	}
@@ -361,9 +334,7 @@ func protoInTxLate(ctx context.Context, w *worker) error {
 		_, err = br.Exec()
 		open = err != nil
 	}
-	if closeErr := br.Close(); err == nil {
-		err = closeErr
-	}
+	err = closeBatch(br, err)
 	return err
 }
 
@@ -382,17 +353,11 @@ func protoDoLate(ctx context.Context, w *worker) error {
 	bt.Queue("SAVEPOINT idem_fn")
 	br := tx.SendBatch(ctx, bt)
 	err = scanAbsent(br.QueryRow(), key)
-	if closeErr := br.Close(); err == nil {
-		err = closeErr
-	}
+	err = closeBatch(br, err)
 	if err != nil {
 		return err
 	}
-	resp, err := r.execute(ctx, tx)
-	if err != nil {
-		return err
-	}
-	hdr, err := json.Marshal(resp.Header)
+	resp, hdr, err := r.executeJSON(ctx, tx)
 	if err != nil {
 		return err
 	}
@@ -405,9 +370,7 @@ func protoDoLate(ctx context.Context, w *worker) error {
 	if errors.Is(err, pgx.ErrNoRows) {
 		err = fmt.Errorf("%w: fresh key %s inserted by another", errUnexpected, key)
 	}
-	if closeErr := br.Close(); err == nil {
-		err = closeErr
-	}
+	err = closeBatch(br, err)
 	if err != nil {
 		return err
 	}

@@ -141,9 +141,7 @@ func pgxBatchDo(ctx context.Context, tx pgx.Tx, scope idem.Scope, key string, fp
 	if errors.Is(err, pgx.ErrNoRows) {
 		err = fmt.Errorf("%w: fresh key %s already claimed", errUnexpected, key)
 	}
-	if closeErr := br.Close(); err == nil {
-		err = closeErr
-	}
+	err = closeBatch(br, err)
 	if err != nil {
 		return err
 	}

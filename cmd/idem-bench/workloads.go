@@ -63,6 +63,26 @@ func (r request) execute(ctx context.Context, tx pgx.Tx) (idem.Response, error) 
 	return draw.Execute(ctx, tx, r.user, r.req)
 }
 
+// executeJSON is execute, with the response's header encoded as JSON for
+// the statements that store it by hand.
+func (r request) executeJSON(ctx context.Context, tx pgx.Tx) (idem.Response, []byte, error) {
+	resp, err := r.execute(ctx, tx)
+	if err != nil {
+		return resp, nil, err
+	}
+	hdr, err := json.Marshal(resp.Header)
+	return resp, hdr, err
+}
+
+// closeBatch closes br and returns err, or the error of closing when err is
+// nil.
+func closeBatch(br pgx.BatchResults, err error) error {
+	if closeErr := br.Close(); err == nil {
+		err = closeErr
+	}
+	return err
+}
+
 // newKey returns a fresh random key shaped like a UUID, as clients send.
 func (w *worker) newKey() string {
 	var raw [16]byte
@@ -123,11 +143,7 @@ func opFloor(ctx context.Context, w *worker) error {
 		return err
 	}
 	defer tx.Rollback(ctx)
-	resp, err := r.execute(ctx, tx)
-	if err != nil {
-		return err
-	}
-	hdr, err := json.Marshal(resp.Header)
+	resp, hdr, err := r.executeJSON(ctx, tx)
 	if err != nil {
 		return err
 	}
@@ -235,11 +251,7 @@ func twoTxBusiness(ctx context.Context, w *worker, r request, key string) error 
 		return err
 	}
 	defer tx.Rollback(ctx)
-	resp, err := r.execute(ctx, tx)
-	if err != nil {
-		return err
-	}
-	hdr, err := json.Marshal(resp.Header)
+	resp, hdr, err := r.executeJSON(ctx, tx)
 	if err != nil {
 		return err
 	}
