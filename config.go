@@ -56,6 +56,7 @@ const (
 // connections: every call takes the transaction or database handle to use.
 // A Client is safe for concurrent use.
 type Client struct {
+	flights     flights // DoInTx calls in progress, by scope and key
 	cfg         Config
 	ttlMicros   int64
 	lockTimeout string

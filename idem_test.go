@@ -221,8 +221,24 @@ func TestConcurrentDuplicatesExecuteOnce(t *testing.T) {
 	var wg sync.WaitGroup
 	for i := range n {
 		wg.Go(func() {
+			// A Client of its own for each, so the duplicates meet at the
+			// primary key, as they would from separate processes, rather
+			// than in DoInTx's in-process coalescing.
+			client, err := idem.New(idem.Config{})
+			if err != nil {
+				errs[i] = err
+				return
+			}
 			<-start
-			results[i], errs[i] = idem.DoInTx(ctx, pool, scope, "storm", fpA, fn)
+			if i%2 == 0 {
+				results[i], errs[i] = client.DoInTx(ctx, pool, scope, "storm", fpA, fn)
+				return
+			}
+			errs[i] = client.InTx(ctx, pool, func(ctx context.Context, tx pgx.Tx) error {
+				var err error
+				results[i], err = client.Do(ctx, tx, scope, "storm", fpA, fn)
+				return err
+			})
 		})
 	}
 	close(start)
@@ -250,10 +266,6 @@ func TestConcurrentDuplicatesSerializable(t *testing.T) {
 	pool := newPool(t)
 	for _, level := range []pgx.TxIsoLevel{pgx.RepeatableRead, pgx.Serializable} {
 		t.Run(string(level), func(t *testing.T) {
-			client, err := idem.New(idem.Config{IsolationLevel: level, MaxRetries: 20})
-			if err != nil {
-				t.Fatal(err)
-			}
 			key := "iso-" + strings.ReplaceAll(string(level), " ", "-")
 			var calls atomic.Int64
 			var wg sync.WaitGroup
@@ -261,6 +273,13 @@ func TestConcurrentDuplicatesSerializable(t *testing.T) {
 			replayed := atomic.Int64{}
 			for range 8 {
 				wg.Go(func() {
+					// One Client each: the race happens in the database.
+					client, err := idem.New(idem.Config{IsolationLevel: level, MaxRetries: 20})
+					if err != nil {
+						t.Error(err)
+						failed.Add(1)
+						return
+					}
 					res, err := client.DoInTx(ctx, pool, scope, key, fpA, recordEffect(&calls, key))
 					if err != nil {
 						t.Error(err)

@@ -68,6 +68,14 @@ func (c *Client) inTx(ctx context.Context, db Beginner, fold bool, fn func(ctx c
 // stored response commit together. Serialization failures and deadlocks are
 // retried, and a retry of a duplicate replays the winner's response. Invalid
 // input is refused before a transaction begins.
+//
+// Concurrent DoInTx calls with the same scope and key on one Client (the
+// package-level functions share one) are coalesced in this process: the
+// first goes to the database; the others wait for it, at most Config.Wait,
+// and get its committed outcome as a replay (ErrKeyReused if their
+// fingerprint differs); if it fails, nothing was stored and each of them
+// goes to the database itself. Duplicates in other processes meet at the
+// primary key as always.
 func DoInTx(ctx context.Context, db Beginner, scope Scope, key string, fp Fingerprint,
 	fn func(ctx context.Context, tx pgx.Tx) (Response, error)) (Result, error) {
 	return defaultClient.DoInTx(ctx, db, scope, key, fp, fn)
@@ -79,10 +87,16 @@ func (c *Client) DoInTx(ctx context.Context, db Beginner, scope Scope, key strin
 	if err := c.checkCall(scope, key, fn); err != nil {
 		return Result{}, err
 	}
-	var res Result
 	if db == nil {
 		return Result{}, fmt.Errorf("%w: nil database handle", ErrInvalidArgument)
 	}
+	return c.coalesced(ctx, db, scope, key, fp, fn)
+}
+
+// doInTx is DoInTx after its checks, without coalescing.
+func (c *Client) doInTx(ctx context.Context, db Beginner, scope Scope, key string, fp Fingerprint,
+	fn func(ctx context.Context, tx pgx.Tx) (Response, error)) (Result, error) {
+	var res Result
 	err := c.inTx(ctx, db, true, func(ctx context.Context, tx pgx.Tx) error {
 		r, err := c.Do(ctx, tx, scope, key, fp, fn)
 		res = r

@@ -1,0 +1,132 @@
+package idem
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"maps"
+	"slices"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// flights coalesces concurrent DoInTx calls of one Client that share a scope
+// and key: the first (the leader) goes to the database; the others wait for
+// its outcome instead of each waiting on the claim in a backend of its own.
+// A committed outcome is exactly what the database would replay to them, so
+// they get it as a replay without a round trip. When the leader fails,
+// nothing was stored, and each of them goes to the database itself.
+//
+// This is an in-process shortcut only: duplicates in other processes meet at
+// the primary key as always. (golang.org/x/sync/singleflight does not fit: it
+// has no per-waiter deadline and runs a DoChan leader on another goroutine,
+// re-raising its panics there.)
+type flights struct {
+	mu sync.Mutex
+	m  map[string]*flight
+}
+
+// flight is one leader's call in progress.
+type flight struct {
+	done chan struct{} // closed when res and err are set
+	fp   Fingerprint
+	res  Result
+	err  error
+}
+
+// join returns the flight in progress for key, or starts one with the caller
+// as its leader.
+func (f *flights) join(key string, fp Fingerprint) (fl *flight, leader bool) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if fl, ok := f.m[key]; ok {
+		return fl, false
+	}
+	if f.m == nil {
+		f.m = make(map[string]*flight)
+	}
+	fl = &flight{done: make(chan struct{}), fp: fp}
+	f.m[key] = fl
+	return fl, true
+}
+
+// finish records the leader's outcome and wakes the waiters.
+func (f *flights) finish(key string, fl *flight, res Result, err error) {
+	fl.res, fl.err = res, err
+	f.mu.Lock()
+	delete(f.m, key)
+	f.mu.Unlock()
+	close(fl.done)
+}
+
+// errLeaderPanicked is the outcome waiters see when the leader's fn panicked.
+var errLeaderPanicked = errors.New("idem: the concurrent call with this key panicked")
+
+// coalesced runs DoInTx for scope and key once per concurrent group of
+// callers: see flights.
+func (c *Client) coalesced(ctx context.Context, db Beginner, scope Scope, key string, fp Fingerprint,
+	fn func(ctx context.Context, tx pgx.Tx) (Response, error)) (Result, error) {
+	fk := scope.Actor + "\x00" + scope.Operation + "\x00" + key
+	fl, leader := c.flights.join(fk, fp)
+	if leader {
+		finished := false
+		defer func() {
+			if !finished { // fn panicked: the panic goes on from here
+				c.flights.finish(fk, fl, Result{}, errLeaderPanicked)
+			}
+		}()
+		res, err := c.doInTx(ctx, db, scope, key, fp, fn)
+		finished = true
+		c.flights.finish(fk, fl, res, err)
+		return res, err
+	}
+
+	if err := c.await(ctx, fl); err != nil {
+		return Result{}, err
+	}
+	switch {
+	case fl.err != nil:
+		// Nothing was stored: let the database decide for this call.
+		return c.doInTx(ctx, db, scope, key, fp, fn)
+	case fl.fp != fp:
+		return Result{}, ErrKeyReused
+	}
+	res := Result{Replayed: true}
+	res.Status = fl.res.Status
+	res.Body = bytes.Clone(fl.res.Body)
+	if fl.res.Header != nil {
+		res.Header = maps.Clone(fl.res.Header)
+		for name, values := range res.Header {
+			res.Header[name] = slices.Clone(values)
+		}
+	}
+	if res.Body == nil {
+		res.Body = []byte{}
+	}
+	return res, nil
+}
+
+// await waits for fl to finish, at most Config.Wait.
+func (c *Client) await(ctx context.Context, fl *flight) error {
+	if c.cfg.Wait < 0 { // do not wait
+		select {
+		case <-fl.done:
+			return nil
+		default:
+			return c.inProgress()
+		}
+	}
+	t := time.NewTimer(c.cfg.Wait)
+	defer t.Stop()
+	select {
+	case <-fl.done:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("idem: waiting for a concurrent call with this key: %w", context.Cause(ctx))
+	case <-t.C:
+		return c.inProgress()
+	}
+}

@@ -1,0 +1,177 @@
+package idem_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgidem/idem"
+)
+
+// runTogether starts n calls of f at once and waits for them.
+func runTogether(n int, f func(i int)) {
+	start := make(chan struct{})
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			<-start
+			f(i)
+		})
+	}
+	close(start)
+	wg.Wait()
+}
+
+// Concurrent DoInTx calls with one key on one Client share the first one's
+// outcome without going to the database.
+func TestDoInTxCoalescesDuplicates(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	client, err := idem.New(idem.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int64
+	slow := func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+		time.Sleep(100 * time.Millisecond)
+		return recordEffect(&calls, "co")(ctx, tx)
+	}
+	const n = 12
+	results := make([]idem.Result, n)
+	errs := make([]error, n)
+	runTogether(n, func(i int) {
+		fp := fpA
+		if i == n-1 {
+			fp = fpB // a client bug: same key, another request
+		}
+		results[i], errs[i] = client.DoInTx(ctx, pool, scope, "co", fp, slow)
+	})
+	fresh, reused := 0, 0
+	for i := range n {
+		switch {
+		case errors.Is(errs[i], idem.ErrKeyReused):
+			reused++
+		case errs[i] != nil:
+			t.Fatalf("call %d: %v", i, errs[i])
+		case !results[i].Replayed:
+			fresh++
+		}
+	}
+	if calls.Load() != 1 || effects(t, pool) != 1 || fresh != 1 || reused != 1 {
+		t.Fatalf("calls %d, effects %d, fresh %d, reused %d; want 1, 1, 1, 1", calls.Load(), effects(t, pool), fresh, reused)
+	}
+	for i := range n - 1 {
+		if results[i].Status != 201 || !bytes.Equal(results[i].Body, results[0].Body) {
+			t.Fatalf("call %d got %d %q", i, results[i].Status, results[i].Body)
+		}
+	}
+	// Followers get their own copies.
+	results[0].Header["Location"][0] = "changed"
+	for i := 1; i < n-1; i++ {
+		if results[i].Header["Location"][0] == "changed" {
+			t.Fatal("followers share the leader's header map")
+		}
+	}
+}
+
+// When the first call fails, nothing was stored and the others go to the
+// database themselves: one of them runs fn.
+func TestDoInTxCoalescedLeaderFails(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	client, err := idem.New(idem.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int64
+	boom := errors.New("transient")
+	var panics atomic.Int64
+	for _, mode := range []string{"error", "panic"} {
+		key := "lead-" + mode
+		var first atomic.Bool
+		fn := func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+			if first.CompareAndSwap(false, true) {
+				time.Sleep(100 * time.Millisecond)
+				if mode == "panic" {
+					panic("leader")
+				}
+				return idem.Response{}, boom
+			}
+			return recordEffect(&calls, key)(ctx, tx)
+		}
+		errs := make([]error, 6)
+		fresh := atomic.Int64{}
+		runTogether(6, func(i int) {
+			defer func() {
+				if p := recover(); p != nil {
+					panics.Add(1)
+				}
+			}()
+			res, err := client.DoInTx(ctx, pool, scope, key, fpA, fn)
+			errs[i] = err
+			if err == nil && !res.Replayed {
+				fresh.Add(1)
+			}
+		})
+		failed := 0
+		for _, err := range errs {
+			if err != nil {
+				failed++
+			}
+		}
+		if mode == "error" && failed != 1 || fresh.Load() != 1 {
+			t.Fatalf("%s: %d failed, %d fresh; want the leader's failure and one execution after it", mode, failed, fresh.Load())
+		}
+	}
+	if panics.Load() != 1 || calls.Load() != 2 {
+		t.Fatalf("panics %d, executions %d; want 1 and 2", panics.Load(), calls.Load())
+	}
+}
+
+// A waiting duplicate gives up after Config.Wait, as it would at the claim.
+func TestDoInTxCoalescedWaitRunsOut(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	client, err := idem.New(idem.Config{Wait: 50 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int64
+	release := make(chan struct{})
+	started := make(chan struct{})
+	done := make(chan error, 1)
+	go func() {
+		_, err := client.DoInTx(ctx, pool, scope, "long", fpA, func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+			close(started)
+			<-release
+			return recordEffect(&calls, "long")(ctx, tx)
+		})
+		done <- err
+	}()
+	<-started
+	_, err = client.DoInTx(ctx, pool, scope, "long", fpA, recordEffect(&calls, "long"))
+	if !errors.Is(err, idem.ErrInProgress) {
+		t.Fatalf("err = %v, want ErrInProgress", err)
+	}
+	cctx, cancel := context.WithCancel(ctx)
+	cancel()
+	if _, err := client.DoInTx(cctx, pool, scope, "long", fpA, recordEffect(&calls, "long")); !errors.Is(err, context.Canceled) {
+		t.Fatalf("cancelled waiter: err = %v", err)
+	}
+	close(release)
+	if err := <-done; err != nil {
+		t.Fatal(err)
+	}
+	if calls.Load() != 1 {
+		t.Fatalf("fn ran %d times", calls.Load())
+	}
+}
