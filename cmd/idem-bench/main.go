@@ -68,22 +68,23 @@ import (
 
 // options are the command-line settings.
 type options struct {
-	db        string
-	database  string
-	workers   int
-	round     time.Duration
-	rounds    int
-	warmup    time.Duration
-	scaleRows int
-	pruneRows int
-	storm     int
-	users     int
-	boxes     int
-	replayKey int
-	allocOps  int
-	smoke     bool
-	keep      bool
-	proto     bool
+	db            string
+	database      string
+	workers       int
+	round         time.Duration
+	rounds        int
+	warmup        time.Duration
+	scaleRows     int
+	pruneRows     int
+	storm         int
+	stormSeparate bool
+	users         int
+	boxes         int
+	replayKey     int
+	allocOps      int
+	smoke         bool
+	keep          bool
+	proto         bool
 }
 
 func main() {
@@ -98,6 +99,7 @@ func main() {
 	flag.IntVar(&o.scaleRows, "scale-rows", 3_000_000, "keys in the full key table of the scale workloads")
 	flag.IntVar(&o.pruneRows, "prune-rows", 1_000_000, "expired keys among them, pruned during scale-prune")
 	flag.IntVar(&o.storm, "storm", 64, "goroutines sending the same key at once in the storm")
+	flag.BoolVar(&o.stormSeparate, "storm-separate", false, "give every storm goroutine its own idem.Client, so duplicates meet in the database as from separate processes instead of coalescing in this one")
 	flag.IntVar(&o.users, "users", 100_000, "wallets in the draw tables")
 	flag.IntVar(&o.boxes, "boxes", 10_000, "boxes in the draw tables")
 	flag.IntVar(&o.replayKey, "replay-keys", 2_000, "completed keys the replay workload draws from")

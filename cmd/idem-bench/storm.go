@@ -84,6 +84,20 @@ func (b *bench) stormKey(ctx context.Context, w *worker, s *stormSlot) error {
 	}
 
 	n := b.o.storm
+	call := func(int) (idem.Result, error) { return idem.DoInTx(ctx, b.pool, r.scope(), key, r.fp, fn) }
+	if b.o.stormSeparate {
+		// One Client per goroutine, as from separate processes: no
+		// in-process coalescing, the duplicates meet at the primary key.
+		clients := make([]*idem.Client, n)
+		for i := range clients {
+			c, err := idem.New(idem.Config{})
+			if err != nil {
+				return err
+			}
+			clients[i] = c
+		}
+		call = func(i int) (idem.Result, error) { return clients[i].DoInTx(ctx, b.pool, r.scope(), key, r.fp, fn) }
+	}
 	calls := make([]stormCall, n)
 	var ready, done sync.WaitGroup
 	gate := make(chan struct{})
@@ -93,7 +107,7 @@ func (b *bench) stormKey(ctx context.Context, w *worker, s *stormSlot) error {
 		done.Go(func() {
 			ready.Done()
 			<-gate
-			res, err := idem.DoInTx(ctx, b.pool, r.scope(), key, r.fp, fn)
+			res, err := call(i)
 			calls[i] = stormCall{res: res, err: err, lat: time.Since(t0)}
 		})
 	}
