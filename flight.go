@@ -11,10 +11,11 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
-// flights coalesces concurrent DoInTx calls of one Client that share a scope
-// and key: the first (the leader) goes to the database; the others wait for
+// flights coalesces concurrent DoInTx calls of one Client on one pool that
+// share a scope and key: the first (the leader) goes to the database; the others wait for
 // its outcome instead of each waiting on the claim in a backend of its own.
 // A committed outcome is exactly what the database would replay to them, so
 // they get it as a replay without a round trip. When the leader fails,
@@ -26,7 +27,14 @@ import (
 // re-raising its panics there.)
 type flights struct {
 	mu sync.Mutex
-	m  map[string]*flight
+	m  map[flightKey]*flight
+}
+
+// flightKey names the calls that share a flight: the same key in the same
+// scope on the same pool. Keys on different pools (databases) are unrelated.
+type flightKey struct {
+	pool *pgxpool.Pool
+	key  string
 }
 
 // flight is one leader's call in progress.
@@ -39,14 +47,14 @@ type flight struct {
 
 // join returns the flight in progress for key, or starts one with the caller
 // as its leader.
-func (f *flights) join(key string, fp Fingerprint) (fl *flight, leader bool) {
+func (f *flights) join(key flightKey, fp Fingerprint) (fl *flight, leader bool) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if fl, ok := f.m[key]; ok {
 		return fl, false
 	}
 	if f.m == nil {
-		f.m = make(map[string]*flight)
+		f.m = make(map[flightKey]*flight)
 	}
 	fl = &flight{done: make(chan struct{}), fp: fp}
 	f.m[key] = fl
@@ -54,7 +62,7 @@ func (f *flights) join(key string, fp Fingerprint) (fl *flight, leader bool) {
 }
 
 // finish records the leader's outcome and wakes the waiters.
-func (f *flights) finish(key string, fl *flight, res Result, err error) {
+func (f *flights) finish(key flightKey, fl *flight, res Result, err error) {
 	fl.res, fl.err = res, err
 	f.mu.Lock()
 	delete(f.m, key)
@@ -69,7 +77,13 @@ var errLeaderPanicked = errors.New("idem: the concurrent call with this key pani
 // callers: see flights.
 func (c *Client) coalesced(ctx context.Context, db Beginner, scope Scope, key string, fp Fingerprint,
 	fn func(ctx context.Context, tx pgx.Tx) (Response, error)) (Result, error) {
-	fk := scope.Actor + "\x00" + scope.Operation + "\x00" + key
+	pool, ok := db.(*pgxpool.Pool)
+	if !ok {
+		// A connection serves one call at a time, and other Beginners
+		// have no identity to share a flight by.
+		return c.doInTx(ctx, db, scope, key, fp, fn)
+	}
+	fk := flightKey{pool: pool, key: scope.Actor + "\x00" + scope.Operation + "\x00" + key}
 	fl, leader := c.flights.join(fk, fp)
 	if leader {
 		finished := false

@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
 )
@@ -53,29 +54,35 @@ func TestDoInTxCoalescesDuplicates(t *testing.T) {
 		}
 		results[i], errs[i] = client.DoInTx(ctx, pool, scope, "co", fp, slow)
 	})
-	fresh, reused := 0, 0
+	// Whichever call won, the calls with its fingerprint replay its
+	// response and the others are refused.
+	winner := -1
 	for i := range n {
+		if errs[i] == nil && !results[i].Replayed {
+			if winner >= 0 {
+				t.Fatalf("calls %d and %d both executed", winner, i)
+			}
+			winner = i
+		}
+	}
+	if winner < 0 || calls.Load() != 1 || effects(t, pool) != 1 {
+		t.Fatalf("winner %d, calls %d, effects %d; want one execution", winner, calls.Load(), effects(t, pool))
+	}
+	winnerIsB := winner == n-1
+	for i := range n {
+		sameRequest := (i == n-1) == winnerIsB
 		switch {
-		case errors.Is(errs[i], idem.ErrKeyReused):
-			reused++
-		case errs[i] != nil:
-			t.Fatalf("call %d: %v", i, errs[i])
-		case !results[i].Replayed:
-			fresh++
+		case i == winner:
+		case sameRequest && (errs[i] != nil || !bytes.Equal(results[i].Body, results[winner].Body)):
+			t.Fatalf("call %d: %v %q, want a replay of %q", i, errs[i], results[i].Body, results[winner].Body)
+		case !sameRequest && !errors.Is(errs[i], idem.ErrKeyReused):
+			t.Fatalf("call %d: err = %v, want ErrKeyReused", i, errs[i])
 		}
 	}
-	if calls.Load() != 1 || effects(t, pool) != 1 || fresh != 1 || reused != 1 {
-		t.Fatalf("calls %d, effects %d, fresh %d, reused %d; want 1, 1, 1, 1", calls.Load(), effects(t, pool), fresh, reused)
-	}
-	for i := range n - 1 {
-		if results[i].Status != 201 || !bytes.Equal(results[i].Body, results[0].Body) {
-			t.Fatalf("call %d got %d %q", i, results[i].Status, results[i].Body)
-		}
-	}
-	// Followers get their own copies.
-	results[0].Header["Location"][0] = "changed"
-	for i := 1; i < n-1; i++ {
-		if results[i].Header["Location"][0] == "changed" {
+	// Followers get their own copies of the response.
+	results[winner].Header["Location"][0] = "changed"
+	for i := range n {
+		if i != winner && errs[i] == nil && results[i].Header["Location"][0] == "changed" {
 			t.Fatal("followers share the leader's header map")
 		}
 	}
@@ -173,5 +180,40 @@ func TestDoInTxCoalescedWaitRunsOut(t *testing.T) {
 	}
 	if calls.Load() != 1 {
 		t.Fatalf("fn ran %d times", calls.Load())
+	}
+}
+
+// The same key on two databases is two requests, even at the same moment on
+// one Client.
+func TestDoInTxDoesNotCoalesceAcrossPools(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pools := []*pgxpool.Pool{newPool(t), newPool(t)}
+	client, err := idem.New(idem.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int64
+	slow := func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+		time.Sleep(50 * time.Millisecond)
+		return recordEffect(&calls, "x")(ctx, tx)
+	}
+	results := make([]idem.Result, 4)
+	errs := make([]error, 4)
+	runTogether(4, func(i int) {
+		results[i], errs[i] = client.DoInTx(ctx, pools[i%2], scope, "same-key", fpA, slow)
+	})
+	for i, err := range errs {
+		if err != nil {
+			t.Fatalf("call %d: %v", i, err)
+		}
+	}
+	for _, pool := range pools {
+		if n := effects(t, pool); n != 1 {
+			t.Fatalf("a database holds %d effects, want 1 each", n)
+		}
+	}
+	if calls.Load() != 2 {
+		t.Fatalf("fn ran %d times, want once per database", calls.Load())
 	}
 }

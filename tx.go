@@ -70,12 +70,12 @@ func (c *Client) inTx(ctx context.Context, db Beginner, fold bool, fn func(ctx c
 // input is refused before a transaction begins.
 //
 // Concurrent DoInTx calls with the same scope and key on one Client (the
-// package-level functions share one) are coalesced in this process: the
-// first goes to the database; the others wait for it, at most Config.Wait,
-// and get its committed outcome as a replay (ErrKeyReused if their
-// fingerprint differs); if it fails, nothing was stored and each of them
-// goes to the database itself. Duplicates in other processes meet at the
-// primary key as always.
+// package-level functions share one) and one *pgxpool.Pool are coalesced in
+// this process: the first goes to the database; the others wait for it, at
+// most Config.Wait, and get its committed outcome as a replay (ErrKeyReused
+// if their fingerprint differs); if it fails, nothing was stored and each of
+// them goes to the database itself. Duplicates in other processes, or on
+// other pools, meet at the primary key as always.
 func DoInTx(ctx context.Context, db Beginner, scope Scope, key string, fp Fingerprint,
 	fn func(ctx context.Context, tx pgx.Tx) (Response, error)) (Result, error) {
 	return defaultClient.DoInTx(ctx, db, scope, key, fp, fn)
