@@ -41,9 +41,6 @@ const savepointFn = "idem_fn"
 // ROLLBACK TO, but would refuse to prepare the statements of a batch.
 const undoFnSQL = "ROLLBACK TO SAVEPOINT " + savepointFn + "; RELEASE SAVEPOINT " + savepointFn
 
-// errRetryClaim marks a lookup after which Do claims again.
-var errRetryClaim = errors.New("idem: claim again")
-
 // rowKey is the primary key of a key row, with its parts boxed once as
 // statement arguments: the claim and the completion both send them.
 type rowKey struct {

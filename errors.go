@@ -22,7 +22,9 @@ var (
 
 	// ErrInProgress means another transaction holds the key and did not finish
 	// within the configured wait (HTTP 409 with Retry-After). fn did not run.
-	// The error is an *InProgressError carrying a retry hint.
+	// The error is an *InProgressError carrying a retry hint. When Do returns
+	// it because the wait ran out, the caller's transaction is aborted and
+	// must be rolled back.
 	ErrInProgress = errors.New("idem: a request with this idempotency key is in progress")
 
 	// ErrInvalidKey means the idempotency key is empty, too long, or holds a
