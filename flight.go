@@ -39,10 +39,11 @@ type flightKey struct {
 
 // flight is one leader's call in progress.
 type flight struct {
-	done chan struct{} // closed when res and err are set
-	fp   Fingerprint
-	res  Result
-	err  error
+	done    chan struct{} // closed when res and err are set
+	fp      Fingerprint
+	waiters int    // callers that joined; guarded by flights.mu
+	res     Result // the waiters' own copy of the leader's result
+	err     error
 }
 
 // join returns the flight in progress for key, or starts one with the caller
@@ -51,6 +52,7 @@ func (f *flights) join(key flightKey, fp Fingerprint) (fl *flight, leader bool) 
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if fl, ok := f.m[key]; ok {
+		fl.waiters++
 		return fl, false
 	}
 	if f.m == nil {
@@ -61,13 +63,36 @@ func (f *flights) join(key flightKey, fp Fingerprint) (fl *flight, leader bool) 
 	return fl, true
 }
 
-// finish records the leader's outcome and wakes the waiters.
+// finish records the leader's outcome and wakes the waiters. Once the key
+// is out of the map no caller can join, so the count is final: only when
+// someone waits is the result copied, because the leader's caller owns res
+// and may change it while the waiters read theirs.
 func (f *flights) finish(key flightKey, fl *flight, res Result, err error) {
-	fl.res, fl.err = res, err
 	f.mu.Lock()
 	delete(f.m, key)
+	waiters := fl.waiters
 	f.mu.Unlock()
+	if waiters > 0 {
+		fl.res, fl.err = cloneResult(res), err
+	}
 	close(fl.done)
+}
+
+// cloneResult returns res with its own copies of the body and headers; the
+// body is never nil.
+func cloneResult(res Result) Result {
+	res.Body = bytes.Clone(res.Body)
+	if res.Body == nil {
+		res.Body = []byte{}
+	}
+	if res.Header != nil {
+		h := maps.Clone(res.Header)
+		for name, values := range h {
+			h[name] = slices.Clone(values)
+		}
+		res.Header = h
+	}
+	return res
 }
 
 // errLeaderPanicked is the outcome waiters see when the leader's fn panicked.
@@ -108,19 +133,8 @@ func (c *Client) coalesced(ctx context.Context, db Beginner, scope Scope, key st
 	case fl.fp != fp:
 		return Result{}, ErrKeyReused
 	}
-	res := Result{Replayed: true}
-	res.Status = fl.res.Status
-	res.Body = bytes.Clone(fl.res.Body)
-	if fl.res.Header != nil {
-		res.Header = maps.Clone(fl.res.Header)
-		for name, values := range res.Header {
-			res.Header[name] = slices.Clone(values)
-		}
-	}
-	if res.Body == nil {
-		res.Body = []byte{}
-	}
-	return res, nil
+	// Each waiter gets its own copy: callers may change what they get.
+	return Result{Response: cloneResult(fl.res).Response, Replayed: true}, nil
 }
 
 // await waits for fl to finish, at most Config.Wait.
