@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"time"
 
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
@@ -65,8 +66,15 @@ func (c *Client) claimArgs(k *rowKey, fp []byte) []any {
 	return []any{k.args[0], k.args[1], k.args[2], fp, c.ttlArg, c.lockTimeoutArg}
 }
 
+// The stored headers (JSON) go as text rather than bytes: in pgx's exec and
+// simple-protocol modes, which PgBouncer setups use, a []byte argument is
+// sent as bytea and would not read as JSON.
 func completeArgs(k *rowKey, status string, respStatus int, headers, body []byte) []any {
-	return []any{status, int32(respStatus), headers, body, k.args[0], k.args[1], k.args[2]}
+	var h any
+	if headers != nil {
+		h = string(headers)
+	}
+	return []any{status, int32(respStatus), h, body, k.args[0], k.args[1], k.args[2]}
 }
 
 // claim claims k for tx, waiting at most Config.Wait for a concurrent claim
@@ -167,8 +175,15 @@ func complete(ctx context.Context, tx pgx.Tx, k *rowKey, status string, resp Res
 	return nil
 }
 
+// cleanupTimeout bounds the statements that undo fn's work, which run even
+// when the caller's context is done: leaving the claim and fn's writes in a
+// transaction the caller may still commit would block the key for its TTL.
+const cleanupTimeout = 5 * time.Second
+
 // undoRejected undoes fn's writes and keeps fn's savepoint and the claim.
 func undoRejected(ctx context.Context, tx pgx.Tx) error {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), cleanupTimeout)
+	defer cancel()
 	if _, err := tx.Exec(ctx, "ROLLBACK TO SAVEPOINT "+savepointFn); err != nil {
 		return fmt.Errorf("idem: undo rejected writes: %w", err)
 	}
@@ -177,11 +192,14 @@ func undoRejected(ctx context.Context, tx pgx.Tx) error {
 
 // undo undoes fn's writes and gives up the claim after fn failed, leaving
 // the caller's transaction as it was before Do. In DoInTx's own
-// transaction there is nothing to do: it is rolled back whole.
+// transaction there is nothing to do: it is rolled back whole (or its
+// COMMIT already failed).
 func undo(ctx context.Context, tx pgx.Tx, k *rowKey) error {
-	if ownTx(tx) != nil {
+	if isOwnTx(tx) {
 		return nil
 	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), cleanupTimeout)
+	defer cancel()
 	if _, err := tx.Exec(ctx, undoFnSQL); err != nil {
 		return fmt.Errorf("idem: undo: %w", err)
 	}

@@ -53,8 +53,10 @@ func TestHotArgsMatchGenerated(t *testing.T) {
 			Actor: "actor", Operation: "op", IdemKey: "key",
 		})
 	})
-	// The generated method sends a pgtype.Int4; the hand-built list an
-	// int32, which encodes the same.
+	// The generated method sends a pgtype.Int4 and the headers as []byte;
+	// the hand-built list an int32, which encodes the same, and the headers
+	// as a string, which every query exec mode sends as JSON text.
 	want.Arguments[1] = want.Arguments[1].(pgtype.Int4).Int32
+	want.Arguments[2] = string(want.Arguments[2].([]byte))
 	check("KeyComplete", want, db.KeyComplete, completeArgs(k, statusRejected, 402, headers, body))
 }

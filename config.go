@@ -30,7 +30,8 @@ type Config struct {
 
 	// IsolationLevel is the isolation level of the transactions InTx and
 	// DoInTx begin. Default: the server's default (READ COMMITTED unless
-	// configured otherwise).
+	// configured otherwise). On a pgx.Tx they run in a savepoint, which has
+	// the isolation level of the caller's transaction.
 	IsolationLevel pgx.TxIsoLevel
 
 	// MaxRetries is how many times InTx and DoInTx run a transaction again

@@ -36,7 +36,8 @@ var (
 	ErrInvalidScope = errors.New("idem: invalid scope")
 
 	// ErrInvalidResponse means fn returned a Response that cannot be stored
-	// and replayed exactly (bad status code, header that is not valid text).
+	// and replayed exactly (a status outside 0 and 100..999, a header that
+	// is not valid text).
 	// fn's writes and the claim were undone; nothing was stored.
 	ErrInvalidResponse = errors.New("idem: invalid response")
 

@@ -127,6 +127,10 @@ func (c *Client) coalesced(ctx context.Context, db Beginner, scope Scope, key st
 		return Result{}, err
 	}
 	switch {
+	case errors.Is(fl.err, ErrInProgress):
+		// The key is held elsewhere and the leader already waited for it:
+		// waiting again in the database would double the bound.
+		return Result{}, c.inProgress()
 	case fl.err != nil:
 		// Nothing was stored: let the database decide for this call.
 		return c.doInTx(ctx, db, scope, key, fp, fn)

@@ -23,7 +23,7 @@ type Scope struct {
 
 // Response is the outcome of a request as it is stored and replayed.
 type Response struct {
-	Status int                 // replayed as stored (200, 201, 402, ...)
+	Status int                 // replayed as stored (200, 201, 402, ...; 0 or 100..999)
 	Header map[string][]string // optional, replayed as stored
 	Body   []byte              // replayed byte for byte
 }
@@ -98,7 +98,7 @@ func (c *Client) Do(ctx context.Context, tx pgx.Tx, scope Scope, key string, fp 
 	if err := c.checkCall(scope, key, fn); err != nil {
 		return Result{}, err
 	}
-	if tx == nil {
+	if isNil(tx) {
 		return Result{}, fmt.Errorf("%w: nil transaction", ErrInvalidArgument)
 	}
 	k := newRowKey(scope, key)
@@ -137,7 +137,7 @@ func (c *Client) run(ctx context.Context, tx pgx.Tx, k *rowKey,
 			_ = undo(ctx, tx, k)
 		}
 	}()
-	resp, fnErr := fn(ctx, tx)
+	resp, fnErr := callFn(ctx, tx, fn)
 	panicked = false
 
 	status := statusSucceeded
@@ -161,6 +161,17 @@ func (c *Client) run(ctx context.Context, tx pgx.Tx, k *rowKey,
 		return Result{}, withUndo(ctx, tx, k, err)
 	}
 	return Result{Response: resp}, nil
+}
+
+// callFn runs fn. While it runs, DoInTx's transaction is not the own
+// transaction of a Do nested in fn: that one must release its savepoint,
+// not commit what the outer Do has not finished.
+func callFn(ctx context.Context, tx pgx.Tx, fn func(ctx context.Context, tx pgx.Tx) (Response, error)) (Response, error) {
+	if pt, ok := tx.(*pipeTx); ok {
+		pt.fnDepth++
+		defer func() { pt.fnDepth-- }()
+	}
+	return fn(ctx, tx)
 }
 
 func (c *Client) inProgress() error {

@@ -5,6 +5,8 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
+	"net"
 	"os"
 	"reflect"
 	"strings"
@@ -652,6 +654,71 @@ func TestSeveralKeysInOneTransaction(t *testing.T) {
 	}
 }
 
+// A Do nested in DoInTx's fn runs in DoInTx's transaction like any other
+// Do: it releases its savepoint and leaves the commit to DoInTx, so the
+// outer outcome decides for both.
+func TestDoNestedInDoInTx(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	var calls atomic.Int64
+	inner := idem.Scope{Actor: scope.Actor, Operation: "inner"}
+	outer := func(key string, outcome error) func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+		return func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+			res, err := idem.Do(ctx, tx, inner, key, fpA, recordEffect(&calls, key))
+			if err != nil {
+				return idem.Response{}, err
+			}
+			if outcome != nil {
+				return idem.Response{}, outcome
+			}
+			return idem.Response{Status: 200, Body: res.Body}, nil
+		}
+	}
+
+	// Success: both keys and the effect commit together.
+	res, err := idem.DoInTx(ctx, pool, scope, "n1", fpA, outer("n1", nil))
+	if err != nil || res.Replayed {
+		t.Fatalf("first: %+v, %v", res, err)
+	}
+	if keyRows(t, pool) != 2 || effects(t, pool) != 1 {
+		t.Fatalf("after success: %d keys, %d effects", keyRows(t, pool), effects(t, pool))
+	}
+	// The inner key is now committed: a new outer key replays it inside.
+	if res, err = idem.DoInTx(ctx, pool, scope, "n1b", fpA, outer("n1", nil)); err != nil || res.Replayed {
+		t.Fatalf("outer over a committed inner key: %+v, %v", res, err)
+	}
+
+	// Reject: the inner Do's key and effect are undone with fn's writes.
+	refusal := idem.Response{Status: 409, Body: []byte("no")}
+	res, err = idem.DoInTx(ctx, pool, scope, "n2", fpA, outer("n2", idem.Reject(refusal)))
+	if err != nil || res.Status != 409 {
+		t.Fatalf("reject: %+v, %v", res, err)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM idem_keys WHERE idem_key = 'n2'`); n != 1 {
+		t.Fatalf("after reject: %d rows for n2, want the outer refusal only", n)
+	}
+	if effects(t, pool) != 1 {
+		t.Fatalf("after reject: %d effects", effects(t, pool))
+	}
+	res, err = idem.DoInTx(ctx, pool, scope, "n2", fpA, outer("n2", nil))
+	if err != nil || !res.Replayed || res.Status != 409 {
+		t.Fatalf("reject replay: %+v, %v", res, err)
+	}
+
+	// Error: nothing of either remains, and the key runs again later.
+	boom := errors.New("boom")
+	if _, err = idem.DoInTx(ctx, pool, scope, "n3", fpA, outer("n3", boom)); !errors.Is(err, boom) {
+		t.Fatalf("error: %v", err)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM idem_keys WHERE idem_key = 'n3'`); n != 0 || effects(t, pool) != 1 {
+		t.Fatalf("after error: %d rows for n3, %d effects", n, effects(t, pool))
+	}
+	if res, err = idem.DoInTx(ctx, pool, scope, "n3", fpA, outer("n3", nil)); err != nil || res.Replayed {
+		t.Fatalf("after error, again: %+v, %v", res, err)
+	}
+}
+
 func TestLostResponse(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -743,6 +810,68 @@ func TestBackendTerminatedBeforeCommit(t *testing.T) {
 	}
 }
 
+// Errors of fn come back as they are while the connection is fine, even
+// when they look like network errors.
+func TestFnErrorsComeBackAsTheyAre(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	for _, want := range []error{io.ErrUnexpectedEOF, io.EOF, context.DeadlineExceeded, net.ErrClosed} {
+		_, err := idem.DoInTx(ctx, pool, scope, "as-is", fpA, func(context.Context, pgx.Tx) (idem.Response, error) {
+			return idem.Response{}, want
+		})
+		if err != want {
+			t.Fatalf("DoInTx: err = %v, want %v itself", err, want)
+		}
+		err = idem.InTx(ctx, pool, func(context.Context, pgx.Tx) error { return want })
+		if err != want {
+			t.Fatalf("InTx: err = %v, want %v itself", err, want)
+		}
+	}
+}
+
+// fn cancels the context and fails: Do still undoes fn's writes and the
+// claim, so a caller that commits anyway leaves nothing behind.
+func TestUndoOutlivesCancelledContext(t *testing.T) {
+	t.Parallel()
+	pool := newPool(t)
+	var calls atomic.Int64
+	tx, err := pool.Begin(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(context.Background())
+	for _, reject := range []bool{false, true} {
+		ctx, cancel := context.WithCancel(context.Background())
+		key := fmt.Sprintf("cancelled-%t", reject)
+		_, err = idem.Do(ctx, tx, scope, key, fpA, func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+			if _, err := recordEffect(&calls, key)(ctx, tx); err != nil {
+				return idem.Response{}, err
+			}
+			cancel()
+			if reject {
+				return idem.Response{}, idem.Reject(idem.Response{Status: 409})
+			}
+			return idem.Response{}, context.Canceled
+		})
+		if reject && err == nil {
+			continue // the refusal was stored in the caller's transaction
+		}
+		if !errors.Is(err, context.Canceled) {
+			t.Fatalf("reject %t: err = %v", reject, err)
+		}
+	}
+	if err := tx.Commit(context.Background()); err != nil {
+		t.Fatal(err)
+	}
+	if effects(t, pool) != 0 {
+		t.Fatalf("%d effects committed after fn failed", effects(t, pool))
+	}
+	if n := count(t, pool, `SELECT count(*) FROM idem_keys WHERE status = 'processing'`); n != 0 {
+		t.Fatalf("%d claims left behind", n)
+	}
+}
+
 func TestStoreDown(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -819,6 +948,16 @@ func TestBadInputTouchesNothing(t *testing.T) {
 	if _, err := idem.DoInTx(ctx, nil, scope, "k", fpA, fn); !errors.Is(err, idem.ErrInvalidArgument) {
 		t.Fatalf("nil db: %v", err)
 	}
+	var nilPool *pgxpool.Pool
+	var nilConn *pgx.Conn
+	for _, db := range []idem.Beginner{nilPool, nilConn} {
+		if _, err := idem.DoInTx(ctx, db, scope, "k", fpA, fn); !errors.Is(err, idem.ErrInvalidArgument) {
+			t.Fatalf("DoInTx on a nil %T: %v", db, err)
+		}
+		if err := idem.InTx(ctx, db, func(context.Context, pgx.Tx) error { return nil }); !errors.Is(err, idem.ErrInvalidArgument) {
+			t.Fatalf("InTx on a nil %T: %v", db, err)
+		}
+	}
 	if calls.Load() != 0 || keyRows(t, pool) != 0 || effects(t, pool) != 0 {
 		t.Fatal("bad input ran fn or wrote rows")
 	}
@@ -839,7 +978,8 @@ func TestUnstorableResponseUndoesEverything(t *testing.T) {
 	}{
 		{"too large", idem.Response{Status: 200, Body: bytes.Repeat([]byte("x"), 65)}, idem.ErrResponseTooLarge},
 		{"headers count", idem.Response{Status: 200, Header: map[string][]string{"X": {strings.Repeat("v", 64)}}}, idem.ErrResponseTooLarge},
-		{"status 0", idem.Response{}, idem.ErrInvalidResponse},
+		{"status -1", idem.Response{Status: -1}, idem.ErrInvalidResponse},
+		{"status 99", idem.Response{Status: 99}, idem.ErrInvalidResponse},
 		{"status 1000", idem.Response{Status: 1000}, idem.ErrInvalidResponse},
 		{"header NUL", idem.Response{Status: 200, Header: map[string][]string{"X": {"a\x00"}}}, idem.ErrInvalidResponse},
 		{"header bad UTF-8", idem.Response{Status: 200, Header: map[string][]string{"X\xff": {"a"}}}, idem.ErrInvalidResponse},

@@ -24,6 +24,7 @@ type pipeTx struct {
 	inner     pgx.Tx // nil until BEGIN is sent
 	done      bool   // committed or rolled back
 	committed bool
+	fnDepth   int // > 0 while Do's fn runs: a Do nested in fn must not commit
 }
 
 var _ pgx.Tx = (*pipeTx)(nil)
@@ -32,10 +33,17 @@ var _ pgx.Tx = (*pipeTx)(nil)
 // round trip (DoInTx's own), or nil.
 func ownTx(tx pgx.Tx) *pipeTx {
 	pt, ok := tx.(*pipeTx)
-	if !ok || !pt.fold || pt.done || pt.inner == nil {
+	if !ok || !pt.fold || pt.done || pt.inner == nil || pt.fnDepth > 0 {
 		return nil
 	}
 	return pt
+}
+
+// isOwnTx reports whether tx is DoInTx's own transaction as seen by its
+// outermost Do, whatever state the transaction is in.
+func isOwnTx(tx pgx.Tx) bool {
+	pt, ok := tx.(*pipeTx)
+	return ok && pt.fold && pt.fnDepth == 0
 }
 
 // reopen lets a DoInTx transaction that claim committed after reading the
@@ -97,11 +105,25 @@ func (t *pipeTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
 	return br
 }
 
+// batchable reports whether a statement with args can be sent in a batch
+// with BEGIN: it has arguments (without them pgx uses the simple protocol,
+// which allows several statements in sql; those cannot join a batch) and
+// none of the per-query options that batches ignore (exec mode, result
+// formats; a QueryRewriter such as pgx.NamedArgs works in a batch).
+func batchable(args []any) bool {
+	if len(args) == 0 {
+		return false
+	}
+	switch args[0].(type) {
+	case pgx.QueryExecMode, pgx.QueryResultFormats, pgx.QueryResultFormatsByOID:
+		return false
+	}
+	return true
+}
+
 func (t *pipeTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
-	if t.inner == nil && !t.done && len(args) > 0 {
-		// BEGIN and the statement in one round trip. (Without arguments
-		// pgx uses the simple protocol, which allows several statements in
-		// sql; those cannot join a batch.)
+	if t.inner == nil && !t.done && batchable(args) {
+		// BEGIN and the statement in one round trip.
 		b := &pgx.Batch{}
 		b.Queue(sql, args...)
 		br := t.SendBatch(ctx, b)
@@ -124,7 +146,7 @@ func (t *pipeTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, 
 }
 
 func (t *pipeTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
-	if t.inner == nil && !t.done {
+	if t.inner == nil && !t.done && (len(args) == 0 || batchable(args)) {
 		b := &pgx.Batch{}
 		b.Queue(sql, args...)
 		return &batchRow{br: t.SendBatch(ctx, b)}

@@ -9,8 +9,8 @@ import (
 // returns its header encoded for the response_headers column (nil when resp
 // has no header map).
 func (c *Client) encodeResponse(resp Response) ([]byte, error) {
-	if resp.Status < 100 || resp.Status > 999 {
-		return nil, fmt.Errorf("%w: status %d is not a 3-digit HTTP status", ErrInvalidResponse, resp.Status)
+	if resp.Status != 0 && (resp.Status < 100 || resp.Status > 999) {
+		return nil, fmt.Errorf("%w: status %d is neither 0 nor a 3-digit HTTP status", ErrInvalidResponse, resp.Status)
 	}
 	size := len(resp.Body)
 	for name, values := range resp.Header {

@@ -30,7 +30,14 @@ type txBeginner interface {
 // fn or at commit, the whole transaction is rolled back and run again, up to
 // Config.MaxRetries times with jittered exponential backoff, so fn must be
 // safe to run again: everything it did in the rolled-back transaction is
-// gone. InTx uses the package defaults; see Client.InTx.
+// gone. On a pgx.Tx, InTx runs fn in a savepoint and does not retry: such a
+// failure dooms the caller's whole transaction, which only the caller can
+// run again.
+//
+// fn's errors are returned as they are, except when the connection broke:
+// then InTx returns an error that wraps both ErrUnavailable and fn's error.
+// Failures to begin or commit because the server cannot be reached are
+// ErrUnavailable too. InTx uses the package defaults; see Client.InTx.
 func InTx(ctx context.Context, db Beginner, fn func(ctx context.Context, tx pgx.Tx) error) error {
 	return defaultClient.InTx(ctx, db, fn)
 }
@@ -38,7 +45,7 @@ func InTx(ctx context.Context, db Beginner, fn func(ctx context.Context, tx pgx.
 // InTx is the package-level InTx with this client's isolation level and
 // retry budget.
 func (c *Client) InTx(ctx context.Context, db Beginner, fn func(ctx context.Context, tx pgx.Tx) error) error {
-	if db == nil {
+	if isNil(db) {
 		return fmt.Errorf("%w: nil database handle", ErrInvalidArgument)
 	}
 	if fn == nil {
@@ -49,12 +56,12 @@ func (c *Client) InTx(ctx context.Context, db Beginner, fn func(ctx context.Cont
 
 // inTx is InTx; with fold, Do may commit the transaction itself.
 func (c *Client) inTx(ctx context.Context, db Beginner, fold bool, fn func(ctx context.Context, tx pgx.Tx) error) error {
+	_, nested := db.(pgx.Tx)
 	for attempt := 0; ; attempt++ {
 		err := c.inTxOnce(ctx, db, fold, fn)
-		if err == nil || !isRetryable(err) || attempt >= c.cfg.MaxRetries {
-			if err != nil && !errors.Is(err, ErrUnavailable) && isUnavailable(err) {
-				err = fmt.Errorf("%w: %w", ErrUnavailable, err)
-			}
+		// In a savepoint of a caller's transaction a serialization failure
+		// dooms the whole transaction: only the caller can run it again.
+		if err == nil || !isRetryable(err) || nested || attempt >= c.cfg.MaxRetries {
 			return err
 		}
 		if sleepErr := sleep(ctx, backoff(attempt)); sleepErr != nil {
@@ -87,7 +94,7 @@ func (c *Client) DoInTx(ctx context.Context, db Beginner, scope Scope, key strin
 	if err := c.checkCall(scope, key, fn); err != nil {
 		return Result{}, err
 	}
-	if db == nil {
+	if isNil(db) {
 		return Result{}, fmt.Errorf("%w: nil database handle", ErrInvalidArgument)
 	}
 	return c.coalesced(ctx, db, scope, key, fp, fn)
@@ -111,7 +118,7 @@ func (c *Client) doInTx(ctx context.Context, db Beginner, scope Scope, key strin
 func (c *Client) inTxOnce(ctx context.Context, db Beginner, fold bool, fn func(ctx context.Context, tx pgx.Tx) error) (err error) {
 	tx, release, err := c.begin(ctx, db, fold)
 	if err != nil {
-		return fmt.Errorf("idem: begin: %w", err)
+		return unavailableIf(isUnavailable(err), fmt.Errorf("idem: begin: %w", err))
 	}
 	defer release()
 	committed := false
@@ -125,14 +132,31 @@ func (c *Client) inTxOnce(ctx context.Context, db Beginner, fold bool, fn func(c
 		defer cancel()
 		_ = tx.Rollback(rbCtx)
 	}()
+	// fn's errors come back as they are, unless the connection is gone:
+	// then the outcome of the transaction is the store's failure.
 	if err := fn(ctx, tx); err != nil {
-		return err
+		return unavailableIf(connLost(tx), err)
 	}
 	if err := tx.Commit(ctx); err != nil {
-		return fmt.Errorf("idem: commit: %w", err)
+		return unavailableIf(connLost(tx) || isUnavailable(err), fmt.Errorf("idem: commit: %w", err))
 	}
 	committed = true
 	return nil
+}
+
+// unavailableIf wraps err with ErrUnavailable when lost is true.
+func unavailableIf(lost bool, err error) error {
+	if !lost || errors.Is(err, ErrUnavailable) {
+		return err
+	}
+	return fmt.Errorf("%w: %w", ErrUnavailable, err)
+}
+
+// connLost reports whether the connection under tx is closed: the server
+// went away or the connection broke while the transaction was open.
+func connLost(tx pgx.Tx) bool {
+	conn := tx.Conn()
+	return conn != nil && conn.IsClosed()
 }
 
 // begin starts a transaction on db. On a pool or a connection it is a
@@ -148,7 +172,8 @@ func (c *Client) begin(ctx context.Context, db Beginner, fold bool) (tx pgx.Tx, 
 	}
 	release = func() {}
 	level := c.cfg.IsolationLevel
-	if level == "" {
+	if _, nested := db.(pgx.Tx); level == "" || nested {
+		// A savepoint runs at its transaction's isolation level.
 		tx, err := db.Begin(ctx)
 		return tx, release, err
 	}

@@ -1,14 +1,20 @@
 package idem_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
+	"reflect"
+	"strings"
 	"sync/atomic"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/pgtest"
 )
 
 // The transactions InTx begins behave like pgx's own, whichever statement
@@ -167,5 +173,120 @@ func TestDoInTxOnEveryBeginner(t *testing.T) {
 	}
 	if pool.Stat().AcquiredConns() != 1 {
 		t.Fatalf("%d connections still acquired, want only the test's own", pool.Stat().AcquiredConns())
+	}
+}
+
+// Every pgx query exec mode works, including the exec and simple-protocol
+// modes that PgBouncer setups use; so does a Response without a status.
+func TestQueryExecModes(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := pgtest.URL(t, idem.Migrate)
+	for _, mode := range []pgx.QueryExecMode{
+		pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe,
+		pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol,
+	} {
+		t.Run(mode.String(), func(t *testing.T) {
+			cfg, err := pgxpool.ParseConfig(url)
+			if err != nil {
+				t.Fatal(err)
+			}
+			cfg.ConnConfig.DefaultQueryExecMode = mode
+			pool, err := pgxpool.NewWithConfig(ctx, cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer pool.Close()
+			resp := idem.Response{Status: 201,
+				Header: map[string][]string{"Content-Type": {"application/json"}, "X-Quote": {`a"b\c`}},
+				Body:   []byte("{\"ok\":true}\x00\xff")}
+			key := "mode-" + strings.ReplaceAll(mode.String(), " ", "-")
+			for i, wantReplayed := range []bool{false, true} {
+				res, err := idem.DoInTx(ctx, pool, scope, key, fpA, func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+					return resp, nil
+				})
+				if err != nil || res.Replayed != wantReplayed || res.Status != 201 ||
+					!bytes.Equal(res.Body, resp.Body) || !reflect.DeepEqual(res.Header, resp.Header) {
+					t.Fatalf("call %d: %+v, %v", i, res, err)
+				}
+			}
+			// A refusal without a status, in the caller's transaction.
+			for i, wantReplayed := range []bool{false, true} {
+				var res idem.Result
+				err := idem.InTx(ctx, pool, func(ctx context.Context, tx pgx.Tx) error {
+					var err error
+					res, err = idem.Do(ctx, tx, scope, key+"-reject", fpA, func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+						return idem.Response{}, idem.Reject(idem.Response{Body: []byte("no")})
+					})
+					return err
+				})
+				if err != nil || res.Replayed != wantReplayed || res.Status != 0 || string(res.Body) != "no" || res.Header != nil {
+					t.Fatalf("reject %d: %+v, %v", i, res, err)
+				}
+			}
+		})
+	}
+}
+
+// The first statement of an InTx transaction may carry pgx's per-query
+// options, which cannot ride in a batch with BEGIN.
+func TestInTxFirstStatementWithQueryOptions(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeSimpleProtocol, pgx.QueryExecModeExec} {
+		err := idem.InTx(ctx, pool, func(ctx context.Context, tx pgx.Tx) error {
+			var n int
+			return tx.QueryRow(ctx, `SELECT $1::int`, mode, 7).Scan(&n)
+		})
+		if err != nil {
+			t.Fatalf("QueryRow with %v: %v", mode, err)
+		}
+		err = idem.InTx(ctx, pool, func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, `INSERT INTO effects (key) VALUES ($1)`, mode, "opt")
+			return err
+		})
+		if err != nil {
+			t.Fatalf("Exec with %v: %v", mode, err)
+		}
+	}
+	if effects(t, pool) != 2 {
+		t.Fatalf("%d effects, want 2", effects(t, pool))
+	}
+}
+
+// On a pgx.Tx, InTx and DoInTx run in a savepoint at the caller's
+// isolation level, whatever the Client's, and leave retrying to the caller.
+func TestInTxOnTxIgnoresIsolationLevel(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	c, err := idem.New(idem.Config{IsolationLevel: pgx.Serializable})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	var calls atomic.Int64
+	if _, err := c.DoInTx(ctx, tx, scope, "on-tx", fpA, recordEffect(&calls, "on-tx")); err != nil {
+		t.Fatal(err)
+	}
+	attempts := 0
+	serializationFailure := &pgconn.PgError{Code: "40001"}
+	err = c.InTx(ctx, tx, func(context.Context, pgx.Tx) error {
+		attempts++
+		return serializationFailure
+	})
+	if !errors.Is(err, serializationFailure) || attempts != 1 {
+		t.Fatalf("InTx on a tx: err %v after %d attempts, want the failure after one", err, attempts)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if effects(t, pool) != 1 {
+		t.Fatalf("%d effects", effects(t, pool))
 	}
 }

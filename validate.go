@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"reflect"
 	"unicode/utf8"
 
 	"github.com/jackc/pgx/v5"
@@ -79,4 +80,17 @@ func checkHeaderText(s string) error {
 		}
 	}
 	return nil
+}
+
+// isNil reports whether v is nil or an interface holding a nil pointer (a
+// nil *pgxpool.Pool passed as a Beginner, say), which would panic on use.
+func isNil(v any) bool {
+	if v == nil {
+		return true
+	}
+	switch rv := reflect.ValueOf(v); rv.Kind() {
+	case reflect.Pointer, reflect.Map, reflect.Chan, reflect.Func, reflect.Interface, reflect.Slice:
+		return rv.IsNil()
+	}
+	return false
 }

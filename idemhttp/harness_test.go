@@ -2,6 +2,7 @@ package idemhttp_test
 
 import (
 	"bytes"
+	"compress/gzip"
 	"context"
 	"encoding/json"
 	"errors"
@@ -242,6 +243,24 @@ func newEnv(t *testing.T, cfg envConfig) *env {
 			}
 		}
 		created(w, id, nil)
+	})
+	// /slow writes, then runs until Options.Timeout ends its context.
+	handle("POST /slow", func(w http.ResponseWriter, r *http.Request) {
+		effect(r)
+		<-r.Context().Done()
+		if _, err := idemhttp.Tx(r.Context()).Exec(r.Context(), `SELECT 1`); err == nil {
+			panic("a statement ran after the timeout")
+		}
+		w.WriteHeader(http.StatusCreated)
+	})
+	// /gzip answers with a compressed body, as a compressing handler would.
+	handle("POST /gzip", func(w http.ResponseWriter, r *http.Request) {
+		effect(r)
+		w.Header().Set("Content-Type", "text/plain")
+		w.Header().Set("Content-Encoding", "gzip")
+		zw := gzip.NewWriter(w)
+		fmt.Fprint(zw, "compressed hello")
+		_ = zw.Close()
 	})
 	handle("POST /big", func(w http.ResponseWriter, r *http.Request) {
 		effect(r)

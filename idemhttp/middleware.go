@@ -10,6 +10,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"reflect"
 	"runtime/debug"
 	"slices"
 	"strconv"
@@ -39,7 +40,8 @@ type Options struct {
 	// refuses is a 500.
 	Operation func(*http.Request) string
 
-	// Methods are the request methods the middleware covers. Requests with
+	// Methods are the request methods the middleware covers, in upper case
+	// as clients send them (methods are case-sensitive). Requests with
 	// other methods pass straight to the handler, without a transaction
 	// (Tx returns nil) and without a key. Default: POST and PATCH.
 	Methods []string
@@ -65,7 +67,9 @@ type Options struct {
 	// StoredHeaders are the response headers stored with the response and
 	// replayed with it; the first response carries every header the handler
 	// set, a replay only these. Keep secrets (Set-Cookie) out. Default:
-	// Content-Type and Location.
+	// Content-Type, Content-Encoding (a compressed body replays as such) and
+	// Location. Trailers are not stored or sent: the response is buffered and
+	// sent with a Content-Length.
 	StoredHeaders []string
 
 	// Config configures the idempotency store (see idem.Config): the key's
@@ -82,8 +86,15 @@ type Options struct {
 	// hangs up, so that a request that made it to the handler commits and
 	// its retry replays; Timeout is what ends it instead. The handler's
 	// context carries the request context's values and this deadline, not
-	// its cancellation. Default 30 seconds.
+	// its cancellation. A request that runs out of time is answered 503 with
+	// CodeTimeout. Config.Wait is capped at half of Timeout, so that a
+	// duplicate gets 409 rather than running out of time. Default 30
+	// seconds.
 	Timeout time.Duration
+
+	// Challenge is the WWW-Authenticate value of the 401 answered when
+	// Actor fails. Default "Bearer".
+	Challenge string
 
 	// Logger receives a record for every 5xx the middleware writes itself
 	// (handler panics, store failures), with a hash of the key, never the
@@ -101,7 +112,7 @@ const (
 // and Options.StoredHeaders.
 var (
 	defaultMethods       = []string{http.MethodPost, http.MethodPatch}
-	defaultStoredHeaders = []string{"Content-Type", "Location"}
+	defaultStoredHeaders = []string{"Content-Type", "Content-Encoding", "Location"}
 )
 
 // txKey is the context key of the request's transaction.
@@ -150,7 +161,8 @@ func Tx(ctx context.Context) pgx.Tx {
 // missing (when required) or malformed key, 401 when Actor fails, 413 for a
 // body over the limit, 422 for the same key with a different request, 409
 // with Retry-After while another request holds the key, and 503 when the
-// database cannot be reached (fail closed: the handler does not run).
+// database cannot be reached (fail closed: the handler does not run) or the
+// request runs past Options.Timeout (rolled back).
 //
 // A client that hangs up does not cancel the work: the transaction runs to
 // its end (bounded by Options.Timeout) and commits, so the client's retry
@@ -189,12 +201,13 @@ type middleware struct {
 	maxBody     int64
 	maxResponse int
 	timeout     time.Duration
+	challenge   string
 	log         *slog.Logger
 	next        http.Handler
 }
 
 func newMiddleware(db idem.Beginner, opts Options) (*middleware, error) {
-	if db == nil {
+	if db == nil || reflect.ValueOf(db).Kind() == reflect.Pointer && reflect.ValueOf(db).IsNil() {
 		return nil, errors.New("idemhttp: nil database handle")
 	}
 	if opts.Actor == nil {
@@ -206,9 +219,18 @@ func newMiddleware(db idem.Beginner, opts Options) (*middleware, error) {
 	if opts.Timeout < 0 {
 		return nil, fmt.Errorf("idemhttp: Options.Timeout %s is negative", opts.Timeout)
 	}
+	if opts.Timeout == 0 {
+		opts.Timeout = DefaultTimeout
+	}
 	client, err := idem.New(opts.Config)
 	if err != nil {
 		return nil, fmt.Errorf("idemhttp: Options.Config: %w", err)
+	}
+	if cfg := client.Config(); cfg.Wait > opts.Timeout/2 {
+		cfg.Wait = opts.Timeout / 2
+		if client, err = idem.New(cfg); err != nil {
+			return nil, fmt.Errorf("idemhttp: Options.Config: %w", err)
+		}
 	}
 	m := &middleware{
 		db:          db,
@@ -231,8 +253,8 @@ func newMiddleware(db idem.Beginner, opts Options) (*middleware, error) {
 	if m.maxBody == 0 {
 		m.maxBody = DefaultMaxBodyBytes
 	}
-	if m.timeout == 0 {
-		m.timeout = DefaultTimeout
+	if m.challenge = opts.Challenge; m.challenge == "" {
+		m.challenge = "Bearer"
 	}
 	if m.log == nil {
 		m.log = slog.Default()
@@ -244,6 +266,9 @@ func newMiddleware(db idem.Beginner, opts Options) (*middleware, error) {
 	for _, method := range m.methods {
 		if method == "" || !isToken(method) {
 			return nil, fmt.Errorf("idemhttp: Options.Methods: invalid method %q", method)
+		}
+		if method != strings.ToUpper(method) {
+			return nil, fmt.Errorf("idemhttp: Options.Methods: method %q is not upper case; clients send %q", method, strings.ToUpper(method))
 		}
 	}
 	stored := opts.StoredHeaders
@@ -299,6 +324,7 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		err = idem.ValidateScope(idem.Scope{Actor: actor, Operation: "-"})
 	}
 	if err != nil {
+		w.Header().Set("WWW-Authenticate", m.challenge)
 		writeProblem(w, http.StatusUnauthorized, CodeUnauthenticated, "The request is not authenticated.", 0)
 		return
 	}
@@ -343,7 +369,7 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	scope := idem.Scope{Actor: actor, Operation: m.operation(r)}
 	if err := idem.ValidateScope(scope); err != nil {
-		m.fail(ctx, w, r, key, http.StatusInternalServerError, "invalid operation", err)
+		m.fail(ctx, w, r, key, err) // ErrInvalidScope: 500
 		return
 	}
 	m.serveKeyed(ctx, w, r, body, scope, key, fp)
@@ -423,7 +449,7 @@ func (m *middleware) serveKeyed(ctx context.Context, w http.ResponseWriter, r *h
 	case errors.Is(err, idem.ErrInvalidKey):
 		writeProblem(w, http.StatusBadRequest, CodeKeyInvalid, "Invalid Idempotency-Key header: "+errorText(err), 0)
 	default:
-		m.fail(ctx, w, r, key, storeStatus(err), "store failure", err)
+		m.fail(ctx, w, r, key, err)
 	}
 }
 
@@ -449,7 +475,7 @@ func (m *middleware) serveUnkeyed(ctx context.Context, w http.ResponseWriter, r 
 	case err == nil, errors.Is(err, errNotStored):
 		writeBuffered(w, buf)
 	default:
-		m.fail(ctx, w, r, "", storeStatus(err), "store failure", err)
+		m.fail(ctx, w, r, "", err)
 	}
 }
 
@@ -477,15 +503,24 @@ func (m *middleware) guard(ctx context.Context, w http.ResponseWriter, r *http.R
 	return f()
 }
 
-// fail logs err and answers status (500 or 503) with a problem.
-func (m *middleware) fail(ctx context.Context, w http.ResponseWriter, r *http.Request, key string, status int, msg string, err error) {
-	m.log.LogAttrs(ctx, slog.LevelError, "idemhttp: "+msg, append(m.logAttrs(r, key), slog.Any("error", err))...)
-	if status == http.StatusServiceUnavailable {
-		writeProblem(w, status, CodeStoreUnavailable,
+// fail logs err, which ended the transaction of a request, and answers it
+// with a problem: 503 when the request ran out of time (ctx, which carries
+// Options.Timeout, is done) or the store failed, 500 otherwise.
+func (m *middleware) fail(ctx context.Context, w http.ResponseWriter, r *http.Request, key string, err error) {
+	attrs := append(m.logAttrs(r, key), slog.Any("error", err))
+	switch {
+	case ctx.Err() != nil:
+		m.log.LogAttrs(ctx, slog.LevelError, "idemhttp: request timed out", attrs...)
+		writeProblem(w, http.StatusServiceUnavailable, CodeTimeout,
+			"The request did not finish in time; retry later with the same key.", time.Second)
+	case storeStatus(err) == http.StatusServiceUnavailable:
+		m.log.LogAttrs(ctx, slog.LevelError, "idemhttp: store unavailable", attrs...)
+		writeProblem(w, http.StatusServiceUnavailable, CodeStoreUnavailable,
 			"The idempotency store is unavailable; retry later with the same key.", time.Second)
-		return
+	default:
+		m.log.LogAttrs(ctx, slog.LevelError, "idemhttp: request failed", attrs...)
+		writeProblem(w, http.StatusInternalServerError, CodeInternal, "The request failed; nothing was stored.", 0)
 	}
-	writeProblem(w, status, CodeInternal, "The request failed; nothing was stored.", 0)
 }
 
 func (m *middleware) logAttrs(r *http.Request, key string) []slog.Attr {

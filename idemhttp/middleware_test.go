@@ -2,6 +2,7 @@ package idemhttp_test
 
 import (
 	"bytes"
+	"compress/gzip"
 	"context"
 	"errors"
 	"fmt"
@@ -265,6 +266,9 @@ func TestActorRequired(t *testing.T) {
 		r := e.do(call{path: "/items", actor: actor, key: "k", body: `{}`})
 		if r.status != http.StatusUnauthorized || r.problem(t) != idemhttp.CodeUnauthenticated {
 			t.Errorf("actor %.10q: %s", actor, r)
+		}
+		if got := r.header.Get("WWW-Authenticate"); got != "Bearer" {
+			t.Errorf("actor %.10q: WWW-Authenticate %q", actor, got)
 		}
 	}
 	r := e.do(call{path: "/items", header: http.Header{"Authorization": {"Bearer "}}, key: "k", body: `{}`})
@@ -653,12 +657,13 @@ func TestInvalidOptionsPanic(t *testing.T) {
 	t.Parallel()
 	pool := &pgxpool.Pool{}
 	for name, f := range map[string]func(){
-		"nil db":          func() { idemhttp.Middleware(nil, idemhttp.Options{Actor: bearer}) },
-		"nil actor":       func() { idemhttp.Middleware(pool, idemhttp.Options{}) },
-		"negative body":   func() { idemhttp.Middleware(pool, idemhttp.Options{Actor: bearer, MaxBodyBytes: -1}) },
-		"negative time":   func() { idemhttp.Middleware(pool, idemhttp.Options{Actor: bearer, Timeout: -1}) },
-		"bad method":      func() { idemhttp.Middleware(pool, idemhttp.Options{Actor: bearer, Methods: []string{"PO ST"}}) },
-		"bad header name": func() { idemhttp.Middleware(pool, idemhttp.Options{Actor: bearer, StoredHeaders: []string{"X Y"}}) },
+		"nil db":            func() { idemhttp.Middleware(nil, idemhttp.Options{Actor: bearer}) },
+		"nil actor":         func() { idemhttp.Middleware(pool, idemhttp.Options{}) },
+		"negative body":     func() { idemhttp.Middleware(pool, idemhttp.Options{Actor: bearer, MaxBodyBytes: -1}) },
+		"negative time":     func() { idemhttp.Middleware(pool, idemhttp.Options{Actor: bearer, Timeout: -1}) },
+		"bad method":        func() { idemhttp.Middleware(pool, idemhttp.Options{Actor: bearer, Methods: []string{"PO ST"}}) },
+		"lower-case method": func() { idemhttp.Middleware(pool, idemhttp.Options{Actor: bearer, Methods: []string{"post"}}) },
+		"bad header name":   func() { idemhttp.Middleware(pool, idemhttp.Options{Actor: bearer, StoredHeaders: []string{"X Y"}}) },
 		"bad config": func() {
 			idemhttp.Middleware(pool, idemhttp.Options{Actor: bearer, Config: idem.Config{MaxKeyLength: 5000}})
 		},
@@ -672,5 +677,69 @@ func TestInvalidOptionsPanic(t *testing.T) {
 			}()
 			f()
 		}()
+	}
+}
+
+// A request that runs past Options.Timeout is rolled back and answered 503
+// with its own code, not as a store failure.
+func TestTimeoutIs503(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envConfig{opts: idemhttp.Options{Timeout: 300 * time.Millisecond}})
+	r := e.do(call{path: "/slow", actor: "alice", key: "slow", body: `{}`})
+	if r.status != http.StatusServiceUnavailable || r.problem(t) != idemhttp.CodeTimeout || r.header.Get("Retry-After") == "" {
+		t.Fatalf("%s %v", r, r.header)
+	}
+	if s := e.state(); s.effects != 0 || s.keys != 0 {
+		t.Fatalf("a timed-out request left %+v", s)
+	}
+}
+
+// Config.Wait longer than Timeout is capped, so a duplicate of a request in
+// flight gets 409, not a timeout.
+func TestDuplicateWithShortTimeoutGets409(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envConfig{opts: idemhttp.Options{Timeout: 2 * time.Second, Config: idem.Config{Wait: time.Minute}}})
+	c := call{path: "/block", actor: "alice", key: "held", body: `{}`}
+	first := make(chan reply, 1)
+	go func() { first <- e.do(c) }()
+	<-e.started
+	if r := e.do(c); r.status != http.StatusConflict || r.problem(t) != idemhttp.CodeInProgress {
+		t.Errorf("duplicate: %s", r)
+	}
+	close(e.release)
+	if r := <-first; r.status != http.StatusCreated {
+		t.Fatalf("first: %s", r)
+	}
+	if r := e.do(c); !r.replayed() {
+		t.Fatalf("retry: %s", r)
+	}
+}
+
+// Content-Encoding is stored by default: a compressed body replays with it.
+func TestCompressedResponseReplays(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envConfig{})
+	c := call{path: "/gzip", actor: "alice", key: "gz", body: `{}`}
+	var bodies [][]byte
+	for i := range 2 {
+		req := e.request(t.Context(), c)
+		req.Header.Set("Accept-Encoding", "gzip") // the client decompresses itself
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		zr, err := gzip.NewReader(resp.Body)
+		if err != nil {
+			t.Fatalf("call %d: %v (Content-Encoding %q)", i, err, resp.Header.Get("Content-Encoding"))
+		}
+		b, err := io.ReadAll(zr)
+		resp.Body.Close()
+		if err != nil || resp.Header.Get("Content-Encoding") != "gzip" || (i == 1) != (resp.Header.Get("Idempotent-Replayed") == "true") {
+			t.Fatalf("call %d: %v %v", i, err, resp.Header)
+		}
+		bodies = append(bodies, b)
+	}
+	if string(bodies[0]) != "compressed hello" || !bytes.Equal(bodies[0], bodies[1]) {
+		t.Fatalf("bodies %q", bodies)
 	}
 }

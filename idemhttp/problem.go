@@ -37,6 +37,11 @@ const (
 	// ran, were not committed, or the commit's outcome is unknown; a retry
 	// with the same key either replays or runs afresh.
 	CodeStoreUnavailable = "STORE_UNAVAILABLE"
+	// CodeTimeout (503, with Retry-After): the request did not finish within
+	// Options.Timeout. Its transaction was rolled back, or the outcome of
+	// its commit is unknown; a retry with the same key either replays or
+	// runs afresh.
+	CodeTimeout = "REQUEST_TIMEOUT"
 	// CodeInternal (500): anything else, such as a handler panic, a response
 	// too large to store, or a database error; nothing was stored.
 	CodeInternal = "INTERNAL_ERROR"
