@@ -1,6 +1,7 @@
 package idem_test
 
 import (
+	"crypto/sha256"
 	"encoding/json"
 	"errors"
 	"testing"
@@ -48,6 +49,48 @@ func TestFingerprintJSONCanonical(t *testing.T) {
 	}
 	if k.String() != "43258cff783fe7036d8a43033f830adfc60ec037382473548ac742b888292777" {
 		t.Fatalf("known answer: %s", k)
+	}
+}
+
+// Integers a double cannot hold (64-bit ids) keep their exact value; the
+// same integer spelt another way, in other member order, is still the same.
+func TestFingerprintJSONLargeIntegers(t *testing.T) {
+	t.Parallel()
+	fp := func(s string) idem.Fingerprint {
+		t.Helper()
+		f, err := idem.FingerprintJSON([]byte(s))
+		if err != nil {
+			t.Fatal(err)
+		}
+		return f
+	}
+	differ := [][2]string{
+		{`{"to":9007199254740993}`, `{"to":9007199254740992}`},
+		{`[18446744073709551615]`, `[18446744073709551614]`},
+		{`{"a":[1,{"id":1234567890123456789}]}`, `{"a":[1,{"id":1234567890123456788}]}`},
+		{`{"a":9007199254740993,"b":9007199254740995}`, `{"a":9007199254740995,"b":9007199254740993}`},
+		{`1000000000000000019884624838656`, `1e30`},
+	}
+	for _, d := range differ {
+		if fp(d[0]) == fp(d[1]) {
+			t.Errorf("%s and %s share a fingerprint", d[0], d[1])
+		}
+	}
+	same := [][2]string{
+		{`{"a":9007199254740993,"b":[12345678901234567890]}`, `{"b":[1234567890123456789.0e1],"a":9007199254740993}`},
+		{`{"id":9007199254740993}`, `{ "id" : 90071992547409930e-1 }`},
+	}
+	for _, d := range same {
+		if fp(d[0]) != fp(d[1]) {
+			t.Errorf("%s and %s differ", d[0], d[1])
+		}
+	}
+	// Integers a double holds keep the plain SHA-256 of the RFC 8785 form,
+	// like the RFC's own example (whose fractions RFC 8785 rounds).
+	text := `{"numbers":[333333333.33333329,1E30,4.50,2e-3,0.000000000000000000000000001],"big":9007199254740992}`
+	canonical := `{"big":9007199254740992,"numbers":[333333333.3333333,1e+30,4.5,0.002,1e-27]}`
+	if fp(text) != sha256.Sum256([]byte(canonical)) {
+		t.Errorf("the fingerprint of %s is not the SHA-256 of %s", text, canonical)
 	}
 }
 

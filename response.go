@@ -20,7 +20,8 @@ func (c *Client) encodeResponse(resp Response) ([]byte, error) {
 		size += len(name)
 		for _, v := range values {
 			if err := checkHeaderText(v); err != nil {
-				return nil, fmt.Errorf("%w: header %q value %q: %v", ErrInvalidResponse, name, v, err)
+				// The value stays out of the error, which may be logged.
+				return nil, fmt.Errorf("%w: header %q has a value that is not valid text (%v)", ErrInvalidResponse, name, err)
 			}
 			size += len(v)
 		}

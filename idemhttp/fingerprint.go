@@ -21,7 +21,12 @@ import (
 //   - a form body (application/x-www-form-urlencoded) counts by its fields
 //     sorted by name, values of one name in the order sent, re-encoded;
 //   - any other body, and a JSON or form body that does not parse, counts as
-//     its raw bytes.
+//     its raw bytes. That includes multipart/form-data: a client that
+//     encodes the same form again with a new boundary sends a different
+//     request (422); give such routes an Options.Fingerprint of their own.
+//
+// The body counts by the Content-Type the client declared: JSON sent as a
+// form (curl -d without -H) is fingerprinted as form fields.
 //
 // The query is canonicalized like a form body. Headers, including
 // Content-Type beyond the choice above, do not count. DefaultFingerprint
