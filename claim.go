@@ -66,15 +66,12 @@ func (c *Client) claimArgs(k *rowKey, fp []byte) []any {
 	return []any{k.args[0], k.args[1], k.args[2], fp, c.ttlArg, c.lockTimeoutArg}
 }
 
-// The stored headers (JSON) go as text rather than bytes: in pgx's exec and
-// simple-protocol modes, which PgBouncer setups use, a []byte argument is
-// sent as bytea and would not read as JSON.
-func completeArgs(k *rowKey, status string, respStatus int, headers, body []byte) []any {
-	var h any
-	if headers != nil {
-		h = string(headers)
-	}
-	return []any{status, int32(respStatus), h, body, k.args[0], k.args[1], k.args[2]}
+// headers is the stored headers' JSON as a string, or nil for none: text
+// rather than bytes, because in pgx's exec and simple-protocol modes (which
+// PgBouncer setups use) a []byte argument is sent as bytea and would not
+// read as JSON.
+func completeArgs(k *rowKey, status string, respStatus int, headers any, body []byte) []any {
+	return []any{status, int32(respStatus), headers, body, k.args[0], k.args[1], k.args[2]}
 }
 
 // claim claims k for tx, waiting at most Config.Wait for a concurrent claim
@@ -145,7 +142,7 @@ func (c *Client) claim(ctx context.Context, tx pgx.Tx, k *rowKey, fp Fingerprint
 // complete stores the outcome of a claimed key and drops fn's savepoint. In
 // DoInTx's own transaction Do is the last thing to run, so it commits
 // instead, in the same round trip.
-func complete(ctx context.Context, tx pgx.Tx, k *rowKey, status string, resp Response, headers []byte) error {
+func complete(ctx context.Context, tx pgx.Tx, k *rowKey, status string, resp Response, headers any) error {
 	body := resp.Body
 	if body == nil {
 		body = []byte{}

@@ -58,5 +58,5 @@ func TestHotArgsMatchGenerated(t *testing.T) {
 	// as a string, which every query exec mode sends as JSON text.
 	want.Arguments[1] = want.Arguments[1].(pgtype.Int4).Int32
 	want.Arguments[2] = string(want.Arguments[2].([]byte))
-	check("KeyComplete", want, db.KeyComplete, completeArgs(k, statusRejected, 402, headers, body))
+	check("KeyComplete", want, db.KeyComplete, completeArgs(k, statusRejected, 402, string(headers), body))
 }

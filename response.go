@@ -3,12 +3,13 @@ package idem
 import (
 	"encoding/json"
 	"fmt"
+	"strings"
 )
 
 // encodeResponse checks that resp can be stored and replayed exactly, and
 // returns its header encoded for the response_headers column (nil when resp
 // has no header map).
-func (c *Client) encodeResponse(resp Response) ([]byte, error) {
+func (c *Client) encodeResponse(resp Response) (headers any, err error) {
 	if resp.Status != 0 && (resp.Status < 100 || resp.Status > 999) {
 		return nil, fmt.Errorf("%w: status %d is neither 0 nor a 3-digit HTTP status", ErrInvalidResponse, resp.Status)
 	}
@@ -30,9 +31,12 @@ func (c *Client) encodeResponse(resp Response) ([]byte, error) {
 		return nil, fmt.Errorf("%w: %d bytes, limit %d", ErrResponseTooLarge, size, c.cfg.MaxResponseBytes)
 	}
 	if resp.Header == nil {
-		return nil, nil
+		return nil, nil // stored as NULL
 	}
-	return appendHeaderJSON(make([]byte, 0, size+8*len(resp.Header)+2), resp.Header), nil
+	var sb strings.Builder
+	sb.Grow(size + 8*len(resp.Header) + 2)
+	writeHeaderJSON(&sb, resp.Header)
+	return sb.String(), nil
 }
 
 // replay turns a stored row into a replayed Result.
@@ -48,50 +52,53 @@ func replay(row keyRow) (Result, error) {
 	return res, nil
 }
 
-// appendHeaderJSON appends h as a JSON object of string arrays, as
+// writeHeaderJSON writes h as a JSON object of string arrays, as
 // encoding/json would write it but without its reflection and allocations. A
 // nil value slice is written as null, so it reads back as nil. Names and
 // values are valid UTF-8 without NUL bytes (checkHeaderText).
-func appendHeaderJSON(b []byte, h map[string][]string) []byte {
-	b = append(b, '{')
+func writeHeaderJSON(b *strings.Builder, h map[string][]string) {
+	b.WriteByte('{')
 	first := true
 	for name, values := range h {
 		if !first {
-			b = append(b, ',')
+			b.WriteByte(',')
 		}
 		first = false
-		b = appendJSONString(b, name)
-		b = append(b, ':')
+		writeJSONString(b, name)
+		b.WriteByte(':')
 		if values == nil {
-			b = append(b, "null"...)
+			b.WriteString("null")
 			continue
 		}
-		b = append(b, '[')
+		b.WriteByte('[')
 		for i, v := range values {
 			if i > 0 {
-				b = append(b, ',')
+				b.WriteByte(',')
 			}
-			b = appendJSONString(b, v)
+			writeJSONString(b, v)
 		}
-		b = append(b, ']')
+		b.WriteByte(']')
 	}
-	return append(b, '}')
+	b.WriteByte('}')
 }
 
-// appendJSONString appends s as a JSON string. s is valid UTF-8, so only
+// writeJSONString writes s as a JSON string. s is valid UTF-8, so only
 // quotes, backslashes and control characters need escaping.
-func appendJSONString(b []byte, s string) []byte {
+func writeJSONString(b *strings.Builder, s string) {
 	const hex = "0123456789abcdef"
-	b = append(b, '"')
+	b.WriteByte('"')
 	for i := 0; i < len(s); i++ {
 		switch c := s[i]; {
 		case c == '"' || c == '\\':
-			b = append(b, '\\', c)
+			b.WriteByte('\\')
+			b.WriteByte(c)
 		case c < 0x20:
-			b = append(b, '\\', 'u', '0', '0', hex[c>>4], hex[c&0xf])
+			b.WriteString(`\u00`)
+			b.WriteByte(hex[c>>4])
+			b.WriteByte(hex[c&0xf])
 		default:
-			b = append(b, c)
+			b.WriteByte(c)
 		}
 	}
-	return append(b, '"')
+	b.WriteByte('"')
 }
