@@ -16,6 +16,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
@@ -869,6 +870,36 @@ func TestUndoOutlivesCancelledContext(t *testing.T) {
 	}
 	if n := count(t, pool, `SELECT count(*) FROM idem_keys WHERE status = 'processing'`); n != 0 {
 		t.Fatalf("%d claims left behind", n)
+	}
+}
+
+// A COMMIT that fails (a deferred constraint) leaves nothing, reports the
+// commit's error alone, and the key runs again.
+func TestDoInTxCommitFails(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	if _, err := pool.Exec(ctx, `CREATE TABLE deferred (v int UNIQUE DEFERRABLE INITIALLY DEFERRED);
+		INSERT INTO deferred VALUES (1)`); err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int64
+	_, err := idem.DoInTx(ctx, pool, scope, "deferred", fpA, func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+		if _, err := tx.Exec(ctx, `INSERT INTO deferred VALUES (1)`); err != nil {
+			return idem.Response{}, err
+		}
+		return recordEffect(&calls, "deferred")(ctx, tx)
+	})
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != "23505" || strings.Contains(err.Error(), "undo") {
+		t.Fatalf("err = %v, want the commit's unique violation alone", err)
+	}
+	if effects(t, pool) != 0 || keyRows(t, pool) != 0 {
+		t.Fatal("a failed commit left rows")
+	}
+	res, err := idem.DoInTx(ctx, pool, scope, "deferred", fpA, recordEffect(&calls, "deferred"))
+	if err != nil || res.Replayed {
+		t.Fatalf("again: %+v, %v", res, err)
 	}
 }
 
