@@ -101,7 +101,7 @@ func (c *Client) claim(ctx context.Context, tx pgx.Tx, k *rowKey, fp Fingerprint
 	}
 	if err = closeBatch(br, err); err != nil {
 		if pgCode(err) == pgerrcode.LockNotAvailable {
-			return false, row, false, c.inProgress()
+			return false, row, false, c.inProgressOn(k)
 		}
 		return false, row, false, fmt.Errorf("idem: claim: %w", err)
 	}

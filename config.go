@@ -37,7 +37,7 @@ type Config struct {
 	// MaxRetries is how many times InTx and DoInTx run a transaction again
 	// after a serialization failure (40001) or a deadlock (40P01), with
 	// jittered exponential backoff. Default 5; a negative value disables
-	// retries.
+	// retries. On a pgx.Tx there are none: the caller's transaction is lost.
 	MaxRetries int
 }
 

@@ -71,6 +71,8 @@ type InProgressError struct {
 	// RetryAfter is a hint for how long the client should wait before it
 	// retries (the HTTP Retry-After header).
 	RetryAfter time.Duration
+
+	held *rowKey // the key whose claim waited in vain; nil when not known
 }
 
 func (e *InProgressError) Error() string {
@@ -122,20 +124,28 @@ func pgCode(err error) string {
 func isUnavailable(err error) bool {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
-		switch {
-		case strings.HasPrefix(pgErr.Code, "08"), // connection exception
-			strings.HasPrefix(pgErr.Code, "53"), // insufficient resources
-			strings.HasPrefix(pgErr.Code, "58"), // system error
-			pgErr.Code == pgerrcode.AdminShutdown, pgErr.Code == pgerrcode.CrashShutdown,
-			pgErr.Code == pgerrcode.CannotConnectNow:
-			return true
-		}
-		return false
+		return serverUnavailable(pgErr)
 	}
 	var connectErr *pgconn.ConnectError
 	var netErr net.Error
 	return errors.As(err, &connectErr) || errors.As(err, &netErr) || pgconn.Timeout(err) ||
 		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, net.ErrClosed)
+}
+
+// serverUnavailable reports whether the server answered with an error that
+// says it cannot serve now: a connection exception, insufficient resources
+// (disk full, out of memory, too many connections), a system error, or a
+// shutdown.
+func serverUnavailable(pgErr *pgconn.PgError) bool {
+	switch {
+	case strings.HasPrefix(pgErr.Code, "08"), // connection exception
+		strings.HasPrefix(pgErr.Code, "53"), // insufficient resources
+		strings.HasPrefix(pgErr.Code, "58"), // system error
+		pgErr.Code == pgerrcode.AdminShutdown, pgErr.Code == pgerrcode.CrashShutdown,
+		pgErr.Code == pgerrcode.CannotConnectNow:
+		return true
+	}
+	return false
 }
 
 // isRetryable reports whether err is a serialization failure or a deadlock,

@@ -7,9 +7,10 @@ import (
 	"encoding/hex"
 	"encoding/json"
 	"fmt"
-	"math/big"
+	"math"
 	"slices"
 	"strconv"
+	"strings"
 
 	"github.com/gowebpki/jcs"
 )
@@ -71,6 +72,24 @@ func FingerprintJSON(v any) (Fingerprint, error) {
 	return f, nil
 }
 
+// FingerprintParts returns the SHA-256 of parts, each prefixed with its
+// length, so that ("ab", "c") and ("a", "bc") differ. Use it for requests that
+// are not JSON, or to bind a method and path to a body:
+//
+//	idem.FingerprintParts([]byte("POST"), []byte("/v1/draws"), body)
+func FingerprintParts(parts ...[]byte) Fingerprint {
+	h := sha256.New()
+	var n [8]byte
+	for _, p := range parts {
+		binary.BigEndian.PutUint64(n[:], uint64(len(p)))
+		h.Write(n[:])
+		h.Write(p)
+	}
+	var f Fingerprint
+	h.Sum(f[:0])
+	return f
+}
+
 // RFC 8785 writes numbers as IEEE 754 doubles, which hold integers exactly
 // only up to 2^53: 64-bit ids such as 9007199254740993 and 9007199254740992
 // would share a canonical form, so a changed id would replay the first
@@ -100,9 +119,11 @@ func mayRoundIntegers(text []byte) bool {
 }
 
 // roundedIntegers returns the integers of text whose canonical (double)
-// form differs from their exact value, each with its path, in an order
-// that does not depend on the order of object members; nil if there are
-// none. text is valid JSON without duplicate keys (jcs checked it).
+// form differs from their exact value, each with its position among the
+// numbers of the value walked in an order of its own (object members sorted
+// by name), so that it does not depend on the order of the members in
+// text; nil if there are none. text is valid JSON without duplicate keys
+// (jcs checked it). Time and memory are linear in len(text).
 func roundedIntegers(text []byte) ([]byte, error) {
 	dec := json.NewDecoder(bytes.NewReader(text))
 	dec.UseNumber()
@@ -110,72 +131,84 @@ func roundedIntegers(text []byte) ([]byte, error) {
 	if err := dec.Decode(&v); err != nil {
 		return nil, err
 	}
-	var entries [][]byte
-	var walk func(path []byte, v any)
-	walk = func(path []byte, v any) {
+	var out []byte
+	n := uint64(0) // numbers seen
+	var walk func(v any)
+	walk = func(v any) {
 		switch t := v.(type) {
 		case map[string]any:
-			for name, child := range t {
-				walk(appendPart(slices.Clip(path), 'o', name), child)
+			names := make([]string, 0, len(t))
+			for name := range t {
+				names = append(names, name)
+			}
+			slices.Sort(names)
+			for _, name := range names {
+				walk(t[name])
 			}
 		case []any:
-			for i, child := range t {
-				walk(appendPart(slices.Clip(path), 'a', strconv.Itoa(i)), child)
+			for _, child := range t {
+				walk(child)
 			}
 		case json.Number:
 			if exact, ok := roundedInteger(string(t)); ok {
-				entries = append(entries, appendPart(slices.Clip(path), '=', exact))
+				out = binary.BigEndian.AppendUint64(out, n)
+				out = binary.BigEndian.AppendUint64(out, uint64(len(exact)))
+				out = append(out, exact...)
 			}
+			n++
 		}
 	}
-	walk(nil, v)
-	if len(entries) == 0 {
-		return nil, nil
-	}
-	slices.SortFunc(entries, bytes.Compare)
-	return bytes.Join(entries, nil), nil
-}
-
-// appendPart appends a length-prefixed part of a path or value.
-func appendPart(b []byte, kind byte, s string) []byte {
-	b = append(b, kind)
-	b = binary.BigEndian.AppendUint64(b, uint64(len(s)))
-	return append(b, s...)
+	walk(v)
+	return out, nil
 }
 
 // roundedInteger returns the exact value of the JSON number lit when it is
-// an integer that its double (shortest form, as RFC 8785 writes it) does
-// not equal.
+// an integer that its double (the shortest form, as RFC 8785 writes it)
+// does not equal. Only magnitudes from 2^53 on can be, and a finite double
+// is below 2^1024, so the integer has at most 309 digits however long lit
+// is; the double is parsed from those digits, never from lit itself.
 func roundedInteger(lit string) (string, bool) {
-	exact, ok := new(big.Rat).SetString(lit)
-	if !ok || !exact.IsInt() {
+	exact, ok := integerDigits(lit)
+	if !ok {
 		return "", false
 	}
-	f, err := strconv.ParseFloat(lit, 64)
-	if err != nil {
-		return "", false // out of range: jcs refused it already
+	f, err := strconv.ParseFloat(exact, 64)
+	if err != nil || math.Abs(f) < 1<<53 {
+		return "", false // out of range (jcs refused it already), or held exactly
 	}
-	shortest, _ := new(big.Rat).SetString(strconv.FormatFloat(f, 'g', -1, 64))
-	if shortest.Cmp(exact) == 0 {
+	if exact == strconv.FormatFloat(f, 'f', -1, 64) {
 		return "", false
 	}
-	return exact.Num().String(), true
+	return exact, true
 }
 
-// FingerprintParts returns the SHA-256 of parts, each prefixed with its
-// length, so that ("ab", "c") and ("a", "bc") differ. Use it for requests that
-// are not JSON, or to bind a method and path to a body:
-//
-//	idem.FingerprintParts([]byte("POST"), []byte("/v1/draws"), body)
-func FingerprintParts(parts ...[]byte) Fingerprint {
-	h := sha256.New()
-	var n [8]byte
-	for _, p := range parts {
-		binary.BigEndian.PutUint64(n[:], uint64(len(p)))
-		h.Write(n[:])
-		h.Write(p)
+// integerDigits returns the decimal digits of the JSON number lit, with its
+// sign, when its value is an integer of at most 400 digits.
+func integerDigits(lit string) (string, bool) {
+	sign := ""
+	if strings.HasPrefix(lit, "-") {
+		sign, lit = "-", lit[1:]
 	}
-	var f Fingerprint
-	h.Sum(f[:0])
-	return f
+	mantissa, exp := lit, 0
+	if i := strings.IndexAny(lit, "eE"); i >= 0 {
+		e, err := strconv.Atoi(strings.TrimPrefix(lit[i+1:], "+"))
+		if err != nil || e > 1<<40 || e < -(1<<40) {
+			return "", false // far outside a double's range either way
+		}
+		mantissa, exp = lit[:i], e
+	}
+	intPart, frac, _ := strings.Cut(mantissa, ".")
+	digits := strings.TrimLeft(intPart+frac, "0")
+	// The value is digits * 10^(point - len(digits)).
+	point := len(intPart) + exp - (len(intPart) + len(frac) - len(digits))
+	if digits == "" || point <= 0 || point > 400 {
+		return "", false
+	}
+	if point < len(digits) {
+		if strings.Trim(digits[point:], "0") != "" {
+			return "", false // a fraction
+		}
+		return sign + digits[:point], true
+	}
+	return sign + digits + strings.Repeat("0", point-len(digits)), true
 }

@@ -4,6 +4,7 @@ import (
 	"crypto/sha256"
 	"encoding/json"
 	"errors"
+	"strings"
 	"testing"
 
 	"github.com/pgidem/idem"
@@ -91,6 +92,35 @@ func TestFingerprintJSONLargeIntegers(t *testing.T) {
 	canonical := `{"big":9007199254740992,"numbers":[333333333.3333333,1e+30,4.5,0.002,1e-27]}`
 	if fp(text) != sha256.Sum256([]byte(canonical)) {
 		t.Errorf("the fingerprint of %s is not the SHA-256 of %s", text, canonical)
+	}
+}
+
+// Hostile numbers and nesting cost time and memory linear in the text (a
+// quadratic walk or exact arithmetic on 1e-1000000 would take minutes here).
+func TestFingerprintJSONHostileInput(t *testing.T) {
+	t.Parallel()
+	var b strings.Builder
+	b.WriteString(`[1234567890123456789`)
+	for range 2000 {
+		b.WriteString(`,1e-1000000,-1e-1000000,123456789012345678e-999999`)
+	}
+	b.WriteString(`]`)
+	deep := strings.Repeat(`{"a":[9007199254740993,`, 4000) + `1` + strings.Repeat(`]}`, 4000)
+	long := `[1` + strings.Repeat("0", 300) + `e-300, 9007199254740993` + strings.Repeat("0", 200) + `e-200, 1` + strings.Repeat("0", 300) + `]`
+	for name, text := range map[string]string{"exponents": b.String(), "deep": deep, "long": long} {
+		a, err := idem.FingerprintJSON([]byte(text))
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if again, _ := idem.FingerprintJSON([]byte(text)); again != a {
+			t.Fatalf("%s: not deterministic", name)
+		}
+	}
+	// 1 followed by 300 zeros, then e-300, is 1; the long spelling of
+	// 9007199254740993 is still that integer.
+	short, _ := idem.FingerprintJSON([]byte(`[1,9007199254740993,1e300]`))
+	if long, _ := idem.FingerprintJSON([]byte(long)); long != short {
+		t.Fatal("long spellings of the same numbers differ")
 	}
 }
 

@@ -15,10 +15,12 @@ import (
 )
 
 // flights coalesces concurrent DoInTx calls of one Client on one pool that
-// share a scope and key: the first (the leader) goes to the database; the others wait for
-// its outcome instead of each waiting on the claim in a backend of its own.
-// A committed outcome is exactly what the database would replay to them, so
-// they get it as a replay without a round trip. When the leader fails,
+// share a scope and key: the first (the leader) goes to the database; the
+// others wait for its outcome instead of each waiting on the claim in a
+// backend of its own. A committed outcome is exactly what the database would
+// replay to them, so they get it as a replay without a round trip. When the
+// leader's claim found the key held by a transaction elsewhere and gave up
+// waiting, they give up too (ErrInProgress). When the leader fails otherwise,
 // nothing was stored, and each of them goes to the database itself.
 //
 // This is an in-process shortcut only: duplicates in other processes meet at
@@ -127,9 +129,9 @@ func (c *Client) coalesced(ctx context.Context, db Beginner, scope Scope, key st
 		return Result{}, err
 	}
 	switch {
-	case errors.Is(fl.err, ErrInProgress):
-		// The key is held elsewhere and the leader already waited for it:
-		// waiting again in the database would double the bound.
+	case heldElsewhere(fl.err, scope, key):
+		// The leader's claim of this very key waited in vain: waiting again
+		// in the database would double the bound.
 		return Result{}, c.inProgress()
 	case fl.err != nil:
 		// Nothing was stored: let the database decide for this call.
@@ -139,6 +141,14 @@ func (c *Client) coalesced(ctx context.Context, db Beginner, scope Scope, key st
 	}
 	// Each waiter gets its own copy: callers may change what they get.
 	return Result{Response: cloneResult(fl.res).Response, Replayed: true}, nil
+}
+
+// heldElsewhere reports whether err is the in-progress error of a claim of
+// scope and key (and not, say, fn passing on a nested Do's).
+func heldElsewhere(err error, scope Scope, key string) bool {
+	var ipe *InProgressError
+	return errors.As(err, &ipe) && ipe.held != nil &&
+		ipe.held.actor == scope.Actor && ipe.held.operation == scope.Operation && ipe.held.key == key
 }
 
 // await waits for fl to finish, at most Config.Wait.

@@ -121,10 +121,10 @@ func (c *Client) Do(ctx context.Context, tx pgx.Tx, scope Scope, key string, fp 
 		case row.Status == statusSucceeded || row.Status == statusRejected:
 			return replay(row)
 		default:
-			return Result{}, c.inProgress()
+			return Result{}, c.inProgressOn(k)
 		}
 	}
-	return Result{}, c.inProgress()
+	return Result{}, c.inProgressOn(k)
 }
 
 // run executes fn for a claimed key and stores its outcome.
@@ -176,6 +176,11 @@ func callFn(ctx context.Context, tx pgx.Tx, fn func(ctx context.Context, tx pgx.
 
 func (c *Client) inProgress() error {
 	return &InProgressError{RetryAfter: c.retryAfter}
+}
+
+// inProgressOn is inProgress for the claim of k, which a twin holds.
+func (c *Client) inProgressOn(k *rowKey) error {
+	return &InProgressError{RetryAfter: c.retryAfter, held: k}
 }
 
 var queries = db.New()

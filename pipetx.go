@@ -114,9 +114,14 @@ func batchable(args []any) bool {
 	if len(args) == 0 {
 		return false
 	}
-	switch args[0].(type) {
-	case pgx.QueryExecMode, pgx.QueryResultFormats, pgx.QueryResultFormatsByOID:
-		return false
+	for _, arg := range args { // the options come first
+		switch arg.(type) {
+		case pgx.QueryExecMode, pgx.QueryResultFormats, pgx.QueryResultFormatsByOID:
+			return false
+		case pgx.QueryRewriter:
+		default:
+			return true
+		}
 	}
 	return true
 }

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 )
 
 // Beginner starts transactions. *pgxpool.Pool, *pgx.Conn and pgx.Tx (which
@@ -34,10 +35,11 @@ type txBeginner interface {
 // failure dooms the caller's whole transaction, which only the caller can
 // run again.
 //
-// fn's errors are returned as they are, except when the connection broke:
-// then InTx returns an error that wraps both ErrUnavailable and fn's error.
-// Failures to begin or commit because the server cannot be reached are
-// ErrUnavailable too. InTx uses the package defaults; see Client.InTx.
+// fn's errors are returned as they are, except when the store failed under
+// them (the connection broke, or the server answered that it cannot serve:
+// SQLSTATE classes 08, 53 and 58, a shutdown): then InTx returns an error
+// that wraps both ErrUnavailable and fn's error. Failures to begin or commit
+// because the server cannot be reached are ErrUnavailable too. InTx uses the package defaults; see Client.InTx.
 func InTx(ctx context.Context, db Beginner, fn func(ctx context.Context, tx pgx.Tx) error) error {
 	return defaultClient.InTx(ctx, db, fn)
 }
@@ -73,16 +75,18 @@ func (c *Client) inTx(ctx context.Context, db Beginner, fold bool, fn func(ctx c
 // DoInTx runs Do in a transaction of its own begun on db (with InTx), and
 // commits it when Do returns a nil error: the claim, fn's writes and the
 // stored response commit together. Serialization failures and deadlocks are
-// retried, and a retry of a duplicate replays the winner's response. Invalid
-// input is refused before a transaction begins.
+// retried (not on a pgx.Tx, see InTx), and a retry of a duplicate replays the
+// winner's response. Invalid input is refused before a transaction begins.
 //
 // Concurrent DoInTx calls with the same scope and key on one Client (the
 // package-level functions share one) and one *pgxpool.Pool are coalesced in
 // this process: the first goes to the database; the others wait for it, at
 // most Config.Wait, and get its committed outcome as a replay (ErrKeyReused
-// if their fingerprint differs); if it fails, nothing was stored and each of
-// them goes to the database itself. Duplicates in other processes, or on
-// other pools, meet at the primary key as always.
+// if their fingerprint differs). If its claim gave up waiting for a
+// transaction elsewhere that holds the key, they get ErrInProgress too; if it
+// fails otherwise, nothing was stored and each of them goes to the database
+// itself. Duplicates in other processes, or on other pools, meet at the
+// primary key as always.
 func DoInTx(ctx context.Context, db Beginner, scope Scope, key string, fp Fingerprint,
 	fn func(ctx context.Context, tx pgx.Tx) (Response, error)) (Result, error) {
 	return defaultClient.DoInTx(ctx, db, scope, key, fp, fn)
@@ -132,13 +136,16 @@ func (c *Client) inTxOnce(ctx context.Context, db Beginner, fold bool, fn func(c
 		defer cancel()
 		_ = tx.Rollback(rbCtx)
 	}()
-	// fn's errors come back as they are, unless the connection is gone:
-	// then the outcome of the transaction is the store's failure.
+	// fn's errors come back as they are, unless the store failed under
+	// them: the connection is gone, or the server said it cannot serve.
+	// (Looking at the connection is safe only while it is held here: a
+	// transaction of another Beginner may have given it back already.)
+	held := isHeld(db, tx)
 	if err := fn(ctx, tx); err != nil {
-		return unavailableIf(connLost(tx), err)
+		return unavailableIf(held && connLost(tx) || serverSaidUnavailable(err), err)
 	}
 	if err := tx.Commit(ctx); err != nil {
-		return unavailableIf(connLost(tx) || isUnavailable(err), fmt.Errorf("idem: commit: %w", err))
+		return unavailableIf(held && connLost(tx) || isUnavailable(err), fmt.Errorf("idem: commit: %w", err))
 	}
 	committed = true
 	return nil
@@ -150,6 +157,24 @@ func unavailableIf(lost bool, err error) error {
 		return err
 	}
 	return fmt.Errorf("%w: %w", ErrUnavailable, err)
+}
+
+// isHeld reports whether the connection under tx stays with this call
+// until it returns: a pipeTx holds a pooled or given connection, and a
+// savepoint of the caller's transaction cannot end before the caller does.
+func isHeld(db Beginner, tx pgx.Tx) bool {
+	if _, ok := tx.(*pipeTx); ok {
+		return true
+	}
+	_, nested := db.(pgx.Tx)
+	return nested
+}
+
+// serverSaidUnavailable reports whether err holds a server error that
+// says it cannot serve now (see serverUnavailable).
+func serverSaidUnavailable(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && serverUnavailable(pgErr)
 }
 
 // connLost reports whether the connection under tx is closed: the server

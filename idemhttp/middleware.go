@@ -88,8 +88,8 @@ type Options struct {
 	// context carries the request context's values and this deadline, not
 	// its cancellation. A request that runs out of time is answered 503 with
 	// CodeTimeout. Config.Wait is capped at half of Timeout, so that a
-	// duplicate gets 409 rather than running out of time. Default 30
-	// seconds.
+	// duplicate of a request in flight gets 409 rather than running out of
+	// time waiting for it. Default 30 seconds.
 	Timeout time.Duration
 
 	// Challenge is the WWW-Authenticate value of the 401 answered when
@@ -227,7 +227,7 @@ func newMiddleware(db idem.Beginner, opts Options) (*middleware, error) {
 		return nil, fmt.Errorf("idemhttp: Options.Config: %w", err)
 	}
 	if cfg := client.Config(); cfg.Wait > opts.Timeout/2 {
-		cfg.Wait = opts.Timeout / 2
+		cfg.Wait = max(opts.Timeout/2, time.Nanosecond) // 0 would mean the default
 		if client, err = idem.New(cfg); err != nil {
 			return nil, fmt.Errorf("idemhttp: Options.Config: %w", err)
 		}
@@ -508,12 +508,13 @@ func (m *middleware) guard(ctx context.Context, w http.ResponseWriter, r *http.R
 // Options.Timeout, is done) or the store failed, 500 otherwise.
 func (m *middleware) fail(ctx context.Context, w http.ResponseWriter, r *http.Request, key string, err error) {
 	attrs := append(m.logAttrs(r, key), slog.Any("error", err))
+	status := storeStatus(err)
 	switch {
-	case ctx.Err() != nil:
+	case ctx.Err() != nil && status == http.StatusServiceUnavailable:
 		m.log.LogAttrs(ctx, slog.LevelError, "idemhttp: request timed out", attrs...)
 		writeProblem(w, http.StatusServiceUnavailable, CodeTimeout,
 			"The request did not finish in time; retry later with the same key.", time.Second)
-	case storeStatus(err) == http.StatusServiceUnavailable:
+	case status == http.StatusServiceUnavailable:
 		m.log.LogAttrs(ctx, slog.LevelError, "idemhttp: store unavailable", attrs...)
 		writeProblem(w, http.StatusServiceUnavailable, CodeStoreUnavailable,
 			"The idempotency store is unavailable; retry later with the same key.", time.Second)
@@ -593,6 +594,9 @@ func writeReplay(w http.ResponseWriter, resp idem.Response) {
 }
 
 func writeBody(w http.ResponseWriter, status int, body []byte) {
+	if status == 0 {
+		status = http.StatusOK // a row that idem.Do stored without a status
+	}
 	if bodyAllowed(status) {
 		w.Header().Set("Content-Length", strconv.Itoa(len(body)))
 	} else {

@@ -9,7 +9,9 @@ import (
 
 // Problem codes: the "code" member of the application/problem+json (RFC
 // 9457) responses the middleware writes itself. None of these responses is
-// stored, and none of the situations they describe changed anything.
+// stored. Only after CodeStoreUnavailable and CodeTimeout can the request
+// have committed (its COMMIT's outcome unknown); every other one changed
+// nothing.
 const (
 	// CodeKeyMissing (400): a covered request without an Idempotency-Key
 	// header, when a key is required.
