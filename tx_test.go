@@ -6,6 +6,7 @@ import (
 	"errors"
 	"reflect"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 
@@ -288,5 +289,49 @@ func TestInTxOnTxIgnoresIsolationLevel(t *testing.T) {
 	}
 	if effects(t, pool) != 1 {
 		t.Fatalf("%d effects", effects(t, pool))
+	}
+}
+
+// wrappedPool is a Beginner that InTx does not know: its transactions give
+// their connection back to the pool when they end.
+type wrappedPool struct{ *pgxpool.Pool }
+
+func (w wrappedPool) Begin(ctx context.Context) (pgx.Tx, error) { return w.Pool.Begin(ctx) }
+
+// A failed COMMIT on such a transaction is classified by its error alone:
+// the connection, back in the pool, may already serve someone else (-race).
+func TestInTxOnForeignBeginner(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	if _, err := pool.Exec(ctx, `CREATE TABLE deferred (v int UNIQUE DEFERRABLE INITIALLY DEFERRED);
+		INSERT INTO deferred VALUES (1)`); err != nil {
+		t.Fatal(err)
+	}
+	stop := make(chan struct{})
+	var busy sync.WaitGroup
+	for range 4 {
+		busy.Go(func() {
+			for {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				var n int
+				_ = pool.QueryRow(ctx, `SELECT 1`).Scan(&n)
+			}
+		})
+	}
+	defer func() { close(stop); busy.Wait() }()
+	for range 20 {
+		err := idem.InTx(ctx, wrappedPool{pool}, func(ctx context.Context, tx pgx.Tx) error {
+			_, err := tx.Exec(ctx, `INSERT INTO deferred VALUES (1)`)
+			return err
+		})
+		var pgErr *pgconn.PgError
+		if !errors.As(err, &pgErr) || pgErr.Code != "23505" || errors.Is(err, idem.ErrUnavailable) {
+			t.Fatalf("err = %v, want the unique violation at commit", err)
+		}
 	}
 }
