@@ -72,7 +72,9 @@ type InProgressError struct {
 	// retries (the HTTP Retry-After header).
 	RetryAfter time.Duration
 
-	held *rowKey // the key whose claim waited in vain; nil when not known
+	// held names the key whose claim waited in vain, when known. (A copy,
+	// not the *rowKey: keeping that would move every call's key to the heap.)
+	held struct{ actor, operation, key string }
 }
 
 func (e *InProgressError) Error() string {

@@ -147,7 +147,7 @@ func (c *Client) coalesced(ctx context.Context, db Beginner, scope Scope, key st
 // scope and key (and not, say, fn passing on a nested Do's).
 func heldElsewhere(err error, scope Scope, key string) bool {
 	var ipe *InProgressError
-	return errors.As(err, &ipe) && ipe.held != nil &&
+	return errors.As(err, &ipe) && ipe.held.key != "" &&
 		ipe.held.actor == scope.Actor && ipe.held.operation == scope.Operation && ipe.held.key == key
 }
 

@@ -180,7 +180,9 @@ func (c *Client) inProgress() error {
 
 // inProgressOn is inProgress for the claim of k, which a twin holds.
 func (c *Client) inProgressOn(k *rowKey) error {
-	return &InProgressError{RetryAfter: c.retryAfter, held: k}
+	e := &InProgressError{RetryAfter: c.retryAfter}
+	e.held.actor, e.held.operation, e.held.key = k.actor, k.operation, k.key
+	return e
 }
 
 var queries = db.New()
