@@ -68,7 +68,8 @@ const maxClaimAttempts = 4
 //   - fn returns any other error, or panics: fn's writes are undone, the
 //     claim is given up, nothing is stored, and the error (or panic) is
 //     passed on. The transaction stays usable; the key is free again once it
-//     ends.
+//     ends. This undo runs even when ctx is done (bounded by 5 seconds), so
+//     a transaction the caller commits anyway holds nothing of fn's.
 //   - A key past its TTL counts as a new request.
 //
 // Invalid input (key, scope, nil tx or fn) is refused before any statement
