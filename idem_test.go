@@ -37,6 +37,17 @@ func newPool(t *testing.T) *pgxpool.Pool {
 	return pool
 }
 
+// withDeferredConflict creates the table deferred, holding the value 1
+// under a deferred unique constraint: a transaction that inserts 1 again
+// fails at COMMIT.
+func withDeferredConflict(t *testing.T, pool *pgxpool.Pool) {
+	t.Helper()
+	if _, err := pool.Exec(context.Background(), `CREATE TABLE deferred (v int UNIQUE DEFERRABLE INITIALLY DEFERRED);
+		INSERT INTO deferred VALUES (1)`); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // recordEffect is an fn that writes one effects row and returns a response
 // naming it; calls counts its executions.
 func recordEffect(calls *atomic.Int64, key string) func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
@@ -879,10 +890,7 @@ func TestDoInTxCommitFails(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool := newPool(t)
-	if _, err := pool.Exec(ctx, `CREATE TABLE deferred (v int UNIQUE DEFERRABLE INITIALLY DEFERRED);
-		INSERT INTO deferred VALUES (1)`); err != nil {
-		t.Fatal(err)
-	}
+	withDeferredConflict(t, pool)
 	var calls atomic.Int64
 	_, err := idem.DoInTx(ctx, pool, scope, "deferred", fpA, func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
 		if _, err := tx.Exec(ctx, `INSERT INTO deferred VALUES (1)`); err != nil {

@@ -304,10 +304,7 @@ func TestInTxOnForeignBeginner(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool := newPool(t)
-	if _, err := pool.Exec(ctx, `CREATE TABLE deferred (v int UNIQUE DEFERRABLE INITIALLY DEFERRED);
-		INSERT INTO deferred VALUES (1)`); err != nil {
-		t.Fatal(err)
-	}
+	withDeferredConflict(t, pool)
 	stop := make(chan struct{})
 	var busy sync.WaitGroup
 	for range 4 {
