@@ -39,7 +39,9 @@ type txBeginner interface {
 // them (the connection broke, or the server answered that it cannot serve:
 // SQLSTATE classes 08, 53 and 58, a shutdown): then InTx returns an error
 // that wraps both ErrUnavailable and fn's error. Failures to begin or commit
-// because the server cannot be reached are ErrUnavailable too. InTx uses the package defaults; see Client.InTx.
+// because the server cannot be reached are ErrUnavailable too.
+//
+// InTx uses the package defaults; see Client.InTx.
 func InTx(ctx context.Context, db Beginner, fn func(ctx context.Context, tx pgx.Tx) error) error {
 	return defaultClient.InTx(ctx, db, fn)
 }
