@@ -161,6 +161,9 @@ func (c *Client) run(ctx context.Context, tx pgx.Tx, k *rowKey,
 	if err := complete(ctx, tx, k, status, resp, headers); err != nil {
 		return Result{}, withUndo(ctx, tx, k, err)
 	}
+	if resp.Body == nil {
+		resp.Body = []byte{} // as a replay of it reads back
+	}
 	return Result{Response: resp}, nil
 }
 

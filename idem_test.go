@@ -116,6 +116,17 @@ func TestFirstCallThenReplay(t *testing.T) {
 	if calls.Load() != 1 || effects(t, pool) != 1 {
 		t.Fatalf("fn ran %d times, %d effects; want 1", calls.Load(), effects(t, pool))
 	}
+
+	// A response without body or headers reads the same first and replayed.
+	empty := func(context.Context, pgx.Tx) (idem.Response, error) { return idem.Response{Status: 204}, nil }
+	first, err = idem.DoInTx(ctx, pool, scope, "key-empty", fpA, empty)
+	if err != nil {
+		t.Fatal(err)
+	}
+	again, err := idem.DoInTx(ctx, pool, scope, "key-empty", fpA, empty)
+	if err != nil || !again.Replayed || !reflect.DeepEqual(again.Response, first.Response) {
+		t.Fatalf("empty response: first %#v, replay %#v, %v", first.Response, again.Response, err)
+	}
 }
 
 func TestReplayIsByteExact(t *testing.T) {
@@ -1021,6 +1032,7 @@ func TestUnstorableResponseUndoesEverything(t *testing.T) {
 		{"status 99", idem.Response{Status: 99}, idem.ErrInvalidResponse},
 		{"status 1000", idem.Response{Status: 1000}, idem.ErrInvalidResponse},
 		{"header NUL", idem.Response{Status: 200, Header: map[string][]string{"X": {"a\x00"}}}, idem.ErrInvalidResponse},
+		{"empty header name", idem.Response{Status: 200, Header: map[string][]string{"": {"a"}}}, idem.ErrInvalidResponse},
 		{"header bad UTF-8", idem.Response{Status: 200, Header: map[string][]string{"X\xff": {"a"}}}, idem.ErrInvalidResponse},
 	}
 	for _, c := range cases {

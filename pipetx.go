@@ -2,6 +2,7 @@ package idem
 
 import (
 	"context"
+	"fmt"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -255,6 +256,11 @@ func connFor(ctx context.Context, db Beginner) (conn *pgx.Conn, release func(), 
 		}
 		return pc.Conn(), pc.Release, true, nil
 	case *pgx.Conn:
+		if d.PgConn().TxStatus() != 'I' {
+			// BEGIN would only warn, and COMMIT would end the caller's
+			// transaction.
+			return nil, nil, true, fmt.Errorf("%w: the connection is in a transaction; pass that pgx.Tx instead", ErrInvalidArgument)
+		}
 		return d, func() {}, true, nil
 	}
 	return nil, nil, false, nil

@@ -15,6 +15,9 @@ func (c *Client) encodeResponse(resp Response) (headers any, err error) {
 	}
 	size := len(resp.Body)
 	for name, values := range resp.Header {
+		if name == "" {
+			return nil, fmt.Errorf("%w: empty header name", ErrInvalidResponse)
+		}
 		if err := checkHeaderText(name); err != nil {
 			return nil, fmt.Errorf("%w: header name %q: %v", ErrInvalidResponse, name, err)
 		}

@@ -78,7 +78,10 @@ func (c *Client) inTx(ctx context.Context, db Beginner, fold bool, fn func(ctx c
 // commits it when Do returns a nil error: the claim, fn's writes and the
 // stored response commit together. Serialization failures and deadlocks are
 // retried (not on a pgx.Tx, see InTx), and a retry of a duplicate replays the
-// winner's response. Invalid input is refused before a transaction begins.
+// winner's response. Under SERIALIZABLE such a failure can surface after fn
+// ran (when the response is stored, or at COMMIT): then fn runs again in the
+// retry, and only one run's writes commit. Invalid input is refused before a
+// transaction begins; so is a *pgx.Conn that is already in a transaction.
 //
 // Concurrent DoInTx calls with the same scope and key on one Client (the
 // package-level functions share one) and one *pgxpool.Pool are coalesced in

@@ -332,3 +332,40 @@ func TestInTxOnForeignBeginner(t *testing.T) {
 		}
 	}
 }
+
+// DoInTx and InTx on a *pgx.Conn that is in a transaction refuse: their
+// BEGIN would only warn and their COMMIT would end the caller's transaction.
+func TestDoInTxOnConnInTransaction(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Release()
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := tx.Exec(ctx, `INSERT INTO effects (key) VALUES ('caller')`); err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int64
+	if _, err := idem.DoInTx(ctx, conn.Conn(), scope, "in-tx", fpA, recordEffect(&calls, "in-tx")); !errors.Is(err, idem.ErrInvalidArgument) {
+		t.Fatalf("DoInTx: err = %v, want ErrInvalidArgument", err)
+	}
+	if err := idem.InTx(ctx, conn.Conn(), func(context.Context, pgx.Tx) error { return nil }); !errors.Is(err, idem.ErrInvalidArgument) {
+		t.Fatalf("InTx: err = %v, want ErrInvalidArgument", err)
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if calls.Load() != 0 || effects(t, pool) != 0 || keyRows(t, pool) != 0 {
+		t.Fatal("the caller's transaction was committed or fn ran")
+	}
+	// Idle again, the connection works.
+	if _, err := idem.DoInTx(ctx, conn.Conn(), scope, "in-tx", fpA, recordEffect(&calls, "in-tx")); err != nil {
+		t.Fatal(err)
+	}
+}
