@@ -253,6 +253,16 @@ func newEnv(t *testing.T, cfg envConfig) *env {
 		}
 		w.WriteHeader(http.StatusCreated)
 	})
+	// /deadline writes, then answers 500 when a statement fails on the
+	// deadline, as a handler that respects its context would.
+	handle("POST /deadline", func(w http.ResponseWriter, r *http.Request) {
+		effect(r)
+		if _, err := idemhttp.Tx(r.Context()).Exec(r.Context(), `SELECT pg_sleep(10)`); err != nil {
+			http.Error(w, "timeout: "+err.Error(), http.StatusInternalServerError)
+			return
+		}
+		w.WriteHeader(http.StatusCreated)
+	})
 	// /gzip answers with a compressed body, as a compressing handler would.
 	handle("POST /gzip", func(w http.ResponseWriter, r *http.Request) {
 		effect(r)

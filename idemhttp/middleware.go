@@ -86,10 +86,13 @@ type Options struct {
 	// hangs up, so that a request that made it to the handler commits and
 	// its retry replays; Timeout is what ends it instead. The handler's
 	// context carries the request context's values and this deadline, not
-	// its cancellation. A request that runs out of time is answered 503 with
-	// CodeTimeout. Config.Wait is capped at half of Timeout, so that a
-	// duplicate of a request in flight gets 409 rather than running out of
-	// time waiting for it. Default 30 seconds.
+	// its cancellation. A request that runs out of time is rolled back and
+	// answered 503 with CodeTimeout, also when the handler answered 5xx
+	// after the deadline. Timeout ends the database work; a handler that
+	// ignores its context keeps the client waiting until it returns.
+	// Config.Wait is capped at half of Timeout, so that a duplicate of a
+	// request in flight gets 409 rather than running out of time waiting
+	// for it. Default 30 seconds.
 	Timeout time.Duration
 
 	// Challenge is the WWW-Authenticate value of the 401 answered when
@@ -438,6 +441,8 @@ func (m *middleware) serveKeyed(ctx context.Context, w http.ResponseWriter, r *h
 		// guard answered already.
 	case err == nil && res.Replayed:
 		writeReplay(w, res.Response)
+	case errors.Is(err, errNotStored) && timedOut(ctx, buf):
+		m.fail(ctx, w, r, key, context.Cause(ctx))
 	case err == nil, errors.Is(err, errNotStored):
 		writeBuffered(w, buf)
 	case errors.Is(err, idem.ErrKeyReused):
@@ -472,6 +477,8 @@ func (m *middleware) serveUnkeyed(ctx context.Context, w http.ResponseWriter, r 
 	})
 	switch {
 	case errors.Is(err, errPanicked):
+	case errors.Is(err, errNotStored) && timedOut(ctx, buf):
+		m.fail(ctx, w, r, "", context.Cause(ctx))
 	case err == nil, errors.Is(err, errNotStored):
 		writeBuffered(w, buf)
 	default:
@@ -501,6 +508,14 @@ func (m *middleware) guard(ctx context.Context, w http.ResponseWriter, r *http.R
 		err = errPanicked
 	}()
 	return f()
+}
+
+// timedOut reports whether the handler answered 5xx after Options.Timeout
+// ended its context: most likely because its statements failed on the
+// deadline, so the client is told that, with the advice to retry.
+func timedOut(ctx context.Context, buf *bufferWriter) bool {
+	status, _ := buf.result()
+	return ctx.Err() != nil && status >= 500
 }
 
 // fail logs err, which ended the transaction of a request, and answers it

@@ -685,9 +685,13 @@ func TestInvalidOptionsPanic(t *testing.T) {
 func TestTimeoutIs503(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envConfig{opts: idemhttp.Options{Timeout: 300 * time.Millisecond}})
-	r := e.do(call{path: "/slow", actor: "alice", key: "slow", body: `{}`})
-	if r.status != http.StatusServiceUnavailable || r.problem(t) != idemhttp.CodeTimeout || r.header.Get("Retry-After") == "" {
-		t.Fatalf("%s %v", r, r.header)
+	// A handler that ignores the deadline, and one that answers 500 when
+	// its statement fails on it.
+	for _, path := range []string{"/slow", "/deadline"} {
+		r := e.do(call{path: path, actor: "alice", key: "slow" + path[1:], body: `{}`})
+		if r.status != http.StatusServiceUnavailable || r.problem(t) != idemhttp.CodeTimeout || r.header.Get("Retry-After") == "" {
+			t.Fatalf("%s: %s %v", path, r, r.header)
+		}
 	}
 	if s := e.state(); s.effects != 0 || s.keys != 0 {
 		t.Fatalf("a timed-out request left %+v", s)
