@@ -127,3 +127,49 @@ func (b *bench) calibrate(ctx context.Context, wls []workload) ([]calibration, e
 	}
 	return cals, nil
 }
+
+// syncCost is what a commit's WAL flush costs on this server, beside a bare
+// round trip: the price of two-tx's second commit, which depends on the
+// storage far more than anything idem does.
+type syncCost struct {
+	commit, roundTrip time.Duration
+	settings          string
+}
+
+// measureSync times, on one connection, autocommitted one-row INSERTs
+// (each commit waits for its WAL flush when synchronous_commit is on) and
+// SELECT 1, and reads the server's commit settings.
+func (b *bench) measureSync(ctx context.Context) (syncCost, error) {
+	const n = 200
+	var s syncCost
+	conn, err := b.pool.Acquire(ctx)
+	if err != nil {
+		return s, err
+	}
+	defer conn.Release()
+	err = conn.QueryRow(ctx, `SELECT format('synchronous_commit %s, fsync %s, wal_sync_method %s, commit_delay %s',
+		current_setting('synchronous_commit'), current_setting('fsync'),
+		current_setting('wal_sync_method'), current_setting('commit_delay'))`).Scan(&s.settings)
+	if err == nil {
+		_, err = conn.Exec(ctx, `CREATE TABLE IF NOT EXISTS bench_sync (v int)`)
+	}
+	if err != nil {
+		return s, fmt.Errorf("sync cost: %w", err)
+	}
+	for _, m := range []struct {
+		dst *time.Duration
+		sql string
+	}{{&s.commit, `INSERT INTO bench_sync VALUES (1)`}, {&s.roundTrip, `SELECT 1`}} {
+		lat := make([]time.Duration, 0, n)
+		for range n {
+			t0 := time.Now()
+			if _, err := conn.Exec(ctx, m.sql); err != nil {
+				return s, fmt.Errorf("sync cost: %w", err)
+			}
+			lat = append(lat, time.Since(t0))
+		}
+		slices.Sort(lat)
+		*m.dst = percentile(lat, 50)
+	}
+	return s, nil
+}

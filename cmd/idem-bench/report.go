@@ -17,6 +17,7 @@ type report struct {
 	series      map[string]*series
 	storm       []stormSlot
 	calibration []calibration
+	sync        syncCost
 	allocs      []allocResult
 	expiredLeft int
 	refillRows  int
@@ -103,6 +104,10 @@ func (r *report) printCalibration(out io.Writer) {
 			c.name, c.rts, c.stmts, c.prepares, c.sent, c.recv, ms(c.p50))
 	}
 	tw.Flush()
+	s := r.sync
+	fmt.Fprintf(out, "  a commit that waits for its WAL flush (one-row INSERT): p50 %s ms; a bare round trip (SELECT 1): p50 %s ms\n",
+		ms(s.commit), ms(s.roundTrip))
+	fmt.Fprintf(out, "  %s: what a second commit (two-tx) costs depends on it\n", s.settings)
 }
 
 // stormTotal sums the storm over the rounds.

@@ -209,6 +209,9 @@ func (b *bench) measure(ctx context.Context, out io.Writer) (*report, error) {
 		return nil, err
 	}
 	rep.calibration = cal
+	if rep.sync, err = b.measureSync(ctx); err != nil {
+		return nil, err
+	}
 
 	// The slots of a round, in an order that rotates from round to round,
 	// so no workload always follows the same one.
