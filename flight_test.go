@@ -229,3 +229,41 @@ func TestDoInTxDoesNotCoalesceAcrossPools(t *testing.T) {
 		t.Fatalf("fn ran %d times, want once per database", calls.Load())
 	}
 }
+
+// When the key is held by a transaction the leader's claim cannot wait out,
+// the leader and every waiter get ErrInProgress, and fn never runs.
+func TestDoInTxCoalescedKeyHeldElsewhere(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	client, err := idem.New(idem.Config{Wait: 200 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int64
+	holder, err := pool.Begin(ctx) // another "process" holds the key
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer holder.Rollback(ctx)
+	if _, err := client.Do(ctx, holder, scope, "held", fpA, recordEffect(&calls, "held")); err != nil {
+		t.Fatal(err)
+	}
+	other, err := pgxpool.New(ctx, pool.Config().ConnString())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer other.Close()
+	errs := make([]error, 6)
+	runTogether(len(errs), func(i int) {
+		_, errs[i] = client.DoInTx(ctx, other, scope, "held", fpA, recordEffect(&calls, "held"))
+	})
+	for i, err := range errs {
+		if !errors.Is(err, idem.ErrInProgress) {
+			t.Fatalf("call %d: err = %v, want ErrInProgress", i, err)
+		}
+	}
+	if calls.Load() != 1 {
+		t.Fatalf("fn ran %d times; want only the holder's run", calls.Load())
+	}
+}
