@@ -61,8 +61,22 @@ var (
 	ErrUnavailable = errors.New("idem: store unavailable")
 
 	// ErrInvalidArgument means a required argument (transaction, function,
-	// database handle) is nil.
+	// database handle) is nil, or a value such as a lease or a limit is out
+	// of range. Nothing was touched.
 	ErrInvalidArgument = errors.New("idem: invalid argument")
+
+	// ErrOutcomeUnknown means the key belongs to a reservation whose work
+	// outside the database may or may not have happened: its owner marked it
+	// unknown, or its lease ran out before it completed. Nothing runs again
+	// automatically; reconcile it (Resolve) first (HTTP 409).
+	ErrOutcomeUnknown = errors.New("idem: the outcome of the request with this idempotency key is unknown")
+
+	// ErrFenced means a Reservation is no longer the owner of its key: its
+	// token is stale, or the record is no longer this reservation's
+	// 'processing' (the lease ran out and the key was taken over, or an
+	// operator resolved it). Whatever the caller was about to record must be
+	// rolled back.
+	ErrFenced = errors.New("idem: reservation fenced: no longer the owner of the key")
 )
 
 // InProgressError is returned when the key is held by a transaction that did
@@ -119,6 +133,18 @@ func pgCode(err error) string {
 		return pgErr.Code
 	}
 	return ""
+}
+
+// Unavailable reports whether err means the database could not serve the
+// request: it wraps ErrUnavailable, or it is a failure to reach the server, a
+// dropped connection, or a server error of SQLSTATE class 08 (connection
+// exception), 53 (insufficient resources), 58 (system error) or 57P01-57P03
+// (shutdown, cannot connect now). Such a failure says nothing about the
+// request itself: fail closed (HTTP 503) and let the client retry with the
+// same key. A cancelled statement (57014) or a context that ended is not
+// Unavailable: the caller gave up, not the store.
+func Unavailable(err error) bool {
+	return err != nil && (errors.Is(err, ErrUnavailable) || isUnavailable(err))
 }
 
 // isUnavailable reports whether err means the server could not be reached,

@@ -20,4 +20,7 @@ type IdemKey struct {
 	CreatedAt       pgtype.Timestamptz
 	CompletedAt     pgtype.Timestamptz
 	ExpiresAt       pgtype.Timestamptz
+	Token           int64
+	LeaseExpiresAt  pgtype.Timestamptz
+	LastError       pgtype.Text
 }
