@@ -6,6 +6,9 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io"
+	"net/http"
+	"net/http/httptest"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -471,4 +474,73 @@ func newClient() *idem.Client {
 		panic(err)
 	}
 	return c
+}
+
+// A webhook sender retries deliveries, many at once, against two receiver
+// instances with pools and Clients of their own (two processes behind a
+// load balancer): each event is processed once, every delivery ends
+// acknowledged.
+func TestInboxWebhookTwoReceivers(t *testing.T) {
+	t.Parallel()
+	poolA, poolB := twoPools(t)
+	var calls atomic.Int64
+	receiver := func(pool *pgxpool.Pool) *httptest.Server {
+		client := newClient()
+		return httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			body, err := io.ReadAll(r.Body)
+			if err != nil {
+				w.WriteHeader(http.StatusBadRequest)
+				return
+			}
+			id := r.Header.Get("Webhook-Id")
+			_, err = client.InboxInTx(r.Context(), pool, "webhook", id, body, func(ctx context.Context, tx pgx.Tx) error {
+				time.Sleep(10 * time.Millisecond) // hold the claim so duplicates meet it
+				return handle(&calls, id)(ctx, tx)
+			})
+			switch {
+			case err == nil:
+				w.WriteHeader(http.StatusNoContent)
+			case errors.Is(err, idem.ErrKeyReused):
+				w.WriteHeader(http.StatusUnprocessableEntity)
+			default:
+				w.WriteHeader(http.StatusServiceUnavailable)
+			}
+		}))
+	}
+	servers := []*httptest.Server{receiver(poolA), receiver(poolB)}
+	for _, s := range servers {
+		t.Cleanup(s.Close) // before the pools close
+	}
+	const events, copies = 10, 6
+	codes := make([]int, events*copies)
+	runTogether(events*copies, func(i int) {
+		id := fmt.Sprintf("evt_%03d", i%events)
+		for attempt := range 20 {
+			srv := servers[(i+attempt)%2]
+			req, err := http.NewRequest("POST", srv.URL, strings.NewReader(`{"id":"`+id+`"}`))
+			if err != nil {
+				codes[i] = -1
+				return
+			}
+			req.Header.Set("Webhook-Id", id)
+			resp, err := srv.Client().Do(req)
+			if err != nil {
+				codes[i] = -1
+				return
+			}
+			_ = resp.Body.Close()
+			if codes[i] = resp.StatusCode; codes[i] < 500 {
+				return
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	})
+	for i, code := range codes {
+		if code != http.StatusNoContent {
+			t.Fatalf("delivery %d ended with %d", i, code)
+		}
+	}
+	if calls.Load() != events || effects(t, poolA) != events {
+		t.Fatalf("handler ran %d times, %d effects; want %d", calls.Load(), effects(t, poolA), events)
+	}
 }
