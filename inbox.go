@@ -47,9 +47,9 @@ const hashedIDPrefix = "sha256:"
 //   - Two deliveries at once (two consumers, pools or processes): one runs
 //     fn; the other waits up to Config.Wait for its transaction. If that
 //     commits, the other returns (true, nil); if it rolls back, the other
-//     runs fn; if the wait runs out, the other gets ErrInProgress, tx is
-//     aborted (roll it back), and the message should be left
-//     unacknowledged for the broker to deliver again.
+//     runs fn; if the wait runs out, the other gets ErrInProgress (and
+//     its tx is aborted: roll it back). Leave that delivery unacknowledged:
+//     the broker delivers it again, and then it is a duplicate.
 //   - fn returns an error or panics: fn's writes are undone, nothing is
 //     recorded, and the error (or panic) is passed on; the next delivery
 //     runs fn again. tx stays usable.
@@ -59,8 +59,10 @@ const hashedIDPrefix = "sha256:"
 //   - A message id older than Config.TTL is new again: give the Client that
 //     processes messages a TTL longer than the broker's redelivery window.
 //
-// Invalid input (empty message id, consumer that is not a valid Actor, nil
-// tx or fn) is refused before any statement runs. Metrics and logs are
+// Several messages may share one transaction (a batch), one Inbox call
+// each; each runs fn in a savepoint, so keep a batch well under 64 (see
+// Do). Invalid input (empty message id, consumer that is not a valid Actor,
+// nil tx or fn) is refused before any statement runs. Metrics and logs are
 // those of Do. Inbox uses the package defaults; see Client.Inbox.
 func Inbox(ctx context.Context, tx pgx.Tx, consumer, messageID string, payload []byte,
 	fn func(ctx context.Context, tx pgx.Tx) error) (duplicate bool, err error) {

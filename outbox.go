@@ -11,19 +11,22 @@ import "encoding/hex"
 // xxxxxxxx-xxxx-8xxx-xxxx-xxxxxxxxxxxx form, so it fits a uuid column.
 //
 // The same arguments always give the same id, in every process and
-// release: a retry that runs fn again after a serialization failure, and a
-// second writer of the same event (a reconciler finishing what a request
-// began) agree on it, so a unique constraint on the outbox id catches a
-// duplicate write. The idempotency key does not appear in the id (it
-// should not travel to consumers or their logs), and events of other
-// scopes or keys never share it. Name tells apart the events of one
-// request ("order.placed", "stock.reserved").
+// release. So the id is known from the request alone (a response or a log
+// line can name the event before the relay publishes it), two writers of
+// the same event (a request and a reconciler finishing what it began) agree
+// on it, and a unique constraint on the outbox id turns a second write into
+// an error instead of a second event. The idempotency key does not appear in
+// the id (it should not travel to consumers and their logs), and events of
+// other scopes, keys or names do not share it (barring a collision of 122
+// bits of SHA-256). name tells apart the events of one request
+// ("order.placed", "stock.reserved").
 //
 // EventID depends on its arguments only: a key used again after its TTL (a
-// new request to Do) gets the same id again, which consumers that still
-// remember it take for a duplicate. Keys are fresh for each intent, so this
-// should not arise; where it can, put something into name that tells the
-// two runs apart, such as the id of a row fn created.
+// new request to Do) gets the same id again, so the new request's outbox
+// insert fails on the unique constraint (without one, consumers that still
+// remember the id take the event for a duplicate). Keys are fresh for each
+// intent, so this should not arise; where it can, put into name something
+// that tells the two runs apart, such as the id of a row fn created.
 //
 // EventID does not validate its arguments; any strings give an id.
 func EventID(scope Scope, key, name string) string {
