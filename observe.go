@@ -125,14 +125,14 @@ const instrumentationName = "github.com/pgidem/idem"
 
 // call is one observed call in progress.
 type call struct {
-	o         *observer
-	name      string // do, do_in_tx, reserve, ...
-	scope     Scope
-	key       string
-	start     time.Time
-	fnTime    time.Duration // time spent in fn
-	rejected  bool          // the stored outcome is a refusal made by this call
-	span      trace.Span    // nil without a TracerProvider
+	o        *observer
+	name     string // do, do_in_tx, reserve, ...
+	scope    Scope
+	key      string
+	start    time.Time
+	fnTime   time.Duration // time spent in fn
+	rejected bool          // the stored outcome is a refusal made by this call
+	span     trace.Span    // nil without a TracerProvider
 }
 
 // begin starts observing a call: its clock and, with a TracerProvider, its
