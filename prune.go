@@ -67,6 +67,7 @@ func (c *Client) Prune(ctx context.Context, db Beginner, opts PruneOptions) (int
 			return total, fmt.Errorf("idem: prune: %w", err)
 		}
 		total += n
+		c.obs.count(ctx, "ttl_pruned", "prune", "", n)
 		if n < int64(opts.BatchSize) {
 			break // none left that no other pruner holds
 		}
