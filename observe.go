@@ -57,7 +57,7 @@ type observer struct {
 	attrs map[attrKey]attribute.Set // per call and operation, built once
 }
 
-type attrKey struct{ call, operation string }
+type attrKey struct{ call, operation, outcome string }
 
 // counterNames lists every counter, by the name a call's count uses.
 var counterNames = map[string]string{
@@ -183,9 +183,8 @@ func (cl *call) end(ctx context.Context, res Result, err error) {
 	o := cl.o
 	outcome := outcomeOf(res, err, cl.rejected)
 	elapsed := time.Since(cl.start)
-	set := o.attrSet(cl.name, cl.scope.Operation)
-	o.counters[outcome].Add(ctx, 1, metric.WithAttributeSet(set))
-	withOutcome := metric.WithAttributes(append(set.ToSlice(), attribute.String("outcome", outcome))...)
+	o.counters[outcome].Add(ctx, 1, metric.WithAttributeSet(o.attrSet(cl.name, cl.scope.Operation, "")))
+	withOutcome := metric.WithAttributeSet(o.attrSet(cl.name, cl.scope.Operation, outcome))
 	switch outcome {
 	case outcomeReplay, outcomeInProgress:
 		o.wait.Record(ctx, elapsed.Seconds(), withOutcome)
@@ -241,21 +240,25 @@ func (cl *call) end(ctx context.Context, res Result, err error) {
 // count adds n to the counter of a maintenance or reservation event.
 func (o *observer) count(ctx context.Context, event, callName, operation string, n int64) {
 	if n != 0 {
-		o.counters[event].Add(ctx, n, metric.WithAttributeSet(o.attrSet(callName, operation)))
+		o.counters[event].Add(ctx, n, metric.WithAttributeSet(o.attrSet(callName, operation, "")))
 	}
 }
 
-// attrSet returns the attribute set of a call name and an operation, built
-// once for each pair.
-func (o *observer) attrSet(callName, operation string) attribute.Set {
-	k := attrKey{callName, operation}
+// attrSet returns the attribute set of a call name, an operation and (for
+// the histograms) an outcome, built once for each combination.
+func (o *observer) attrSet(callName, operation, outcome string) attribute.Set {
+	k := attrKey{callName, operation, outcome}
 	o.mu.RLock()
 	set, ok := o.attrs[k]
 	o.mu.RUnlock()
 	if ok {
 		return set
 	}
-	set = attribute.NewSet(attribute.String("call", callName), attribute.String("operation", operation))
+	kvs := []attribute.KeyValue{attribute.String("call", callName), attribute.String("operation", operation)}
+	if outcome != "" {
+		kvs = append(kvs, attribute.String("outcome", outcome))
+	}
+	set = attribute.NewSet(kvs...)
 	o.mu.Lock()
 	if len(o.attrs) < maxAttrSets {
 		o.attrs[k] = set
