@@ -121,7 +121,7 @@ func Resolve(ctx context.Context) (*Server, error) {
 		srv, err := FromURL(ctx, dsn, SourceDatabaseURL)
 		if err != nil {
 			return nil, fmt.Errorf("%w\nDATABASE_URL is used as set, never replaced by another server: "+
-				"start that server, correct DATABASE_URL, or unset it to use localhost:5432, Docker or initdb", err)
+				"start that server, correct DATABASE_URL, or unset it so that Resolve looks further (localhost:5432 first)", err)
 		}
 		return srv, nil
 	}
