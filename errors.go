@@ -71,6 +71,10 @@ var (
 	// automatically; reconcile it (Resolve) first (HTTP 409).
 	ErrOutcomeUnknown = errors.New("idem: the outcome of the request with this idempotency key is unknown")
 
+	// ErrNotFound means no record holds the key (it was never used, it was
+	// pruned or forgotten). Nothing changed.
+	ErrNotFound = errors.New("idem: no record for this idempotency key")
+
 	// ErrFenced means a Reservation is no longer the owner of its key: its
 	// token is stale, or the record is no longer this reservation's
 	// 'processing' (the lease ran out and the key was taken over, or an
