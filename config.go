@@ -60,11 +60,9 @@ type Client struct {
 	flights     flights // DoInTx calls in progress, by scope and key
 	cfg         Config
 	ttlMicros   int64
-	lockTimeout string
-	// The same two, boxed once as statement arguments.
-	ttlArg, lockTimeoutArg any
-	txOptions              pgx.TxOptions
-	retryAfter             time.Duration
+	lockTimeout string // Wait as a lock_timeout value
+	txOptions   pgx.TxOptions
+	retryAfter  time.Duration
 }
 
 // New returns a Client for cfg, with zero fields replaced by their defaults.
@@ -113,7 +111,6 @@ func New(cfg Config) (*Client, error) {
 	c.lockTimeout = fmt.Sprintf("%dms", wait.Milliseconds())
 	c.retryAfter = max(time.Second, wait.Round(time.Second))
 	c.txOptions = pgx.TxOptions{IsoLevel: cfg.IsolationLevel}
-	c.ttlArg, c.lockTimeoutArg = c.ttlMicros, c.lockTimeout
 	return c, nil
 }
 

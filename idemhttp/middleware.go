@@ -18,7 +18,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgidem/idem"
 )
@@ -562,28 +561,14 @@ func (m *middleware) storedHeader(h http.Header) map[string][]string {
 	return out
 }
 
-// storeStatus classifies an error of the store: 503 when the database could
-// not be reached or gave up (connection failures, timeouts, SQLSTATE
-// classes 08, 53, 57 and 58), 500 otherwise.
+// storeStatus classifies an error of the store with idem.Unavailable: 503
+// when the database could not serve (the client should retry with the same
+// key), 500 otherwise.
 func storeStatus(err error) int {
-	switch {
-	case errors.Is(err, idem.ErrUnavailable):
+	if idem.Unavailable(err) {
 		return http.StatusServiceUnavailable
-	case errors.Is(err, idem.ErrResponseTooLarge), errors.Is(err, idem.ErrInvalidResponse),
-		errors.Is(err, idem.ErrInvalidArgument), errors.Is(err, idem.ErrInvalidScope):
-		return http.StatusInternalServerError
 	}
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) {
-		if len(pgErr.Code) == 5 {
-			switch pgErr.Code[:2] {
-			case "08", "53", "57", "58":
-				return http.StatusServiceUnavailable
-			}
-		}
-		return http.StatusInternalServerError
-	}
-	return http.StatusServiceUnavailable
+	return http.StatusInternalServerError
 }
 
 // writeBuffered writes the handler's response as it buffered it.
