@@ -2,7 +2,8 @@
 // database.
 //
 // The server is resolved once per test process with [pgserver.Resolve]
-// (DATABASE_URL, localhost:5432, testcontainers, or a temporary cluster).
+// (DATABASE_URL, localhost:5432, a container where a program of the cmd
+// module registered one, or a temporary cluster).
 // For each migration function, the first request creates a template
 // database with a random name (idemtest_tpl_<hex>) and runs the migration on
 // it once; every database handed out after that is a cheap
