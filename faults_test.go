@@ -538,7 +538,7 @@ func TestFaultCommitAcknowledgementLostUnderLoad(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	l := newLoad(t, newInstances(t, relayed, 3, 3, false), 3)
+	l := newLoad(t, newInstances(t, relayed, 3, 2, false), 3)
 	trs := transfers(keys, "cut")
 	l.run(ctx, schedule(trs, copies))
 	t.Logf("%s; %d commits cut", l.summary(), r.CommitsCut())

@@ -245,7 +245,7 @@ func TestFaultClientsHangUpAndCommitsGetLost(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		cfg.MaxConns = 3
+		cfg.MaxConns = 2
 		pool, err := pgxpool.NewWithConfig(ctx, cfg)
 		if err != nil {
 			t.Fatal(err)
