@@ -112,6 +112,7 @@ type envConfig struct {
 	outer     func(http.Handler) http.Handler              // around everything
 	db        func(*pgxpool.Pool) idem.Beginner            // the middleware's database handle
 	beforeRun func(w http.ResponseWriter, r *http.Request) // first thing every handler does
+	routes    func(mux *http.ServeMux, pool *pgxpool.Pool) // more routes, not wrapped
 }
 
 func newEnv(t *testing.T, cfg envConfig) *env {
@@ -301,6 +302,9 @@ func newEnv(t *testing.T, cfg envConfig) *env {
 		}
 	})
 
+	if cfg.routes != nil {
+		cfg.routes(mux, e.pool)
+	}
 	var h http.Handler = mux
 	if cfg.wrapMux {
 		h = mw(mux)

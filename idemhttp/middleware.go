@@ -102,6 +102,17 @@ type Options struct {
 	// (handler panics, store failures), with a hash of the key, never the
 	// key. Default: slog.Default().
 	Logger *slog.Logger
+
+	// StatusURL, when set, changes the answer to a duplicate of a request
+	// still in flight from 409 to 202 Accepted with Retry-After, the JSON
+	// document {"status":"processing"}, and Location: the status URL of the
+	// key, StatusURL?key=K&operation=O, which StatusHandler mounted at
+	// StatusURL answers: 202 while the request runs, its stored response
+	// once it finished, 404 if it ended storing nothing (seed 001's second
+	// strategy; the first, waiting, still comes before it: Config.Wait).
+	// An absolute URL or a path (resolved against the request's URL),
+	// without a query or a fragment. Default "": 409 with Retry-After.
+	StatusURL string
 }
 
 // Defaults of Options.
@@ -192,7 +203,8 @@ func Invalid(ctx context.Context) {
 // (see the Code constants), and none of them changes anything: 400 for a
 // missing (when required) or malformed key, 401 when Actor fails, 413 for a
 // body over the limit, 422 for the same key with a different request, 409
-// with Retry-After while another request holds the key, and 503 when the
+// with Retry-After while another request holds the key (or 202 Accepted with
+// the Location of a status URL: Options.StatusURL), and 503 when the
 // database cannot be reached (fail closed: the handler does not run) or the
 // request runs past Options.Timeout (rolled back).
 //
@@ -235,6 +247,7 @@ type middleware struct {
 	timeout     time.Duration
 	challenge   string
 	log         *slog.Logger
+	statusURL   string
 	next        http.Handler
 }
 
@@ -253,6 +266,11 @@ func newMiddleware(db idem.Beginner, opts Options) (*middleware, error) {
 	}
 	if opts.Timeout == 0 {
 		opts.Timeout = DefaultTimeout
+	}
+	if opts.StatusURL != "" {
+		if err := parseStatusURL(opts.StatusURL); err != nil {
+			return nil, err
+		}
 	}
 	client, err := idem.New(opts.Config)
 	if err != nil {
@@ -275,6 +293,7 @@ func newMiddleware(db idem.Beginner, opts Options) (*middleware, error) {
 		maxResponse: client.Config().MaxResponseBytes,
 		timeout:     opts.Timeout,
 		log:         opts.Logger,
+		statusURL:   opts.StatusURL,
 	}
 	if m.operation == nil {
 		m.operation = DefaultOperation
@@ -359,13 +378,7 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 
-	actor, err := m.actor(r)
-	if err == nil && actor == "" {
-		err = errors.New("empty actor")
-	}
-	if err == nil {
-		err = idem.ValidateScope(idem.Scope{Actor: actor, Operation: "-"})
-	}
+	actor, err := authenticate(m.actor, r)
 	if err != nil {
 		w.Header().Set("WWW-Authenticate", m.challenge)
 		writeProblem(w, http.StatusUnauthorized, CodeUnauthenticated, "The request is not authenticated.", 0)
@@ -491,6 +504,8 @@ func (m *middleware) serveKeyed(ctx context.Context, w http.ResponseWriter, r *h
 	case errors.Is(err, idem.ErrKeyReused):
 		writeProblem(w, http.StatusUnprocessableEntity, CodeKeyReused,
 			"This Idempotency-Key was used for a different request.", 0)
+	case errors.As(err, &inProgress) && m.statusURL != "":
+		writeAccepted(w, statusLocation(m.statusURL, scope.Operation, key), inProgress.RetryAfter)
 	case errors.As(err, &inProgress):
 		writeProblem(w, http.StatusConflict, CodeInProgress,
 			"A request with this Idempotency-Key is in progress; retry later with the same key.", inProgress.RetryAfter)
@@ -586,7 +601,11 @@ func (m *middleware) fail(ctx context.Context, w http.ResponseWriter, r *http.Re
 	}
 }
 
-func (m *middleware) logAttrs(r *http.Request, key string) []slog.Attr {
+func (m *middleware) logAttrs(r *http.Request, key string) []slog.Attr { return requestAttrs(r, key) }
+
+// requestAttrs are the log attributes of a request with key: its method,
+// its path and a hash of the key, never the key.
+func requestAttrs(r *http.Request, key string) []slog.Attr {
 	attrs := []slog.Attr{slog.String("method", r.Method), slog.String("path", r.URL.Path)}
 	if key != "" {
 		sum := sha256.Sum256([]byte(key))

@@ -8,10 +8,10 @@ import (
 )
 
 // Problem codes: the "code" member of the application/problem+json (RFC
-// 9457) responses the middleware writes itself. None of these responses is
-// stored. Only after CodeStoreUnavailable and CodeTimeout can the request
-// have committed (its COMMIT's outcome unknown); every other one changed
-// nothing.
+// 9457) responses the middleware and StatusHandler write themselves. None of
+// these responses is stored. Only after CodeStoreUnavailable and CodeTimeout
+// can the request have committed (its COMMIT's outcome unknown); every other
+// one changed nothing.
 const (
 	// CodeKeyMissing (400): a covered request without an Idempotency-Key
 	// header, when a key is required.
@@ -25,6 +25,11 @@ const (
 	// CodeInProgress (409, with Retry-After): a request with this key is
 	// still running; retry later with the same key.
 	CodeInProgress = "REQUEST_IN_PROGRESS"
+	// CodeOutcomeUnknown (409): the key belongs to a reservation whose work
+	// outside the database may or may not have happened (idem.Reserve,
+	// idem.ErrOutcomeUnknown). It does not run again until an operator
+	// reconciles it; a retry with the same key then replays or runs.
+	CodeOutcomeUnknown = "IDEMPOTENCY_OUTCOME_UNKNOWN"
 	// CodeBodyTooLarge (413): the request body is over Options.MaxBodyBytes.
 	CodeBodyTooLarge = "REQUEST_BODY_TOO_LARGE"
 	// CodeBodyUnreadable (400): the request body could not be read.
@@ -47,6 +52,16 @@ const (
 	// CodeInternal (500): anything else, such as a handler panic, a response
 	// too large to store, or a database error; nothing was stored.
 	CodeInternal = "INTERNAL_ERROR"
+
+	// Codes of StatusHandler only.
+
+	// CodeKeyNotFound (404): the status URL names no request of the caller
+	// that is running or stored (see StatusHandler); sending the request
+	// again with the same key runs it.
+	CodeKeyNotFound = "IDEMPOTENCY_KEY_NOT_FOUND"
+	// CodeMethodNotAllowed (405, with Allow): the status URL answers GET
+	// and HEAD only.
+	CodeMethodNotAllowed = "METHOD_NOT_ALLOWED"
 )
 
 // ContentTypeProblem is the media type of the middleware's error responses.
