@@ -33,5 +33,13 @@
 //		return
 //	}
 //
+// A duplicate of a request in flight can get 202 Accepted instead of 409,
+// with Retry-After and the Location of a status URL (Options.StatusURL),
+// which StatusHandler serves: 202 while the request runs, then its stored
+// response, and only ever to the actor who sent it.
+//
+//	mux.Handle("GET /v1/idempotency", idemhttp.StatusHandler(pool, idemhttp.StatusOptions{Actor: userFromToken}))
+//	mw := idemhttp.Middleware(pool, idemhttp.Options{Actor: userFromToken, StatusURL: "/v1/idempotency"})
+//
 // Run idem.Migrate once before use.
 package idemhttp
