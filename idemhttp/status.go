@@ -162,7 +162,9 @@ type StatusOptions struct {
 // operation of the URL), so another user's key is 404, exactly as a key
 // that does not exist, never 403: the answer does not tell whether it
 // exists. Every answer carries Cache-Control: no-store (a stored one
-// included), since it depends on who asks.
+// included), since it depends on who asks. The key is in the URL, so access
+// logs that record URLs hold it; it grants nothing without the actor's
+// credentials (idem's own logs keep only a hash of it).
 //
 // The stored response is replayed rather than redirected (303) to the
 // resource: a replay is what the first request decided (a refusal
