@@ -97,7 +97,15 @@ func (c *Client) Do(ctx context.Context, tx pgx.Tx, scope Scope, key string, fp 
 	if isNil(tx) {
 		return Result{}, fmt.Errorf("%w: nil transaction", ErrInvalidArgument)
 	}
-	k := newRowKey(scope, key)
+	ctx, cl := c.obs.begin(ctx, "do", "idem.Do", scope, key)
+	res, err := c.do(ctx, tx, newRowKey(scope, key), fp, fn, &cl)
+	cl.end(ctx, res, err)
+	return res, err
+}
+
+// do is Do after its checks, observed by cl.
+func (c *Client) do(ctx context.Context, tx pgx.Tx, k rowKey, fp Fingerprint,
+	fn func(ctx context.Context, tx pgx.Tx) (Response, error), cl *call) (Result, error) {
 	var decided *outcome // a refusal, stored once the key is claimed again
 	takeOver := false
 	for range maxClaimAttempts {
@@ -119,7 +127,7 @@ func (c *Client) Do(ctx context.Context, tx pgx.Tx, scope Scope, key string, fp 
 		if claimed {
 			out := decided
 			if out == nil {
-				o, err := c.runFn(ctx, tx, fn)
+				o, err := c.runFn(ctx, tx, fn, cl)
 				if err != nil {
 					return Result{}, undone(ctx, tx, err)
 				}
@@ -134,6 +142,7 @@ func (c *Client) Do(ctx context.Context, tx pgx.Tx, scope Scope, key string, fp 
 				}
 				out = &o
 			}
+			cl.rejected = out.status == statusRejected
 			// Round trip 2: store the outcome, end the savepoint.
 			b := &pgx.Batch{}
 			c.queueComplete(b, k, fp, *out)
@@ -172,14 +181,16 @@ func (c *Client) Do(ctx context.Context, tx pgx.Tx, scope Scope, key string, fp 
 // runFn runs fn in the claim's savepoint and decides the outcome to store.
 // If fn panics, its writes and the claim are undone before the panic goes on.
 func (c *Client) runFn(ctx context.Context, tx pgx.Tx,
-	fn func(ctx context.Context, tx pgx.Tx) (Response, error)) (outcome, error) {
+	fn func(ctx context.Context, tx pgx.Tx) (Response, error), cl *call) (outcome, error) {
 	panicked := true
 	defer func() {
 		if panicked {
 			_ = undo(ctx, tx)
 		}
 	}()
-	resp, err := fn(ctx, tx)
+	var resp Response
+	var err error
+	cl.timeFn(func() { resp, err = fn(ctx, tx) })
 	panicked = false
 	return c.decide(resp, err)
 }

@@ -16,6 +16,9 @@ type PruneOptions struct {
 	// MaxBatches bounds the batches of one call; 0 means until no expired
 	// finished row is left.
 	MaxBatches int
+
+	// DryRun counts the rows Prune would delete now, and deletes nothing.
+	DryRun bool
 }
 
 // DefaultPruneBatchSize is PruneOptions.BatchSize's default.
@@ -53,6 +56,17 @@ func (c *Client) Prune(ctx context.Context, db Beginner, opts PruneOptions) (int
 	if opts.BatchSize == 0 {
 		opts.BatchSize = DefaultPruneBatchSize
 	}
+	if opts.DryRun {
+		var n int64
+		err := c.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) (err error) {
+			n, err = queries.KeyCountPrunable(ctx, planned{tx})
+			return err
+		})
+		if err != nil {
+			return 0, fmt.Errorf("idem: prune: %w", err)
+		}
+		return n, nil
+	}
 	var total int64
 	for batch := 0; opts.MaxBatches == 0 || batch < opts.MaxBatches; batch++ {
 		if err := ctx.Err(); err != nil {
@@ -67,6 +81,7 @@ func (c *Client) Prune(ctx context.Context, db Beginner, opts PruneOptions) (int
 			return total, fmt.Errorf("idem: prune: %w", err)
 		}
 		total += n
+		c.obs.count(ctx, "ttl_pruned", "prune", "", n)
 		if n < int64(opts.BatchSize) {
 			break // none left that no other pruner holds
 		}

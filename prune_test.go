@@ -177,3 +177,17 @@ func TestPruneBadOptions(t *testing.T) {
 		t.Errorf("cancelled context: %v", err)
 	}
 }
+
+func TestPruneDryRun(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	fillKeys(t, pool, 42, true)
+	n, err := idem.Prune(ctx, pool, idem.PruneOptions{DryRun: true})
+	if err != nil || n != 42 {
+		t.Fatalf("dry run: %d, %v; want 42", n, err)
+	}
+	if got := keyRows(t, pool); got != 42 {
+		t.Fatalf("a dry run deleted rows: %d left", got)
+	}
+}

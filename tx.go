@@ -144,12 +144,15 @@ func (c *Client) DoInTx(ctx context.Context, db Beginner, scope Scope, key strin
 	if conn, ok := db.(*pgx.Conn); ok && conn.PgConn().TxStatus() != 'I' {
 		return Result{}, errConnInTx
 	}
-	return c.coalesced(ctx, db, scope, key, fp, fn)
+	ctx, cl := c.obs.begin(ctx, "do_in_tx", "idem.DoInTx", scope, key)
+	res, err := c.coalesced(ctx, db, scope, key, fp, fn, &cl)
+	cl.end(ctx, res, err)
+	return res, err
 }
 
 // doInTx is DoInTx after its checks, without coalescing.
 func (c *Client) doInTx(ctx context.Context, db Beginner, scope Scope, key string, fp Fingerprint,
-	fn func(ctx context.Context, tx pgx.Tx) (Response, error)) (res Result, err error) {
+	fn func(ctx context.Context, tx pgx.Tx) (Response, error), cl *call) (res Result, err error) {
 	k := newRowKey(scope, key)
 	switch d := db.(type) {
 	case *pgxpool.Pool:
@@ -158,14 +161,14 @@ func (c *Client) doInTx(ctx context.Context, db Beginner, scope Scope, key strin
 			return Result{}, unavailableIf(isUnavailable(err), fmt.Errorf("idem: begin: %w", err))
 		}
 		defer conn.Release()
-		err = c.retry(ctx, false, func() (err error) { res, err = c.doOwnTx(ctx, conn.Conn(), k, fp, fn); return err })
+		err = c.retry(ctx, false, func() (err error) { res, err = c.doOwnTx(ctx, conn.Conn(), k, fp, fn, cl); return err })
 		return res, err
 	case *pgx.Conn:
-		err = c.retry(ctx, false, func() (err error) { res, err = c.doOwnTx(ctx, d, k, fp, fn); return err })
+		err = c.retry(ctx, false, func() (err error) { res, err = c.doOwnTx(ctx, d, k, fp, fn, cl); return err })
 		return res, err
 	}
 	err = c.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) (err error) {
-		res, err = c.Do(ctx, tx, scope, key, fp, fn)
+		res, err = c.do(ctx, tx, k, fp, fn, cl)
 		return err
 	})
 	if err != nil {
@@ -188,7 +191,7 @@ func (c *Client) doInTx(ctx context.Context, db Beginner, scope Scope, key strin
 // (Reject) is then stored in a transaction of its own that claims the key
 // again and runs nothing.
 func (c *Client) doOwnTx(ctx context.Context, conn *pgx.Conn, k rowKey, fp Fingerprint,
-	fn func(ctx context.Context, tx pgx.Tx) (Response, error)) (Result, error) {
+	fn func(ctx context.Context, tx pgx.Tx) (Response, error), cl *call) (Result, error) {
 	var decided *outcome // a refusal, stored once the key is claimed again
 	takeOver := false
 	for range maxClaimAttempts {
@@ -210,7 +213,7 @@ func (c *Client) doOwnTx(ctx context.Context, conn *pgx.Conn, k rowKey, fp Finge
 		if claimed {
 			out := decided
 			if out == nil {
-				o, err := c.runOwnFn(ctx, tx, fn)
+				o, err := c.runOwnFn(ctx, tx, fn, cl)
 				if err != nil {
 					rollback(ctx, tx)
 					return Result{}, unavailableIf(connLost(conn) || serverSaidUnavailable(err), err)
@@ -222,6 +225,7 @@ func (c *Client) doOwnTx(ctx context.Context, conn *pgx.Conn, k rowKey, fp Finge
 				}
 				out = &o
 			}
+			cl.rejected = out.status == statusRejected
 			b := &pgx.Batch{}
 			c.queueComplete(b, k, fp, *out)
 			b.Queue("COMMIT")
@@ -262,14 +266,16 @@ func (c *Client) doOwnTx(ctx context.Context, conn *pgx.Conn, k rowKey, fp Finge
 // store. If fn panics, the transaction is rolled back before the panic goes
 // on.
 func (c *Client) runOwnFn(ctx context.Context, tx pgx.Tx,
-	fn func(ctx context.Context, tx pgx.Tx) (Response, error)) (outcome, error) {
+	fn func(ctx context.Context, tx pgx.Tx) (Response, error), cl *call) (outcome, error) {
 	panicked := true
 	defer func() {
 		if panicked {
 			rollback(ctx, tx)
 		}
 	}()
-	resp, err := fn(ctx, tx)
+	var resp Response
+	var err error
+	cl.timeFn(func() { resp, err = fn(ctx, tx) })
 	panicked = false
 	return c.decide(resp, err)
 }

@@ -3,8 +3,11 @@
 //
 // [Resolve] tries, in order:
 //
-//  1. the DATABASE_URL environment variable (used as-is; if it is set but
-//     does not connect, Resolve fails instead of trying anything else);
+//  1. the DATABASE_URL environment variable, used as it is. If it is set
+//     but does not connect, Resolve fails and says so, instead of trying
+//     anything else: an explicit choice is never quietly replaced by
+//     another server (tests would then run against a database nobody
+//     chose). Unset it, or set it to "", to let Resolve look further;
 //  2. a server answering on localhost:5432 (user PGUSER if set, then
 //     "postgres", then the current OS user; password from PGPASSWORD);
 //  3. a throwaway container, only in a program that registered a way to
@@ -115,7 +118,12 @@ func withDatabase(connString, name string) string {
 func Resolve(ctx context.Context) (*Server, error) {
 	if dsn, ok := os.LookupEnv("DATABASE_URL"); ok && dsn != "" {
 		// An explicit choice is never second-guessed by falling through.
-		return FromURL(ctx, dsn, SourceDatabaseURL)
+		srv, err := FromURL(ctx, dsn, SourceDatabaseURL)
+		if err != nil {
+			return nil, fmt.Errorf("%w\nDATABASE_URL is used as set, never replaced by another server: "+
+				"start that server, correct DATABASE_URL, or unset it so that Resolve looks further (localhost:5432 first)", err)
+		}
+		return srv, nil
 	}
 	return resolveWith(ctx, steps())
 }

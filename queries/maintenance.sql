@@ -21,3 +21,15 @@ WHERE k.actor = old.actor AND k.operation = old.operation AND k.idem_key = old.i
 SELECT count(*) FROM idem_keys
 WHERE expires_at <= now()
   AND status IN ('succeeded', 'rejected', 'failed_retryable');
+
+-- Counts the keys in each status, with the oldest claim still processing.
+-- name: KeyStats :many
+SELECT status, count(*)::bigint AS keys, min(created_at)::timestamptz AS oldest
+FROM idem_keys
+GROUP BY status
+ORDER BY status;
+
+-- Sizes of idem_keys on disk: the table with its TOAST data, and its indexes.
+-- name: KeyTableSize :one
+SELECT pg_table_size('idem_keys')::bigint AS table_bytes,
+       pg_indexes_size('idem_keys')::bigint AS index_bytes;
