@@ -9,6 +9,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"hash"
 	"math"
 	"reflect"
 	"slices"
@@ -81,14 +82,11 @@ func FingerprintJSON(v any) (Fingerprint, error) {
 		return Fingerprint{}, fmt.Errorf("%w: a string is not valid UTF-8", ErrInvalidJSON)
 	}
 	var c canonicalizer
-	out, err := c.canonical(text)
+	fp, err := c.fingerprint(text)
 	if err != nil {
 		return Fingerprint{}, fmt.Errorf("%w: %v", ErrInvalidJSON, err)
 	}
-	if c.inexact {
-		return sha256.Sum256(out), nil
-	}
-	return sha256.Sum256(out[len(exactDomain):]), nil
+	return fp, nil
 }
 
 // FingerprintParts returns the SHA-256 of parts, each prefixed with its
@@ -127,9 +125,24 @@ type canonicalizer struct {
 	members []member // each object's members, contiguous, sorted by name
 	pending []member // members of the objects being parsed
 	names   []byte   // names that hold escapes, unescaped
-	out     []byte
 	depth   int
 	inexact bool // a number differs from what RFC 8785 would write for it
+
+	// The canonical text is written to out, and from there to h (created
+	// once out holds flushSize bytes), so a large document needs no copy of
+	// its own.
+	out []byte
+	h   hash.Hash
+}
+
+const flushSize = 4096
+
+func (c *canonicalizer) flush() {
+	if c.h == nil {
+		c.h = sha256.New()
+	}
+	c.h.Write(c.out)
+	c.out = c.out[:0]
 }
 
 // A node is one JSON value: for a string, number or literal its span in the
@@ -165,28 +178,39 @@ func syntaxError(offset int, msg string) error {
 	return fmt.Errorf("offset %d: %s", offset, msg)
 }
 
-// canonical returns exactDomain followed by the canonical text of text.
-func (c *canonicalizer) canonical(text []byte) ([]byte, error) {
+// fingerprint returns the SHA-256 of the canonical text of text, preceded
+// by exactDomain if a number is inexact in RFC 8785.
+func (c *canonicalizer) fingerprint(text []byte) (Fingerprint, error) {
 	if len(text) > math.MaxInt32-1 {
-		return nil, errors.New("text longer than 2 GiB")
+		return Fingerprint{}, errors.New("text longer than 2 GiB")
 	}
 	c.text = text
 	// Every value but the first follows a comma or an opening bracket, and
-	// every member a colon: one allocation each for most documents, and at
-	// most one node and one member a byte of text.
-	c.nodes = make([]node, 0, 1+bytes.Count(text, []byte(","))+bytes.Count(text, []byte("["))+bytes.Count(text, []byte("{")))
-	c.members = make([]member, 0, bytes.Count(text, []byte(":")))
+	// every member a colon; a value takes two bytes with its separator, a
+	// member five ("":0,): one allocation each, at most 8 bytes of nodes and
+	// 5 of members a byte of text.
+	c.nodes = make([]node, 0, min(len(text)/2+1,
+		1+bytes.Count(text, []byte(","))+bytes.Count(text, []byte("["))+bytes.Count(text, []byte("{"))))
+	c.members = make([]member, 0, min(len(text)/5+1, bytes.Count(text, []byte(":"))))
 	i, err := c.value(skipSpace(text, 0))
 	if err != nil {
-		return nil, err
+		return Fingerprint{}, err
 	}
 	if i = skipSpace(text, i); i != len(text) {
-		return nil, syntaxError(i, "unexpected data after the value")
+		return Fingerprint{}, syntaxError(i, "unexpected data after the value")
 	}
-	c.out = make([]byte, 0, len(exactDomain)+len(text))
-	c.out = append(c.out, exactDomain...)
+	c.out = make([]byte, 0, min(len(exactDomain)+len(text), 2*flushSize))
+	if c.inexact {
+		c.out = append(c.out, exactDomain...)
+	}
 	c.write(0)
-	return c.out, nil
+	if c.h == nil {
+		return sha256.Sum256(c.out), nil
+	}
+	c.flush()
+	var fp Fingerprint
+	c.h.Sum(fp[:0])
+	return fp, nil
 }
 
 func skipSpace(text []byte, i int) int {
@@ -619,6 +643,9 @@ func (d decimal) appendTo(out []byte) []byte {
 // write appends the canonical form of the value at nodes[i] to out and
 // returns the index of the node after it.
 func (c *canonicalizer) write(i int32) int32 {
+	if len(c.out) >= flushSize {
+		c.flush()
+	}
 	n := c.nodes[i]
 	switch n.kind {
 	case '[':
@@ -644,10 +671,14 @@ func (c *canonicalizer) write(i int32) int32 {
 		c.out = append(c.out, '}')
 		return n.next
 	case '"':
-		if n.esc {
-			c.writeString(c.text[n.start:n.end])
-		} else {
-			c.out = append(c.out, c.text[n.start:n.end]...) // already canonical
+		switch s := c.text[n.start:n.end]; {
+		case n.esc:
+			c.writeString(s)
+		case len(s) >= flushSize:
+			c.flush()
+			c.h.Write(s) // already canonical
+		default:
+			c.out = append(c.out, s...)
 		}
 	case '0':
 		var buf [32]byte
@@ -665,6 +696,11 @@ func (c *canonicalizer) write(i int32) int32 {
 func (c *canonicalizer) writeString(s []byte) {
 	out := append(c.out, '"')
 	for i := 1; i < len(s)-1; {
+		if len(out) >= flushSize {
+			c.out = out
+			c.flush()
+			out = c.out
+		}
 		if s[i] != '\\' {
 			out = append(out, s[i])
 			i++

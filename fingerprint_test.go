@@ -8,9 +8,12 @@ import (
 	"math"
 	"math/big"
 	"runtime"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/gowebpki/jcs"
 
 	"github.com/pgidem/idem"
 )
@@ -361,8 +364,36 @@ func TestFingerprintJSONHostileInput(t *testing.T) {
 	}
 }
 
+// Large documents, written out in pieces, hash as one RFC 8785 text.
+func TestFingerprintJSONLargeDocuments(t *testing.T) {
+	t.Parallel()
+	var b strings.Builder
+	b.WriteString(`{"raw":"` + strings.Repeat("abc\u00e9", 3000) + `","escaped":"` + strings.Repeat(`\u00e9\n\"x`, 3000) + `","list":[`)
+	for i := range 5000 {
+		if i > 0 {
+			b.WriteString(",")
+		}
+		fmt.Fprintf(&b, `{"n":%d,"f":%d.5,"s":"v\u%04x"}`, i, i, 0x20+i%1000)
+	}
+	b.WriteString(`]}`)
+	text := []byte(b.String())
+	canonical, err := jcs.Transform(slices.Clone(text))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, err := idem.FingerprintJSON(text); err != nil || got != sha256.Sum256(canonical) {
+		t.Fatalf("%d bytes: %v, %v; want the SHA-256 of jcs's text", len(text), got, err)
+	}
+	inexact := append([]byte(`[0.10000000000000001,`), text...)
+	inexact = append(inexact, ']')
+	want := sha256.Sum256([]byte("idem exact JSON v1\x00[0.10000000000000001," + string(canonical) + "]"))
+	if got, err := idem.FingerprintJSON(inexact); err != nil || got != want {
+		t.Fatalf("%d bytes: %v, %v; want the exact form", len(inexact), got, err)
+	}
+}
+
 // Documents of 1 MiB shaped to hurt: each costs memory linear in its size
-// (bounded here at 32 bytes a byte of text, whatever the shape), and the
+// (bounded here at 16 bytes a byte of text, whatever the shape), and the
 // time to match. Not parallel, so that the allocation figure is its own.
 func TestFingerprintJSONHostileMemory(t *testing.T) {
 	const size = 1 << 20
@@ -396,6 +427,8 @@ func TestFingerprintJSONHostileMemory(t *testing.T) {
 		"escaped names":  members.String(),
 		"nesting":        strings.Repeat(`{"a":[`, 4999) + fill("[", `1e-400`, ",", "]") + strings.Repeat(`]}`, 4999),
 		"huge exponents": fill("[", "-1.5e-999999999999999999", ",", "]"),
+		"numbers grow":   fill("[", "1e20", ",", "]"),
+		"punctuation":    `"` + strings.Repeat(`:,[{`, size/4) + `"`,
 	} {
 		var before, after runtime.MemStats
 		runtime.ReadMemStats(&before)
@@ -404,7 +437,7 @@ func TestFingerprintJSONHostileMemory(t *testing.T) {
 		}
 		runtime.ReadMemStats(&after)
 		n := after.TotalAlloc - before.TotalAlloc
-		if n > 32*uint64(len(text)) {
+		if n > 16*uint64(len(text)) {
 			t.Errorf("%s: %d bytes allocated for %d bytes of text", name, n, len(text))
 		}
 		t.Logf("%s: %.1f bytes allocated a byte of text", name, float64(n)/float64(len(text)))
