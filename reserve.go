@@ -1,0 +1,480 @@
+package idem
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
+
+	store "github.com/pgidem/idem/internal/db"
+)
+
+// The reservation mode protects work that cannot join the database
+// transaction: a card gateway, an e-mail provider, another team's API.
+//
+//	r, err := client.Reserve(ctx, pool, scope, key, fp, 30*time.Second)
+//	// err != nil: do not execute. r.Replayed: answer r.Response.
+//	charge, err := gateway.Charge(ctx, key, ...) // pass the key on when the provider takes one
+//	// certainly not sent:  client.FailRetryable(ctx, pool, r, reason)
+//	// may have happened:   client.MarkUnknown(ctx, pool, r, reason)
+//	// done: in one transaction, the domain writes and client.Complete(ctx, tx, r, resp)
+//
+// One table and one state machine serve Do and the reservations:
+//
+//	(none)            --Reserve-->                      processing (lease, new token)
+//	processing        --Complete (same token)-->        succeeded
+//	processing        --FailRetryable (same token)-->   failed_retryable
+//	processing        --MarkUnknown (same token)-->     unknown
+//	processing        --Heartbeat (same token, live)--> processing (lease extended)
+//	processing, lease ran out --Reserve, ExpireLeases--> unknown
+//	failed_retryable  --Reserve (same fingerprint)-->   processing (new token)
+//	unknown, or processing whose lease ran out
+//	                  --Resolve-->                      succeeded | failed_retryable (new token)
+//	succeeded, rejected, failed_retryable past the TTL
+//	                  --Reserve, Do-->                  a new request
+//
+// Every other event leaves the record as it is: Reserve replays succeeded
+// and rejected records, answers ErrInProgress while a live lease holds the
+// key and ErrOutcomeUnknown for unknown ones; a reservation that is no
+// longer the owner gets ErrFenced. The database clock decides every lease.
+
+// Reservation is the right to execute a request's outside work, or the
+// stored outcome of an earlier execution (Replayed true, Token 0).
+type Reservation struct {
+	// Result holds the stored Response when Replayed is true.
+	Result
+	Scope Scope
+	Key   string
+	// Token is the fencing token of this execution, greater than zero: no
+	// other reservation of any key ever had it. Complete, FailRetryable,
+	// MarkUnknown and Heartbeat succeed only while the record still holds it.
+	Token int64
+	// LeaseExpiresAt is when the lease runs out, by the database clock.
+	// After it, Reserve and ExpireLeases turn the record unknown.
+	LeaseExpiresAt time.Time
+}
+
+// MaxReasonLength is the longest reason, in bytes, that FailRetryable,
+// MarkUnknown and Resolve store.
+const MaxReasonLength = 1024
+
+// leaseExpiredReason is the last_error of a record whose lease ran out.
+const leaseExpiredReason = "lease expired before the outcome was recorded"
+
+// maxLeaseRetryAfter caps the retry hint of a refusal while a lease is live.
+const maxLeaseRetryAfter = time.Minute
+
+// maxReserveAttempts bounds the rounds of insert and read when the row that
+// held a key keeps disappearing under Reserve (pruned, forgotten).
+const maxReserveAttempts = 4
+
+// Reserve reserves (scope, key) for outside work. In a short transaction of
+// its own, committed before it returns, it records the key as 'processing'
+// with a lease of the given length and a new fencing token. It returns
+// exactly one of:
+//
+//   - execute: a nil error and r.Token > 0: the key was free, past its TTL,
+//     or its record was 'failed_retryable' with the same fingerprint. Do the
+//     work, then record its outcome with Complete, FailRetryable or
+//     MarkUnknown (and Heartbeat while it takes long).
+//   - replay: a nil error and r.Replayed: an earlier execution succeeded (or
+//     Do stored an outcome); r.Response is what it stored, r.Token is 0.
+//   - ErrKeyReused: the record holds a different fingerprint.
+//   - ErrInProgress (an *InProgressError): a live lease holds the key;
+//     RetryAfter is the lease's remaining time, between one second and a
+//     minute. The same comes back when a transaction of Do holds the key and
+//     does not finish within Config.Wait.
+//   - ErrOutcomeUnknown: the record is 'unknown', or its lease ran out
+//     before an outcome was recorded. Reserve then turns it unknown in the
+//     same transaction. It never runs again by itself: reconcile it with
+//     Resolve.
+//
+// On any other error (the store failed) do not execute. If the connection
+// broke while the reservation committed, the record may hold the key without
+// an owner: it turns unknown when its lease runs out.
+//
+// Reserve needs a pool or a connection (it commits); a pgx.Tx, lease < 1µs,
+// an invalid scope or key are refused before anything runs.
+func Reserve(ctx context.Context, db Beginner, scope Scope, key string, fp Fingerprint, lease time.Duration) (Reservation, error) {
+	return defaultClient.Reserve(ctx, db, scope, key, fp, lease)
+}
+
+// Reserve is the package-level Reserve with this client's configuration.
+func (c *Client) Reserve(ctx context.Context, db Beginner, scope Scope, key string, fp Fingerprint, lease time.Duration) (r Reservation, err error) {
+	defer func() { c.observe(ctx, "reserve", scope, outcomeOf(err, reserveOutcome(r)), 1) }()
+	if err := c.checkTarget(scope, key); err != nil {
+		return Reservation{}, err
+	}
+	if err := checkOwnTx(db); err != nil {
+		return Reservation{}, err
+	}
+	if lease < time.Microsecond {
+		return Reservation{}, fmt.Errorf("%w: lease %s must be at least 1µs", ErrInvalidArgument, lease)
+	}
+	var refusal error // an outcome decided in a transaction that commits
+	err = c.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) error {
+		var err error
+		r, refusal, err = c.reserve(ctx, tx, scope, key, fp, lease)
+		return err
+	})
+	switch {
+	case err != nil && pgCode(err) == pgerrcode.LockNotAvailable:
+		// Another transaction holds the key (a Do in flight, a Complete
+		// not yet committed) and did not finish within Config.Wait.
+		return Reservation{}, &InProgressError{RetryAfter: max(time.Second, c.cfg.Wait.Round(time.Second))}
+	case err != nil:
+		return Reservation{}, fmt.Errorf("idem: reserve: %w", err)
+	case refusal != nil:
+		return Reservation{}, refusal
+	}
+	return r, nil
+}
+
+// reserve is Reserve in its transaction. refusal is an outcome that is not
+// an execution or a replay; err is a failure that rolls back.
+func (c *Client) reserve(ctx context.Context, tx pgx.Tx, scope Scope, key string, fp Fingerprint, lease time.Duration) (
+	r Reservation, refusal error, err error) {
+	// Equivalent to SET LOCAL lock_timeout, which takes no parameter. The
+	// transaction is Reserve's own: the setting ends with it.
+	wait := fmt.Sprintf("%dms", max(c.cfg.Wait, time.Millisecond).Milliseconds())
+	if _, err := tx.Exec(ctx, "SELECT set_config('lock_timeout', $1, true)", wait); err != nil {
+		return r, nil, err
+	}
+	r = Reservation{Scope: scope, Key: key}
+	leaseMicros, ttlMicros := lease.Microseconds(), c.cfg.TTL.Microseconds()
+	for range maxReserveAttempts {
+		ins, err := queries.ReserveInsert(ctx, tx, store.ReserveInsertParams{
+			Actor: scope.Actor, Operation: scope.Operation, IdemKey: key, Fingerprint: fp[:],
+			LeaseMicros: leaseMicros, TtlMicros: ttlMicros,
+		})
+		if err == nil {
+			r.Token, r.LeaseExpiresAt = ins.Token, ins.LeaseExpiresAt.Time
+			return r, nil, nil
+		}
+		if !errors.Is(err, pgx.ErrNoRows) {
+			return r, nil, err
+		}
+
+		// A committed row holds the key: lock it, then decide.
+		row, err := queries.ReserveLock(ctx, planned{tx}, store.ReserveLockParams{
+			Actor: scope.Actor, Operation: scope.Operation, IdemKey: key,
+		})
+		if errors.Is(err, pgx.ErrNoRows) {
+			continue // gone since the insert (pruned): insert again
+		}
+		if err != nil {
+			return r, nil, err
+		}
+		k := row.IdemKey
+		if len(k.Fingerprint) != len(fp) {
+			return r, nil, fmt.Errorf("stored fingerprint has %d bytes", len(k.Fingerprint))
+		}
+		status := Status(k.Status)
+		switch {
+		case row.Expired && status.finished():
+			// Past its TTL: a new request, whatever it asks.
+		case [32]byte(k.Fingerprint) != fp:
+			return r, ErrKeyReused, nil
+		case status == StatusSucceeded || status == StatusRejected:
+			resp, err := storedResponse(k)
+			if err != nil {
+				return r, nil, err
+			}
+			r.Response, r.Replayed = resp, true
+			return r, nil, nil
+		case status == StatusFailedRetryable:
+			// Certainly not executed: a new attempt.
+		case status == StatusProcessing && row.LeaseLive:
+			remaining := time.Duration(row.LeaseRemainingMicros) * time.Microsecond
+			return r, &InProgressError{RetryAfter: min(max(remaining, time.Second), maxLeaseRetryAfter)}, nil
+		case status == StatusProcessing && k.LeaseExpiresAt.Valid:
+			// The owner may have executed and vanished: never run again
+			// blindly.
+			n, err := queries.ReserveMarkUnknown(ctx, planned{tx}, store.ReserveMarkUnknownParams{
+				Reason: leaseExpiredReason, Actor: scope.Actor, Operation: scope.Operation, IdemKey: key, Token: k.Token,
+			})
+			if err == nil && n != 1 {
+				err = fmt.Errorf("locked row not updated (%d rows)", n)
+			}
+			if err != nil {
+				return r, nil, err
+			}
+			return r, fmt.Errorf("%w (its reservation's lease ran out)", ErrOutcomeUnknown), nil
+		case status == StatusUnknown:
+			return r, ErrOutcomeUnknown, nil
+		default:
+			// 'processing' without a lease is a claim of Do, which never
+			// commits one; or a status this version does not know.
+			return r, nil, fmt.Errorf("record in state %q without a lease", k.Status)
+		}
+		acq, err := queries.ReserveAcquire(ctx, planned{tx}, store.ReserveAcquireParams{
+			Fingerprint: fp[:], TtlMicros: ttlMicros, LeaseMicros: leaseMicros,
+			Actor: scope.Actor, Operation: scope.Operation, IdemKey: key, Token: k.Token,
+		})
+		if err != nil {
+			return r, nil, err
+		}
+		r.Token, r.LeaseExpiresAt = acq.Token, acq.LeaseExpiresAt.Time
+		return r, nil, nil
+	}
+	return r, &InProgressError{RetryAfter: time.Second}, nil
+}
+
+// Complete records the outcome of the reservation's work as 'succeeded'
+// with resp, in the caller's transaction tx, beside the domain writes that
+// record the outside result: they commit or roll back together. Later calls
+// of Reserve (and Do) replay resp.
+//
+// It succeeds while the record is this reservation's 'processing', also
+// after the lease ran out as long as nobody turned the record unknown or
+// took it over. Otherwise it returns ErrFenced and changes nothing: the
+// record's outcome is no longer this reservation's to decide, and the
+// caller must roll back tx (an operator reconciles the record with
+// Resolve). A Response that cannot be stored returns ErrInvalidResponse or
+// ErrResponseTooLarge; a zero or replayed Reservation, or a nil tx,
+// ErrInvalidArgument. After a database error tx is aborted.
+func Complete(ctx context.Context, tx pgx.Tx, r Reservation, resp Response) error {
+	return defaultClient.Complete(ctx, tx, r, resp)
+}
+
+// Complete is the package-level Complete with this client's configuration.
+func (c *Client) Complete(ctx context.Context, tx pgx.Tx, r Reservation, resp Response) (err error) {
+	defer func() { c.observe(ctx, "complete", r.Scope, outcomeOf(err, "completed"), 1) }()
+	if err := c.checkReservation(r); err != nil {
+		return err
+	}
+	if isNil(tx) {
+		return fmt.Errorf("%w: nil transaction", ErrInvalidArgument)
+	}
+	headers, err := c.encodeResponse(resp)
+	if err != nil {
+		return err
+	}
+	body := resp.Body
+	if body == nil {
+		body = []byte{}
+	}
+	n, err := queries.ReserveComplete(ctx, planned{tx}, store.ReserveCompleteParams{
+		ResponseStatus: int32(resp.Status), ResponseHeaders: headerText(headers), ResponseBody: body,
+		Actor: r.Scope.Actor, Operation: r.Scope.Operation, IdemKey: r.Key, Token: r.Token,
+	})
+	if err != nil {
+		return fmt.Errorf("idem: complete: %w", err)
+	}
+	if n != 1 {
+		return ErrFenced
+	}
+	return nil
+}
+
+// FailRetryable records that the reservation's work certainly did not
+// happen (the request never left the process, or the provider refused it
+// before acting): the record becomes 'failed_retryable' with reason, and the
+// next Reserve with the same fingerprint executes again. It runs in a
+// transaction of its own begun on db (a savepoint on a pgx.Tx).
+//
+// ErrFenced when the record is no longer this reservation's 'processing'
+// (its lease ran out and it turned unknown, an operator resolved it);
+// nothing changes. Use MarkUnknown whenever the work may have happened.
+func FailRetryable(ctx context.Context, db Beginner, r Reservation, reason string) error {
+	return defaultClient.FailRetryable(ctx, db, r, reason)
+}
+
+// FailRetryable is the package-level FailRetryable with this client's
+// configuration.
+func (c *Client) FailRetryable(ctx context.Context, db Beginner, r Reservation, reason string) (err error) {
+	defer func() { c.observe(ctx, "fail_retryable", r.Scope, outcomeOf(err, "failed_retry"), 1) }()
+	if err := c.checkOwnerCall(db, r, reason); err != nil {
+		return err
+	}
+	return c.fence(ctx, db, "fail retryable", func(ctx context.Context, tx pgx.Tx) (int64, error) {
+		return queries.ReserveFailRetryable(ctx, planned{tx}, store.ReserveFailRetryableParams{
+			Reason: reason, Actor: r.Scope.Actor, Operation: r.Scope.Operation, IdemKey: r.Key, Token: r.Token,
+		})
+	})
+}
+
+// MarkUnknown records that the reservation's work may have happened (a
+// timeout, a connection reset after the request was sent): the record
+// becomes 'unknown' with reason. Nothing runs again for the key until an
+// operator reconciles it with Resolve; Reserve and Do answer
+// ErrOutcomeUnknown. It runs in a transaction of its own begun on db (a
+// savepoint on a pgx.Tx).
+//
+// A record this reservation already left unknown (an earlier MarkUnknown, or
+// its lease ran out first) stays unknown and takes the new reason. ErrFenced
+// when the record has moved on otherwise; nothing changes.
+func MarkUnknown(ctx context.Context, db Beginner, r Reservation, reason string) error {
+	return defaultClient.MarkUnknown(ctx, db, r, reason)
+}
+
+// MarkUnknown is the package-level MarkUnknown with this client's
+// configuration.
+func (c *Client) MarkUnknown(ctx context.Context, db Beginner, r Reservation, reason string) (err error) {
+	defer func() { c.observe(ctx, "mark_unknown", r.Scope, outcomeOf(err, "unknown"), 1) }()
+	if err := c.checkOwnerCall(db, r, reason); err != nil {
+		return err
+	}
+	return c.fence(ctx, db, "mark unknown", func(ctx context.Context, tx pgx.Tx) (int64, error) {
+		return queries.ReserveMarkUnknown(ctx, planned{tx}, store.ReserveMarkUnknownParams{
+			Reason: reason, Actor: r.Scope.Actor, Operation: r.Scope.Operation, IdemKey: r.Key, Token: r.Token,
+		})
+	})
+}
+
+// Heartbeat extends the reservation's live lease to at least extend from now
+// (the database clock; a lease is never shortened) and returns the
+// reservation with its new LeaseExpiresAt. Call it while long work runs, well
+// before the lease runs out.
+//
+// ErrFenced once the lease has run out (even if nobody has turned the record
+// unknown yet), or when the record is no longer this reservation's
+// 'processing'; nothing changes. extend < 1µs is ErrInvalidArgument.
+func Heartbeat(ctx context.Context, db Beginner, r Reservation, extend time.Duration) (Reservation, error) {
+	return defaultClient.Heartbeat(ctx, db, r, extend)
+}
+
+// Heartbeat is the package-level Heartbeat with this client's configuration.
+func (c *Client) Heartbeat(ctx context.Context, db Beginner, r Reservation, extend time.Duration) (_ Reservation, err error) {
+	defer func() { c.observe(ctx, "heartbeat", r.Scope, outcomeOf(err, "extended"), 1) }()
+	if err := c.checkOwnerCall(db, r, ""); err != nil {
+		return Reservation{}, err
+	}
+	if extend < time.Microsecond {
+		return Reservation{}, fmt.Errorf("%w: extend %s must be at least 1µs", ErrInvalidArgument, extend)
+	}
+	var lease pgtype.Timestamptz
+	err = c.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) error {
+		var err error
+		lease, err = queries.ReserveHeartbeat(ctx, planned{tx}, store.ReserveHeartbeatParams{
+			ExtendMicros: extend.Microseconds(),
+			Actor:        r.Scope.Actor, Operation: r.Scope.Operation, IdemKey: r.Key, Token: r.Token,
+		})
+		return err
+	})
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+		return Reservation{}, ErrFenced
+	case err != nil:
+		return Reservation{}, fmt.Errorf("idem: heartbeat: %w", err)
+	}
+	r.LeaseExpiresAt = lease.Time
+	return r, nil
+}
+
+// fence runs update, a statement of the owner of a reservation, in a
+// transaction begun on db, and returns ErrFenced when it changed no row.
+func (c *Client) fence(ctx context.Context, db Beginner, what string,
+	update func(ctx context.Context, tx pgx.Tx) (int64, error)) error {
+	var n int64
+	err := c.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) error {
+		var err error
+		n, err = update(ctx, tx)
+		return err
+	})
+	switch {
+	case err != nil:
+		return fmt.Errorf("idem: %s: %w", what, err)
+	case n != 1:
+		return ErrFenced
+	}
+	return nil
+}
+
+// checkTarget validates the scope and key of a call.
+func (c *Client) checkTarget(scope Scope, key string) error {
+	if err := c.ValidateKey(key); err != nil {
+		return err
+	}
+	return ValidateScope(scope)
+}
+
+// checkOwnTx refuses database handles that Reserve cannot commit on.
+func checkOwnTx(db Beginner) error {
+	if isNil(db) {
+		return fmt.Errorf("%w: nil database handle", ErrInvalidArgument)
+	}
+	if _, ok := db.(pgx.Tx); ok {
+		return fmt.Errorf("%w: Reserve commits a transaction of its own before the work starts; "+
+			"pass a pool or a connection, not a pgx.Tx", ErrInvalidArgument)
+	}
+	return nil
+}
+
+// checkReservation validates a Reservation given back to the library.
+func (c *Client) checkReservation(r Reservation) error {
+	if r.Token <= 0 {
+		return fmt.Errorf("%w: the Reservation holds no token (a zero value, or a replay)", ErrInvalidArgument)
+	}
+	return c.checkTarget(r.Scope, r.Key)
+}
+
+// checkOwnerCall validates the arguments of FailRetryable, MarkUnknown and
+// Heartbeat.
+func (c *Client) checkOwnerCall(db Beginner, r Reservation, reason string) error {
+	if err := c.checkReservation(r); err != nil {
+		return err
+	}
+	if isNil(db) {
+		return fmt.Errorf("%w: nil database handle", ErrInvalidArgument)
+	}
+	return checkReason(reason)
+}
+
+// checkReason validates a reason to store.
+func checkReason(reason string) error {
+	if len(reason) > MaxReasonLength {
+		return fmt.Errorf("%w: reason is %d bytes, limit %d", ErrInvalidArgument, len(reason), MaxReasonLength)
+	}
+	if err := checkHeaderText(reason); err != nil {
+		return fmt.Errorf("%w: reason %v", ErrInvalidArgument, err)
+	}
+	return nil
+}
+
+// headerText turns encodeResponse's headers into a statement argument.
+func headerText(headers any) pgtype.Text {
+	s, ok := headers.(string)
+	return pgtype.Text{String: s, Valid: ok}
+}
+
+// reserveOutcome names a successful Reserve's outcome.
+func reserveOutcome(r Reservation) string {
+	if r.Replayed {
+		return "replay"
+	}
+	return "created"
+}
+
+// outcomeOf names the outcome of a call of the reservation mode: ok when
+// err is nil, otherwise what err says.
+func outcomeOf(err error, ok string) string {
+	var inProgress *InProgressError
+	switch {
+	case err == nil:
+		return ok
+	case errors.As(err, &inProgress):
+		return "in_progress"
+	case errors.Is(err, ErrKeyReused):
+		return "key_misuse"
+	case errors.Is(err, ErrOutcomeUnknown):
+		return "unknown"
+	case errors.Is(err, ErrFenced):
+		return "fenced"
+	case errors.Is(err, ErrNotFound), errors.Is(err, ErrNotResolvable):
+		return "refused"
+	case errors.Is(err, ErrInvalidArgument), errors.Is(err, ErrInvalidKey), errors.Is(err, ErrInvalidScope),
+		errors.Is(err, ErrInvalidResponse), errors.Is(err, ErrResponseTooLarge):
+		return "invalid"
+	}
+	return "store_error"
+}
+
+// observe is the one place the outcome of every call of the reservation
+// mode passes through (n is how many records it concerned): the hook for
+// metrics and logs. It does nothing yet.
+func (c *Client) observe(ctx context.Context, call string, scope Scope, outcome string, n int64) {}
