@@ -2,10 +2,14 @@ package idem_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"reflect"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -14,6 +18,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/pgtest"
 )
 
 var payScope = idem.Scope{Actor: "alice", Operation: "payment.create"}
@@ -350,5 +355,476 @@ func TestStateTable(t *testing.T) {
 				}
 			})
 		}
+	}
+}
+
+// gateway is a card gateway over real HTTP. Like providers that take an
+// idempotency key, it charges once per key and answers a repeated key with
+// the charge it made. It counts the requests and charges of every key.
+type gateway struct {
+	srv      *httptest.Server
+	mu       sync.Mutex
+	charges  map[string]string // idempotency key -> charge id
+	requests map[string]int
+}
+
+// headerGatewayFault asks the gateway to fail a request: "abort-after-charge"
+// charges, then drops the connection without answering.
+const headerGatewayFault = "X-Gateway-Fault"
+
+func newGateway(t *testing.T) *gateway {
+	g := &gateway{charges: map[string]string{}, requests: map[string]int{}}
+	g.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		key := r.Header.Get("Idempotency-Key")
+		g.mu.Lock()
+		g.requests[key]++
+		id, ok := g.charges[key]
+		if !ok {
+			id = fmt.Sprintf("ch_%d", len(g.charges)+1)
+			g.charges[key] = id
+		}
+		g.mu.Unlock()
+		if r.Header.Get(headerGatewayFault) == "abort-after-charge" {
+			panic(http.ErrAbortHandler) // the charge stands; the answer is lost
+		}
+		w.Header().Set("Content-Type", "application/json")
+		fmt.Fprintf(w, `{"id":%q}`, id)
+	}))
+	t.Cleanup(g.srv.Close)
+	return g
+}
+
+// charge asks the gateway to charge under key and returns the charge id.
+func (g *gateway) charge(ctx context.Context, key, fault string) (string, error) {
+	req, err := http.NewRequestWithContext(ctx, "POST", g.srv.URL+"/charges", strings.NewReader(`{"amount":12000}`))
+	if err != nil {
+		return "", err
+	}
+	req.Header.Set("Idempotency-Key", key)
+	if fault != "" {
+		req.Header.Set(headerGatewayFault, fault)
+	}
+	resp, err := g.srv.Client().Do(req)
+	if err != nil {
+		return "", err
+	}
+	defer resp.Body.Close()
+	var out struct{ ID string }
+	if err := json.NewDecoder(resp.Body).Decode(&out); err != nil {
+		return "", err
+	}
+	return out.ID, nil
+}
+
+// lookup returns the charge made under key, as an operator would find it.
+func (g *gateway) lookup(key string) (id string, requests int) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.charges[key], g.requests[key]
+}
+
+// withPayments adds the payments table the workers record charges in.
+func withPayments(t *testing.T, pool *pgxpool.Pool) {
+	t.Helper()
+	if _, err := pool.Exec(context.Background(),
+		`CREATE TABLE payments (id bigserial PRIMARY KEY, idem_key text NOT NULL, charge text NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// record writes the payment and completes the reservation in one
+// transaction: both commit, or neither.
+func record(ctx context.Context, c *idem.Client, pool *pgxpool.Pool, r idem.Reservation, charge string) error {
+	return c.InTx(ctx, pool, func(ctx context.Context, tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `INSERT INTO payments (idem_key, charge) VALUES ($1, $2)`, r.Key, charge); err != nil {
+			return err
+		}
+		return c.Complete(ctx, tx, r, idem.Response{Status: 201, Body: []byte(charge)})
+	})
+}
+
+// A worker pauses past its lease before it reaches the gateway. The key
+// turns unknown, an operator finds no charge and allows a retry, a new owner
+// charges and completes; then the stale worker wakes up, reaches the gateway
+// (which answers the same charge for the same key) and its Complete is
+// fenced: one charge, one payment row, the new owner's outcome stored.
+func TestStaleWorkerIsFenced(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	withPayments(t, pool)
+	gw := newGateway(t)
+	c := mustClient(t, idem.Config{})
+	const key = "pay-stale"
+
+	stale, err := c.Reserve(ctx, pool, payScope, key, fpA, 50*time.Millisecond)
+	if err != nil || stale.Token <= 0 {
+		t.Fatalf("Reserve: %+v, %v", stale, err)
+	}
+	waitPast(t, pool, payScope, key, "lease_expires_at") // the pause
+
+	// The client retries: the lease ran out, so the key is unknown.
+	if _, err := c.Reserve(ctx, pool, payScope, key, fpA, time.Minute); !errors.Is(err, idem.ErrOutcomeUnknown) {
+		t.Fatalf("retry after the lease: %v, want ErrOutcomeUnknown", err)
+	}
+	// The operator finds no charge at the gateway and allows a retry.
+	if id, _ := gw.lookup(key); id != "" {
+		t.Fatalf("charge %s before anyone called the gateway", id)
+	}
+	if err := c.Resolve(ctx, pool, payScope, key, idem.Resolution{Retryable: true, Reason: "no charge at the gateway"}); err != nil {
+		t.Fatal(err)
+	}
+
+	owner, err := c.Reserve(ctx, pool, payScope, key, fpA, time.Minute)
+	if err != nil || owner.Replayed || owner.Token <= stale.Token {
+		t.Fatalf("new owner: %+v, %v (stale token %d)", owner, err, stale.Token)
+	}
+	charge, err := gw.charge(ctx, key, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := record(ctx, c, pool, owner, charge); err != nil {
+		t.Fatal(err)
+	}
+
+	// The stale worker wakes up.
+	staleCharge, err := gw.charge(ctx, key, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := record(ctx, c, pool, stale, staleCharge); !errors.Is(err, idem.ErrFenced) {
+		t.Fatalf("stale Complete: %v, want ErrFenced", err)
+	}
+	for name, err := range map[string]error{
+		"FailRetryable": c.FailRetryable(ctx, pool, stale, "late"),
+		"MarkUnknown":   c.MarkUnknown(ctx, pool, stale, "late"),
+		"Heartbeat":     func() error { _, err := c.Heartbeat(ctx, pool, stale, time.Minute); return err }(),
+	} {
+		if !errors.Is(err, idem.ErrFenced) {
+			t.Fatalf("stale %s: %v, want ErrFenced", name, err)
+		}
+	}
+
+	if id, requests := gw.lookup(key); id != charge || requests != 2 || len(gw.charges) != 1 {
+		t.Fatalf("gateway: charge %s (want %s), %d requests, %d charges", id, charge, requests, len(gw.charges))
+	}
+	if n := count(t, pool, `SELECT count(*) FROM payments`); n != 1 {
+		t.Fatalf("%d payment rows, want 1", n)
+	}
+	row := readRow(t, pool, payScope, key)
+	if row.Status != "succeeded" || row.Token != owner.Token || string(row.RespBody) != charge {
+		t.Fatalf("record %+v", row)
+	}
+	again, err := c.Reserve(ctx, pool, payScope, key, fpA, time.Minute)
+	if err != nil || !again.Replayed || string(again.Body) != charge {
+		t.Fatalf("replay: %+v, %v", again, err)
+	}
+}
+
+// The gateway charges, then the worker dies before Complete. Retries get
+// ErrInProgress while the lease lives and ErrOutcomeUnknown after it (the
+// record turned unknown by ExpireLeases, or by the retry itself); the
+// gateway is never called again. The operator finds the charge and resolves
+// the record, and the retry replays it.
+func TestCrashAfterChargeEndsUnknownThenResolved(t *testing.T) {
+	t.Parallel()
+	for _, via := range []string{"ExpireLeases", "Reserve"} {
+		t.Run(via, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			pool := newPool(t)
+			withPayments(t, pool)
+			gw := newGateway(t)
+			c := mustClient(t, idem.Config{})
+			const key = "pay-crash"
+			retry := func() (idem.Reservation, error) {
+				return c.Reserve(ctx, pool, payScope, key, fpA, time.Minute)
+			}
+
+			// The worker runs on a pool of its own, which dies with it.
+			workerPool, err := pgxpool.New(ctx, pool.Config().ConnString())
+			if err != nil {
+				t.Fatal(err)
+			}
+			r, err := c.Reserve(ctx, workerPool, payScope, key, fpA, 300*time.Millisecond)
+			if err != nil {
+				t.Fatal(err)
+			}
+			charge, err := gw.charge(ctx, key, "")
+			if err != nil {
+				t.Fatal(err)
+			}
+			workerPool.Close() // the crash: no Complete
+
+			// The lease still runs: the retry waits its turn.
+			if _, err := retry(); !errors.Is(err, idem.ErrInProgress) {
+				t.Fatalf("retry during the lease: %v, want ErrInProgress", err)
+			}
+			waitPast(t, pool, payScope, key, "lease_expires_at")
+			if via == "ExpireLeases" {
+				if n, err := c.ExpireLeases(ctx, pool, 100); err != nil || n != 1 {
+					t.Fatalf("ExpireLeases = %d, %v; want 1", n, err)
+				}
+			}
+			for range 3 {
+				if _, err := retry(); !errors.Is(err, idem.ErrOutcomeUnknown) {
+					t.Fatalf("retry after the lease: %v, want ErrOutcomeUnknown", err)
+				}
+			}
+			if _, requests := gw.lookup(key); requests != 1 {
+				t.Fatalf("the gateway got %d requests, want 1", requests)
+			}
+
+			// Reconciliation: the operator lists the unknown records and
+			// looks each one up at the gateway.
+			unknown, err := c.ListUnknown(ctx, pool, 10, nil)
+			if err != nil || len(unknown) != 1 || unknown[0].Key != key || unknown[0].Token != r.Token ||
+				unknown[0].Status != idem.StatusUnknown || unknown[0].Response != nil || unknown[0].LastError == "" {
+				t.Fatalf("ListUnknown = %+v, %v", unknown, err)
+			}
+			found, _ := gw.lookup(key)
+			if found != charge {
+				t.Fatalf("gateway lookup %q, want %q", found, charge)
+			}
+			err = c.InTx(ctx, pool, func(ctx context.Context, tx pgx.Tx) error {
+				if _, err := tx.Exec(ctx, `INSERT INTO payments (idem_key, charge) VALUES ($1, $2)`, key, found); err != nil {
+					return err
+				}
+				return c.Resolve(ctx, tx, payScope, key, idem.Resolution{
+					Succeeded: &idem.Response{Status: 201, Body: []byte(found)}, Reason: "charge found at the gateway",
+				})
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			res, err := retry()
+			if err != nil || !res.Replayed || res.Status != 201 || string(res.Body) != charge {
+				t.Fatalf("retry after Resolve: %+v, %v", res, err)
+			}
+			if _, requests := gw.lookup(key); requests != 1 || count(t, pool, `SELECT count(*) FROM payments`) != 1 {
+				t.Fatalf("gateway requests %d, want 1; payments %d, want 1", requests, count(t, pool, `SELECT count(*) FROM payments`))
+			}
+			if unknown, _ := c.ListUnknown(ctx, pool, 10, nil); len(unknown) != 0 {
+				t.Fatalf("still unknown: %+v", unknown)
+			}
+		})
+	}
+}
+
+// The gateway charges and the connection drops before its answer: the
+// worker cannot tell and marks the key unknown. Nothing runs again.
+func TestLostGatewayAnswerIsUnknown(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	gw := newGateway(t)
+	c := mustClient(t, idem.Config{})
+	const key = "pay-lost"
+
+	r, err := c.Reserve(ctx, pool, payScope, key, fpA, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := gw.charge(ctx, key, "abort-after-charge"); err == nil {
+		t.Fatal("the gateway answered")
+	}
+	if err := c.MarkUnknown(ctx, pool, r, "gateway connection dropped after the request was sent"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Reserve(ctx, pool, payScope, key, fpA, time.Minute); !errors.Is(err, idem.ErrOutcomeUnknown) {
+		t.Fatalf("retry: %v, want ErrOutcomeUnknown", err)
+	}
+	if id, requests := gw.lookup(key); id == "" || requests != 1 {
+		t.Fatalf("gateway: %q, %d requests", id, requests)
+	}
+	row := readRow(t, pool, payScope, key)
+	if row.Status != "unknown" || row.LastError == nil || !strings.Contains(*row.LastError, "dropped") {
+		t.Fatalf("record %+v", row)
+	}
+}
+
+// 64 concurrent Reserve calls for one key, spread over separate pools (no
+// coalescing in the process): exactly one owner, the others ErrInProgress.
+func TestConcurrentReserveOneOwner(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := pgtest.URL(t, idem.Migrate)
+	const pools, calls = 8, 64
+	var ps []*pgxpool.Pool
+	for range pools {
+		cfg, err := pgxpool.ParseConfig(url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg.MaxConns = 4 // 32 connections in all: the server is shared
+		p, err := pgxpool.NewWithConfig(ctx, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer p.Close()
+		ps = append(ps, p)
+	}
+	c := mustClient(t, idem.Config{})
+	var owners, inProgress atomic.Int64
+	errs := make(chan error, calls)
+	start := make(chan struct{})
+	var wg sync.WaitGroup
+	for i := range calls {
+		wg.Go(func() {
+			<-start
+			r, err := c.Reserve(ctx, ps[i%pools], payScope, "pay-storm", fpA, time.Minute)
+			switch {
+			case err == nil && r.Token > 0 && !r.Replayed:
+				owners.Add(1)
+			case errors.Is(err, idem.ErrInProgress):
+				inProgress.Add(1)
+			default:
+				errs <- fmt.Errorf("Reserve: %+v, %v", r, err)
+			}
+		})
+	}
+	close(start)
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	if owners.Load() != 1 || inProgress.Load() != calls-1 {
+		t.Fatalf("%d owners, %d in progress; want 1 and %d", owners.Load(), inProgress.Load(), calls-1)
+	}
+}
+
+// A transaction of Do holds the key (uncommitted): Reserve waits at most
+// Config.Wait, answers ErrInProgress and changes nothing; once Do commits,
+// Reserve replays Do's outcome.
+func TestReserveWaitsForDoInFlight(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	c := mustClient(t, idem.Config{Wait: 100 * time.Millisecond})
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if _, err := c.Do(ctx, tx, payScope, "pay-do", fpA, func(context.Context, pgx.Tx) (idem.Response, error) {
+		return charged, nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	var inProgress *idem.InProgressError
+	if _, err := c.Reserve(ctx, pool, payScope, "pay-do", fpA, time.Minute); !errors.As(err, &inProgress) || inProgress.RetryAfter < time.Second {
+		t.Fatalf("Reserve during Do: %v, want *InProgressError", err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r, err := c.Reserve(ctx, pool, payScope, "pay-do", fpA, time.Minute)
+	if err != nil || !r.Replayed || !reflect.DeepEqual(r.Response, charged) || r.Token != 0 {
+		t.Fatalf("Reserve after Do: %+v, %v", r, err)
+	}
+	if keyRows(t, pool) != 1 {
+		t.Fatal("more than one row")
+	}
+}
+
+// Complete replays exactly what it stored, and its Response is checked as
+// Do checks fn's.
+func TestCompleteStoresExactly(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	c := mustClient(t, idem.Config{MaxResponseBytes: 64})
+	r, err := c.Reserve(ctx, pool, payScope, "pay-exact", fpA, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := readRow(t, pool, payScope, "pay-exact")
+	for _, bad := range []struct {
+		resp idem.Response
+		want error
+	}{
+		{idem.Response{Status: 42}, idem.ErrInvalidResponse},
+		{idem.Response{Status: 200, Header: map[string][]string{"X": {"\xff"}}}, idem.ErrInvalidResponse},
+		{idem.Response{Status: 200, Body: make([]byte, 65)}, idem.ErrResponseTooLarge},
+	} {
+		if err := completeTx(ctx, c, pool, r, bad.resp); !errors.Is(err, bad.want) {
+			t.Fatalf("Complete(%v): %v, want %v", bad.resp.Status, err, bad.want)
+		}
+	}
+	if got := readRow(t, pool, payScope, "pay-exact"); !reflect.DeepEqual(got, before) {
+		t.Fatalf("a refused Complete changed the row: %+v", got)
+	}
+	want := idem.Response{Status: 201, Header: map[string][]string{"Location": {"/p/1"}, "X-Multi": {"a", ""}}, Body: []byte("\x00\xff")}
+	if err := completeTx(ctx, c, pool, r, want); err != nil {
+		t.Fatal(err)
+	}
+	got, err := c.Reserve(ctx, pool, payScope, "pay-exact", fpA, time.Minute)
+	if err != nil || !got.Replayed || !reflect.DeepEqual(got.Response, want) {
+		t.Fatalf("replay %+v, %v; want %+v", got.Response, err, want)
+	}
+	// Do replays it too.
+	res, err := c.DoInTx(ctx, pool, payScope, "pay-exact", fpA, func(context.Context, pgx.Tx) (idem.Response, error) {
+		t.Fatal("fn ran")
+		return idem.Response{}, nil
+	})
+	if err != nil || !res.Replayed || !reflect.DeepEqual(res.Response, want) {
+		t.Fatalf("Do replay %+v, %v", res, err)
+	}
+}
+
+// A Heartbeat extends a live lease and never shortens it.
+func TestHeartbeatExtends(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	r, err := idem.Reserve(ctx, pool, payScope, "pay-long", fpA, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	longer, err := idem.Heartbeat(ctx, pool, r, time.Hour)
+	if err != nil || !longer.LeaseExpiresAt.After(r.LeaseExpiresAt) || longer.Token != r.Token {
+		t.Fatalf("Heartbeat: %+v, %v", longer, err)
+	}
+	same, err := idem.Heartbeat(ctx, pool, longer, time.Second)
+	if err != nil || !same.LeaseExpiresAt.Equal(longer.LeaseExpiresAt) {
+		t.Fatalf("a short Heartbeat moved the lease: %s -> %s, %v", longer.LeaseExpiresAt, same.LeaseExpiresAt, err)
+	}
+	if row := readRow(t, pool, payScope, "pay-long"); row.Lease == nil || !row.Lease.Equal(longer.LeaseExpiresAt) {
+		t.Fatalf("stored lease %v, want %s", row.Lease, longer.LeaseExpiresAt)
+	}
+}
+
+// Reserve commits before the work starts, so it needs a pool or a
+// connection of its own.
+func TestReserveHandles(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	conn, err := pgx.Connect(ctx, pool.Config().ConnString())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	r, err := idem.Reserve(ctx, conn, payScope, "pay-conn", fpA, time.Minute)
+	if err != nil || r.Token <= 0 {
+		t.Fatalf("Reserve on a *pgx.Conn: %+v, %v", r, err)
+	}
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if _, err := idem.Reserve(ctx, tx, payScope, "pay-tx", fpA, time.Minute); !errors.Is(err, idem.ErrInvalidArgument) {
+		t.Fatalf("Reserve on a pgx.Tx: %v, want ErrInvalidArgument", err)
+	}
+	if _, err := idem.Reserve(ctx, conn, payScope, "pay-tx", fpA, time.Minute); !errors.Is(err, idem.ErrInvalidArgument) {
+		t.Fatalf("Reserve on a connection in a transaction: %v, want ErrInvalidArgument", err)
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if keyRows(t, pool) != 1 {
+		t.Fatal("a refused Reserve wrote a row")
 	}
 }
