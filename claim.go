@@ -8,210 +8,244 @@ import (
 
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/pgidem/idem/internal/db"
 )
 
-// The claim protocol, all in the caller's transaction:
+// The statements of the protocol that Do (idem.go) and DoInTx (tx.go) send,
+// and what the row that holds a key means for a call.
 //
-//  1. One round trip: KeyClaim claims the key (waiting at most Config.Wait
-//     for an in-flight twin), then SAVEPOINT idem_fn.
-//  2. fn runs inside idem_fn.
-//  3. One round trip: KeyComplete stores the outcome, RELEASE idem_fn (or
-//     COMMIT, in DoInTx's own transaction).
+// Every statement is a generated sqlc method. The ones Do and DoInTx send
+// together in one round trip are queued in a pgx.Batch through queuer
+// (batch.go) and their results read from the batch here; all others are
+// called directly.
 //
-// When a committed row already holds the key, step 1 claims nothing and a
-// second round trip reads the row (KeyGetAfterClaim) and releases idem_fn.
+// None of them depends on the planner's statistics for its access path:
+//   - The claim, the take-over and the completion are INSERT ... ON CONFLICT:
+//     the key is found through the primary key (the arbiter index), whatever
+//     the statistics say.
+//   - KeyGet runs only after "SET LOCAL enable_seqscan = off", undone with
+//     the savepoint (Do) or the transaction (DoInTx) it runs in, so every
+//     plan of it, and the generic plan pgx's statement cache keeps for the
+//     life of the connection, is the primary key index even when idem_keys
+//     was analyzed while empty.
+//   - Statements off the hot path (Prune, the reservation calls) go through
+//     planned (batch.go): planned anew on every execution.
 //
-// Reject rolls back to idem_fn first: fn's writes are undone but the claim is
-// kept, so a twin waiting on the claim never sees the key free. Any other
-// failure rolls back to idem_fn and deletes the claim: the key is free again
-// when the transaction ends.
-//
-// The claim itself is not in a savepoint: when it fails (the wait runs out,
-// a serialization failure) the transaction is aborted and must be rolled
-// back. Every other path leaves it usable.
+// The wait for a concurrent claim of the same key is bounded by
+// lock_timeout, set for the claim alone: LockTimeoutSet saves the caller's
+// value and sets Config.Wait, LockTimeoutRestore puts the caller's value
+// back. They are statements of their own, run on every call whatever the
+// claim matches; when the claim fails the transaction (or savepoint) is
+// aborted and rolling it back restores the setting too.
 
-// savepointFn is the savepoint fn runs in. Do releases or rolls it back
-// before it returns, so nested and sequential calls in one transaction do
-// not interfere.
-const savepointFn = "idem_fn"
+// Statements that are not table queries. savepoint is the savepoint that Do
+// runs the claim and fn in.
+const (
+	sqlSavepoint = "SAVEPOINT idem_do"
+	sqlRelease   = "RELEASE SAVEPOINT idem_do"
+	// sqlUndo undoes the claim and fn's writes and drops the savepoint. It
+	// is sent as one simple-protocol message: a transaction that fn left
+	// aborted accepts ROLLBACK TO, but would refuse to prepare the next
+	// statement of a pipeline.
+	sqlUndo        = "ROLLBACK TO SAVEPOINT idem_do; RELEASE SAVEPOINT idem_do"
+	sqlRollbackTo  = "ROLLBACK TO SAVEPOINT idem_do"
+	sqlIndexLookup = "SET LOCAL enable_seqscan = off"
+)
 
-// undoFnSQL undoes fn's writes and drops its savepoint. It is sent as one
-// simple-protocol message: a transaction that fn left aborted accepts
-// ROLLBACK TO, but would refuse to prepare the statements of a batch.
-const undoFnSQL = "ROLLBACK TO SAVEPOINT " + savepointFn + "; RELEASE SAVEPOINT " + savepointFn
+// Status values of a key row.
+const (
+	statusProcessing      = "processing"
+	statusSucceeded       = "succeeded"
+	statusRejected        = "rejected"
+	statusFailedRetryable = "failed_retryable"
+	statusUnknown         = "unknown"
+)
 
-// rowKey is the primary key of a key row, with its parts boxed once as
-// statement arguments: the claim and the completion both send them.
-type rowKey struct {
-	actor, operation, key string
-	args                  [3]any
+// maxClaimAttempts bounds the rounds of claim, read and take-over when the
+// row that holds the key keeps changing under a call (taken over or pruned
+// by others, or given up by a twin after Reject).
+const maxClaimAttempts = 4
+
+// maxRetryAfter caps the retry hint of a key held by a long lease.
+const maxRetryAfter = time.Minute
+
+// rowKey is the primary key of a key row.
+type rowKey struct{ actor, operation, key string }
+
+func newRowKey(scope Scope, key string) rowKey {
+	return rowKey{actor: scope.Actor, operation: scope.Operation, key: key}
 }
 
-func newRowKey(scope Scope, key string) *rowKey {
-	return &rowKey{actor: scope.Actor, operation: scope.Operation, key: key,
-		args: [3]any{scope.Actor, scope.Operation, key}}
-}
-
-// keyRow is the committed row that holds a key, as KeyGetAfterClaim reads it.
-type keyRow = db.KeyGetAfterClaimRow
-
-// The two statements of every fresh Do are queued with arguments built here,
-// in the order of the generated methods (TestHotArgsMatchGenerated checks
-// it), rather than through those methods, which would box the key's parts
-// again for each statement.
-
-func (c *Client) claimArgs(k *rowKey, fp []byte) []any {
-	return []any{k.args[0], k.args[1], k.args[2], fp, c.ttlArg, c.lockTimeoutArg}
-}
-
-// headers is the stored headers' JSON as a string, or nil for none: text
-// rather than bytes, because in pgx's exec and simple-protocol modes (which
-// PgBouncer setups use) a []byte argument is sent as bytea and would not
-// read as JSON.
-func completeArgs(k *rowKey, status string, respStatus int, headers any, body []byte) []any {
-	return []any{status, int32(respStatus), headers, body, k.args[0], k.args[1], k.args[2]}
-}
-
-// claim claims k for tx, waiting at most Config.Wait for a concurrent claim
-// of the same key, and opens fn's savepoint: one round trip. With takeOver it
-// takes over an expired row instead of inserting one. When not claimed, it
-// reads the committed row that holds the key (found false if there is none)
-// and drops the savepoint again.
-func (c *Client) claim(ctx context.Context, tx pgx.Tx, k *rowKey, fp Fingerprint, takeOver bool) (
-	claimed bool, row keyRow, found bool, err error) {
-	b := &pgx.Batch{QueuedQueries: make([]*pgx.QueuedQuery, 0, 2)}
+// queueClaim queues the claim of k for fp in b, bounded by Config.Wait: a
+// fresh claim, or with takeOver the take-over of a row that is over.
+func (c *Client) queueClaim(b *pgx.Batch, k rowKey, fp Fingerprint, takeOver bool) {
+	ctx, q := context.Background(), queuer{b}
+	_ = queries.LockTimeoutSet(ctx, q, c.lockTimeout)
 	if takeOver {
-		_, _ = queries.KeyTakeOver(ctx, queuer{b}, db.KeyTakeOverParams{
-			Fingerprint: fp[:], TtlMicros: c.ttlMicros, LockTimeout: c.lockTimeout,
-			Actor: k.actor, Operation: k.operation, IdemKey: k.key,
-		})
+		_, _ = queries.KeyTakeOver(ctx, q, db.KeyTakeOverParams{Actor: k.actor, Operation: k.operation,
+			IdemKey: k.key, Fingerprint: fp[:], TtlMicros: c.ttlMicros})
 	} else {
-		b.Queue(db.KeyClaim, c.claimArgs(k, fp[:])...)
+		_, _ = queries.KeyClaim(ctx, q, db.KeyClaimParams{Actor: k.actor, Operation: k.operation,
+			IdemKey: k.key, Fingerprint: fp[:], TtlMicros: c.ttlMicros})
 	}
-	b.Queue("SAVEPOINT " + savepointFn)
-	br := tx.SendBatch(ctx, b)
-	err = br.QueryRow().Scan(&claimed)
-	if errors.Is(err, pgx.ErrNoRows) {
-		err = nil
-	}
-	if err == nil {
-		_, err = br.Exec()
-	}
-	if err = closeBatch(br, err); err != nil {
-		if pgCode(err) == pgerrcode.LockNotAvailable {
-			return false, row, false, c.inProgressOn(k)
-		}
-		return false, row, false, fmt.Errorf("idem: claim: %w", err)
-	}
-	if claimed {
-		return true, row, false, nil
-	}
+	_ = queries.LockTimeoutRestore(ctx, q)
+}
 
-	// A committed row holds the key. Read it in a statement of its own:
-	// under READ COMMITTED that one sees a twin that committed while the
-	// claim waited. DoInTx's own transaction has written nothing, so it
-	// commits in the same round trip; Do reopens it if it has to claim
-	// again.
-	b = &pgx.Batch{QueuedQueries: make([]*pgx.QueuedQuery, 0, 2)}
-	_, _ = queries.KeyGetAfterClaim(ctx, queuer{b}, db.KeyGetAfterClaimParams{Actor: k.actor, Operation: k.operation, IdemKey: k.key})
-	own := ownTx(tx)
-	if own != nil {
-		b.Queue("COMMIT")
-	} else {
-		b.Queue("RELEASE SAVEPOINT " + savepointFn)
+// readClaim reads the results of what queueClaim queued: whether the key is
+// now claimed by this transaction.
+func readClaim(br pgx.BatchResults) (claimed bool, err error) {
+	if _, err = br.Exec(); err != nil {
+		return false, err
 	}
-	br = tx.SendBatch(ctx, b)
-	err = br.QueryRow().Scan(&row.Found, &row.Fingerprint, &row.Status, &row.ResponseStatus,
-		&row.ResponseHeaders, &row.ResponseBody, &row.Expired)
-	if err == nil && own != nil {
-		err = own.commitResult(br.Exec())
-	} else if err == nil {
-		_, err = br.Exec()
+	if err = br.QueryRow().Scan(&claimed); errors.Is(err, pgx.ErrNoRows) {
+		claimed, err = false, nil
 	}
-	if err == nil && row.Found && len(row.Fingerprint) != len(Fingerprint{}) {
+	if err != nil {
+		return false, err
+	}
+	_, err = br.Exec()
+	return claimed, err
+}
+
+// claimError turns the failure of a claim round trip into the error a
+// call returns: a wait for a twin that ran out is ErrInProgress.
+func (c *Client) claimError(err error, k rowKey) error {
+	if pgCode(err) == pgerrcode.LockNotAvailable {
+		return c.inProgressOn(k)
+	}
+	return fmt.Errorf("idem: claim: %w", err)
+}
+
+// queueRead queues the read of the committed row that holds k, preceded by
+// the planner setting that makes it an index lookup; end (a statement
+// without arguments) follows it and must undo that setting: the end of the
+// savepoint or of the transaction.
+func queueRead(b *pgx.Batch, k rowKey) {
+	b.Queue(sqlIndexLookup)
+	_, _ = queries.KeyGet(context.Background(), queuer{b},
+		db.KeyGetParams{Actor: k.actor, Operation: k.operation, IdemKey: k.key})
+}
+
+// readRow reads the results of what queueRead queued. found is false when
+// no row holds the key any more.
+func readRow(br pgx.BatchResults) (row keyRow, found bool, err error) {
+	if _, err = br.Exec(); err != nil {
+		return row, false, err
+	}
+	err = br.QueryRow().Scan(&row.Fingerprint, &row.Status, &row.ResponseStatus,
+		&row.ResponseHeaders, &row.ResponseBody, &row.Expired, &row.Leased, &row.LeaseLeftMs)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return row, false, nil
+	}
+	if err == nil && len(row.Fingerprint) != len(Fingerprint{}) {
 		err = fmt.Errorf("stored fingerprint has %d bytes", len(row.Fingerprint))
 	}
-	if err = closeBatch(br, err); err != nil {
-		return false, row, false, fmt.Errorf("idem: read key: %w", err)
-	}
-	return false, row, row.Found, nil
+	return row, err == nil, err
 }
 
-// complete stores the outcome of a claimed key and drops fn's savepoint. In
-// DoInTx's own transaction Do is the last thing to run, so it commits
-// instead, in the same round trip.
-func complete(ctx context.Context, tx pgx.Tx, k *rowKey, status string, resp Response, headers any) error {
-	body := resp.Body
+// keyRow is the committed row that holds a key, as KeyGet reads it.
+type keyRow = db.KeyGetRow
+
+// next is what a call does after reading the row that holds its key.
+type next int
+
+const (
+	nextDone     next = iota // return the result or the error
+	nextClaim                // the row is gone: claim the key afresh
+	nextTakeOver             // the row is over: take it over
+)
+
+// judge tells what the committed row that holds a key means for a call with
+// fingerprint fp: a replay, an error, or another claim. Every state of the
+// key is decided here, for Do and DoInTx alike.
+func (c *Client) judge(row keyRow, found bool, fp Fingerprint, k rowKey) (Result, next, error) {
+	finished := row.Status == statusSucceeded || row.Status == statusRejected ||
+		row.Status == statusFailedRetryable
+	switch {
+	case !found:
+		return Result{}, nextClaim, nil
+	case finished && row.Expired:
+		return Result{}, nextTakeOver, nil // an expired key is a new request
+	case [32]byte(row.Fingerprint) != fp:
+		return Result{}, nextDone, ErrKeyReused
+	case row.Status == statusSucceeded || row.Status == statusRejected:
+		res, err := replay(row)
+		return res, nextDone, err
+	case row.Status == statusFailedRetryable:
+		return Result{}, nextTakeOver, nil // certainly not executed: it may run
+	case row.Status == statusUnknown:
+		return Result{}, nextDone, ErrOutcomeUnknown
+	case row.Status == statusProcessing && row.Leased && row.LeaseLeftMs <= 0:
+		return Result{}, nextDone, ErrOutcomeUnknown // the owner's lease ran out
+	case row.Status == statusProcessing && row.Leased:
+		left := time.Duration(row.LeaseLeftMs) * time.Millisecond
+		return Result{}, nextDone, &InProgressError{RetryAfter: min(max(left.Round(time.Second), time.Second), maxRetryAfter)}
+	default:
+		return Result{}, nextDone, c.inProgressOn(k)
+	}
+}
+
+// queueComplete queues the statement that stores the outcome of a claimed
+// key.
+func (c *Client) queueComplete(b *pgx.Batch, k rowKey, fp Fingerprint, out outcome) {
+	body := out.resp.Body
 	if body == nil {
 		body = []byte{}
 	}
-	b := &pgx.Batch{QueuedQueries: make([]*pgx.QueuedQuery, 0, 2)}
-	b.Queue(db.KeyComplete, completeArgs(k, status, resp.Status, headers, body)...)
-	own := ownTx(tx)
-	if own != nil {
-		b.Queue("COMMIT") // the savepoint ends with the transaction
-	} else {
-		b.Queue("RELEASE SAVEPOINT " + savepointFn)
-	}
-	br := tx.SendBatch(ctx, b)
+	_, _ = queries.KeyComplete(context.Background(), queuer{b}, db.KeyCompleteParams{
+		Actor: k.actor, Operation: k.operation, IdemKey: k.key, Fingerprint: fp[:],
+		Status: out.status, TtlMicros: c.ttlMicros, ResponseStatus: int32(out.resp.Status),
+		ResponseHeaders: out.headers, ResponseBody: body,
+	})
+}
+
+// readComplete reads the result of what queueComplete queued.
+func readComplete(br pgx.BatchResults) error {
 	tag, err := br.Exec()
 	if err == nil && tag.RowsAffected() != 1 {
-		err = fmt.Errorf("claimed row not found (%d rows)", tag.RowsAffected())
+		err = errors.New("the claimed row changed under fn")
 	}
-	if err == nil && own != nil {
-		err = own.commitResult(br.Exec())
-	}
-	if err = closeBatch(br, err); err != nil {
-		if own != nil && own.done {
-			return fmt.Errorf("idem: commit: %w", err)
-		}
+	if err != nil {
 		return fmt.Errorf("idem: store response: %w", err)
 	}
 	return nil
 }
 
-// cleanupTimeout bounds the statements that undo fn's work, which run even
-// when the caller's context is done: leaving the claim and fn's writes in a
-// transaction the caller may still commit would block the key for its TTL.
-const cleanupTimeout = 5 * time.Second
-
-// undoRejected undoes fn's writes and keeps fn's savepoint and the claim.
-func undoRejected(ctx context.Context, tx pgx.Tx) error {
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), cleanupTimeout)
-	defer cancel()
-	if _, err := tx.Exec(ctx, "ROLLBACK TO SAVEPOINT "+savepointFn); err != nil {
-		return fmt.Errorf("idem: undo rejected writes: %w", err)
-	}
-	return nil
+// outcome is what a claimed key ends with: fn's response, or a refusal.
+type outcome struct {
+	status  string
+	resp    Response
+	headers pgtype.Text // resp.Header as stored
 }
 
-// undo undoes fn's writes and gives up the claim after fn failed, leaving
-// the caller's transaction as it was before Do. In DoInTx's own
-// transaction there is nothing to do: it is rolled back whole (or its
-// COMMIT already failed).
-func undo(ctx context.Context, tx pgx.Tx, k *rowKey) error {
-	if isOwnTx(tx) {
-		return nil
+// decide checks fn's result and turns it into the outcome to store. A
+// rejection is a valid outcome; any other error of fn is returned as is.
+func (c *Client) decide(resp Response, fnErr error) (outcome, error) {
+	out := outcome{status: statusSucceeded, resp: resp}
+	if fnErr != nil {
+		refusal, rejected := RejectedResponse(fnErr)
+		if !rejected {
+			return outcome{}, fnErr
+		}
+		out = outcome{status: statusRejected, resp: refusal}
 	}
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), cleanupTimeout)
-	defer cancel()
-	if _, err := tx.Exec(ctx, undoFnSQL); err != nil {
-		return fmt.Errorf("idem: undo: %w", err)
+	headers, err := c.encodeResponse(out.resp)
+	if err != nil {
+		return outcome{}, err
 	}
-	if err := queries.KeyRelease(ctx, tx, db.KeyReleaseParams{Actor: k.actor, Operation: k.operation, IdemKey: k.key}); err != nil {
-		return fmt.Errorf("idem: release key: %w", err)
-	}
-	return nil
+	out.headers = headers
+	return out, nil
 }
 
-// withUndo returns err, joined with the error of undo if that failed.
-func withUndo(ctx context.Context, tx pgx.Tx, k *rowKey, err error) error {
-	if undoErr := undo(ctx, tx, k); undoErr != nil {
-		return errors.Join(err, undoErr)
+// result is what a call that stored out returns.
+func (out outcome) result() Result {
+	res := Result{Response: out.resp}
+	if res.Body == nil {
+		res.Body = []byte{} // as a replay of it reads back
 	}
-	return err
+	return res
 }
 
 // closeBatch closes br and returns err, or the error of closing when err is
@@ -221,4 +255,13 @@ func closeBatch(br pgx.BatchResults, err error) error {
 		err = closeErr
 	}
 	return err
+}
+
+// cleanupTimeout bounds the statements that undo a call's work, which run
+// even when the caller's context is done.
+const cleanupTimeout = 5 * time.Second
+
+// cleanupContext is ctx without its cancellation, bounded by cleanupTimeout.
+func cleanupContext(ctx context.Context) (context.Context, context.CancelFunc) {
+	return context.WithTimeout(context.WithoutCancel(ctx), cleanupTimeout)
 }

@@ -3,60 +3,100 @@ package idem
 import (
 	"context"
 	"reflect"
+	"strings"
 	"testing"
-	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/pgidem/idem/internal/db"
+	"github.com/pgidem/idem/internal/pgtest"
 )
 
-// The hot-path statements are queued with argument lists built by hand; they
-// must match what the sqlc-generated methods send, statement and order.
-func TestHotArgsMatchGenerated(t *testing.T) {
+// Batched statements are read by hand from the batch: the read must scan
+// the same columns into the same fields as the generated method does.
+func TestReadRowMatchesGenerated(t *testing.T) {
+	t.Parallel()
 	ctx := context.Background()
-	c, err := New(Config{TTL: 90 * time.Second, Wait: 1500 * time.Millisecond})
+	pool := pgtest.Pool(t, Migrate)
+	k := rowKey{actor: "a", operation: "op", key: "k"}
+	fp := FingerprintParts([]byte("x"))
+	if _, err := pool.Exec(ctx, `INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status,
+		response_status, response_headers, response_body, expires_at, lease_expires_at)
+		VALUES ('a', 'op', 'k', $1, 'processing', 201, '{"A":["b"]}', '\x01', now() + interval '1 hour', now() + interval '9 second')`,
+		fp[:]); err != nil {
+		t.Fatal(err)
+	}
+	want, err := queries.KeyGet(ctx, pool, db.KeyGetParams{Actor: "a", Operation: "op", IdemKey: "k"})
 	if err != nil {
 		t.Fatal(err)
 	}
-	k := newRowKey(Scope{Actor: "actor", Operation: "op"}, "key")
-	fp := FingerprintParts([]byte("x"))
-
-	generated := func(call func(q queuer)) *pgx.QueuedQuery {
+	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		b := &pgx.Batch{}
-		call(queuer{b})
-		return b.QueuedQueries[0]
-	}
-	check := func(name string, want *pgx.QueuedQuery, sql string, args []any) {
-		t.Helper()
-		if want.SQL != sql {
-			t.Errorf("%s: statement differs from the generated one", name)
+		queueRead(b, k)
+		br := tx.SendBatch(ctx, b)
+		got, found, err := readRow(br)
+		if err = closeBatch(br, err); err != nil {
+			return err
 		}
-		if !reflect.DeepEqual(want.Arguments, args) {
-			t.Errorf("%s: arguments\n got %#v\nwant %#v", name, args, want.Arguments)
+		want.LeaseLeftMs, got.LeaseLeftMs = 0, 0 // the clock moved
+		if !found || !reflect.DeepEqual(got, want) {
+			t.Fatalf("readRow = %+v, %v; KeyGet = %+v", got, found, want)
 		}
-	}
-
-	check("KeyClaim", generated(func(q queuer) {
-		_, _ = queries.KeyClaim(ctx, q, db.KeyClaimParams{
-			Actor: "actor", Operation: "op", IdemKey: "key",
-			Fingerprint: fp[:], TtlMicros: c.ttlMicros, LockTimeout: c.lockTimeout,
-		})
-	}), db.KeyClaim, c.claimArgs(k, fp[:]))
-
-	headers, body := []byte(`{"A":["b"]}`), []byte("body")
-	want := generated(func(q queuer) {
-		_, _ = queries.KeyComplete(ctx, q, db.KeyCompleteParams{
-			Status: statusRejected, ResponseStatus: pgtype.Int4{Int32: 402, Valid: true},
-			ResponseHeaders: headers, ResponseBody: body,
-			Actor: "actor", Operation: "op", IdemKey: "key",
-		})
+		return nil
 	})
-	// The generated method sends a pgtype.Int4 and the headers as []byte;
-	// the hand-built list an int32, which encodes the same, and the headers
-	// as a string, which every query exec mode sends as JSON text.
-	want.Arguments[1] = want.Arguments[1].(pgtype.Int4).Int32
-	want.Arguments[2] = string(want.Arguments[2].([]byte))
-	check("KeyComplete", want, db.KeyComplete, completeArgs(k, statusRejected, 402, string(headers), body))
+	if err != nil {
+		t.Fatal(err)
+	}
+}
+
+// The statements Do and DoInTx run on every call find the key through the
+// primary key even with statistics that say idem_keys is empty and a
+// generic plan, as pgx's statement cache keeps one for the life of a
+// connection.
+func TestHotStatementsUseTheIndexWithStaleStatistics(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t, Migrate)
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Release()
+	exec := func(sql string) {
+		t.Helper()
+		if _, err := conn.Exec(ctx, sql); err != nil {
+			t.Fatalf("%s: %v", sql, err)
+		}
+	}
+	exec(`ANALYZE idem_keys`) // while empty
+	exec(`INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, response_status, response_body, expires_at)
+		SELECT 'a', 'op', 'k' || i, '\x00', 'succeeded', 200, '\x', now() FROM generate_series(1, 20000) i`)
+	exec(`SET plan_cache_mode = force_generic_plan`)
+	plan := func(name, sql string, args string) string {
+		t.Helper()
+		exec(`PREPARE ` + name + ` AS ` + strings.SplitN(sql, "\n", 2)[1])
+		rows, err := conn.Query(ctx, `EXPLAIN EXECUTE `+name+args)
+		if err != nil {
+			t.Fatal(err)
+		}
+		lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			t.Fatal(err)
+		}
+		return strings.Join(lines, "\n")
+	}
+	exec(`BEGIN`)
+	exec(sqlIndexLookup)
+	if p := plan("get", db.KeyGet, `('a', 'op', 'k7')`); !strings.Contains(p, "idem_keys_pkey") || strings.Contains(p, "Seq Scan") {
+		t.Errorf("KeyGet with %q:\n%s", sqlIndexLookup, p)
+	}
+	exec(`COMMIT`)
+	for name, sql := range map[string]string{"claim": db.KeyClaim, "takeover": db.KeyTakeOver} {
+		if p := plan(name, sql, `('a', 'op', 'k7', '\x00', 1000)`); strings.Contains(p, "Scan") {
+			t.Errorf("%s:\n%s", name, p)
+		}
+	}
+	if p := plan("complete", db.KeyComplete, `('a', 'op', 'k7', '\x00', 'succeeded', 1000, 200, NULL, '\x')`); strings.Contains(p, "Scan") {
+		t.Errorf("KeyComplete:\n%s", p)
+	}
 }

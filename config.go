@@ -2,9 +2,12 @@ package idem
 
 import (
 	"fmt"
+	"log/slog"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
 )
 
 // Config configures a Client. The zero value of every field means its
@@ -34,6 +37,32 @@ type Config struct {
 	// the isolation level of the caller's transaction.
 	IsolationLevel pgx.TxIsoLevel
 
+	// MeterProvider receives idem's metrics: a counter per outcome
+	// (idem.reserve.created, .replay, .in_progress, .key_misuse, ...,
+	// idem.store.error, idem.ttl_pruned) and the histograms
+	// idem.duplicate.wait and idem.overhead, with the attributes "call" and
+	// "operation" (the scope's Operation), never a key or an actor. nil means
+	// OpenTelemetry's global provider, a no-op until the application
+	// installs one.
+	MeterProvider metric.MeterProvider
+
+	// TracerProvider, when set, gets one span per Do, DoInTx and Reserve
+	// call (idem.Do, idem.DoInTx, idem.Reserve) with its outcome. nil means
+	// no spans. A tracer set on pgx's connection config keeps tracing idem's
+	// statements either way.
+	TracerProvider trace.TracerProvider
+
+	// Logger receives a record per replay, refusal (in progress, key
+	// misuse, unknown outcome) and store error, carrying keyed hashes of the
+	// key and the actor (key_hash, actor_hash), never their values. nil
+	// means silent.
+	Logger *slog.Logger
+
+	// LogHashKey is the HMAC-SHA256 key of those hashes. Give every
+	// instance the same secret to follow one key across their logs; empty
+	// means a random key per Client.
+	LogHashKey []byte
+
 	// MaxRetries is how many times InTx and DoInTx run a transaction again
 	// after a serialization failure (40001) or a deadlock (40P01), with
 	// jittered exponential backoff. Default 5; a negative value disables
@@ -60,11 +89,10 @@ type Client struct {
 	flights     flights // DoInTx calls in progress, by scope and key
 	cfg         Config
 	ttlMicros   int64
-	lockTimeout string
-	// The same two, boxed once as statement arguments.
-	ttlArg, lockTimeoutArg any
-	txOptions              pgx.TxOptions
-	retryAfter             time.Duration
+	lockTimeout string // Wait as a lock_timeout value
+	txOptions   pgx.TxOptions
+	retryAfter  time.Duration
+	obs         *observer
 }
 
 // New returns a Client for cfg, with zero fields replaced by their defaults.
@@ -113,7 +141,7 @@ func New(cfg Config) (*Client, error) {
 	c.lockTimeout = fmt.Sprintf("%dms", wait.Milliseconds())
 	c.retryAfter = max(time.Second, wait.Round(time.Second))
 	c.txOptions = pgx.TxOptions{IsoLevel: cfg.IsolationLevel}
-	c.ttlArg, c.lockTimeoutArg = c.ttlMicros, c.lockTimeout
+	c.obs = newObserver(cfg)
 	return c, nil
 }
 

@@ -10,6 +10,7 @@ import (
 
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/puddle/v2"
 )
 
 // Errors returned by Do and its relatives. Check them with errors.Is; the
@@ -21,10 +22,10 @@ var (
 	ErrKeyReused = errors.New("idem: idempotency key reused with a different request")
 
 	// ErrInProgress means another transaction holds the key and did not finish
-	// within the configured wait (HTTP 409 with Retry-After). fn did not run.
-	// The error is an *InProgressError carrying a retry hint. When Do returns
-	// it because the wait ran out, the caller's transaction is aborted and
-	// must be rolled back.
+	// within the configured wait, or a reservation's lease still holds it
+	// (HTTP 409 with Retry-After). fn did not run, and the caller's
+	// transaction is as it was before Do. The error is an *InProgressError
+	// carrying a retry hint.
 	ErrInProgress = errors.New("idem: a request with this idempotency key is in progress")
 
 	// ErrInvalidKey means the idempotency key is empty, too long, or holds a
@@ -140,19 +141,19 @@ func pgCode(err error) string {
 }
 
 // Unavailable reports whether err means the database could not serve the
-// request: it wraps ErrUnavailable, or it is a failure to reach the server, a
-// dropped connection, or a server error of SQLSTATE class 08 (connection
-// exception), 53 (insufficient resources), 58 (system error) or 57P01-57P03
-// (shutdown, cannot connect now). Such a failure says nothing about the
-// request itself: fail closed (HTTP 503) and let the client retry with the
-// same key. A cancelled statement (57014) or a context that ended is not
-// Unavailable: the caller gave up, not the store.
+// request, through no fault of the request itself: err wraps
+// ErrUnavailable; or the server could not be reached, or dropped the
+// connection, or the pool is closed, or a deadline ran out on the way; or
+// the server answered with SQLSTATE class 08 (connection exception), 53
+// (insufficient resources), 57 (operator intervention: a shutdown, a
+// cancelled or timed-out statement) or 58 (system error). Fail closed (HTTP 503) and let the client retry with
+// the same key: the retry replays if the first attempt committed, and runs
+// otherwise. This is the one classification idem and idemhttp use.
 func Unavailable(err error) bool {
 	return err != nil && (errors.Is(err, ErrUnavailable) || isUnavailable(err))
 }
 
-// isUnavailable reports whether err means the server could not be reached,
-// refused the connection for lack of resources, or dropped it.
+// isUnavailable is Unavailable without the ErrUnavailable check.
 func isUnavailable(err error) bool {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
@@ -161,20 +162,16 @@ func isUnavailable(err error) bool {
 	var connectErr *pgconn.ConnectError
 	var netErr net.Error
 	return errors.As(err, &connectErr) || errors.As(err, &netErr) || pgconn.Timeout(err) ||
-		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, net.ErrClosed)
+		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, net.ErrClosed) ||
+		errors.Is(err, puddle.ErrClosedPool)
 }
 
-// serverUnavailable reports whether the server answered with an error that
-// says it cannot serve now: a connection exception, insufficient resources
-// (disk full, out of memory, too many connections), a system error, or a
-// shutdown.
+// serverUnavailable reports whether the server answered with an error of
+// SQLSTATE class 08, 53, 57 or 58 (see Unavailable).
 func serverUnavailable(pgErr *pgconn.PgError) bool {
 	switch {
-	case strings.HasPrefix(pgErr.Code, "08"), // connection exception
-		strings.HasPrefix(pgErr.Code, "53"), // insufficient resources
-		strings.HasPrefix(pgErr.Code, "58"), // system error
-		pgErr.Code == pgerrcode.AdminShutdown, pgErr.Code == pgerrcode.CrashShutdown,
-		pgErr.Code == pgerrcode.CannotConnectNow:
+	case strings.HasPrefix(pgErr.Code, "08"), strings.HasPrefix(pgErr.Code, "53"),
+		strings.HasPrefix(pgErr.Code, "57"), strings.HasPrefix(pgErr.Code, "58"):
 		return true
 	}
 	return false

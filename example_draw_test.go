@@ -9,22 +9,15 @@ import (
 	"sync"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/draw"
-	"github.com/pgidem/idem/internal/pgtest"
 )
 
 // The Goose Kuzi draw: one request debits points, takes stock from a box,
 // picks prizes at random and writes a batch, inventory rows and a ledger
-// debit. draw.Service.Draw runs it as
-//
-//	idem.DoInTx(ctx, pool, idem.Scope{Actor: user, Operation: "draw"}, key,
-//		idem.FingerprintJSON(body), draw.Execute)
-//
-// and this example puts it through the failure scenarios of the design,
-// printing what the database holds after each one.
+// debit (executeDraw, the application's domain code). The draw endpoint
+// runs it under idem.DoInTx, and this example puts it through the failure
+// scenarios of the design, printing what the database holds after each one.
 func Example_draw() {
 	ctx := context.Background()
 	check := func(err error) {
@@ -33,27 +26,35 @@ func Example_draw() {
 		}
 	}
 
-	// A fresh database with idem's table and the draw tables. alice holds
-	// 1000 points; box 1 costs 100 points a draw and holds 50 draws.
-	url, drop, err := pgtest.NewDatabase(ctx, idem.Migrate)
-	check(err)
-	defer drop()
-	cfg, err := pgxpool.ParseConfig(url)
-	check(err)
-	cfg.MaxConns = 10
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	check(err)
-	defer pool.Close()
-	check(draw.Setup(ctx, pool))
+	// The application's pool on its database: alice holds 1000 points;
+	// box 1 costs 100 points a draw and holds 50 draws.
+	pool, closeDB := drawPool()
+	defer closeDB()
 
-	svc := draw.NewService(pool)
+	// drawOnce is the draw endpoint: parse the body, fingerprint it, and
+	// draw once per key. An invalid body claims nothing.
+	drawOnce := func(ctx context.Context, user, key string, body []byte) (idem.Result, error) {
+		req, err := parseDrawRequest(body)
+		if err != nil {
+			return idem.Result{}, err
+		}
+		fp, err := idem.FingerprintJSON(body)
+		if err != nil {
+			return idem.Result{}, err
+		}
+		return idem.DoInTx(ctx, pool, idem.Scope{Actor: user, Operation: "draw"}, key, fp,
+			func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+				return executeDraw(ctx, tx, user, req)
+			})
+	}
 	show := func() {
-		s, err := draw.Read(ctx, pool, "alice", 1)
-		check(err)
+		s := readDrawState(ctx, pool, "alice")
 		fmt.Printf("   points=%d stock=%d batches=%d debits=%d\n", s.Points, s.Stock, s.Batches, s.Debits)
 	}
 	batchID := func(res idem.Result) int64 {
-		var out draw.Outcome
+		var out struct {
+			BatchID int64 `json:"batch_id"`
+		}
 		check(json.Unmarshal(res.Body, &out))
 		return out.BatchID
 	}
@@ -61,9 +62,9 @@ func Example_draw() {
 	// 1. The draw commits, but the response is lost on the way to the app.
 	// The app retries with the same key and the same body.
 	twoDraws := []byte(`{"box_id":1,"quantity":2}`)
-	first, err := svc.Draw(ctx, "alice", "req-0001", twoDraws)
+	first, err := drawOnce(ctx, "alice", "req-0001", twoDraws)
 	check(err)
-	retry, err := svc.Draw(ctx, "alice", "req-0001", twoDraws)
+	retry, err := drawOnce(ctx, "alice", "req-0001", twoDraws)
 	check(err)
 	fmt.Println("1. retry after a lost response")
 	fmt.Printf("   first: %d replayed=%t; retry: %d replayed=%t; same batch: %t; same bytes: %t\n",
@@ -72,7 +73,7 @@ func Example_draw() {
 	show()
 
 	// 2. A client bug sends a different body under the same key.
-	_, err = svc.Draw(ctx, "alice", "req-0001", []byte(`{"box_id":1,"quantity":5}`))
+	_, err = drawOnce(ctx, "alice", "req-0001", []byte(`{"box_id":1,"quantity":5}`))
 	fmt.Println("2. same key, different body")
 	fmt.Println("   refused with ErrKeyReused:", errors.Is(err, idem.ErrKeyReused))
 	show()
@@ -84,7 +85,7 @@ func Example_draw() {
 	var wg sync.WaitGroup
 	for i := range 8 {
 		wg.Go(func() {
-			results[i], errs[i] = svc.Draw(ctx, "alice", "req-0002", []byte(`{"box_id":1,"quantity":1}`))
+			results[i], errs[i] = drawOnce(ctx, "alice", "req-0002", []byte(`{"box_id":1,"quantity":1}`))
 		})
 	}
 	wg.Wait()
@@ -118,7 +119,7 @@ func Example_draw() {
 	err = idem.InTx(ctx, pool, func(ctx context.Context, tx pgx.Tx) error {
 		_, err := idem.Do(ctx, tx, idem.Scope{Actor: "alice", Operation: "draw"}, "req-0003", fp,
 			func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
-				return draw.Execute(ctx, tx, "alice", draw.Request{BoxID: 1, Quantity: 1})
+				return executeDraw(ctx, tx, "alice", drawRequest{BoxID: 1, Quantity: 1})
 			})
 		if err != nil {
 			return err
@@ -128,7 +129,7 @@ func Example_draw() {
 	fmt.Println("4. failure before commit, then retry")
 	fmt.Println("   rolled back:", errors.Is(err, lost))
 	show()
-	again, err := svc.Draw(ctx, "alice", "req-0003", oneDraw)
+	again, err := drawOnce(ctx, "alice", "req-0003", oneDraw)
 	check(err)
 	fmt.Printf("   retry: %d replayed=%t\n", again.Status, again.Replayed)
 	show()
@@ -136,9 +137,9 @@ func Example_draw() {
 	// 5. Ten draws cost 1000 points; alice has 600 left. The refusal is
 	// stored: the retry replays it instead of drawing again.
 	tenDraws := []byte(`{"box_id":1,"quantity":10}`)
-	poor, err := svc.Draw(ctx, "alice", "req-0004", tenDraws)
+	poor, err := drawOnce(ctx, "alice", "req-0004", tenDraws)
 	check(err)
-	poorAgain, err := svc.Draw(ctx, "alice", "req-0004", tenDraws)
+	poorAgain, err := drawOnce(ctx, "alice", "req-0004", tenDraws)
 	check(err)
 	fmt.Println("5. insufficient points")
 	fmt.Printf("   first: %d replayed=%t; retry: %d replayed=%t; same bytes: %t\n",
@@ -146,11 +147,10 @@ func Example_draw() {
 	show()
 
 	// Points and stock add up: nothing was charged or taken twice.
-	s, err := draw.Read(ctx, pool, "alice", 1)
-	check(err)
+	s := readDrawState(ctx, pool, "alice")
 	fmt.Printf("points %d + debited %d = %d; stock %d + taken %d = %d; invariants hold: %t\n",
 		s.Points, s.Debited, s.Points+s.Debited, s.Stock, s.Taken, s.Stock+s.Taken,
-		s.Check(draw.SeedPoints, draw.SeedStock) == nil)
+		s.Check(startPoints, startStock) == nil)
 
 	// Output:
 	// 1. retry after a lost response

@@ -103,12 +103,12 @@ var errLeaderPanicked = errors.New("idem: the concurrent call with this key pani
 // coalesced runs DoInTx for scope and key once per concurrent group of
 // callers: see flights.
 func (c *Client) coalesced(ctx context.Context, db Beginner, scope Scope, key string, fp Fingerprint,
-	fn func(ctx context.Context, tx pgx.Tx) (Response, error)) (Result, error) {
+	fn func(ctx context.Context, tx pgx.Tx) (Response, error), cl *call) (Result, error) {
 	pool, ok := db.(*pgxpool.Pool)
 	if !ok {
 		// A connection serves one call at a time, and other Beginners
 		// have no identity to share a flight by.
-		return c.doInTx(ctx, db, scope, key, fp, fn)
+		return c.doInTx(ctx, db, scope, key, fp, fn, cl)
 	}
 	fk := flightKey{pool: pool, key: scope.Actor + "\x00" + scope.Operation + "\x00" + key}
 	fl, leader := c.flights.join(fk, fp)
@@ -119,7 +119,7 @@ func (c *Client) coalesced(ctx context.Context, db Beginner, scope Scope, key st
 				c.flights.finish(fk, fl, Result{}, errLeaderPanicked)
 			}
 		}()
-		res, err := c.doInTx(ctx, db, scope, key, fp, fn)
+		res, err := c.doInTx(ctx, db, scope, key, fp, fn, cl)
 		finished = true
 		c.flights.finish(fk, fl, res, err)
 		return res, err
@@ -135,7 +135,7 @@ func (c *Client) coalesced(ctx context.Context, db Beginner, scope Scope, key st
 		return Result{}, c.inProgress()
 	case fl.err != nil:
 		// Nothing was stored: let the database decide for this call.
-		return c.doInTx(ctx, db, scope, key, fp, fn)
+		return c.doInTx(ctx, db, scope, key, fp, fn, cl)
 	case fl.fp != fp:
 		return Result{}, ErrKeyReused
 	}

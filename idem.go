@@ -2,6 +2,7 @@ package idem
 
 import (
 	"context"
+	"errors"
 	"fmt"
 
 	"github.com/jackc/pgx/v5"
@@ -36,20 +37,10 @@ type Result struct {
 	Replayed bool
 }
 
-// Status values of a key row.
-const (
-	statusProcessing = "processing"
-	statusSucceeded  = "succeeded"
-	statusRejected   = "rejected"
-)
-
-// maxClaimAttempts bounds the rounds of claim, look up and take over when
-// rows keep changing under Do (expired rows taken over or pruned by others).
-const maxClaimAttempts = 4
-
 // Do runs fn at most once per key: it claims (scope, key) in tx, runs fn in
 // tx, and stores fn's Response in tx. Everything commits or rolls back with
-// tx; Do itself never commits or rolls back the caller's transaction.
+// tx; Do itself never commits or rolls back the caller's transaction. The
+// claim and fn run in a savepoint of tx that Do ends before it returns.
 //
 //   - First call: fn runs once, its Response is stored and returned with
 //     Replayed false.
@@ -62,30 +53,34 @@ const maxClaimAttempts = 4
 //     The others wait up to Config.Wait for the winner's transaction: if it
 //     commits they replay its outcome, if it rolls back one of them runs fn,
 //     and if the wait runs out they get ErrInProgress (an *InProgressError).
-//   - fn returns Reject(resp): fn's writes are undone (fn runs in a
-//     savepoint), resp is stored as the final outcome and returned with a nil
-//     error, so the caller commits. Retries replay the refusal.
-//   - fn returns any other error, or panics: fn's writes are undone, the
-//     claim is given up, nothing is stored, and the error (or panic) is
-//     passed on. The transaction stays usable; the key is free again once it
-//     ends. This undo runs even when ctx is done (bounded by 5 seconds), so
-//     a transaction the caller commits anyway holds nothing of fn's.
+//   - fn returns Reject(resp): fn's writes are undone, resp is stored as the
+//     final outcome of the key and returned with a nil error, so the caller
+//     commits. Retries replay the refusal. (Undoing fn's writes gives the
+//     key up for a moment: should a concurrent twin claim it then and run,
+//     its outcome is the key's and Do returns it as a replay.)
+//   - fn returns any other error, or panics: fn's writes and the claim are
+//     undone, nothing is stored, and the error (or panic) is passed on. The
+//     key is free again. This undo runs even when ctx is done (bounded by 5
+//     seconds), so a transaction the caller commits anyway holds nothing of
+//     fn's.
 //   - A key past its TTL counts as a new request.
+//   - A key held by a reservation (Reserve): ErrInProgress while its lease
+//     lasts, ErrOutcomeUnknown once the lease ran out or its outcome is
+//     unknown; a reservation that failed retryably runs as a new attempt.
 //
 // Invalid input (key, scope, nil tx or fn) is refused before any statement
 // runs. A Response that cannot be stored (too large, bad status, header that
 // is not valid text) undoes fn's writes and the claim, and returns
 // ErrResponseTooLarge or ErrInvalidResponse.
 //
-// When the claim itself fails — ErrInProgress because the wait ran out, a
-// serialization failure (SQLSTATE 40001) under REPEATABLE READ or
-// SERIALIZABLE, a lost connection — tx is aborted and must be rolled back;
-// run the transaction again (InTx and DoInTx do so for 40001 and 40P01) and
-// the retry replays or runs. After any other outcome tx stays usable.
+// When Do returns ErrInProgress, ErrKeyReused, ErrOutcomeUnknown or a
+// replay, tx is as it was before the call. After a serialization failure
+// (SQLSTATE 40001, under REPEATABLE READ or SERIALIZABLE) or a deadlock the
+// whole transaction must be run again (InTx and DoInTx do so); after a lost
+// connection it is gone. Either way the retry replays or runs.
 //
-// fn runs in a savepoint, so a Do whose fn writes uses a subtransaction; keep
-// the number of Do calls in one transaction well under 64, PostgreSQL's
-// per-backend subtransaction cache.
+// Each Do uses a subtransaction; keep the number of Do calls in one
+// transaction well under 64, PostgreSQL's per-backend subtransaction cache.
 //
 // Do uses the package defaults; see Config and New for the configurable form.
 func Do(ctx context.Context, tx pgx.Tx, scope Scope, key string, fp Fingerprint,
@@ -102,80 +97,123 @@ func (c *Client) Do(ctx context.Context, tx pgx.Tx, scope Scope, key string, fp 
 	if isNil(tx) {
 		return Result{}, fmt.Errorf("%w: nil transaction", ErrInvalidArgument)
 	}
-	k := newRowKey(scope, key)
+	ctx, cl := c.obs.begin(ctx, "do", "idem.Do", scope, key)
+	res, err := c.do(ctx, tx, newRowKey(scope, key), fp, fn, &cl)
+	cl.end(ctx, res, err)
+	return res, err
+}
+
+// do is Do after its checks, observed by cl.
+func (c *Client) do(ctx context.Context, tx pgx.Tx, k rowKey, fp Fingerprint,
+	fn func(ctx context.Context, tx pgx.Tx) (Response, error), cl *call) (Result, error) {
+	var decided *outcome // a refusal, stored once the key is claimed again
 	takeOver := false
 	for range maxClaimAttempts {
-		claimed, row, found, err := c.claim(ctx, tx, k, fp, takeOver)
-		switch {
-		case err != nil:
-			return Result{}, err
-		case claimed:
-			return c.run(ctx, tx, k, fn)
-		case !found:
-			takeOver = false // the row is gone (pruned): claim afresh
-			reopen(tx)
-		case row.Expired:
-			takeOver = true // an expired key is a new request
-			reopen(tx)
-		case [32]byte(row.Fingerprint) != fp:
-			return Result{}, ErrKeyReused
-		case row.Status == statusSucceeded || row.Status == statusRejected:
-			return replay(row)
-		default:
-			return Result{}, c.inProgressOn(k)
+		// Round trip 1: the savepoint, and the claim, waiting at most
+		// Config.Wait for a twin.
+		b := &pgx.Batch{}
+		b.Queue(sqlSavepoint)
+		c.queueClaim(b, k, fp, takeOver)
+		br := tx.SendBatch(ctx, b)
+		_, err := br.Exec()
+		if err != nil { // no savepoint: nothing to undo
+			return Result{}, c.claimError(closeBatch(br, err), k)
 		}
+		claimed, err := readClaim(br)
+		if err = closeBatch(br, err); err != nil {
+			return Result{}, undone(ctx, tx, c.claimError(err, k))
+		}
+
+		if claimed {
+			out := decided
+			if out == nil {
+				o, err := c.runFn(ctx, tx, fn, cl)
+				if err != nil {
+					return Result{}, undone(ctx, tx, err)
+				}
+				if o.status == statusRejected {
+					// Undo fn's writes (and the claim), then store the
+					// refusal in a claim of its own.
+					if err := undo(ctx, tx); err != nil {
+						return Result{}, err
+					}
+					decided = &o
+					continue
+				}
+				out = &o
+			}
+			cl.rejected = out.status == statusRejected
+			// Round trip 2: store the outcome, end the savepoint.
+			b := &pgx.Batch{}
+			c.queueComplete(b, k, fp, *out)
+			b.Queue(sqlRelease)
+			br := tx.SendBatch(ctx, b)
+			err := readComplete(br)
+			if err == nil {
+				_, err = br.Exec()
+			}
+			if err = closeBatch(br, err); err != nil {
+				return Result{}, undone(ctx, tx, err)
+			}
+			return out.result(), nil
+		}
+
+		// Round trip 2: read the row that holds the key; rolling back to
+		// the savepoint undoes the read's planner setting.
+		b = &pgx.Batch{}
+		queueRead(b, k)
+		b.Queue(sqlRollbackTo)
+		b.Queue(sqlRelease)
+		br = tx.SendBatch(ctx, b)
+		row, found, err := readRow(br)
+		if err = closeBatch(br, err); err != nil {
+			return Result{}, undone(ctx, tx, fmt.Errorf("idem: read key: %w", err))
+		}
+		res, then, err := c.judge(row, found, fp, k)
+		if then == nextDone {
+			return res, err
+		}
+		takeOver = then == nextTakeOver
 	}
 	return Result{}, c.inProgressOn(k)
 }
 
-// run executes fn for a claimed key and stores its outcome.
-func (c *Client) run(ctx context.Context, tx pgx.Tx, k *rowKey,
-	fn func(ctx context.Context, tx pgx.Tx) (Response, error)) (Result, error) {
+// runFn runs fn in the claim's savepoint and decides the outcome to store.
+// If fn panics, its writes and the claim are undone before the panic goes on.
+func (c *Client) runFn(ctx context.Context, tx pgx.Tx,
+	fn func(ctx context.Context, tx pgx.Tx) (Response, error), cl *call) (outcome, error) {
 	panicked := true
 	defer func() {
 		if panicked {
-			// Undo fn's writes and give up the claim, then pass the panic on.
-			_ = undo(ctx, tx, k)
+			_ = undo(ctx, tx)
 		}
 	}()
-	resp, fnErr := callFn(ctx, tx, fn)
+	var resp Response
+	var err error
+	cl.timeFn(func() { resp, err = fn(ctx, tx) })
 	panicked = false
-
-	status := statusSucceeded
-	if fnErr != nil {
-		refusal, rejected := RejectedResponse(fnErr)
-		if !rejected {
-			return Result{}, withUndo(ctx, tx, k, fnErr)
-		}
-		status, resp = statusRejected, refusal
-	}
-	headers, err := c.encodeResponse(resp)
-	if err != nil {
-		return Result{}, withUndo(ctx, tx, k, err)
-	}
-	if status == statusRejected {
-		if err := undoRejected(ctx, tx); err != nil {
-			return Result{}, withUndo(ctx, tx, k, err)
-		}
-	}
-	if err := complete(ctx, tx, k, status, resp, headers); err != nil {
-		return Result{}, withUndo(ctx, tx, k, err)
-	}
-	if resp.Body == nil {
-		resp.Body = []byte{} // as a replay of it reads back
-	}
-	return Result{Response: resp}, nil
+	return c.decide(resp, err)
 }
 
-// callFn runs fn. While it runs, DoInTx's transaction is not the own
-// transaction of a Do nested in fn: that one must release its savepoint,
-// not commit what the outer Do has not finished.
-func callFn(ctx context.Context, tx pgx.Tx, fn func(ctx context.Context, tx pgx.Tx) (Response, error)) (Response, error) {
-	if pt, ok := tx.(*pipeTx); ok {
-		pt.fnDepth++
-		defer func() { pt.fnDepth-- }()
+// undone undoes Do's savepoint and returns err, joined with the error of the
+// undo if that failed too.
+func undone(ctx context.Context, tx pgx.Tx, err error) error {
+	if undoErr := undo(ctx, tx); undoErr != nil {
+		return errors.Join(err, undoErr)
 	}
-	return fn(ctx, tx)
+	return err
+}
+
+// undo rolls the caller's transaction back to Do's savepoint and drops it:
+// the claim and fn's writes are gone and the key is free again. It runs even
+// when ctx is done.
+func undo(ctx context.Context, tx pgx.Tx) error {
+	ctx, cancel := cleanupContext(ctx)
+	defer cancel()
+	if _, err := tx.Exec(ctx, sqlUndo); err != nil {
+		return fmt.Errorf("idem: undo: %w", err)
+	}
+	return nil
 }
 
 func (c *Client) inProgress() error {
@@ -183,7 +221,7 @@ func (c *Client) inProgress() error {
 }
 
 // inProgressOn is inProgress for the claim of k, which a twin holds.
-func (c *Client) inProgressOn(k *rowKey) error {
+func (c *Client) inProgressOn(k rowKey) error {
 	e := &InProgressError{RetryAfter: c.retryAfter}
 	e.held.actor, e.held.operation, e.held.key = k.actor, k.operation, k.key
 	return e

@@ -406,19 +406,25 @@ func TestDuplicateGivesUpAfterWait(t *testing.T) {
 	<-claimed
 
 	// In the caller's own transaction: ErrInProgress, and the transaction
-	// is aborted (the claim is not in a savepoint): roll it back.
+	// is as it was before Do: what it wrote before still commits.
 	tx, err := pool.Begin(ctx)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer tx.Rollback(ctx)
+	if _, err := tx.Exec(ctx, `INSERT INTO effects (key, note) VALUES ('before', 'caller')`); err != nil {
+		t.Fatal(err)
+	}
 	_, err = client.Do(ctx, tx, scope, "slow", fpA, recordEffect(&calls, "slow"))
 	var inProgress *idem.InProgressError
 	if !errors.Is(err, idem.ErrInProgress) || !errors.As(err, &inProgress) || inProgress.RetryAfter <= 0 {
 		t.Fatalf("err = %v, want ErrInProgress with a retry hint", err)
 	}
-	if err := tx.Rollback(ctx); err != nil {
-		t.Fatal(err)
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatalf("commit after ErrInProgress: %v", err)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM effects WHERE note = 'caller'`); n != 1 {
+		t.Fatalf("the caller's own write: %d rows, want 1", n)
 	}
 	// DoInTx rolls its own transaction back.
 	if _, err := client.DoInTx(ctx, pool, scope, "slow", fpA, recordEffect(&calls, "slow")); !errors.Is(err, idem.ErrInProgress) {

@@ -2,7 +2,6 @@ package idem
 
 import (
 	"context"
-	"encoding/json"
 	"errors"
 	"fmt"
 	"math"
@@ -38,12 +37,6 @@ const (
 	// Resolve reconciles it.
 	StatusUnknown Status = "unknown"
 )
-
-// finished reports whether s is a final outcome of an attempt, which a new
-// request may take over once the TTL has passed.
-func (s Status) finished() bool {
-	return s == StatusSucceeded || s == StatusRejected || s == StatusFailedRetryable
-}
 
 // Record is a key's record as stored.
 type Record struct {
@@ -102,12 +95,12 @@ func ExpireLeases(ctx context.Context, db Beginner, limit int) (int64, error) {
 
 // ExpireLeases is the package-level ExpireLeases with this client's
 // configuration.
-func (c *Client) ExpireLeases(ctx context.Context, db Beginner, limit int) (n int64, err error) {
-	defer func() { c.observe(ctx, "expire_leases", Scope{}, outcomeOf(err, "unknown"), n) }()
+func (c *Client) ExpireLeases(ctx context.Context, db Beginner, limit int) (int64, error) {
 	if err := checkList(db, limit); err != nil {
 		return 0, err
 	}
-	err = c.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) error {
+	var n int64
+	err := c.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) error {
 		var err error
 		n, err = queries.ReserveExpireLeases(ctx, planned{tx}, store.ReserveExpireLeasesParams{
 			Reason: leaseExpiredReason, MaxRows: int32(min(limit, math.MaxInt32)),
@@ -115,8 +108,11 @@ func (c *Client) ExpireLeases(ctx context.Context, db Beginner, limit int) (n in
 		return err
 	})
 	if err != nil {
-		return 0, fmt.Errorf("idem: expire leases: %w", err)
+		err = fmt.Errorf("idem: expire leases: %w", err)
+		c.countEnd(ctx, "expire_leases", Scope{}, err, "")
+		return 0, err
 	}
+	c.obs.count(ctx, "zombie_key", "expire_leases", "", n)
 	return n, nil
 }
 
@@ -130,8 +126,7 @@ func ListUnknown(ctx context.Context, db Beginner, limit int, after *Record) ([]
 
 // ListUnknown is the package-level ListUnknown with this client's
 // configuration.
-func (c *Client) ListUnknown(ctx context.Context, db Beginner, limit int, after *Record) (records []Record, err error) {
-	defer func() { c.observe(ctx, "list_unknown", Scope{}, outcomeOf(err, "listed"), int64(len(records))) }()
+func (c *Client) ListUnknown(ctx context.Context, db Beginner, limit int, after *Record) ([]Record, error) {
 	if err := checkList(db, limit); err != nil {
 		return nil, err
 	}
@@ -144,7 +139,7 @@ func (c *Client) ListUnknown(ctx context.Context, db Beginner, limit int, after 
 		arg.AfterActor, arg.AfterOperation, arg.AfterKey = after.Scope.Actor, after.Scope.Operation, after.Key
 	}
 	var rows []store.IdemKey
-	err = c.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) error {
+	err := c.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) error {
 		var err error
 		rows, err = queries.ReserveListUnknown(ctx, planned{tx}, arg)
 		return err
@@ -152,7 +147,7 @@ func (c *Client) ListUnknown(ctx context.Context, db Beginner, limit int, after 
 	if err != nil {
 		return nil, fmt.Errorf("idem: list unknown: %w", err)
 	}
-	records = make([]Record, 0, len(rows))
+	records := make([]Record, 0, len(rows))
 	for _, row := range rows {
 		rec, err := newRecord(row)
 		if err != nil {
@@ -180,8 +175,7 @@ func Resolve(ctx context.Context, db Beginner, scope Scope, key string, res Reso
 }
 
 // Resolve is the package-level Resolve with this client's configuration.
-func (c *Client) Resolve(ctx context.Context, db Beginner, scope Scope, key string, res Resolution) (err error) {
-	defer func() { c.observe(ctx, "resolve", scope, outcomeOf(err, "resolved"), 1) }()
+func (c *Client) Resolve(ctx context.Context, db Beginner, scope Scope, key string, res Resolution) error {
 	if err := c.checkTarget(scope, key); err != nil {
 		return err
 	}
@@ -205,13 +199,13 @@ func (c *Client) Resolve(ctx context.Context, db Beginner, scope Scope, key stri
 		}
 		arg.Status = string(StatusSucceeded)
 		arg.ResponseStatus = pgtype.Int4{Int32: int32(resp.Status), Valid: true}
-		arg.ResponseHeaders = headerText(headers)
+		arg.ResponseHeaders = headers
 		arg.ResponseBody = resp.Body
 		if arg.ResponseBody == nil {
 			arg.ResponseBody = []byte{}
 		}
 	}
-	err = c.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) error {
+	err := c.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) error {
 		row, err := queries.ReserveLock(ctx, planned{tx}, store.ReserveLockParams{
 			Actor: scope.Actor, Operation: scope.Operation, IdemKey: key,
 		})
@@ -223,9 +217,9 @@ func (c *Client) Resolve(ctx context.Context, db Beginner, scope Scope, key stri
 		}
 		switch status := Status(row.IdemKey.Status); {
 		case status == StatusUnknown:
-		case status == StatusProcessing && row.LeaseLive:
+		case status == StatusProcessing && row.Leased && row.LeaseLeftMs > 0:
 			return fmt.Errorf("%w: a live lease holds it", ErrNotResolvable)
-		case status == StatusProcessing && row.IdemKey.LeaseExpiresAt.Valid:
+		case status == StatusProcessing && row.Leased:
 			// The lease ran out before an outcome was recorded.
 		default:
 			return fmt.Errorf("%w: it is %s", ErrNotResolvable, status)
@@ -237,13 +231,16 @@ func (c *Client) Resolve(ctx context.Context, db Beginner, scope Scope, key stri
 		}
 		return err
 	})
-	switch {
-	case errors.Is(err, ErrNotFound), errors.Is(err, ErrNotResolvable):
-		return err
-	case err != nil:
-		return fmt.Errorf("idem: resolve: %w", err)
+	if err != nil && !errors.Is(err, ErrNotFound) && !errors.Is(err, ErrNotResolvable) {
+		err = fmt.Errorf("idem: resolve: %w", err)
 	}
-	return nil
+	event := "reconcile_resolved"
+	if err != nil {
+		event = "reconcile_failed"
+		c.obs.count(ctx, event, "resolve", scope.Operation, 1)
+	}
+	c.countEnd(ctx, "resolve", scope, err, event)
+	return err
 }
 
 // checkList validates the arguments of ExpireLeases and ListUnknown.
@@ -275,25 +272,11 @@ func newRecord(k store.IdemKey) (Record, error) {
 		LeaseExpiresAt: k.LeaseExpiresAt.Time,
 	}
 	if k.ResponseStatus.Valid {
-		resp, err := storedResponse(k)
+		res, err := replay(keyRow{ResponseStatus: k.ResponseStatus, ResponseHeaders: k.ResponseHeaders, ResponseBody: k.ResponseBody})
 		if err != nil {
 			return Record{}, err
 		}
-		rec.Response = &resp
+		rec.Response = &res.Response
 	}
 	return rec, nil
-}
-
-// storedResponse reads the response stored in a row.
-func storedResponse(k store.IdemKey) (Response, error) {
-	resp := Response{Status: int(k.ResponseStatus.Int32), Body: k.ResponseBody}
-	if resp.Body == nil {
-		resp.Body = []byte{}
-	}
-	if k.ResponseHeaders != nil {
-		if err := json.Unmarshal(k.ResponseHeaders, &resp.Header); err != nil {
-			return Response{}, fmt.Errorf("stored response headers: %w", err)
-		}
-	}
-	return resp, nil
 }

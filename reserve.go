@@ -65,8 +65,9 @@ const MaxReasonLength = 1024
 // leaseExpiredReason is the last_error of a record whose lease ran out.
 const leaseExpiredReason = "lease expired before the outcome was recorded"
 
-// maxLeaseRetryAfter caps the retry hint of a refusal while a lease is live.
-const maxLeaseRetryAfter = time.Minute
+// errLeaseRanOut is Reserve's answer when it turned a record whose lease ran
+// out unknown.
+var errLeaseRanOut = fmt.Errorf("%w (its reservation's lease ran out)", ErrOutcomeUnknown)
 
 // maxReserveAttempts bounds the rounds of insert and read when the row that
 // held a key keeps disappearing under Reserve (pruned, forgotten).
@@ -104,8 +105,7 @@ func Reserve(ctx context.Context, db Beginner, scope Scope, key string, fp Finge
 }
 
 // Reserve is the package-level Reserve with this client's configuration.
-func (c *Client) Reserve(ctx context.Context, db Beginner, scope Scope, key string, fp Fingerprint, lease time.Duration) (r Reservation, err error) {
-	defer func() { c.observe(ctx, "reserve", scope, outcomeOf(err, reserveOutcome(r)), 1) }()
+func (c *Client) Reserve(ctx context.Context, db Beginner, scope Scope, key string, fp Fingerprint, lease time.Duration) (Reservation, error) {
 	if err := c.checkTarget(scope, key); err != nil {
 		return Reservation{}, err
 	}
@@ -115,8 +115,17 @@ func (c *Client) Reserve(ctx context.Context, db Beginner, scope Scope, key stri
 	if lease < time.Microsecond {
 		return Reservation{}, fmt.Errorf("%w: lease %s must be at least 1µs", ErrInvalidArgument, lease)
 	}
+	ctx, cl := c.obs.begin(ctx, "reserve", "idem.Reserve", scope, key)
+	r, err := c.reserveTx(ctx, db, scope, key, fp, lease)
+	cl.end(ctx, r.Result, err)
+	return r, err
+}
+
+// reserveTx is Reserve after its checks: its transaction.
+func (c *Client) reserveTx(ctx context.Context, db Beginner, scope Scope, key string, fp Fingerprint, lease time.Duration) (Reservation, error) {
+	var r Reservation
 	var refusal error // an outcome decided in a transaction that commits
-	err = c.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) error {
+	err := c.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) error {
 		var err error
 		r, refusal, err = c.reserve(ctx, tx, scope, key, fp, lease)
 		return err
@@ -125,9 +134,12 @@ func (c *Client) Reserve(ctx context.Context, db Beginner, scope Scope, key stri
 	case err != nil && pgCode(err) == pgerrcode.LockNotAvailable:
 		// Another transaction holds the key (a Do in flight, a Complete
 		// not yet committed) and did not finish within Config.Wait.
-		return Reservation{}, &InProgressError{RetryAfter: max(time.Second, c.cfg.Wait.Round(time.Second))}
+		return Reservation{}, c.inProgressOn(newRowKey(scope, key))
 	case err != nil:
 		return Reservation{}, fmt.Errorf("idem: reserve: %w", err)
+	case refusal == errLeaseRanOut:
+		c.obs.count(ctx, "zombie_key", "reserve", scope.Operation, 1)
+		return Reservation{}, refusal
 	case refusal != nil:
 		return Reservation{}, refusal
 	}
@@ -169,31 +181,26 @@ func (c *Client) reserve(ctx context.Context, tx pgx.Tx, scope Scope, key string
 		if err != nil {
 			return r, nil, err
 		}
+		// The one state machine of a key (judge, claim.go) decides, as for
+		// Do; Reserve adds what only it does.
 		k := row.IdemKey
 		if len(k.Fingerprint) != len(fp) {
 			return r, nil, fmt.Errorf("stored fingerprint has %d bytes", len(k.Fingerprint))
 		}
-		status := Status(k.Status)
+		res, nx, refusal := c.judge(keyRow{
+			Fingerprint: k.Fingerprint, Status: k.Status, ResponseStatus: k.ResponseStatus,
+			ResponseHeaders: k.ResponseHeaders, ResponseBody: k.ResponseBody,
+			Expired: row.Expired, Leased: row.Leased, LeaseLeftMs: row.LeaseLeftMs,
+		}, true, fp, newRowKey(scope, key))
 		switch {
-		case row.Expired && status.finished():
-			// Past its TTL: a new request, whatever it asks.
-		case [32]byte(k.Fingerprint) != fp:
-			return r, ErrKeyReused, nil
-		case status == StatusSucceeded || status == StatusRejected:
-			resp, err := storedResponse(k)
-			if err != nil {
-				return r, nil, err
-			}
-			r.Response, r.Replayed = resp, true
-			return r, nil, nil
-		case status == StatusFailedRetryable:
-			// Certainly not executed: a new attempt.
-		case status == StatusProcessing && row.LeaseLive:
-			remaining := time.Duration(row.LeaseRemainingMicros) * time.Microsecond
-			return r, &InProgressError{RetryAfter: min(max(remaining, time.Second), maxLeaseRetryAfter)}, nil
-		case status == StatusProcessing && k.LeaseExpiresAt.Valid:
-			// The owner may have executed and vanished: never run again
-			// blindly.
+		case nx == nextClaim:
+			continue
+		case nx == nextTakeOver:
+			// Past its TTL (a new request), or certainly not executed (a
+			// new attempt): acquired below.
+		case errors.Is(refusal, ErrOutcomeUnknown) && k.Status == statusProcessing:
+			// The lease ran out: the owner may have executed and vanished.
+			// Never run again blindly: the record turns unknown.
 			n, err := queries.ReserveMarkUnknown(ctx, planned{tx}, store.ReserveMarkUnknownParams{
 				Reason: leaseExpiredReason, Actor: scope.Actor, Operation: scope.Operation, IdemKey: key, Token: k.Token,
 			})
@@ -203,13 +210,12 @@ func (c *Client) reserve(ctx context.Context, tx pgx.Tx, scope Scope, key string
 			if err != nil {
 				return r, nil, err
 			}
-			return r, fmt.Errorf("%w (its reservation's lease ran out)", ErrOutcomeUnknown), nil
-		case status == StatusUnknown:
-			return r, ErrOutcomeUnknown, nil
+			return r, errLeaseRanOut, nil
+		case refusal != nil:
+			return r, refusal, nil
 		default:
-			// 'processing' without a lease is a claim of Do, which never
-			// commits one; or a status this version does not know.
-			return r, nil, fmt.Errorf("record in state %q without a lease", k.Status)
+			r.Result = res // a replay
+			return r, nil, nil
 		}
 		acq, err := queries.ReserveAcquire(ctx, planned{tx}, store.ReserveAcquireParams{
 			Fingerprint: fp[:], TtlMicros: ttlMicros, LeaseMicros: leaseMicros,
@@ -242,8 +248,7 @@ func Complete(ctx context.Context, tx pgx.Tx, r Reservation, resp Response) erro
 }
 
 // Complete is the package-level Complete with this client's configuration.
-func (c *Client) Complete(ctx context.Context, tx pgx.Tx, r Reservation, resp Response) (err error) {
-	defer func() { c.observe(ctx, "complete", r.Scope, outcomeOf(err, "completed"), 1) }()
+func (c *Client) Complete(ctx context.Context, tx pgx.Tx, r Reservation, resp Response) error {
 	if err := c.checkReservation(r); err != nil {
 		return err
 	}
@@ -259,16 +264,17 @@ func (c *Client) Complete(ctx context.Context, tx pgx.Tx, r Reservation, resp Re
 		body = []byte{}
 	}
 	n, err := queries.ReserveComplete(ctx, planned{tx}, store.ReserveCompleteParams{
-		ResponseStatus: int32(resp.Status), ResponseHeaders: headerText(headers), ResponseBody: body,
+		ResponseStatus: int32(resp.Status), ResponseHeaders: headers, ResponseBody: body,
 		Actor: r.Scope.Actor, Operation: r.Scope.Operation, IdemKey: r.Key, Token: r.Token,
 	})
-	if err != nil {
-		return fmt.Errorf("idem: complete: %w", err)
+	switch {
+	case err != nil:
+		err = fmt.Errorf("idem: complete: %w", err)
+	case n != 1:
+		err = ErrFenced
 	}
-	if n != 1 {
-		return ErrFenced
-	}
-	return nil
+	c.countEnd(ctx, "complete", r.Scope, err, "")
+	return err
 }
 
 // FailRetryable records that the reservation's work certainly did not
@@ -286,12 +292,11 @@ func FailRetryable(ctx context.Context, db Beginner, r Reservation, reason strin
 
 // FailRetryable is the package-level FailRetryable with this client's
 // configuration.
-func (c *Client) FailRetryable(ctx context.Context, db Beginner, r Reservation, reason string) (err error) {
-	defer func() { c.observe(ctx, "fail_retryable", r.Scope, outcomeOf(err, "failed_retry"), 1) }()
+func (c *Client) FailRetryable(ctx context.Context, db Beginner, r Reservation, reason string) error {
 	if err := c.checkOwnerCall(db, r, reason); err != nil {
 		return err
 	}
-	return c.fence(ctx, db, "fail retryable", func(ctx context.Context, tx pgx.Tx) (int64, error) {
+	return c.fence(ctx, db, "fail_retryable", r.Scope, "failed_retry", func(ctx context.Context, tx pgx.Tx) (int64, error) {
 		return queries.ReserveFailRetryable(ctx, planned{tx}, store.ReserveFailRetryableParams{
 			Reason: reason, Actor: r.Scope.Actor, Operation: r.Scope.Operation, IdemKey: r.Key, Token: r.Token,
 		})
@@ -314,12 +319,11 @@ func MarkUnknown(ctx context.Context, db Beginner, r Reservation, reason string)
 
 // MarkUnknown is the package-level MarkUnknown with this client's
 // configuration.
-func (c *Client) MarkUnknown(ctx context.Context, db Beginner, r Reservation, reason string) (err error) {
-	defer func() { c.observe(ctx, "mark_unknown", r.Scope, outcomeOf(err, "unknown"), 1) }()
+func (c *Client) MarkUnknown(ctx context.Context, db Beginner, r Reservation, reason string) error {
 	if err := c.checkOwnerCall(db, r, reason); err != nil {
 		return err
 	}
-	return c.fence(ctx, db, "mark unknown", func(ctx context.Context, tx pgx.Tx) (int64, error) {
+	return c.fence(ctx, db, "mark_unknown", r.Scope, outcomeUnknown, func(ctx context.Context, tx pgx.Tx) (int64, error) {
 		return queries.ReserveMarkUnknown(ctx, planned{tx}, store.ReserveMarkUnknownParams{
 			Reason: reason, Actor: r.Scope.Actor, Operation: r.Scope.Operation, IdemKey: r.Key, Token: r.Token,
 		})
@@ -339,8 +343,7 @@ func Heartbeat(ctx context.Context, db Beginner, r Reservation, extend time.Dura
 }
 
 // Heartbeat is the package-level Heartbeat with this client's configuration.
-func (c *Client) Heartbeat(ctx context.Context, db Beginner, r Reservation, extend time.Duration) (_ Reservation, err error) {
-	defer func() { c.observe(ctx, "heartbeat", r.Scope, outcomeOf(err, "extended"), 1) }()
+func (c *Client) Heartbeat(ctx context.Context, db Beginner, r Reservation, extend time.Duration) (Reservation, error) {
 	if err := c.checkOwnerCall(db, r, ""); err != nil {
 		return Reservation{}, err
 	}
@@ -348,7 +351,7 @@ func (c *Client) Heartbeat(ctx context.Context, db Beginner, r Reservation, exte
 		return Reservation{}, fmt.Errorf("%w: extend %s must be at least 1µs", ErrInvalidArgument, extend)
 	}
 	var lease pgtype.Timestamptz
-	err = c.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) error {
+	err := c.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) error {
 		var err error
 		lease, err = queries.ReserveHeartbeat(ctx, planned{tx}, store.ReserveHeartbeatParams{
 			ExtendMicros: extend.Microseconds(),
@@ -358,9 +361,13 @@ func (c *Client) Heartbeat(ctx context.Context, db Beginner, r Reservation, exte
 	})
 	switch {
 	case errors.Is(err, pgx.ErrNoRows):
-		return Reservation{}, ErrFenced
+		err = ErrFenced
 	case err != nil:
-		return Reservation{}, fmt.Errorf("idem: heartbeat: %w", err)
+		err = fmt.Errorf("idem: heartbeat: %w", err)
+	}
+	c.countEnd(ctx, "heartbeat", r.Scope, err, "")
+	if err != nil {
+		return Reservation{}, err
 	}
 	r.LeaseExpiresAt = lease.Time
 	return r, nil
@@ -368,7 +375,8 @@ func (c *Client) Heartbeat(ctx context.Context, db Beginner, r Reservation, exte
 
 // fence runs update, a statement of the owner of a reservation, in a
 // transaction begun on db, and returns ErrFenced when it changed no row.
-func (c *Client) fence(ctx context.Context, db Beginner, what string,
+// event is counted when it did.
+func (c *Client) fence(ctx context.Context, db Beginner, call string, scope Scope, event string,
 	update func(ctx context.Context, tx pgx.Tx) (int64, error)) error {
 	var n int64
 	err := c.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) error {
@@ -378,11 +386,27 @@ func (c *Client) fence(ctx context.Context, db Beginner, what string,
 	})
 	switch {
 	case err != nil:
-		return fmt.Errorf("idem: %s: %w", what, err)
+		err = fmt.Errorf("idem: %s: %w", call, err)
 	case n != 1:
-		return ErrFenced
+		err = ErrFenced
 	}
-	return nil
+	c.countEnd(ctx, call, scope, err, event)
+	return err
+}
+
+// countEnd counts the end of a reservation or reconciliation call that is
+// not Reserve (which ends like Do, see observe.go): event when it
+// succeeded (none when event is ""), a fenced reservation, or a store
+// failure.
+func (c *Client) countEnd(ctx context.Context, call string, scope Scope, err error, event string) {
+	switch {
+	case err == nil && event != "":
+		c.obs.count(ctx, event, call, scope.Operation, 1)
+	case errors.Is(err, ErrFenced):
+		c.obs.count(ctx, outcomeFenced, call, scope.Operation, 1)
+	case Unavailable(err):
+		c.obs.count(ctx, outcomeStoreError, call, scope.Operation, 1)
+	}
 }
 
 // checkTarget validates the scope and key of a call.
@@ -435,46 +459,3 @@ func checkReason(reason string) error {
 	}
 	return nil
 }
-
-// headerText turns encodeResponse's headers into a statement argument.
-func headerText(headers any) pgtype.Text {
-	s, ok := headers.(string)
-	return pgtype.Text{String: s, Valid: ok}
-}
-
-// reserveOutcome names a successful Reserve's outcome.
-func reserveOutcome(r Reservation) string {
-	if r.Replayed {
-		return "replay"
-	}
-	return "created"
-}
-
-// outcomeOf names the outcome of a call of the reservation mode: ok when
-// err is nil, otherwise what err says.
-func outcomeOf(err error, ok string) string {
-	var inProgress *InProgressError
-	switch {
-	case err == nil:
-		return ok
-	case errors.As(err, &inProgress):
-		return "in_progress"
-	case errors.Is(err, ErrKeyReused):
-		return "key_misuse"
-	case errors.Is(err, ErrOutcomeUnknown):
-		return "unknown"
-	case errors.Is(err, ErrFenced):
-		return "fenced"
-	case errors.Is(err, ErrNotFound), errors.Is(err, ErrNotResolvable):
-		return "refused"
-	case errors.Is(err, ErrInvalidArgument), errors.Is(err, ErrInvalidKey), errors.Is(err, ErrInvalidScope),
-		errors.Is(err, ErrInvalidResponse), errors.Is(err, ErrResponseTooLarge):
-		return "invalid"
-	}
-	return "store_error"
-}
-
-// observe is the one place the outcome of every call of the reservation
-// mode passes through (n is how many records it concerned): the hook for
-// metrics and logs. It does nothing yet.
-func (c *Client) observe(ctx context.Context, call string, scope Scope, outcome string, n int64) {}

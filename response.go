@@ -2,44 +2,62 @@ package idem
 
 import (
 	"encoding/json"
+	"errors"
 	"fmt"
 	"strings"
+
+	"github.com/jackc/pgx/v5/pgtype"
 )
 
 // encodeResponse checks that resp can be stored and replayed exactly, and
-// returns its header encoded for the response_headers column (nil when resp
-// has no header map).
-func (c *Client) encodeResponse(resp Response) (headers any, err error) {
+// returns its header encoded for the response_headers column: JSON text, or
+// NULL when resp has no header map. (Text rather than bytes: in pgx's exec
+// and simple-protocol modes, which PgBouncer setups use, a []byte argument
+// is sent as bytea and would not read as JSON.)
+func (c *Client) encodeResponse(resp Response) (headers pgtype.Text, err error) {
 	if resp.Status != 0 && (resp.Status < 100 || resp.Status > 999) {
-		return nil, fmt.Errorf("%w: status %d is neither 0 nor a 3-digit HTTP status", ErrInvalidResponse, resp.Status)
+		return headers, fmt.Errorf("%w: status %d is neither 0 nor a 3-digit HTTP status", ErrInvalidResponse, resp.Status)
 	}
 	size := len(resp.Body)
 	for name, values := range resp.Header {
 		if name == "" {
-			return nil, fmt.Errorf("%w: empty header name", ErrInvalidResponse)
+			return headers, fmt.Errorf("%w: empty header name", ErrInvalidResponse)
 		}
-		if err := checkHeaderText(name); err != nil {
-			return nil, fmt.Errorf("%w: header name %q: %v", ErrInvalidResponse, name, err)
+		if err := checkHeaderField(name); err != nil {
+			return headers, fmt.Errorf("%w: header name %q: %v", ErrInvalidResponse, name, err)
 		}
 		size += len(name)
 		for _, v := range values {
-			if err := checkHeaderText(v); err != nil {
+			if err := checkHeaderField(v); err != nil {
 				// The value stays out of the error, which may be logged.
-				return nil, fmt.Errorf("%w: header %q has a value that is not valid text (%v)", ErrInvalidResponse, name, err)
+				return headers, fmt.Errorf("%w: header %q has a value that cannot be replayed (%v)", ErrInvalidResponse, name, err)
 			}
 			size += len(v)
 		}
 	}
 	if size > c.cfg.MaxResponseBytes {
-		return nil, fmt.Errorf("%w: %d bytes, limit %d", ErrResponseTooLarge, size, c.cfg.MaxResponseBytes)
+		return headers, fmt.Errorf("%w: %d bytes, limit %d", ErrResponseTooLarge, size, c.cfg.MaxResponseBytes)
 	}
 	if resp.Header == nil {
-		return nil, nil // stored as NULL
+		return headers, nil // stored as NULL
 	}
 	var sb strings.Builder
 	sb.Grow(size + 8*len(resp.Header) + 2)
 	writeHeaderJSON(&sb, resp.Header)
-	return sb.String(), nil
+	return pgtype.Text{String: sb.String(), Valid: true}, nil
+}
+
+// checkHeaderField reports whether s can be stored as a header name or
+// value and replayed as one: valid UTF-8 without CR, LF or NUL, which would
+// split or end a header line in any consumer that writes it out.
+func checkHeaderField(s string) error {
+	if err := checkHeaderText(s); err != nil {
+		return err
+	}
+	if strings.ContainsAny(s, "\r\n") {
+		return errors.New("holds a CR or LF")
+	}
+	return nil
 }
 
 // replay turns a stored row into a replayed Result.

@@ -9,6 +9,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // Beginner starts transactions. *pgxpool.Pool, *pgx.Conn and pgx.Tx (which
@@ -37,9 +38,9 @@ type txBeginner interface {
 //
 // fn's errors are returned as they are, except when the store failed under
 // them (the connection broke, or the server answered that it cannot serve:
-// SQLSTATE classes 08, 53 and 58, a shutdown): then InTx returns an error
-// that wraps both ErrUnavailable and fn's error. Failures to begin or commit
-// because the server cannot be reached are ErrUnavailable too.
+// see Unavailable): then InTx returns an error that wraps both
+// ErrUnavailable and fn's error. Failures to begin or commit because the
+// server cannot be reached are ErrUnavailable too.
 //
 // InTx uses the package defaults; see Client.InTx.
 func InTx(ctx context.Context, db Beginner, fn func(ctx context.Context, tx pgx.Tx) error) error {
@@ -55,16 +56,17 @@ func (c *Client) InTx(ctx context.Context, db Beginner, fn func(ctx context.Cont
 	if fn == nil {
 		return fmt.Errorf("%w: nil function", ErrInvalidArgument)
 	}
-	return c.inTx(ctx, db, false, fn)
+	_, nested := db.(pgx.Tx)
+	return c.retry(ctx, nested, func() error { return c.inTx(ctx, db, fn) })
 }
 
-// inTx is InTx; with fold, Do may commit the transaction itself.
-func (c *Client) inTx(ctx context.Context, db Beginner, fold bool, fn func(ctx context.Context, tx pgx.Tx) error) error {
-	_, nested := db.(pgx.Tx)
+// retry runs once until it succeeds, fails with an error other than a
+// serialization failure or a deadlock, or runs out of Config.MaxRetries. In
+// a savepoint of a caller's transaction (nested) such a failure dooms the
+// whole transaction, so only the caller can run it again.
+func (c *Client) retry(ctx context.Context, nested bool, once func() error) error {
 	for attempt := 0; ; attempt++ {
-		err := c.inTxOnce(ctx, db, fold, fn)
-		// In a savepoint of a caller's transaction a serialization failure
-		// dooms the whole transaction: only the caller can run it again.
+		err := once()
 		if err == nil || !isRetryable(err) || nested || attempt >= c.cfg.MaxRetries {
 			return err
 		}
@@ -74,14 +76,47 @@ func (c *Client) inTx(ctx context.Context, db Beginner, fold bool, fn func(ctx c
 	}
 }
 
-// DoInTx runs Do in a transaction of its own begun on db (with InTx), and
-// commits it when Do returns a nil error: the claim, fn's writes and the
-// stored response commit together. Serialization failures and deadlocks are
-// retried (not on a pgx.Tx, see InTx), and a retry of a duplicate replays the
-// winner's response. Under SERIALIZABLE such a failure can surface after fn
-// ran (when the response is stored, or at COMMIT): then fn runs again in the
-// retry, and only one run's writes commit. Invalid input is refused before a
-// transaction begins; so is a *pgx.Conn that is already in a transaction.
+// inTx is one transaction of InTx.
+func (c *Client) inTx(ctx context.Context, db Beginner, fn func(ctx context.Context, tx pgx.Tx) error) error {
+	tx, err := c.begin(ctx, db)
+	if err != nil {
+		return unavailableIf(isUnavailable(err), fmt.Errorf("idem: begin: %w", err))
+	}
+	committed := false
+	defer func() {
+		if !committed {
+			rollback(ctx, tx)
+		}
+	}()
+	// fn's errors come back as they are, unless the store failed under
+	// them: the connection is gone, or the server said it cannot serve.
+	// (The connection is looked at only while fn's transaction holds it: a
+	// transaction of another Beginner may have given it back already.)
+	if err := fn(ctx, tx); err != nil {
+		return unavailableIf(connHeld(db) && connLost(tx.Conn()) || serverSaidUnavailable(err), err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		return unavailableIf(isUnavailable(err), fmt.Errorf("idem: commit: %w", err))
+	}
+	committed = true
+	return nil
+}
+
+// DoInTx runs Do in a transaction of its own begun on db, and commits it
+// when Do returns a nil error: the claim, fn's writes and the stored
+// response commit together. Serialization failures and deadlocks are
+// retried (not on a pgx.Tx, see InTx), and a retry of a duplicate replays
+// the winner's response. Under SERIALIZABLE such a failure can surface
+// after fn ran (when the response is stored, or at COMMIT): then fn runs
+// again in the retry, and only one run's writes commit. Invalid input is
+// refused before a transaction begins; so is a *pgx.Conn that is already in
+// a transaction.
+//
+// On a *pgxpool.Pool or a *pgx.Conn, DoInTx sends BEGIN with the claim and
+// COMMIT with the stored response, so the transaction costs no round trip
+// of its own, and fn runs directly in it (no savepoint): when fn fails the
+// transaction is rolled back whole. On a pgx.Tx or another Beginner it is
+// InTx around Do.
 //
 // Concurrent DoInTx calls with the same scope and key on one Client (the
 // package-level functions share one) and one *pgxpool.Pool are coalesced in
@@ -106,16 +141,34 @@ func (c *Client) DoInTx(ctx context.Context, db Beginner, scope Scope, key strin
 	if isNil(db) {
 		return Result{}, fmt.Errorf("%w: nil database handle", ErrInvalidArgument)
 	}
-	return c.coalesced(ctx, db, scope, key, fp, fn)
+	if conn, ok := db.(*pgx.Conn); ok && conn.PgConn().TxStatus() != 'I' {
+		return Result{}, errConnInTx
+	}
+	ctx, cl := c.obs.begin(ctx, "do_in_tx", "idem.DoInTx", scope, key)
+	res, err := c.coalesced(ctx, db, scope, key, fp, fn, &cl)
+	cl.end(ctx, res, err)
+	return res, err
 }
 
 // doInTx is DoInTx after its checks, without coalescing.
 func (c *Client) doInTx(ctx context.Context, db Beginner, scope Scope, key string, fp Fingerprint,
-	fn func(ctx context.Context, tx pgx.Tx) (Response, error)) (Result, error) {
-	var res Result
-	err := c.inTx(ctx, db, true, func(ctx context.Context, tx pgx.Tx) error {
-		r, err := c.Do(ctx, tx, scope, key, fp, fn)
-		res = r
+	fn func(ctx context.Context, tx pgx.Tx) (Response, error), cl *call) (res Result, err error) {
+	k := newRowKey(scope, key)
+	switch d := db.(type) {
+	case *pgxpool.Pool:
+		conn, err := d.Acquire(ctx)
+		if err != nil {
+			return Result{}, unavailableIf(isUnavailable(err), fmt.Errorf("idem: begin: %w", err))
+		}
+		defer conn.Release()
+		err = c.retry(ctx, false, func() (err error) { res, err = c.doOwnTx(ctx, conn.Conn(), k, fp, fn, cl); return err })
+		return res, err
+	case *pgx.Conn:
+		err = c.retry(ctx, false, func() (err error) { res, err = c.doOwnTx(ctx, d, k, fp, fn, cl); return err })
+		return res, err
+	}
+	err = c.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) (err error) {
+		res, err = c.do(ctx, tx, k, fp, fn, cl)
 		return err
 	})
 	if err != nil {
@@ -124,36 +177,126 @@ func (c *Client) doInTx(ctx context.Context, db Beginner, scope Scope, key strin
 	return res, nil
 }
 
-func (c *Client) inTxOnce(ctx context.Context, db Beginner, fold bool, fn func(ctx context.Context, tx pgx.Tx) error) (err error) {
-	tx, release, err := c.begin(ctx, db, fold)
-	if err != nil {
-		return unavailableIf(isUnavailable(err), fmt.Errorf("idem: begin: %w", err))
-	}
-	defer release()
-	committed := false
-	defer func() {
-		if committed {
-			return
+// doOwnTx is one run of DoInTx in a transaction of its own on conn:
+//
+//  1. One round trip: BEGIN and the claim, waiting at most Config.Wait for a
+//     twin.
+//  2. fn runs in the transaction.
+//  3. One round trip: the outcome is stored and the transaction committed.
+//
+// When a committed row already holds the key, step 1 claims nothing and a
+// second round trip reads the row and ends the transaction (it wrote
+// nothing); then the call replays, fails, or claims again in a new
+// transaction. When fn fails the transaction is rolled back; a refusal
+// (Reject) is then stored in a transaction of its own that claims the key
+// again and runs nothing.
+func (c *Client) doOwnTx(ctx context.Context, conn *pgx.Conn, k rowKey, fp Fingerprint,
+	fn func(ctx context.Context, tx pgx.Tx) (Response, error), cl *call) (Result, error) {
+	var decided *outcome // a refusal, stored once the key is claimed again
+	takeOver := false
+	for range maxClaimAttempts {
+		b := &pgx.Batch{}
+		b.BeginTx(c.txOptions)
+		c.queueClaim(b, k, fp, takeOver)
+		br := conn.SendBatch(ctx, b)
+		tx := br.Tx()
+		_, err := br.Exec() // BEGIN
+		claimed := false
+		if err == nil {
+			claimed, err = readClaim(br)
 		}
-		// Roll back even when ctx is done; bound it so a dead server cannot
-		// hold the caller.
-		rbCtx, cancel := context.WithTimeout(context.WithoutCancel(ctx), 5*time.Second)
-		defer cancel()
-		_ = tx.Rollback(rbCtx)
+		if err = closeBatch(br, err); err != nil {
+			rollback(ctx, tx)
+			return Result{}, unavailableIf(connLost(conn) || isUnavailable(err), c.claimError(err, k))
+		}
+
+		if claimed {
+			out := decided
+			if out == nil {
+				o, err := c.runOwnFn(ctx, tx, fn, cl)
+				if err != nil {
+					rollback(ctx, tx)
+					return Result{}, unavailableIf(connLost(conn) || serverSaidUnavailable(err), err)
+				}
+				if o.status == statusRejected {
+					rollback(ctx, tx) // undo fn's writes; claim again to store the refusal
+					decided = &o
+					continue
+				}
+				out = &o
+			}
+			cl.rejected = out.status == statusRejected
+			b := &pgx.Batch{}
+			c.queueComplete(b, k, fp, *out)
+			b.Queue("COMMIT")
+			br := tx.SendBatch(ctx, b)
+			err := readComplete(br)
+			if err == nil {
+				err = commitResult(br.Exec())
+			}
+			if err = closeBatch(br, err); err != nil {
+				rollback(ctx, tx)
+				return Result{}, unavailableIf(connLost(conn) || isUnavailable(err), err)
+			}
+			return out.result(), nil
+		}
+
+		b = &pgx.Batch{}
+		queueRead(b, k)
+		b.Queue("COMMIT") // ends the read's planner setting with the transaction
+		br = tx.SendBatch(ctx, b)
+		row, found, err := readRow(br)
+		if err == nil {
+			err = commitResult(br.Exec())
+		}
+		if err = closeBatch(br, err); err != nil {
+			rollback(ctx, tx)
+			return Result{}, unavailableIf(connLost(conn) || isUnavailable(err), fmt.Errorf("idem: read key: %w", err))
+		}
+		res, then, err := c.judge(row, found, fp, k)
+		if then == nextDone {
+			return res, err
+		}
+		takeOver = then == nextTakeOver
+	}
+	return Result{}, c.inProgressOn(k)
+}
+
+// runOwnFn runs fn in DoInTx's transaction and decides the outcome to
+// store. If fn panics, the transaction is rolled back before the panic goes
+// on.
+func (c *Client) runOwnFn(ctx context.Context, tx pgx.Tx,
+	fn func(ctx context.Context, tx pgx.Tx) (Response, error), cl *call) (outcome, error) {
+	panicked := true
+	defer func() {
+		if panicked {
+			rollback(ctx, tx)
+		}
 	}()
-	// fn's errors come back as they are, unless the store failed under
-	// them: the connection is gone, or the server said it cannot serve.
-	// (Looking at the connection is safe only while it is held here: a
-	// transaction of another Beginner may have given it back already.)
-	held := isHeld(db, tx)
-	if err := fn(ctx, tx); err != nil {
-		return unavailableIf(held && connLost(tx) || serverSaidUnavailable(err), err)
+	var resp Response
+	var err error
+	cl.timeFn(func() { resp, err = fn(ctx, tx) })
+	panicked = false
+	return c.decide(resp, err)
+}
+
+// commitResult checks the result of a COMMIT sent in a batch.
+func commitResult(tag pgconn.CommandTag, err error) error {
+	if err == nil && tag.String() == "ROLLBACK" {
+		err = pgx.ErrTxCommitRollback // the transaction was aborted
 	}
-	if err := tx.Commit(ctx); err != nil {
-		return unavailableIf(held && connLost(tx) || isUnavailable(err), fmt.Errorf("idem: commit: %w", err))
+	if err != nil {
+		return fmt.Errorf("idem: commit: %w", err)
 	}
-	committed = true
 	return nil
+}
+
+// rollback rolls tx back, even when ctx is done. A transaction that a
+// batch already ended answers with a warning only.
+func rollback(ctx context.Context, tx pgx.Tx) {
+	ctx, cancel := cleanupContext(ctx)
+	defer cancel()
+	_ = tx.Rollback(ctx)
 }
 
 // unavailableIf wraps err with ErrUnavailable when lost is true.
@@ -164,15 +307,16 @@ func unavailableIf(lost bool, err error) error {
 	return fmt.Errorf("%w: %w", ErrUnavailable, err)
 }
 
-// isHeld reports whether the connection under tx stays with this call
-// until it returns: a pipeTx holds a pooled or given connection, and a
-// savepoint of the caller's transaction cannot end before the caller does.
-func isHeld(db Beginner, tx pgx.Tx) bool {
-	if _, ok := tx.(*pipeTx); ok {
+// connHeld reports whether the connection of a transaction begun on db
+// stays with that transaction until it ends: it does for a pool, a
+// connection and a caller's transaction; another Beginner may hand it back
+// early.
+func connHeld(db Beginner) bool {
+	switch db.(type) {
+	case *pgxpool.Pool, *pgx.Conn, pgx.Tx:
 		return true
 	}
-	_, nested := db.(pgx.Tx)
-	return nested
+	return false
 }
 
 // serverSaidUnavailable reports whether err holds a server error that
@@ -182,44 +326,38 @@ func serverSaidUnavailable(err error) bool {
 	return errors.As(err, &pgErr) && serverUnavailable(pgErr)
 }
 
-// connLost reports whether the connection under tx is closed: the server
-// went away or the connection broke while the transaction was open.
-func connLost(tx pgx.Tx) bool {
-	conn := tx.Conn()
+// connLost reports whether conn is closed: the server went away or the
+// connection broke.
+func connLost(conn *pgx.Conn) bool {
 	return conn != nil && conn.IsClosed()
 }
 
-// begin starts a transaction on db. On a pool or a connection it is a
-// pipeTx, which sends BEGIN with the first statement; fold lets Do commit it
-// in its last round trip. release gives the connection back.
-func (c *Client) begin(ctx context.Context, db Beginner, fold bool) (tx pgx.Tx, release func(), err error) {
-	conn, release, ok, err := connFor(ctx, db)
-	if err != nil {
-		return nil, nil, err
+var errConnInTx = fmt.Errorf("%w: the connection is in a transaction; pass that pgx.Tx instead", ErrInvalidArgument)
+
+// begin starts a transaction on db, at the configured isolation level
+// unless db is a pgx.Tx (a savepoint runs at its transaction's level).
+func (c *Client) begin(ctx context.Context, db Beginner) (pgx.Tx, error) {
+	if conn, ok := db.(*pgx.Conn); ok && conn.PgConn().TxStatus() != 'I' {
+		// BEGIN would only warn, and COMMIT would end the caller's
+		// transaction.
+		return nil, errConnInTx
 	}
-	if ok {
-		return &pipeTx{conn: conn, opts: c.txOptions, fold: fold}, release, nil
-	}
-	release = func() {}
 	level := c.cfg.IsolationLevel
 	if _, nested := db.(pgx.Tx); level == "" || nested {
-		// A savepoint runs at its transaction's isolation level.
-		tx, err := db.Begin(ctx)
-		return tx, release, err
+		return db.Begin(ctx)
 	}
 	if tb, ok := db.(txBeginner); ok {
-		tx, err := tb.BeginTx(ctx, c.txOptions)
-		return tx, release, err
+		return tb.BeginTx(ctx, c.txOptions)
 	}
-	tx, err = db.Begin(ctx)
+	tx, err := db.Begin(ctx)
 	if err != nil {
-		return nil, nil, err
+		return nil, err
 	}
 	if _, err := tx.Exec(ctx, "SET TRANSACTION ISOLATION LEVEL "+string(level)); err != nil {
-		_ = tx.Rollback(ctx)
-		return nil, nil, err
+		rollback(ctx, tx)
+		return nil, err
 	}
-	return tx, release, nil
+	return tx, nil
 }
 
 // backoff returns a jittered exponential delay for retry number attempt.

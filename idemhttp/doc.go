@@ -21,5 +21,17 @@
 // panics store nothing, so a retry runs again. See Middleware for the
 // details and Options for the knobs.
 //
+// A request the handler refuses as invalid before acting on it (a body that
+// does not parse or validate) is not stored either, when the handler says
+// so with Invalid: the client corrects the request and sends it again with
+// the same key, and it runs.
+//
+//	req, err := parseOrder(body)
+//	if err != nil {
+//		idemhttp.Invalid(r.Context()) // not stored: the key stays free
+//		http.Error(w, "The order needs an item.", http.StatusBadRequest)
+//		return
+//	}
+//
 // Run idem.Migrate once before use.
 package idemhttp

@@ -2,6 +2,7 @@ package idemhttp_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -9,29 +10,20 @@ import (
 	"net/http/httptest"
 	"strings"
 
-	"github.com/jackc/pgx/v5/pgxpool"
-
-	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemhttp"
-	"github.com/pgidem/idem/internal/pgtest"
 )
 
 // An order service: the handler's INSERT commits with the key and the
 // stored response, and a retry of the same request gets the same order
-// back instead of a second one.
-func Example() {
+// back instead of a second one. A body the handler refuses as invalid is
+// not stored (Invalid): the client corrects it and sends it again with the
+// same key, and the order is placed.
+func ExampleMiddleware() {
 	ctx := context.Background()
-	url, drop, err := pgtest.NewDatabase(ctx, idem.Migrate)
-	if err != nil {
-		panic(err)
-	}
-	defer drop()
-	pool, err := pgxpool.New(ctx, url)
-	if err != nil {
-		panic(err)
-	}
-	defer pool.Close()
-	if _, err := pool.Exec(ctx, `CREATE TABLE orders (id bigserial PRIMARY KEY, item text NOT NULL)`); err != nil {
+	pool, closeDB := examplePool() // the application's *pgxpool.Pool
+	defer closeDB()
+	if _, err := pool.Exec(ctx, `CREATE TABLE orders (
+		id bigserial PRIMARY KEY, customer text NOT NULL, item text NOT NULL, quantity int NOT NULL)`); err != nil {
 		panic(err)
 	}
 
@@ -39,18 +31,31 @@ func Example() {
 	// user name.
 	userFromToken := func(r *http.Request) (string, error) {
 		user, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer ")
-		if !ok {
+		if !ok || user == "" {
 			return "", errors.New("not authenticated")
 		}
 		return user, nil
 	}
 
-	mw := idemhttp.Middleware(pool, idemhttp.Options{Actor: userFromToken})
-	mux := http.NewServeMux()
-	mux.Handle("POST /orders", mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+	// placeOrder is the handler: it runs once per key, in the transaction
+	// of idemhttp.Tx.
+	placeOrder := func(w http.ResponseWriter, r *http.Request) {
+		var order struct {
+			Item     string `json:"item"`
+			Quantity int    `json:"quantity"`
+		}
+		if err := json.NewDecoder(r.Body).Decode(&order); err != nil || order.Item == "" || order.Quantity < 1 {
+			idemhttp.Invalid(r.Context()) // not stored: the key stays free for the corrected body
+			w.Header().Set("Content-Type", "application/problem+json")
+			w.WriteHeader(http.StatusBadRequest)
+			fmt.Fprint(w, `{"title":"An order needs an item and a quantity of at least 1."}`)
+			return
+		}
+		customer, _ := userFromToken(r) // the middleware has authenticated the request
 		var id int64
 		err := idemhttp.Tx(r.Context()).QueryRow(r.Context(),
-			`INSERT INTO orders (item) VALUES ('goose') RETURNING id`).Scan(&id)
+			`INSERT INTO orders (customer, item, quantity) VALUES ($1, $2, $3) RETURNING id`,
+			customer, order.Item, order.Quantity).Scan(&id)
 		if err != nil {
 			http.Error(w, "database error", http.StatusInternalServerError) // rolled back, not stored
 			return
@@ -59,7 +64,11 @@ func Example() {
 		w.Header().Set("Location", fmt.Sprintf("/orders/%d", id))
 		w.WriteHeader(http.StatusCreated)
 		fmt.Fprintf(w, `{"order":%d}`, id)
-	})))
+	}
+
+	mw := idemhttp.Middleware(pool, idemhttp.Options{Actor: userFromToken})
+	mux := http.NewServeMux()
+	mux.Handle("POST /orders", mw(http.HandlerFunc(placeOrder)))
 	srv := httptest.NewServer(mux)
 	defer srv.Close()
 
@@ -77,9 +86,11 @@ func Example() {
 		fmt.Printf("%d replayed=%q location=%q %s\n", resp.StatusCode,
 			resp.Header.Get("Idempotent-Replayed"), resp.Header.Get("Location"), b)
 	}
-	post("9b1d2c6e-0d0f-4a57-8a1e-3b5f1c2d4e6f", `{"item":"goose"}`)
-	post("9b1d2c6e-0d0f-4a57-8a1e-3b5f1c2d4e6f", `{ "item": "goose" }`) // a retry
-	post("9b1d2c6e-0d0f-4a57-8a1e-3b5f1c2d4e6f", `{"item":"swan"}`)     // a client bug
+	const key = "9b1d2c6e-0d0f-4a57-8a1e-3b5f1c2d4e6f" // one intent, one key
+	post(key, `{"item":"goose","quantity":"two"}`)     // invalid: refused, not stored
+	post(key, `{"item":"goose","quantity":2}`)         // corrected, same key: placed
+	post(key, `{ "quantity": 2, "item": "goose" }`)    // a retry: the same order back
+	post(key, `{"item":"swan","quantity":2}`)          // a client bug: another order, same key
 
 	var orders int
 	if err := pool.QueryRow(ctx, `SELECT count(*) FROM orders`).Scan(&orders); err != nil {
@@ -87,6 +98,7 @@ func Example() {
 	}
 	fmt.Println("orders:", orders)
 	// Output:
+	// 400 replayed="" location="" {"title":"An order needs an item and a quantity of at least 1."}
 	// 201 replayed="" location="/orders/1" {"order":1}
 	// 201 replayed="true" location="/orders/1" {"order":1}
 	// 422 replayed="" location="" {"type":"about:blank","title":"Unprocessable Entity","status":422,"code":"IDEMPOTENCY_KEY_REUSED","detail":"This Idempotency-Key was used for a different request."}

@@ -203,6 +203,27 @@ func newEnv(t *testing.T, cfg envConfig) *env {
 		w.WriteHeader(status)
 		fmt.Fprint(w, "boom")
 	})
+	// /validate writes, then refuses with Invalid and 400 a body whose
+	// "qty" is not a positive integer (?status=N answers N instead).
+	handle("POST /validate", func(w http.ResponseWriter, r *http.Request) {
+		id := effect(r)
+		body, _ := io.ReadAll(r.Body)
+		var req struct {
+			Qty int `json:"qty"`
+		}
+		if err := json.Unmarshal(body, &req); err != nil || req.Qty <= 0 {
+			idemhttp.Invalid(r.Context())
+			status := http.StatusBadRequest
+			if s := r.URL.Query().Get("status"); s != "" {
+				status, _ = strconv.Atoi(s)
+			}
+			w.Header().Set("Content-Type", "application/problem+json")
+			w.WriteHeader(status)
+			fmt.Fprint(w, `{"code":"INVALID_QTY"}`)
+			return
+		}
+		created(w, id, body)
+	})
 	handle("POST /panic", func(w http.ResponseWriter, r *http.Request) {
 		effect(r)
 		panic("handler bug")

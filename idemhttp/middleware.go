@@ -18,7 +18,6 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 
 	"github.com/pgidem/idem"
 )
@@ -121,6 +120,10 @@ var (
 // txKey is the context key of the request's transaction.
 type txKey struct{}
 
+// runKey is the context key of the buffer of the handler's current run,
+// which Invalid marks.
+type runKey struct{}
+
 // Tx returns the transaction of the covered request that ctx belongs to
 // (the handler's r.Context()), or nil outside one.
 //
@@ -133,6 +136,31 @@ type txKey struct{}
 func Tx(ctx context.Context) pgx.Tx {
 	tx, _ := ctx.Value(txKey{}).(pgx.Tx)
 	return tx
+}
+
+// Invalid tells the middleware that the handler refuses the covered request
+// that ctx belongs to (the handler's r.Context()) as invalid, before acting
+// on it: a body that does not parse, a field out of range. The handler then
+// writes its 4xx answer as usual, and that answer is not stored: the
+// handler's writes and the claim of the key are rolled back, the client gets
+// the answer as the handler wrote it, and the key stays free, so the client
+// can correct the request and send it again with the same key, and it runs.
+//
+// Without Invalid, a 4xx answer is a deterministic refusal, stored and
+// replayed to every retry with the key (see Middleware): right for a
+// business refusal that would come out the same on each retry (insufficient
+// funds), wrong for a mistake the client is expected to fix. As in Stripe's
+// practice, a result is stored only once the operation started executing.
+//
+// Call Invalid only for answers 400 to 499: a 2xx or 3xx answer after it is
+// a programming error, rolled back and answered 500 (CodeInternal, logged);
+// a 5xx answer is not stored anyway. Invalid applies to the current run of
+// the handler only (it runs again, unmarked, after a serialization failure),
+// is safe for concurrent use, and does nothing outside a covered request.
+func Invalid(ctx context.Context) {
+	if buf, ok := ctx.Value(runKey{}).(*bufferWriter); ok {
+		buf.invalid.Store(true)
+	}
 }
 
 // Middleware returns middleware that makes the covered requests (POST and
@@ -151,10 +179,11 @@ func Tx(ctx context.Context) pgx.Tx {
 //     client gets a 5xx problem and nothing is stored.
 //   - 4xx, except 408, 425 and 429: a deterministic refusal. The handler's
 //     writes are rolled back; the refusal is stored and replayed.
-//   - 5xx, 408, 425, 429, or a panic: everything is rolled back and nothing
-//     is stored, so a retry runs again. The client gets the handler's own
-//     response (a panic gets a 500 problem; http.ErrAbortHandler is
-//     re-panicked after the rollback).
+//   - 4xx after the handler called Invalid (a request refused as invalid,
+//     before anything ran), 5xx, 408, 425, 429, or a panic: everything is
+//     rolled back and nothing is stored, so a retry runs again. The client
+//     gets the handler's own response (a panic gets a 500 problem;
+//     http.ErrAbortHandler is re-panicked after the rollback).
 //
 // A later request with the same key, actor, operation and fingerprint gets
 // the stored status, stored headers and body byte for byte, plus
@@ -300,8 +329,19 @@ func isToken(s string) bool {
 }
 
 // errNotStored is what the handler's function returns to roll back a
-// response that must not be stored (5xx, 408, 425, 429).
+// response that must not be stored (5xx, 408, 425, 429, and 4xx after
+// Invalid).
 var errNotStored = errors.New("idemhttp: response not stored")
+
+// invalidOutcome is what the handler's function returns when the handler
+// called Invalid and answered status: errNotStored, or for a 2xx or 3xx an
+// error that is answered 500.
+func invalidOutcome(status int) error {
+	if status < 400 {
+		return fmt.Errorf("idemhttp: the handler called Invalid but answered %d; Invalid is for 4xx answers", status)
+	}
+	return errNotStored
+}
 
 // stores reports whether a handler response with status is final: stored
 // and replayed (2xx, 3xx, and 4xx refusals other than 408, 425 and 429).
@@ -403,7 +443,8 @@ func (m *middleware) readBody(w http.ResponseWriter, r *http.Request) (body []by
 // returns the buffer. A panic of the handler goes on to the caller.
 func (m *middleware) run(ctx context.Context, tx pgx.Tx, r *http.Request, base http.Header, body []byte) *bufferWriter {
 	buf := newBufferWriter(base, m.maxResponse)
-	req := r.WithContext(context.WithValue(ctx, txKey{}, tx))
+	ctx = context.WithValue(context.WithValue(ctx, txKey{}, tx), runKey{}, buf)
+	req := r.WithContext(ctx)
 	req.Body = io.NopCloser(bytes.NewReader(body))
 	req.ContentLength = int64(len(body))
 	m.next.ServeHTTP(buf, req)
@@ -426,6 +467,8 @@ func (m *middleware) serveKeyed(ctx context.Context, w http.ResponseWriter, r *h
 			status, header := buf.result()
 			resp := idem.Response{Status: status, Header: m.storedHeader(header), Body: buf.body.Bytes()}
 			switch {
+			case buf.invalid.Load():
+				return idem.Response{}, invalidOutcome(status)
 			case !stores(status):
 				return idem.Response{}, errNotStored
 			case status >= 400:
@@ -472,7 +515,11 @@ func (m *middleware) serveUnkeyed(ctx context.Context, w http.ResponseWriter, r 
 			if buf.tooBig {
 				return fmt.Errorf("%w: the handler wrote more than %d bytes", idem.ErrResponseTooLarge, m.maxResponse)
 			}
-			if status, _ := buf.result(); status >= 400 {
+			status, _ := buf.result()
+			switch {
+			case buf.invalid.Load():
+				return invalidOutcome(status)
+			case status >= 400:
 				return errNotStored
 			}
 			return nil
@@ -565,29 +612,14 @@ func (m *middleware) storedHeader(h http.Header) map[string][]string {
 	return out
 }
 
-// storeStatus classifies an error of the store: 503 when the database could
-// not be reached or gave up (connection failures, timeouts, SQLSTATE
-// classes 08, 53, 57 and 58), 500 otherwise.
+// storeStatus classifies an error of the store with idem.Unavailable: 503
+// when the database could not serve (the client should retry with the same
+// key), 500 otherwise.
 func storeStatus(err error) int {
-	switch {
-	case errors.Is(err, idem.ErrUnavailable):
+	if idem.Unavailable(err) {
 		return http.StatusServiceUnavailable
-	case errors.Is(err, idem.ErrResponseTooLarge), errors.Is(err, idem.ErrInvalidResponse),
-		errors.Is(err, idem.ErrInvalidArgument), errors.Is(err, idem.ErrInvalidScope),
-		errors.Is(err, idem.ErrFenced):
-		return http.StatusInternalServerError
 	}
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) {
-		if len(pgErr.Code) == 5 {
-			switch pgErr.Code[:2] {
-			case "08", "53", "57", "58":
-				return http.StatusServiceUnavailable
-			}
-		}
-		return http.StatusInternalServerError
-	}
-	return http.StatusServiceUnavailable
+	return http.StatusInternalServerError
 }
 
 // writeBuffered writes the handler's response as it buffered it.

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"fmt"
 	"net/http"
+	"sync/atomic"
 
 	"github.com/pgidem/idem"
 )
@@ -28,6 +29,8 @@ type bufferWriter struct {
 	body   bytes.Buffer
 	limit  int  // largest body kept
 	tooBig bool // the handler wrote more than limit
+
+	invalid atomic.Bool // the handler called Invalid
 }
 
 func newBufferWriter(base http.Header, limit int) *bufferWriter {

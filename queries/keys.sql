@@ -1,69 +1,84 @@
+-- The statements of Do and DoInTx. Their access paths do not depend on the
+-- planner's statistics: the claim, the take-over and the completion are
+-- INSERT ... ON CONFLICT, which always finds the key through the primary key
+-- (the arbiter index), and KeyGet is only ever run with enable_seqscan off
+-- for the statement's own savepoint or transaction (see claim.go), so even
+-- the generic plan a connection caches while the table is empty, or while
+-- its statistics say so, is the primary key index.
+
+-- Bounds the wait of the next statement for a concurrent claim of the same
+-- key: saves the caller's lock_timeout in idem.lock_timeout and sets
+-- @lock_timeout, both local to the transaction. The subquery is volatile, so
+-- it is never flattened away: it runs first, on every execution.
+-- name: LockTimeoutSet :exec
+SELECT set_config('lock_timeout', sqlc.arg(lock_timeout)::text, true)
+FROM (SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true)) AS saved;
+
+-- Restores the lock_timeout that LockTimeoutSet saved.
+-- name: LockTimeoutRestore :exec
+SELECT set_config('lock_timeout', current_setting('idem.lock_timeout'), true);
+
 -- Claims a key for the calling transaction. The primary key picks a single
 -- winner: while another transaction holds an uncommitted claim on the same
--- key, the INSERT waits for it to finish, at most @lock_timeout, which is set
--- while the row to insert is computed (before the insert can wait) after the
--- caller's value is saved. RETURNING restores the caller's value; it runs
--- only when the row was inserted. No row means a committed row holds the key:
--- KeyGetAfterClaim then reads it and restores lock_timeout.
+-- key, the INSERT waits for it to end. No row means a committed row holds
+-- the key: KeyGet reads it.
 -- name: KeyClaim :one
 INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, expires_at)
-SELECT sqlc.arg(actor)::text, sqlc.arg(operation)::text, sqlc.arg(idem_key)::text,
-       sqlc.arg(fingerprint)::bytea, 'processing',
-       now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond')
-FROM (SELECT set_config('lock_timeout', sqlc.arg(lock_timeout)::text, true)
-      FROM (SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true)) AS saved
-     ) AS bounded_wait
+VALUES (@actor, @operation, @idem_key, @fingerprint, 'processing',
+        now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond'))
 ON CONFLICT (actor, operation, idem_key) DO NOTHING
-RETURNING (set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), true) IS NOT NULL)::boolean AS claimed;
+RETURNING true AS claimed;
 
--- Restores the lock_timeout saved by KeyClaim or KeyTakeOver and reads the
--- row that holds a key. It always returns one row; found is false when no row
--- holds the key.
--- name: KeyGetAfterClaim :one
-SELECT (k.idem_key IS NOT NULL)::boolean AS found,
-       coalesce(k.fingerprint, '')::bytea AS fingerprint,
-       coalesce(k.status, '')::text AS status,
-       k.response_status, k.response_headers, k.response_body,
-       coalesce(k.expires_at <= now(), false)::boolean AS expired
-FROM (SELECT set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), true)) AS restored
-LEFT JOIN idem_keys AS k
-  ON k.actor = @actor AND k.operation = @operation AND k.idem_key = @idem_key;
-
--- Claims a key whose row has expired: an expired key is a new request. Like
--- KeyClaim it waits at most @lock_timeout for a concurrent claim and restores
--- the caller's lock_timeout when it returns a row. Returns no row when the row
--- is gone or no longer expired (another transaction took it over first).
+-- Claims a key whose row is over: a finished row past its TTL (an expired
+-- key is a new request), or a reservation that certainly did not execute
+-- ('failed_retryable') asked for again with the same fingerprint. Returns no
+-- row when the row holding the key is neither (another transaction took it
+-- over first). Inserts when the row is gone (pruned).
 -- name: KeyTakeOver :one
-UPDATE idem_keys
-SET fingerprint      = @fingerprint,
+INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, expires_at)
+VALUES (@actor, @operation, @idem_key, @fingerprint, 'processing',
+        now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond'))
+ON CONFLICT (actor, operation, idem_key) DO UPDATE
+SET fingerprint      = excluded.fingerprint,
     status           = 'processing',
     response_status  = NULL,
     response_headers = NULL,
     response_body    = NULL,
     created_at       = now(),
     completed_at     = NULL,
-    expires_at       = now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond')
-FROM (SELECT set_config('lock_timeout', sqlc.arg(lock_timeout)::text, true) AS lock_timeout
-      FROM (SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true)) AS saved
-     ) AS bounded_wait
-WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
-  AND expires_at <= now()
-RETURNING (set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), true) IS NOT NULL)::boolean AS claimed;
+    expires_at       = excluded.expires_at,
+    token            = 0,
+    lease_expires_at = NULL,
+    last_error       = NULL
+WHERE (k.expires_at <= now() AND k.status IN ('succeeded', 'rejected', 'failed_retryable'))
+   OR (k.status = 'failed_retryable' AND k.fingerprint = excluded.fingerprint)
+RETURNING true AS claimed;
 
--- Stores the final outcome of a claimed key.
+-- Stores the final outcome of a key this transaction claimed. Should the
+-- claimed row be gone (fn deleted it), the outcome is inserted whole, so the
+-- key never commits without its outcome; a row that is no longer this
+-- claim's 'processing' is left alone and no row is affected.
 -- name: KeyComplete :execrows
-UPDATE idem_keys
-SET status           = @status,
-    response_status  = @response_status,
-    response_headers = @response_headers,
-    response_body    = @response_body,
-    completed_at     = now()
-WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
-  AND status = 'processing';
+INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, expires_at,
+                            response_status, response_headers, response_body, completed_at)
+VALUES (@actor, @operation, @idem_key, @fingerprint, @status,
+        now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond'),
+        sqlc.arg(response_status)::integer, sqlc.narg(response_headers)::text::jsonb,
+        sqlc.arg(response_body)::bytea, now())
+ON CONFLICT (actor, operation, idem_key) DO UPDATE
+SET status           = excluded.status,
+    response_status  = excluded.response_status,
+    response_headers = excluded.response_headers,
+    response_body    = excluded.response_body,
+    completed_at     = excluded.completed_at
+WHERE k.status = 'processing' AND k.token = 0 AND k.fingerprint = excluded.fingerprint;
 
--- Gives up a claim that this transaction holds, after fn failed: the key is
--- free again once the transaction ends.
--- name: KeyRelease :exec
-DELETE FROM idem_keys
-WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
-  AND status = 'processing';
+-- Reads the committed row that holds a key, with what the database clock
+-- says of its TTL and lease. Run only with enable_seqscan off (see above).
+-- name: KeyGet :one
+SELECT fingerprint, status, response_status, response_headers, response_body,
+       (expires_at <= now())::boolean AS expired,
+       (lease_expires_at IS NOT NULL)::boolean AS leased,
+       coalesce((extract(epoch FROM lease_expires_at - now()) * 1000)::bigint, 0)::bigint AS lease_left_ms
+FROM idem_keys
+WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key;

@@ -17,13 +17,12 @@ ON CONFLICT (actor, operation, idem_key) DO NOTHING
 RETURNING token, lease_expires_at;
 
 -- Locks and reads the row that holds a key, with what the database clock
--- says about it: expired (past its TTL), lease_live, and the lease's
--- remaining time.
+-- says of its TTL and lease (the columns KeyGet reads, for judge).
 -- name: ReserveLock :one
 SELECT sqlc.embed(idem_keys),
        (expires_at <= now())::boolean AS expired,
-       coalesce(lease_expires_at > now(), false)::boolean AS lease_live,
-       coalesce((extract(epoch FROM lease_expires_at - now()) * 1000000)::bigint, 0)::bigint AS lease_remaining_micros
+       (lease_expires_at IS NOT NULL)::boolean AS leased,
+       coalesce((extract(epoch FROM lease_expires_at - now()) * 1000)::bigint, 0)::bigint AS lease_left_ms
 FROM idem_keys
 WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
 FOR UPDATE;

@@ -1,6 +1,6 @@
 module github.com/pgidem/idem/tools
 
-go 1.26.8
+go 1.26.0
 
 tool github.com/sqlc-dev/sqlc/cmd/sqlc
 

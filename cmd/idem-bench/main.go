@@ -63,6 +63,7 @@ import (
 	"syscall"
 	"time"
 
+	_ "github.com/pgidem/idem/cmd/internal/pgcontainer" // Resolve may start a Docker container
 	"github.com/pgidem/idem/internal/pgserver"
 )
 

@@ -38,6 +38,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
+	_ "github.com/pgidem/idem/cmd/internal/pgcontainer" // Resolve may start a Docker container
 	"github.com/pgidem/idem/internal/draw"
 	"github.com/pgidem/idem/internal/pgserver"
 )

@@ -193,7 +193,9 @@ func bearerUser(r *http.Request) (string, error) {
 //	POST /v1/draws           {"box_id":1,"quantity":2}, with Idempotency-Key
 //	GET  /v1/wallets/{user}  the user's points and prizes (own wallet only)
 //
-// and the payment routes of registerPayments.
+// and the payment routes of registerPayments. Every error is
+// application/problem+json, including the 404 and 405 of requests that match
+// no route.
 func newAPI(pool *pgxpool.Pool, intn func(int) int, log *slog.Logger) http.Handler {
 	idempotent := idemhttp.Middleware(pool, idemhttp.Options{Actor: bearerUser, Logger: log})
 	mux := http.NewServeMux()
@@ -202,7 +204,14 @@ func newAPI(pool *pgxpool.Pool, intn func(int) int, log *slog.Logger) http.Handl
 		body, _ := io.ReadAll(r.Body)
 		req, err := draw.ParseRequest(body)
 		if err != nil {
-			writeResponse(w, draw.Problem(http.StatusUnprocessableEntity, draw.CodeInvalidRequest, err.Error()))
+			// Not stored: the client corrects the body and sends it
+			// again with the same key, and the draw runs.
+			idemhttp.Invalid(r.Context())
+			reason := "The body is not a valid draw request."
+			if invalid, ok := errors.AsType[*draw.RequestError](err); ok {
+				reason = invalid.Reason
+			}
+			writeResponse(w, draw.Problem(http.StatusUnprocessableEntity, draw.CodeInvalidRequest, reason))
 			return
 		}
 		// A refusal comes back as its 4xx response; the middleware then
@@ -236,7 +245,57 @@ func newAPI(pool *pgxpool.Pool, intn func(int) int, log *slog.Logger) http.Handl
 		_, _ = w.Write(body)
 	})
 	registerPayments(mux, newPayments(pool, newGateway()), log)
-	return mux
+	return unroutedProblems(mux)
+}
+
+// unroutedProblems answers the requests that match no route of mux with a
+// problem (404 NOT_FOUND, or 405 METHOD_NOT_ALLOWED with mux's Allow
+// header) instead of mux's text/plain ones.
+func unroutedProblems(mux *http.ServeMux) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		h, pattern := mux.Handler(r)
+		if pattern != "" {
+			mux.ServeHTTP(w, r)
+			return
+		}
+		// Let mux's own answer tell 404 from 405, and which methods the
+		// path takes.
+		var probe statusProbe
+		h.ServeHTTP(&probe, r)
+		if probe.status == http.StatusMethodNotAllowed {
+			allow := probe.header.Get("Allow")
+			w.Header().Set("Allow", allow)
+			writeResponse(w, draw.Problem(http.StatusMethodNotAllowed, "METHOD_NOT_ALLOWED",
+				fmt.Sprintf("%s does not take %s; it takes %s.", r.URL.Path, r.Method, allow)))
+			return
+		}
+		writeResponse(w, draw.Problem(http.StatusNotFound, "NOT_FOUND", "No such endpoint."))
+	})
+}
+
+// statusProbe is a ResponseWriter that keeps the status and header of a
+// response and drops its body.
+type statusProbe struct {
+	header http.Header
+	status int
+}
+
+func (p *statusProbe) Header() http.Header {
+	if p.header == nil {
+		p.header = http.Header{}
+	}
+	return p.header
+}
+
+func (p *statusProbe) WriteHeader(status int) {
+	if p.status == 0 {
+		p.status = status
+	}
+}
+
+func (p *statusProbe) Write(b []byte) (int, error) {
+	p.WriteHeader(http.StatusOK)
+	return len(b), nil
 }
 
 func writeResponse(w http.ResponseWriter, resp idem.Response) {

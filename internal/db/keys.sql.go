@@ -13,14 +13,10 @@ import (
 
 const KeyClaim = `-- name: KeyClaim :one
 INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, expires_at)
-SELECT $1::text, $2::text, $3::text,
-       $4::bytea, 'processing',
-       now() + ($5::bigint * interval '1 microsecond')
-FROM (SELECT set_config('lock_timeout', $6::text, true)
-      FROM (SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true)) AS saved
-     ) AS bounded_wait
+VALUES ($1, $2, $3, $4, 'processing',
+        now() + ($5::bigint * interval '1 microsecond'))
 ON CONFLICT (actor, operation, idem_key) DO NOTHING
-RETURNING (set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), true) IS NOT NULL)::boolean AS claimed
+RETURNING true AS claimed
 `
 
 type KeyClaimParams struct {
@@ -29,16 +25,12 @@ type KeyClaimParams struct {
 	IdemKey     string
 	Fingerprint []byte
 	TtlMicros   int64
-	LockTimeout string
 }
 
 // Claims a key for the calling transaction. The primary key picks a single
 // winner: while another transaction holds an uncommitted claim on the same
-// key, the INSERT waits for it to finish, at most @lock_timeout, which is set
-// while the row to insert is computed (before the insert can wait) after the
-// caller's value is saved. RETURNING restores the caller's value; it runs
-// only when the row was inserted. No row means a committed row holds the key:
-// KeyGetAfterClaim then reads it and restores lock_timeout.
+// key, the INSERT waits for it to end. No row means a committed row holds
+// the key: KeyGet reads it.
 func (q *Queries) KeyClaim(ctx context.Context, db DBTX, arg KeyClaimParams) (bool, error) {
 	row := db.QueryRow(ctx, KeyClaim,
 		arg.Actor,
@@ -46,7 +38,6 @@ func (q *Queries) KeyClaim(ctx context.Context, db DBTX, arg KeyClaimParams) (bo
 		arg.IdemKey,
 		arg.Fingerprint,
 		arg.TtlMicros,
-		arg.LockTimeout,
 	)
 	var claimed bool
 	err := row.Scan(&claimed)
@@ -54,36 +45,48 @@ func (q *Queries) KeyClaim(ctx context.Context, db DBTX, arg KeyClaimParams) (bo
 }
 
 const KeyComplete = `-- name: KeyComplete :execrows
-UPDATE idem_keys
-SET status           = $1,
-    response_status  = $2,
-    response_headers = $3,
-    response_body    = $4,
-    completed_at     = now()
-WHERE actor = $5 AND operation = $6 AND idem_key = $7
-  AND status = 'processing'
+INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, expires_at,
+                            response_status, response_headers, response_body, completed_at)
+VALUES ($1, $2, $3, $4, $5,
+        now() + ($6::bigint * interval '1 microsecond'),
+        $7::integer, $8::text::jsonb,
+        $9::bytea, now())
+ON CONFLICT (actor, operation, idem_key) DO UPDATE
+SET status           = excluded.status,
+    response_status  = excluded.response_status,
+    response_headers = excluded.response_headers,
+    response_body    = excluded.response_body,
+    completed_at     = excluded.completed_at
+WHERE k.status = 'processing' AND k.token = 0 AND k.fingerprint = excluded.fingerprint
 `
 
 type KeyCompleteParams struct {
-	Status          string
-	ResponseStatus  pgtype.Int4
-	ResponseHeaders []byte
-	ResponseBody    []byte
 	Actor           string
 	Operation       string
 	IdemKey         string
+	Fingerprint     []byte
+	Status          string
+	TtlMicros       int64
+	ResponseStatus  int32
+	ResponseHeaders pgtype.Text
+	ResponseBody    []byte
 }
 
-// Stores the final outcome of a claimed key.
+// Stores the final outcome of a key this transaction claimed. Should the
+// claimed row be gone (fn deleted it), the outcome is inserted whole, so the
+// key never commits without its outcome; a row that is no longer this
+// claim's 'processing' is left alone and no row is affected.
 func (q *Queries) KeyComplete(ctx context.Context, db DBTX, arg KeyCompleteParams) (int64, error) {
 	result, err := db.Exec(ctx, KeyComplete,
-		arg.Status,
-		arg.ResponseStatus,
-		arg.ResponseHeaders,
-		arg.ResponseBody,
 		arg.Actor,
 		arg.Operation,
 		arg.IdemKey,
+		arg.Fingerprint,
+		arg.Status,
+		arg.TtlMicros,
+		arg.ResponseStatus,
+		arg.ResponseHeaders,
+		arg.ResponseBody,
 	)
 	if err != nil {
 		return 0, err
@@ -91,111 +94,125 @@ func (q *Queries) KeyComplete(ctx context.Context, db DBTX, arg KeyCompleteParam
 	return result.RowsAffected(), nil
 }
 
-const KeyGetAfterClaim = `-- name: KeyGetAfterClaim :one
-SELECT (k.idem_key IS NOT NULL)::boolean AS found,
-       coalesce(k.fingerprint, '')::bytea AS fingerprint,
-       coalesce(k.status, '')::text AS status,
-       k.response_status, k.response_headers, k.response_body,
-       coalesce(k.expires_at <= now(), false)::boolean AS expired
-FROM (SELECT set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), true)) AS restored
-LEFT JOIN idem_keys AS k
-  ON k.actor = $1 AND k.operation = $2 AND k.idem_key = $3
+const KeyGet = `-- name: KeyGet :one
+SELECT fingerprint, status, response_status, response_headers, response_body,
+       (expires_at <= now())::boolean AS expired,
+       (lease_expires_at IS NOT NULL)::boolean AS leased,
+       coalesce((extract(epoch FROM lease_expires_at - now()) * 1000)::bigint, 0)::bigint AS lease_left_ms
+FROM idem_keys
+WHERE actor = $1 AND operation = $2 AND idem_key = $3
 `
 
-type KeyGetAfterClaimParams struct {
+type KeyGetParams struct {
 	Actor     string
 	Operation string
 	IdemKey   string
 }
 
-type KeyGetAfterClaimRow struct {
-	Found           bool
+type KeyGetRow struct {
 	Fingerprint     []byte
 	Status          string
 	ResponseStatus  pgtype.Int4
 	ResponseHeaders []byte
 	ResponseBody    []byte
 	Expired         bool
+	Leased          bool
+	LeaseLeftMs     int64
 }
 
-// Restores the lock_timeout saved by KeyClaim or KeyTakeOver and reads the
-// row that holds a key. It always returns one row; found is false when no row
-// holds the key.
-func (q *Queries) KeyGetAfterClaim(ctx context.Context, db DBTX, arg KeyGetAfterClaimParams) (KeyGetAfterClaimRow, error) {
-	row := db.QueryRow(ctx, KeyGetAfterClaim, arg.Actor, arg.Operation, arg.IdemKey)
-	var i KeyGetAfterClaimRow
+// Reads the committed row that holds a key, with what the database clock
+// says of its TTL and lease. Run only with enable_seqscan off (see above).
+func (q *Queries) KeyGet(ctx context.Context, db DBTX, arg KeyGetParams) (KeyGetRow, error) {
+	row := db.QueryRow(ctx, KeyGet, arg.Actor, arg.Operation, arg.IdemKey)
+	var i KeyGetRow
 	err := row.Scan(
-		&i.Found,
 		&i.Fingerprint,
 		&i.Status,
 		&i.ResponseStatus,
 		&i.ResponseHeaders,
 		&i.ResponseBody,
 		&i.Expired,
+		&i.Leased,
+		&i.LeaseLeftMs,
 	)
 	return i, err
 }
 
-const KeyRelease = `-- name: KeyRelease :exec
-DELETE FROM idem_keys
-WHERE actor = $1 AND operation = $2 AND idem_key = $3
-  AND status = 'processing'
-`
-
-type KeyReleaseParams struct {
-	Actor     string
-	Operation string
-	IdemKey   string
-}
-
-// Gives up a claim that this transaction holds, after fn failed: the key is
-// free again once the transaction ends.
-func (q *Queries) KeyRelease(ctx context.Context, db DBTX, arg KeyReleaseParams) error {
-	_, err := db.Exec(ctx, KeyRelease, arg.Actor, arg.Operation, arg.IdemKey)
-	return err
-}
-
 const KeyTakeOver = `-- name: KeyTakeOver :one
-UPDATE idem_keys
-SET fingerprint      = $1,
+INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, expires_at)
+VALUES ($1, $2, $3, $4, 'processing',
+        now() + ($5::bigint * interval '1 microsecond'))
+ON CONFLICT (actor, operation, idem_key) DO UPDATE
+SET fingerprint      = excluded.fingerprint,
     status           = 'processing',
     response_status  = NULL,
     response_headers = NULL,
     response_body    = NULL,
     created_at       = now(),
     completed_at     = NULL,
-    expires_at       = now() + ($2::bigint * interval '1 microsecond')
-FROM (SELECT set_config('lock_timeout', $6::text, true) AS lock_timeout
-      FROM (SELECT set_config('idem.saved_lock_timeout', current_setting('lock_timeout'), true)) AS saved
-     ) AS bounded_wait
-WHERE actor = $3 AND operation = $4 AND idem_key = $5
-  AND expires_at <= now()
-RETURNING (set_config('lock_timeout', current_setting('idem.saved_lock_timeout'), true) IS NOT NULL)::boolean AS claimed
+    expires_at       = excluded.expires_at,
+    token            = 0,
+    lease_expires_at = NULL,
+    last_error       = NULL
+WHERE (k.expires_at <= now() AND k.status IN ('succeeded', 'rejected', 'failed_retryable'))
+   OR (k.status = 'failed_retryable' AND k.fingerprint = excluded.fingerprint)
+RETURNING true AS claimed
 `
 
 type KeyTakeOverParams struct {
-	Fingerprint []byte
-	TtlMicros   int64
 	Actor       string
 	Operation   string
 	IdemKey     string
-	LockTimeout string
+	Fingerprint []byte
+	TtlMicros   int64
 }
 
-// Claims a key whose row has expired: an expired key is a new request. Like
-// KeyClaim it waits at most @lock_timeout for a concurrent claim and restores
-// the caller's lock_timeout when it returns a row. Returns no row when the row
-// is gone or no longer expired (another transaction took it over first).
+// Claims a key whose row is over: a finished row past its TTL (an expired
+// key is a new request), or a reservation that certainly did not execute
+// ('failed_retryable') asked for again with the same fingerprint. Returns no
+// row when the row holding the key is neither (another transaction took it
+// over first). Inserts when the row is gone (pruned).
 func (q *Queries) KeyTakeOver(ctx context.Context, db DBTX, arg KeyTakeOverParams) (bool, error) {
 	row := db.QueryRow(ctx, KeyTakeOver,
-		arg.Fingerprint,
-		arg.TtlMicros,
 		arg.Actor,
 		arg.Operation,
 		arg.IdemKey,
-		arg.LockTimeout,
+		arg.Fingerprint,
+		arg.TtlMicros,
 	)
 	var claimed bool
 	err := row.Scan(&claimed)
 	return claimed, err
+}
+
+const LockTimeoutRestore = `-- name: LockTimeoutRestore :exec
+SELECT set_config('lock_timeout', current_setting('idem.lock_timeout'), true)
+`
+
+// Restores the lock_timeout that LockTimeoutSet saved.
+func (q *Queries) LockTimeoutRestore(ctx context.Context, db DBTX) error {
+	_, err := db.Exec(ctx, LockTimeoutRestore)
+	return err
+}
+
+const LockTimeoutSet = `-- name: LockTimeoutSet :exec
+
+SELECT set_config('lock_timeout', $1::text, true)
+FROM (SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true)) AS saved
+`
+
+// The statements of Do and DoInTx. Their access paths do not depend on the
+// planner's statistics: the claim, the take-over and the completion are
+// INSERT ... ON CONFLICT, which always finds the key through the primary key
+// (the arbiter index), and KeyGet is only ever run with enable_seqscan off
+// for the statement's own savepoint or transaction (see claim.go), so even
+// the generic plan a connection caches while the table is empty, or while
+// its statistics say so, is the primary key index.
+// Bounds the wait of the next statement for a concurrent claim of the same
+// key: saves the caller's lock_timeout in idem.lock_timeout and sets
+// @lock_timeout, both local to the transaction. The subquery is volatile, so
+// it is never flattened away: it runs first, on every execution.
+func (q *Queries) LockTimeoutSet(ctx context.Context, db DBTX, lockTimeout string) error {
+	_, err := db.Exec(ctx, LockTimeoutSet, lockTimeout)
+	return err
 }

@@ -305,8 +305,8 @@ func (q *Queries) ReserveListUnknown(ctx context.Context, db DBTX, arg ReserveLi
 const ReserveLock = `-- name: ReserveLock :one
 SELECT idem_keys.actor, idem_keys.operation, idem_keys.idem_key, idem_keys.fingerprint, idem_keys.status, idem_keys.response_status, idem_keys.response_headers, idem_keys.response_body, idem_keys.created_at, idem_keys.completed_at, idem_keys.expires_at, idem_keys.token, idem_keys.lease_expires_at, idem_keys.last_error,
        (expires_at <= now())::boolean AS expired,
-       coalesce(lease_expires_at > now(), false)::boolean AS lease_live,
-       coalesce((extract(epoch FROM lease_expires_at - now()) * 1000000)::bigint, 0)::bigint AS lease_remaining_micros
+       (lease_expires_at IS NOT NULL)::boolean AS leased,
+       coalesce((extract(epoch FROM lease_expires_at - now()) * 1000)::bigint, 0)::bigint AS lease_left_ms
 FROM idem_keys
 WHERE actor = $1 AND operation = $2 AND idem_key = $3
 FOR UPDATE
@@ -319,15 +319,14 @@ type ReserveLockParams struct {
 }
 
 type ReserveLockRow struct {
-	IdemKey              IdemKey
-	Expired              bool
-	LeaseLive            bool
-	LeaseRemainingMicros int64
+	IdemKey     IdemKey
+	Expired     bool
+	Leased      bool
+	LeaseLeftMs int64
 }
 
 // Locks and reads the row that holds a key, with what the database clock
-// says about it: expired (past its TTL), lease_live, and the lease's
-// remaining time.
+// says of its TTL and lease (the columns KeyGet reads, for judge).
 func (q *Queries) ReserveLock(ctx context.Context, db DBTX, arg ReserveLockParams) (ReserveLockRow, error) {
 	row := db.QueryRow(ctx, ReserveLock, arg.Actor, arg.Operation, arg.IdemKey)
 	var i ReserveLockRow
@@ -347,8 +346,8 @@ func (q *Queries) ReserveLock(ctx context.Context, db DBTX, arg ReserveLockParam
 		&i.IdemKey.LeaseExpiresAt,
 		&i.IdemKey.LastError,
 		&i.Expired,
-		&i.LeaseLive,
-		&i.LeaseRemainingMicros,
+		&i.Leased,
+		&i.LeaseLeftMs,
 	)
 	return i, err
 }

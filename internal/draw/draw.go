@@ -17,6 +17,7 @@ import (
 	"io"
 	"math/rand/v2"
 	"net/http"
+	"strings"
 
 	"github.com/jackc/pgx/v5"
 
@@ -37,31 +38,72 @@ type Request struct {
 	Quantity int   `json:"quantity"`
 }
 
+// RequestError is the error of ParseRequest and Request.Validate. It
+// matches ErrInvalidRequest with errors.Is.
+type RequestError struct {
+	// Reason says what is wrong with the request, in a sentence meant for
+	// the client (no decoder text).
+	Reason string
+}
+
+func (e *RequestError) Error() string { return "draw: invalid request: " + e.Reason }
+
+// Is reports whether target is ErrInvalidRequest.
+func (e *RequestError) Is(target error) bool { return target == ErrInvalidRequest }
+
+// The reasons of the RequestErrors about the fields.
+var (
+	reasonBoxID    = "box_id must be a positive integer."
+	reasonQuantity = fmt.Sprintf("quantity must be an integer from 1 to %d.", MaxQuantity)
+)
+
+// exampleBody is the request quoted in RequestError reasons.
+const exampleBody = `{"box_id":1,"quantity":2}`
+
 // Validate reports whether r names a box and asks for 1 to MaxQuantity draws.
-// The error wraps ErrInvalidRequest.
+// The error is a *RequestError.
 func (r Request) Validate() error {
 	if r.BoxID <= 0 {
-		return fmt.Errorf("%w: box_id must be a positive integer", ErrInvalidRequest)
+		return &RequestError{Reason: reasonBoxID}
 	}
 	if r.Quantity < 1 || r.Quantity > MaxQuantity {
-		return fmt.Errorf("%w: quantity must be between 1 and %d", ErrInvalidRequest, MaxQuantity)
+		return &RequestError{Reason: reasonQuantity}
 	}
 	return nil
 }
 
 // ParseRequest decodes and validates a JSON draw request. Unknown fields and
-// trailing data are refused. The error wraps ErrInvalidRequest.
+// trailing data are refused. The error is a *RequestError.
 func ParseRequest(body []byte) (Request, error) {
 	var r Request
 	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&r); err != nil {
-		return Request{}, fmt.Errorf("%w: %v", ErrInvalidRequest, err)
+		return Request{}, &RequestError{Reason: decodeReason(err)}
 	}
 	if _, err := dec.Token(); err != io.EOF {
-		return Request{}, fmt.Errorf("%w: trailing data after the JSON object", ErrInvalidRequest)
+		return Request{}, &RequestError{Reason: "The body holds more than one JSON value; send one object, such as " + exampleBody + "."}
 	}
 	return r, r.Validate()
+}
+
+// decodeReason turns an error of encoding/json's Decode into a RequestError
+// reason.
+func decodeReason(err error) string {
+	var typeErr *json.UnmarshalTypeError
+	switch {
+	case errors.Is(err, io.EOF):
+		return "The body is empty; send a JSON object such as " + exampleBody + "."
+	case errors.As(err, &typeErr) && typeErr.Field == "box_id":
+		return reasonBoxID
+	case errors.As(err, &typeErr) && typeErr.Field == "quantity":
+		return reasonQuantity
+	}
+	// Decode reports an unknown field only by its message.
+	if name, ok := strings.CutPrefix(err.Error(), "json: unknown field "); ok && len(name) <= 66 {
+		return "Unknown field " + name + "; a draw request has box_id and quantity only."
+	}
+	return "The body is not a JSON object such as " + exampleBody + "."
 }
 
 // Outcome is the body of a successful draw (HTTP 201).
@@ -132,7 +174,7 @@ func refuse(resp idem.Response) error { return &refusal{resp: resp} }
 
 func attempt(ctx context.Context, tx pgx.Tx, user string, req Request, intn func(int) int) (idem.Response, error) {
 	if err := req.Validate(); err != nil {
-		return idem.Response{}, refuse(Problem(http.StatusUnprocessableEntity, CodeInvalidRequest, err.Error()))
+		return idem.Response{}, refuse(Problem(http.StatusUnprocessableEntity, CodeInvalidRequest, err.(*RequestError).Reason))
 	}
 
 	// Debit the wallet, pricing the draw from the box in the same statement.

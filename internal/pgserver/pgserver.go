@@ -3,17 +3,23 @@
 //
 // [Resolve] tries, in order:
 //
-//  1. the DATABASE_URL environment variable (used as-is; if it is set but
-//     does not connect, Resolve fails instead of trying anything else);
+//  1. the DATABASE_URL environment variable, used as it is. If it is set
+//     but does not connect, Resolve fails and says so, instead of trying
+//     anything else: an explicit choice is never quietly replaced by
+//     another server (tests would then run against a database nobody
+//     chose). Unset it, or set it to "", to let Resolve look further;
 //  2. a server answering on localhost:5432 (user PGUSER if set, then
 //     "postgres", then the current OS user; password from PGPASSWORD);
-//  3. a throwaway container started with testcontainers-go, when a Docker
-//     engine answers;
+//  3. a throwaway container, only in a program that registered a way to
+//     start one with [RegisterContainer]: the programs and tests of the
+//     module github.com/pgidem/idem/cmd do (testcontainers-go, when a
+//     Docker engine answers), so that the library's module needs no Docker
+//     modules; the library's own tests skip this step;
 //  4. a throwaway cluster created with the local PostgreSQL server binaries
 //     (initdb + postgres) in a temporary directory.
 //
 // Each step is also available on its own ([FromURL], [Localhost],
-// [StartContainer], [StartTempCluster]), so callers and tests can force one.
+// [StartTempCluster]), so callers and tests can force one.
 //
 // A [Server] must be closed with [Server.Close] to stop what was started;
 // closing an external server is a no-op.
@@ -81,6 +87,12 @@ func (s *Server) Close() error {
 	return s.closeErr
 }
 
+// Started returns a server that something outside this package started
+// (a [RegisterContainer] step): Close calls stop once (nil: nothing to stop).
+func Started(url, source string, stop func() error) *Server {
+	return &Server{URL: url, Source: source, stop: stop}
+}
+
 // DatabaseURL returns the connection string of database name on the same
 // server, with the same user, password and options as s.URL.
 func (s *Server) DatabaseURL(name string) string {
@@ -106,24 +118,56 @@ func withDatabase(connString, name string) string {
 func Resolve(ctx context.Context) (*Server, error) {
 	if dsn, ok := os.LookupEnv("DATABASE_URL"); ok && dsn != "" {
 		// An explicit choice is never second-guessed by falling through.
-		return FromURL(ctx, dsn, SourceDatabaseURL)
+		srv, err := FromURL(ctx, dsn, SourceDatabaseURL)
+		if err != nil {
+			return nil, fmt.Errorf("%w\nDATABASE_URL is used as set, never replaced by another server: "+
+				"start that server, correct DATABASE_URL, or unset it so that Resolve looks further (localhost:5432 first)", err)
+		}
+		return srv, nil
 	}
-	return resolveWith(ctx, []step{
-		{"localhost:5432", Localhost},
-		{"testcontainers", StartContainer},
-		{"initdb", StartTempCluster},
-	})
+	return resolveWith(ctx, steps())
 }
 
 // step is one way of obtaining a server.
 type step struct {
 	name string
+	// hint tells a user without a server how to provide one this way.
+	hint string
 	run  func(context.Context) (*Server, error)
+}
+
+// container is the step RegisterContainer set, if any.
+var container struct {
+	mu   sync.Mutex
+	step *step
+}
+
+// RegisterContainer makes [Resolve] try start, under name, after
+// localhost:5432 and before a temporary initdb cluster. hint completes the
+// advice of Resolve's error ("Provide one of: ...; <hint>; ..."), e.g.
+// "start a Docker engine (used through testcontainers)". start must fail
+// quickly where it cannot work. A later call replaces an earlier one.
+func RegisterContainer(name, hint string, start func(context.Context) (*Server, error)) {
+	container.mu.Lock()
+	defer container.mu.Unlock()
+	container.step = &step{name: name, hint: hint, run: start}
+}
+
+// steps lists what Resolve tries after DATABASE_URL, in order.
+func steps() []step {
+	s := []step{{"localhost:5432", "run PostgreSQL on localhost:5432 (user postgres, or set PGUSER/PGPASSWORD)", Localhost}}
+	container.mu.Lock()
+	if container.step != nil {
+		s = append(s, *container.step)
+	}
+	container.mu.Unlock()
+	return append(s, step{"initdb", "or install the PostgreSQL server binaries initdb and postgres " +
+		"(e.g. apt-get install postgresql, brew install postgresql)", StartTempCluster})
 }
 
 // resolveWith runs steps in order and returns the first server obtained.
 func resolveWith(ctx context.Context, steps []step) (*Server, error) {
-	var reasons []string
+	var reasons, hints []string
 	for _, st := range steps {
 		srv, err := st.run(ctx)
 		if err == nil {
@@ -133,14 +177,13 @@ func resolveWith(ctx context.Context, steps []step) (*Server, error) {
 			return nil, fmt.Errorf("pgserver: resolving server: %w", ctx.Err())
 		}
 		reasons = append(reasons, fmt.Sprintf("  - %s: %v", st.name, err))
+		if st.hint != "" {
+			hints = append(hints, st.hint)
+		}
 	}
 	return nil, fmt.Errorf("%w; tried:\n  - DATABASE_URL: not set\n%s\n"+
-		"Provide one of: set DATABASE_URL to a server where the user may create databases; "+
-		"run PostgreSQL on localhost:5432 (user postgres, or set PGUSER/PGPASSWORD); "+
-		"start a Docker engine (used through testcontainers); "+
-		"or install the PostgreSQL server binaries initdb and postgres "+
-		"(e.g. apt-get install postgresql, brew install postgresql)",
-		ErrNoServer, strings.Join(reasons, "\n"))
+		"Provide one of: set DATABASE_URL to a server where the user may create databases; %s",
+		ErrNoServer, strings.Join(reasons, "\n"), strings.Join(hints, "; "))
 }
 
 // FromURL returns the external server at connString, after checking that it

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"os"
 	"path/filepath"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
@@ -87,9 +88,9 @@ func TestResolveErrorNamesAllOptions(t *testing.T) {
 		return func(context.Context) (*Server, error) { return nil, errors.New(msg) }
 	}
 	_, err := resolveWith(t.Context(), []step{
-		{"localhost:5432", fail("connection refused")},
-		{"testcontainers", fail("no docker")},
-		{"initdb", fail("no binaries")},
+		{"localhost:5432", "run PostgreSQL on localhost:5432", fail("connection refused")},
+		{"testcontainers", "start a Docker engine", fail("no docker")},
+		{"initdb", "install initdb", fail("no binaries")},
 	})
 	if !errors.Is(err, ErrNoServer) {
 		t.Fatalf("error %v does not wrap ErrNoServer", err)
@@ -107,12 +108,45 @@ func TestResolveErrorNamesAllOptions(t *testing.T) {
 func TestResolveStopsAtFirstSuccess(t *testing.T) {
 	want := &Server{URL: "x", Source: "second"}
 	srv, err := resolveWith(t.Context(), []step{
-		{"first", func(context.Context) (*Server, error) { return nil, errors.New("no") }},
-		{"second", func(context.Context) (*Server, error) { return want, nil }},
-		{"third", func(context.Context) (*Server, error) { t.Fatal("third step ran"); return nil, nil }},
+		{"first", "", func(context.Context) (*Server, error) { return nil, errors.New("no") }},
+		{"second", "", func(context.Context) (*Server, error) { return want, nil }},
+		{"third", "", func(context.Context) (*Server, error) { t.Fatal("third step ran"); return nil, nil }},
 	})
 	if err != nil || srv != want {
 		t.Fatalf("got %v, %v", srv, err)
+	}
+}
+
+// Without RegisterContainer, Resolve tries localhost and initdb; a
+// registered step goes between them, and its hint joins the advice.
+func TestRegisterContainer(t *testing.T) {
+	names := func() []string {
+		var out []string
+		for _, st := range steps() {
+			out = append(out, st.name)
+		}
+		return out
+	}
+	if got := names(); !slices.Equal(got, []string{"localhost:5432", "initdb"}) {
+		t.Fatalf("steps without a container step: %q", got)
+	}
+	stopped := false
+	srv := Started("postgres://x", "test", func() error { stopped = true; return nil })
+	RegisterContainer("box", "start a box", func(context.Context) (*Server, error) { return srv, nil })
+	t.Cleanup(func() {
+		container.mu.Lock()
+		container.step = nil
+		container.mu.Unlock()
+	})
+	if got := names(); !slices.Equal(got, []string{"localhost:5432", "box", "initdb"}) {
+		t.Fatalf("steps with a container step: %q", got)
+	}
+	st := steps()[1]
+	if got, err := st.run(t.Context()); got != srv || err != nil || st.hint != "start a box" {
+		t.Fatalf("registered step: %v, %v, hint %q", got, err, st.hint)
+	}
+	if err := srv.Close(); err != nil || !stopped {
+		t.Fatalf("Close of a Started server: %v, stopped %t", err, stopped)
 	}
 }
 
@@ -200,27 +234,6 @@ func TestRemoveStaleClusters(t *testing.T) {
 			t.Errorf("%s: removed = %v, want %v", filepath.Base(dir), gone, wantGone)
 		}
 	}
-}
-
-func TestStartContainerWithoutDocker(t *testing.T) {
-	if err := probeDocker(t.Context()); err == nil {
-		t.Skip("a Docker engine answers here")
-	}
-	start := time.Now()
-	srv, err := StartContainer(t.Context())
-	if err == nil {
-		srv.Close()
-		t.Fatal("StartContainer succeeded without Docker")
-	}
-	if !errors.Is(err, ErrNoDocker) {
-		t.Errorf("error does not wrap ErrNoDocker: %v", err)
-	}
-	if !strings.Contains(err.Error(), "Docker") {
-		t.Errorf("error does not mention Docker: %v", err)
-	}
-	// Timings are not asserted (the machine is shared); the log shows how
-	// cheap the check is without any sign of Docker.
-	t.Logf("%v (in %v)", err, time.Since(start))
 }
 
 func TestDatabaseURL(t *testing.T) {

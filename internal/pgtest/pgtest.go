@@ -2,7 +2,8 @@
 // database.
 //
 // The server is resolved once per test process with [pgserver.Resolve]
-// (DATABASE_URL, localhost:5432, testcontainers, or a temporary cluster).
+// (DATABASE_URL, localhost:5432, a container where a program of the cmd
+// module registered one, or a temporary cluster).
 // For each migration function, the first request creates a template
 // database with a random name (idemtest_tpl_<hex>) and runs the migration on
 // it once; every database handed out after that is a cheap
@@ -24,6 +25,14 @@
 // container or temporary cluster). Without it, templates stay behind on an
 // external server, and a temporary cluster is only stopped when the process
 // exits (on Linux; its directory is removed by a later run).
+//
+// No server: the server is resolved when a test first needs one, so tests
+// that need none run without it. Under [Main], if resolution fails, the
+// test binary prints one message (why, and how to provide a server) and
+// exits with status 1 at once, instead of failing every later test with the
+// same error (and panicking in examples). A DATABASE_URL that is set but
+// does not connect is such a failure: it is never replaced by another
+// server (see [pgserver.Resolve]).
 //
 // Dropping needs DROP DATABASE … WITH (FORCE), so PostgreSQL 13 or newer.
 package pgtest
@@ -66,7 +75,16 @@ const (
 	dropTimeout = 30 * time.Second
 )
 
+// exitNoServer is the exit status of a test binary that stops under Main
+// because no server could be resolved.
+const exitNoServer = 1
+
 var (
+	// stopOnNoServer is set by Main: a resolution failure then ends the
+	// process (see stopNoServer) rather than each test that needs a server.
+	stopOnNoServer bool
+	stopOnce       sync.Once
+
 	serverOnce sync.Once
 	server     *pgserver.Server
 	serverErr  error
@@ -105,11 +123,26 @@ func resolve() (*pgserver.Server, *pgxpool.Pool, error) {
 			server, serverErr = nil, fmt.Errorf("pgtest: admin pool: %w", err)
 		}
 	})
+	if serverErr != nil && stopOnNoServer {
+		stopNoServer(serverErr)
+	}
 	return server, admin, serverErr
 }
 
+// stopNoServer prints why no server could be resolved, once, and exits with
+// exitNoServer. Concurrent callers block in the Once until the process is
+// gone, so the message appears once and nothing else runs after it.
+func stopNoServer(err error) {
+	stopOnce.Do(func() {
+		fmt.Fprintf(os.Stderr, "\npgtest: no PostgreSQL server for these tests; stopping the run.\n%v\n\n", err)
+		os.Exit(exitNoServer)
+	})
+}
+
 // Server returns the process-wide PostgreSQL server, resolving it on first
-// use. A resolution failure fails the test with t.Fatal.
+// use. A resolution failure stops the test binary under Main, and fails the
+// test with t.Fatal otherwise; so do those of URL, Pool and NewDatabase
+// (which returns the error instead).
 func Server(t testing.TB) *pgserver.Server {
 	t.Helper()
 	srv, _, err := resolve()
@@ -213,8 +246,14 @@ func closePool(pool *pgxpool.Pool, timeout time.Duration) bool {
 // -timeout never gets here; what it created stays behind, harmlessly, since
 // every run uses new random names.
 //
+// Under Main, the first test or example that needs a server and finds none
+// (resolution failed, including a DATABASE_URL that does not connect) stops
+// the whole binary: one message on stderr, exit status 1, no further tests.
+// Tests that need no server and ran before it have run; none runs after.
+//
 // Cleanup errors are printed to stderr; they do not fail the run.
 func Main(m *testing.M) int {
+	stopOnNoServer = true
 	code := m.Run()
 	if err := Shutdown(); err != nil {
 		fmt.Fprintln(os.Stderr, "pgtest: cleanup:", err)

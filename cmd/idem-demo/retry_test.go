@@ -1,24 +1,30 @@
-package idemhttp_test
+package main
 
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
-	"math/rand/v2"
+	"log/slog"
+	"net"
 	"net/http"
+	"net/http/httptest"
 	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/hashicorp/go-retryablehttp"
+
+	"github.com/pgidem/idem/internal/draw"
+	"github.com/pgidem/idem/internal/pgtest"
 )
 
 // faults is outer middleware that drops connections by a script: for each
-// key, attempt 1, 4, 7, ... is dropped before the middleware sees it (the
-// request is lost), attempt 2, 5, 8, ... after the commit (the response is
-// lost), and the others go through.
+// key, attempt 1, 4, 7, ... is dropped before the API sees it (the request
+// is lost), attempt 2, 5, 8, ... after the commit (the response is lost),
+// and the others go through.
 type faults struct {
 	mu       sync.Mutex
 	attempts map[string]int
@@ -50,23 +56,40 @@ func (f *faults) wrap(next http.Handler) http.Handler {
 	})
 }
 
+// dropWriter closes the connection instead of writing the response.
+type dropWriter struct {
+	http.ResponseWriter
+	dropped bool
+}
+
+func (d *dropWriter) WriteHeader(int) {
+	if !d.dropped {
+		d.dropped = true
+		if conn, _, err := http.NewResponseController(d.ResponseWriter).Hijack(); err == nil {
+			conn.Close()
+		}
+	}
+}
+
+func (d *dropWriter) Write([]byte) (int, error) {
+	d.WriteHeader(http.StatusOK)
+	return 0, net.ErrClosed
+}
+
 // A retrying client (go-retryablehttp, one key per intent reused on every
-// retry) sends several copies of each request at once through a server
-// that drops connections before and after the commit. Every intent ends
-// with exactly one effect, and every copy with the same response.
+// retry) sends several copies of each draw at once to the demo's API
+// through a server that drops connections before and after the commit.
+// Every intent draws exactly once, and every copy gets the same response.
 func TestRetryingClientUnderDroppedConnections(t *testing.T) {
 	t.Parallel()
-	const intents, copies = 12, 3
+	const intents, copies = 8, 3 // alice's 1000 points pay for 10 draws
+	pool := pgtest.Pool(t, migrateDemo)
 	f := &faults{attempts: map[string]int{}}
-	e := newEnv(t, envConfig{
-		outer: f.wrap,
-		beforeRun: func(http.ResponseWriter, *http.Request) {
-			time.Sleep(time.Duration(rand.IntN(3)) * time.Millisecond) // let copies overlap
-		},
-	})
+	srv := httptest.NewServer(f.wrap(newAPI(pool, newPicker(1), slog.New(slog.DiscardHandler))))
+	t.Cleanup(srv.Close)
 
 	client := retryablehttp.NewClient()
-	client.HTTPClient = e.srv.Client()
+	client.HTTPClient = srv.Client()
 	client.Logger = nil
 	client.RetryMax = 50
 	client.RetryWaitMin = time.Millisecond
@@ -91,13 +114,13 @@ func TestRetryingClientUnderDroppedConnections(t *testing.T) {
 	for i := range intents {
 		for c := range copies {
 			wg.Go(func() {
-				body := fmt.Appendf(nil, `{"intent":%d}`, i)
-				req, err := retryablehttp.NewRequestWithContext(ctx, "POST", e.srv.URL+"/items", body)
+				req, err := retryablehttp.NewRequestWithContext(ctx, "POST", srv.URL+"/v1/draws",
+					[]byte(`{"box_id":1,"quantity":1}`))
 				if err != nil {
 					t.Error(err)
 					return
 				}
-				req.Header.Set("Authorization", fmt.Sprintf("Bearer user-%d", i))
+				req.Header.Set("Authorization", "Bearer alice")
 				req.Header.Set("Idempotency-Key", fmt.Sprintf("intent-%d", i))
 				req.Header.Set("Content-Type", "application/json")
 				resp, err := client.Do(req)
@@ -115,21 +138,29 @@ func TestRetryingClientUnderDroppedConnections(t *testing.T) {
 		}
 	}
 	wg.Wait()
-	t.Logf("dropped %d requests and %d responses, passed %d; %d handler executions",
-		f.before.Load(), f.after.Load(), f.passed.Load(), e.calls.Load())
+	t.Logf("dropped %d requests and %d responses, passed %d", f.before.Load(), f.after.Load(), f.passed.Load())
 
+	batches := map[int64]bool{}
 	for i := range intents {
 		for c := 1; c < copies; c++ {
 			if !bytes.Equal(bodies[i][0], bodies[i][c]) {
 				t.Errorf("intent %d: copies got different responses: %s / %s", i, bodies[i][0], bodies[i][c])
 			}
 		}
-		if n := e.count(`SELECT count(*) FROM effects WHERE actor = $1`, fmt.Sprintf("user-%d", i)); n != 1 {
-			t.Errorf("intent %d: %d effects, want 1", i, n)
+		var out draw.Outcome
+		if err := json.Unmarshal(bodies[i][0], &out); err == nil {
+			batches[out.BatchID] = true
 		}
 	}
-	if n := e.calls.Load(); n != intents {
-		t.Errorf("%d executions for %d intents", n, intents)
+	if len(batches) != intents {
+		t.Errorf("%d distinct batches in the responses of %d intents", len(batches), intents)
+	}
+	w, err := draw.ReadWallet(t.Context(), pool, "alice")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if w.Draws != intents || w.Points != draw.SeedPoints-intents*draw.SeedPrice {
+		t.Errorf("alice after %d intents: %+v", intents, w)
 	}
 	if f.before.Load() == 0 || f.after.Load() == 0 {
 		t.Errorf("the script dropped nothing")

@@ -1,4 +1,16 @@
-package pgserver
+// Package pgcontainer starts a throwaway PostgreSQL container with
+// testcontainers-go for the programs and tests of this module, which import
+// it for its side effect:
+//
+//	import _ "github.com/pgidem/idem/cmd/internal/pgcontainer"
+//
+// Its init function registers [StartContainer] with
+// [pgserver.RegisterContainer], so [pgserver.Resolve] tries, in order:
+// DATABASE_URL, localhost:5432, a container (when a Docker engine answers),
+// a temporary initdb cluster. It lives in this module, not in the
+// library's, so that a service importing idem and idemhttp gains no Docker
+// modules; the library's own tests resolve without the container step.
+package pgcontainer
 
 import (
 	"context"
@@ -10,6 +22,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/pgidem/idem/internal/pgserver"
 	"github.com/testcontainers/testcontainers-go"
 	tclog "github.com/testcontainers/testcontainers-go/log"
 	tcpostgres "github.com/testcontainers/testcontainers-go/modules/postgres"
@@ -26,6 +39,10 @@ const dockerProbeTimeout = 5 * time.Second
 // engine answers.
 var ErrNoDocker = errors.New("no Docker engine answers")
 
+func init() {
+	pgserver.RegisterContainer("testcontainers", "start a Docker engine (used through testcontainers)", StartContainer)
+}
+
 // StartContainer starts a throwaway PostgreSQL container (ContainerImage)
 // with testcontainers-go. Close terminates it.
 //
@@ -34,11 +51,11 @@ var ErrNoDocker = errors.New("no Docker engine answers")
 // usual places); without any it fails with [ErrNoDocker] in microseconds.
 // testcontainers is used with a silent logger and its panics are recovered.
 // Pulling the image on first use can take a while; ctx bounds it.
-func StartContainer(ctx context.Context) (*Server, error) {
+func StartContainer(ctx context.Context) (*pgserver.Server, error) {
 	if err := probeDocker(ctx); err != nil {
 		return nil, err
 	}
-	var srv *Server
+	var srv *pgserver.Server
 	err := recoverPanic(func() error {
 		var err error
 		srv, err = runContainer(ctx)
@@ -51,7 +68,7 @@ func StartContainer(ctx context.Context) (*Server, error) {
 }
 
 // runContainer starts the container and waits until it accepts connections.
-func runContainer(ctx context.Context) (*Server, error) {
+func runContainer(ctx context.Context) (*pgserver.Server, error) {
 	quiet := testcontainers.WithLogger(tclog.NewNoopLogger())
 	ctr, err := tcpostgres.Run(ctx, ContainerImage,
 		quiet,
@@ -64,19 +81,15 @@ func runContainer(ctx context.Context) (*Server, error) {
 	}
 	connString, err := ctr.ConnectionString(ctx, "sslmode=disable")
 	if err == nil {
-		err = Ping(ctx, connString)
+		err = pgserver.Ping(ctx, connString)
 	}
 	if err != nil {
 		_ = testcontainers.TerminateContainer(ctr)
 		return nil, err
 	}
-	return &Server{
-		URL:    connString,
-		Source: "testcontainers (" + ContainerImage + ")",
-		stop: func() error {
-			return recoverPanic(func() error { return testcontainers.TerminateContainer(ctr) })
-		},
-	}, nil
+	return pgserver.Started(connString, "testcontainers ("+ContainerImage+")", func() error {
+		return recoverPanic(func() error { return testcontainers.TerminateContainer(ctr) })
+	}), nil
 }
 
 // probeDocker reports whether a Docker engine answers, without letting

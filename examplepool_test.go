@@ -1,0 +1,30 @@
+package idem_test
+
+import (
+	"context"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/pgtest"
+)
+
+// examplePool stands in for the application's own pool in the examples: a
+// pool on a fresh database that idem.Migrate has prepared, and a function
+// that closes the pool and drops the database.
+func examplePool() (*pgxpool.Pool, func()) {
+	ctx := context.Background()
+	url, drop, err := pgtest.NewDatabase(ctx, idem.Migrate)
+	if err != nil {
+		panic(err)
+	}
+	pool, err := pgxpool.New(ctx, url)
+	if err != nil {
+		drop()
+		panic(err)
+	}
+	return pool, func() {
+		pool.Close()
+		drop()
+	}
+}

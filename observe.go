@@ -1,0 +1,281 @@
+package idem
+
+import (
+	"context"
+	"crypto/hmac"
+	"crypto/rand"
+	"crypto/sha256"
+	"encoding/hex"
+	"errors"
+	"log/slog"
+	"sync"
+	"time"
+
+	"go.opentelemetry.io/otel"
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
+)
+
+// Metrics, logs and spans. Every call of Do, DoInTx, Reserve and the
+// reservation and maintenance calls ends in one place here (a call's end
+// method, or count for the maintenance calls), which turns its result into
+// one counter, the histograms, one log record and the span's outcome.
+//
+// Metric names follow seed 003's: idem.<step>.<outcome>, one counter per
+// outcome, each with the attributes "operation" (the scope's Operation) and
+// "call" (do, do_in_tx, reserve, ...). Keys and actors never become
+// attributes. The histograms idem.duplicate.wait and idem.overhead carry
+// "outcome" as well.
+
+// Outcomes of a call, as counted (idem.reserve.<outcome>) and logged.
+const (
+	outcomeCreated    = "created"     // fn ran (or a reservation was granted) and its outcome was stored
+	outcomeRejected   = "rejected"    // fn refused with Reject; the refusal was stored
+	outcomeReplay     = "replay"      // a stored outcome was replayed
+	outcomeInProgress = "in_progress" // a twin or a live lease holds the key
+	outcomeKeyMisuse  = "key_misuse"  // same key, different fingerprint
+	outcomeUnknown    = "unknown"     // the key's outcome is unknown (ErrOutcomeUnknown)
+	outcomeFailed     = "failed"      // fn or its response failed; nothing was stored
+	outcomeStoreError = "store_error" // the database failed (Unavailable); also counted as idem.store.error
+	outcomeFenced     = "fenced"      // a reservation that no longer owns its key (ErrFenced)
+)
+
+// observer holds a client's instruments. The zero cost path: with no
+// Logger, no TracerProvider and the global MeterProvider left as the
+// OpenTelemetry no-op, a call costs a map lookup and a few no-op calls.
+type observer struct {
+	log      *slog.Logger // nil: silent
+	hashKey  []byte
+	tracer   trace.Tracer // nil: no spans
+	counters map[string]metric.Int64Counter
+	wait     metric.Float64Histogram
+	overhead metric.Float64Histogram
+
+	mu    sync.RWMutex
+	attrs map[attrKey]attribute.Set // per call and operation, built once
+}
+
+type attrKey struct{ call, operation, outcome string }
+
+// counterNames lists every counter, by the name a call's count uses.
+var counterNames = map[string]string{
+	outcomeCreated:    "idem.reserve.created",
+	outcomeRejected:   "idem.reserve.rejected",
+	outcomeReplay:     "idem.reserve.replay",
+	outcomeInProgress: "idem.reserve.in_progress",
+	outcomeKeyMisuse:  "idem.reserve.key_misuse",
+	outcomeUnknown:    "idem.reserve.unknown",
+	outcomeFailed:     "idem.reserve.failed",
+	outcomeFenced:     "idem.reserve.fenced",
+	outcomeStoreError: "idem.store.error",
+	// Counted by the reservation and maintenance calls.
+	"failed_retry":       "idem.reserve.failed_retry",
+	"zombie_key":         "idem.zombie_key",
+	"reconcile_resolved": "idem.reconcile.resolved",
+	"reconcile_failed":   "idem.reconcile.failed",
+	"ttl_pruned":         "idem.ttl_pruned",
+}
+
+var counterHelp = map[string]string{
+	outcomeCreated:       "Calls that ran fn (or were granted a reservation) and stored the outcome.",
+	outcomeRejected:      "Calls whose fn refused the request with Reject; the refusal was stored.",
+	outcomeReplay:        "Calls answered with a stored outcome; fn did not run.",
+	outcomeInProgress:    "Calls refused because a concurrent call or a live lease holds the key.",
+	outcomeKeyMisuse:     "Calls refused because the key was used for a different request.",
+	outcomeUnknown:       "Calls refused because the key's outcome is unknown and must be reconciled.",
+	outcomeFailed:        "Calls whose fn or response failed; nothing was stored.",
+	outcomeFenced:        "Reservation calls refused because the reservation no longer owns its key.",
+	outcomeStoreError:    "Calls that failed because the database could not serve them.",
+	"failed_retry":       "Reservations given up as certainly not executed (FailRetryable).",
+	"zombie_key":         "Reservations whose lease ran out before they completed (turned unknown).",
+	"reconcile_resolved": "Unknown outcomes resolved by reconciliation (Resolve).",
+	"reconcile_failed":   "Reconciliation attempts (Resolve) that failed.",
+	"ttl_pruned":         "Expired keys deleted by Prune.",
+}
+
+func newObserver(cfg Config) *observer {
+	o := &observer{log: cfg.Logger, hashKey: cfg.LogHashKey, attrs: make(map[attrKey]attribute.Set)}
+	if len(o.hashKey) == 0 {
+		o.hashKey = make([]byte, 32)
+		_, _ = rand.Read(o.hashKey)
+	}
+	if cfg.TracerProvider != nil {
+		o.tracer = cfg.TracerProvider.Tracer(instrumentationName)
+	}
+	mp := cfg.MeterProvider
+	if mp == nil {
+		mp = otel.GetMeterProvider()
+	}
+	meter := mp.Meter(instrumentationName)
+	o.counters = make(map[string]metric.Int64Counter, len(counterNames))
+	for outcome, name := range counterNames {
+		// A meter refuses nothing valid; on error it still returns a no-op.
+		o.counters[outcome], _ = meter.Int64Counter(name, metric.WithDescription(counterHelp[outcome]))
+	}
+	o.wait, _ = meter.Float64Histogram("idem.duplicate.wait", metric.WithUnit("s"),
+		metric.WithDescription("How long calls that did not run fn (replays, in-progress refusals) took to get their answer."))
+	o.overhead, _ = meter.Float64Histogram("idem.overhead", metric.WithUnit("s"),
+		metric.WithDescription("Time a call spent outside fn: idem's own statements and the transaction's round trips."))
+	return o
+}
+
+const instrumentationName = "github.com/pgidem/idem"
+
+// call is one observed call in progress.
+type call struct {
+	o        *observer
+	name     string // do, do_in_tx, reserve, ...
+	scope    Scope
+	key      string
+	start    time.Time
+	fnTime   time.Duration // time spent in fn
+	rejected bool          // the stored outcome is a refusal made by this call
+	span     trace.Span    // nil without a TracerProvider
+}
+
+// begin starts observing a call: its clock and, with a TracerProvider, its
+// span (named idem.<Name>, for example idem.DoInTx).
+func (o *observer) begin(ctx context.Context, name, spanName string, scope Scope, key string) (context.Context, call) {
+	cl := call{o: o, name: name, scope: scope, key: key, start: time.Now()}
+	if o.tracer != nil {
+		ctx, cl.span = o.tracer.Start(ctx, spanName, trace.WithSpanKind(trace.SpanKindInternal),
+			trace.WithAttributes(attribute.String("idem.operation", scope.Operation)))
+	}
+	return ctx, cl
+}
+
+// timeFn runs f and adds its duration to the call's time in fn.
+func (cl *call) timeFn(f func()) {
+	start := time.Now()
+	defer func() { cl.fnTime += time.Since(start) }()
+	f()
+}
+
+// outcomeOf names the outcome of a call that returned res and err.
+func outcomeOf(res Result, err error, rejected bool) string {
+	switch {
+	case err == nil && res.Replayed:
+		return outcomeReplay
+	case err == nil && rejected:
+		return outcomeRejected
+	case err == nil:
+		return outcomeCreated
+	case errors.Is(err, ErrInProgress):
+		return outcomeInProgress
+	case errors.Is(err, ErrKeyReused):
+		return outcomeKeyMisuse
+	case errors.Is(err, ErrOutcomeUnknown):
+		return outcomeUnknown
+	case errors.Is(err, ErrFenced):
+		return outcomeFenced
+	case Unavailable(err):
+		return outcomeStoreError
+	default:
+		return outcomeFailed
+	}
+}
+
+// end records the call's outcome: its counter, the histograms, a log
+// record and the span.
+func (cl *call) end(ctx context.Context, res Result, err error) {
+	o := cl.o
+	outcome := outcomeOf(res, err, cl.rejected)
+	elapsed := time.Since(cl.start)
+	o.counters[outcome].Add(ctx, 1, metric.WithAttributeSet(o.attrSet(cl.name, cl.scope.Operation, "")))
+	withOutcome := metric.WithAttributeSet(o.attrSet(cl.name, cl.scope.Operation, outcome))
+	switch outcome {
+	case outcomeReplay, outcomeInProgress:
+		o.wait.Record(ctx, elapsed.Seconds(), withOutcome)
+	}
+	o.overhead.Record(ctx, (elapsed - cl.fnTime).Seconds(), withOutcome)
+	if cl.span != nil {
+		cl.span.SetAttributes(attribute.String("idem.outcome", outcome))
+		if outcome == outcomeStoreError || outcome == outcomeFailed {
+			cl.span.RecordError(err)
+			cl.span.SetStatus(codes.Error, outcome)
+		}
+		cl.span.End()
+	}
+	if o.log == nil {
+		return
+	}
+	level, msg := slog.LevelDebug, ""
+	switch outcome {
+	case outcomeReplay:
+		level, msg = slog.LevelInfo, "idem: replayed a stored outcome"
+	case outcomeInProgress:
+		level, msg = slog.LevelInfo, "idem: refused, the key is in progress"
+	case outcomeKeyMisuse:
+		level, msg = slog.LevelWarn, "idem: refused, the key was used for a different request"
+	case outcomeUnknown:
+		level, msg = slog.LevelWarn, "idem: refused, the key's outcome is unknown; reconcile it"
+	case outcomeFenced:
+		level, msg = slog.LevelWarn, "idem: refused, the reservation no longer owns its key"
+	case outcomeStoreError:
+		level, msg = slog.LevelError, "idem: the store is unavailable"
+	case outcomeFailed:
+		level, msg = slog.LevelDebug, "idem: the call failed; nothing was stored"
+	default:
+		level, msg = slog.LevelDebug, "idem: stored a new outcome"
+	}
+	if !o.log.Enabled(ctx, level) {
+		return
+	}
+	attrs := []slog.Attr{
+		slog.String("call", cl.name),
+		slog.String("operation", cl.scope.Operation),
+		slog.String("key_hash", o.hash(cl.key)),
+		slog.String("actor_hash", o.hash(cl.scope.Actor)),
+		slog.String("outcome", outcome),
+		slog.Duration("duration", elapsed),
+	}
+	if err != nil && (outcome == outcomeStoreError || outcome == outcomeFailed) {
+		attrs = append(attrs, slog.String("error", err.Error()))
+	}
+	o.log.LogAttrs(ctx, level, msg, attrs...)
+}
+
+// count adds n to the counter of a maintenance or reservation event.
+func (o *observer) count(ctx context.Context, event, callName, operation string, n int64) {
+	if n != 0 {
+		o.counters[event].Add(ctx, n, metric.WithAttributeSet(o.attrSet(callName, operation, "")))
+	}
+}
+
+// attrSet returns the attribute set of a call name, an operation and (for
+// the histograms) an outcome, built once for each combination.
+func (o *observer) attrSet(callName, operation, outcome string) attribute.Set {
+	k := attrKey{callName, operation, outcome}
+	o.mu.RLock()
+	set, ok := o.attrs[k]
+	o.mu.RUnlock()
+	if ok {
+		return set
+	}
+	kvs := []attribute.KeyValue{attribute.String("call", callName), attribute.String("operation", operation)}
+	if outcome != "" {
+		kvs = append(kvs, attribute.String("outcome", outcome))
+	}
+	set = attribute.NewSet(kvs...)
+	o.mu.Lock()
+	if len(o.attrs) < maxAttrSets {
+		o.attrs[k] = set
+	}
+	o.mu.Unlock()
+	return set
+}
+
+// maxAttrSets bounds the cache of attribute sets: operations come from the
+// application's code, but a service that builds them from input must not
+// grow memory without bound.
+const maxAttrSets = 4096
+
+// hash is the keyed hash logs carry instead of a key or an actor: the first
+// 16 hex digits of HMAC-SHA256 under Config.LogHashKey.
+func (o *observer) hash(s string) string {
+	m := hmac.New(sha256.New, o.hashKey)
+	m.Write([]byte(s))
+	return hex.EncodeToString(m.Sum(nil)[:8])
+}

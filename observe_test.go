@@ -1,0 +1,176 @@
+package idem_test
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"log/slog"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	"go.opentelemetry.io/otel/sdk/metric/metricdata"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+
+	"github.com/pgidem/idem"
+)
+
+// syncBuffer is a bytes.Buffer safe for the concurrent writes of a logger.
+type syncBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (s *syncBuffer) Write(p []byte) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.Write(p)
+}
+
+func (s *syncBuffer) String() string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.b.String()
+}
+
+// counts returns the sum of every counter the reader holds, by metric name
+// and then by the "operation" attribute.
+func counts(t *testing.T, reader *sdkmetric.ManualReader) map[string]int64 {
+	t.Helper()
+	var rm metricdata.ResourceMetrics
+	if err := reader.Collect(context.Background(), &rm); err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]int64{}
+	for _, sm := range rm.ScopeMetrics {
+		for _, m := range sm.Metrics {
+			switch d := m.Data.(type) {
+			case metricdata.Sum[int64]:
+				for _, p := range d.DataPoints {
+					for _, kv := range p.Attributes.ToSlice() {
+						if kv.Key == "key" || kv.Key == "actor" {
+							t.Errorf("%s carries attribute %s", m.Name, kv.Key)
+						}
+					}
+					op, _ := p.Attributes.Value("operation")
+					out[m.Name+"/"+op.AsString()] += p.Value
+				}
+			case metricdata.Histogram[float64]:
+				for _, p := range d.DataPoints {
+					outcome, _ := p.Attributes.Value("outcome")
+					out[m.Name+"/"+outcome.AsString()] += int64(p.Count)
+				}
+			}
+		}
+	}
+	return out
+}
+
+func TestMetricsLogsAndSpans(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	reader := sdkmetric.NewManualReader()
+	spans := tracetest.NewSpanRecorder()
+	var logs syncBuffer
+	client, err := idem.New(idem.Config{
+		MeterProvider:  sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
+		TracerProvider: sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans)),
+		Logger:         slog.New(slog.NewJSONHandler(&logs, &slog.HandlerOptions{Level: slog.LevelDebug})),
+		LogHashKey:     []byte("secret"),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	const key = "raw-key-that-must-not-be-logged"
+	var calls atomic.Int64
+	op := idem.Scope{Actor: "actor-that-must-not-be-logged", Operation: "draw"}
+
+	if _, err := client.DoInTx(ctx, pool, op, key, fpA, recordEffect(&calls, key)); err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		if _, err := client.DoInTx(ctx, pool, op, key, fpA, recordEffect(&calls, key)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := client.DoInTx(ctx, pool, op, key, fpB, recordEffect(&calls, key)); !errors.Is(err, idem.ErrKeyReused) {
+		t.Fatal(err)
+	}
+	refuse := func(context.Context, pgx.Tx) (idem.Response, error) {
+		return idem.Response{}, idem.Reject(idem.Response{Status: 402})
+	}
+	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		_, err := client.Do(ctx, tx, op, "refused", fpA, refuse)
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	boom := errors.New("boom")
+	if _, err := client.DoInTx(ctx, pool, op, "fails", fpA, func(context.Context, pgx.Tx) (idem.Response, error) {
+		return idem.Response{}, boom
+	}); !errors.Is(err, boom) {
+		t.Fatal(err)
+	}
+
+	got := counts(t, reader)
+	for name, want := range map[string]int64{
+		"idem.reserve.created/draw":    1,
+		"idem.reserve.replay/draw":     2,
+		"idem.reserve.key_misuse/draw": 1,
+		"idem.reserve.rejected/draw":   1,
+		"idem.reserve.failed/draw":     1,
+		"idem.duplicate.wait/replay":   2,
+		"idem.overhead/created":        1,
+		"idem.overhead/replay":         2,
+	} {
+		if got[name] != want {
+			t.Errorf("%s = %d, want %d (all: %v)", name, got[name], want, got)
+		}
+	}
+
+	var names []string
+	for _, s := range spans.Ended() {
+		names = append(names, s.Name())
+	}
+	if len(names) != 6 || names[0] != "idem.DoInTx" || names[4] != "idem.Do" {
+		t.Errorf("spans: %v", names)
+	}
+
+	out := logs.String()
+	if strings.Contains(out, key) || strings.Contains(out, op.Actor) {
+		t.Fatalf("the logs hold a raw key or actor:\n%s", out)
+	}
+	for _, want := range []string{`"outcome":"replay"`, `"outcome":"key_misuse"`, `"key_hash":"`, `"actor_hash":"`} {
+		if !strings.Contains(out, want) {
+			t.Errorf("logs lack %s:\n%s", want, out)
+		}
+	}
+	// The hash is keyed: the same key hashes the same under the same secret,
+	// and differently under another.
+	if n := strings.Count(out, `"key_hash":"`); n < 4 {
+		t.Errorf("%d log records with a key hash", n)
+	}
+}
+
+// Without a Logger, a MeterProvider or a TracerProvider a client records
+// nothing and works as before.
+func TestObservabilityOffByDefault(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	var calls atomic.Int64
+	for range 2 {
+		if _, err := idem.DoInTx(ctx, pool, scope, "quiet", fpA, recordEffect(&calls, "quiet")); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if n, err := idem.Prune(ctx, pool, idem.PruneOptions{}); err != nil || n != 0 {
+		t.Fatal(n, err)
+	}
+}

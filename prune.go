@@ -1,0 +1,90 @@
+package idem
+
+import (
+	"context"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// PruneOptions configures Prune. The zero value means the defaults.
+type PruneOptions struct {
+	// BatchSize is the most rows one DELETE (one transaction) removes.
+	// Default 1000. Small batches keep locks and WAL bursts short.
+	BatchSize int
+
+	// MaxBatches bounds the batches of one call; 0 means until no expired
+	// finished row is left.
+	MaxBatches int
+
+	// DryRun counts the rows Prune would delete now, and deletes nothing.
+	DryRun bool
+}
+
+// DefaultPruneBatchSize is PruneOptions.BatchSize's default.
+const DefaultPruneBatchSize = 1000
+
+// Prune deletes finished keys past their TTL (succeeded, rejected and
+// failed_retryable rows whose expiry has passed), oldest first, in batches
+// of one short transaction each, and returns how many it deleted. It never
+// touches a key in flight: a claim not yet committed, a take-over in
+// progress, or a reservation that is processing or unknown. Several pruners
+// (processes, goroutines) may run at once: they skip each other's rows
+// instead of waiting (SKIP LOCKED).
+//
+// Each batch is planned for the table as it is when it runs, so Prune stays
+// an index walk of the expired rows at millions of rows, whatever the
+// planner's statistics say. Expired keys that Prune has not reached yet are
+// still treated as new requests: pruning only reclaims space.
+//
+// When ctx ends between batches Prune returns what it deleted so far with
+// the context's error.
+func Prune(ctx context.Context, db Beginner, opts PruneOptions) (int64, error) {
+	return defaultClient.Prune(ctx, db, opts)
+}
+
+// Prune is the package-level Prune.
+func (c *Client) Prune(ctx context.Context, db Beginner, opts PruneOptions) (int64, error) {
+	switch {
+	case isNil(db):
+		return 0, fmt.Errorf("%w: nil database handle", ErrInvalidArgument)
+	case opts.BatchSize < 0:
+		return 0, fmt.Errorf("%w: PruneOptions.BatchSize %d must not be negative", ErrInvalidArgument, opts.BatchSize)
+	case opts.MaxBatches < 0:
+		return 0, fmt.Errorf("%w: PruneOptions.MaxBatches %d must not be negative", ErrInvalidArgument, opts.MaxBatches)
+	}
+	if opts.BatchSize == 0 {
+		opts.BatchSize = DefaultPruneBatchSize
+	}
+	if opts.DryRun {
+		var n int64
+		err := c.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) (err error) {
+			n, err = queries.KeyCountPrunable(ctx, planned{tx})
+			return err
+		})
+		if err != nil {
+			return 0, fmt.Errorf("idem: prune: %w", err)
+		}
+		return n, nil
+	}
+	var total int64
+	for batch := 0; opts.MaxBatches == 0 || batch < opts.MaxBatches; batch++ {
+		if err := ctx.Err(); err != nil {
+			return total, err
+		}
+		var n int64
+		err := c.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) (err error) {
+			n, err = queries.KeyPrune(ctx, planned{tx}, int32(min(opts.BatchSize, 1<<30)))
+			return err
+		})
+		if err != nil {
+			return total, fmt.Errorf("idem: prune: %w", err)
+		}
+		total += n
+		c.obs.count(ctx, "ttl_pruned", "prune", "", n)
+		if n < int64(opts.BatchSize) {
+			break // none left that no other pruner holds
+		}
+	}
+	return total, nil
+}

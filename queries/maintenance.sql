@@ -1,0 +1,35 @@
+-- Deletes up to @batch_size finished rows past their TTL, oldest first.
+-- Rows in flight are never touched: a claim not yet committed is invisible
+-- here, a take-over in progress holds its row locked (SKIP LOCKED passes it
+-- by, so several pruners never wait on each other either), and reservations
+-- that are 'processing' or 'unknown' are not finished. Run through planned:
+-- its plan is made for the table as it is, never a generic plan cached while
+-- the table was small.
+-- name: KeyPrune :execrows
+DELETE FROM idem_keys AS k
+USING (SELECT actor, operation, idem_key
+       FROM idem_keys
+       WHERE expires_at <= now()
+         AND status IN ('succeeded', 'rejected', 'failed_retryable')
+       ORDER BY expires_at
+       LIMIT sqlc.arg(batch_size)::integer
+       FOR UPDATE SKIP LOCKED) AS old
+WHERE k.actor = old.actor AND k.operation = old.operation AND k.idem_key = old.idem_key;
+
+-- Counts the rows KeyPrune would delete now.
+-- name: KeyCountPrunable :one
+SELECT count(*) FROM idem_keys
+WHERE expires_at <= now()
+  AND status IN ('succeeded', 'rejected', 'failed_retryable');
+
+-- Counts the keys in each status, with the oldest claim still processing.
+-- name: KeyStats :many
+SELECT status, count(*)::bigint AS keys, min(created_at)::timestamptz AS oldest
+FROM idem_keys
+GROUP BY status
+ORDER BY status;
+
+-- Sizes of idem_keys on disk: the table with its TOAST data, and its indexes.
+-- name: KeyTableSize :one
+SELECT pg_table_size('idem_keys')::bigint AS table_bytes,
+       pg_indexes_size('idem_keys')::bigint AS index_bytes;
