@@ -234,12 +234,10 @@ func (c *Client) Resolve(ctx context.Context, db Beginner, scope Scope, key stri
 	if err != nil && !errors.Is(err, ErrNotFound) && !errors.Is(err, ErrNotResolvable) {
 		err = fmt.Errorf("idem: resolve: %w", err)
 	}
-	event := "reconcile_resolved"
 	if err != nil {
-		event = "reconcile_failed"
-		c.obs.count(ctx, event, "resolve", scope.Operation, 1)
+		c.obs.count(ctx, "reconcile_failed", "resolve", scope.Operation, 1)
 	}
-	c.countEnd(ctx, "resolve", scope, err, event)
+	c.countEnd(ctx, "resolve", scope, err, "reconcile_resolved")
 	return err
 }
 

@@ -16,6 +16,9 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/pgtest"
@@ -826,5 +829,87 @@ func TestReserveHandles(t *testing.T) {
 	}
 	if keyRows(t, pool) != 1 {
 		t.Fatal("a refused Reserve wrote a row")
+	}
+}
+
+// The reservation calls count their outcomes through the client's meter
+// (observe.go): Reserve like Do, the others as events.
+func TestReservationMetrics(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	reader := sdkmetric.NewManualReader()
+	spans := tracetest.NewSpanRecorder()
+	c := mustClient(t, idem.Config{
+		MeterProvider:  sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
+		TracerProvider: sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans)),
+	})
+	check := func(err error) {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	reserve := func(key string, lease time.Duration) (idem.Reservation, error) {
+		return c.Reserve(ctx, pool, payScope, key, fpA, lease)
+	}
+
+	a, err := reserve("a", time.Minute) // created
+	check(err)
+	check(completeTx(ctx, c, pool, a, charged))
+	_, err = reserve("a", time.Minute) // replay
+	check(err)
+	b, err := reserve("b", time.Minute) // created
+	check(err)
+	if _, err := reserve("b", time.Minute); !errors.Is(err, idem.ErrInProgress) {
+		t.Fatal(err)
+	}
+	check(c.FailRetryable(ctx, pool, b, "not sent")) // failed_retry
+	if err := c.MarkUnknown(ctx, pool, b, "late"); !errors.Is(err, idem.ErrFenced) {
+		t.Fatal(err) // fenced
+	}
+	_, err = reserve("z", time.Millisecond) // created
+	check(err)
+	waitPast(t, pool, payScope, "z", "lease_expires_at")
+	if _, err := reserve("z", time.Minute); !errors.Is(err, idem.ErrOutcomeUnknown) {
+		t.Fatal(err) // unknown, zombie_key
+	}
+	y, err := reserve("y", time.Millisecond) // created
+	check(err)
+	waitPast(t, pool, payScope, "y", "lease_expires_at")
+	if n, err := c.ExpireLeases(ctx, pool, 10); err != nil || n != 1 { // zombie_key
+		t.Fatalf("ExpireLeases = %d, %v", n, err)
+	}
+	check(c.MarkUnknown(ctx, pool, y, "timeout"))                                                    // unknown
+	check(c.Resolve(ctx, pool, payScope, "y", idem.Resolution{Retryable: true}))                     // reconcile_resolved
+	if err := c.Resolve(ctx, pool, payScope, "none", idem.Resolution{Retryable: true}); err == nil { // reconcile_failed
+		t.Fatal("resolved a key without a record")
+	}
+
+	got := counts(t, reader)
+	for name, want := range map[string]int64{
+		"idem.reserve.created/payment.create":      4,
+		"idem.reserve.replay/payment.create":       1,
+		"idem.reserve.in_progress/payment.create":  1,
+		"idem.reserve.failed_retry/payment.create": 1,
+		"idem.reserve.fenced/payment.create":       1,
+		"idem.reserve.unknown/payment.create":      2, // Reserve's refusal, MarkUnknown
+		"idem.zombie_key/payment.create":           1, // by Reserve
+		"idem.zombie_key/":                         1, // by ExpireLeases
+		"idem.reconcile.resolved/payment.create":   1,
+		"idem.reconcile.failed/payment.create":     1,
+	} {
+		if got[name] != want {
+			t.Errorf("%s = %d, want %d (all: %v)", name, got[name], want, got)
+		}
+	}
+	n := 0
+	for _, s := range spans.Ended() {
+		if s.Name() == "idem.Reserve" {
+			n++
+		}
+	}
+	if n != 7 {
+		t.Errorf("%d idem.Reserve spans, want 7", n)
 	}
 }
