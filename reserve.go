@@ -8,6 +8,7 @@ import (
 
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 
 	store "github.com/pgidem/idem/internal/db"
@@ -150,37 +151,62 @@ func (c *Client) reserveTx(ctx context.Context, db Beginner, scope Scope, key st
 // an execution or a replay; err is a failure that rolls back.
 func (c *Client) reserve(ctx context.Context, tx pgx.Tx, scope Scope, key string, fp Fingerprint, lease time.Duration) (
 	r Reservation, refusal error, err error) {
-	// Equivalent to SET LOCAL lock_timeout, which takes no parameter. The
-	// transaction is Reserve's own: the setting ends with it.
-	wait := fmt.Sprintf("%dms", max(c.cfg.Wait, time.Millisecond).Milliseconds())
-	if _, err := tx.Exec(ctx, "SELECT set_config('lock_timeout', $1, true)", wait); err != nil {
-		return r, nil, err
-	}
 	r = Reservation{Scope: scope, Key: key}
-	leaseMicros, ttlMicros := lease.Microseconds(), c.cfg.TTL.Microseconds()
+	insert := store.ReserveInsertParams{
+		Actor: scope.Actor, Operation: scope.Operation, IdemKey: key, Fingerprint: fp[:],
+		LeaseMicros: lease.Microseconds(), TtlMicros: c.cfg.TTL.Microseconds(),
+	}
+	lock := store.ReserveLockParams{Actor: scope.Actor, Operation: scope.Operation, IdemKey: key}
+	// set_config(..., true) is SET LOCAL lock_timeout, which takes no
+	// parameter; SET LOCAL enable_seqscan makes the read an index lookup
+	// whatever the planner's statistics say. The transaction is Reserve's
+	// own: both settings end with it.
+	wait := fmt.Sprintf("%dms", max(c.cfg.Wait, time.Millisecond).Milliseconds())
 	for range maxReserveAttempts {
-		ins, err := queries.ReserveInsert(ctx, tx, store.ReserveInsertParams{
-			Actor: scope.Actor, Operation: scope.Operation, IdemKey: key, Fingerprint: fp[:],
-			LeaseMicros: leaseMicros, TtlMicros: ttlMicros,
-		})
+		// One round trip: insert a fresh reservation, or else lock and
+		// read the committed row that holds the key. Under READ COMMITTED
+		// the read sees the row the insert ran into, also one committed
+		// while the insert waited for it.
+		b := &pgx.Batch{}
+		b.Queue("SELECT set_config('lock_timeout', $1, true)", wait)
+		_, _ = queries.ReserveInsert(ctx, queuer{b}, insert)
+		b.Queue(sqlIndexLookup)
+		_, _ = queries.ReserveLock(ctx, queuer{b}, lock)
+		br := tx.SendBatch(ctx, b)
+		read := batchRead{br}
+		_, err = br.Exec()
+		var ins store.ReserveInsertRow
+		inserted := false
 		if err == nil {
+			ins, err = queries.ReserveInsert(ctx, read, insert)
+			inserted = err == nil
+			if errors.Is(err, pgx.ErrNoRows) {
+				err = nil
+			}
+		}
+		if err == nil {
+			_, err = br.Exec()
+		}
+		var row store.ReserveLockRow
+		found := false
+		if err == nil {
+			row, err = queries.ReserveLock(ctx, read, lock)
+			found = err == nil
+			if errors.Is(err, pgx.ErrNoRows) {
+				err = nil
+			}
+		}
+		if err = closeBatch(br, err); err != nil {
+			return r, nil, err
+		}
+		if inserted {
 			r.Token, r.LeaseExpiresAt = ins.Token, ins.LeaseExpiresAt.Time
 			return r, nil, nil
 		}
-		if !errors.Is(err, pgx.ErrNoRows) {
-			return r, nil, err
-		}
-
-		// A committed row holds the key: lock it, then decide.
-		row, err := queries.ReserveLock(ctx, planned{tx}, store.ReserveLockParams{
-			Actor: scope.Actor, Operation: scope.Operation, IdemKey: key,
-		})
-		if errors.Is(err, pgx.ErrNoRows) {
+		if !found {
 			continue // gone since the insert (pruned): insert again
 		}
-		if err != nil {
-			return r, nil, err
-		}
+
 		// The one state machine of a key (judge, claim.go) decides, as for
 		// Do; Reserve adds what only it does.
 		k := row.IdemKey
@@ -193,8 +219,6 @@ func (c *Client) reserve(ctx context.Context, tx pgx.Tx, scope Scope, key string
 			Expired: row.Expired, Leased: row.Leased, LeaseLeftMs: row.LeaseLeftMs,
 		}, true, fp, newRowKey(scope, key))
 		switch {
-		case nx == nextClaim:
-			continue
 		case nx == nextTakeOver:
 			// Past its TTL (a new request), or certainly not executed (a
 			// new attempt): acquired below.
@@ -218,7 +242,7 @@ func (c *Client) reserve(ctx context.Context, tx pgx.Tx, scope Scope, key string
 			return r, nil, nil
 		}
 		acq, err := queries.ReserveAcquire(ctx, planned{tx}, store.ReserveAcquireParams{
-			Fingerprint: fp[:], TtlMicros: ttlMicros, LeaseMicros: leaseMicros,
+			Fingerprint: fp[:], TtlMicros: insert.TtlMicros, LeaseMicros: insert.LeaseMicros,
 			Actor: scope.Actor, Operation: scope.Operation, IdemKey: key, Token: k.Token,
 		})
 		if err != nil {
@@ -227,7 +251,7 @@ func (c *Client) reserve(ctx context.Context, tx pgx.Tx, scope Scope, key string
 		r.Token, r.LeaseExpiresAt = acq.Token, acq.LeaseExpiresAt.Time
 		return r, nil, nil
 	}
-	return r, &InProgressError{RetryAfter: time.Second}, nil
+	return r, c.inProgressOn(newRowKey(scope, key)), nil
 }
 
 // Complete records the outcome of the reservation's work as 'succeeded'
@@ -408,6 +432,17 @@ func (c *Client) countEnd(ctx context.Context, call string, scope Scope, err err
 		c.obs.count(ctx, outcomeStoreError, call, scope.Operation, 1)
 	}
 }
+
+// batchRead is a db.DBTX that reads the next result of a batch already sent
+// instead of running a statement, so that the generated method of a
+// statement queued with queuer scans its own result.
+type batchRead struct{ br pgx.BatchResults }
+
+func (r batchRead) Exec(context.Context, string, ...any) (pgconn.CommandTag, error) {
+	return r.br.Exec()
+}
+func (r batchRead) Query(context.Context, string, ...any) (pgx.Rows, error) { return r.br.Query() }
+func (r batchRead) QueryRow(context.Context, string, ...any) pgx.Row        { return r.br.QueryRow() }
 
 // checkTarget validates the scope and key of a call.
 func (c *Client) checkTarget(scope Scope, key string) error {

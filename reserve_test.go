@@ -913,3 +913,42 @@ func TestReservationMetrics(t *testing.T) {
 		t.Errorf("%d idem.Reserve spans, want 7", n)
 	}
 }
+
+// BenchmarkReserve compares a reservation's database work with DoInTx's on
+// a fresh key: Reserve (its own transaction) plus Complete (in a second
+// one), and Reserve on a key that completed (a replay). Compare ns/op as
+// ratios to DoInTx; the outside call itself is not measured.
+func BenchmarkReserve(b *testing.B) {
+	pool := pgtest.Pool(b, idem.Migrate)
+	b.Run("DoInTx", func(b *testing.B) { benchDoInTx(b, pool, benchKeys(b.N), false) })
+	b.Run("ReserveComplete", func(b *testing.B) {
+		ctx := b.Context()
+		keys := benchKeys(b.N)
+		b.ReportAllocs()
+		b.ResetTimer()
+		for _, key := range keys {
+			r, err := idem.Reserve(ctx, pool, benchScope, "r"+key, benchFP, time.Minute)
+			if err == nil {
+				err = idem.InTx(ctx, pool, func(ctx context.Context, tx pgx.Tx) error {
+					return idem.Complete(ctx, tx, r, benchResp)
+				})
+			}
+			if err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("ReserveReplay", func(b *testing.B) {
+		ctx := b.Context()
+		keys := benchKeys(b.N)
+		completeKeys(b, pool, keys)
+		b.ReportAllocs()
+		b.ResetTimer()
+		for _, key := range keys {
+			r, err := idem.Reserve(ctx, pool, benchScope, key, benchFP, time.Minute)
+			if err != nil || !r.Replayed {
+				b.Fatalf("%+v, %v", r, err)
+			}
+		}
+	})
+}
