@@ -15,6 +15,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 )
@@ -114,13 +115,13 @@ func startCluster(ctx context.Context, binDir, dir string, cred *syscall.Credent
 				Path:     "/postgres",
 				RawQuery: "sslmode=disable",
 			}
+			c := &cluster{binDir: binDir, dir: dir, dataDir: dataDir, port: port, cred: cred, proc: proc}
+			clusters.Store(dir, c)
 			return &Server{
 				URL:    u.String(),
 				Source: "initdb (temp cluster at " + dir + ")",
 				dir:    dir,
-				stop: func() error {
-					return errors.Join(proc.stop(), os.RemoveAll(dir))
-				},
+				stop:   c.close,
 			}, nil
 		}
 		lastErr = err
@@ -129,6 +130,115 @@ func startCluster(ctx context.Context, binDir, dir string, cred *syscall.Credent
 		}
 	}
 	return nil, lastErr
+}
+
+// cluster is a temp cluster started by StartTempCluster, kept so that
+// StopImmediate and Restart can stop and start its postmaster.
+type cluster struct {
+	binDir, dir, dataDir string
+	port                 int
+	cred                 *syscall.Credential
+
+	mu     sync.Mutex
+	proc   *postgresProcess // nil while stopped
+	closed bool
+}
+
+// clusters holds the running temp clusters by directory (Server.dir).
+var clusters sync.Map
+
+// close stops the postmaster and removes the cluster's directory.
+func (c *cluster) close() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.closed = true
+	clusters.Delete(c.dir)
+	var err error
+	if c.proc != nil {
+		err = c.proc.stop()
+		c.proc = nil
+	}
+	return errors.Join(err, os.RemoveAll(c.dir))
+}
+
+// clusterOf returns the temp cluster behind s.
+func clusterOf(s *Server) (*cluster, error) {
+	if s != nil && s.dir != "" {
+		if c, ok := clusters.Load(s.dir); ok {
+			return c.(*cluster), nil
+		}
+	}
+	return nil, errors.New("pgserver: not a running temp cluster (StartTempCluster)")
+}
+
+// StopImmediate stops the postmaster of a temp cluster with an immediate
+// shutdown (SIGQUIT, what pg_ctl stop -m immediate sends): every backend is
+// ended at once, open transactions are lost, and there is no checkpoint, so
+// the next start runs crash recovery. It returns when the postmaster has
+// exited; Restart starts it again. Stopping a stopped cluster does nothing.
+// Other servers (not from StartTempCluster) give an error.
+//
+// The temp cluster runs with synchronous_commit=off, so an immediate
+// shutdown may lose the last commits that were already acknowledged. A test
+// that needs acknowledged commits to survive must turn synchronous_commit on
+// in its sessions (for example with the runtime parameter
+// synchronous_commit=on in the connection string).
+func (s *Server) StopImmediate() error {
+	c, err := clusterOf(s)
+	if err != nil {
+		return err
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.stopImmediate()
+}
+
+func (c *cluster) stopImmediate() error {
+	if c.proc == nil {
+		return nil
+	}
+	p := c.proc
+	_ = p.cmd.Process.Signal(syscall.SIGQUIT)
+	select {
+	case <-p.exited:
+	case <-time.After(stopTimeout):
+		_ = p.cmd.Process.Signal(syscall.SIGKILL)
+		<-p.exited
+	}
+	c.proc = nil
+	return nil
+}
+
+// Restart stops the postmaster of a temp cluster with an immediate shutdown
+// if it is running (see StopImmediate), starts it again on the same port and
+// data directory, and returns once it accepts connections again (after
+// crash recovery). s.URL stays valid. Other servers give an error.
+func (s *Server) Restart(ctx context.Context) error {
+	c, err := clusterOf(s)
+	if err != nil {
+		return err
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return errors.New("pgserver: temp cluster closed")
+	}
+	if err := c.stopImmediate(); err != nil {
+		return err
+	}
+	// The port was free a moment ago; a stranger may have taken it since,
+	// and the kernel may take a moment to release it: retry briefly.
+	for attempt := 0; ; attempt++ {
+		proc, err := startPostgres(ctx, c.binDir, c.dir, c.dataDir, c.port, c.cred)
+		if err == nil {
+			c.proc = proc
+			return nil
+		}
+		if !errors.Is(err, errPortInUse) || attempt >= 20 || ctx.Err() != nil {
+			return fmt.Errorf("pgserver: restart: %w", err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
 }
 
 // errPortInUse means postgres could not bind its port.

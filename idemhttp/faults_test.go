@@ -1,0 +1,400 @@
+package idemhttp_test
+
+// Faults through the middleware over real HTTP: clients that hang up at
+// random points (before the request is sent, while the handler runs, after
+// the commit before the response is read) and retry with the same key, on
+// several instances (each its own pool and server), with a relay between the
+// instances and PostgreSQL that loses some COMMIT acknowledgements. The
+// invariant at the end: every key took effect exactly once, every 201 equals
+// the committed response, the ledger balances.
+//
+// Sized to run in seconds; IDEM_SOAK=1 runs it longer.
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"net/http"
+	"net/http/httptest"
+	"os"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idemhttp"
+	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/relay"
+)
+
+const (
+	ledgerAccounts = 8
+	ledgerOpening  = 1_000_000
+)
+
+// ledgerMigrate installs idem's table, accounts with a balance and one
+// ledger entry per executed transfer.
+func ledgerMigrate(ctx context.Context, pool *pgxpool.Pool) error {
+	if err := idem.Migrate(ctx, pool); err != nil {
+		return err
+	}
+	_, err := pool.Exec(ctx, fmt.Sprintf(`
+		CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL);
+		INSERT INTO accounts SELECT g, %d FROM generate_series(1, %d) g;
+		CREATE TABLE ledger (
+			id bigserial PRIMARY KEY,
+			idem_key text NOT NULL,
+			from_account int NOT NULL REFERENCES accounts,
+			to_account int NOT NULL REFERENCES accounts,
+			amount bigint NOT NULL)`, ledgerOpening, ledgerAccounts))
+	return err
+}
+
+// transfer is one client intent, sent as the request body.
+type transfer struct {
+	Key    string `json:"-"`
+	From   int    `json:"from"`
+	To     int    `json:"to"`
+	Amount int64  `json:"amount"`
+}
+
+func transferBody(tr transfer, entry int64) []byte {
+	return fmt.Appendf(nil, `{"key":%q,"entry":%d,"from":%d,"to":%d,"amount":%d}`,
+		tr.Key, entry, tr.From, tr.To, tr.Amount)
+}
+
+// transferHandler writes the transfer in the request's transaction and
+// answers 201 with the ledger entry. It locks the two accounts in id order:
+// a deadlock inside a handler is answered 500, not retried.
+func transferHandler(runs *atomic.Int64) http.HandlerFunc {
+	return func(w http.ResponseWriter, r *http.Request) {
+		runs.Add(1)
+		var tr transfer
+		if err := json.NewDecoder(r.Body).Decode(&tr); err != nil {
+			http.Error(w, err.Error(), http.StatusBadRequest)
+			return
+		}
+		tr.Key = r.Header.Get(idemhttp.HeaderKey)
+		ctx, tx := r.Context(), idemhttp.Tx(r.Context())
+		var entry int64
+		err := func() error {
+			if _, err := tx.Exec(ctx, `SELECT 1 FROM accounts WHERE id IN ($1, $2) ORDER BY id FOR UPDATE`, tr.From, tr.To); err != nil {
+				return err
+			}
+			if _, err := tx.Exec(ctx, `UPDATE accounts SET balance = balance - $2 WHERE id = $1`, tr.From, tr.Amount); err != nil {
+				return err
+			}
+			if _, err := tx.Exec(ctx, `UPDATE accounts SET balance = balance + $2 WHERE id = $1`, tr.To, tr.Amount); err != nil {
+				return err
+			}
+			return tx.QueryRow(ctx, `INSERT INTO ledger (idem_key, from_account, to_account, amount)
+				VALUES ($1, $2, $3, $4) RETURNING id`, tr.Key, tr.From, tr.To, tr.Amount).Scan(&entry)
+		}()
+		if err != nil {
+			// The store failed under the handler (the connection was cut):
+			// answer 503, nothing is stored.
+			http.Error(w, err.Error(), http.StatusServiceUnavailable)
+			return
+		}
+		w.Header().Set("Content-Type", "application/json")
+		w.WriteHeader(http.StatusCreated)
+		_, _ = w.Write(transferBody(tr, entry))
+	}
+}
+
+// httpAnswer is a 201 a client read in full.
+type httpAnswer struct {
+	body     []byte
+	replayed bool
+}
+
+// httpLoad is the clients' side: outcomes of every attempt.
+type httpLoad struct {
+	t       *testing.T
+	servers []*httptest.Server
+	client  *http.Client
+
+	mu       sync.Mutex
+	answers  map[string][]httpAnswer
+	hangups  int // attempts the client gave up on
+	conflict int // 409 in progress
+	outage   int // 503 store unavailable
+	handler5 int // 503 from the handler (its statement failed on a cut connection)
+}
+
+// send posts tr with its key to a random instance until it reads a 201 in
+// full. On some attempts the client hangs up at a random moment.
+func (l *httpLoad) send(ctx context.Context, tr transfer) {
+	body, _ := json.Marshal(tr)
+	for attempt := 0; ; attempt++ {
+		if ctx.Err() != nil {
+			l.t.Errorf("key %s: no answer after %d attempts", tr.Key, attempt)
+			return
+		}
+		srv := l.servers[rand.N(len(l.servers))]
+		actx, cancel := context.WithCancel(ctx)
+		hangup := rand.N(3)
+		if hangup == 1 {
+			// Hang up at a random moment: before, during or after the
+			// handler's transaction.
+			time.AfterFunc(time.Duration(rand.N(4000))*time.Microsecond, cancel)
+		}
+		req, _ := http.NewRequestWithContext(actx, http.MethodPost, srv.URL+"/transfers", bytes.NewReader(body))
+		req.Header.Set(idemhttp.HeaderKey, tr.Key)
+		req.Header.Set("Authorization", "Bearer tenant-1")
+		req.Header.Set("Content-Type", "application/json")
+		resp, err := l.client.Do(req)
+		if err == nil && hangup == 2 {
+			// Hang up once the response has started, before reading it.
+			cancel()
+		}
+		var got []byte
+		if err == nil {
+			got, err = io.ReadAll(resp.Body)
+			resp.Body.Close()
+		}
+		cancel()
+		if err != nil {
+			if !errors.Is(err, context.Canceled) {
+				l.t.Errorf("key %s: %v", tr.Key, err)
+				return
+			}
+			l.count(&l.hangups)
+			continue
+		}
+		switch code := problemCode(got); {
+		case resp.StatusCode == http.StatusCreated:
+			l.mu.Lock()
+			l.answers[tr.Key] = append(l.answers[tr.Key], httpAnswer{body: got, replayed: resp.Header.Get(idemhttp.HeaderReplayed) == "true"})
+			l.mu.Unlock()
+			return
+		case resp.StatusCode == http.StatusConflict && code == idemhttp.CodeInProgress:
+			l.count(&l.conflict)
+		case resp.StatusCode == http.StatusServiceUnavailable && code == idemhttp.CodeStoreUnavailable:
+			l.count(&l.outage)
+		case resp.StatusCode == http.StatusServiceUnavailable && code == "":
+			l.count(&l.handler5)
+		default:
+			l.t.Errorf("key %s: unexpected answer %d %s", tr.Key, resp.StatusCode, got)
+			return
+		}
+		time.Sleep(time.Duration(2+rand.N(10)) * time.Millisecond)
+	}
+}
+
+func (l *httpLoad) count(n *int) {
+	l.mu.Lock()
+	*n++
+	l.mu.Unlock()
+}
+
+// problemCode returns the code of a problem+json body, or "".
+func problemCode(body []byte) string {
+	var p struct {
+		Code string `json:"code"`
+	}
+	if json.Unmarshal(body, &p) != nil {
+		return ""
+	}
+	return p.Code
+}
+
+func TestFaultClientsHangUpAndCommitsGetLost(t *testing.T) {
+	t.Parallel()
+	keys, copies, instances := 60, 4, 3
+	if os.Getenv("IDEM_SOAK") != "" {
+		keys, copies = 1500, 5
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Minute)
+	defer cancel()
+	url := pgtest.URL(t, ledgerMigrate)
+	target, err := relay.Target(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var commits atomic.Int64
+	var cutting atomic.Bool // every fourth COMMIT acknowledgement is lost
+	cutting.Store(true)
+	rl, err := relay.Start(target, relay.Options{DropAfterCommit: func() bool {
+		return cutting.Load() && commits.Add(1)%4 == 0
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rl.Close()
+	relayed, err := rl.ConnString(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+
+	var runs atomic.Int64
+	l := &httpLoad{t: t, answers: map[string][]httpAnswer{}, client: &http.Client{
+		Transport: &http.Transport{MaxIdleConnsPerHost: 16},
+	}}
+	defer l.client.CloseIdleConnections()
+	for range instances {
+		cfg, err := pgxpool.ParseConfig(relayed)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg.MaxConns = 2
+		pool, err := pgxpool.NewWithConfig(ctx, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer pool.Close()
+		mw := idemhttp.Middleware(pool, idemhttp.Options{
+			Actor:  bearer,
+			Config: idem.Config{Wait: 500 * time.Millisecond},
+			Logger: slog.New(slog.DiscardHandler),
+		})
+		mux := http.NewServeMux()
+		mux.Handle("POST /transfers", mw(transferHandler(&runs)))
+		srv := httptest.NewServer(mux)
+		defer srv.Close()
+		l.servers = append(l.servers, srv)
+	}
+
+	trs := make([]transfer, keys)
+	for i := range trs {
+		from := 1 + rand.N(ledgerAccounts)
+		to := 1 + (from+rand.N(ledgerAccounts-1))%ledgerAccounts
+		trs[i] = transfer{Key: fmt.Sprintf("http-%04d", i), From: from, To: to, Amount: 1 + rand.Int64N(500)}
+	}
+	// Each key twice at once, then copies-2 more times in a shuffled order.
+	var jobs []transfer
+	for _, tr := range trs {
+		jobs = append(jobs, tr, tr)
+	}
+	var later []transfer
+	for range copies - 2 {
+		later = append(later, trs...)
+	}
+	rand.Shuffle(len(later), func(i, j int) { later[i], later[j] = later[j], later[i] })
+	jobs = append(jobs, later...)
+
+	queue := make(chan transfer)
+	var wg sync.WaitGroup
+	for range 12 {
+		wg.Go(func() {
+			for tr := range queue {
+				l.send(ctx, tr)
+			}
+		})
+	}
+	for _, tr := range jobs {
+		queue <- tr
+	}
+	close(queue)
+	wg.Wait()
+	t.Logf("%d keys, %d requests: %d handler runs, %d hang-ups, %d 409, %d 503 store unavailable, %d 503 from the handler; %d commits cut",
+		keys, len(jobs), runs.Load(), l.hangups, l.conflict, l.outage, l.handler5, rl.CommitsCut())
+	if t.Failed() {
+		return
+	}
+	if l.hangups == 0 || rl.CommitsCut() == 0 {
+		t.Fatalf("%d hang-ups, %d commits cut: the faults never fired", l.hangups, rl.CommitsCut())
+	}
+
+	// The invariant, read directly (not through the relay).
+	cutting.Store(false)
+	pool, err := pgxpool.New(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	entries := map[string][]int64{}
+	want := map[int]int64{}
+	for i := 1; i <= ledgerAccounts; i++ {
+		want[i] = ledgerOpening
+	}
+	rows, err := pool.Query(ctx, `SELECT id, idem_key, from_account, to_account, amount FROM ledger`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for rows.Next() {
+		var id, amount int64
+		var key string
+		var from, to int
+		if err := rows.Scan(&id, &key, &from, &to, &amount); err != nil {
+			t.Fatal(err)
+		}
+		entries[key] = append(entries[key], id)
+		want[from] -= amount
+		want[to] += amount
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	if len(entries) != len(trs) {
+		t.Errorf("ledger has entries for %d keys, want %d", len(entries), len(trs))
+	}
+	for _, tr := range trs {
+		ids := entries[tr.Key]
+		if len(ids) != 1 {
+			t.Errorf("key %s: %d ledger entries, want exactly 1", tr.Key, len(ids))
+			continue
+		}
+		committed := transferBody(tr, ids[0])
+		fresh := 0
+		for _, a := range l.answers[tr.Key] {
+			if !bytes.Equal(a.body, committed) {
+				t.Errorf("key %s: answered %s, committed %s", tr.Key, a.body, committed)
+			}
+			if !a.replayed {
+				fresh++
+			}
+		}
+		if fresh > 1 || len(l.answers[tr.Key]) == 0 {
+			t.Errorf("key %s: %d answers, %d of them not replays", tr.Key, len(l.answers[tr.Key]), fresh)
+		}
+		// A last retry, on any instance, replays the committed response.
+		body, _ := json.Marshal(tr)
+		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, l.servers[0].URL+"/transfers", bytes.NewReader(body))
+		req.Header.Set(idemhttp.HeaderKey, tr.Key)
+		req.Header.Set("Authorization", "Bearer tenant-1")
+		req.Header.Set("Content-Type", "application/json")
+		before := runs.Load()
+		resp, err := l.client.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusCreated || resp.Header.Get(idemhttp.HeaderReplayed) != "true" ||
+			!bytes.Equal(got, committed) || runs.Load() != before {
+			t.Errorf("key %s: final retry %d %s (replayed %q), committed %s", tr.Key, resp.StatusCode, got,
+				resp.Header.Get(idemhttp.HeaderReplayed), committed)
+		}
+	}
+	var total int64
+	rows, err = pool.Query(ctx, `SELECT id, balance FROM accounts`)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for rows.Next() {
+		var id int
+		var balance int64
+		if err := rows.Scan(&id, &balance); err != nil {
+			t.Fatal(err)
+		}
+		if balance != want[id] {
+			t.Errorf("account %d: balance %d, ledger says %d", id, balance, want[id])
+		}
+		total += balance
+	}
+	if err := rows.Err(); err != nil {
+		t.Fatal(err)
+	}
+	if total != ledgerAccounts*ledgerOpening {
+		t.Errorf("total balance %d, want %d", total, ledgerAccounts*ledgerOpening)
+	}
+}
