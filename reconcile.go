@@ -10,6 +10,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 
+	// Named store here: the parameter that takes a Beginner is called db.
 	store "github.com/pgidem/idem/internal/db"
 )
 

@@ -11,6 +11,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 
+	// Named store here: the parameter that takes a Beginner is called db.
 	store "github.com/pgidem/idem/internal/db"
 )
 
@@ -33,6 +34,7 @@ import (
 //	processing        --Heartbeat (same token, live)--> processing (lease extended)
 //	processing, lease ran out --Reserve, ExpireLeases--> unknown
 //	failed_retryable  --Reserve (same fingerprint)-->   processing (new token)
+//	failed_retryable  --Do (same fingerprint)-->        Do runs fn: succeeded | rejected
 //	unknown, or processing whose lease ran out
 //	                  --Resolve-->                      succeeded | failed_retryable (new token)
 //	succeeded, rejected, failed_retryable past the TTL
@@ -361,7 +363,9 @@ func (c *Client) MarkUnknown(ctx context.Context, db Beginner, r Reservation, re
 //
 // ErrFenced once the lease has run out (even if nobody has turned the record
 // unknown yet), or when the record is no longer this reservation's
-// 'processing'; nothing changes. extend < 1µs is ErrInvalidArgument.
+// 'processing'; nothing changes. extend < 1µs is ErrInvalidArgument. The
+// database clock is now(), the start of the transaction: on a pgx.Tx that is
+// the caller's, so call Heartbeat on a pool or a connection.
 func Heartbeat(ctx context.Context, db Beginner, r Reservation, extend time.Duration) (Reservation, error) {
 	return defaultClient.Heartbeat(ctx, db, r, extend)
 }
