@@ -25,6 +25,11 @@ const (
 	// CodeInProgress (409, with Retry-After): a request with this key is
 	// still running; retry later with the same key.
 	CodeInProgress = "REQUEST_IN_PROGRESS"
+	// CodeOutcomeUnknown (409): the key belongs to a reservation whose work
+	// outside the database may or may not have happened (idem.Reserve,
+	// idem.ErrOutcomeUnknown). It does not run again until an operator
+	// reconciles it; a retry with the same key then replays or runs.
+	CodeOutcomeUnknown = "IDEMPOTENCY_OUTCOME_UNKNOWN"
 	// CodeBodyTooLarge (413): the request body is over Options.MaxBodyBytes.
 	CodeBodyTooLarge = "REQUEST_BODY_TOO_LARGE"
 	// CodeBodyUnreadable (400): the request body could not be read.
