@@ -196,6 +196,7 @@ func (r *report) goals() []goal {
 		atLeast("light doInTx", "light floor", 0.92)
 		atLeast("light do", "light floor", 0.80)
 		atLeast("light doInTx", "light two-tx", 1.30)
+		atLeast("light doInTx+obs", "light doInTx", 0.97)
 		atLeast("draw doInTx", "draw floor", 0.97)
 		atLeast("draw do", "draw floor", 0)
 		atLeast("draw doInTx", "draw two-tx", 0)

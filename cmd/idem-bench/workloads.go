@@ -7,6 +7,8 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
+	"log/slog"
 	"math/rand/v2"
 	"strconv"
 	"time"
@@ -14,6 +16,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/draw"
@@ -182,6 +185,32 @@ var ops = []struct {
 	op   op
 }{
 	{"bare", opBare}, {"floor", opFloor}, {"do", opDo}, {"doInTx", opDoInTx}, {"replay", opReplay}, {"two-tx", opTwoTx},
+	{"doInTx+obs", opDoInTxObserved},
+}
+
+// observed is a Client with metrics and logs on: an OpenTelemetry SDK
+// MeterProvider that aggregates every counter and histogram in memory, and
+// a JSON slog logger at Debug level, so every call writes a record (to
+// io.Discard). doInTx+obs / doInTx is what observability costs.
+var observed = func() *idem.Client {
+	c, err := idem.New(idem.Config{
+		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(sdkmetric.NewManualReader())),
+		Logger:        slog.New(slog.NewJSONHandler(io.Discard, &slog.HandlerOptions{Level: slog.LevelDebug})),
+	})
+	if err != nil {
+		panic(err)
+	}
+	return c
+}()
+
+// opDoInTxObserved is opDoInTx through the observed Client.
+func opDoInTxObserved(ctx context.Context, w *worker) error {
+	r, key := w.biz.request(w), w.newKey()
+	res, err := observed.DoInTx(ctx, w.db, r.scope, key, r.fp, r.run)
+	if err == nil && res.Replayed {
+		err = fmt.Errorf("%w: fresh key %s replayed", errUnexpected, key)
+	}
+	return err
 }
 
 // opBare is the business transaction alone.
