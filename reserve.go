@@ -8,7 +8,6 @@ import (
 
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 
 	// Named store here: the parameter that takes a Beginner is called db.
@@ -436,17 +435,6 @@ func (c *Client) countEnd(ctx context.Context, call string, scope Scope, err err
 		c.obs.count(ctx, outcomeStoreError, call, scope.Operation, 1)
 	}
 }
-
-// batchRead is a db.DBTX that reads the next result of a batch already sent
-// instead of running a statement, so that the generated method of a
-// statement queued with queuer scans its own result.
-type batchRead struct{ br pgx.BatchResults }
-
-func (r batchRead) Exec(context.Context, string, ...any) (pgconn.CommandTag, error) {
-	return r.br.Exec()
-}
-func (r batchRead) Query(context.Context, string, ...any) (pgx.Rows, error) { return r.br.Query() }
-func (r batchRead) QueryRow(context.Context, string, ...any) pgx.Row        { return r.br.QueryRow() }
 
 // checkTarget validates the scope and key of a call.
 func (c *Client) checkTarget(scope Scope, key string) error {
