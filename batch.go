@@ -13,7 +13,9 @@ import (
 // queuer is a db.DBTX that queues each statement of a generated sqlc method
 // in a pgx.Batch instead of running it, so Do can send several statements in
 // one round trip while sqlc stays the single source of the SQL and of the
-// order of its arguments. Results are read from the batch afterwards.
+// order of its arguments. Once the batch is sent, the same generated methods
+// called on a batchRead scan the results. (The arguments given on that
+// second call are not used: zero values do.)
 type queuer struct{ b *pgx.Batch }
 
 var errQueued = errors.New("idem: statement queued in a batch")
@@ -36,6 +38,17 @@ func (q queuer) QueryRow(_ context.Context, sql string, args ...any) pgx.Row {
 type queuedRow struct{}
 
 func (queuedRow) Scan(...any) error { return errQueued }
+
+// batchRead is a db.DBTX that reads the next result of a batch already sent
+// instead of running a statement, so that the generated method of a
+// statement queued with queuer scans its own result.
+type batchRead struct{ br pgx.BatchResults }
+
+func (r batchRead) Exec(context.Context, string, ...any) (pgconn.CommandTag, error) {
+	return r.br.Exec()
+}
+func (r batchRead) Query(context.Context, string, ...any) (pgx.Rows, error) { return r.br.Query() }
+func (r batchRead) QueryRow(context.Context, string, ...any) pgx.Row        { return r.br.QueryRow() }
 
 // planned is a db.DBTX that runs each statement with a plan made for its
 // arguments and the table as it is at that moment (pgx's

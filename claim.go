@@ -17,9 +17,9 @@ import (
 // and what the row that holds a key means for a call.
 //
 // Every statement is a generated sqlc method. The ones Do and DoInTx send
-// together in one round trip are queued in a pgx.Batch through queuer
-// (batch.go) and their results read from the batch here; all others are
-// called directly.
+// together in one round trip are queued in a pgx.Batch by calling the
+// method on a queuer, and their results read by calling it again on a
+// batchRead (batch.go); all others are called directly.
 //
 // None of them depends on the planner's statistics for its access path:
 //   - The claim, the take-over and the completion are INSERT ... ON CONFLICT:
@@ -94,19 +94,20 @@ func (c *Client) queueClaim(b *pgx.Batch, k rowKey, fp Fingerprint, takeOver boo
 }
 
 // readClaim reads the results of what queueClaim queued: whether the key is
-// now claimed by this transaction.
+// now claimed by this transaction. (KeyClaim and KeyTakeOver return the
+// same single column.)
 func readClaim(br pgx.BatchResults) (claimed bool, err error) {
-	if _, err = br.Exec(); err != nil {
+	ctx, read := context.Background(), batchRead{br}
+	if err = queries.LockTimeoutSet(ctx, read, ""); err != nil {
 		return false, err
 	}
-	if err = br.QueryRow().Scan(&claimed); errors.Is(err, pgx.ErrNoRows) {
+	if claimed, err = queries.KeyClaim(ctx, read, db.KeyClaimParams{}); errors.Is(err, pgx.ErrNoRows) {
 		claimed, err = false, nil
 	}
 	if err != nil {
 		return false, err
 	}
-	_, err = br.Exec()
-	return claimed, err
+	return claimed, queries.LockTimeoutRestore(ctx, read)
 }
 
 // claimError turns the failure of a claim round trip into the error a
@@ -134,8 +135,7 @@ func readRow(br pgx.BatchResults) (row keyRow, found bool, err error) {
 	if _, err = br.Exec(); err != nil {
 		return row, false, err
 	}
-	err = br.QueryRow().Scan(&row.Fingerprint, &row.Status, &row.ResponseStatus,
-		&row.ResponseHeaders, &row.ResponseBody, &row.Expired, &row.Leased, &row.LeaseLeftMs)
+	row, err = queries.KeyGet(context.Background(), batchRead{br}, db.KeyGetParams{})
 	if errors.Is(err, pgx.ErrNoRows) {
 		return row, false, nil
 	}
@@ -203,8 +203,8 @@ func (c *Client) queueComplete(b *pgx.Batch, k rowKey, fp Fingerprint, out outco
 
 // readComplete reads the result of what queueComplete queued.
 func readComplete(br pgx.BatchResults) error {
-	tag, err := br.Exec()
-	if err == nil && tag.RowsAffected() != 1 {
+	n, err := queries.KeyComplete(context.Background(), batchRead{br}, db.KeyCompleteParams{})
+	if err == nil && n != 1 {
 		err = errors.New("the claimed row changed under fn")
 	}
 	if err != nil {

@@ -2,7 +2,6 @@ package idem
 
 import (
 	"context"
-	"reflect"
 	"strings"
 	"testing"
 
@@ -11,43 +10,6 @@ import (
 	"github.com/pgidem/idem/internal/db"
 	"github.com/pgidem/idem/internal/pgtest"
 )
-
-// Batched statements are read by hand from the batch: the read must scan
-// the same columns into the same fields as the generated method does.
-func TestReadRowMatchesGenerated(t *testing.T) {
-	t.Parallel()
-	ctx := context.Background()
-	pool := pgtest.Pool(t, Migrate)
-	k := rowKey{actor: "a", operation: "op", key: "k"}
-	fp := FingerprintParts([]byte("x"))
-	if _, err := pool.Exec(ctx, `INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status,
-		response_status, response_headers, response_body, expires_at, lease_expires_at)
-		VALUES ('a', 'op', 'k', $1, 'processing', 201, '{"A":["b"]}', '\x01', now() + interval '1 hour', now() + interval '9 second')`,
-		fp[:]); err != nil {
-		t.Fatal(err)
-	}
-	want, err := queries.KeyGet(ctx, pool, db.KeyGetParams{Actor: "a", Operation: "op", IdemKey: "k"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		b := &pgx.Batch{}
-		queueRead(b, k)
-		br := tx.SendBatch(ctx, b)
-		got, found, err := readRow(br)
-		if err = closeBatch(br, err); err != nil {
-			return err
-		}
-		want.LeaseLeftMs, got.LeaseLeftMs = 0, 0 // the clock moved
-		if !found || !reflect.DeepEqual(got, want) {
-			t.Fatalf("readRow = %+v, %v; KeyGet = %+v", got, found, want)
-		}
-		return nil
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-}
 
 // The statements Do and DoInTx run on every call find the key through the
 // primary key even with statistics that say idem_keys is empty and a

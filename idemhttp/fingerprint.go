@@ -16,12 +16,14 @@ import (
 // Options.Fingerprint is nil. It binds the request method, the escaped path,
 // the query and the body:
 //   - a JSON body (Content-Type application/json or any +json type) counts
-//     by its RFC 8785 canonical form (idem.FingerprintJSON), so whitespace,
-//     member order and number spelling do not matter;
+//     by its canonical form (idem.FingerprintJSON): whitespace, member
+//     order, escapes and the spelling of numbers do not matter, every value
+//     does, each number by its exact decimal value;
 //   - a form body (application/x-www-form-urlencoded) counts by its fields
 //     sorted by name, values of one name in the order sent, re-encoded;
-//   - any other body, and a JSON or form body that does not parse, counts as
-//     its raw bytes. That includes multipart/form-data: a client that
+//   - any other body, and a JSON or form body that does not parse (for
+//     JSON: also invalid UTF-8 or a duplicate member name), counts as its
+//     raw bytes. That includes multipart/form-data: a client that
 //     encodes the same form again with a new boundary sends a different
 //     request (422); give such routes an Options.Fingerprint of their own.
 //

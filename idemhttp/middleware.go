@@ -511,6 +511,9 @@ func (m *middleware) serveKeyed(ctx context.Context, w http.ResponseWriter, r *h
 			"A request with this Idempotency-Key is in progress; retry later with the same key.", inProgress.RetryAfter)
 	case errors.Is(err, idem.ErrInvalidKey):
 		writeProblem(w, http.StatusBadRequest, CodeKeyInvalid, "Invalid Idempotency-Key header: "+errorText(err), 0)
+	case errors.Is(err, idem.ErrOutcomeUnknown):
+		writeProblem(w, http.StatusConflict, CodeOutcomeUnknown,
+			"The outcome of the request with this Idempotency-Key is unknown; it will not run again until it is reconciled.", 0)
 	default:
 		m.fail(ctx, w, r, key, err)
 	}

@@ -4,44 +4,35 @@ import (
 	"context"
 	"fmt"
 	"io"
-	"slices"
 	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/idem"
 )
 
-// A workload is run for one slot of every round.
+// A workload runs one op over one business on one pool, for a slot of every
+// round.
 type workload struct {
-	name string
-	op   op
-	pool *pgxpool.Pool
-	// before runs unmeasured before each slot (nil: nothing).
-	before func(ctx context.Context) error
-	// beside runs beside the workers during the slot until its context is
-	// done (nil: nothing), and reports what it did.
-	beside func(ctx context.Context) besideStats
+	name   string
+	biz    *business
+	op     op
+	pool   *pgxpool.Pool
+	replay []replayKey
+	// beside runs beside the workers until its context ends (the scale
+	// run's Prune); nil: nothing.
+	beside func(ctx context.Context) pruneStats
 }
 
-// besideStats is what ran beside a slot (the prune).
-type besideStats struct {
-	rows    int
-	batches int
-	busy    time.Duration
-	lat     []time.Duration
-	err     error
-}
-
-// slot is the measurement of one workload in one round.
+// slot is one workload's measurement in one round.
 type slot struct {
-	ops     int
-	errs    int
-	err     error // the first error
-	lat     []time.Duration
-	elapsed time.Duration
-	cpu     cpuUsage
-	beside  besideStats
+	ops, errs int
+	err       error // the first error
+	lat       []time.Duration
+	elapsed   time.Duration
+	prune     pruneStats
 }
 
 func (s slot) tps() float64 {
@@ -51,45 +42,28 @@ func (s slot) tps() float64 {
 	return float64(s.ops) / s.elapsed.Seconds()
 }
 
-// runSlot runs wl with n workers for d and measures it. Each worker runs
-// transactions back to back; the slot ends when the last transaction that
-// started before d ran out has finished, and the elapsed time includes it.
-func (b *bench) runSlot(ctx context.Context, wl workload, n int, d time.Duration) (slot, error) {
-	if wl.before != nil {
-		if err := wl.before(ctx); err != nil {
-			return slot{}, fmt.Errorf("%s: before: %w", wl.name, err)
-		}
-	}
+// runSlot runs wl with n workers for d. Each worker runs transactions back
+// to back; the slot ends when the last one started before d has finished.
+func runSlot(ctx context.Context, wl *workload, n int, d time.Duration) slot {
 	per := make([]slot, n)
-	var wg sync.WaitGroup
 	besideCtx, stopBeside := context.WithCancel(ctx)
-	defer stopBeside()
-	besideDone := make(chan besideStats, 1)
-	pids, err := b.backendPIDs(ctx)
-	if err != nil {
-		return slot{}, err
-	}
-	srv0 := backendCPU(pids)
-	cpu0 := readCPU()
-	start := time.Now()
-	deadline := start.Add(d)
+	besideDone := make(chan pruneStats, 1)
 	if wl.beside != nil {
 		go func() { besideDone <- wl.beside(besideCtx) }()
 	}
+	start := time.Now()
+	deadline := start.Add(d)
+	var wg sync.WaitGroup
 	for i := range n {
 		wg.Go(func() {
-			w := newWorker(b, i, wl.pool)
-			s := &per[i]
-			s.lat = make([]time.Duration, 0, 1024)
+			w, s := newWorker(wl, i), &per[i]
 			for time.Now().Before(deadline) && ctx.Err() == nil {
 				t0 := time.Now()
 				err := wl.op(ctx, w)
 				s.lat = append(s.lat, time.Since(t0))
 				if err != nil {
 					s.errs++
-					if s.err == nil {
-						s.err = err
-					}
+					s.err = cmp(s.err, err)
 					continue
 				}
 				s.ops++
@@ -98,54 +72,64 @@ func (b *bench) runSlot(ctx context.Context, wl workload, n int, d time.Duration
 	}
 	wg.Wait()
 	out := slot{elapsed: time.Since(start)}
-	out.cpu = readCPU().since(cpu0)
-	out.cpu.server, out.cpu.serverOK = serverDelta(srv0, backendCPU(pids))
+	stopBeside()
 	if wl.beside != nil {
-		stopBeside()
-		out.beside = <-besideDone
+		out.prune = <-besideDone
 	}
 	for _, s := range per {
-		out.ops += s.ops
-		out.errs += s.errs
-		if out.err == nil {
-			out.err = s.err
-		}
-		out.lat = append(out.lat, s.lat...)
+		out = out.add(s)
 	}
-	if ctx.Err() != nil {
-		return out, ctx.Err()
-	}
-	return out, nil
+	return out
 }
 
-// series is the slots of one workload over the rounds.
-type series struct {
-	name  string
-	slots []slot
+// cmp keeps the first error.
+func cmp(first, err error) error {
+	if first != nil {
+		return first
+	}
+	return err
 }
 
-func (s *series) total() slot {
-	var t slot
-	for _, x := range s.slots {
-		t.ops += x.ops
-		t.errs += x.errs
-		if t.err == nil {
-			t.err = x.err
+// add sums two slots' counts, latencies and prune figures.
+func (s slot) add(x slot) slot {
+	s.ops += x.ops
+	s.errs += x.errs
+	s.err = cmp(s.err, x.err)
+	s.lat = append(s.lat, x.lat...)
+	s.elapsed += x.elapsed
+	s.prune.rows += x.prune.rows
+	s.prune.lat = append(s.prune.lat, x.prune.lat...)
+	s.prune.err = cmp(s.prune.err, x.prune.err)
+	return s
+}
+
+// pruneStats is what idem.Prune did beside a slot.
+type pruneStats struct {
+	rows int64
+	lat  []time.Duration // per call of one batch
+	err  error
+}
+
+// pruneBeside calls idem.Prune for one batch of 1000 rows at a time, back to
+// back, until ctx ends or no expired key is left. A batch that has started
+// finishes.
+func pruneBeside(pool *pgxpool.Pool) func(ctx context.Context) pruneStats {
+	return func(ctx context.Context) pruneStats {
+		var st pruneStats
+		for ctx.Err() == nil {
+			t0 := time.Now()
+			n, err := idem.Prune(context.WithoutCancel(ctx), pool, idem.PruneOptions{BatchSize: 1000, MaxBatches: 1})
+			if err != nil {
+				st.err = err
+				break
+			}
+			st.lat = append(st.lat, time.Since(t0))
+			if st.rows += n; n == 0 {
+				break
+			}
 		}
-		t.lat = append(t.lat, x.lat...)
-		t.elapsed += x.elapsed
-		t.cpu = t.cpu.add(x.cpu)
-		t.beside.rows += x.beside.rows
-		t.beside.batches += x.beside.batches
-		t.beside.busy += x.beside.busy
-		t.beside.lat = append(t.beside.lat, x.beside.lat...)
-		if t.beside.err == nil {
-			t.beside.err = x.beside.err
-		}
+		return st
 	}
-	slices.Sort(t.lat)
-	slices.Sort(t.beside.lat)
-	return t
 }
 
 // percentile returns the p-th percentile (0..100) of sorted durations.
@@ -157,151 +141,115 @@ func percentile(sorted []time.Duration, p float64) time.Duration {
 	return sorted[min(max(i, 0), len(sorted)-1)]
 }
 
-// measure warms up, counts round trips, runs the rounds and measures
-// allocations, and returns the report.
+// workloads lists what the rounds run, and completes the replay keys.
+func (b *bench) workloads(ctx context.Context) ([]*workload, error) {
+	type target struct {
+		biz    *business
+		pool   *pgxpool.Pool
+		suffix string
+	}
+	targets := []target{{b.light, b.pool, ""}, {b.draw, b.pool, ""}}
+	if b.o.stale {
+		targets = []target{{b.light, b.pool, ""}, {b.light, b.stale, " stale"}}
+	}
+	var wls []*workload
+	for _, t := range targets {
+		for _, o := range ops {
+			if o.name == "bare" && t.suffix != "" {
+				continue // bare writes no key: one bare is enough
+			}
+			wl := &workload{name: t.biz.name + " " + o.name + t.suffix, biz: t.biz, op: o.op, pool: t.pool}
+			if o.name == "replay" {
+				var err error
+				if wl.replay, err = makeReplayKeys(ctx, t.pool, t.biz, b.o.replayKeys, b.o.workers); err != nil {
+					return nil, err
+				}
+			}
+			wls = append(wls, wl)
+		}
+	}
+	if b.o.scaleRows > 0 {
+		wls = append(wls,
+			&workload{name: "scale empty", biz: b.light, op: opDoInTx, pool: b.empty},
+			&workload{name: "scale full+prune", biz: b.light, op: opDoInTx, pool: b.full, beside: pruneBeside(b.full)})
+	}
+	return wls, nil
+}
+
+// measure warms up, runs the interleaved rounds and the allocation counts,
+// and returns the report.
 func (b *bench) measure(ctx context.Context, out io.Writer) (*report, error) {
 	o := b.o
-	main := []workload{
-		{name: "bare", op: opBare, pool: b.pool},
-		{name: "floor", op: opFloor, pool: b.pool},
-		{name: "do", op: opDo, pool: b.pool},
-		{name: "doInTx", op: opDoInTx, pool: b.pool},
-		{name: "replay", op: opReplay, pool: b.pool},
-		{name: "two-tx", op: opTwoTx, pool: b.pool},
-	}
-	scale := []workload{
-		{name: "scale-empty", op: opDo, pool: b.empty},
-		{name: "scale-full", op: opDo, pool: b.full},
-		{name: "scale-prune", op: opDo, pool: b.full, before: b.refillExpired, beside: b.prune},
-	}
-	if o.proto {
-		main = append(main, b.protoWorkloads()...)
-	}
-	all := append(append([]workload{}, main...), scale...)
-	const stormName = "storm"
-
-	rep := &report{o: o, series: map[string]*series{}}
-	for _, wl := range all {
-		rep.order = append(rep.order, wl.name)
-		rep.series[wl.name] = &series{name: wl.name}
-	}
-
-	fmt.Fprintf(out, "warm-up: every workload for %s ...\n", o.warmup)
-	for _, wl := range all {
-		s, err := b.runSlot(ctx, wl, o.workers, o.warmup)
-		if err != nil {
-			return nil, err
-		}
-		if s.err != nil {
-			return nil, fmt.Errorf("warm-up %s: %d error(s), first: %w", wl.name, s.errs, s.err)
-		}
-	}
-	if _, err := b.runStorm(ctx, o.warmup); err != nil {
-		return nil, err
-	}
-
-	if err := b.analyze(ctx); err != nil {
-		return nil, err
-	}
-	fmt.Fprintln(out, "calibration: round trips and statements per transaction, one connection ...")
-	cal, err := b.calibrate(ctx, main)
+	wls, err := b.workloads(ctx)
 	if err != nil {
 		return nil, err
 	}
-	rep.calibration = cal
-	if rep.sync, err = b.measureSync(ctx); err != nil {
-		return nil, err
-	}
-
-	// The slots of a round, in an order that rotates from round to round,
-	// so no workload always follows the same one.
+	rep := &report{o: o, settings: b.settings, slots: map[string][]slot{}, storms: map[string]*stormStats{}}
 	type entry struct {
 		name string
-		run  func() error
+		run  func(d time.Duration, keep bool) error
 	}
 	var entries []entry
-	for _, wl := range all {
-		entries = append(entries, entry{wl.name, func() error {
-			s, err := b.runSlot(ctx, wl, o.workers, o.round)
-			rep.series[wl.name].slots = append(rep.series[wl.name].slots, s)
-			return err
+	for _, wl := range wls {
+		rep.order = append(rep.order, wl.name)
+		entries = append(entries, entry{wl.name, func(d time.Duration, keep bool) error {
+			s := runSlot(ctx, wl, o.workers, d)
+			if keep {
+				rep.slots[wl.name] = append(rep.slots[wl.name], s)
+			}
+			return ctx.Err()
 		}})
 	}
-	entries = append(entries, entry{stormName, func() error {
-		s, err := b.runStorm(ctx, o.round)
-		rep.storm = append(rep.storm, s)
-		return err
-	}})
+	if !o.stale {
+		st := newStorm(b, o.storm)
+		for _, biz := range []*business{b.light, b.draw} {
+			rep.storms[biz.name] = &stormStats{}
+			entries = append(entries, entry{"storm " + biz.name, func(d time.Duration, keep bool) error {
+				if keep {
+					return st.run(ctx, biz, d, rep.storms[biz.name])
+				}
+				return st.run(ctx, biz, d, &stormStats{})
+			}})
+		}
+	}
+
+	fmt.Fprintf(out, "warm-up: every workload for %s ...\n", o.warmup)
+	for _, e := range entries {
+		if err := e.run(o.warmup, false); err != nil {
+			return nil, fmt.Errorf("warm-up %s: %w", e.name, err)
+		}
+	}
+	if rep.commit, rep.roundTrip, err = b.commitCost(ctx); err != nil {
+		return nil, fmt.Errorf("commit cost: %w", err)
+	}
 	for r := range o.rounds {
 		if err := b.analyze(ctx); err != nil {
 			return nil, err
 		}
 		t0 := time.Now()
-		fmt.Fprintf(out, "round %d/%d:", r+1, o.rounds)
 		for i := range entries {
-			e := entries[(i+r)%len(entries)]
-			if err := e.run(); err != nil {
-				fmt.Fprintln(out)
+			e := entries[(i+r)%len(entries)] // rotate: no workload always follows the same one
+			if err := e.run(o.round, true); err != nil {
 				return nil, fmt.Errorf("round %d, %s: %w", r+1, e.name, err)
 			}
-			fmt.Fprintf(out, " %s", e.name)
 		}
-		fmt.Fprintf(out, " (%s)\n", time.Since(t0).Round(100*time.Millisecond))
+		fmt.Fprintf(out, "round %d/%d (%s)\n", r+1, o.rounds, time.Since(t0).Round(100*time.Millisecond))
 	}
-
-	fmt.Fprintln(out, "allocations: sequential calls with a trivial fn ...")
-	if rep.allocs, err = b.measureAllocs(ctx); err != nil {
+	if o.latency == 0 { // the relay's own allocations would be counted too
+		if rep.allocs, err = b.allocs(ctx); err != nil {
+			return nil, fmt.Errorf("allocations: %w", err)
+		}
+	}
+	rows, _ := b.pool.Query(ctx, `SELECT format('%s.idem_keys: %s rows, %s sequential scans reading %s rows, %s index scans',
+			schemaname, n_live_tup, seq_scan, seq_tup_read, idx_scan)
+		FROM pg_stat_user_tables WHERE relname = 'idem_keys' ORDER BY schemaname`)
+	if rep.scans, err = pgx.CollectRows(rows, pgx.RowTo[string]); err != nil {
 		return nil, err
 	}
-	rep.expiredLeft, rep.refillRows = b.expiredLeft, b.refillRows
+	if b.full != nil {
+		if err := b.full.QueryRow(ctx, `SELECT count(*) FROM idem_keys WHERE expires_at <= now()`).Scan(&rep.expiredLeft); err != nil {
+			return nil, err
+		}
+	}
 	return rep, nil
-}
-
-// pruneBatch deletes up to 1000 expired, finished keys, oldest first, the
-// way DESIGN.md asks pruning to work (small batches, never an in-flight
-// key). The core has no prune yet; this is the benchmark's own.
-const pruneBatch = `DELETE FROM idem_keys
-WHERE (actor, operation, idem_key) IN (
-	SELECT actor, operation, idem_key FROM idem_keys
-	WHERE expires_at <= now() AND status <> 'processing'
-	ORDER BY expires_at
-	LIMIT 1000
-	FOR UPDATE SKIP LOCKED)`
-
-// prune deletes expired keys from scale_full in batches, back to back,
-// until ctx is done or none are left. A batch that has started is finished
-// rather than cancelled.
-func (b *bench) prune(ctx context.Context) besideStats {
-	var st besideStats
-	t0 := time.Now()
-	for ctx.Err() == nil {
-		ts := time.Now()
-		tag, err := b.full.Exec(context.WithoutCancel(ctx), pruneBatch)
-		if err != nil {
-			st.err = err
-			break
-		}
-		st.lat = append(st.lat, time.Since(ts))
-		st.rows += int(tag.RowsAffected())
-		st.batches++
-		b.pruneMu.Lock()
-		b.expiredLeft -= int(tag.RowsAffected())
-		b.pruneMu.Unlock()
-		if tag.RowsAffected() == 0 {
-			break
-		}
-	}
-	st.busy = time.Since(t0)
-	return st
-}
-
-// backendPIDs lists the server processes of the bench database's
-// connections.
-func (b *bench) backendPIDs(ctx context.Context) ([]int32, error) {
-	rows, _ := b.pool.Query(ctx, `SELECT pid FROM pg_stat_activity WHERE datname = current_database()`)
-	pids, err := pgx.CollectRows(rows, pgx.RowTo[int32])
-	if err != nil {
-		return nil, fmt.Errorf("list backends: %w", err)
-	}
-	return pids, nil
 }

@@ -2,9 +2,13 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"io"
+	"net"
+	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -14,204 +18,220 @@ import (
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/draw"
 	"github.com/pgidem/idem/internal/pgserver"
+	"github.com/pgidem/idem/internal/relay"
 )
 
-// Schemas of the scale workloads. Each holds its own idem_keys, created by
-// idem.Migrate through a pool whose search_path starts with the schema, so
-// the table, its indexes and its fillfactor are exactly idem's; the draw
-// tables stay in public.
+// Schemas holding key tables besides public.idem_keys. Each gets its own
+// idem_keys from idem.Migrate through a pool whose search_path starts with
+// the schema; the business tables stay in public.
 const (
-	schemaEmpty = "scale_empty"
-	schemaFull  = "scale_full"
+	schemaStale = "stale"       // -stale: analyzed while empty, never again
+	schemaEmpty = "scale_empty" // the scale run's reference
+	schemaFull  = "scale_full"  // the scale run's -scale-rows keys
 )
 
-// bench is a prepared benchmark database and its pools.
+// bench is a prepared benchmark database.
 type bench struct {
-	o     options
-	url   string        // the bench database
-	pool  *pgxpool.Pool // public schema: the main workloads and the storm
-	empty *pgxpool.Pool // search_path scale_empty, public
-	full  *pgxpool.Pool // search_path scale_full, public
-
-	replayKeys []replayKey // completed keys for the replay workload
-	seq        *sequence   // suffixes of storm users
-
-	pruneMu     sync.Mutex
-	expiredLeft int // expired rows in scale_full not pruned yet
-	refills     int // times expired rows were added again
-	refillRows  int
+	o           options
+	url         string       // the benchmark database
+	relay       *relay.Relay // under -latency, the pools' way to the database
+	light, draw *business
+	pools       []*pgxpool.Pool
+	pool        *pgxpool.Pool // public: the workloads and the storm
+	stale       *pgxpool.Pool // -stale
+	empty, full *pgxpool.Pool // the scale run
+	settings    string        // the server's commit settings
 }
 
-// replayKey is a key that completed, with what a retry of it sends.
-type replayKey struct {
-	req request
-	key string
-}
-
-type sequence struct {
-	mu sync.Mutex
-	n  int
-}
-
-func (s *sequence) next() int {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	s.n++
-	return s.n
-}
-
-// setup recreates the bench database and fills it.
-func setup(ctx context.Context, out io.Writer, srv *pgserver.Server, o options) (*bench, error) {
+// setup recreates the database, fills it and opens the pools.
+func setup(ctx context.Context, out io.Writer, srv *pgserver.Server, o options) (_ *bench, err error) {
 	t0 := time.Now()
-	if err := checkConnections(ctx, srv, o); err != nil {
-		fmt.Fprintln(out, "warning:", err)
-	}
-	if err := recreateDatabase(ctx, srv, o.database); err != nil {
+	if err := recreate(ctx, srv, o.database); err != nil {
 		return nil, err
 	}
-	b := &bench{o: o, url: srv.DatabaseURL(o.database), seq: &sequence{}}
-
-	setupPool, err := openPool(ctx, b.url, 4, "")
+	b := &bench{o: o, url: srv.DatabaseURL(o.database)}
+	b.light, b.draw = businesses(o)
+	defer func() {
+		if err != nil {
+			b.close(nil)
+		}
+	}()
+	if o.latency > 0 {
+		if err := b.startRelay(); err != nil {
+			return nil, err
+		}
+	}
+	sp, err := openPool(ctx, b.url, 4, "", "")
 	if err != nil {
 		return nil, err
 	}
-	defer setupPool.Close()
-	if err := idem.Migrate(ctx, setupPool); err != nil {
+	defer sp.Close()
+	if err := idem.Migrate(ctx, sp); err != nil {
 		return nil, err
 	}
-	if err := draw.Setup(ctx, setupPool); err != nil {
+	if err := draw.Setup(ctx, sp); err != nil {
 		return nil, err
 	}
-	if err := loadDraw(ctx, setupPool, o); err != nil {
+	// Rich accounts and wallets, boxes that never run out: no request is
+	// ever refused.
+	script := lightSchema + fmt.Sprintf(`
+		INSERT INTO light_accounts SELECT g, 1000000000000 FROM generate_series(1, %[1]d) g;
+		INSERT INTO light_items SELECT g, 1000000000000 FROM generate_series(1, %[2]d) g;
+		INSERT INTO wallets (user_id, points) SELECT 'u' || g, 1000000000000000 FROM generate_series(1, %[1]d) g;
+		INSERT INTO boxes (id, name, price, stock) SELECT 1000 + g, 'box ' || g, 1, 2000000000 FROM generate_series(1, %[2]d) g;
+		INSERT INTO prizes (box_id, name, weight) SELECT 1000 + g, p.name, p.weight FROM generate_series(1, %[2]d) g,
+			(VALUES ('Golden Goose', 1), ('Silver Goose', 9), ('Goose Plush', 30), ('Goose Sticker', 60)) AS p (name, weight);
+		`+autovacuumOff, o.users, o.boxes)
+	if err := execSQL(ctx, sp, script); err != nil {
 		return nil, err
 	}
-	for _, schema := range []string{schemaEmpty, schemaFull} {
-		if err := migrateSchema(ctx, b.url, schema); err != nil {
+	var schemas []string
+	if o.stale {
+		schemas = append(schemas, schemaStale)
+	}
+	if o.scaleRows > 0 {
+		schemas = append(schemas, schemaEmpty, schemaFull)
+	}
+	for _, s := range schemas {
+		if err := migrateSchema(ctx, b.url, s); err != nil {
 			return nil, err
 		}
 	}
-	fmt.Fprintf(out, "setup: %d wallets, %d boxes; loading %d keys (%d expired) into %s.idem_keys ...\n",
-		o.users, o.boxes, o.scaleRows, o.pruneRows, schemaFull)
-	tl := time.Now()
-	if err := loadKeys(ctx, setupPool, schemaFull, 0, o.scaleRows, o.pruneRows, o.users); err != nil {
-		return nil, err
-	}
-	b.expiredLeft = o.pruneRows
-	for _, sql := range []string{
-		"VACUUM ANALYZE " + schemaFull + ".idem_keys",
-		"VACUUM ANALYZE wallets, boxes, prizes",
-	} {
-		if _, err := setupPool.Exec(ctx, sql); err != nil {
-			return nil, fmt.Errorf("%s: %w", sql, err)
+	if o.scaleRows > 0 {
+		fmt.Fprintf(out, "setup: loading %d keys (%d expired) into %s.idem_keys ...\n", o.scaleRows, o.expiredRows, schemaFull)
+		if err := loadKeys(ctx, sp, o.scaleRows, o.expiredRows); err != nil {
+			return nil, err
 		}
 	}
-	var size string
-	if err := setupPool.QueryRow(ctx,
-		`SELECT pg_size_pretty(pg_total_relation_size('`+schemaFull+`.idem_keys'))`).Scan(&size); err != nil {
+	// Every table, and -stale's key table while it is empty: the statistics
+	// it keeps for the whole run.
+	if err := execSQL(ctx, sp, "VACUUM ANALYZE"); err != nil {
 		return nil, err
 	}
-	fmt.Fprintf(out, "setup: keys loaded and vacuumed in %s (%s with indexes)\n", time.Since(tl).Round(100*time.Millisecond), size)
+	if err := sp.QueryRow(ctx, `SELECT format('synchronous_commit %s, fsync %s, wal_sync_method %s, commit_delay %s, shared_buffers %s, autovacuum %s, plan_cache_mode %s',
+		current_setting('synchronous_commit'), current_setting('fsync'), current_setting('wal_sync_method'), current_setting('commit_delay'),
+		current_setting('shared_buffers'), current_setting('autovacuum'), current_setting('plan_cache_mode'))`).Scan(&b.settings); err != nil {
+		return nil, err
+	}
 
-	maxConns := int32(max(o.workers+4, o.storm+2))
-	if b.pool, err = openPool(ctx, b.url, maxConns, ""); err != nil {
+	conns := o.workers + 2
+	if !o.stale {
+		conns = max(conns, o.storm+1) // the storm's calls at once
+	}
+	if b.pool, err = b.open(ctx, int32(conns), ""); err != nil {
 		return nil, err
 	}
-	if b.empty, err = openPool(ctx, b.url, int32(o.workers+2), schemaEmpty); err != nil {
-		b.pool.Close()
-		return nil, err
-	}
-	if b.full, err = openPool(ctx, b.url, int32(o.workers+2), schemaFull); err != nil {
-		b.pool.Close()
-		b.empty.Close()
-		return nil, err
-	}
-	if err := b.makeReplayKeys(ctx); err != nil {
-		return nil, err
-	}
-	if err := b.analyze(ctx); err != nil {
-		return nil, err
-	}
-	for _, p := range []*pgxpool.Pool{b.pool, b.empty, b.full} {
-		if err := b.warmConns(ctx, p); err != nil {
+	if o.stale {
+		if b.stale, err = b.open(ctx, int32(o.workers+2), schemaStale); err != nil {
+			return nil, err
+		}
+		if err := prime(ctx, b.stale, b.light); err != nil {
 			return nil, err
 		}
 	}
-	// Start the measurements from a clean checkpoint rather than in the
-	// middle of the one the load triggered. Needs superuser or
-	// pg_checkpoint; without it the run just goes on.
-	_, _ = setupPool.Exec(ctx, "CHECKPOINT")
-	fmt.Fprintf(out, "setup: done in %s\n\n", time.Since(t0).Round(100*time.Millisecond))
+	if o.scaleRows > 0 {
+		if b.empty, err = b.open(ctx, int32(o.workers+1), schemaEmpty); err != nil {
+			return nil, err
+		}
+		if b.full, err = b.open(ctx, int32(o.workers+2), schemaFull); err != nil {
+			return nil, err
+		}
+	}
+	_, _ = sp.Exec(ctx, "CHECKPOINT") // start clean; needs superuser or pg_checkpoint
+	fmt.Fprintf(out, "setup: done in %s\n", time.Since(t0).Round(100*time.Millisecond))
 	return b, nil
 }
 
-// analyze does what autovacuum's ANALYZE would do on a server that runs it
-// (this project's test server does not): it refreshes the statistics of the
-// tables the workloads write, which also makes every connection plan its
-// prepared statements again. Without it, a statement first planned while
-// idem_keys was nearly empty keeps a generic plan with a sequential scan,
-// and every later call scans the whole, grown table. It runs between slots,
-// unmeasured.
+// startRelay puts the database behind a relay that adds o.latency to every
+// round trip, half of it each way. Setup connects directly; the measured
+// pools go through the relay.
+func (b *bench) startRelay() error {
+	cfg, err := pgx.ParseConfig(b.url)
+	if err != nil {
+		return err
+	}
+	b.relay, err = relay.Start(net.JoinHostPort(cfg.Host, strconv.Itoa(int(cfg.Port))), relay.Options{Delay: b.o.latency / 2})
+	return err
+}
+
+// open opens a measured pool on the benchmark database (through the relay,
+// if any); a schema goes first on its search_path.
+func (b *bench) open(ctx context.Context, conns int32, schema string) (*pgxpool.Pool, error) {
+	via := ""
+	if b.relay != nil {
+		via = b.relay.Addr()
+	}
+	p, err := openPool(ctx, b.url, conns, schema, via)
+	if err == nil {
+		b.pools = append(b.pools, p)
+	}
+	return p, err
+}
+
+// openPool opens a pool of conns connections to url, or to the same
+// database at the address via (host:port) when it is not "".
+func openPool(ctx context.Context, url string, conns int32, schema, via string) (*pgxpool.Pool, error) {
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return nil, err
+	}
+	cfg.MaxConns = conns
+	if schema != "" {
+		cfg.ConnConfig.RuntimeParams["search_path"] = schema + ", public"
+	}
+	if via != "" {
+		host, port, _ := net.SplitHostPort(via)
+		p, _ := strconv.Atoi(port)
+		cfg.ConnConfig.Host, cfg.ConnConfig.Port, cfg.ConnConfig.Fallbacks = host, uint16(p), nil
+	}
+	return pgxpool.NewWithConfig(ctx, cfg)
+}
+
+func execSQL(ctx context.Context, p *pgxpool.Pool, sql string, args ...any) error {
+	if _, err := p.Exec(ctx, sql, args...); err != nil {
+		return fmt.Errorf("%.60s...: %w", sql, err)
+	}
+	return nil
+}
+
+// analyze refreshes the statistics of what the workloads write, as
+// autovacuum would, between rounds; -stale's key table is left alone.
 func (b *bench) analyze(ctx context.Context) error {
-	_, err := b.pool.Exec(ctx, "ANALYZE idem_keys, "+schemaEmpty+".idem_keys, draw_batches, inventory, point_ledger")
-	if err != nil {
-		return fmt.Errorf("analyze: %w", err)
+	tables := []string{"idem_keys", "light_orders", "draw_batches", "inventory", "point_ledger"}
+	if b.o.scaleRows > 0 {
+		tables = append(tables, schemaEmpty+".idem_keys", schemaFull+".idem_keys")
 	}
-	return nil
+	return execSQL(ctx, b.pool, "ANALYZE "+strings.Join(tables, ", "))
 }
 
-// close closes the pools and drops the database unless -keep.
-func (b *bench) close(ctx context.Context, srv *pgserver.Server, o options) {
-	for _, p := range []*pgxpool.Pool{b.pool, b.empty, b.full} {
-		if p != nil {
-			p.Close()
-		}
+// close closes the pools and the relay and drops the database unless
+// -keep (srv nil: drop nothing).
+func (b *bench) close(srv *pgserver.Server) {
+	for _, p := range b.pools {
+		p.Close()
 	}
-	if o.keep {
+	if b.relay != nil {
+		_ = b.relay.Close()
+	}
+	if srv == nil || b.o.keep {
 		return
 	}
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
-	conn, err := pgx.Connect(ctx, srv.URL)
-	if err != nil {
-		return
+	if conn, err := pgx.Connect(ctx, srv.URL); err == nil {
+		_, _ = conn.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{b.o.database}.Sanitize()+" WITH (FORCE)")
+		_ = conn.Close(ctx)
 	}
-	defer conn.Close(ctx)
-	_, _ = conn.Exec(ctx, "DROP DATABASE IF EXISTS "+pgx.Identifier{o.database}.Sanitize()+" WITH (FORCE)")
 }
 
-// checkConnections warns when the server may not have room for the pools.
-func checkConnections(ctx context.Context, srv *pgserver.Server, o options) error {
-	conn, err := pgx.Connect(ctx, srv.URL)
-	if err != nil {
-		return err
-	}
-	defer conn.Close(ctx)
-	var limit, used int
-	err = conn.QueryRow(ctx, `SELECT current_setting('max_connections')::int
-		- current_setting('superuser_reserved_connections')::int,
-		(SELECT count(*) FROM pg_stat_activity WHERE backend_type = 'client backend')`).Scan(&limit, &used)
-	if err != nil {
-		return err
-	}
-	need := max(o.workers+4, o.storm+2) + 2*(o.workers+2) + 6
-	if used+need > limit {
-		return fmt.Errorf("the benchmark opens up to %d connections; the server allows %d and %d are in use "+
-			"(lower -storm or -workers, or raise max_connections)", need, limit, used)
-	}
-	return nil
-}
-
-func recreateDatabase(ctx context.Context, srv *pgserver.Server, name string) error {
+func recreate(ctx context.Context, srv *pgserver.Server, name string) error {
 	conn, err := pgx.Connect(ctx, srv.URL)
 	if err != nil {
 		return fmt.Errorf("connect to %s: %w", srv.Source, err)
 	}
 	defer conn.Close(context.Background())
 	ident := pgx.Identifier{name}.Sanitize()
-	for _, sql := range []string{
-		"DROP DATABASE IF EXISTS " + ident + " WITH (FORCE)",
-		"CREATE DATABASE " + ident,
-	} {
+	for _, sql := range []string{"DROP DATABASE IF EXISTS " + ident + " WITH (FORCE)", "CREATE DATABASE " + ident} {
 		if _, err := conn.Exec(ctx, sql); err != nil {
 			return fmt.Errorf("%s: %w", sql, err)
 		}
@@ -219,171 +239,138 @@ func recreateDatabase(ctx context.Context, srv *pgserver.Server, name string) er
 	return nil
 }
 
-// openPool opens a pool of maxConns connections; a non-empty schema is put
-// first on the search_path.
-func openPool(ctx context.Context, url string, maxConns int32, schema string) (*pgxpool.Pool, error) {
-	cfg, err := pgxpool.ParseConfig(url)
-	if err != nil {
-		return nil, err
-	}
-	cfg.MaxConns = maxConns
-	if schema != "" {
-		cfg.ConnConfig.RuntimeParams["search_path"] = schema + ", public"
-	}
-	return pgxpool.NewWithConfig(ctx, cfg)
-}
+// autovacuumOff is set on every key table, so that each mode means the same
+// on every server: the benchmark decides when statistics change.
+const autovacuumOff = `ALTER TABLE idem_keys SET (autovacuum_enabled = off)`
 
 // migrateSchema creates schema and runs idem.Migrate in it.
 func migrateSchema(ctx context.Context, url, schema string) error {
-	pool, err := openPool(ctx, url, 2, schema)
+	p, err := openPool(ctx, url, 2, schema, "")
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
-	if _, err := pool.Exec(ctx, "CREATE SCHEMA "+schema); err != nil {
+	defer p.Close()
+	if err := execSQL(ctx, p, "CREATE SCHEMA "+schema); err != nil {
 		return err
 	}
-	if err := idem.Migrate(ctx, pool); err != nil {
+	if err := idem.Migrate(ctx, p); err != nil {
 		return fmt.Errorf("migrate schema %s: %w", schema, err)
 	}
-	var where string
-	if err := pool.QueryRow(ctx, `SELECT schemaname FROM pg_tables WHERE tablename = 'idem_keys' AND schemaname = $1`,
-		schema).Scan(&where); err != nil {
-		return fmt.Errorf("migrate schema %s: idem_keys not created there: %w", schema, err)
-	}
-	return nil
+	return execSQL(ctx, p, autovacuumOff)
 }
 
-// loadDraw creates the wallets, boxes and prizes: every user can afford
-// every draw of the run, and no box runs out.
-func loadDraw(ctx context.Context, pool *pgxpool.Pool, o options) error {
-	for _, st := range []struct {
-		sql string
-		n   int
-	}{
-		{`INSERT INTO wallets (user_id, points)
-		  SELECT 'u' || g, 1000000000000000 FROM generate_series(1, $1::int) g`, o.users},
-		{`INSERT INTO boxes (id, name, price, stock)
-		  SELECT 1000 + g, 'box ' || g, 1, 2000000000 FROM generate_series(1, $1::int) g`, o.boxes},
-		{`INSERT INTO prizes (box_id, name, weight)
-		  SELECT 1000 + g, p.name, p.weight FROM generate_series(1, $1::int) g,
-		    (VALUES ('Golden Goose', 1), ('Silver Goose', 9), ('Goose Plush', 30), ('Goose Sticker', 60)) AS p (name, weight)`, o.boxes},
-	} {
-		if _, err := pool.Exec(ctx, st.sql, st.n); err != nil {
-			return fmt.Errorf("load draw tables: %w", err)
-		}
-	}
-	return nil
-}
-
-// loadKeys inserts n finished keys into schema.idem_keys server-side, the
-// first expired of them already expired, in chunks. Keys are md5 strings, so
-// they land all over the primary key like client UUIDs do; the response is
-// shaped like a draw outcome.
-func loadKeys(ctx context.Context, pool *pgxpool.Pool, schema string, from, n, expired, users int) error {
+// loadKeys inserts n finished keys into the full scale table, server-side,
+// the first expired of them expired. Keys are md5 strings, spread over the
+// primary key like client UUIDs; the responses are shaped like an order's.
+func loadKeys(ctx context.Context, p *pgxpool.Pool, n, expired int) error {
 	const chunk = 250_000
-	for lo := from; lo < from+n; lo += chunk {
-		hi := min(lo+chunk, from+n)
-		_, err := pool.Exec(ctx, `
-			INSERT INTO `+schema+`.idem_keys (actor, operation, idem_key, fingerprint, status,
+	for lo := 0; lo < n; lo += chunk {
+		err := execSQL(ctx, p, `INSERT INTO `+schemaFull+`.idem_keys (actor, operation, idem_key, fingerprint, status,
 				response_status, response_headers, response_body, created_at, completed_at, expires_at)
-			SELECT 'u' || (1 + g % $3::int), 'draw', md5('k' || g), sha256(('f' || g)::bytea), 'succeeded',
-				201, '{"Content-Type": ["application/json"]}',
-				convert_to('{"batch_id":' || g || ',"prizes":["Goose Sticker"],"points_spent":1,"points_left":999999999}', 'UTF8'),
+			SELECT 'a' || (1 + g % 100000), 'order', md5('k' || g), sha256(('f' || g)::bytea), 'succeeded',
+				201, '{"Content-Type": ["application/json"]}', convert_to('{"order_id":' || g || '}', 'UTF8'),
 				e - interval '24 hours', e - interval '24 hours', e
 			FROM generate_series($1::int, $2::int - 1) g,
-			LATERAL (SELECT CASE WHEN g < $4::int
-				THEN now() - interval '1 hour' - g * interval '1 millisecond'
+			LATERAL (SELECT CASE WHEN g < $3::int THEN now() - interval '1 hour' - g * interval '1 millisecond'
 				ELSE now() + interval '1 hour' + (g % 86400) * interval '1 second' END) AS x (e)`,
-			lo, hi, users, from+expired)
+			lo, min(lo+chunk, n), expired)
 		if err != nil {
-			return fmt.Errorf("load %s.idem_keys: %w", schema, err)
+			return err
 		}
 	}
 	return nil
 }
 
-// refillExpired adds another prune-rows expired keys to scale_full when
-// the prune has used up most of them, so that every scale-prune slot has a
-// prune running beside it. It runs between slots, unmeasured.
-func (b *bench) refillExpired(ctx context.Context) error {
-	b.pruneMu.Lock()
-	defer b.pruneMu.Unlock()
-	if b.o.pruneRows == 0 || b.expiredLeft > b.o.pruneRows/4 {
-		return nil
-	}
-	from := b.o.scaleRows + b.refills*b.o.pruneRows + 1_000_000_000
-	if err := loadKeys(ctx, b.full, schemaFull, from, b.o.pruneRows, b.o.pruneRows, b.o.users); err != nil {
-		return err
-	}
-	b.refills++
-	b.refillRows += b.o.pruneRows
-	b.expiredLeft += b.o.pruneRows
-	return nil
-}
-
-// makeReplayKeys completes o.replayKey keys with DoInTx, for the replay
-// workload to send again.
-func (b *bench) makeReplayKeys(ctx context.Context) error {
-	n := b.o.replayKey
+// makeReplayKeys completes n keys of biz on pool with DoInTx, workers at a
+// time, for a replay workload to send again.
+func makeReplayKeys(ctx context.Context, pool *pgxpool.Pool, biz *business, n, workers int) ([]replayKey, error) {
 	keys := make([]replayKey, n)
+	errs := make([]error, workers)
 	var wg sync.WaitGroup
-	errs := make([]error, b.o.workers)
-	for i := range b.o.workers {
+	for i := range workers {
 		wg.Go(func() {
-			w := newWorker(b, i, b.pool)
-			for j := i; j < n; j += b.o.workers {
-				r := w.newRequest()
-				key := w.newKey()
-				res, err := idem.DoInTx(ctx, b.pool, r.scope(), key, r.fp, r.execute)
-				if err == nil && res.Replayed {
-					err = fmt.Errorf("fresh key %s replayed", key)
-				}
-				if err != nil {
-					errs[i] = fmt.Errorf("complete replay keys: %w", err)
-					return
-				}
+			w := newWorker(&workload{biz: biz, pool: pool}, -1-i)
+			for j := i; j < n && errs[i] == nil; j += workers {
+				r, key := biz.request(w), w.newKey()
+				_, errs[i] = idem.DoInTx(ctx, pool, r.scope, key, r.fp, r.run)
 				keys[j] = replayKey{req: r, key: key}
 			}
 		})
 	}
 	wg.Wait()
-	for _, err := range errs {
-		if err != nil {
-			return err
-		}
+	if err := errors.Join(errs...); err != nil {
+		return nil, fmt.Errorf("replay keys: %w", err)
 	}
-	b.replayKeys = keys
-	return nil
+	return keys, nil
 }
 
-// warmConns opens every connection of pool and runs a fresh draw and its
-// replay on each, so the statements every workload uses are prepared on all
-// of them before anything is measured.
-func (b *bench) warmConns(ctx context.Context, pool *pgxpool.Pool) error {
-	n := int(pool.Config().MaxConns)
-	conns := make([]*pgxpool.Conn, 0, n)
+// prime plans every statement of biz's workloads on every connection of
+// pool while the key table is nearly empty, as a service started on a
+// freshly migrated table does: each runs more than five times, so
+// PostgreSQL settles on the generic plan it then keeps on that connection
+// until the table's statistics change, which for -stale's table they never
+// do.
+func prime(ctx context.Context, pool *pgxpool.Pool, biz *business) error {
+	var conns []*pgxpool.Conn
 	defer func() {
 		for _, c := range conns {
 			c.Release()
 		}
 	}()
-	for range n {
+	for range pool.Config().MaxConns {
 		c, err := pool.Acquire(ctx)
 		if err != nil {
-			return fmt.Errorf("warm connections: %w", err)
+			return err
 		}
 		conns = append(conns, c)
 	}
-	w := newWorker(b, 1<<20, pool)
-	for i, c := range conns {
-		r := w.newRequest()
-		key := "warm-" + strconv.Itoa(i) + "-" + w.newKey()
-		for range 2 {
-			if _, err := idem.DoInTx(ctx, c.Conn(), r.scope(), key, r.fp, r.execute); err != nil {
-				return fmt.Errorf("warm connections: %w", err)
+	for _, c := range conns {
+		w := newWorker(&workload{biz: biz}, -5)
+		w.db = c.Conn()
+		r, key := biz.request(w), w.newKey()
+		w.replay = []replayKey{{r, key}}
+		if _, err := idem.DoInTx(ctx, w.db, r.scope, key, r.fp, r.run); err != nil {
+			return fmt.Errorf("prime: %w", err)
+		}
+		for range 6 {
+			for _, o := range ops {
+				if err := o.op(ctx, w); err != nil {
+					return fmt.Errorf("prime %s: %w", o.name, err)
+				}
 			}
 		}
 	}
 	return nil
+}
+
+// commitCost times, on one connection, an autocommitted one-row INSERT (a
+// commit that waits for its WAL flush) and SELECT 1 (a bare round trip):
+// what two-tx's second commit costs depends on the first far more than on
+// anything idem does.
+func (b *bench) commitCost(ctx context.Context) (commit, roundTrip time.Duration, err error) {
+	conn, err := b.pool.Acquire(ctx)
+	if err != nil {
+		return 0, 0, err
+	}
+	defer conn.Release()
+	if _, err := conn.Exec(ctx, `CREATE TABLE IF NOT EXISTS bench_sync (v int)`); err != nil {
+		return 0, 0, err
+	}
+	p50 := func(sql string) (time.Duration, error) {
+		lat := make([]time.Duration, 0, 200)
+		for range cap(lat) {
+			t0 := time.Now()
+			if _, err := conn.Exec(ctx, sql); err != nil {
+				return 0, err
+			}
+			lat = append(lat, time.Since(t0))
+		}
+		slices.Sort(lat)
+		return percentile(lat, 50), nil
+	}
+	if commit, err = p50(`INSERT INTO bench_sync VALUES (1)`); err != nil {
+		return 0, 0, err
+	}
+	roundTrip, err = p50(`SELECT 1`)
+	return commit, roundTrip, err
 }

@@ -10,7 +10,10 @@
 // installs idem's table and the Goose Kuzi draw tables, and puts the draw
 // API through the failure scenarios of the design: a retry after a lost
 // response, a reused key, concurrent duplicates, a failure before commit and
-// a stored refusal. It prints a table of what happened and of the numbers
+// a stored refusal; then payments through a fake card gateway with
+// idem.Reserve: a retry, a timeout after the charge that becomes an unknown
+// outcome, an operator resolving it, a worker paused past its lease, and a
+// gateway that refused. It prints a table of what happened and of the numbers
 // read back from the database, and exits with status 1 if any invariant
 // fails. The database is left in place for inspection.
 //
@@ -19,6 +22,12 @@
 //
 //	POST /v1/draws           {"box_id":1,"quantity":2}, with an Idempotency-Key header
 //	GET  /v1/wallets/{user}  points and prizes of the caller
+//	POST /v1/payments        {"customerId":"cus-1","amountCents":12000,"currency":"KRW"},
+//	                         with an Idempotency-Key header (X-Demo-Gateway: timeout-after-charge
+//	                         or unavailable tells the fake gateway to misbehave)
+//	GET  /v1/admin/unknown   payments whose outcome is unknown (Bearer operator)
+//	POST /v1/admin/resolve   {"actor":"alice","key":"..."}: resolve one at the gateway (Bearer operator)
+//	GET  /v1/admin/charges   the gateway's charges (Bearer operator)
 //
 // The bearer token is the user name (alice or bob). -seed makes the prize
 // picks repeatable.
@@ -112,7 +121,7 @@ func run(ctx context.Context, out io.Writer) error {
 	if failed > 0 {
 		return fmt.Errorf("%d scenario(s) failed", failed)
 	}
-	fmt.Fprintln(out, "\nAll scenarios ok: every draw was charged and stocked exactly once.")
+	fmt.Fprintln(out, "\nAll scenarios ok: every draw was charged and stocked exactly once, and every payment charged at most once.")
 	return nil
 }
 

@@ -46,11 +46,18 @@ var scenarios = []scenario{
 	{fmt.Sprintf("%d concurrent duplicates", duplicates), (*demo).concurrentDuplicates, 3, 2},
 	{"failure before commit", (*demo).failureBeforeCommit, 4, 3},
 	{"insufficient points", (*demo).insufficientPoints, 4, 3},
+	// Payments through a card gateway (payments.go): the draws stay as they are.
+	{"payment, then its retry", (*demo).paymentRetried, 4, 3},
+	{"gateway times out after charging", (*demo).paymentTimedOut, 4, 3},
+	{"operator resolves the unknown payment", (*demo).paymentResolved, 4, 3},
+	{"worker paused past its lease", (*demo).paymentStaleWorker, 4, 3},
+	{"gateway unavailable, nothing charged", (*demo).paymentUnavailable, 4, 3},
 }
 
 type demo struct {
 	pool *pgxpool.Pool
 	svc  *draw.Service
+	pay  *payments // created by the first payment scenario
 }
 
 // runScenarios plays every scenario in order, prints the table and returns

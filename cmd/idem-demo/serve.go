@@ -94,6 +94,9 @@ func serve(ctx context.Context, out io.Writer, cfg serveConfig) error {
 			return err
 		}
 	}
+	if err := setupPayments(ctx, pool); err != nil {
+		return err
+	}
 
 	ln, err := net.Listen("tcp", cfg.addr)
 	if err != nil {
@@ -114,6 +117,12 @@ func serve(ctx context.Context, out io.Writer, cfg serveConfig) error {
 		"    -H 'Idempotency-Key: %s' -H 'Content-Type: application/json' \\\n"+
 		"    -d '{\"box_id\":1,\"quantity\":2}'\n", base, newKey())
 	fmt.Fprintf(out, "See the wallet:\n  curl -s %s/v1/wallets/alice -H 'Authorization: Bearer alice'\n\n", base)
+	fmt.Fprintf(out, "Pay through the card gateway (add -H 'X-Demo-Gateway: timeout-after-charge' for a lost answer):\n"+
+		"  curl -si %s/v1/payments -H 'Authorization: Bearer alice' \\\n"+
+		"    -H 'Idempotency-Key: %s' -H 'Content-Type: application/json' \\\n"+
+		"    -d '{\"customerId\":\"cus-1\",\"amountCents\":12000,\"currency\":\"KRW\"}'\n", base, newKey())
+	fmt.Fprintf(out, "Reconcile unknown payments (operator):\n  curl -s %s/v1/admin/unknown -H 'Authorization: Bearer operator'\n"+
+		"  curl -s %s/v1/admin/resolve -H 'Authorization: Bearer operator' -d '{\"actor\":\"alice\",\"key\":\"<key>\"}'\n\n", base, base)
 
 	select {
 	case err := <-served:
@@ -184,8 +193,9 @@ func bearerUser(r *http.Request) (string, error) {
 //	POST /v1/draws           {"box_id":1,"quantity":2}, with Idempotency-Key
 //	GET  /v1/wallets/{user}  the user's points and prizes (own wallet only)
 //
-// Every error is application/problem+json, including the 404 and 405 of
-// requests that match no route.
+// and the payment routes of registerPayments. Every error is
+// application/problem+json, including the 404 and 405 of requests that match
+// no route.
 func newAPI(pool *pgxpool.Pool, intn func(int) int, log *slog.Logger) http.Handler {
 	idempotent := idemhttp.Middleware(pool, idemhttp.Options{Actor: bearerUser, Logger: log})
 	mux := http.NewServeMux()
@@ -234,6 +244,7 @@ func newAPI(pool *pgxpool.Pool, intn func(int) int, log *slog.Logger) http.Handl
 		w.Header().Set("Content-Type", "application/json")
 		_, _ = w.Write(body)
 	})
+	registerPayments(mux, newPayments(pool, newGateway()), log)
 	return unroutedProblems(mux)
 }
 

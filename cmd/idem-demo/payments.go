@@ -1,0 +1,669 @@
+package main
+
+// Payments: seed 003's example of work outside the database. A card gateway
+// cannot join the transaction, so POST /v1/payments uses idem's reservation
+// mode instead of the idemhttp middleware:
+//
+//	Reserve (commits processing + lease + token)
+//	-> charge the card at the gateway, passing the idempotency key on
+//	-> Complete in the transaction that records the payment, or
+//	   FailRetryable (the gateway certainly charged nothing), or
+//	   MarkUnknown (it may have charged: a timeout)
+//
+// An unknown payment is never charged again by a retry; an operator
+// reconciles it (POST /v1/admin/resolve) after looking at the gateway.
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idemhttp"
+	"github.com/pgidem/idem/internal/draw"
+)
+
+// paymentOperation is the operation of the payment keys' scope.
+const paymentOperation = "payment.create"
+
+// demoOperator is the bearer token of the operator routes; it is not a user.
+const demoOperator = "operator"
+
+// headerGatewayMode tells the demo's fake gateway how to misbehave for one
+// request. It is not part of the payment's fingerprint.
+const headerGatewayMode = "X-Demo-Gateway"
+
+// Gateway modes.
+const (
+	// modeTimeoutAfterCharge: the gateway charges, then never answers.
+	modeTimeoutAfterCharge = "timeout-after-charge"
+	// modeUnavailable: the gateway refuses the request and charges nothing.
+	modeUnavailable = "unavailable"
+)
+
+// declineAboveCents is the amount above which the gateway declines a card.
+const declineAboveCents = 1_000_000
+
+// setupPayments creates the table payments are recorded in.
+func setupPayments(ctx context.Context, pool *pgxpool.Pool) error {
+	_, err := pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS payments (
+		id           text      PRIMARY KEY,
+		actor        text      NOT NULL,
+		idem_key     text      NOT NULL,
+		charge_id    text      NOT NULL UNIQUE,
+		customer_id  text      NOT NULL,
+		amount_cents bigint    NOT NULL,
+		currency     text      NOT NULL,
+		UNIQUE (actor, idem_key))`)
+	if err != nil {
+		return fmt.Errorf("create payments: %w", err)
+	}
+	return nil
+}
+
+// paymentRequest is the body of POST /v1/payments.
+type paymentRequest struct {
+	CustomerID  string `json:"customerId"`
+	AmountCents int64  `json:"amountCents"`
+	Currency    string `json:"currency"`
+}
+
+// parsePayment reads and checks a payment request.
+func parsePayment(body []byte) (paymentRequest, error) {
+	var p paymentRequest
+	dec := json.NewDecoder(bytes.NewReader(body))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&p); err != nil {
+		return p, errors.New("the body must be a JSON object with customerId, amountCents and currency")
+	}
+	if dec.More() {
+		return p, errors.New("the body must hold one JSON object")
+	}
+	switch {
+	case strings.TrimSpace(p.CustomerID) == "" || len(p.CustomerID) > 64:
+		return p, errors.New("customerId must be 1 to 64 characters")
+	case p.AmountCents <= 0:
+		return p, errors.New("amountCents must be a positive integer")
+	case p.Currency != "KRW" && p.Currency != "USD":
+		return p, errors.New("currency must be KRW or USD")
+	}
+	return p, nil
+}
+
+// gateway is the demo's in-process card gateway. Like providers that take an
+// idempotency key, it charges at most once per key and answers a repeated
+// key with the charge it made.
+type gateway struct {
+	mu       sync.Mutex
+	charges  map[string]gatewayCharge // by idempotency key
+	order    []string                 // keys, in the order of their charges
+	requests map[string]int
+}
+
+type gatewayCharge struct {
+	ID          string `json:"chargeId"`
+	Key         string `json:"key"`
+	CustomerID  string `json:"customerId"`
+	AmountCents int64  `json:"amountCents"`
+	Currency    string `json:"currency"`
+	Requests    int    `json:"requests"`
+}
+
+var (
+	// errGatewayUnavailable: the gateway refused the request before acting.
+	errGatewayUnavailable = errors.New("gateway unavailable: nothing was charged")
+	// errDeclined: the gateway declined the card; nothing was charged.
+	errDeclined = errors.New("card declined")
+)
+
+func newGateway() *gateway {
+	return &gateway{charges: map[string]gatewayCharge{}, requests: map[string]int{}}
+}
+
+// charge charges p under key. In modeTimeoutAfterCharge it charges and then
+// waits until ctx is done, as a gateway whose answer is lost would.
+func (g *gateway) charge(ctx context.Context, key string, p paymentRequest, mode string) (gatewayCharge, error) {
+	g.mu.Lock()
+	g.requests[key]++
+	if mode == modeUnavailable {
+		g.mu.Unlock()
+		return gatewayCharge{}, errGatewayUnavailable
+	}
+	if p.AmountCents > declineAboveCents {
+		g.mu.Unlock()
+		return gatewayCharge{}, errDeclined
+	}
+	c, ok := g.charges[key]
+	if !ok {
+		c = gatewayCharge{ID: fmt.Sprintf("ch_%d", len(g.charges)+1), Key: key,
+			CustomerID: p.CustomerID, AmountCents: p.AmountCents, Currency: p.Currency}
+		g.charges[key] = c
+		g.order = append(g.order, key)
+	}
+	g.mu.Unlock()
+	if mode == modeTimeoutAfterCharge {
+		<-ctx.Done()
+		return gatewayCharge{}, fmt.Errorf("gateway: no answer: %w", ctx.Err())
+	}
+	return c, nil
+}
+
+// lookup returns the charge made under key, as an operator finds it in the
+// gateway's dashboard.
+func (g *gateway) lookup(key string) (gatewayCharge, bool) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	c, ok := g.charges[key]
+	c.Requests = g.requests[key]
+	return c, ok
+}
+
+// list returns every charge, oldest first.
+func (g *gateway) list() []gatewayCharge {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	out := make([]gatewayCharge, 0, len(g.order))
+	for _, key := range g.order {
+		c := g.charges[key]
+		c.Requests = g.requests[key]
+		out = append(out, c)
+	}
+	return out
+}
+
+// payments runs payments through the reservation mode.
+type payments struct {
+	pool           *pgxpool.Pool
+	gw             *gateway
+	lease          time.Duration // how long a payment may take before it counts as stuck
+	gatewayTimeout time.Duration
+}
+
+func newPayments(pool *pgxpool.Pool, gw *gateway) *payments {
+	return &payments{pool: pool, gw: gw, lease: 30 * time.Second, gatewayTimeout: 2 * time.Second}
+}
+
+var (
+	// errOutcomeUnknown: the gateway may have charged; the payment is held
+	// for reconciliation.
+	errOutcomeUnknown = errors.New("the gateway did not answer: the card may have been charged")
+	// errNotCharged: the gateway certainly charged nothing; a retry runs.
+	errNotCharged = errors.New("the gateway charged nothing")
+)
+
+// pay charges p at most once per (user, key): a replay returns the stored
+// response with replayed true. Errors: idem's (ErrKeyReused, ErrInProgress,
+// ErrOutcomeUnknown, store failures), errOutcomeUnknown after a gateway
+// timeout (the record is unknown), errNotCharged after a refusal of the
+// gateway (the record is failed_retryable).
+func (s *payments) pay(ctx context.Context, user, key string, p paymentRequest, mode string) (resp idem.Response, replayed bool, err error) {
+	fp, err := idem.FingerprintJSON(p)
+	if err != nil {
+		return idem.Response{}, false, err
+	}
+	r, err := idem.Reserve(ctx, s.pool, idem.Scope{Actor: user, Operation: paymentOperation}, key, fp, s.lease)
+	if err != nil {
+		return idem.Response{}, false, err
+	}
+	if r.Replayed {
+		return r.Response, true, nil
+	}
+
+	chargeCtx, cancel := context.WithTimeout(ctx, s.gatewayTimeout)
+	charge, err := s.gw.charge(chargeCtx, key, p, mode)
+	cancel()
+	switch {
+	case errors.Is(err, errDeclined):
+		// A decision of the gateway: stored and replayed like a success.
+		resp = draw.Problem(http.StatusPaymentRequired, "CARD_DECLINED", "The card was declined; nothing was charged.")
+		err := idem.InTx(ctx, s.pool, func(ctx context.Context, tx pgx.Tx) error {
+			return idem.Complete(ctx, tx, r, resp)
+		})
+		return resp, false, err
+	case errors.Is(err, errGatewayUnavailable):
+		if err := idem.FailRetryable(ctx, s.pool, r, "gateway: unavailable, nothing charged"); err != nil {
+			return idem.Response{}, false, err
+		}
+		return idem.Response{}, false, errNotCharged
+	case err != nil:
+		if err := idem.MarkUnknown(ctx, s.pool, r, err.Error()); err != nil {
+			return idem.Response{}, false, err
+		}
+		return idem.Response{}, false, errOutcomeUnknown
+	}
+
+	resp = paymentResponse(charge)
+	err = idem.InTx(ctx, s.pool, func(ctx context.Context, tx pgx.Tx) error {
+		// ErrFenced: the payment is no longer ours to record; roll back.
+		if err := idem.Complete(ctx, tx, r, resp); err != nil {
+			return err
+		}
+		return insertPayment(ctx, tx, user, key, charge)
+	})
+	if err != nil && !errors.Is(err, idem.ErrFenced) {
+		// The card was charged but the payment is not recorded: never
+		// charge again. (If the store is down this fails too; then the
+		// lease runs out and the record turns unknown all the same.)
+		_ = idem.MarkUnknown(context.WithoutCancel(ctx), s.pool, r, "charged, but recording the payment failed: "+err.Error())
+	}
+	return resp, false, err
+}
+
+// paymentID names the payment of a charge.
+func paymentID(c gatewayCharge) string { return "pay_" + strings.TrimPrefix(c.ID, "ch_") }
+
+// paymentResponse is the response that answers a charged payment.
+func paymentResponse(c gatewayCharge) idem.Response {
+	body, _ := json.Marshal(map[string]any{
+		"paymentId": paymentID(c), "chargeId": c.ID, "customerId": c.CustomerID,
+		"amountCents": c.AmountCents, "currency": c.Currency, "status": "succeeded",
+	})
+	return idem.Response{
+		Status: http.StatusCreated,
+		Header: map[string][]string{"Content-Type": {"application/json"}, "Location": {"/v1/payments/" + paymentID(c)}},
+		Body:   body,
+	}
+}
+
+// insertPayment writes the payment row of a charge.
+func insertPayment(ctx context.Context, tx pgx.Tx, user, key string, c gatewayCharge) error {
+	_, err := tx.Exec(ctx, `INSERT INTO payments (id, actor, idem_key, charge_id, customer_id, amount_cents, currency)
+		VALUES ($1, $2, $3, $4, $5, $6, $7)`, paymentID(c), user, key, c.ID, c.CustomerID, c.AmountCents, c.Currency)
+	if err != nil {
+		return fmt.Errorf("record payment: %w", err)
+	}
+	return nil
+}
+
+// resolve reconciles the unknown payment of (actor, key) against the
+// gateway: a charge found there is recorded and becomes the payment's
+// response; no charge makes the key retryable.
+func (s *payments) resolve(ctx context.Context, actor, key string) (charge gatewayCharge, found bool, err error) {
+	scope := idem.Scope{Actor: actor, Operation: paymentOperation}
+	charge, found = s.gw.lookup(key)
+	if !found {
+		err = idem.Resolve(ctx, s.pool, scope, key, idem.Resolution{Retryable: true, Reason: "operator: no charge at the gateway"})
+		return charge, false, err
+	}
+	resp := paymentResponse(charge)
+	err = idem.InTx(ctx, s.pool, func(ctx context.Context, tx pgx.Tx) error {
+		err := idem.Resolve(ctx, tx, scope, key, idem.Resolution{
+			Succeeded: &resp, Reason: "operator: charge " + charge.ID + " found at the gateway",
+		})
+		if err != nil {
+			return err
+		}
+		return insertPayment(ctx, tx, actor, key, charge)
+	})
+	return charge, true, err
+}
+
+// registerPayments adds the payment routes to mux:
+//
+//	POST /v1/payments        {"customerId":"cus-1","amountCents":12000,"currency":"KRW"}, with Idempotency-Key
+//	GET  /v1/admin/unknown   payments whose outcome is unknown (operator)
+//	POST /v1/admin/resolve   {"actor":"alice","key":"..."}: reconcile one against the gateway (operator)
+//	GET  /v1/admin/charges   the gateway's charges, by idempotency key (operator)
+//
+// The operator's bearer token is "operator".
+func registerPayments(mux *http.ServeMux, s *payments, log *slog.Logger) {
+	mux.HandleFunc("POST /v1/payments", func(w http.ResponseWriter, r *http.Request) {
+		user, err := bearerUser(r)
+		if err != nil {
+			writeResponse(w, draw.Problem(http.StatusUnauthorized, idemhttp.CodeUnauthenticated, "Send Authorization: Bearer <user>."))
+			return
+		}
+		key, err := paymentKey(r)
+		if err != nil {
+			writeResponse(w, draw.Problem(http.StatusBadRequest, idemhttp.CodeKeyInvalid, err.Error()))
+			return
+		}
+		body, err := io.ReadAll(http.MaxBytesReader(w, r.Body, 64<<10))
+		if err != nil {
+			writeResponse(w, draw.Problem(http.StatusRequestEntityTooLarge, idemhttp.CodeBodyTooLarge, "The body is over 64 KiB."))
+			return
+		}
+		p, err := parsePayment(body)
+		if err != nil {
+			// Refused before the key is reserved: a corrected retry runs.
+			writeResponse(w, draw.Problem(http.StatusUnprocessableEntity, "INVALID_PAYMENT", err.Error()))
+			return
+		}
+		resp, replayed, err := s.pay(r.Context(), user, key, p, r.Header.Get(headerGatewayMode))
+		if replayed {
+			w.Header().Set(idemhttp.HeaderReplayed, "true")
+		}
+		if err == nil {
+			writeResponse(w, resp)
+			return
+		}
+		resp, retryAfter := paymentProblem(err)
+		if resp.Status >= 500 {
+			log.Error("payment failed", "error", err)
+		}
+		if retryAfter > 0 {
+			w.Header().Set("Retry-After", strconv.Itoa(int((retryAfter+time.Second-1)/time.Second)))
+		}
+		writeResponse(w, resp)
+	})
+
+	operator := func(h http.HandlerFunc) http.HandlerFunc {
+		return func(w http.ResponseWriter, r *http.Request) {
+			if r.Header.Get("Authorization") != "Bearer "+demoOperator {
+				writeResponse(w, draw.Problem(http.StatusForbidden, "FORBIDDEN", "Operator routes need Authorization: Bearer operator."))
+				return
+			}
+			h(w, r)
+		}
+	}
+	mux.HandleFunc("GET /v1/admin/unknown", operator(func(w http.ResponseWriter, r *http.Request) {
+		type item struct {
+			Actor     string    `json:"actor"`
+			Operation string    `json:"operation"`
+			Key       string    `json:"key"`
+			LastError string    `json:"lastError"`
+			CreatedAt time.Time `json:"createdAt"`
+		}
+		items := []item{}
+		var after *idem.Record
+		for {
+			recs, err := idem.ListUnknown(r.Context(), s.pool, 100, after)
+			if err != nil {
+				log.Error("list unknown failed", "error", err)
+				writeResponse(w, draw.Problem(http.StatusServiceUnavailable, idemhttp.CodeStoreUnavailable, "The records could not be read."))
+				return
+			}
+			if len(recs) == 0 {
+				break
+			}
+			for _, rec := range recs {
+				items = append(items, item{rec.Scope.Actor, rec.Scope.Operation, rec.Key, rec.LastError, rec.CreatedAt.UTC()})
+			}
+			after = &recs[len(recs)-1]
+		}
+		writeJSON(w, http.StatusOK, map[string]any{"unknown": items})
+	}))
+	mux.HandleFunc("POST /v1/admin/resolve", operator(func(w http.ResponseWriter, r *http.Request) {
+		var in struct{ Actor, Key string }
+		if err := json.NewDecoder(io.LimitReader(r.Body, 4096)).Decode(&in); err != nil || in.Actor == "" || in.Key == "" {
+			writeResponse(w, draw.Problem(http.StatusBadRequest, "BAD_REQUEST", `Send {"actor":"...","key":"..."}.`))
+			return
+		}
+		charge, found, err := s.resolve(r.Context(), in.Actor, in.Key)
+		switch {
+		case errors.Is(err, idem.ErrNotFound):
+			writeResponse(w, draw.Problem(http.StatusNotFound, "NOT_FOUND", "No payment holds this key."))
+		case errors.Is(err, idem.ErrNotResolvable):
+			writeResponse(w, draw.Problem(http.StatusConflict, "NOT_RESOLVABLE", "The payment's outcome is not in doubt: "+strings.TrimPrefix(err.Error(), "idem: ")))
+		case errors.Is(err, idem.ErrInvalidKey), errors.Is(err, idem.ErrInvalidScope):
+			writeResponse(w, draw.Problem(http.StatusBadRequest, "BAD_REQUEST", strings.TrimPrefix(err.Error(), "idem: ")))
+		case err != nil:
+			log.Error("resolve failed", "error", err)
+			writeResponse(w, draw.Problem(http.StatusInternalServerError, "INTERNAL_ERROR", "The payment could not be resolved."))
+		case found:
+			writeJSON(w, http.StatusOK, map[string]any{"key": in.Key, "resolution": "succeeded", "chargeId": charge.ID})
+		default:
+			writeJSON(w, http.StatusOK, map[string]any{"key": in.Key, "resolution": "retryable"})
+		}
+	}))
+	mux.HandleFunc("GET /v1/admin/charges", operator(func(w http.ResponseWriter, r *http.Request) {
+		writeJSON(w, http.StatusOK, map[string]any{"charges": s.gw.list()})
+	}))
+}
+
+// paymentKey reads the Idempotency-Key header: one line, a bare key or a
+// quoted string, valid for idem.
+func paymentKey(r *http.Request) (string, error) {
+	values := r.Header.Values(idemhttp.HeaderKey)
+	if len(values) != 1 {
+		return "", errors.New("send exactly one Idempotency-Key header")
+	}
+	key := strings.TrimSpace(values[0])
+	if unquoted, ok := strings.CutPrefix(key, `"`); ok {
+		key, ok = strings.CutSuffix(unquoted, `"`)
+		if !ok {
+			return "", errors.New("malformed Idempotency-Key header")
+		}
+	}
+	if err := idem.ValidateKey(key); err != nil {
+		return "", errors.New("invalid Idempotency-Key: " + strings.TrimPrefix(err.Error(), "idem: "))
+	}
+	return key, nil
+}
+
+// paymentProblem answers a payment that did not complete.
+func paymentProblem(err error) (resp idem.Response, retryAfter time.Duration) {
+	var inProgress *idem.InProgressError
+	switch {
+	case errors.Is(err, idem.ErrKeyReused):
+		return draw.Problem(http.StatusUnprocessableEntity, idemhttp.CodeKeyReused,
+			"This Idempotency-Key was used for a different payment."), 0
+	case errors.As(err, &inProgress):
+		return draw.Problem(http.StatusConflict, idemhttp.CodeInProgress,
+			"A payment with this Idempotency-Key is in progress; retry later with the same key."), inProgress.RetryAfter
+	case errors.Is(err, idem.ErrOutcomeUnknown):
+		return draw.Problem(http.StatusConflict, idemhttp.CodeOutcomeUnknown,
+			"The outcome of the payment with this Idempotency-Key is unknown; it will not be charged again until it is reconciled."), 0
+	case errors.Is(err, errOutcomeUnknown):
+		return draw.Problem(http.StatusGatewayTimeout, "GATEWAY_TIMEOUT",
+			"The card gateway did not answer; the card may have been charged. The payment is held for reconciliation."), 0
+	case errors.Is(err, errNotCharged):
+		return draw.Problem(http.StatusServiceUnavailable, "GATEWAY_UNAVAILABLE",
+			"The card gateway is unavailable; nothing was charged. Retry with the same key."), time.Second
+	case idem.Unavailable(err):
+		return draw.Problem(http.StatusServiceUnavailable, idemhttp.CodeStoreUnavailable,
+			"The payment store is unavailable; retry later with the same key."), time.Second
+	}
+	return draw.Problem(http.StatusInternalServerError, idemhttp.CodeInternal, "The payment failed."), 0
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	body, _ := json.MarshalIndent(v, "", "  ")
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_, _ = w.Write(append(body, '\n'))
+}
+
+// The payment scenarios of `idem-demo run`. They share the demo's database
+// and leave the draws alone.
+
+// payments returns the demo's payment service, creating its table and a
+// fresh gateway on first use. The gateway gives up on a charge after 200 ms
+// here, so the timeout scenario is quick.
+func (d *demo) payments(ctx context.Context) (*payments, error) {
+	if d.pay == nil {
+		if err := setupPayments(ctx, d.pool); err != nil {
+			return nil, err
+		}
+		d.pay = newPayments(d.pool, newGateway())
+		d.pay.gatewayTimeout = 200 * time.Millisecond
+	}
+	return d.pay, nil
+}
+
+var demoPayment = paymentRequest{CustomerID: "cus-1", AmountCents: 12000, Currency: "KRW"}
+
+// paymentRows counts the payments recorded under key.
+func (d *demo) paymentRows(ctx context.Context, key string) (int, error) {
+	var n int
+	err := d.pool.QueryRow(ctx, `SELECT count(*) FROM payments WHERE actor = $1 AND idem_key = $2`, user, key).Scan(&n)
+	return n, err
+}
+
+// paymentRetried: a payment's response is lost and the client retries.
+func (d *demo) paymentRetried(ctx context.Context) (string, bool, error) {
+	s, err := d.payments(ctx)
+	if err != nil {
+		return "", false, err
+	}
+	first, _, err := s.pay(ctx, user, "demo-pay-1", demoPayment, "")
+	if err != nil {
+		return "", false, err
+	}
+	retry, replayed, err := s.pay(ctx, user, "demo-pay-1", demoPayment, "")
+	if err != nil {
+		return "", false, err
+	}
+	charge, _ := s.gw.lookup("demo-pay-1")
+	rows, err := d.paymentRows(ctx, "demo-pay-1")
+	if err != nil {
+		return "", false, err
+	}
+	same := bytes.Equal(first.Body, retry.Body)
+	what := fmt.Sprintf("paid: %d; retry: %d replayed=%t, same bytes=%t; gateway: %d request, payments: %d",
+		first.Status, retry.Status, replayed, same, charge.Requests, rows)
+	return what, first.Status == http.StatusCreated && replayed && same && charge.Requests == 1 && rows == 1, nil
+}
+
+// paymentTimedOut: the gateway charges, then its answer is lost. The
+// payment is unknown; retries are refused and never reach the gateway.
+func (d *demo) paymentTimedOut(ctx context.Context) (string, bool, error) {
+	s, err := d.payments(ctx)
+	if err != nil {
+		return "", false, err
+	}
+	_, _, err = s.pay(ctx, user, "demo-pay-2", demoPayment, modeTimeoutAfterCharge)
+	if !errors.Is(err, errOutcomeUnknown) {
+		return fmt.Sprintf("want a gateway timeout, got %v", err), false, nil
+	}
+	refused := 0
+	for range 2 {
+		if _, _, err := s.pay(ctx, user, "demo-pay-2", demoPayment, ""); errors.Is(err, idem.ErrOutcomeUnknown) {
+			refused++
+		}
+	}
+	charge, _ := s.gw.lookup("demo-pay-2")
+	what := fmt.Sprintf("gateway charged %s, answer lost: 504; %d retries: 409 outcome unknown; gateway: %d request",
+		charge.ID, refused, charge.Requests)
+	return what, refused == 2 && charge.Requests == 1, nil
+}
+
+// paymentResolved: an operator finds the unknown payment's charge at the
+// gateway and records it; the retry replays it.
+func (d *demo) paymentResolved(ctx context.Context) (string, bool, error) {
+	s, err := d.payments(ctx)
+	if err != nil {
+		return "", false, err
+	}
+	unknown, err := idem.ListUnknown(ctx, d.pool, 10, nil)
+	if err != nil {
+		return "", false, err
+	}
+	charge, found, err := s.resolve(ctx, user, "demo-pay-2")
+	if err != nil {
+		return "", false, err
+	}
+	retry, replayed, err := s.pay(ctx, user, "demo-pay-2", demoPayment, "")
+	if err != nil {
+		return "", false, err
+	}
+	rows, err := d.paymentRows(ctx, "demo-pay-2")
+	if err != nil {
+		return "", false, err
+	}
+	after, _ := s.gw.lookup("demo-pay-2")
+	what := fmt.Sprintf("%d unknown listed; resolved with %s; retry: %d replayed=%t; gateway: %d request, payments: %d",
+		len(unknown), charge.ID, retry.Status, replayed, after.Requests, rows)
+	ok := len(unknown) == 1 && found && retry.Status == http.StatusCreated && replayed &&
+		bytes.Contains(retry.Body, []byte(charge.ID)) && after.Requests == 1 && rows == 1
+	return what, ok, nil
+}
+
+// paymentStaleWorker: a worker pauses past its lease before it reaches the
+// gateway. The key turns unknown; the operator finds no charge and allows a
+// retry, which charges; the stale worker wakes, and its Complete is fenced.
+func (d *demo) paymentStaleWorker(ctx context.Context) (string, bool, error) {
+	s, err := d.payments(ctx)
+	if err != nil {
+		return "", false, err
+	}
+	const key = "demo-pay-3"
+	fp, err := idem.FingerprintJSON(demoPayment)
+	if err != nil {
+		return "", false, err
+	}
+	scope := idem.Scope{Actor: user, Operation: paymentOperation}
+	stale, err := idem.Reserve(ctx, d.pool, scope, key, fp, 50*time.Millisecond)
+	if err != nil {
+		return "", false, err
+	}
+	for { // the pause: until the database clock has passed the lease
+		var past bool
+		if err := d.pool.QueryRow(ctx, `SELECT now() > $1`, stale.LeaseExpiresAt).Scan(&past); err != nil {
+			return "", false, err
+		}
+		if past {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	expired, err := idem.ExpireLeases(ctx, d.pool, 100)
+	if err != nil {
+		return "", false, err
+	}
+	if _, found, err := s.resolve(ctx, user, key); err != nil || found {
+		return fmt.Sprintf("resolve: found=%t, %v", found, err), false, nil
+	}
+	paid, _, err := s.pay(ctx, user, key, demoPayment, "")
+	if err != nil {
+		return "", false, err
+	}
+	// The stale worker wakes up and carries on.
+	charge, err := s.gw.charge(ctx, key, demoPayment, "")
+	if err != nil {
+		return "", false, err
+	}
+	err = idem.InTx(ctx, d.pool, func(ctx context.Context, tx pgx.Tx) error {
+		if err := idem.Complete(ctx, tx, stale, paymentResponse(charge)); err != nil {
+			return err
+		}
+		return insertPayment(ctx, tx, user, key, charge)
+	})
+	fenced := errors.Is(err, idem.ErrFenced)
+	rows, err := d.paymentRows(ctx, key)
+	if err != nil {
+		return "", false, err
+	}
+	after, _ := s.gw.lookup(key)
+	what := fmt.Sprintf("lease ran out: %d expired; resolved retryable; retry paid %d; stale Complete fenced=%t; gateway: %s for %d requests, payments: %d",
+		expired, paid.Status, fenced, after.ID, after.Requests, rows)
+	ok := expired == 1 && paid.Status == http.StatusCreated && fenced && after.Requests == 2 && rows == 1
+	return what, ok, nil
+}
+
+// paymentUnavailable: the gateway refuses before charging anything: the
+// key may run again, and the retry charges once.
+func (d *demo) paymentUnavailable(ctx context.Context) (string, bool, error) {
+	s, err := d.payments(ctx)
+	if err != nil {
+		return "", false, err
+	}
+	_, _, err = s.pay(ctx, user, "demo-pay-4", demoPayment, modeUnavailable)
+	if !errors.Is(err, errNotCharged) {
+		return fmt.Sprintf("want the gateway to refuse, got %v", err), false, nil
+	}
+	retry, replayed, err := s.pay(ctx, user, "demo-pay-4", demoPayment, "")
+	if err != nil {
+		return "", false, err
+	}
+	charge, _ := s.gw.lookup("demo-pay-4")
+	rows, err := d.paymentRows(ctx, "demo-pay-4")
+	if err != nil {
+		return "", false, err
+	}
+	what := fmt.Sprintf("gateway refused, nothing charged: 503; retry: %d replayed=%t; gateway: %s for %d requests, payments: %d",
+		retry.Status, replayed, charge.ID, charge.Requests, rows)
+	return what, retry.Status == http.StatusCreated && !replayed && charge.ID != "" && charge.Requests == 2 && rows == 1, nil
+}

@@ -1,0 +1,627 @@
+// Command idem is the operator's tool for idem's table: it applies the
+// migrations, prunes expired keys, looks a key up or forgets it, shows
+// statistics, and lists and resolves the outcomes left unknown by
+// reservations.
+//
+//	go run github.com/pgidem/idem/cmd/idem@latest --help
+//
+// It connects to DATABASE_URL (or --database-url). Every command takes
+// --help; --json prints a result as JSON for scripts.
+//
+// Exit codes:
+//
+//	0  success
+//	1  failure (the database could not be reached, a statement failed)
+//	2  usage error (unknown command, bad flag or argument)
+//	3  not found (no record holds the key)
+//	4  refused (the key is in flight, or its record cannot be changed so)
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/pressly/goose/v3"
+	"github.com/pressly/goose/v3/lock"
+
+	"github.com/pgidem/idem"
+)
+
+// Exit codes.
+const (
+	exitOK       = 0
+	exitFailure  = 1
+	exitUsage    = 2
+	exitNotFound = 3
+	exitRefused  = 4
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt)
+	code := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	os.Exit(code)
+}
+
+// usageError is a mistake on the command line: exit code 2.
+type usageError struct{ msg string }
+
+func (e usageError) Error() string { return e.msg }
+
+func usagef(format string, args ...any) error { return usageError{fmt.Sprintf(format, args...)} }
+
+const mainUsage = `idem: the operator's tool for idem's idempotency keys.
+
+Usage:
+  idem [--database-url URL] [--json] <command> [flags] [arguments]
+
+Commands:
+  migrate up|down|status        apply, revert (one step) or list idem's migrations
+  prune [--dry-run]             delete expired finished keys in batches
+  inspect <actor> <operation> <key>
+                                show a key's record and stored response
+  forget <actor> <operation> <key>
+                                delete a finished key's record: the key is free again
+  stats                         keys by status, oldest in flight, table and index size
+  unknown list                  list the records whose outcome is unknown, oldest first
+  resolve <actor> <operation> <key> (--succeeded [--status N] [--body B | --body-file F] | --retryable) --reason R
+                                reconcile an unknown outcome
+
+The database is DATABASE_URL unless --database-url is given. Every command
+takes --help and --json (print the result as JSON).
+
+Exit codes: 0 success, 1 failure, 2 usage error, 3 not found, 4 refused.
+`
+
+// run runs the command line args and returns the exit code.
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	top := flag.NewFlagSet("idem", flag.ContinueOnError)
+	top.SetOutput(stderr)
+	top.Usage = func() { fmt.Fprint(stderr, mainUsage) }
+	dbURL := top.String("database-url", "", "PostgreSQL connection string (default $DATABASE_URL)")
+	jsonOut := top.Bool("json", false, "print the result as JSON")
+	if err := top.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			fmt.Fprint(stdout, mainUsage)
+			return exitOK
+		}
+		return exitUsage
+	}
+	if top.NArg() == 0 {
+		fmt.Fprint(stderr, mainUsage)
+		return exitUsage
+	}
+	name, rest := top.Arg(0), top.Args()[1:]
+	cmd, ok := commands[name]
+	if !ok {
+		if name == "help" {
+			fmt.Fprint(stdout, mainUsage)
+			return exitOK
+		}
+		fmt.Fprintf(stderr, "idem: unknown command %q\n\n%s", name, mainUsage)
+		return exitUsage
+	}
+	fs := flag.NewFlagSet("idem "+name, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	env := &env{stdout: stdout, stderr: stderr, fs: fs}
+	fs.BoolVar(&env.json, "json", false, "print the result as JSON")
+	fs.Usage = func() {
+		fmt.Fprintf(stderr, "Usage: idem %s\n\n%s\n\nFlags:\n", cmd.usage, cmd.help)
+		fs.PrintDefaults()
+	}
+	run := cmd.flags(fs)
+	positional, err := parseInterleaved(fs, rest)
+	if err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			fs.SetOutput(stdout)
+			fmt.Fprintf(stdout, "Usage: idem %s\n\n%s\n\nFlags:\n", cmd.usage, cmd.help)
+			fs.PrintDefaults()
+			return exitOK
+		}
+		return exitUsage
+	}
+	env.url, env.json = *dbURL, env.json || *jsonOut
+	if env.url == "" {
+		env.url = os.Getenv("DATABASE_URL")
+	}
+	return env.exit(run(ctx, env, positional))
+}
+
+// parseInterleaved parses fs's flags wherever they stand among the
+// positional arguments ("migrate status --json" as well as "migrate --json
+// status"), and returns the positional arguments. After "--" everything is
+// positional.
+func parseInterleaved(fs *flag.FlagSet, args []string) ([]string, error) {
+	var positional []string
+	for len(args) > 0 {
+		if args[0] == "--" {
+			return append(positional, args[1:]...), nil
+		}
+		if !strings.HasPrefix(args[0], "-") || args[0] == "-" {
+			positional, args = append(positional, args[0]), args[1:]
+			continue
+		}
+		if err := fs.Parse(args); err != nil {
+			return nil, err
+		}
+		consumed := len(args) - len(fs.Args())
+		if args[consumed-1] == "--" { // the flags ended with "--"
+			return append(positional, fs.Args()...), nil
+		}
+		args = fs.Args()
+	}
+	return positional, nil
+}
+
+// command is one subcommand: flags defines its flags and returns the
+// function that runs it with the remaining arguments.
+type command struct {
+	usage, help string
+	flags       func(fs *flag.FlagSet) func(ctx context.Context, e *env, args []string) error
+}
+
+var commands = map[string]command{
+	"migrate": {
+		usage: "migrate up|down|status",
+		help:  "Applies idem's migrations (up), reverts the latest one (down), or lists them (status). They are\nrecorded in their own goose table, " + idem.MigrationTable + ", apart from the application's.",
+		flags: func(*flag.FlagSet) func(context.Context, *env, []string) error { return migrate },
+	},
+	"prune": {
+		usage: "prune [--dry-run] [--batch-size N] [--max-batches N]",
+		help:  "Deletes finished keys past their TTL, oldest first, in batches of one short transaction each.\nKeys in flight and unknown outcomes are never touched; several pruners may run at once.",
+		flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
+			var opts idem.PruneOptions
+			fs.BoolVar(&opts.DryRun, "dry-run", false, "count the keys that would be deleted, delete nothing")
+			fs.IntVar(&opts.BatchSize, "batch-size", idem.DefaultPruneBatchSize, "keys per batch (transaction)")
+			fs.IntVar(&opts.MaxBatches, "max-batches", 0, "stop after this many batches (0: until none is left)")
+			return func(ctx context.Context, e *env, args []string) error { return prune(ctx, e, args, opts) }
+		},
+	},
+	"inspect": {
+		usage: "inspect <actor> <operation> <key>",
+		help:  "Shows the record of a key: status, fingerprint, timestamps, lease and token, and the stored\nresponse. Claims of transactions still open are not visible.",
+		flags: func(*flag.FlagSet) func(context.Context, *env, []string) error { return inspect },
+	},
+	"forget": {
+		usage: "forget <actor> <operation> <key>",
+		help:  "Deletes the record of a finished key (succeeded, rejected, failed_retryable), so that the next\nrequest with it runs as a new one: for a client stuck on a key it reused. A key in flight, or whose\noutcome is unknown (resolve it first), is refused with exit code 4.",
+		flags: func(*flag.FlagSet) func(context.Context, *env, []string) error { return forget },
+	},
+	"stats": {
+		usage: "stats",
+		help:  "Counts the keys in each status and shows the oldest key in flight and the oldest unknown\noutcome, and the size of the table and its indexes. It reads every row.",
+		flags: func(*flag.FlagSet) func(context.Context, *env, []string) error { return stats },
+	},
+	"unknown": {
+		usage: "unknown list [--limit N]",
+		help:  "Lists the records whose outcome is unknown (a reservation may or may not have done its work),\noldest first. Reconcile each with resolve after checking the outside system.",
+		flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
+			limit := fs.Int("limit", 100, "list at most this many records")
+			return func(ctx context.Context, e *env, args []string) error { return unknownList(ctx, e, args, *limit) }
+		},
+	},
+	"resolve": {
+		usage: "resolve <actor> <operation> <key> (--succeeded [--status N] [--body B | --body-file F] | --retryable) --reason R",
+		help:  "Reconciles a record whose outcome is unknown (or whose lease ran out): --succeeded stores the\nresponse found at the outside system, to be replayed; --retryable says the work certainly did not\nhappen, so the next request with the key runs it. The reservation that held the key is fenced.",
+		flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
+			var o resolveFlags
+			fs.BoolVar(&o.succeeded, "succeeded", false, "the work happened: store a response")
+			fs.BoolVar(&o.retryable, "retryable", false, "the work certainly did not happen: let it run again")
+			fs.IntVar(&o.status, "status", 200, "with --succeeded: the stored response's status")
+			fs.StringVar(&o.body, "body", "", "with --succeeded: the stored response's body")
+			fs.StringVar(&o.bodyFile, "body-file", "", "with --succeeded: read the body from this file")
+			fs.StringVar(&o.contentType, "content-type", "application/json", "with --succeeded and a body: its Content-Type header")
+			fs.StringVar(&o.reason, "reason", "", "why: stored with the record for the audit trail (required)")
+			return func(ctx context.Context, e *env, args []string) error { return resolve(ctx, e, args, o) }
+		},
+	},
+}
+
+// env is what a command runs with.
+type env struct {
+	url            string
+	json           bool
+	stdout, stderr io.Writer
+	fs             *flag.FlagSet
+}
+
+// pool connects to the database.
+func (e *env) pool(ctx context.Context) (*pgxpool.Pool, error) {
+	if e.url == "" {
+		return nil, usagef("no database: set DATABASE_URL or pass --database-url")
+	}
+	cfg, err := pgxpool.ParseConfig(e.url)
+	if err != nil {
+		return nil, usagef("bad database URL: %v", err)
+	}
+	cfg.MaxConns = 2
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return nil, err
+	}
+	pingCtx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := pool.Ping(pingCtx); err != nil {
+		pool.Close()
+		return nil, fmt.Errorf("cannot reach the database: %w", err)
+	}
+	return pool, nil
+}
+
+// print writes v as JSON with --json, or text otherwise.
+func (e *env) print(v any, text string) {
+	if e.json {
+		enc := json.NewEncoder(e.stdout)
+		enc.SetIndent("", "  ")
+		_ = enc.Encode(v)
+		return
+	}
+	fmt.Fprint(e.stdout, text)
+}
+
+// exit reports err and returns the exit code for it.
+func (e *env) exit(err error) int {
+	if err == nil {
+		return exitOK
+	}
+	code := exitFailure
+	var ue usageError
+	switch {
+	case errors.As(err, &ue):
+		code = exitUsage
+	case errors.Is(err, idem.ErrNotFound):
+		code = exitNotFound
+	case errors.Is(err, idem.ErrNotResolvable), errors.Is(err, idem.ErrInProgress), errors.Is(err, idem.ErrOutcomeUnknown):
+		code = exitRefused
+	case errors.Is(err, idem.ErrInvalidKey), errors.Is(err, idem.ErrInvalidScope), errors.Is(err, idem.ErrInvalidArgument),
+		errors.Is(err, idem.ErrInvalidResponse), errors.Is(err, idem.ErrResponseTooLarge):
+		code = exitUsage
+	}
+	if e.json {
+		_ = json.NewEncoder(e.stdout).Encode(map[string]any{"error": err.Error(), "exit_code": code})
+	}
+	fmt.Fprintf(e.stderr, "idem %s: %v\n", strings.TrimPrefix(e.fs.Name(), "idem "), err)
+	return code
+}
+
+// wantArgs checks the number of positional arguments.
+func wantArgs(args []string, n int, what string) error {
+	if len(args) != n {
+		return usagef("want %s, got %d argument(s)", what, len(args))
+	}
+	return nil
+}
+
+func migrate(ctx context.Context, e *env, args []string) error {
+	if err := wantArgs(args, 1, "up, down or status"); err != nil {
+		return err
+	}
+	switch args[0] {
+	case "up", "down", "status":
+	default:
+		return usagef("want up, down or status, got %q", args[0])
+	}
+	pool, err := e.pool(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if args[0] == "up" {
+		// The library's own path: the one services run at start-up.
+		if err := idem.Migrate(ctx, pool); err != nil {
+			return err
+		}
+	}
+	locker, err := lock.NewPostgresSessionLocker(lock.WithLockID(idem.MigrationLockID))
+	if err != nil {
+		return err
+	}
+	db := stdlib.OpenDBFromPool(pool)
+	defer db.Close()
+	provider, err := goose.NewProvider(goose.DialectPostgres, db, idem.Migrations(),
+		goose.WithTableName(idem.MigrationTable), goose.WithSessionLocker(locker), goose.WithDisableGlobalRegistry(true))
+	if err != nil {
+		return err
+	}
+	if args[0] == "down" {
+		res, err := provider.Down(ctx)
+		if err != nil {
+			return err
+		}
+		if res != nil {
+			fmt.Fprintf(e.stderr, "reverted %s\n", res.Source.Path)
+		}
+	}
+	statuses, err := provider.Status(ctx)
+	if err != nil {
+		return err
+	}
+	type row struct {
+		Version   int64      `json:"version"`
+		Source    string     `json:"source"`
+		Applied   bool       `json:"applied"`
+		AppliedAt *time.Time `json:"applied_at,omitempty"`
+	}
+	var rows []row
+	var sb strings.Builder
+	for _, s := range statuses {
+		r := row{Version: s.Source.Version, Source: s.Source.Path, Applied: s.State == goose.StateApplied}
+		when := "pending"
+		if r.Applied {
+			t := s.AppliedAt
+			r.AppliedAt = &t
+			when = "applied " + t.UTC().Format(time.RFC3339)
+		}
+		rows = append(rows, r)
+		fmt.Fprintf(&sb, "%5d  %-32s %s\n", r.Version, r.Source, when)
+	}
+	e.print(rows, sb.String())
+	return nil
+}
+
+func prune(ctx context.Context, e *env, args []string, opts idem.PruneOptions) error {
+	if err := wantArgs(args, 0, "no arguments"); err != nil {
+		return err
+	}
+	if opts.BatchSize <= 0 || opts.MaxBatches < 0 {
+		return usagef("--batch-size must be positive and --max-batches not negative")
+	}
+	pool, err := e.pool(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	n, err := idem.Prune(ctx, pool, opts)
+	if err != nil {
+		return err
+	}
+	verb := "deleted"
+	if opts.DryRun {
+		verb = "would delete"
+	}
+	e.print(map[string]any{"dry_run": opts.DryRun, "keys": n}, fmt.Sprintf("%s %d expired keys\n", verb, n))
+	return nil
+}
+
+// keyArgs parses <actor> <operation> <key>.
+func keyArgs(args []string) (idem.Scope, string, error) {
+	if err := wantArgs(args, 3, "<actor> <operation> <key>"); err != nil {
+		return idem.Scope{}, "", err
+	}
+	return idem.Scope{Actor: args[0], Operation: args[1]}, args[2], nil
+}
+
+func inspect(ctx context.Context, e *env, args []string) error {
+	scope, key, err := keyArgs(args)
+	if err != nil {
+		return err
+	}
+	pool, err := e.pool(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	rec, err := idem.Lookup(ctx, pool, scope, key)
+	if err != nil {
+		return err
+	}
+	e.print(recordJSON(rec), recordText(rec))
+	return nil
+}
+
+func forget(ctx context.Context, e *env, args []string) error {
+	scope, key, err := keyArgs(args)
+	if err != nil {
+		return err
+	}
+	pool, err := e.pool(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if err := idem.Forget(ctx, pool, scope, key); err != nil {
+		return err
+	}
+	e.print(map[string]any{"forgotten": true}, "forgotten: the key is free again\n")
+	return nil
+}
+
+func stats(ctx context.Context, e *env, args []string) error {
+	if err := wantArgs(args, 0, "no arguments"); err != nil {
+		return err
+	}
+	pool, err := e.pool(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	st, err := idem.ReadStats(ctx, pool)
+	if err != nil {
+		return err
+	}
+	var sb strings.Builder
+	var total int64
+	for _, s := range []idem.Status{idem.StatusProcessing, idem.StatusSucceeded, idem.StatusRejected,
+		idem.StatusFailedRetryable, idem.StatusUnknown} {
+		fmt.Fprintf(&sb, "%-17s %d\n", s, st.Keys[s])
+		total += st.Keys[s]
+	}
+	fmt.Fprintf(&sb, "%-17s %d\n", "total", total)
+	if !st.OldestProcessing.IsZero() {
+		fmt.Fprintf(&sb, "oldest processing %s (%s ago)\n", st.OldestProcessing.UTC().Format(time.RFC3339), time.Since(st.OldestProcessing).Round(time.Second))
+	}
+	if !st.OldestUnknown.IsZero() {
+		fmt.Fprintf(&sb, "oldest unknown    %s (%s ago)\n", st.OldestUnknown.UTC().Format(time.RFC3339), time.Since(st.OldestUnknown).Round(time.Second))
+	}
+	fmt.Fprintf(&sb, "table size        %d bytes\nindex size        %d bytes\n", st.TableBytes, st.IndexBytes)
+	out := map[string]any{"keys": st.Keys, "total": total, "table_bytes": st.TableBytes, "index_bytes": st.IndexBytes}
+	if !st.OldestProcessing.IsZero() {
+		out["oldest_processing"] = st.OldestProcessing
+	}
+	if !st.OldestUnknown.IsZero() {
+		out["oldest_unknown"] = st.OldestUnknown
+	}
+	e.print(out, sb.String())
+	return nil
+}
+
+func unknownList(ctx context.Context, e *env, args []string, limit int) error {
+	if err := wantArgs(args, 1, "list"); err != nil {
+		return err
+	}
+	if args[0] != "list" {
+		return usagef("want list, got %q", args[0])
+	}
+	if limit <= 0 {
+		return usagef("--limit must be positive")
+	}
+	pool, err := e.pool(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	var all []idem.Record
+	var after *idem.Record
+	for len(all) < limit {
+		page, err := idem.ListUnknown(ctx, pool, min(limit-len(all), 500), after)
+		if err != nil {
+			return err
+		}
+		all = append(all, page...)
+		if len(page) == 0 || len(all) >= limit {
+			break
+		}
+		after = &page[len(page)-1]
+	}
+	out := make([]map[string]any, 0, len(all))
+	var sb strings.Builder
+	for _, r := range all {
+		out = append(out, recordJSON(r))
+		fmt.Fprintf(&sb, "%s  %s  %s  %s  token %d  %s\n", r.CreatedAt.UTC().Format(time.RFC3339),
+			r.Scope.Actor, r.Scope.Operation, r.Key, r.Token, r.LastError)
+	}
+	if len(all) == 0 {
+		sb.WriteString("no unknown outcomes\n")
+	}
+	e.print(out, sb.String())
+	return nil
+}
+
+type resolveFlags struct {
+	succeeded, retryable bool
+	status               int
+	body, bodyFile       string
+	contentType          string
+	reason               string
+}
+
+func resolve(ctx context.Context, e *env, args []string, o resolveFlags) error {
+	scope, key, err := keyArgs(args)
+	if err != nil {
+		return err
+	}
+	if o.succeeded == o.retryable {
+		return usagef("give exactly one of --succeeded and --retryable")
+	}
+	if strings.TrimSpace(o.reason) == "" {
+		return usagef("--reason is required: it is stored with the record for the audit trail")
+	}
+	res := idem.Resolution{Retryable: o.retryable, Reason: o.reason}
+	if o.succeeded {
+		if o.body != "" && o.bodyFile != "" {
+			return usagef("give --body or --body-file, not both")
+		}
+		body := []byte(o.body)
+		if o.bodyFile != "" {
+			if body, err = os.ReadFile(o.bodyFile); err != nil {
+				return usagef("--body-file: %v", err)
+			}
+		}
+		resp := &idem.Response{Status: o.status, Body: body}
+		if len(body) > 0 && o.contentType != "" {
+			resp.Header = map[string][]string{"Content-Type": {o.contentType}}
+		}
+		res.Succeeded = resp
+	}
+	pool, err := e.pool(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if err := idem.Resolve(ctx, pool, scope, key, res); err != nil {
+		return err
+	}
+	verdict := "succeeded: the stored response is replayed from now on"
+	if o.retryable {
+		verdict = "failed_retryable: the next request with the key runs again"
+	}
+	e.print(map[string]any{"resolved": true, "retryable": o.retryable}, "resolved as "+verdict+"\n")
+	return nil
+}
+
+// recordJSON is a Record as --json prints it.
+func recordJSON(r idem.Record) map[string]any {
+	out := map[string]any{
+		"actor": r.Scope.Actor, "operation": r.Scope.Operation, "key": r.Key,
+		"status": r.Status, "fingerprint": r.Fingerprint.String(), "token": r.Token,
+		"created_at": r.CreatedAt, "expires_at": r.ExpiresAt,
+	}
+	if r.LastError != "" {
+		out["last_error"] = r.LastError
+	}
+	if !r.CompletedAt.IsZero() {
+		out["completed_at"] = r.CompletedAt
+	}
+	if !r.LeaseExpiresAt.IsZero() {
+		out["lease_expires_at"] = r.LeaseExpiresAt
+	}
+	if r.Response != nil {
+		out["response"] = map[string]any{"status": r.Response.Status, "header": r.Response.Header, "body": string(r.Response.Body)}
+	}
+	return out
+}
+
+// recordText is a Record as inspect prints it.
+func recordText(r idem.Record) string {
+	var sb strings.Builder
+	line := func(name, value string) { fmt.Fprintf(&sb, "%-16s %s\n", name, value) }
+	ts := func(t time.Time) string {
+		if t.IsZero() {
+			return "-"
+		}
+		return t.UTC().Format(time.RFC3339Nano)
+	}
+	line("actor", r.Scope.Actor)
+	line("operation", r.Scope.Operation)
+	line("key", r.Key)
+	line("status", string(r.Status))
+	line("fingerprint", r.Fingerprint.String())
+	line("created_at", ts(r.CreatedAt))
+	line("completed_at", ts(r.CompletedAt))
+	line("expires_at", ts(r.ExpiresAt))
+	if r.Token != 0 || !r.LeaseExpiresAt.IsZero() {
+		line("token", fmt.Sprint(r.Token))
+		line("lease_expires_at", ts(r.LeaseExpiresAt))
+	}
+	if r.LastError != "" {
+		line("last_error", r.LastError)
+	}
+	if r.Response != nil {
+		line("response_status", fmt.Sprint(r.Response.Status))
+		for name, values := range r.Response.Header {
+			line("response_header", name+": "+strings.Join(values, ", "))
+		}
+		line("response_body", fmt.Sprintf("%q", r.Response.Body))
+	}
+	return sb.String()
+}

@@ -1,0 +1,141 @@
+package idem_test
+
+import (
+	"context"
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgidem/idem"
+)
+
+func TestLookupAndForget(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	var calls atomic.Int64
+	first, err := idem.DoInTx(ctx, pool, scope, "look", fpA, recordEffect(&calls, "look"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec, err := idem.Lookup(ctx, pool, scope, "look")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rec.Status != idem.StatusSucceeded || rec.Fingerprint != fpA || rec.Scope != scope || rec.Key != "look" ||
+		rec.Response == nil || string(rec.Response.Body) != string(first.Body) || rec.Response.Status != 201 ||
+		rec.CreatedAt.IsZero() || rec.CompletedAt.IsZero() || !rec.ExpiresAt.After(time.Now()) {
+		t.Fatalf("Lookup: %+v", rec)
+	}
+	// Another actor's key of the same name is another key.
+	if _, err := idem.Lookup(ctx, pool, idem.Scope{Actor: "mallory", Operation: scope.Operation}, "look"); !errors.Is(err, idem.ErrNotFound) {
+		t.Fatalf("another actor: %v", err)
+	}
+
+	// Forget frees the key: the same key with another request runs.
+	if err := idem.Forget(ctx, pool, scope, "look"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := idem.Lookup(ctx, pool, scope, "look"); !errors.Is(err, idem.ErrNotFound) {
+		t.Fatalf("after Forget: %v", err)
+	}
+	if err := idem.Forget(ctx, pool, scope, "look"); !errors.Is(err, idem.ErrNotFound) {
+		t.Fatalf("Forget twice: %v", err)
+	}
+	res, err := idem.DoInTx(ctx, pool, scope, "look", fpB, recordEffect(&calls, "look"))
+	if err != nil || res.Replayed || calls.Load() != 2 {
+		t.Fatalf("after Forget: %+v, %v", res, err)
+	}
+}
+
+// Forget refuses keys in flight and unknown outcomes, and changes nothing.
+func TestForgetRefusesKeysInFlight(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	var calls atomic.Int64
+	r, err := idem.Reserve(ctx, pool, scope, "leased", fpA, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := idem.Forget(ctx, pool, scope, "leased"); !errors.Is(err, idem.ErrInProgress) {
+		t.Fatalf("a live reservation: %v", err)
+	}
+	if err := idem.MarkUnknown(ctx, pool, r, "timed out"); err != nil {
+		t.Fatal(err)
+	}
+	if err := idem.Forget(ctx, pool, scope, "leased"); !errors.Is(err, idem.ErrOutcomeUnknown) {
+		t.Fatalf("an unknown outcome: %v", err)
+	}
+
+	// A take-over of an expired key that has not committed holds its row.
+	short, _ := idem.New(idem.Config{TTL: time.Millisecond})
+	if _, err := short.DoInTx(ctx, pool, scope, "old", fpA, recordEffect(&calls, "old")); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(5 * time.Millisecond)
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if _, err := idem.Do(ctx, tx, scope, "old", fpA, recordEffect(&calls, "old")); err != nil {
+		t.Fatal(err)
+	}
+	if err := idem.Forget(ctx, pool, scope, "old"); !errors.Is(err, idem.ErrInProgress) {
+		t.Fatalf("a take-over in flight: %v", err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if keyRows(t, pool) != 2 {
+		t.Fatalf("%d rows, want both kept", keyRows(t, pool))
+	}
+
+	for _, bad := range []func() error{
+		func() error { return idem.Forget(ctx, pool, scope, "") },
+		func() error { return idem.Forget(ctx, pool, idem.Scope{}, "old") },
+		func() error { return idem.Forget(ctx, nil, scope, "old") },
+		func() error { _, err := idem.Lookup(ctx, pool, scope, "has space"); return err },
+		func() error { _, err := idem.Lookup(ctx, nil, scope, "old"); return err },
+	} {
+		err := bad()
+		if !errors.Is(err, idem.ErrInvalidKey) && !errors.Is(err, idem.ErrInvalidScope) && !errors.Is(err, idem.ErrInvalidArgument) {
+			t.Errorf("bad input: %v", err)
+		}
+	}
+}
+
+func TestReadStats(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	var calls atomic.Int64
+	for _, key := range []string{"s1", "s2"} {
+		if _, err := idem.DoInTx(ctx, pool, scope, key, fpA, recordEffect(&calls, key)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := idem.DoInTx(ctx, pool, scope, "no", fpA, func(context.Context, pgx.Tx) (idem.Response, error) {
+		return idem.Response{}, idem.Reject(idem.Response{Status: 402})
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := idem.Reserve(ctx, pool, scope, "r", fpA, time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	st, err := idem.ReadStats(ctx, pool)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Keys[idem.StatusSucceeded] != 2 || st.Keys[idem.StatusRejected] != 1 || st.Keys[idem.StatusProcessing] != 1 ||
+		st.OldestProcessing.IsZero() || !st.OldestUnknown.IsZero() || st.TableBytes <= 0 || st.IndexBytes <= 0 {
+		t.Fatalf("%+v", st)
+	}
+	if _, err := idem.ReadStats(ctx, nil); !errors.Is(err, idem.ErrInvalidArgument) {
+		t.Fatal(err)
+	}
+}

@@ -1,0 +1,19 @@
+-- Reads the committed record of a key. Run through planned.
+-- name: KeyLookup :one
+SELECT sqlc.embed(idem_keys)
+FROM idem_keys
+WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key;
+
+-- Locks the committed record of a key for Forget, without waiting for a
+-- transaction that holds it (55P03). Run through planned.
+-- name: KeyLockForForget :one
+SELECT status
+FROM idem_keys
+WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
+FOR UPDATE NOWAIT;
+
+-- Deletes the record of a key that KeyLockForForget locked. Run through
+-- planned.
+-- name: KeyForget :execrows
+DELETE FROM idem_keys
+WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key;

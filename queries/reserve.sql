@@ -1,0 +1,129 @@
+-- The reservation mode (reserve.go, reconcile.go). Every lease is decided by
+-- the database clock: now(), the start of the statement's transaction.
+-- Fencing tokens come from idem_keys_token_seq and never repeat.
+
+-- Reserves a free key: a 'processing' row with a lease and a new token. No row
+-- means a row holds the key (ReserveLock reads it). While another transaction
+-- holds an uncommitted claim on the key, the INSERT waits for it, at most the
+-- lock_timeout that Reserve set for its transaction.
+-- name: ReserveInsert :one
+INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, token,
+                       lease_expires_at, expires_at)
+VALUES (@actor, @operation, @idem_key, @fingerprint, 'processing',
+        nextval('idem_keys_token_seq'),
+        now() + (sqlc.arg(lease_micros)::bigint * interval '1 microsecond'),
+        now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond'))
+ON CONFLICT (actor, operation, idem_key) DO NOTHING
+RETURNING token, lease_expires_at;
+
+-- Locks and reads the row that holds a key, with what the database clock
+-- says of its TTL and lease (the columns KeyGet reads, for judge).
+-- name: ReserveLock :one
+SELECT sqlc.embed(idem_keys),
+       (expires_at <= now())::boolean AS expired,
+       (lease_expires_at IS NOT NULL)::boolean AS leased,
+       coalesce((extract(epoch FROM lease_expires_at - now()) * 1000)::bigint, 0)::bigint AS lease_left_ms
+FROM idem_keys
+WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
+FOR UPDATE;
+
+-- Hands the row ReserveLock read (identified by its token) to a new owner: a
+-- new request after the TTL, or a new attempt after a retryable failure.
+-- name: ReserveAcquire :one
+UPDATE idem_keys
+SET fingerprint      = @fingerprint,
+    status           = 'processing',
+    response_status  = NULL,
+    response_headers = NULL,
+    response_body    = NULL,
+    created_at       = now(),
+    completed_at     = NULL,
+    expires_at       = now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond'),
+    token            = nextval('idem_keys_token_seq'),
+    lease_expires_at = now() + (sqlc.arg(lease_micros)::bigint * interval '1 microsecond'),
+    last_error       = NULL
+WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
+  AND token = @token
+RETURNING token, lease_expires_at;
+
+-- Stores the outcome of a reservation, in the caller's transaction.
+-- name: ReserveComplete :execrows
+UPDATE idem_keys
+SET status           = 'succeeded',
+    response_status  = sqlc.arg(response_status)::integer,
+    response_headers = sqlc.narg(response_headers)::text::jsonb,
+    response_body    = @response_body,
+    completed_at     = now()
+WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
+  AND token = @token AND status = 'processing';
+
+-- Records that a reservation certainly did not execute: the key may run again.
+-- name: ReserveFailRetryable :execrows
+UPDATE idem_keys
+SET status       = 'failed_retryable',
+    last_error   = sqlc.arg(reason)::text,
+    completed_at = now()
+WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
+  AND token = @token AND status = 'processing';
+
+-- Records that a reservation may have executed. The same token may mark its
+-- record unknown again (a repeated call, or the lease ran out first).
+-- name: ReserveMarkUnknown :execrows
+UPDATE idem_keys
+SET status     = 'unknown',
+    last_error = sqlc.arg(reason)::text
+WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
+  AND token = @token AND status IN ('processing', 'unknown');
+
+-- Extends a live lease; never shortens it.
+-- name: ReserveHeartbeat :one
+UPDATE idem_keys
+SET lease_expires_at = greatest(lease_expires_at,
+                                now() + (sqlc.arg(extend_micros)::bigint * interval '1 microsecond'))
+WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
+  AND token = @token AND status = 'processing' AND lease_expires_at > now()
+RETURNING lease_expires_at;
+
+-- Turns at most @max_rows reservations whose lease ran out into 'unknown',
+-- oldest lease first. Rows another worker has locked are skipped, so several
+-- workers can run it at once.
+-- name: ReserveExpireLeases :execrows
+UPDATE idem_keys AS k
+SET status     = 'unknown',
+    last_error = sqlc.arg(reason)::text
+FROM (SELECT actor, operation, idem_key
+      FROM idem_keys
+      WHERE status = 'processing' AND lease_expires_at IS NOT NULL
+        AND lease_expires_at <= now()
+      ORDER BY lease_expires_at
+      LIMIT @max_rows
+      FOR UPDATE SKIP LOCKED) AS expired
+WHERE k.actor = expired.actor AND k.operation = expired.operation AND k.idem_key = expired.idem_key
+  AND k.status = 'processing';
+
+-- Pages through 'unknown' records, oldest first, after the given position
+-- ('-infinity' and empty names for the first page).
+-- name: ReserveListUnknown :many
+SELECT *
+FROM idem_keys
+WHERE status = 'unknown'
+  AND (created_at, actor, operation, idem_key)
+      > (sqlc.arg(after_created_at)::timestamptz, sqlc.arg(after_actor)::text,
+         sqlc.arg(after_operation)::text, sqlc.arg(after_key)::text)
+ORDER BY created_at, actor, operation, idem_key
+LIMIT @max_rows;
+
+-- Reconciles the row ReserveLock read (identified by its token): 'succeeded'
+-- with the response found at the provider, or 'failed_retryable'. The token
+-- advances, so the reservation that held the key is fenced.
+-- name: ReserveResolve :execrows
+UPDATE idem_keys
+SET status           = @status,
+    response_status  = sqlc.narg(response_status),
+    response_headers = sqlc.narg(response_headers)::text::jsonb,
+    response_body    = sqlc.narg(response_body),
+    completed_at     = now(),
+    token            = nextval('idem_keys_token_seq'),
+    last_error       = sqlc.arg(reason)::text
+WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
+  AND token = @token;

@@ -1,0 +1,954 @@
+package idem_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net/http"
+	"net/http/httptest"
+	"reflect"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+	sdktrace "go.opentelemetry.io/otel/sdk/trace"
+	"go.opentelemetry.io/otel/sdk/trace/tracetest"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/pgtest"
+)
+
+var payScope = idem.Scope{Actor: "alice", Operation: "payment.create"}
+
+// storedRow is a key's row as the table holds it, read with plain SQL.
+type storedRow struct {
+	Found       bool
+	Status      string
+	Fingerprint []byte
+	Token       int64
+	Lease       *time.Time
+	LastError   *string
+	RespStatus  *int32
+	RespHeaders *string
+	RespBody    []byte
+	Created     time.Time
+	Completed   *time.Time
+	Expires     time.Time
+}
+
+func readRow(t *testing.T, pool *pgxpool.Pool, scope idem.Scope, key string) storedRow {
+	t.Helper()
+	var r storedRow
+	err := pool.QueryRow(context.Background(), `
+		SELECT status, fingerprint, token, lease_expires_at, last_error, response_status,
+		       response_headers::text, response_body, created_at, completed_at, expires_at
+		FROM idem_keys WHERE actor = $1 AND operation = $2 AND idem_key = $3`,
+		scope.Actor, scope.Operation, key).Scan(&r.Status, &r.Fingerprint, &r.Token, &r.Lease, &r.LastError,
+		&r.RespStatus, &r.RespHeaders, &r.RespBody, &r.Created, &r.Completed, &r.Expires)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return storedRow{}
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.Found = true
+	return r
+}
+
+// waitPast waits until the database clock has passed the given column
+// (lease_expires_at or expires_at) of the key's row.
+func waitPast(t *testing.T, pool *pgxpool.Pool, scope idem.Scope, key, column string) {
+	t.Helper()
+	for {
+		var past bool
+		err := pool.QueryRow(context.Background(), `SELECT `+column+` <= now() FROM idem_keys
+			WHERE actor = $1 AND operation = $2 AND idem_key = $3`, scope.Actor, scope.Operation, key).Scan(&past)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if past {
+			return
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+func mustClient(t testing.TB, cfg idem.Config) *idem.Client {
+	t.Helper()
+	c, err := idem.New(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+var (
+	charged  = idem.Response{Status: 201, Header: map[string][]string{"Content-Type": {"application/json"}}, Body: []byte(`{"charge":"ch_1"}`)}
+	declined = idem.Response{Status: 402, Body: []byte(`{"error":"card_declined"}`)}
+	resolved = idem.Response{Status: 201, Body: []byte(`{"charge":"ch_found"}`)}
+)
+
+// completeTx runs Complete in a transaction of its own and commits it when
+// Complete succeeds.
+func completeTx(ctx context.Context, c *idem.Client, pool *pgxpool.Pool, r idem.Reservation, resp idem.Response) error {
+	return c.InTx(ctx, pool, func(ctx context.Context, tx pgx.Tx) error {
+		return c.Complete(ctx, tx, r, resp)
+	})
+}
+
+// stateEvents are the columns of the state table.
+var stateEvents = []string{
+	"Reserve", "Reserve(other fp)", "Complete", "FailRetryable", "MarkUnknown", "Heartbeat",
+	"stale token", "ExpireLeases", "Resolve(succeeded)", "Resolve(retryable)", "Do", "Do(other fp)",
+}
+
+// stateTable is the state machine of a key, one row per state and one cell
+// per event of stateEvents. A cell is the expected error, or "ok", then
+// optionally ">" and the state afterwards:
+//
+//	run>S   the event executes: nil error, state S; for Reserve a new token
+//	replay  nil error, the stored response replayed; the row unchanged
+//	ok      nil error, the row unchanged
+//	E       the error E (InProgress, KeyReused, OutcomeUnknown, Fenced,
+//	        NotFound, NotResolvable); the row unchanged
+//	X>S     X as above, then state S with the same token ("S+": a new
+//	        token; "*": processing or unknown, the same token)
+//
+// "Complete", "FailRetryable", "MarkUnknown" and "Heartbeat" are called by
+// the reservation that brought the key into the state (a token never
+// issued when Do or nobody did); "stale token" calls all four with a token
+// that never held the key.
+var stateTable = []struct {
+	state string
+	cells [12]string
+}{
+	{"none", [12]string{"run>processing", "run>processing", "Fenced", "Fenced", "Fenced", "Fenced",
+		"Fenced", "ok", "NotFound", "NotFound", "run>succeeded", "run>succeeded"}},
+	{"processing", [12]string{"InProgress", "KeyReused", "ok>succeeded", "ok>failed_retryable", "ok>unknown", "ok>processing",
+		"Fenced", "ok", "NotResolvable", "NotResolvable", "InProgress", "KeyReused"}},
+	{"processing, lease ran out", [12]string{"OutcomeUnknown>unknown", "KeyReused", "ok>succeeded", "ok>failed_retryable", "ok>unknown", "Fenced",
+		"Fenced", "ok>unknown", "ok>succeeded+", "ok>failed_retryable+", "OutcomeUnknown>*", "KeyReused"}},
+	{"succeeded", [12]string{"replay", "KeyReused", "Fenced", "Fenced", "Fenced", "Fenced",
+		"Fenced", "ok", "NotResolvable", "NotResolvable", "replay", "KeyReused"}},
+	{"rejected (Do)", [12]string{"replay", "KeyReused", "Fenced", "Fenced", "Fenced", "Fenced",
+		"Fenced", "ok", "NotResolvable", "NotResolvable", "replay", "KeyReused"}},
+	{"failed_retryable", [12]string{"run>processing", "KeyReused", "Fenced", "Fenced", "Fenced", "Fenced",
+		"Fenced", "ok", "NotResolvable", "NotResolvable", "run>succeeded", "KeyReused"}},
+	{"unknown", [12]string{"OutcomeUnknown", "KeyReused", "Fenced", "Fenced", "ok>unknown", "Fenced",
+		"Fenced", "ok", "ok>succeeded+", "ok>failed_retryable+", "OutcomeUnknown", "KeyReused"}},
+	{"succeeded, past TTL", [12]string{"run>processing", "run>processing", "Fenced", "Fenced", "Fenced", "Fenced",
+		"Fenced", "ok", "NotResolvable", "NotResolvable", "run>succeeded", "run>succeeded"}},
+	{"rejected (Do), past TTL", [12]string{"run>processing", "run>processing", "Fenced", "Fenced", "Fenced", "Fenced",
+		"Fenced", "ok", "NotResolvable", "NotResolvable", "run>succeeded", "run>succeeded"}},
+	{"failed_retryable, past TTL", [12]string{"run>processing", "run>processing", "Fenced", "Fenced", "Fenced", "Fenced",
+		"Fenced", "ok", "NotResolvable", "NotResolvable", "run>succeeded", "run>succeeded"}},
+	{"unknown, past TTL", [12]string{"OutcomeUnknown", "KeyReused", "Fenced", "Fenced", "ok>unknown", "Fenced",
+		"Fenced", "ok", "ok>succeeded+", "ok>failed_retryable+", "OutcomeUnknown", "KeyReused"}},
+	{"processing, past TTL", [12]string{"InProgress", "KeyReused", "ok>succeeded", "ok>failed_retryable", "ok>unknown", "ok>processing",
+		"Fenced", "ok", "NotResolvable", "NotResolvable", "InProgress", "KeyReused"}},
+}
+
+var stateErrors = map[string]error{
+	"InProgress": idem.ErrInProgress, "KeyReused": idem.ErrKeyReused, "OutcomeUnknown": idem.ErrOutcomeUnknown,
+	"Fenced": idem.ErrFenced, "NotFound": idem.ErrNotFound, "NotResolvable": idem.ErrNotResolvable,
+}
+
+// TestStateTable puts a key into every state and applies every event to it.
+// The cells of the Do columns depend on the core's side of the state
+// machine.
+func TestStateTable(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	const lease = time.Minute
+	c := mustClient(t, idem.Config{Wait: 200 * time.Millisecond})
+	short := mustClient(t, idem.Config{TTL: time.Millisecond, Wait: 200 * time.Millisecond})
+	neverIssued := int64(1) << 50
+
+	// setup brings key into state and returns the reservation that did.
+	setup := func(t *testing.T, state, key string) idem.Reservation {
+		t.Helper()
+		check := func(err error) {
+			t.Helper()
+			if err != nil {
+				t.Fatalf("setup %s: %v", state, err)
+			}
+		}
+		base, pastTTL := strings.CutSuffix(state, ", past TTL")
+		cl := c
+		if pastTTL {
+			cl = short
+		}
+		owner := idem.Reservation{Scope: payScope, Key: key, Token: neverIssued}
+		var err error
+		switch base {
+		case "none":
+			return owner
+		case "rejected (Do)":
+			_, err = cl.DoInTx(ctx, pool, payScope, key, fpA, func(context.Context, pgx.Tx) (idem.Response, error) {
+				return idem.Response{}, idem.Reject(declined)
+			})
+			check(err)
+		default:
+			l := lease
+			if base == "processing, lease ran out" {
+				l = time.Millisecond
+			}
+			owner, err = cl.Reserve(ctx, pool, payScope, key, fpA, l)
+			check(err)
+			switch base {
+			case "processing, lease ran out":
+				waitPast(t, pool, payScope, key, "lease_expires_at")
+			case "succeeded":
+				check(completeTx(ctx, cl, pool, owner, charged))
+			case "failed_retryable":
+				check(cl.FailRetryable(ctx, pool, owner, "not sent"))
+			case "unknown":
+				check(cl.MarkUnknown(ctx, pool, owner, "gateway timeout"))
+			}
+		}
+		if pastTTL {
+			waitPast(t, pool, payScope, key, "expires_at")
+		}
+		want, _, _ := strings.Cut(base, ",")
+		want = strings.TrimSuffix(want, " (Do)")
+		if got := readRow(t, pool, payScope, key); got.Status != want {
+			t.Fatalf("setup %s: row %+v", state, got)
+		}
+		return owner
+	}
+
+	// event applies an event; replayed and ran say what Reserve or Do did.
+	event := func(t *testing.T, name, key string, owner idem.Reservation) (replayed, ran bool, err error) {
+		t.Helper()
+		var runs atomic.Int64
+		fn := func(context.Context, pgx.Tx) (idem.Response, error) {
+			runs.Add(1)
+			return idem.Response{Status: 200, Body: []byte("by Do")}, nil
+		}
+		switch name {
+		case "Reserve", "Reserve(other fp)":
+			fp := fpA
+			if name != "Reserve" {
+				fp = fpB
+			}
+			r, err := c.Reserve(ctx, pool, payScope, key, fp, lease)
+			if err == nil && !r.Replayed && r.Token <= 0 {
+				t.Fatalf("Reserve executes without a token: %+v", r)
+			}
+			return r.Replayed, err == nil && !r.Replayed, err
+		case "Complete":
+			return false, false, completeTx(ctx, c, pool, owner, charged)
+		case "FailRetryable":
+			return false, false, c.FailRetryable(ctx, pool, owner, "connection refused")
+		case "MarkUnknown":
+			return false, false, c.MarkUnknown(ctx, pool, owner, "read timeout")
+		case "Heartbeat":
+			r, err := c.Heartbeat(ctx, pool, owner, 2*lease)
+			if err == nil && !r.LeaseExpiresAt.After(owner.LeaseExpiresAt) {
+				t.Fatalf("Heartbeat: lease %s, before %s", r.LeaseExpiresAt, owner.LeaseExpiresAt)
+			}
+			return false, false, err
+		case "stale token":
+			stale := owner
+			stale.Token = neverIssued + 1
+			for _, err := range []error{
+				completeTx(ctx, c, pool, stale, charged),
+				c.FailRetryable(ctx, pool, stale, ""),
+				c.MarkUnknown(ctx, pool, stale, ""),
+				func() error { _, err := c.Heartbeat(ctx, pool, stale, lease); return err }(),
+			} {
+				if !errors.Is(err, idem.ErrFenced) {
+					return false, false, err
+				}
+			}
+			return false, false, idem.ErrFenced
+		case "ExpireLeases":
+			_, err := c.ExpireLeases(ctx, pool, 10)
+			return false, false, err
+		case "Resolve(succeeded)":
+			return false, false, c.Resolve(ctx, pool, payScope, key, idem.Resolution{Succeeded: &resolved, Reason: "charge found"})
+		case "Resolve(retryable)":
+			return false, false, c.Resolve(ctx, pool, payScope, key, idem.Resolution{Retryable: true, Reason: "no charge"})
+		case "Do", "Do(other fp)":
+			fp := fpA
+			if name != "Do" {
+				fp = fpB
+			}
+			res, err := c.DoInTx(ctx, pool, payScope, key, fp, fn)
+			if n := runs.Load(); (err == nil && !res.Replayed) != (n == 1) || n > 1 {
+				t.Fatalf("%s: fn ran %d times, result %+v, err %v", name, n, res, err)
+			}
+			return res.Replayed, runs.Load() == 1, err
+		}
+		t.Fatalf("no event %q", name)
+		return false, false, nil
+	}
+
+	for i, row := range stateTable {
+		for j, cell := range row.cells {
+			name := stateEvents[j]
+			t.Run(row.state+"/"+name, func(t *testing.T) {
+				if _, err := pool.Exec(ctx, `DELETE FROM idem_keys`); err != nil {
+					t.Fatal(err)
+				}
+				key := fmt.Sprintf("cell-%02d-%02d", i, j)
+				owner := setup(t, row.state, key)
+				before := readRow(t, pool, payScope, key)
+				replayed, ran, err := event(t, name, key, owner)
+				after := readRow(t, pool, payScope, key)
+
+				want, state, _ := strings.Cut(cell, ">")
+				newToken := strings.HasSuffix(state, "+")
+				state = strings.TrimSuffix(state, "+")
+				switch {
+				case want == "ok" || want == "run" || want == "replay":
+					if err != nil {
+						t.Fatalf("%s on %s: %v, want %s", name, row.state, err, cell)
+					}
+				case !errors.Is(err, stateErrors[want]):
+					t.Fatalf("%s on %s: err = %v, want %s", name, row.state, err, cell)
+				}
+				if replayed != (want == "replay") || ran != (want == "run") {
+					t.Fatalf("%s on %s: replayed %t, ran %t; want %s", name, row.state, replayed, ran, cell)
+				}
+				var inProgress *idem.InProgressError
+				if errors.As(err, &inProgress) && (inProgress.RetryAfter < time.Second || inProgress.RetryAfter > time.Minute) {
+					t.Fatalf("RetryAfter %s, want 1s..1m", inProgress.RetryAfter)
+				}
+				isDo := strings.HasPrefix(name, "Do")
+				switch {
+				case state == "":
+					if !reflect.DeepEqual(after, before) {
+						t.Fatalf("%s on %s changed the row:\nbefore %+v\nafter  %+v", name, row.state, before, after)
+					}
+				case state == "*":
+					if after.Token != before.Token || (after.Status != before.Status && after.Status != "unknown") {
+						t.Fatalf("%s on %s: row %+v, before %+v", name, row.state, after, before)
+					}
+				default:
+					if after.Status != state {
+						t.Fatalf("%s on %s: state %q, want %q", name, row.state, after.Status, state)
+					}
+					switch {
+					case isDo: // the token of a row Do wrote is the core's business
+					case want == "run" || newToken:
+						if after.Token <= before.Token {
+							t.Fatalf("%s on %s: token %d, before %d; want a new one", name, row.state, after.Token, before.Token)
+						}
+					case after.Token != before.Token:
+						t.Fatalf("%s on %s: token %d, before %d; want the same", name, row.state, after.Token, before.Token)
+					}
+				}
+				if name == "Reserve" && replayed {
+					r, _ := c.Reserve(ctx, pool, payScope, key, fpA, lease)
+					if before.RespStatus == nil || r.Status != int(*before.RespStatus) || string(r.Body) != string(before.RespBody) {
+						t.Fatalf("replayed %+v, stored %+v", r.Response, before)
+					}
+				}
+				if after.Status == "unknown" && before.Status == "processing" && name != "MarkUnknown" &&
+					(after.LastError == nil || !strings.Contains(*after.LastError, "lease")) {
+					t.Fatalf("an expired lease left last_error %v", after.LastError)
+				}
+			})
+		}
+	}
+}
+
+// gateway is a card gateway over real HTTP. Like providers that take an
+// idempotency key, it charges once per key and answers a repeated key with
+// the charge it made. It counts the requests and charges of every key.
+type gateway struct {
+	srv      *httptest.Server
+	mu       sync.Mutex
+	charges  map[string]string // idempotency key -> charge id
+	requests map[string]int
+}
+
+// headerGatewayFault asks the gateway to fail a request: "abort-after-charge"
+// charges, then drops the connection without answering.
+const headerGatewayFault = "X-Gateway-Fault"
+
+func newGateway(t *testing.T) *gateway {
+	g := &gateway{charges: map[string]string{}, requests: map[string]int{}}
+	g.srv = httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		key := r.Header.Get("Idempotency-Key")
+		g.mu.Lock()
+		g.requests[key]++
+		id, ok := g.charges[key]
+		if !ok {
+			id = fmt.Sprintf("ch_%d", len(g.charges)+1)
+			g.charges[key] = id
+		}
+		g.mu.Unlock()
+		if r.Header.Get(headerGatewayFault) == "abort-after-charge" {
+			panic(http.ErrAbortHandler) // the charge stands; the answer is lost
+		}
+		w.Header().Set("Content-Type", "application/json")
+		fmt.Fprintf(w, `{"id":%q}`, id)
+	}))
+	t.Cleanup(g.srv.Close)
+	return g
+}
+
+// charge asks the gateway to charge under key and returns the charge id.
+func (g *gateway) charge(ctx context.Context, key, fault string) (string, error) {
+	req, err := http.NewRequestWithContext(ctx, "POST", g.srv.URL+"/charges", strings.NewReader(`{"amount":12000}`))
+	if err != nil {
+		return "", err
+	}
+	req.Header.Set("Idempotency-Key", key)
+	if fault != "" {
+		req.Header.Set(headerGatewayFault, fault)
+	}
+	resp, err := g.srv.Client().Do(req)
+	if err != nil {
+		return "", err
+	}
+	defer resp.Body.Close()
+	var out struct{ ID string }
+	if err := json.NewDecoder(resp.Body).Decode(&out); err != nil {
+		return "", err
+	}
+	return out.ID, nil
+}
+
+// lookup returns the charge made under key, as an operator would find it.
+func (g *gateway) lookup(key string) (id string, requests int) {
+	g.mu.Lock()
+	defer g.mu.Unlock()
+	return g.charges[key], g.requests[key]
+}
+
+// withPayments adds the payments table the workers record charges in.
+func withPayments(t *testing.T, pool *pgxpool.Pool) {
+	t.Helper()
+	if _, err := pool.Exec(context.Background(),
+		`CREATE TABLE payments (id bigserial PRIMARY KEY, idem_key text NOT NULL, charge text NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+}
+
+// record writes the payment and completes the reservation in one
+// transaction: both commit, or neither.
+func record(ctx context.Context, c *idem.Client, pool *pgxpool.Pool, r idem.Reservation, charge string) error {
+	return c.InTx(ctx, pool, func(ctx context.Context, tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, `INSERT INTO payments (idem_key, charge) VALUES ($1, $2)`, r.Key, charge); err != nil {
+			return err
+		}
+		return c.Complete(ctx, tx, r, idem.Response{Status: 201, Body: []byte(charge)})
+	})
+}
+
+// A worker pauses past its lease before it reaches the gateway. The key
+// turns unknown, an operator finds no charge and allows a retry, a new owner
+// charges and completes; then the stale worker wakes up, reaches the gateway
+// (which answers the same charge for the same key) and its Complete is
+// fenced: one charge, one payment row, the new owner's outcome stored.
+func TestStaleWorkerIsFenced(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	withPayments(t, pool)
+	gw := newGateway(t)
+	c := mustClient(t, idem.Config{})
+	const key = "pay-stale"
+
+	stale, err := c.Reserve(ctx, pool, payScope, key, fpA, 50*time.Millisecond)
+	if err != nil || stale.Token <= 0 {
+		t.Fatalf("Reserve: %+v, %v", stale, err)
+	}
+	waitPast(t, pool, payScope, key, "lease_expires_at") // the pause
+
+	// The client retries: the lease ran out, so the key is unknown.
+	if _, err := c.Reserve(ctx, pool, payScope, key, fpA, time.Minute); !errors.Is(err, idem.ErrOutcomeUnknown) {
+		t.Fatalf("retry after the lease: %v, want ErrOutcomeUnknown", err)
+	}
+	// The operator finds no charge at the gateway and allows a retry.
+	if id, _ := gw.lookup(key); id != "" {
+		t.Fatalf("charge %s before anyone called the gateway", id)
+	}
+	if err := c.Resolve(ctx, pool, payScope, key, idem.Resolution{Retryable: true, Reason: "no charge at the gateway"}); err != nil {
+		t.Fatal(err)
+	}
+
+	owner, err := c.Reserve(ctx, pool, payScope, key, fpA, time.Minute)
+	if err != nil || owner.Replayed || owner.Token <= stale.Token {
+		t.Fatalf("new owner: %+v, %v (stale token %d)", owner, err, stale.Token)
+	}
+	charge, err := gw.charge(ctx, key, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := record(ctx, c, pool, owner, charge); err != nil {
+		t.Fatal(err)
+	}
+
+	// The stale worker wakes up.
+	staleCharge, err := gw.charge(ctx, key, "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := record(ctx, c, pool, stale, staleCharge); !errors.Is(err, idem.ErrFenced) {
+		t.Fatalf("stale Complete: %v, want ErrFenced", err)
+	}
+	for name, err := range map[string]error{
+		"FailRetryable": c.FailRetryable(ctx, pool, stale, "late"),
+		"MarkUnknown":   c.MarkUnknown(ctx, pool, stale, "late"),
+		"Heartbeat":     func() error { _, err := c.Heartbeat(ctx, pool, stale, time.Minute); return err }(),
+	} {
+		if !errors.Is(err, idem.ErrFenced) {
+			t.Fatalf("stale %s: %v, want ErrFenced", name, err)
+		}
+	}
+
+	if id, requests := gw.lookup(key); id != charge || requests != 2 || len(gw.charges) != 1 {
+		t.Fatalf("gateway: charge %s (want %s), %d requests, %d charges", id, charge, requests, len(gw.charges))
+	}
+	if n := count(t, pool, `SELECT count(*) FROM payments`); n != 1 {
+		t.Fatalf("%d payment rows, want 1", n)
+	}
+	row := readRow(t, pool, payScope, key)
+	if row.Status != "succeeded" || row.Token != owner.Token || string(row.RespBody) != charge {
+		t.Fatalf("record %+v", row)
+	}
+	again, err := c.Reserve(ctx, pool, payScope, key, fpA, time.Minute)
+	if err != nil || !again.Replayed || string(again.Body) != charge {
+		t.Fatalf("replay: %+v, %v", again, err)
+	}
+}
+
+// The gateway charges, then the worker dies before Complete. Retries get
+// ErrInProgress while the lease lives and ErrOutcomeUnknown after it (the
+// record turned unknown by ExpireLeases, or by the retry itself); the
+// gateway is never called again. The operator finds the charge and resolves
+// the record, and the retry replays it.
+func TestCrashAfterChargeEndsUnknownThenResolved(t *testing.T) {
+	t.Parallel()
+	for _, via := range []string{"ExpireLeases", "Reserve"} {
+		t.Run(via, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			pool := newPool(t)
+			withPayments(t, pool)
+			gw := newGateway(t)
+			c := mustClient(t, idem.Config{})
+			const key = "pay-crash"
+			retry := func() (idem.Reservation, error) {
+				return c.Reserve(ctx, pool, payScope, key, fpA, time.Minute)
+			}
+
+			// The worker runs on a pool of its own, which dies with it.
+			workerPool, err := pgxpool.New(ctx, pool.Config().ConnString())
+			if err != nil {
+				t.Fatal(err)
+			}
+			r, err := c.Reserve(ctx, workerPool, payScope, key, fpA, 300*time.Millisecond)
+			if err != nil {
+				t.Fatal(err)
+			}
+			charge, err := gw.charge(ctx, key, "")
+			if err != nil {
+				t.Fatal(err)
+			}
+			workerPool.Close() // the crash: no Complete
+
+			// The lease still runs: the retry waits its turn.
+			if _, err := retry(); !errors.Is(err, idem.ErrInProgress) {
+				t.Fatalf("retry during the lease: %v, want ErrInProgress", err)
+			}
+			waitPast(t, pool, payScope, key, "lease_expires_at")
+			if via == "ExpireLeases" {
+				if n, err := c.ExpireLeases(ctx, pool, 100); err != nil || n != 1 {
+					t.Fatalf("ExpireLeases = %d, %v; want 1", n, err)
+				}
+			}
+			for range 3 {
+				if _, err := retry(); !errors.Is(err, idem.ErrOutcomeUnknown) {
+					t.Fatalf("retry after the lease: %v, want ErrOutcomeUnknown", err)
+				}
+			}
+			if _, requests := gw.lookup(key); requests != 1 {
+				t.Fatalf("the gateway got %d requests, want 1", requests)
+			}
+
+			// Reconciliation: the operator lists the unknown records and
+			// looks each one up at the gateway.
+			unknown, err := c.ListUnknown(ctx, pool, 10, nil)
+			if err != nil || len(unknown) != 1 || unknown[0].Key != key || unknown[0].Token != r.Token ||
+				unknown[0].Status != idem.StatusUnknown || unknown[0].Response != nil || unknown[0].LastError == "" {
+				t.Fatalf("ListUnknown = %+v, %v", unknown, err)
+			}
+			found, _ := gw.lookup(key)
+			if found != charge {
+				t.Fatalf("gateway lookup %q, want %q", found, charge)
+			}
+			err = c.InTx(ctx, pool, func(ctx context.Context, tx pgx.Tx) error {
+				if _, err := tx.Exec(ctx, `INSERT INTO payments (idem_key, charge) VALUES ($1, $2)`, key, found); err != nil {
+					return err
+				}
+				return c.Resolve(ctx, tx, payScope, key, idem.Resolution{
+					Succeeded: &idem.Response{Status: 201, Body: []byte(found)}, Reason: "charge found at the gateway",
+				})
+			})
+			if err != nil {
+				t.Fatal(err)
+			}
+			res, err := retry()
+			if err != nil || !res.Replayed || res.Status != 201 || string(res.Body) != charge {
+				t.Fatalf("retry after Resolve: %+v, %v", res, err)
+			}
+			if _, requests := gw.lookup(key); requests != 1 || count(t, pool, `SELECT count(*) FROM payments`) != 1 {
+				t.Fatalf("gateway requests %d, want 1; payments %d, want 1", requests, count(t, pool, `SELECT count(*) FROM payments`))
+			}
+			if unknown, _ := c.ListUnknown(ctx, pool, 10, nil); len(unknown) != 0 {
+				t.Fatalf("still unknown: %+v", unknown)
+			}
+		})
+	}
+}
+
+// The gateway charges and the connection drops before its answer: the
+// worker cannot tell and marks the key unknown. Nothing runs again.
+func TestLostGatewayAnswerIsUnknown(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	gw := newGateway(t)
+	c := mustClient(t, idem.Config{})
+	const key = "pay-lost"
+
+	r, err := c.Reserve(ctx, pool, payScope, key, fpA, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := gw.charge(ctx, key, "abort-after-charge"); err == nil {
+		t.Fatal("the gateway answered")
+	}
+	if err := c.MarkUnknown(ctx, pool, r, "gateway connection dropped after the request was sent"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.Reserve(ctx, pool, payScope, key, fpA, time.Minute); !errors.Is(err, idem.ErrOutcomeUnknown) {
+		t.Fatalf("retry: %v, want ErrOutcomeUnknown", err)
+	}
+	if id, requests := gw.lookup(key); id == "" || requests != 1 {
+		t.Fatalf("gateway: %q, %d requests", id, requests)
+	}
+	row := readRow(t, pool, payScope, key)
+	if row.Status != "unknown" || row.LastError == nil || !strings.Contains(*row.LastError, "dropped") {
+		t.Fatalf("record %+v", row)
+	}
+}
+
+// 64 concurrent Reserve calls for one key, spread over separate pools (no
+// coalescing in the process): exactly one owner, the others ErrInProgress.
+func TestConcurrentReserveOneOwner(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := pgtest.URL(t, idem.Migrate)
+	const pools, calls = 8, 64
+	var ps []*pgxpool.Pool
+	for range pools {
+		cfg, err := pgxpool.ParseConfig(url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg.MaxConns = 4 // 32 connections in all: the server is shared
+		p, err := pgxpool.NewWithConfig(ctx, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer p.Close()
+		ps = append(ps, p)
+	}
+	c := mustClient(t, idem.Config{})
+	var owners, inProgress atomic.Int64
+	errs := make(chan error, calls)
+	start := make(chan struct{})
+	var wg sync.WaitGroup
+	for i := range calls {
+		wg.Go(func() {
+			<-start
+			r, err := c.Reserve(ctx, ps[i%pools], payScope, "pay-storm", fpA, time.Minute)
+			switch {
+			case err == nil && r.Token > 0 && !r.Replayed:
+				owners.Add(1)
+			case errors.Is(err, idem.ErrInProgress):
+				inProgress.Add(1)
+			default:
+				errs <- fmt.Errorf("Reserve: %+v, %v", r, err)
+			}
+		})
+	}
+	close(start)
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	if owners.Load() != 1 || inProgress.Load() != calls-1 {
+		t.Fatalf("%d owners, %d in progress; want 1 and %d", owners.Load(), inProgress.Load(), calls-1)
+	}
+}
+
+// A transaction of Do holds the key (uncommitted): Reserve waits at most
+// Config.Wait, answers ErrInProgress and changes nothing; once Do commits,
+// Reserve replays Do's outcome.
+func TestReserveWaitsForDoInFlight(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	c := mustClient(t, idem.Config{Wait: 100 * time.Millisecond})
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if _, err := c.Do(ctx, tx, payScope, "pay-do", fpA, func(context.Context, pgx.Tx) (idem.Response, error) {
+		return charged, nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	var inProgress *idem.InProgressError
+	if _, err := c.Reserve(ctx, pool, payScope, "pay-do", fpA, time.Minute); !errors.As(err, &inProgress) || inProgress.RetryAfter < time.Second {
+		t.Fatalf("Reserve during Do: %v, want *InProgressError", err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r, err := c.Reserve(ctx, pool, payScope, "pay-do", fpA, time.Minute)
+	if err != nil || !r.Replayed || !reflect.DeepEqual(r.Response, charged) || r.Token != 0 {
+		t.Fatalf("Reserve after Do: %+v, %v", r, err)
+	}
+	if keyRows(t, pool) != 1 {
+		t.Fatal("more than one row")
+	}
+}
+
+// Complete replays exactly what it stored, and its Response is checked as
+// Do checks fn's.
+func TestCompleteStoresExactly(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	c := mustClient(t, idem.Config{MaxResponseBytes: 64})
+	r, err := c.Reserve(ctx, pool, payScope, "pay-exact", fpA, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := readRow(t, pool, payScope, "pay-exact")
+	for _, bad := range []struct {
+		resp idem.Response
+		want error
+	}{
+		{idem.Response{Status: 42}, idem.ErrInvalidResponse},
+		{idem.Response{Status: 200, Header: map[string][]string{"X": {"\xff"}}}, idem.ErrInvalidResponse},
+		{idem.Response{Status: 200, Body: make([]byte, 65)}, idem.ErrResponseTooLarge},
+	} {
+		if err := completeTx(ctx, c, pool, r, bad.resp); !errors.Is(err, bad.want) {
+			t.Fatalf("Complete(%v): %v, want %v", bad.resp.Status, err, bad.want)
+		}
+	}
+	if got := readRow(t, pool, payScope, "pay-exact"); !reflect.DeepEqual(got, before) {
+		t.Fatalf("a refused Complete changed the row: %+v", got)
+	}
+	want := idem.Response{Status: 201, Header: map[string][]string{"Location": {"/p/1"}, "X-Multi": {"a", ""}}, Body: []byte("\x00\xff")}
+	if err := completeTx(ctx, c, pool, r, want); err != nil {
+		t.Fatal(err)
+	}
+	got, err := c.Reserve(ctx, pool, payScope, "pay-exact", fpA, time.Minute)
+	if err != nil || !got.Replayed || !reflect.DeepEqual(got.Response, want) {
+		t.Fatalf("replay %+v, %v; want %+v", got.Response, err, want)
+	}
+	// Do replays it too.
+	res, err := c.DoInTx(ctx, pool, payScope, "pay-exact", fpA, func(context.Context, pgx.Tx) (idem.Response, error) {
+		t.Fatal("fn ran")
+		return idem.Response{}, nil
+	})
+	if err != nil || !res.Replayed || !reflect.DeepEqual(res.Response, want) {
+		t.Fatalf("Do replay %+v, %v", res, err)
+	}
+}
+
+// A Heartbeat extends a live lease and never shortens it.
+func TestHeartbeatExtends(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	r, err := idem.Reserve(ctx, pool, payScope, "pay-long", fpA, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	longer, err := idem.Heartbeat(ctx, pool, r, time.Hour)
+	if err != nil || !longer.LeaseExpiresAt.After(r.LeaseExpiresAt) || longer.Token != r.Token {
+		t.Fatalf("Heartbeat: %+v, %v", longer, err)
+	}
+	same, err := idem.Heartbeat(ctx, pool, longer, time.Second)
+	if err != nil || !same.LeaseExpiresAt.Equal(longer.LeaseExpiresAt) {
+		t.Fatalf("a short Heartbeat moved the lease: %s -> %s, %v", longer.LeaseExpiresAt, same.LeaseExpiresAt, err)
+	}
+	if row := readRow(t, pool, payScope, "pay-long"); row.Lease == nil || !row.Lease.Equal(longer.LeaseExpiresAt) {
+		t.Fatalf("stored lease %v, want %s", row.Lease, longer.LeaseExpiresAt)
+	}
+}
+
+// Reserve commits before the work starts, so it needs a pool or a
+// connection of its own.
+func TestReserveHandles(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	conn, err := pgx.Connect(ctx, pool.Config().ConnString())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	r, err := idem.Reserve(ctx, conn, payScope, "pay-conn", fpA, time.Minute)
+	if err != nil || r.Token <= 0 {
+		t.Fatalf("Reserve on a *pgx.Conn: %+v, %v", r, err)
+	}
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if _, err := idem.Reserve(ctx, tx, payScope, "pay-tx", fpA, time.Minute); !errors.Is(err, idem.ErrInvalidArgument) {
+		t.Fatalf("Reserve on a pgx.Tx: %v, want ErrInvalidArgument", err)
+	}
+	if _, err := idem.Reserve(ctx, conn, payScope, "pay-tx", fpA, time.Minute); !errors.Is(err, idem.ErrInvalidArgument) {
+		t.Fatalf("Reserve on a connection in a transaction: %v, want ErrInvalidArgument", err)
+	}
+	if err := tx.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if keyRows(t, pool) != 1 {
+		t.Fatal("a refused Reserve wrote a row")
+	}
+}
+
+// The reservation calls count their outcomes through the client's meter
+// (observe.go): Reserve like Do, the others as events.
+func TestReservationMetrics(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	reader := sdkmetric.NewManualReader()
+	spans := tracetest.NewSpanRecorder()
+	c := mustClient(t, idem.Config{
+		MeterProvider:  sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
+		TracerProvider: sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans)),
+	})
+	check := func(err error) {
+		t.Helper()
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	reserve := func(key string, lease time.Duration) (idem.Reservation, error) {
+		return c.Reserve(ctx, pool, payScope, key, fpA, lease)
+	}
+
+	a, err := reserve("a", time.Minute) // created
+	check(err)
+	check(completeTx(ctx, c, pool, a, charged))
+	_, err = reserve("a", time.Minute) // replay
+	check(err)
+	b, err := reserve("b", time.Minute) // created
+	check(err)
+	if _, err := reserve("b", time.Minute); !errors.Is(err, idem.ErrInProgress) {
+		t.Fatal(err)
+	}
+	check(c.FailRetryable(ctx, pool, b, "not sent")) // failed_retry
+	if err := c.MarkUnknown(ctx, pool, b, "late"); !errors.Is(err, idem.ErrFenced) {
+		t.Fatal(err) // fenced
+	}
+	_, err = reserve("z", time.Millisecond) // created
+	check(err)
+	waitPast(t, pool, payScope, "z", "lease_expires_at")
+	if _, err := reserve("z", time.Minute); !errors.Is(err, idem.ErrOutcomeUnknown) {
+		t.Fatal(err) // unknown, zombie_key
+	}
+	y, err := reserve("y", time.Millisecond) // created
+	check(err)
+	waitPast(t, pool, payScope, "y", "lease_expires_at")
+	if n, err := c.ExpireLeases(ctx, pool, 10); err != nil || n != 1 { // zombie_key
+		t.Fatalf("ExpireLeases = %d, %v", n, err)
+	}
+	check(c.MarkUnknown(ctx, pool, y, "timeout"))                                                    // unknown
+	check(c.Resolve(ctx, pool, payScope, "y", idem.Resolution{Retryable: true}))                     // reconcile_resolved
+	if err := c.Resolve(ctx, pool, payScope, "none", idem.Resolution{Retryable: true}); err == nil { // reconcile_failed
+		t.Fatal("resolved a key without a record")
+	}
+
+	got := counts(t, reader)
+	for name, want := range map[string]int64{
+		"idem.reserve.created/payment.create":      4,
+		"idem.reserve.replay/payment.create":       1,
+		"idem.reserve.in_progress/payment.create":  1,
+		"idem.reserve.failed_retry/payment.create": 1,
+		"idem.reserve.fenced/payment.create":       1,
+		"idem.reserve.unknown/payment.create":      2, // Reserve's refusal, MarkUnknown
+		"idem.zombie_key/payment.create":           1, // by Reserve
+		"idem.zombie_key/":                         1, // by ExpireLeases
+		"idem.reconcile.resolved/payment.create":   1,
+		"idem.reconcile.failed/payment.create":     1,
+	} {
+		if got[name] != want {
+			t.Errorf("%s = %d, want %d (all: %v)", name, got[name], want, got)
+		}
+	}
+	n := 0
+	for _, s := range spans.Ended() {
+		if s.Name() == "idem.Reserve" {
+			n++
+		}
+	}
+	if n != 7 {
+		t.Errorf("%d idem.Reserve spans, want 7", n)
+	}
+}
+
+// BenchmarkReserve compares a reservation's database work with DoInTx's on
+// a fresh key: Reserve (its own transaction) plus Complete (in a second
+// one), and Reserve on a key that completed (a replay). Compare ns/op as
+// ratios to DoInTx; the outside call itself is not measured.
+func BenchmarkReserve(b *testing.B) {
+	pool := pgtest.Pool(b, idem.Migrate)
+	b.Run("DoInTx", func(b *testing.B) { benchDoInTx(b, pool, benchKeys(b.N), false) })
+	b.Run("ReserveComplete", func(b *testing.B) {
+		ctx := b.Context()
+		keys := benchKeys(b.N)
+		b.ReportAllocs()
+		b.ResetTimer()
+		for _, key := range keys {
+			r, err := idem.Reserve(ctx, pool, benchScope, "r"+key, benchFP, time.Minute)
+			if err == nil {
+				err = idem.InTx(ctx, pool, func(ctx context.Context, tx pgx.Tx) error {
+					return idem.Complete(ctx, tx, r, benchResp)
+				})
+			}
+			if err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("ReserveReplay", func(b *testing.B) {
+		ctx := b.Context()
+		keys := benchKeys(b.N)
+		completeKeys(b, pool, keys)
+		b.ReportAllocs()
+		b.ResetTimer()
+		for _, key := range keys {
+			r, err := idem.Reserve(ctx, pool, benchScope, key, benchFP, time.Minute)
+			if err != nil || !r.Replayed {
+				b.Fatalf("%+v, %v", r, err)
+			}
+		}
+	})
+}

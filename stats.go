@@ -1,0 +1,58 @@
+package idem
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+)
+
+// Stats describes the idem_keys table for operators.
+type Stats struct {
+	// Keys counts the keys in each status ("processing", "succeeded",
+	// "rejected", "failed_retryable", "unknown"); statuses without keys are
+	// left out. Claims of transactions still open are not counted.
+	Keys map[Status]int64
+	// OldestProcessing is when the oldest committed 'processing' key (a
+	// reservation in flight) was claimed; zero when there is none.
+	OldestProcessing time.Time
+	// OldestUnknown is when the oldest 'unknown' key was claimed; zero when
+	// there is none.
+	OldestUnknown time.Time
+	// TableBytes and IndexBytes are the table's size on disk (with its
+	// TOAST data) and its indexes'.
+	TableBytes, IndexBytes int64
+}
+
+// ReadStats reads Stats in one transaction on db. It counts every row, so
+// it takes time in proportion to the table: run it from operators' tools,
+// not on a request path.
+func ReadStats(ctx context.Context, db Beginner) (Stats, error) {
+	if isNil(db) {
+		return Stats{}, fmt.Errorf("%w: nil database handle", ErrInvalidArgument)
+	}
+	st := Stats{Keys: make(map[Status]int64)}
+	err := defaultClient.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) error {
+		rows, err := queries.KeyStats(ctx, planned{tx})
+		if err != nil {
+			return err
+		}
+		for _, r := range rows {
+			st.Keys[Status(r.Status)] = r.Keys
+			switch r.Status {
+			case string(StatusProcessing):
+				st.OldestProcessing = r.Oldest.Time
+			case string(StatusUnknown):
+				st.OldestUnknown = r.Oldest.Time
+			}
+		}
+		size, err := queries.KeyTableSize(ctx, planned{tx})
+		st.TableBytes, st.IndexBytes = size.TableBytes, size.IndexBytes
+		return err
+	})
+	if err != nil {
+		return Stats{}, fmt.Errorf("idem: stats: %w", err)
+	}
+	return st, nil
+}
