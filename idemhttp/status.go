@@ -261,7 +261,7 @@ func (h *statusHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	// At most: a lookup, a probe, and a second lookup when the request
 	// committed between the first two.
 	for range 2 {
-		rec, err := idem.Lookup(ctx, h.db, scope, key)
+		rec, err := h.probe.Lookup(ctx, h.db, scope, key)
 		if err == nil {
 			h.answer(w, r, key, rec)
 			return

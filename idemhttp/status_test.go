@@ -4,7 +4,9 @@ import (
 	"bytes"
 	"encoding/json"
 	"net/http"
+	"net/http/httptest"
 	"net/url"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -231,5 +233,90 @@ func TestStatusInvalidOptionsPanic(t *testing.T) {
 	// Both forms are accepted.
 	for _, u := range []string{"/v1/idempotency", "https://api.example.com/v1/idempotency"} {
 		idemhttp.Middleware(pool, idemhttp.Options{Actor: bearer, StatusURL: u})
+	}
+}
+
+// Reservations (idem.Reserve) at the status URL: a live lease is 202, an
+// unknown outcome or a lapsed lease 409, a retryable failure 404, a
+// completed one its stored response; a duplicate through the middleware
+// that meets a live lease gets 202 with the Location of the same status.
+func TestStatusOfReservations(t *testing.T) {
+	t.Parallel()
+	e := statusEnv(t)
+	ctx := t.Context()
+	op := "POST /items"
+	scope := idem.Scope{Actor: "alice", Operation: op}
+	body := `{"q":1}`
+	req := httptest.NewRequest("POST", "/items", strings.NewReader(body))
+	req.Header.Set("Content-Type", "application/json") // as the harness sends it
+	fp, err := idemhttp.DefaultFingerprint(req, []byte(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	reserve := func(key string, lease time.Duration) idem.Reservation {
+		t.Helper()
+		r, err := idem.Reserve(ctx, e.pool, scope, key, fp, lease)
+		if err != nil || r.Token == 0 {
+			t.Fatalf("reserve %s: %+v %v", key, r, err)
+		}
+		return r
+	}
+	get := func(key, actor string) reply { return e.do(call{method: "GET", path: statusOf(op, key), actor: actor}) }
+
+	reserve("live", time.Hour)
+	r := get("live", "alice")
+	processing(t, "live lease", r)
+	if s, err := strconv.Atoi(r.header.Get("Retry-After")); err != nil || s < 1 || s > 60 {
+		t.Errorf("Retry-After %q for a live lease: between 1 and 60 s", r.header.Get("Retry-After"))
+	}
+	if r := get("live", "bob"); r.status != http.StatusNotFound || r.problem(t) != idemhttp.CodeKeyNotFound {
+		t.Errorf("another actor: %s", r)
+	}
+	dup := e.do(call{path: "/items", actor: "alice", key: "live", body: body})
+	processing(t, "duplicate of a live reservation", dup)
+	if loc := dup.header.Get("Location"); loc != statusOf(op, "live") {
+		t.Errorf("Location %q, want %q", loc, statusOf(op, "live"))
+	}
+
+	reserve("lapsed", time.Microsecond)
+	if r := get("lapsed", "alice"); r.status != http.StatusConflict || r.problem(t) != idemhttp.CodeOutcomeUnknown {
+		t.Errorf("lapsed lease: %s", r)
+	}
+	if err := idem.MarkUnknown(ctx, e.pool, reserve("unknown", time.Hour), "gateway timeout"); err != nil {
+		t.Fatal(err)
+	}
+	if r := get("unknown", "alice"); r.status != http.StatusConflict || r.problem(t) != idemhttp.CodeOutcomeUnknown {
+		t.Errorf("unknown: %s", r)
+	}
+	if err := idem.FailRetryable(ctx, e.pool, reserve("retry", time.Hour), "refused before acting"); err != nil {
+		t.Fatal(err)
+	}
+	if r := get("retry", "alice"); r.status != http.StatusNotFound || r.problem(t) != idemhttp.CodeKeyNotFound {
+		t.Errorf("failed retryable: %s", r)
+	}
+
+	done := reserve("done", time.Hour)
+	tx, err := e.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	stored := idem.Response{Status: http.StatusCreated, Body: []byte(`{"paid":true}`), Header: map[string][]string{
+		"Content-Type": {"application/json"}, "Cache-Control": {"max-age=60"}}}
+	if err := idem.Complete(ctx, tx, done, stored); err != nil {
+		t.Fatal(err)
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	r = get("done", "alice")
+	if r.status != http.StatusCreated || !r.replayed() || string(r.body) != string(stored.Body) ||
+		r.header.Get("Content-Type") != "application/json" || r.header.Get("Cache-Control") != "no-store" {
+		t.Errorf("completed: %s %v", r, r.header)
+	}
+	if r := get("done", "bob"); r.status != http.StatusNotFound {
+		t.Errorf("another actor, completed: %s", r)
+	}
+	if e.calls.Load() != 0 {
+		t.Errorf("the handler ran %d times", e.calls.Load())
 	}
 }
