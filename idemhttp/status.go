@@ -136,7 +136,7 @@ type StatusOptions struct {
 // this order:
 //
 //   - 405 for another method (CodeMethodNotAllowed, with Allow);
-//   - 401 with WWW-Authenticate when Options.Actor finds no actor
+//   - 401 with WWW-Authenticate when StatusOptions.Actor finds no actor
 //     (CodeUnauthenticated), before the URL is even read: a key never
 //     bypasses authentication;
 //   - 400 for a malformed query, a missing or repeated parameter, or an
@@ -173,8 +173,9 @@ type StatusOptions struct {
 //
 // A request in flight in the caller's own transaction (Middleware,
 // idem.DoInTx) has no committed record: the handler tells it from a key
-// nobody holds by claiming the key itself, without waiting, in a
-// transaction it always rolls back; it never commits anything. A request
+// nobody holds by claiming the key itself (idem.DoInTx, waiting at most a
+// millisecond for the holder) in a transaction it always rolls back; it
+// never commits anything. A request
 // with the same key that arrives meanwhile waits for that rollback (one
 // round trip); two polls of one key at the same instant may see 202 for a
 // key nobody else holds, and 404 on the next poll. Expiry and leases are
