@@ -34,31 +34,12 @@ const (
 // points and box 1 costs 100 points a draw and holds 50 draws. The function
 // returned closes the pool and drops the database.
 func drawPool() (*pgxpool.Pool, func()) {
-	ctx := context.Background()
-	url, drop, err := pgtest.NewDatabase(ctx, func(ctx context.Context, pool *pgxpool.Pool) error {
+	return pgtest.ExamplePool(func(ctx context.Context, pool *pgxpool.Pool) error {
 		if err := idem.Migrate(ctx, pool); err != nil {
 			return err
 		}
 		return draw.Setup(ctx, pool)
-	})
-	if err != nil {
-		panic(err)
-	}
-	cfg, err := pgxpool.ParseConfig(url)
-	if err != nil {
-		drop()
-		panic(err)
-	}
-	cfg.MaxConns = 10
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		drop()
-		panic(err)
-	}
-	return pool, func() {
-		pool.Close()
-		drop()
-	}
+	}, 10)
 }
 
 // parseDrawRequest decodes and validates a draw request body.

@@ -27,81 +27,30 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/ledgertest"
 	"github.com/pgidem/idem/internal/pgserver"
-	"github.com/pgidem/idem/internal/pgtest"
-	"github.com/pgidem/idem/internal/relay"
 )
 
 // soak reports whether the long form of the fault tests was asked for.
 func soak() bool { return os.Getenv("IDEM_SOAK") != "" }
 
-const (
-	ledgerAccounts = 8
-	ledgerOpening  = 1_000_000 // every account's opening balance
-)
+// transfer is one client intent (ledgertest's domain).
+type transfer = ledgertest.Transfer
 
-// ledgerMigrate installs idem's table and the ledger domain: accounts with a
-// balance, and one ledger entry per executed transfer.
-func ledgerMigrate(ctx context.Context, pool *pgxpool.Pool) error {
-	if err := idem.Migrate(ctx, pool); err != nil {
-		return err
-	}
-	_, err := pool.Exec(ctx, fmt.Sprintf(`
-		CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL);
-		INSERT INTO accounts SELECT g, %d FROM generate_series(1, %d) g;
-		CREATE TABLE ledger (
-			id bigserial PRIMARY KEY,
-			idem_key text NOT NULL,
-			from_account int NOT NULL REFERENCES accounts,
-			to_account int NOT NULL REFERENCES accounts,
-			amount bigint NOT NULL)`, ledgerOpening, ledgerAccounts))
-	return err
-}
-
-// transfer is one client intent: move amount from one account to another.
-type transfer struct {
-	Key      string `json:"-"`
-	From, To int
-	Amount   int64
-}
-
-func transfers(n int, prefix string) []transfer {
-	out := make([]transfer, n)
-	for i := range out {
-		from := 1 + rand.N(ledgerAccounts)
-		to := 1 + (from+rand.N(ledgerAccounts-1))%ledgerAccounts // never from
-		out[i] = transfer{Key: fmt.Sprintf("%s-%04d", prefix, i), From: from, To: to, Amount: 1 + rand.Int64N(500)}
-	}
-	return out
-}
-
-// transferBody is the response of the execution that wrote ledger entry id.
-func transferBody(tr transfer, entry int64) []byte {
-	return fmt.Appendf(nil, `{"key":%q,"entry":%d,"from":%d,"to":%d,"amount":%d}`,
-		tr.Key, entry, tr.From, tr.To, tr.Amount)
-}
-
-// transferFn is fn for tr: it debits, credits (in the transfer's own order,
-// so concurrent transfers deadlock now and then and are run again) and
-// writes the ledger entry. runs counts its executions, committed or not.
+// transferFn is fn for tr: ledgertest.Write (debit and credit in the
+// transfer's own order, so concurrent transfers deadlock now and then and
+// are run again). runs counts its executions, committed or not.
 func transferFn(tr transfer, runs *atomic.Int64) func(context.Context, pgx.Tx) (idem.Response, error) {
 	return func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
 		runs.Add(1)
-		if _, err := tx.Exec(ctx, `UPDATE accounts SET balance = balance - $2 WHERE id = $1`, tr.From, tr.Amount); err != nil {
-			return idem.Response{}, err
-		}
-		if _, err := tx.Exec(ctx, `UPDATE accounts SET balance = balance + $2 WHERE id = $1`, tr.To, tr.Amount); err != nil {
-			return idem.Response{}, err
-		}
-		var entry int64
-		if err := tx.QueryRow(ctx, `INSERT INTO ledger (idem_key, from_account, to_account, amount)
-			VALUES ($1, $2, $3, $4) RETURNING id`, tr.Key, tr.From, tr.To, tr.Amount).Scan(&entry); err != nil {
+		entry, err := ledgertest.Write(ctx, tx, tr)
+		if err != nil {
 			return idem.Response{}, err
 		}
 		return idem.Response{
 			Status: 201,
 			Header: map[string][]string{"Content-Type": {"application/json"}},
-			Body:   transferBody(tr, entry),
+			Body:   ledgertest.Body(tr, entry),
 		}, nil
 	}
 }
@@ -142,12 +91,6 @@ func newInstances(t *testing.T, url string, n, conns int, syncCommit bool) []ins
 	return out
 }
 
-// answer is what one client call got back in the end.
-type answer struct {
-	body     []byte
-	replayed bool
-}
-
 // load sends requests for transfers from many goroutines spread over the
 // instances, and retries each request with the same key until it gets an
 // answer, as a client does. It records every answer and every error.
@@ -158,7 +101,7 @@ type load struct {
 	runs      atomic.Int64
 
 	mu          sync.Mutex
-	answers     map[string][]answer
+	answers     map[string][]ledgertest.Answer
 	unavailable int // errors that wrap ErrUnavailable
 	inProgress  int // ErrInProgress
 	done        atomic.Int64
@@ -166,24 +109,7 @@ type load struct {
 }
 
 func newLoad(t *testing.T, instances []instance, workers int) *load {
-	return &load{t: t, instances: instances, workers: workers, answers: map[string][]answer{}}
-}
-
-// schedule returns the requests to send for trs: each key twice in a row
-// (concurrent duplicates, on the same or on different instances), then each
-// key copies-2 more times in a shuffled order (later duplicates, some while
-// the first is still running).
-func schedule(trs []transfer, copies int) []transfer {
-	var jobs []transfer
-	for _, tr := range trs {
-		jobs = append(jobs, tr, tr)
-	}
-	var later []transfer
-	for range copies - 2 {
-		later = append(later, trs...)
-	}
-	rand.Shuffle(len(later), func(i, j int) { later[i], later[j] = later[j], later[i] })
-	return append(jobs, later...)
+	return &load{t: t, instances: instances, workers: workers, answers: map[string][]ledgertest.Answer{}}
 }
 
 // run sends jobs and returns when every one has an answer or ctx is done.
@@ -226,7 +152,7 @@ func (l *load) send(ctx context.Context, in instance, tr transfer) {
 		res, err := in.client.DoInTx(ctx, in.pool, ledgerScope, tr.Key, fp, transferFn(tr, &l.runs))
 		if err == nil {
 			l.mu.Lock()
-			l.answers[tr.Key] = append(l.answers[tr.Key], answer{body: res.Body, replayed: res.Replayed})
+			l.answers[tr.Key] = append(l.answers[tr.Key], ledgertest.Answer{Body: res.Body, Replayed: res.Replayed})
 			l.mu.Unlock()
 			return
 		}
@@ -260,102 +186,20 @@ func sleepCtx(ctx context.Context, d time.Duration) {
 	}
 }
 
-// check verifies the invariant on the database behind pool for trs, all of
-// which must have been answered:
-//   - each key has exactly one ledger entry, matching its transfer;
-//   - every answer for it is the body of that entry's execution, and at most
-//     one of them is not a replay;
-//   - a new request with each key replays that body and does not run fn;
-//   - every account's balance is its opening balance plus its ledger
-//     entries, and the total is unchanged.
+// check verifies ledgertest's invariant on the database behind pool for
+// trs, all of which must have been answered; the final retry of each key
+// must replay the committed body without running fn.
 func (l *load) check(ctx context.Context, pool *pgxpool.Pool, trs []transfer) {
-	t := l.t
-	t.Helper()
-	entries := map[string][]int64{}
-	want := map[int]int64{}
-	for i := 1; i <= ledgerAccounts; i++ {
-		want[i] = ledgerOpening
-	}
-	rows, err := pool.Query(ctx, `SELECT id, idem_key, from_account, to_account, amount FROM ledger`)
-	if err != nil {
-		t.Fatal(err)
-	}
-	byKey := map[string]transfer{}
-	for _, tr := range trs {
-		byKey[tr.Key] = tr
-	}
-	for rows.Next() {
-		var id, amount int64
-		var key string
-		var from, to int
-		if err := rows.Scan(&id, &key, &from, &to, &amount); err != nil {
-			t.Fatal(err)
-		}
-		tr, ok := byKey[key]
-		if !ok || tr.From != from || tr.To != to || tr.Amount != amount {
-			t.Errorf("ledger entry %d (%s %d->%d %d) matches no transfer", id, key, from, to, amount)
-		}
-		entries[key] = append(entries[key], id)
-		want[from] -= amount
-		want[to] += amount
-	}
-	if err := rows.Err(); err != nil {
-		t.Fatal(err)
-	}
-
-	for _, tr := range trs {
-		ids := entries[tr.Key]
-		if len(ids) != 1 {
-			t.Errorf("key %s: %d ledger entries, want exactly 1", tr.Key, len(ids))
-			continue
-		}
-		committed := transferBody(tr, ids[0])
-		fresh := 0
-		for _, a := range l.answers[tr.Key] {
-			if !bytes.Equal(a.body, committed) {
-				t.Errorf("key %s: answered %s, committed %s", tr.Key, a.body, committed)
-			}
-			if !a.replayed {
-				fresh++
-			}
-		}
-		if len(l.answers[tr.Key]) == 0 {
-			t.Errorf("key %s: never answered", tr.Key)
-		}
-		if fresh > 1 {
-			t.Errorf("key %s: %d answers were not replays", tr.Key, fresh)
-		}
+	l.t.Helper()
+	ledgertest.Check(l.t, ctx, pool, trs, l.answers, func(tr transfer, committed []byte) {
 		fp, _ := idem.FingerprintJSON(tr)
 		res, err := idem.DoInTx(ctx, pool, ledgerScope, tr.Key, fp, func(context.Context, pgx.Tx) (idem.Response, error) {
 			return idem.Response{}, errors.New("fn ran for a key that committed")
 		})
 		if err != nil || !res.Replayed || !bytes.Equal(res.Body, committed) || res.Status != 201 {
-			t.Errorf("key %s: final replay %d %s (replayed %v), %v; committed %s", tr.Key, res.Status, res.Body, res.Replayed, err, committed)
+			l.t.Errorf("key %s: final replay %d %s (replayed %v), %v; committed %s", tr.Key, res.Status, res.Body, res.Replayed, err, committed)
 		}
-	}
-
-	var total int64
-	rows, err = pool.Query(ctx, `SELECT id, balance FROM accounts`)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for rows.Next() {
-		var id int
-		var balance int64
-		if err := rows.Scan(&id, &balance); err != nil {
-			t.Fatal(err)
-		}
-		if balance != want[id] {
-			t.Errorf("account %d: balance %d, ledger says %d", id, balance, want[id])
-		}
-		total += balance
-	}
-	if err := rows.Err(); err != nil {
-		t.Fatal(err)
-	}
-	if total != ledgerAccounts*ledgerOpening {
-		t.Errorf("total balance %d, want %d", total, ledgerAccounts*ledgerOpening)
-	}
+	})
 }
 
 func (l *load) summary() string {
@@ -395,15 +239,15 @@ func TestFaultRestartUnderLoad(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := ledgerMigrate(ctx, setup); err != nil {
+	if err := ledgertest.Migrate(ctx, setup); err != nil {
 		t.Fatal(err)
 	}
 	setup.Close()
 
 	instances := newInstances(t, srv.URL, 4, 4, true)
 	l := newLoad(t, instances, 4)
-	trs := transfers(keys, "restart")
-	jobs := schedule(trs, copies)
+	trs := ledgertest.Transfers(keys, "restart")
+	jobs := ledgertest.Schedule(trs, copies)
 
 	// The restarts happen at even steps of progress, while requests are in
 	// flight.
@@ -461,21 +305,8 @@ func TestFaultRestartUnderLoad(t *testing.T) {
 func TestFaultCommitAcknowledgementLost(t *testing.T) {
 	t.Parallel()
 	ctx := t.Context()
-	url := pgtest.URL(t, ledgerMigrate)
-	target, err := relay.Target(url)
-	if err != nil {
-		t.Fatal(err)
-	}
 	var armed atomic.Bool
-	r, err := relay.Start(target, relay.Options{DropAfterCommit: func() bool { return armed.CompareAndSwap(true, false) }})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer r.Close()
-	relayed, err := r.ConnString(url)
-	if err != nil {
-		t.Fatal(err)
-	}
+	url, relayed, r := ledgertest.BehindRelay(t, func() bool { return armed.CompareAndSwap(true, false) })
 	in := newInstances(t, relayed, 1, 2, false)[0]
 	direct, err := pgxpool.New(ctx, url)
 	if err != nil {
@@ -485,7 +316,7 @@ func TestFaultCommitAcknowledgementLost(t *testing.T) {
 
 	var runs atomic.Int64
 	l := newLoad(t, []instance{in}, 1)
-	trs := transfers(3, "ack")
+	trs := ledgertest.Transfers(3, "ack")
 	for i, tr := range trs {
 		fp, _ := idem.FingerprintJSON(tr)
 		armed.Store(true)
@@ -502,10 +333,10 @@ func TestFaultCommitAcknowledgementLost(t *testing.T) {
 			t.Fatalf("key %s: the cut commit did not commit: %v", tr.Key, err)
 		}
 		res, err := in.client.DoInTx(ctx, in.pool, ledgerScope, tr.Key, fp, transferFn(tr, &runs))
-		if err != nil || !res.Replayed || !bytes.Equal(res.Body, transferBody(tr, entry)) {
-			t.Fatalf("key %s: retry %+v, %v; committed %s", tr.Key, res, err, transferBody(tr, entry))
+		if err != nil || !res.Replayed || !bytes.Equal(res.Body, ledgertest.Body(tr, entry)) {
+			t.Fatalf("key %s: retry %+v, %v; committed %s", tr.Key, res, err, ledgertest.Body(tr, entry))
 		}
-		l.answers[tr.Key] = []answer{{body: res.Body, replayed: res.Replayed}}
+		l.answers[tr.Key] = []ledgertest.Answer{{Body: res.Body, Replayed: res.Replayed}}
 	}
 	if runs.Load() != int64(len(trs)) {
 		t.Fatalf("fn ran %d times for %d keys", runs.Load(), len(trs))
@@ -523,24 +354,11 @@ func TestFaultCommitAcknowledgementLostUnderLoad(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Minute)
 	defer cancel()
-	url := pgtest.URL(t, ledgerMigrate)
-	target, err := relay.Target(url)
-	if err != nil {
-		t.Fatal(err)
-	}
 	var commits atomic.Int64
-	r, err := relay.Start(target, relay.Options{DropAfterCommit: func() bool { return commits.Add(1)%3 == 0 }})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer r.Close()
-	relayed, err := r.ConnString(url)
-	if err != nil {
-		t.Fatal(err)
-	}
+	url, relayed, r := ledgertest.BehindRelay(t, func() bool { return commits.Add(1)%3 == 0 })
 	l := newLoad(t, newInstances(t, relayed, 3, 2, false), 3)
-	trs := transfers(keys, "cut")
-	l.run(ctx, schedule(trs, copies))
+	trs := ledgertest.Transfers(keys, "cut")
+	l.run(ctx, ledgertest.Schedule(trs, copies))
 	t.Logf("%s; %d commits cut", l.summary(), r.CommitsCut())
 	if t.Failed() {
 		return

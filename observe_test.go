@@ -1,12 +1,10 @@
 package idem_test
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"log/slog"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 
@@ -17,25 +15,8 @@ import (
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/testlog"
 )
-
-// syncBuffer is a bytes.Buffer safe for the concurrent writes of a logger.
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
-}
 
 // counts returns the sum of every counter the reader holds, by metric name
 // and then by the "operation" attribute.
@@ -76,7 +57,7 @@ func TestMetricsLogsAndSpans(t *testing.T) {
 	pool := newPool(t)
 	reader := sdkmetric.NewManualReader()
 	spans := tracetest.NewSpanRecorder()
-	var logs syncBuffer
+	var logs testlog.Buffer
 	client, err := idem.New(idem.Config{
 		MeterProvider:  sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
 		TracerProvider: sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans)),

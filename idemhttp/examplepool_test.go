@@ -1,8 +1,6 @@
 package idemhttp_test
 
 import (
-	"context"
-
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
@@ -12,19 +10,4 @@ import (
 // examplePool stands in for the application's own pool in the examples: a
 // pool on a fresh database that idem.Migrate has prepared, and a function
 // that closes the pool and drops the database.
-func examplePool() (*pgxpool.Pool, func()) {
-	ctx := context.Background()
-	url, drop, err := pgtest.NewDatabase(ctx, idem.Migrate)
-	if err != nil {
-		panic(err)
-	}
-	pool, err := pgxpool.New(ctx, url)
-	if err != nil {
-		drop()
-		panic(err)
-	}
-	return pool, func() {
-		pool.Close()
-		drop()
-	}
-}
+func examplePool() (*pgxpool.Pool, func()) { return pgtest.ExamplePool(idem.Migrate, 0) }

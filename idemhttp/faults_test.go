@@ -15,7 +15,6 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
-	"fmt"
 	"io"
 	"log/slog"
 	"math/rand/v2"
@@ -31,45 +30,11 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemhttp"
-	"github.com/pgidem/idem/internal/pgtest"
-	"github.com/pgidem/idem/internal/relay"
+	"github.com/pgidem/idem/internal/ledgertest"
 )
-
-const (
-	ledgerAccounts = 8
-	ledgerOpening  = 1_000_000
-)
-
-// ledgerMigrate installs idem's table, accounts with a balance and one
-// ledger entry per executed transfer.
-func ledgerMigrate(ctx context.Context, pool *pgxpool.Pool) error {
-	if err := idem.Migrate(ctx, pool); err != nil {
-		return err
-	}
-	_, err := pool.Exec(ctx, fmt.Sprintf(`
-		CREATE TABLE accounts (id int PRIMARY KEY, balance bigint NOT NULL);
-		INSERT INTO accounts SELECT g, %d FROM generate_series(1, %d) g;
-		CREATE TABLE ledger (
-			id bigserial PRIMARY KEY,
-			idem_key text NOT NULL,
-			from_account int NOT NULL REFERENCES accounts,
-			to_account int NOT NULL REFERENCES accounts,
-			amount bigint NOT NULL)`, ledgerOpening, ledgerAccounts))
-	return err
-}
 
 // transfer is one client intent, sent as the request body.
-type transfer struct {
-	Key    string `json:"-"`
-	From   int    `json:"from"`
-	To     int    `json:"to"`
-	Amount int64  `json:"amount"`
-}
-
-func transferBody(tr transfer, entry int64) []byte {
-	return fmt.Appendf(nil, `{"key":%q,"entry":%d,"from":%d,"to":%d,"amount":%d}`,
-		tr.Key, entry, tr.From, tr.To, tr.Amount)
-}
+type transfer = ledgertest.Transfer
 
 // transferHandler writes the transfer in the request's transaction and
 // answers 201 with the ledger entry. It locks the two accounts in id order:
@@ -84,20 +49,11 @@ func transferHandler(runs *atomic.Int64) http.HandlerFunc {
 		}
 		tr.Key = r.Header.Get(idemhttp.HeaderKey)
 		ctx, tx := r.Context(), idemhttp.Tx(r.Context())
+		_, err := tx.Exec(ctx, `SELECT 1 FROM accounts WHERE id IN ($1, $2) ORDER BY id FOR UPDATE`, tr.From, tr.To)
 		var entry int64
-		err := func() error {
-			if _, err := tx.Exec(ctx, `SELECT 1 FROM accounts WHERE id IN ($1, $2) ORDER BY id FOR UPDATE`, tr.From, tr.To); err != nil {
-				return err
-			}
-			if _, err := tx.Exec(ctx, `UPDATE accounts SET balance = balance - $2 WHERE id = $1`, tr.From, tr.Amount); err != nil {
-				return err
-			}
-			if _, err := tx.Exec(ctx, `UPDATE accounts SET balance = balance + $2 WHERE id = $1`, tr.To, tr.Amount); err != nil {
-				return err
-			}
-			return tx.QueryRow(ctx, `INSERT INTO ledger (idem_key, from_account, to_account, amount)
-				VALUES ($1, $2, $3, $4) RETURNING id`, tr.Key, tr.From, tr.To, tr.Amount).Scan(&entry)
-		}()
+		if err == nil {
+			entry, err = ledgertest.Write(ctx, tx, tr)
+		}
 		if err != nil {
 			// The store failed under the handler (the connection was cut):
 			// answer 503, nothing is stored.
@@ -106,14 +62,8 @@ func transferHandler(runs *atomic.Int64) http.HandlerFunc {
 		}
 		w.Header().Set("Content-Type", "application/json")
 		w.WriteHeader(http.StatusCreated)
-		_, _ = w.Write(transferBody(tr, entry))
+		_, _ = w.Write(ledgertest.Body(tr, entry))
 	}
-}
-
-// httpAnswer is a 201 a client read in full.
-type httpAnswer struct {
-	body     []byte
-	replayed bool
 }
 
 // httpLoad is the clients' side: outcomes of every attempt.
@@ -123,7 +73,7 @@ type httpLoad struct {
 	client  *http.Client
 
 	mu       sync.Mutex
-	answers  map[string][]httpAnswer
+	answers  map[string][]ledgertest.Answer
 	hangups  int // attempts the client gave up on
 	conflict int // 409 in progress
 	outage   int // 503 store unavailable
@@ -173,7 +123,7 @@ func (l *httpLoad) send(ctx context.Context, tr transfer) {
 		switch code := problemCode(got); {
 		case resp.StatusCode == http.StatusCreated:
 			l.mu.Lock()
-			l.answers[tr.Key] = append(l.answers[tr.Key], httpAnswer{body: got, replayed: resp.Header.Get(idemhttp.HeaderReplayed) == "true"})
+			l.answers[tr.Key] = append(l.answers[tr.Key], ledgertest.Answer{Body: got, Replayed: resp.Header.Get(idemhttp.HeaderReplayed) == "true"})
 			l.mu.Unlock()
 			return
 		case resp.StatusCode == http.StatusConflict && code == idemhttp.CodeInProgress:
@@ -215,28 +165,15 @@ func TestFaultClientsHangUpAndCommitsGetLost(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Minute)
 	defer cancel()
-	url := pgtest.URL(t, ledgerMigrate)
-	target, err := relay.Target(url)
-	if err != nil {
-		t.Fatal(err)
-	}
 	var commits atomic.Int64
 	var cutting atomic.Bool // every fourth COMMIT acknowledgement is lost
 	cutting.Store(true)
-	rl, err := relay.Start(target, relay.Options{DropAfterCommit: func() bool {
+	url, relayed, rl := ledgertest.BehindRelay(t, func() bool {
 		return cutting.Load() && commits.Add(1)%4 == 0
-	}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer rl.Close()
-	relayed, err := rl.ConnString(url)
-	if err != nil {
-		t.Fatal(err)
-	}
+	})
 
 	var runs atomic.Int64
-	l := &httpLoad{t: t, answers: map[string][]httpAnswer{}, client: &http.Client{
+	l := &httpLoad{t: t, answers: map[string][]ledgertest.Answer{}, client: &http.Client{
 		Transport: &http.Transport{MaxIdleConnsPerHost: 16},
 	}}
 	defer l.client.CloseIdleConnections()
@@ -263,23 +200,8 @@ func TestFaultClientsHangUpAndCommitsGetLost(t *testing.T) {
 		l.servers = append(l.servers, srv)
 	}
 
-	trs := make([]transfer, keys)
-	for i := range trs {
-		from := 1 + rand.N(ledgerAccounts)
-		to := 1 + (from+rand.N(ledgerAccounts-1))%ledgerAccounts
-		trs[i] = transfer{Key: fmt.Sprintf("http-%04d", i), From: from, To: to, Amount: 1 + rand.Int64N(500)}
-	}
-	// Each key twice at once, then copies-2 more times in a shuffled order.
-	var jobs []transfer
-	for _, tr := range trs {
-		jobs = append(jobs, tr, tr)
-	}
-	var later []transfer
-	for range copies - 2 {
-		later = append(later, trs...)
-	}
-	rand.Shuffle(len(later), func(i, j int) { later[i], later[j] = later[j], later[i] })
-	jobs = append(jobs, later...)
+	trs := ledgertest.Transfers(keys, "http")
+	jobs := ledgertest.Schedule(trs, copies)
 
 	queue := make(chan transfer)
 	var wg sync.WaitGroup
@@ -311,51 +233,7 @@ func TestFaultClientsHangUpAndCommitsGetLost(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer pool.Close()
-	entries := map[string][]int64{}
-	want := map[int]int64{}
-	for i := 1; i <= ledgerAccounts; i++ {
-		want[i] = ledgerOpening
-	}
-	rows, err := pool.Query(ctx, `SELECT id, idem_key, from_account, to_account, amount FROM ledger`)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for rows.Next() {
-		var id, amount int64
-		var key string
-		var from, to int
-		if err := rows.Scan(&id, &key, &from, &to, &amount); err != nil {
-			t.Fatal(err)
-		}
-		entries[key] = append(entries[key], id)
-		want[from] -= amount
-		want[to] += amount
-	}
-	if err := rows.Err(); err != nil {
-		t.Fatal(err)
-	}
-	if len(entries) != len(trs) {
-		t.Errorf("ledger has entries for %d keys, want %d", len(entries), len(trs))
-	}
-	for _, tr := range trs {
-		ids := entries[tr.Key]
-		if len(ids) != 1 {
-			t.Errorf("key %s: %d ledger entries, want exactly 1", tr.Key, len(ids))
-			continue
-		}
-		committed := transferBody(tr, ids[0])
-		fresh := 0
-		for _, a := range l.answers[tr.Key] {
-			if !bytes.Equal(a.body, committed) {
-				t.Errorf("key %s: answered %s, committed %s", tr.Key, a.body, committed)
-			}
-			if !a.replayed {
-				fresh++
-			}
-		}
-		if fresh > 1 || len(l.answers[tr.Key]) == 0 {
-			t.Errorf("key %s: %d answers, %d of them not replays", tr.Key, len(l.answers[tr.Key]), fresh)
-		}
+	ledgertest.Check(t, ctx, pool, trs, l.answers, func(tr transfer, committed []byte) {
 		// A last retry, on any instance, replays the committed response.
 		body, _ := json.Marshal(tr)
 		req, _ := http.NewRequestWithContext(ctx, http.MethodPost, l.servers[0].URL+"/transfers", bytes.NewReader(body))
@@ -374,27 +252,5 @@ func TestFaultClientsHangUpAndCommitsGetLost(t *testing.T) {
 			t.Errorf("key %s: final retry %d %s (replayed %q), committed %s", tr.Key, resp.StatusCode, got,
 				resp.Header.Get(idemhttp.HeaderReplayed), committed)
 		}
-	}
-	var total int64
-	rows, err = pool.Query(ctx, `SELECT id, balance FROM accounts`)
-	if err != nil {
-		t.Fatal(err)
-	}
-	for rows.Next() {
-		var id int
-		var balance int64
-		if err := rows.Scan(&id, &balance); err != nil {
-			t.Fatal(err)
-		}
-		if balance != want[id] {
-			t.Errorf("account %d: balance %d, ledger says %d", id, balance, want[id])
-		}
-		total += balance
-	}
-	if err := rows.Err(); err != nil {
-		t.Fatal(err)
-	}
-	if total != ledgerAccounts*ledgerOpening {
-		t.Errorf("total balance %d, want %d", total, ledgerAccounts*ledgerOpening)
-	}
+	})
 }

@@ -14,7 +14,6 @@ import (
 	"os"
 	"strconv"
 	"strings"
-	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -24,6 +23,7 @@ import (
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemhttp"
 	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/testlog"
 )
 
 func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }
@@ -73,27 +73,10 @@ type env struct {
 	srv   *httptest.Server
 	calls atomic.Int64 // handler executions, committed or not
 
-	started chan struct{} // /block sends once it runs
-	release chan struct{} // /block waits for it (closed by the test)
-	done    chan struct{} // closed when the test ends, so /block never hangs
-	logs    syncBuffer    // the middleware's log
-}
-
-type syncBuffer struct {
-	mu sync.Mutex
-	b  bytes.Buffer
-}
-
-func (s *syncBuffer) Write(p []byte) (int, error) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.Write(p)
-}
-
-func (s *syncBuffer) String() string {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	return s.b.String()
+	started chan struct{}  // /block sends once it runs
+	release chan struct{}  // /block waits for it (closed by the test)
+	done    chan struct{}  // closed when the test ends, so /block never hangs
+	logs    testlog.Buffer // the middleware's log
 }
 
 // bearer is the test's Actor: "Authorization: Bearer <actor>".
