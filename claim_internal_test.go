@@ -62,3 +62,44 @@ func TestHotStatementsUseTheIndexWithStaleStatistics(t *testing.T) {
 		t.Errorf("KeyComplete:\n%s", p)
 	}
 }
+
+// Prune's batches walk the expiry index even when the statistics say the
+// table is empty while it holds many expired rows: no bitmap scan of every
+// expired row, no sort.
+func TestPruneWalksTheIndexWithStaleStatistics(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t, Migrate)
+	exec := func(tx pgx.Tx, sql string) {
+		t.Helper()
+		if _, err := tx.Exec(ctx, sql); err != nil {
+			t.Fatalf("%s: %v", sql, err)
+		}
+	}
+	if _, err := pool.Exec(ctx, `ANALYZE idem_keys`); err != nil { // while empty
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, response_status, response_body, expires_at)
+		SELECT 'a', 'op', 'k' || i, '\x00', 'succeeded', 200, '\x', now() - interval '1 second' * i FROM generate_series(1, 60000) i`); err != nil {
+		t.Fatal(err)
+	}
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		exec(tx, sqlIndexWalk)
+		rows, err := tx.Query(ctx, `EXPLAIN `+strings.Replace(strings.SplitN(db.KeyPrune, "\n", 2)[1], "$1::integer", "1000", 1))
+		if err != nil {
+			return err
+		}
+		lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			return err
+		}
+		p := strings.Join(lines, "\n")
+		if !strings.Contains(p, "idem_keys_expires_at_idx") || strings.Contains(p, "Sort") || strings.Contains(p, "Bitmap") || strings.Contains(p, "Seq Scan") {
+			t.Errorf("KeyPrune with %q:\n%s", sqlIndexWalk, p)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+}

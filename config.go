@@ -2,6 +2,7 @@ package idem
 
 import (
 	"fmt"
+	"math"
 	"log/slog"
 	"time"
 
@@ -80,6 +81,9 @@ const (
 	DefaultMaxRetries       = 5
 
 	maxKeyLengthLimit = 1024
+
+	// maxWait is the longest lock_timeout PostgreSQL takes: 2^31-1 ms.
+	maxWait = math.MaxInt32 * time.Millisecond
 )
 
 // Client is a configured form of the package-level API. It holds no
@@ -117,6 +121,8 @@ func New(cfg Config) (*Client, error) {
 		cfg.MaxRetries = DefaultMaxRetries
 	}
 	switch {
+	case cfg.Wait > maxWait:
+		return nil, fmt.Errorf("%w: Wait %s is longer than PostgreSQL's lock_timeout allows (%s)", ErrInvalidConfig, cfg.Wait, maxWait)
 	case cfg.TTL < time.Microsecond:
 		return nil, fmt.Errorf("%w: TTL %s must be positive", ErrInvalidConfig, cfg.TTL)
 	case cfg.MinKeyLength < 1:

@@ -98,6 +98,7 @@ func (c *Client) Do(ctx context.Context, tx pgx.Tx, scope Scope, key string, fp 
 		return Result{}, fmt.Errorf("%w: nil transaction", ErrInvalidArgument)
 	}
 	ctx, cl := c.obs.begin(ctx, "do", "idem.Do", scope, key)
+	defer cl.endIfPanicking(ctx)
 	res, err := c.do(ctx, tx, newRowKey(scope, key), fp, fn, &cl)
 	cl.end(ctx, res, err)
 	return res, err

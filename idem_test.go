@@ -1078,6 +1078,7 @@ func TestConfigValidation(t *testing.T) {
 		{MaxKeyLength: 2000},
 		{MaxResponseBytes: -1},
 		{IsolationLevel: "chaotic"},
+		{Wait: 30 * 24 * time.Hour}, // beyond what lock_timeout takes
 	}
 	for _, cfg := range bad {
 		if _, err := idem.New(cfg); !errors.Is(err, idem.ErrInvalidConfig) {

@@ -47,8 +47,8 @@ const hashedIDPrefix = "sha256:"
 //   - Two deliveries at once (two consumers, pools or processes): one runs
 //     fn; the other waits up to Config.Wait for its transaction. If that
 //     commits, the other returns (true, nil); if it rolls back, the other
-//     runs fn; if the wait runs out, the other gets ErrInProgress (and
-//     its tx is aborted: roll it back). Leave that delivery unacknowledged:
+//     runs fn; if the wait runs out, the other gets ErrInProgress (its tx
+//     is as it was before the call). Leave that delivery unacknowledged:
 //     the broker delivers it again, and then it is a duplicate.
 //   - fn returns an error or panics: fn's writes are undone, nothing is
 //     recorded, and the error (or panic) is passed on; the next delivery

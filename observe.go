@@ -132,7 +132,8 @@ type call struct {
 	start    time.Time
 	fnTime   time.Duration // time spent in fn
 	rejected bool          // the stored outcome is a refusal made by this call
-	span     trace.Span    // nil without a TracerProvider
+	ended    bool
+	span     trace.Span // nil without a TracerProvider
 }
 
 // begin starts observing a call: its clock and, with a TracerProvider, its
@@ -180,6 +181,7 @@ func outcomeOf(res Result, err error, rejected bool) string {
 // end records the call's outcome: its counter, the histograms, a log
 // record and the span.
 func (cl *call) end(ctx context.Context, res Result, err error) {
+	cl.ended = true
 	o := cl.o
 	outcome := outcomeOf(res, err, cl.rejected)
 	elapsed := time.Since(cl.start)
@@ -236,6 +238,16 @@ func (cl *call) end(ctx context.Context, res Result, err error) {
 	}
 	o.log.LogAttrs(ctx, level, msg, attrs...)
 }
+
+// endIfPanicking records a call that did not end as failed: deferred, it
+// runs when fn panicked, and the panic goes on.
+func (cl *call) endIfPanicking(ctx context.Context) {
+	if !cl.ended {
+		cl.end(ctx, Result{}, errPanicked)
+	}
+}
+
+var errPanicked = errors.New("idem: fn panicked")
 
 // count adds n to the counter of a maintenance or reservation event.
 func (o *observer) count(ctx context.Context, event, callName, operation string, n int64) {

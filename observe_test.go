@@ -155,3 +155,31 @@ func TestObservabilityOffByDefault(t *testing.T) {
 		t.Fatal(n, err)
 	}
 }
+
+// A call whose fn panics is recorded as failed, and its span ends.
+func TestPanicIsObserved(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	reader := sdkmetric.NewManualReader()
+	spans := tracetest.NewSpanRecorder()
+	client, err := idem.New(idem.Config{
+		MeterProvider:  sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
+		TracerProvider: sdktrace.NewTracerProvider(sdktrace.WithSpanProcessor(spans)),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	func() {
+		defer func() { _ = recover() }()
+		_, _ = client.DoInTx(ctx, pool, scope, "panics", fpA, func(context.Context, pgx.Tx) (idem.Response, error) {
+			panic("boom")
+		})
+	}()
+	if got := counts(t, reader)["idem.reserve.failed/"+scope.Operation]; got != 1 {
+		t.Fatalf("failed counter %d, want 1", got)
+	}
+	if n := len(spans.Ended()); n != 1 {
+		t.Fatalf("%d spans ended, want 1", n)
+	}
+}

@@ -32,9 +32,13 @@ const DefaultPruneBatchSize = 1000
 // (processes, goroutines) may run at once: they skip each other's rows
 // instead of waiting (SKIP LOCKED).
 //
-// Each batch is planned for the table as it is when it runs, so Prune stays
-// an index walk of the expired rows at millions of rows, whatever the
-// planner's statistics say. Expired keys that Prune has not reached yet are
+// Each batch is an index walk of the expired rows in expiry order, at
+// millions of rows and whatever the planner's statistics say: it is planned
+// for the table as it is when it runs, in a transaction that rules out the
+// sequential scan, the bitmap scan of every expired row and the sort a
+// planner misled by statistics gathered on an empty table would choose.
+// Prune runs transactions of its own: a pgx.Tx is refused with
+// ErrInvalidArgument. Expired keys that Prune has not reached yet are
 // still treated as new requests: pruning only reclaims space.
 //
 // When ctx ends between batches Prune returns what it deleted so far with
@@ -58,7 +62,7 @@ func (c *Client) Prune(ctx context.Context, db Beginner, opts PruneOptions) (int
 	}
 	if opts.DryRun {
 		var n int64
-		err := c.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) (err error) {
+		err := c.batchTx(ctx, db, "Prune", func(ctx context.Context, tx pgx.Tx) (err error) {
 			n, err = queries.KeyCountPrunable(ctx, planned{tx})
 			return err
 		})
@@ -73,7 +77,7 @@ func (c *Client) Prune(ctx context.Context, db Beginner, opts PruneOptions) (int
 			return total, err
 		}
 		var n int64
-		err := c.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) (err error) {
+		err := c.batchTx(ctx, db, "Prune", func(ctx context.Context, tx pgx.Tx) (err error) {
 			n, err = queries.KeyPrune(ctx, planned{tx}, int32(min(opts.BatchSize, 1<<30)))
 			return err
 		})
@@ -87,4 +91,28 @@ func (c *Client) Prune(ctx context.Context, db Beginner, opts PruneOptions) (int
 		}
 	}
 	return total, nil
+}
+
+// sqlIndexWalk makes the statements after it in its transaction walk an
+// index in the index's order instead of reading every matching row and
+// sorting them. With statistics gathered while idem_keys was empty (and
+// autovacuum off or behind) the planner takes a batch's LIMIT over the
+// expired rows for a small part of a small table, and would pick a bitmap
+// scan of all of them and a sort, for every batch.
+const sqlIndexWalk = "SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off"
+
+// batchTx runs fn in a short transaction of its own begun on db, with
+// sqlIndexWalk set for it: the maintenance calls that write batches of rows
+// (Prune, ExpireLeases). The settings end with the transaction, which is
+// why a caller's pgx.Tx is refused: they would outlive the call in it.
+func (c *Client) batchTx(ctx context.Context, db Beginner, name string, fn func(ctx context.Context, tx pgx.Tx) error) error {
+	if _, ok := db.(pgx.Tx); ok {
+		return fmt.Errorf("%w: %s runs short transactions of its own; pass a pool or a connection, not a pgx.Tx", ErrInvalidArgument, name)
+	}
+	return c.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, sqlIndexWalk); err != nil {
+			return err
+		}
+		return fn(ctx, tx)
+	})
 }

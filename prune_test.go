@@ -168,6 +168,15 @@ func TestPruneBadOptions(t *testing.T) {
 	if _, err := idem.Prune(ctx, nil, idem.PruneOptions{}); !errors.Is(err, idem.ErrInvalidArgument) {
 		t.Errorf("nil db: %v", err)
 	}
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		if _, err := idem.Prune(ctx, tx, idem.PruneOptions{}); !errors.Is(err, idem.ErrInvalidArgument) {
+			t.Errorf("a pgx.Tx: %v", err)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
 	if got := keyRows(t, pool); got != 10 {
 		t.Fatalf("bad options changed the table: %d rows", got)
 	}

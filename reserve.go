@@ -289,7 +289,7 @@ func (c *Client) Complete(ctx context.Context, tx pgx.Tx, r Reservation, resp Re
 		body = []byte{}
 	}
 	n, err := queries.ReserveComplete(ctx, planned{tx}, store.ReserveCompleteParams{
-		ResponseStatus: int32(resp.Status), ResponseHeaders: headers, ResponseBody: body,
+		ResponseStatus: int32(resp.Status), ResponseHeaders: headers, ResponseBody: body, TtlMicros: c.ttlMicros,
 		Actor: r.Scope.Actor, Operation: r.Scope.Operation, IdemKey: r.Key, Token: r.Token,
 	})
 	switch {
@@ -323,7 +323,7 @@ func (c *Client) FailRetryable(ctx context.Context, db Beginner, r Reservation, 
 	}
 	return c.fence(ctx, db, "fail_retryable", r.Scope, "failed_retry", func(ctx context.Context, tx pgx.Tx) (int64, error) {
 		return queries.ReserveFailRetryable(ctx, planned{tx}, store.ReserveFailRetryableParams{
-			Reason: reason, Actor: r.Scope.Actor, Operation: r.Scope.Operation, IdemKey: r.Key, Token: r.Token,
+			Reason: reason, TtlMicros: c.ttlMicros, Actor: r.Scope.Actor, Operation: r.Scope.Operation, IdemKey: r.Key, Token: r.Token,
 		})
 	})
 }

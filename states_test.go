@@ -237,3 +237,54 @@ func TestUnavailable(t *testing.T) {
 		}
 	}
 }
+
+// A reservation finished after its TTL ran out (a lease longer than the
+// TTL, a late reconciliation) is kept for a TTL from its finish: the next
+// Reserve replays it and never executes again.
+func TestReservationFinishedAfterItsTTLReplays(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	short, err := idem.New(idem.Config{TTL: 300 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp := idem.Response{Status: 201, Body: []byte(`{"charged":true}`)}
+
+	// Completed after the TTL.
+	r, err := short.Reserve(ctx, pool, scope, "late-complete", fpA, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(350 * time.Millisecond)
+	if err := short.InTx(ctx, pool, func(ctx context.Context, tx pgx.Tx) error { return short.Complete(ctx, tx, r, resp) }); err != nil {
+		t.Fatal(err)
+	}
+	again, err := short.Reserve(ctx, pool, scope, "late-complete", fpA, time.Minute)
+	if err != nil || !again.Replayed || string(again.Body) != string(resp.Body) {
+		t.Fatalf("after a late Complete: %+v, %v; want the replay", again, err)
+	}
+
+	// Resolved after the TTL.
+	r, err = short.Reserve(ctx, pool, scope, "late-resolve", fpA, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := short.MarkUnknown(ctx, pool, r, "timed out"); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(350 * time.Millisecond)
+	if err := short.Resolve(ctx, pool, scope, "late-resolve", idem.Resolution{Succeeded: &resp, Reason: "found"}); err != nil {
+		t.Fatal(err)
+	}
+	again, err = short.Reserve(ctx, pool, scope, "late-resolve", fpA, time.Minute)
+	if err != nil || !again.Replayed {
+		t.Fatalf("after a late Resolve: %+v, %v; want the replay", again, err)
+	}
+	if _, err := idem.Prune(ctx, pool, idem.PruneOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := idem.Lookup(ctx, pool, scope, "late-resolve"); err != nil {
+		t.Fatalf("Prune deleted a record resolved just now: %v", err)
+	}
+}

@@ -145,6 +145,7 @@ func (c *Client) DoInTx(ctx context.Context, db Beginner, scope Scope, key strin
 		return Result{}, errConnInTx
 	}
 	ctx, cl := c.obs.begin(ctx, "do_in_tx", "idem.DoInTx", scope, key)
+	defer cl.endIfPanicking(ctx)
 	res, err := c.coalesced(ctx, db, scope, key, fp, fn, &cl)
 	cl.end(ctx, res, err)
 	return res, err

@@ -46,13 +46,17 @@ WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
   AND token = @token
 RETURNING token, lease_expires_at;
 
--- Stores the outcome of a reservation, in the caller's transaction.
+-- Stores the outcome of a reservation, in the caller's transaction. Like
+-- every statement that finishes a record (FailRetryable, Resolve), it keeps
+-- the outcome for a TTL from now: a record finished after its TTL (a long
+-- lease, a late reconciliation) must still be replayed, never run again.
 -- name: ReserveComplete :execrows
 UPDATE idem_keys
 SET status           = 'succeeded',
     response_status  = sqlc.arg(response_status)::integer,
     response_headers = sqlc.narg(response_headers)::text::jsonb,
     response_body    = @response_body,
+    expires_at       = greatest(expires_at, now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond')),
     completed_at     = now()
 WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
   AND token = @token AND status = 'processing';
@@ -62,6 +66,7 @@ WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
 UPDATE idem_keys
 SET status       = 'failed_retryable',
     last_error   = sqlc.arg(reason)::text,
+    expires_at   = greatest(expires_at, now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond')),
     completed_at = now()
 WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
   AND token = @token AND status = 'processing';
@@ -123,6 +128,7 @@ SET status           = @status,
     response_headers = sqlc.narg(response_headers)::text::jsonb,
     response_body    = sqlc.narg(response_body),
     completed_at     = now(),
+    expires_at       = greatest(expires_at, now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond')),
     token            = nextval('idem_keys_token_seq'),
     last_error       = sqlc.arg(reason)::text
 WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key

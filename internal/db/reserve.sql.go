@@ -67,27 +67,33 @@ SET status           = 'succeeded',
     response_status  = $1::integer,
     response_headers = $2::text::jsonb,
     response_body    = $3,
+    expires_at       = greatest(expires_at, now() + ($4::bigint * interval '1 microsecond')),
     completed_at     = now()
-WHERE actor = $4 AND operation = $5 AND idem_key = $6
-  AND token = $7 AND status = 'processing'
+WHERE actor = $5 AND operation = $6 AND idem_key = $7
+  AND token = $8 AND status = 'processing'
 `
 
 type ReserveCompleteParams struct {
 	ResponseStatus  int32
 	ResponseHeaders pgtype.Text
 	ResponseBody    []byte
+	TtlMicros       int64
 	Actor           string
 	Operation       string
 	IdemKey         string
 	Token           int64
 }
 
-// Stores the outcome of a reservation, in the caller's transaction.
+// Stores the outcome of a reservation, in the caller's transaction. Like
+// every statement that finishes a record (FailRetryable, Resolve), it keeps
+// the outcome for a TTL from now: a record finished after its TTL (a long
+// lease, a late reconciliation) must still be replayed, never run again.
 func (q *Queries) ReserveComplete(ctx context.Context, db DBTX, arg ReserveCompleteParams) (int64, error) {
 	result, err := db.Exec(ctx, ReserveComplete,
 		arg.ResponseStatus,
 		arg.ResponseHeaders,
 		arg.ResponseBody,
+		arg.TtlMicros,
 		arg.Actor,
 		arg.Operation,
 		arg.IdemKey,
@@ -134,13 +140,15 @@ const ReserveFailRetryable = `-- name: ReserveFailRetryable :execrows
 UPDATE idem_keys
 SET status       = 'failed_retryable',
     last_error   = $1::text,
+    expires_at   = greatest(expires_at, now() + ($2::bigint * interval '1 microsecond')),
     completed_at = now()
-WHERE actor = $2 AND operation = $3 AND idem_key = $4
-  AND token = $5 AND status = 'processing'
+WHERE actor = $3 AND operation = $4 AND idem_key = $5
+  AND token = $6 AND status = 'processing'
 `
 
 type ReserveFailRetryableParams struct {
 	Reason    string
+	TtlMicros int64
 	Actor     string
 	Operation string
 	IdemKey   string
@@ -151,6 +159,7 @@ type ReserveFailRetryableParams struct {
 func (q *Queries) ReserveFailRetryable(ctx context.Context, db DBTX, arg ReserveFailRetryableParams) (int64, error) {
 	result, err := db.Exec(ctx, ReserveFailRetryable,
 		arg.Reason,
+		arg.TtlMicros,
 		arg.Actor,
 		arg.Operation,
 		arg.IdemKey,
@@ -391,10 +400,11 @@ SET status           = $1,
     response_headers = $3::text::jsonb,
     response_body    = $4,
     completed_at     = now(),
+    expires_at       = greatest(expires_at, now() + ($5::bigint * interval '1 microsecond')),
     token            = nextval('idem_keys_token_seq'),
-    last_error       = $5::text
-WHERE actor = $6 AND operation = $7 AND idem_key = $8
-  AND token = $9
+    last_error       = $6::text
+WHERE actor = $7 AND operation = $8 AND idem_key = $9
+  AND token = $10
 `
 
 type ReserveResolveParams struct {
@@ -402,6 +412,7 @@ type ReserveResolveParams struct {
 	ResponseStatus  pgtype.Int4
 	ResponseHeaders pgtype.Text
 	ResponseBody    []byte
+	TtlMicros       int64
 	Reason          string
 	Actor           string
 	Operation       string
@@ -418,6 +429,7 @@ func (q *Queries) ReserveResolve(ctx context.Context, db DBTX, arg ReserveResolv
 		arg.ResponseStatus,
 		arg.ResponseHeaders,
 		arg.ResponseBody,
+		arg.TtlMicros,
 		arg.Reason,
 		arg.Actor,
 		arg.Operation,
