@@ -2,8 +2,8 @@ package idem
 
 import (
 	"fmt"
-	"math"
 	"log/slog"
+	"math"
 	"time"
 
 	"github.com/jackc/pgx/v5"
