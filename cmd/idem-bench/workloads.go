@@ -188,14 +188,16 @@ var ops = []struct {
 	{"doInTx+obs", opDoInTxObserved},
 }
 
-// observed is a Client with metrics and logs on: an OpenTelemetry SDK
-// MeterProvider that aggregates every counter and histogram in memory, and
-// a JSON slog logger at Debug level, so every call writes a record (to
-// io.Discard). doInTx+obs / doInTx is what observability costs.
+// observed is a Client with metrics and logs on, as a service runs them: an
+// OpenTelemetry SDK MeterProvider that aggregates every counter and
+// histogram in memory, and a JSON slog logger at Info level (to io.Discard),
+// which writes a record for every replay, refusal and store error; a fresh
+// call is a Debug record and is not written. doInTx+obs / doInTx is what
+// observability costs.
 var observed = func() *idem.Client {
 	c, err := idem.New(idem.Config{
 		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(sdkmetric.NewManualReader())),
-		Logger:        slog.New(slog.NewJSONHandler(io.Discard, &slog.HandlerOptions{Level: slog.LevelDebug})),
+		Logger:        slog.New(slog.NewJSONHandler(io.Discard, &slog.HandlerOptions{Level: slog.LevelInfo})),
 	})
 	if err != nil {
 		panic(err)
