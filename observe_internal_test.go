@@ -1,0 +1,45 @@
+package idem
+
+import (
+	"context"
+	"io"
+	"log/slog"
+	"testing"
+
+	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
+)
+
+// BenchmarkObserve measures what observing one call costs (begin, the fn
+// clock, end): off (the defaults), and with an SDK MeterProvider and an
+// Info-level JSON logger on, for a fresh call (counted, not logged) and a
+// replay (counted and logged). Compare with BenchmarkDoFresh/DoInTx.
+func BenchmarkObserve(b *testing.B) {
+	ctx := context.Background()
+	on := Config{
+		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(sdkmetric.NewManualReader())),
+		Logger:        slog.New(slog.NewJSONHandler(io.Discard, &slog.HandlerOptions{Level: slog.LevelInfo})),
+	}
+	scope := Scope{Actor: "alice", Operation: "draw"}
+	for _, tc := range []struct {
+		name string
+		cfg  Config
+		res  Result
+	}{
+		{"off", Config{}, Result{}},
+		{"on/fresh", on, Result{}},
+		{"on/replay", on, Result{Replayed: true}},
+	} {
+		c, err := New(tc.cfg)
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Run(tc.name, func(b *testing.B) {
+			b.ReportAllocs()
+			for b.Loop() {
+				ctx, cl := c.obs.begin(ctx, "do_in_tx", "idem.DoInTx", scope, "dcb654ad-1908-4cf4-93d0-b10e4895ebce")
+				cl.timeFn(func() {})
+				cl.end(ctx, tc.res, nil)
+			}
+		})
+	}
+}
