@@ -54,6 +54,7 @@ type options struct {
 	workers, rounds, storm         int
 	users, boxes, replayKeys       int
 	scaleRows, expiredRows, allocs int
+	prunePause                     time.Duration
 	stale, smoke, keep             bool
 }
 
@@ -73,6 +74,7 @@ func main() {
 	flag.IntVar(&o.replayKeys, "replay-keys", 2_000, "completed keys per replay workload")
 	flag.IntVar(&o.scaleRows, "scale-rows", 3_000_000, "keys in the full table of the scale run (0: no scale run; default off with -latency and -stale)")
 	flag.IntVar(&o.expiredRows, "expired-rows", 2_500_000, "expired keys among them, for Prune")
+	flag.DurationVar(&o.prunePause, "prune-pause", 0, "pause between Prune's batches of 1000 in the scale run (0: back to back)")
 	flag.IntVar(&o.allocs, "alloc-calls", 1_000, "calls per allocation count")
 	flag.BoolVar(&o.smoke, "smoke", false, "everything tiny, to prove the benchmark works (seconds)")
 	flag.BoolVar(&o.keep, "keep", false, "keep the database after the run")

@@ -110,10 +110,10 @@ type pruneStats struct {
 	err  error
 }
 
-// pruneBeside calls idem.Prune for one batch of 1000 rows at a time, back to
-// back, until ctx ends or no expired key is left. A batch that has started
-// finishes.
-func pruneBeside(pool *pgxpool.Pool) func(ctx context.Context) pruneStats {
+// pruneBeside calls idem.Prune for one batch of 1000 rows at a time, with
+// pause between batches (0: back to back), until ctx ends or no expired key
+// is left. A batch that has started finishes.
+func pruneBeside(pool *pgxpool.Pool, pause time.Duration) func(ctx context.Context) pruneStats {
 	return func(ctx context.Context) pruneStats {
 		var st pruneStats
 		for ctx.Err() == nil {
@@ -126,6 +126,12 @@ func pruneBeside(pool *pgxpool.Pool) func(ctx context.Context) pruneStats {
 			st.lat = append(st.lat, time.Since(t0))
 			if st.rows += n; n == 0 {
 				break
+			}
+			if pause > 0 {
+				select {
+				case <-ctx.Done():
+				case <-time.After(pause):
+				}
 			}
 		}
 		return st
@@ -171,7 +177,7 @@ func (b *bench) workloads(ctx context.Context) ([]*workload, error) {
 	if b.o.scaleRows > 0 {
 		wls = append(wls,
 			&workload{name: "scale empty", biz: b.light, op: opDoInTx, pool: b.empty},
-			&workload{name: "scale full+prune", biz: b.light, op: opDoInTx, pool: b.full, beside: pruneBeside(b.full)})
+			&workload{name: "scale full+prune", biz: b.light, op: opDoInTx, pool: b.full, beside: pruneBeside(b.full, b.o.prunePause)})
 	}
 	return wls, nil
 }
