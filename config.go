@@ -14,13 +14,15 @@ import (
 // Config configures a Client. The zero value of every field means its
 // default; the package-level functions (Do, DoInTx, InTx) use Config{}.
 type Config struct {
-	// TTL is how long a key is remembered after it is claimed. Past it the
-	// key counts as a new request. Default 24 hours.
+	// TTL is how long a key is remembered after it is claimed (for a
+	// reservation, also at least a TTL after its outcome is recorded). Past
+	// it a finished key counts as a new request. Default 24 hours.
 	TTL time.Duration
 
 	// Wait bounds how long a call waits for a concurrent transaction that
 	// holds the same key before it gives up with ErrInProgress. Default 2
-	// seconds; a negative value means do not wait.
+	// seconds; a negative value means wait at most a millisecond
+	// (PostgreSQL's lock_timeout cannot be zero: that means forever).
 	Wait time.Duration
 
 	// MinKeyLength and MaxKeyLength bound the key length in bytes. Defaults
