@@ -141,9 +141,12 @@ type runKey struct{}
 // The handler's writes through it commit together with the stored response
 // when the handler answers 2xx or 3xx, and are rolled back otherwise. The
 // handler must not commit or roll it back, nor keep it after returning.
-// After a serialization failure or a deadlock the middleware may run the
-// handler again in a new transaction (see idem.InTx), so the handler must
-// not have effects outside it.
+// After a serialization failure or a deadlock, met by one of the handler's
+// own statements or at COMMIT, the middleware runs the handler again in a
+// new transaction (see idem.InTx, Config.MaxRetries) and sends only the
+// last run's answer, so the handler must not have effects outside the
+// transaction. (The pgx.Tx returned watches the handler's statements for
+// such failures; use it, not its Conn, for the handler's writes.)
 func Tx(ctx context.Context) pgx.Tx {
 	tx, _ := ctx.Value(txKey{}).(pgx.Tx)
 	return tx
@@ -453,15 +456,20 @@ func (m *middleware) readBody(w http.ResponseWriter, r *http.Request) (body []by
 }
 
 // run runs the handler once in tx with a fresh buffer and request body, and
-// returns the buffer. A panic of the handler goes on to the caller.
-func (m *middleware) run(ctx context.Context, tx pgx.Tx, r *http.Request, base http.Header, body []byte) *bufferWriter {
+// returns the buffer, and the serialization failure or deadlock one of the
+// handler's statements met (nil if none): the transaction is then lost
+// whatever the handler answered, and returning that error makes InTx and
+// DoInTx run the handler again in a new one. A panic of the handler goes on
+// to the caller.
+func (m *middleware) run(ctx context.Context, tx pgx.Tx, r *http.Request, base http.Header, body []byte) (*bufferWriter, error) {
 	buf := newBufferWriter(base, m.maxResponse)
-	ctx = context.WithValue(context.WithValue(ctx, txKey{}, tx), runKey{}, buf)
+	wt := &watchedTx{Tx: tx}
+	ctx = context.WithValue(context.WithValue(ctx, txKey{}, pgx.Tx(wt)), runKey{}, buf)
 	req := r.WithContext(ctx)
 	req.Body = io.NopCloser(bytes.NewReader(body))
 	req.ContentLength = int64(len(body))
 	m.next.ServeHTTP(buf, req)
-	return buf
+	return buf, wt.retryable
 }
 
 // serveKeyed runs the handler under idem for a request with a key.
@@ -473,7 +481,10 @@ func (m *middleware) serveKeyed(ctx context.Context, w http.ResponseWriter, r *h
 	err := m.guard(ctx, w, r, key, func() error {
 		var err error
 		res, err = m.client.DoInTx(ctx, m.db, scope, key, fp, func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
-			buf = m.run(ctx, tx, r, base, body)
+			var retry error
+			if buf, retry = m.run(ctx, tx, r, base, body); retry != nil {
+				return idem.Response{}, retry
+			}
 			if buf.tooBig {
 				return idem.Response{}, fmt.Errorf("%w: the handler wrote more than %d bytes", idem.ErrResponseTooLarge, m.maxResponse)
 			}
@@ -526,7 +537,10 @@ func (m *middleware) serveUnkeyed(ctx context.Context, w http.ResponseWriter, r 
 	var buf *bufferWriter
 	err := m.guard(ctx, w, r, "", func() error {
 		return m.client.InTx(ctx, m.db, func(ctx context.Context, tx pgx.Tx) error {
-			buf = m.run(ctx, tx, r, base, body)
+			var retry error
+			if buf, retry = m.run(ctx, tx, r, base, body); retry != nil {
+				return retry
+			}
 			if buf.tooBig {
 				return fmt.Errorf("%w: the handler wrote more than %d bytes", idem.ErrResponseTooLarge, m.maxResponse)
 			}
