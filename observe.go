@@ -2,10 +2,6 @@ package idem
 
 import (
 	"context"
-	"crypto/hmac"
-	"crypto/rand"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"log/slog"
 	"sync"
@@ -16,6 +12,8 @@ import (
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
+
+	"github.com/pgidem/idem/internal/loghash"
 )
 
 // Metrics, logs and spans. Every call of Do, DoInTx, Reserve and the
@@ -47,7 +45,7 @@ const (
 // OpenTelemetry no-op, a call costs a map lookup and a few no-op calls.
 type observer struct {
 	log      *slog.Logger // nil: silent
-	hashKey  []byte
+	hash     *loghash.Hasher
 	tracer   trace.Tracer // nil: no spans
 	counters map[string]metric.Int64Counter
 	wait     metric.Float64Histogram
@@ -96,11 +94,7 @@ var counterHelp = map[string]string{
 }
 
 func newObserver(cfg Config) *observer {
-	o := &observer{log: cfg.Logger, hashKey: cfg.LogHashKey, attrs: make(map[attrKey]attribute.Set)}
-	if len(o.hashKey) == 0 {
-		o.hashKey = make([]byte, 32)
-		_, _ = rand.Read(o.hashKey)
-	}
+	o := &observer{log: cfg.Logger, hash: loghash.New(cfg.LogHashKey), attrs: make(map[attrKey]attribute.Set)}
 	if cfg.TracerProvider != nil {
 		o.tracer = cfg.TracerProvider.Tracer(instrumentationName)
 	}
@@ -228,8 +222,8 @@ func (cl *call) end(ctx context.Context, res Result, err error) {
 	attrs := []slog.Attr{
 		slog.String("call", cl.name),
 		slog.String("operation", cl.scope.Operation),
-		slog.String("key_hash", o.hash(cl.key)),
-		slog.String("actor_hash", o.hash(cl.scope.Actor)),
+		slog.String("key_hash", o.hash.Sum(cl.key)),
+		slog.String("actor_hash", o.hash.Sum(cl.scope.Actor)),
 		slog.String("outcome", outcome),
 		slog.Duration("duration", elapsed),
 	}
@@ -283,11 +277,3 @@ func (o *observer) attrSet(callName, operation, outcome string) attribute.Set {
 // application's code, but a service that builds them from input must not
 // grow memory without bound.
 const maxAttrSets = 4096
-
-// hash is the keyed hash logs carry instead of a key or an actor: the first
-// 16 hex digits of HMAC-SHA256 under Config.LogHashKey.
-func (o *observer) hash(s string) string {
-	m := hmac.New(sha256.New, o.hashKey)
-	m.Write([]byte(s))
-	return hex.EncodeToString(m.Sum(nil)[:8])
-}

@@ -3,8 +3,6 @@ package idemhttp
 import (
 	"bytes"
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
 	"errors"
 	"fmt"
 	"io"
@@ -20,6 +18,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/loghash"
 )
 
 // Options configures Middleware. Actor is required; every other field's
@@ -99,8 +98,10 @@ type Options struct {
 	Challenge string
 
 	// Logger receives a record for every 5xx the middleware writes itself
-	// (handler panics, store failures), with a hash of the key, never the
-	// key. Default: slog.Default().
+	// (handler panics, store failures), with the keyed hash of the key
+	// (key_hash, HMAC-SHA256 under Config.LogHashKey, the same as idem's own
+	// records when Config.Logger is set), never the key. Default:
+	// slog.Default().
 	Logger *slog.Logger
 
 	// StatusURL, when set, changes the answer to a duplicate of a request
@@ -250,6 +251,7 @@ type middleware struct {
 	timeout     time.Duration
 	challenge   string
 	log         *slog.Logger
+	hash        *loghash.Hasher // of keys in log records
 	statusURL   string
 	next        http.Handler
 }
@@ -275,6 +277,11 @@ func newMiddleware(db idem.Beginner, opts Options) (*middleware, error) {
 			return nil, err
 		}
 	}
+	if len(opts.Config.LogHashKey) == 0 {
+		// One random secret for the core's logs and the middleware's, so
+		// that both hash a key alike.
+		opts.Config.LogHashKey = loghash.NewSecret()
+	}
 	client, err := idem.New(opts.Config)
 	if err != nil {
 		return nil, fmt.Errorf("idemhttp: Options.Config: %w", err)
@@ -296,6 +303,7 @@ func newMiddleware(db idem.Beginner, opts Options) (*middleware, error) {
 		maxResponse: client.Config().MaxResponseBytes,
 		timeout:     opts.Timeout,
 		log:         opts.Logger,
+		hash:        loghash.New(opts.Config.LogHashKey),
 		statusURL:   opts.StatusURL,
 	}
 	if m.operation == nil {
@@ -618,15 +626,17 @@ func (m *middleware) fail(ctx context.Context, w http.ResponseWriter, r *http.Re
 	}
 }
 
-func (m *middleware) logAttrs(r *http.Request, key string) []slog.Attr { return requestAttrs(r, key) }
+func (m *middleware) logAttrs(r *http.Request, key string) []slog.Attr {
+	return requestAttrs(m.hash, r, key)
+}
 
 // requestAttrs are the log attributes of a request with key: its method,
-// its path and a hash of the key, never the key.
-func requestAttrs(r *http.Request, key string) []slog.Attr {
+// its path and the keyed hash of the key (key_hash, as in idem's own logs
+// under the same Config.LogHashKey), never the key.
+func requestAttrs(hash *loghash.Hasher, r *http.Request, key string) []slog.Attr {
 	attrs := []slog.Attr{slog.String("method", r.Method), slog.String("path", r.URL.Path)}
 	if key != "" {
-		sum := sha256.Sum256([]byte(key))
-		attrs = append(attrs, slog.String("key_sha256", hex.EncodeToString(sum[:8])))
+		attrs = append(attrs, slog.String("key_hash", hash.Sum(key)))
 	}
 	return attrs
 }

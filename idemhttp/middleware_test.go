@@ -206,7 +206,7 @@ func TestFailuresStoreNothing(t *testing.T) {
 		t.Errorf("after panics: %+v", s)
 	}
 	logs := e.logs.String()
-	if !strings.Contains(logs, "handler bug") || !strings.Contains(logs, "key_sha256=") {
+	if !strings.Contains(logs, "handler bug") || !strings.Contains(logs, "key_hash=") {
 		t.Errorf("panic not logged with a key hash:\n%s", logs)
 	}
 	if strings.Contains(logs, "secret-key-p1") {

@@ -16,6 +16,7 @@ import (
 	"go.opentelemetry.io/otel/metric/noop"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/loghash"
 )
 
 // The status URL of a request in flight: where Middleware sends a duplicate
@@ -198,6 +199,7 @@ type statusHandler struct {
 	actor     func(*http.Request) (string, error)
 	challenge string
 	log       *slog.Logger
+	hash      *loghash.Hasher // of keys in log records
 }
 
 func newStatusHandler(db idem.Beginner, opts StatusOptions) (*statusHandler, error) {
@@ -220,7 +222,8 @@ func newStatusHandler(db idem.Beginner, opts StatusOptions) (*statusHandler, err
 	if err != nil {
 		return nil, fmt.Errorf("idemhttp: StatusOptions.Config: %w", err)
 	}
-	h := &statusHandler{db: db, probe: probe, actor: opts.Actor, challenge: opts.Challenge, log: opts.Logger}
+	h := &statusHandler{db: db, probe: probe, actor: opts.Actor, challenge: opts.Challenge, log: opts.Logger,
+		hash: loghash.New(opts.Config.LogHashKey)}
 	if h.challenge == "" {
 		h.challenge = "Bearer"
 	}
@@ -380,7 +383,7 @@ func writeOutcomeUnknown(w http.ResponseWriter) {
 // fail logs err and answers 503 when the store could not serve, 500
 // otherwise.
 func (h *statusHandler) fail(ctx context.Context, w http.ResponseWriter, r *http.Request, key string, err error) {
-	attrs := append(requestAttrs(r, key), slog.Any("error", err))
+	attrs := append(requestAttrs(h.hash, r, key), slog.Any("error", err))
 	if storeStatus(err) == http.StatusServiceUnavailable {
 		h.log.LogAttrs(ctx, slog.LevelError, "idemhttp: status lookup: store unavailable", attrs...)
 		writeProblem(w, http.StatusServiceUnavailable, CodeStoreUnavailable,
