@@ -17,7 +17,20 @@
 // (ErrKeyReused); concurrent duplicates run fn once; a failure before commit
 // leaves nothing behind and the key free.
 //
-// Run Migrate (or apply Migrations with goose) once before use. Config and
-// New give a configurable Client with the same methods as the package-level
-// functions.
+// fn may run more than once (serialization retries, lost connections); only
+// one run commits. Work outside the database (a card gateway, an e-mail)
+// never belongs in fn: Reserve, Complete, FailRetryable and MarkUnknown
+// give it a lease and a fencing token, and an outcome that may have happened
+// becomes unknown, to be reconciled with ListUnknown and Resolve, never run
+// again blindly. DoJSON returns typed values instead of bytes; Inbox applies
+// the same discipline to messages and webhook deliveries, EventID to an
+// outbox.
+//
+// Run Migrate (or apply Migrations with goose) once before use, and Prune
+// (and ExpireLeases, with reservations) periodically. Lookup, Forget and
+// ReadStats serve operators, as does the idem command (cmd/idem).
+// Unavailable tells a store failure from everything else: fail closed. Config
+// and New give a configurable Client with the same methods as the
+// package-level functions, and with metrics (OpenTelemetry), logs (slog,
+// with keyed hashes of keys and actors) and spans when configured.
 package idem
