@@ -245,7 +245,7 @@ func TestReservationFinishedAfterItsTTLReplays(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool := newPool(t)
-	short, err := idem.New(idem.Config{TTL: 300 * time.Millisecond})
+	short, err := idem.New(idem.Config{TTL: time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -256,7 +256,7 @@ func TestReservationFinishedAfterItsTTLReplays(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(350 * time.Millisecond)
+	time.Sleep(1100 * time.Millisecond)
 	if err := short.InTx(ctx, pool, func(ctx context.Context, tx pgx.Tx) error { return short.Complete(ctx, tx, r, resp) }); err != nil {
 		t.Fatal(err)
 	}
@@ -273,7 +273,7 @@ func TestReservationFinishedAfterItsTTLReplays(t *testing.T) {
 	if err := short.MarkUnknown(ctx, pool, r, "timed out"); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(350 * time.Millisecond)
+	time.Sleep(1100 * time.Millisecond)
 	if err := short.Resolve(ctx, pool, scope, "late-resolve", idem.Resolution{Succeeded: &resp, Reason: "found"}); err != nil {
 		t.Fatal(err)
 	}
