@@ -622,7 +622,7 @@ func TestExpiredKeyConcurrentTakeover(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool := newPool(t)
-	short, err := idem.New(idem.Config{TTL: 20 * time.Millisecond})
+	short, err := idem.New(idem.Config{TTL: 300 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -630,7 +630,7 @@ func TestExpiredKeyConcurrentTakeover(t *testing.T) {
 	if _, err := short.DoInTx(ctx, pool, scope, "ttl", fpA, recordEffect(&calls, "ttl")); err != nil {
 		t.Fatal(err)
 	}
-	time.Sleep(50 * time.Millisecond)
+	time.Sleep(350 * time.Millisecond)
 	var wg sync.WaitGroup
 	var fresh atomic.Int64
 	for range 8 {
