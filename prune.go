@@ -37,8 +37,8 @@ const DefaultPruneBatchSize = 1000
 // for the table as it is when it runs, in a transaction that rules out the
 // sequential scan, the bitmap scan of every expired row and the sort a
 // planner misled by statistics gathered on an empty table would choose.
-// Prune runs transactions of its own: a pgx.Tx is refused with
-// ErrInvalidArgument. Expired keys that Prune has not reached yet are
+// Give Prune a pool or a connection: on a pgx.Tx its batches run in
+// savepoints of that transaction, without those planner settings. Expired keys that Prune has not reached yet are
 // still treated as new requests: pruning only reclaims space.
 //
 // When ctx ends between batches Prune returns what it deleted so far with
@@ -62,7 +62,7 @@ func (c *Client) Prune(ctx context.Context, db Beginner, opts PruneOptions) (int
 	}
 	if opts.DryRun {
 		var n int64
-		err := c.batchTx(ctx, db, "Prune", func(ctx context.Context, tx pgx.Tx) (err error) {
+		err := c.batchTx(ctx, db, func(ctx context.Context, tx pgx.Tx) (err error) {
 			n, err = queries.KeyCountPrunable(ctx, planned{tx})
 			return err
 		})
@@ -77,7 +77,7 @@ func (c *Client) Prune(ctx context.Context, db Beginner, opts PruneOptions) (int
 			return total, err
 		}
 		var n int64
-		err := c.batchTx(ctx, db, "Prune", func(ctx context.Context, tx pgx.Tx) (err error) {
+		err := c.batchTx(ctx, db, func(ctx context.Context, tx pgx.Tx) (err error) {
 			n, err = queries.KeyPrune(ctx, planned{tx}, int32(min(opts.BatchSize, 1<<30)))
 			return err
 		})
@@ -103,15 +103,16 @@ const sqlIndexWalk = "SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapsca
 
 // batchTx runs fn in a short transaction of its own begun on db, with
 // sqlIndexWalk set for it: the maintenance calls that write batches of rows
-// (Prune, ExpireLeases). The settings end with the transaction, which is
-// why a caller's pgx.Tx is refused: they would outlive the call in it.
-func (c *Client) batchTx(ctx context.Context, db Beginner, name string, fn func(ctx context.Context, tx pgx.Tx) error) error {
-	if _, ok := db.(pgx.Tx); ok {
-		return fmt.Errorf("%w: %s runs short transactions of its own; pass a pool or a connection, not a pgx.Tx", ErrInvalidArgument, name)
-	}
+// (Prune, ExpireLeases). The settings end with the transaction. On a
+// caller's pgx.Tx, fn runs in a savepoint without them (they would outlive
+// the call in the caller's transaction), planned for the table as it is.
+func (c *Client) batchTx(ctx context.Context, db Beginner, fn func(ctx context.Context, tx pgx.Tx) error) error {
+	_, nested := db.(pgx.Tx)
 	return c.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, sqlIndexWalk); err != nil {
-			return err
+		if !nested {
+			if _, err := tx.Exec(ctx, sqlIndexWalk); err != nil {
+				return err
+			}
 		}
 		return fn(ctx, tx)
 	})

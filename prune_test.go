@@ -168,9 +168,16 @@ func TestPruneBadOptions(t *testing.T) {
 	if _, err := idem.Prune(ctx, nil, idem.PruneOptions{}); !errors.Is(err, idem.ErrInvalidArgument) {
 		t.Errorf("nil db: %v", err)
 	}
+	// In a caller's transaction Prune works in savepoints and leaves the
+	// planner settings alone.
 	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-		if _, err := idem.Prune(ctx, tx, idem.PruneOptions{}); !errors.Is(err, idem.ErrInvalidArgument) {
-			t.Errorf("a pgx.Tx: %v", err)
+		n, err := idem.Prune(ctx, tx, idem.PruneOptions{DryRun: true})
+		if err != nil || n != 10 {
+			t.Errorf("in a pgx.Tx: %d, %v", n, err)
+		}
+		var seqscan string
+		if err := tx.QueryRow(ctx, `SHOW enable_seqscan`).Scan(&seqscan); err != nil || seqscan != "on" {
+			t.Errorf("enable_seqscan after Prune in a pgx.Tx: %q, %v", seqscan, err)
 		}
 		return nil
 	})

@@ -89,8 +89,7 @@ type Resolution struct {
 // Records it turns unknown never run again by themselves: reconcile them
 // with Resolve (ListUnknown finds them). Reserve turns such a record unknown
 // on its own when it meets it, so ExpireLeases is about finding them early,
-// not about correctness. limit <= 0, and a pgx.Tx (ExpireLeases runs a
-// transaction of its own), are ErrInvalidArgument.
+// not about correctness. limit <= 0 is ErrInvalidArgument.
 func ExpireLeases(ctx context.Context, db Beginner, limit int) (int64, error) {
 	return defaultClient.ExpireLeases(ctx, db, limit)
 }
@@ -102,7 +101,7 @@ func (c *Client) ExpireLeases(ctx context.Context, db Beginner, limit int) (int6
 		return 0, err
 	}
 	var n int64
-	err := c.batchTx(ctx, db, "ExpireLeases", func(ctx context.Context, tx pgx.Tx) error {
+	err := c.batchTx(ctx, db, func(ctx context.Context, tx pgx.Tx) error {
 		var err error
 		n, err = queries.ReserveExpireLeases(ctx, planned{tx}, store.ReserveExpireLeasesParams{
 			Reason: leaseExpiredReason, MaxRows: int32(min(limit, math.MaxInt32)),
