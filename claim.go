@@ -54,15 +54,6 @@ const (
 	sqlIndexLookup = "SET LOCAL enable_seqscan = off"
 )
 
-// Status values of a key row.
-const (
-	statusProcessing      = "processing"
-	statusSucceeded       = "succeeded"
-	statusRejected        = "rejected"
-	statusFailedRetryable = "failed_retryable"
-	statusUnknown         = "unknown"
-)
-
 // maxClaimAttempts bounds the rounds of claim, read and take-over when the
 // row that holds the key keeps changing under a call (taken over or pruned
 // by others, or given up by a twin after Reject).
@@ -161,25 +152,24 @@ const (
 // fingerprint fp: a replay, an error, or another claim. Every state of the
 // key is decided here, for Do and DoInTx alike.
 func (c *Client) judge(row keyRow, found bool, fp Fingerprint, k rowKey) (Result, next, error) {
-	finished := row.Status == statusSucceeded || row.Status == statusRejected ||
-		row.Status == statusFailedRetryable
+	status := Status(row.Status)
 	switch {
 	case !found:
 		return Result{}, nextClaim, nil
-	case finished && row.Expired:
+	case status.finished() && row.Expired:
 		return Result{}, nextTakeOver, nil // an expired key is a new request
 	case [32]byte(row.Fingerprint) != fp:
 		return Result{}, nextDone, ErrKeyReused
-	case row.Status == statusSucceeded || row.Status == statusRejected:
+	case status == StatusSucceeded || status == StatusRejected:
 		res, err := replay(row)
 		return res, nextDone, err
-	case row.Status == statusFailedRetryable:
+	case status == StatusFailedRetryable:
 		return Result{}, nextTakeOver, nil // certainly not executed: it may run
-	case row.Status == statusUnknown:
+	case status == StatusUnknown:
 		return Result{}, nextDone, ErrOutcomeUnknown
-	case row.Status == statusProcessing && row.Leased && row.LeaseLeftMs <= 0:
+	case status == StatusProcessing && row.Leased && row.LeaseLeftMs <= 0:
 		return Result{}, nextDone, ErrOutcomeUnknown // the owner's lease ran out
-	case row.Status == statusProcessing && row.Leased:
+	case status == StatusProcessing && row.Leased:
 		left := time.Duration(row.LeaseLeftMs) * time.Millisecond
 		return Result{}, nextDone, &InProgressError{RetryAfter: min(max(left.Round(time.Second), time.Second), maxRetryAfter)}
 	default:
@@ -196,7 +186,7 @@ func (c *Client) queueComplete(b *pgx.Batch, k rowKey, fp Fingerprint, out outco
 	}
 	_, _ = queries.KeyComplete(context.Background(), queuer{b}, db.KeyCompleteParams{
 		Actor: k.actor, Operation: k.operation, IdemKey: k.key, Fingerprint: fp[:],
-		Status: out.status, TtlMicros: c.ttlMicros, ResponseStatus: int32(out.resp.Status),
+		Status: string(out.status), TtlMicros: c.ttlMicros, ResponseStatus: int32(out.resp.Status),
 		ResponseHeaders: out.headers, ResponseBody: body,
 	})
 }
@@ -215,7 +205,7 @@ func readComplete(br pgx.BatchResults) error {
 
 // outcome is what a claimed key ends with: fn's response, or a refusal.
 type outcome struct {
-	status  string
+	status  Status // StatusSucceeded or StatusRejected
 	resp    Response
 	headers pgtype.Text // resp.Header as stored
 }
@@ -223,13 +213,13 @@ type outcome struct {
 // decide checks fn's result and turns it into the outcome to store. A
 // rejection is a valid outcome; any other error of fn is returned as is.
 func (c *Client) decide(resp Response, fnErr error) (outcome, error) {
-	out := outcome{status: statusSucceeded, resp: resp}
+	out := outcome{status: StatusSucceeded, resp: resp}
 	if fnErr != nil {
 		refusal, rejected := RejectedResponse(fnErr)
 		if !rejected {
 			return outcome{}, fnErr
 		}
-		out = outcome{status: statusRejected, resp: refusal}
+		out = outcome{status: StatusRejected, resp: refusal}
 	}
 	headers, err := c.encodeResponse(out.resp)
 	if err != nil {

@@ -132,7 +132,7 @@ func (c *Client) do(ctx context.Context, tx pgx.Tx, k rowKey, fp Fingerprint,
 				if err != nil {
 					return Result{}, undone(ctx, tx, err)
 				}
-				if o.status == statusRejected {
+				if o.status == StatusRejected {
 					// Undo fn's writes (and the claim), then store the
 					// refusal in a claim of its own.
 					if err := undo(ctx, tx); err != nil {
@@ -143,7 +143,7 @@ func (c *Client) do(ctx context.Context, tx pgx.Tx, k rowKey, fp Fingerprint,
 				}
 				out = &o
 			}
-			cl.rejected = out.status == statusRejected
+			cl.rejected = out.status == StatusRejected
 			// Round trip 2: store the outcome, end the savepoint.
 			b := &pgx.Batch{}
 			c.queueComplete(b, k, fp, *out)

@@ -39,6 +39,12 @@ const (
 	StatusUnknown Status = "unknown"
 )
 
+// finished reports whether s is the final outcome of an attempt, which a
+// new request may take over once the TTL has passed.
+func (s Status) finished() bool {
+	return s == StatusSucceeded || s == StatusRejected || s == StatusFailedRetryable
+}
+
 // Record is a key's record as stored.
 type Record struct {
 	Scope       Scope

@@ -223,7 +223,7 @@ func (c *Client) reserve(ctx context.Context, tx pgx.Tx, scope Scope, key string
 		case nx == nextTakeOver:
 			// Past its TTL (a new request), or certainly not executed (a
 			// new attempt): acquired below.
-		case errors.Is(refusal, ErrOutcomeUnknown) && k.Status == statusProcessing:
+		case errors.Is(refusal, ErrOutcomeUnknown) && Status(k.Status) == StatusProcessing:
 			// The lease ran out: the owner may have executed and vanished.
 			// Never run again blindly: the record turns unknown.
 			n, err := queries.ReserveMarkUnknown(ctx, planned{tx}, store.ReserveMarkUnknownParams{
@@ -434,14 +434,6 @@ func (c *Client) countEnd(ctx context.Context, call string, scope Scope, err err
 	case Unavailable(err):
 		c.obs.count(ctx, outcomeStoreError, call, scope.Operation, 1)
 	}
-}
-
-// checkTarget validates the scope and key of a call.
-func (c *Client) checkTarget(scope Scope, key string) error {
-	if err := c.ValidateKey(key); err != nil {
-		return err
-	}
-	return ValidateScope(scope)
 }
 
 // checkOwnTx refuses database handles that Reserve cannot commit on.

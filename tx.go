@@ -219,14 +219,14 @@ func (c *Client) doOwnTx(ctx context.Context, conn *pgx.Conn, k rowKey, fp Finge
 					rollback(ctx, tx)
 					return Result{}, unavailableIf(connLost(conn) || serverSaidUnavailable(err), err)
 				}
-				if o.status == statusRejected {
+				if o.status == StatusRejected {
 					rollback(ctx, tx) // undo fn's writes; claim again to store the refusal
 					decided = &o
 					continue
 				}
 				out = &o
 			}
-			cl.rejected = out.status == statusRejected
+			cl.rejected = out.status == StatusRejected
 			b := &pgx.Batch{}
 			c.queueComplete(b, k, fp, *out)
 			b.Queue("COMMIT")

@@ -12,16 +12,21 @@ import (
 
 // checkCall validates the arguments every entry point shares.
 func (c *Client) checkCall(scope Scope, key string, fn func(ctx context.Context, tx pgx.Tx) (Response, error)) error {
-	if err := c.ValidateKey(key); err != nil {
-		return err
-	}
-	if err := ValidateScope(scope); err != nil {
+	if err := c.checkTarget(scope, key); err != nil {
 		return err
 	}
 	if fn == nil {
 		return fmt.Errorf("%w: nil function", ErrInvalidArgument)
 	}
 	return nil
+}
+
+// checkTarget validates the scope and key of a call.
+func (c *Client) checkTarget(scope Scope, key string) error {
+	if err := c.ValidateKey(key); err != nil {
+		return err
+	}
+	return ValidateScope(scope)
 }
 
 // MaxScopeLength is the longest Actor or Operation, in bytes.
