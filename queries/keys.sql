@@ -21,10 +21,13 @@ SELECT set_config('lock_timeout', current_setting('idem.lock_timeout'), true);
 -- Claims a key for the calling transaction. The primary key picks a single
 -- winner: while another transaction holds an uncommitted claim on the same
 -- key, the INSERT waits for it to end. No row means a committed row holds
--- the key: KeyGet reads it.
+-- the key: KeyGet reads it. completed_at is written with the claim: it is
+-- the value KeyComplete would write (now() of the same transaction), and a
+-- completion that changes no indexed column and no column an index
+-- predicate reads is a HOT update (see migration 00003).
 -- name: KeyClaim :one
-INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, expires_at)
-VALUES (@actor, @operation, @idem_key, @fingerprint, 'processing',
+INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at)
+VALUES (@actor, @operation, @idem_key, @fingerprint, 'processing', now(), now(),
         now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond'))
 ON CONFLICT (actor, operation, idem_key) DO NOTHING
 RETURNING true AS claimed;
@@ -33,10 +36,12 @@ RETURNING true AS claimed;
 -- key is a new request), or a reservation that certainly did not execute
 -- ('failed_retryable') asked for again with the same fingerprint. Returns no
 -- row when the row holding the key is neither (another transaction took it
--- over first). Inserts when the row is gone (pruned).
+-- over first). Inserts when the row is gone (pruned). The DO UPDATE reads
+-- the clock only from the proposed row (excluded.created_at is now()), never
+-- calls a function of its own.
 -- name: KeyTakeOver :one
-INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, expires_at)
-VALUES (@actor, @operation, @idem_key, @fingerprint, 'processing',
+INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at)
+VALUES (@actor, @operation, @idem_key, @fingerprint, 'processing', now(), now(),
         now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond'))
 ON CONFLICT (actor, operation, idem_key) DO UPDATE
 SET fingerprint      = excluded.fingerprint,
@@ -44,20 +49,22 @@ SET fingerprint      = excluded.fingerprint,
     response_status  = NULL,
     response_headers = NULL,
     response_body    = NULL,
-    created_at       = now(),
-    completed_at     = NULL,
+    created_at       = excluded.created_at,
+    completed_at     = excluded.completed_at,
     expires_at       = excluded.expires_at,
     token            = 0,
     lease_expires_at = NULL,
     last_error       = NULL
-WHERE (k.expires_at <= now() AND k.status IN ('succeeded', 'rejected', 'failed_retryable'))
+WHERE (k.expires_at <= excluded.created_at AND k.status IN ('succeeded', 'rejected', 'failed_retryable'))
    OR (k.status = 'failed_retryable' AND k.fingerprint = excluded.fingerprint)
 RETURNING true AS claimed;
 
--- Stores the final outcome of a key this transaction claimed. Should the
--- claimed row be gone (fn deleted it), the outcome is inserted whole, so the
--- key never commits without its outcome; a row that is no longer this
--- claim's 'processing' is left alone and no row is affected.
+-- Stores the final outcome of a key this transaction claimed. It changes
+-- status and the response columns only, none of them indexed or read by an
+-- index predicate, so the update is HOT. Should the claimed row be gone (fn
+-- deleted it), the outcome is inserted whole, so the key never commits
+-- without its outcome; a row that is no longer this claim's 'processing' is
+-- left alone and no row is affected.
 -- name: KeyComplete :execrows
 INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, expires_at,
                             response_status, response_headers, response_body, completed_at)
@@ -69,8 +76,7 @@ ON CONFLICT (actor, operation, idem_key) DO UPDATE
 SET status           = excluded.status,
     response_status  = excluded.response_status,
     response_headers = excluded.response_headers,
-    response_body    = excluded.response_body,
-    completed_at     = excluded.completed_at
+    response_body    = excluded.response_body
 WHERE k.status = 'processing' AND k.token = 0 AND k.fingerprint = excluded.fingerprint;
 
 -- Reads the committed row that holds a key, with what the database clock

@@ -12,8 +12,8 @@ import (
 )
 
 const KeyClaim = `-- name: KeyClaim :one
-INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, expires_at)
-VALUES ($1, $2, $3, $4, 'processing',
+INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at)
+VALUES ($1, $2, $3, $4, 'processing', now(), now(),
         now() + ($5::bigint * interval '1 microsecond'))
 ON CONFLICT (actor, operation, idem_key) DO NOTHING
 RETURNING true AS claimed
@@ -30,7 +30,10 @@ type KeyClaimParams struct {
 // Claims a key for the calling transaction. The primary key picks a single
 // winner: while another transaction holds an uncommitted claim on the same
 // key, the INSERT waits for it to end. No row means a committed row holds
-// the key: KeyGet reads it.
+// the key: KeyGet reads it. completed_at is written with the claim: it is
+// the value KeyComplete would write (now() of the same transaction), and a
+// completion that changes no indexed column and no column an index
+// predicate reads is a HOT update (see migration 00003).
 func (q *Queries) KeyClaim(ctx context.Context, db DBTX, arg KeyClaimParams) (bool, error) {
 	row := db.QueryRow(ctx, KeyClaim,
 		arg.Actor,
@@ -55,8 +58,7 @@ ON CONFLICT (actor, operation, idem_key) DO UPDATE
 SET status           = excluded.status,
     response_status  = excluded.response_status,
     response_headers = excluded.response_headers,
-    response_body    = excluded.response_body,
-    completed_at     = excluded.completed_at
+    response_body    = excluded.response_body
 WHERE k.status = 'processing' AND k.token = 0 AND k.fingerprint = excluded.fingerprint
 `
 
@@ -72,10 +74,12 @@ type KeyCompleteParams struct {
 	ResponseBody    []byte
 }
 
-// Stores the final outcome of a key this transaction claimed. Should the
-// claimed row be gone (fn deleted it), the outcome is inserted whole, so the
-// key never commits without its outcome; a row that is no longer this
-// claim's 'processing' is left alone and no row is affected.
+// Stores the final outcome of a key this transaction claimed. It changes
+// status and the response columns only, none of them indexed or read by an
+// index predicate, so the update is HOT. Should the claimed row be gone (fn
+// deleted it), the outcome is inserted whole, so the key never commits
+// without its outcome; a row that is no longer this claim's 'processing' is
+// left alone and no row is affected.
 func (q *Queries) KeyComplete(ctx context.Context, db DBTX, arg KeyCompleteParams) (int64, error) {
 	result, err := db.Exec(ctx, KeyComplete,
 		arg.Actor,
@@ -139,8 +143,8 @@ func (q *Queries) KeyGet(ctx context.Context, db DBTX, arg KeyGetParams) (KeyGet
 }
 
 const KeyTakeOver = `-- name: KeyTakeOver :one
-INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, expires_at)
-VALUES ($1, $2, $3, $4, 'processing',
+INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at)
+VALUES ($1, $2, $3, $4, 'processing', now(), now(),
         now() + ($5::bigint * interval '1 microsecond'))
 ON CONFLICT (actor, operation, idem_key) DO UPDATE
 SET fingerprint      = excluded.fingerprint,
@@ -148,13 +152,13 @@ SET fingerprint      = excluded.fingerprint,
     response_status  = NULL,
     response_headers = NULL,
     response_body    = NULL,
-    created_at       = now(),
-    completed_at     = NULL,
+    created_at       = excluded.created_at,
+    completed_at     = excluded.completed_at,
     expires_at       = excluded.expires_at,
     token            = 0,
     lease_expires_at = NULL,
     last_error       = NULL
-WHERE (k.expires_at <= now() AND k.status IN ('succeeded', 'rejected', 'failed_retryable'))
+WHERE (k.expires_at <= excluded.created_at AND k.status IN ('succeeded', 'rejected', 'failed_retryable'))
    OR (k.status = 'failed_retryable' AND k.fingerprint = excluded.fingerprint)
 RETURNING true AS claimed
 `
@@ -171,7 +175,9 @@ type KeyTakeOverParams struct {
 // key is a new request), or a reservation that certainly did not execute
 // ('failed_retryable') asked for again with the same fingerprint. Returns no
 // row when the row holding the key is neither (another transaction took it
-// over first). Inserts when the row is gone (pruned).
+// over first). Inserts when the row is gone (pruned). The DO UPDATE reads
+// the clock only from the proposed row (excluded.created_at is now()), never
+// calls a function of its own.
 func (q *Queries) KeyTakeOver(ctx context.Context, db DBTX, arg KeyTakeOverParams) (bool, error) {
 	row := db.QueryRow(ctx, KeyTakeOver,
 		arg.Actor,
