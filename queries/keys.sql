@@ -49,7 +49,8 @@ SET fingerprint      = excluded.fingerprint,
     expires_at       = excluded.expires_at,
     token            = 0,
     lease_expires_at = NULL,
-    last_error       = NULL
+    last_error       = NULL,
+    resolve_reason   = NULL
 WHERE (k.expires_at <= now() AND k.status IN ('succeeded', 'rejected', 'failed_retryable'))
    OR (k.status = 'failed_retryable' AND k.fingerprint = excluded.fingerprint)
 RETURNING true AS claimed;
