@@ -1,6 +1,8 @@
 package idem
 
 import (
+	"database/sql"
+	"database/sql/driver"
 	"errors"
 	"fmt"
 	"io"
@@ -143,12 +145,16 @@ func pgCode(err error) string {
 // Unavailable reports whether err means the database could not serve the
 // request, through no fault of the request itself: err wraps
 // ErrUnavailable; or the server could not be reached, or dropped the
-// connection, or the pool is closed, or a deadline ran out on the way; or
-// the server answered with SQLSTATE class 08 (connection exception), 53
-// (insufficient resources), 57 (operator intervention: a shutdown, a
-// cancelled or timed-out statement) or 58 (system error). Fail closed (HTTP 503) and let the client retry with
-// the same key: the retry replays if the first attempt committed, and runs
-// otherwise. This is the one classification idem and idemhttp use.
+// connection (also when pgx reports the broken connection later as "conn
+// closed", to any call or to the caller's own Exec or Commit), or the pool is
+// closed, or a deadline ran out on the way; or the server answered with
+// SQLSTATE class 08 (connection exception), 53 (insufficient resources), 57
+// (operator intervention: a shutdown, a cancelled or timed-out statement) or
+// 58 (system error). This holds for the error of every public call of idem
+// and of Migrate. Fail closed (HTTP 503) and let the client retry with the
+// same key: the retry replays if the first attempt committed, and runs
+// otherwise (Lookup shows what committed). This is the one classification
+// idem and idemhttp use.
 func Unavailable(err error) bool {
 	return err != nil && (errors.Is(err, ErrUnavailable) || isUnavailable(err))
 }
@@ -163,6 +169,12 @@ func isUnavailable(err error) bool {
 	var netErr net.Error
 	return errors.As(err, &connectErr) || errors.As(err, &netErr) || pgconn.Timeout(err) ||
 		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, net.ErrClosed) ||
+		// pgx's "conn closed": a statement, Begin, Commit or Rollback on a
+		// connection that broke earlier (a lost COMMIT acknowledgement
+		// closes it; so does a restart of the server).
+		errors.Is(err, pgconn.ErrConnClosed) ||
+		// database/sql's forms of the same (Migrate runs through it).
+		errors.Is(err, driver.ErrBadConn) || errors.Is(err, sql.ErrConnDone) ||
 		errors.Is(err, puddle.ErrClosedPool)
 }
 
