@@ -282,13 +282,10 @@ func TestUnavailableWhenCommitAcknowledgementLost(t *testing.T) {
 	}
 }
 
-// A database with nothing in it yet, for Migrate.
-func emptyDatabase(context.Context, *pgxpool.Pool) error { return nil }
-
 func TestMigrateUnavailableWhenCommitAcknowledgementLost(t *testing.T) {
 	t.Parallel()
 	ctx := t.Context()
-	direct := pgtest.URL(t, emptyDatabase)
+	direct := pgtest.URL(t, noMigrate)
 	target, err := relay.Target(direct)
 	if err != nil {
 		t.Fatal(err)
