@@ -84,7 +84,36 @@ var (
 	// operator resolved it). Whatever the caller was about to record must be
 	// rolled back.
 	ErrFenced = errors.New("idem: reservation fenced: no longer the owner of the key")
+
+	// ErrPreparedStatements means the server lost or mixed up pgx's cached
+	// prepared statements (SQLSTATE 26000 or 42P05 on a statement named
+	// stmtcache_…): the connection goes through a transaction pooler, such
+	// as PgBouncer in transaction mode, that hands each transaction another
+	// server connection and does not carry prepared statements across. The
+	// fix is a configuration: give the pool a DefaultQueryExecMode that does
+	// not prepare named statements (pgx.QueryExecModeExec,
+	// QueryExecModeCacheDescribe or QueryExecModeSimpleProtocol), or run
+	// PgBouncer 1.21 or newer with max_prepared_statements > 0. Nothing was
+	// stored (HTTP 500).
+	ErrPreparedStatements = errors.New("idem: prepared statements lost behind a connection pooler")
 )
+
+// preparedStatementsLost returns err wrapped with ErrPreparedStatements and
+// the fix when it is pgx's cached prepared statement missing (26000) or
+// already there (42P05) on the server connection: what a transaction pooler
+// without prepared-statement support does to pgx's default exec mode.
+func preparedStatementsLost(err error) error {
+	var pgErr *pgconn.PgError
+	if err == nil || !errors.As(err, &pgErr) || errors.Is(err, ErrPreparedStatements) ||
+		(pgErr.Code != pgerrcode.InvalidSQLStatementName && pgErr.Code != pgerrcode.DuplicatePreparedStatement) ||
+		!strings.Contains(pgErr.Message, "stmtcache_") {
+		return err
+	}
+	return fmt.Errorf("%w (a transaction pooler such as PgBouncer in transaction mode?): "+
+		"set the pool's DefaultQueryExecMode to pgx.QueryExecModeExec, QueryExecModeCacheDescribe or "+
+		"QueryExecModeSimpleProtocol, or run PgBouncer 1.21 or newer with max_prepared_statements > 0: %w",
+		ErrPreparedStatements, err)
+}
 
 // InProgressError is returned when the key is held by a transaction that did
 // not finish within the wait. errors.Is(err, ErrInProgress) reports true.
