@@ -58,7 +58,8 @@ SET fingerprint      = excluded.fingerprint,
     expires_at       = excluded.expires_at,
     token            = 0,
     lease_expires_at = NULL,
-    last_error       = NULL
+    last_error       = NULL,
+    resolve_reason   = NULL
 WHERE (k.expires_at <= excluded.created_at AND k.status IN ('succeeded', 'rejected', 'failed_retryable'))
    OR (k.status = 'failed_retryable' AND k.fingerprint = excluded.fingerprint)
 RETURNING (set_config('lock_timeout', current_setting('idem.lock_timeout'), true) IS NOT NULL)::boolean AS claimed;

@@ -41,7 +41,8 @@ SET fingerprint      = @fingerprint,
     expires_at       = now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond'),
     token            = nextval('idem_keys_token_seq'),
     lease_expires_at = now() + (sqlc.arg(lease_micros)::bigint * interval '1 microsecond'),
-    last_error       = NULL
+    last_error       = NULL,
+    resolve_reason   = NULL
 WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
   AND token = @token
 RETURNING token, lease_expires_at;
@@ -121,9 +122,11 @@ WHERE status = 'unknown' AND lease_expires_at IS NOT NULL AND completed_at IS NU
 ORDER BY created_at, actor, operation, idem_key
 LIMIT @max_rows;
 
--- Reconciles the row ReserveLock read (identified by its token): 'succeeded'
--- with the response found at the provider, or 'failed_retryable'. The token
--- advances, so the reservation that held the key is fenced.
+-- Reconciles the row ReserveLock read (identified by its token, the one the
+-- operator named): 'succeeded' with the response found at the provider, or
+-- 'failed_retryable'. The token advances, so the reservation that held the
+-- key is fenced. last_error keeps why the record failed or became unknown;
+-- the operator's reason goes beside it.
 -- name: ReserveResolve :execrows
 UPDATE idem_keys
 SET status           = @status,
@@ -133,6 +136,6 @@ SET status           = @status,
     completed_at     = now(),
     expires_at       = greatest(expires_at, now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond')),
     token            = nextval('idem_keys_token_seq'),
-    last_error       = sqlc.arg(reason)::text
+    resolve_reason   = sqlc.arg(reason)::text
 WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
   AND token = @token;
