@@ -27,6 +27,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"net/http"
 	"slices"
 	"strings"
@@ -46,6 +47,7 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/keyhdr"
+	"github.com/pgidem/idem/internal/loghash"
 	"github.com/pgidem/idem/internal/rpcidem"
 	"github.com/pgidem/idem/internal/watchtx"
 )
@@ -124,6 +126,13 @@ type Options struct {
 	// Idempotent-Replayed: true. Keep secrets out. Default: none.
 	StoredHeaders  []string
 	StoredTrailers []string
+
+	// Logger receives a record for every error the interceptor answers
+	// itself as UNAVAILABLE or INTERNAL (a store that failed, an outcome
+	// that could not be stored), with the procedure and the keyed hash of the
+	// key (key_hash, HMAC-SHA256 under Config.LogHashKey, as in idem's own
+	// records), never the key. Default: slog.Default().
+	Logger *slog.Logger
 
 	// Config configures the idempotency store (see idem.Config): the key's
 	// TTL (default 24 h), how long a duplicate waits for the call that holds
@@ -228,7 +237,9 @@ type interceptor struct {
 	refusals   []connect.Code
 	headers    []string // canonical
 	trailers   []string // canonical
-	replies    sync.Map // procedure -> protoreflect.MessageType
+	log        *slog.Logger
+	hash       *loghash.Hasher // of keys in log records
+	replies    sync.Map        // procedure -> protoreflect.MessageType
 }
 
 func newInterceptor(db idem.Beginner, opts Options) (*interceptor, error) {
@@ -237,6 +248,11 @@ func newInterceptor(db idem.Beginner, opts Options) (*interceptor, error) {
 	}
 	if opts.Scope == nil {
 		return nil, errors.New("idemconnect: Options.Scope is required")
+	}
+	if len(opts.Config.LogHashKey) == 0 {
+		// One random secret for idem's logs and the interceptor's, so that
+		// both hash a key alike.
+		opts.Config.LogHashKey = loghash.NewSecret()
 	}
 	client, err := idem.New(opts.Config)
 	if err != nil {
@@ -250,6 +266,11 @@ func newInterceptor(db idem.Beginner, opts Options) (*interceptor, error) {
 		requireKey: opts.RequireKey,
 		keyField:   protoreflect.Name(opts.KeyField),
 		refusals:   slices.Clone(opts.RefusalCodes),
+		log:        opts.Logger,
+		hash:       loghash.New(opts.Config.LogHashKey),
+	}
+	if in.log == nil {
+		in.log = slog.Default()
 	}
 	if in.refusals == nil {
 		in.refusals = DefaultRefusalCodes
@@ -430,7 +451,7 @@ func (in *interceptor) run(ctx context.Context, req connect.AnyRequest, next con
 	case err == nil, errors.Is(err, errNotStored) && !idem.Unavailable(err):
 		return resp, handlerErr // the handler's own answer
 	}
-	return nil, storeError(ctx, err)
+	return nil, in.storeError(ctx, req.Spec().Procedure, key, err)
 }
 
 // refusal is the outcome of the handler's error herr: a refusal to store,
@@ -558,8 +579,10 @@ func (in *interceptor) replay(resp idem.Response, replyType protoreflect.Message
 	return r, nil
 }
 
-// storeError is the error of an error of idem (or of the store under it).
-func storeError(ctx context.Context, err error) error {
+// storeError is the error to answer for err, an error of idem (or of the
+// store under it) for a call of procedure with key. Those answered
+// unavailable or internal are logged.
+func (in *interceptor) storeError(ctx context.Context, procedure, key string, err error) error {
 	var inProgress *idem.InProgressError
 	switch {
 	case errors.Is(err, idem.ErrKeyReused):
@@ -578,11 +601,20 @@ func storeError(ctx context.Context, err error) error {
 	case ctx.Err() != nil:
 		return connect.NewError(connect.CodeCanceled, ctx.Err())
 	case idem.Unavailable(err):
+		in.logFailure(ctx, "idemconnect: store unavailable", procedure, key, err)
 		return withInfo(connect.CodeUnavailable, ReasonStoreUnavailable,
 			"the idempotency store is unavailable; retry later with the same key",
 			&errdetails.RetryInfo{RetryDelay: durationpb.New(time.Second)})
 	}
+	in.logFailure(ctx, "idemconnect: call failed", procedure, key, err)
 	return connect.NewError(connect.CodeInternal, errors.New("idemconnect: the call failed; nothing was stored: "+errorText(err)))
+}
+
+// logFailure logs err, which the interceptor answers itself, with the
+// keyed hash of key.
+func (in *interceptor) logFailure(ctx context.Context, msg, procedure, key string, err error) {
+	in.log.LogAttrs(ctx, slog.LevelError, msg, slog.String("procedure", procedure),
+		slog.String("key_hash", in.hash.Sum(key)), slog.Any("error", err))
 }
 
 // withInfo is a *connect.Error with an ErrorInfo detail, and more.

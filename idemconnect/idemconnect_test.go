@@ -4,6 +4,8 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"log/slog"
+	"reflect"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -13,6 +15,7 @@ import (
 	"connectrpc.com/connect"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	spb "google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/types/dynamicpb"
@@ -22,6 +25,7 @@ import (
 	"github.com/pgidem/idem/internal/pgtest"
 	"github.com/pgidem/idem/internal/relay"
 	"github.com/pgidem/idem/internal/rpcidem"
+	"github.com/pgidem/idem/internal/testlog"
 )
 
 // errorInfo returns the reason of err's ErrorInfo detail, or "".
@@ -437,7 +441,8 @@ func TestLostCommitAcknowledgement(t *testing.T) {
 	}
 	defer pool.Close()
 	var runs atomic.Int64
-	srv, hc := serve(t, pool, idemconnect.Options{}, insertHandler(&runs))
+	var logs testlog.Buffer
+	srv, hc := serve(t, pool, idemconnect.Options{Logger: slog.New(slog.NewTextHandler(&logs, nil))}, insertHandler(&runs))
 
 	first := call(ctx, srv, hc, "alice", key("lost-1"), request("lost", 9))
 	if connect.CodeOf(first.err) != connect.CodeUnavailable || errorInfo(first.err) != idemconnect.ReasonStoreUnavailable || retryDelay(first.err) <= 0 {
@@ -456,6 +461,58 @@ func TestLostCommitAcknowledgement(t *testing.T) {
 	down := call(ctx, srv, hc, "alice", key("down-1"), request("down", 1))
 	if connect.CodeOf(down.err) != connect.CodeUnavailable || errorInfo(down.err) != idemconnect.ReasonStoreUnavailable || runs.Load() != 1 {
 		t.Errorf("store down: %v (%s), %d runs", down.err, errorInfo(down.err), runs.Load())
+	}
+	if out := logs.String(); strings.Count(out, `msg="idemconnect: store unavailable"`) != 2 || !strings.Contains(out, "key_hash=") ||
+		strings.Contains(out, "lost-1") || strings.Contains(out, "down-1") {
+		t.Errorf("logs:\n%s", out)
+	}
+}
+
+// The stored form, which idemgrpc shares (a key used through one replays
+// through the other): a reply is status 200 and the reply's deterministic
+// bytes, the chosen headers under their lower-case names and trailers under
+// "trailer:", binary values base64; a refusal is the HTTP status of its code
+// and a google.rpc.Status.
+func TestStoredForm(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	pool := pgtest.Pool(t, migrate)
+	var runs atomic.Int64
+	insert := insertHandler(&runs)
+	url, hc := serve(t, pool, idemconnect.Options{StoredHeaders: []string{"X-Order"}, StoredTrailers: []string{"x-trace-bin"}},
+		func(ctx context.Context, req *connect.Request[dynamicpb.Message]) (*connect.Response[errdetails.ResourceInfo], error) {
+			if getInt(req.Msg, "amount") > 100 {
+				return nil, connect.NewError(connect.CodeOutOfRange, errors.New("too much"))
+			}
+			resp, err := insert(ctx, req)
+			if err == nil {
+				resp.Header().Set("X-Order", "42")
+				resp.Trailer().Set("X-Trace-Bin", "AP8K")
+			}
+			return resp, err
+		})
+	scope := idem.Scope{Actor: "alice", Operation: transferProcedure}
+	if a := call(ctx, url, hc, "alice", key("form-1"), request("f", 1)); a.err != nil {
+		t.Fatal(a.err)
+	}
+	rec, err := idem.Lookup(ctx, pool, scope, "form-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want, _ := proto.MarshalOptions{Deterministic: true}.Marshal(reply(1, "f"))
+	if rec.Response.Status != 200 || !bytes.Equal(rec.Response.Body, want) ||
+		!reflect.DeepEqual(rec.Response.Header, map[string][]string{"x-order": {"42"}, "trailer:x-trace-bin": {"AP8K"}}) {
+		t.Errorf("stored reply: %d %x %v", rec.Response.Status, rec.Response.Body, rec.Response.Header)
+	}
+	if a := call(ctx, url, hc, "alice", key("form-2"), request("f", 500)); connect.CodeOf(a.err) != connect.CodeOutOfRange {
+		t.Fatal(a.err)
+	}
+	if rec, err = idem.Lookup(ctx, pool, scope, "form-2"); err != nil {
+		t.Fatal(err)
+	}
+	var st spb.Status
+	if rec.Response.Status != 400 || proto.Unmarshal(rec.Response.Body, &st) != nil || st.Code != int32(connect.CodeOutOfRange) || st.Message != "too much" {
+		t.Errorf("stored refusal: %d %v", rec.Response.Status, &st)
 	}
 }
 

@@ -28,6 +28,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"slices"
 	"strings"
 	"sync"
@@ -44,10 +45,12 @@ import (
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/reflect/protoregistry"
 	"google.golang.org/protobuf/types/dynamicpb"
+	"google.golang.org/protobuf/types/known/anypb"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/keyhdr"
+	"github.com/pgidem/idem/internal/loghash"
 	"github.com/pgidem/idem/internal/rpcidem"
 	"github.com/pgidem/idem/internal/watchtx"
 )
@@ -124,6 +127,13 @@ type Options struct {
 	// idempotent-replayed: true. Keep secrets out. Default: none.
 	StoredHeaders  []string
 	StoredTrailers []string
+
+	// Logger receives a record for every error the interceptor answers
+	// itself as UNAVAILABLE or INTERNAL (a store that failed, an outcome
+	// that could not be stored), with the method and the keyed hash of the
+	// key (key_hash, HMAC-SHA256 under Config.LogHashKey, as in idem's own
+	// records), never the key. Default: slog.Default().
+	Logger *slog.Logger
 
 	// Config configures the idempotency store (see idem.Config): the key's
 	// TTL (default 24 h), how long a duplicate waits for the call that holds
@@ -227,7 +237,9 @@ type interceptor struct {
 	refusals   []codes.Code
 	headers    []string
 	trailers   []string
-	replies    sync.Map // full method -> replyType
+	log        *slog.Logger
+	hash       *loghash.Hasher // of keys in log records
+	replies    sync.Map        // full method -> replyType
 }
 
 func newInterceptor(db idem.Beginner, opts Options) (*interceptor, error) {
@@ -236,6 +248,11 @@ func newInterceptor(db idem.Beginner, opts Options) (*interceptor, error) {
 	}
 	if opts.Scope == nil {
 		return nil, errors.New("idemgrpc: Options.Scope is required")
+	}
+	if len(opts.Config.LogHashKey) == 0 {
+		// One random secret for idem's logs and the interceptor's, so that
+		// both hash a key alike.
+		opts.Config.LogHashKey = loghash.NewSecret()
 	}
 	client, err := idem.New(opts.Config)
 	if err != nil {
@@ -249,6 +266,11 @@ func newInterceptor(db idem.Beginner, opts Options) (*interceptor, error) {
 		requireKey: opts.RequireKey,
 		keyField:   protoreflect.Name(opts.KeyField),
 		refusals:   slices.Clone(opts.RefusalCodes),
+		log:        opts.Logger,
+		hash:       loghash.New(opts.Config.LogHashKey),
+	}
+	if in.log == nil {
+		in.log = slog.Default()
 	}
 	if in.refusals == nil {
 		in.refusals = DefaultRefusalCodes
@@ -311,14 +333,14 @@ func (in *interceptor) key(ctx context.Context, msg proto.Message) (string, erro
 	present := len(values) > 0 // an empty value is an invalid key, not none
 	key, err := keyhdr.Parse(values)
 	if err != nil && present {
-		return "", keyError(codes.InvalidArgument, ReasonKeyInvalid, "invalid idempotency-key metadata: "+err.Error())
+		return "", withDetails(codes.InvalidArgument, ReasonKeyInvalid, "invalid idempotency-key metadata: "+err.Error())
 	}
 	if in.keyField != "" && msg != nil {
 		m := msg.ProtoReflect()
 		if fd := m.Descriptor().Fields().ByName(in.keyField); fd != nil && fd.Kind() == protoreflect.StringKind && !fd.IsList() {
 			if v := m.Get(fd).String(); v != "" {
 				if key != "" && key != v {
-					return "", keyError(codes.InvalidArgument, ReasonKeyInvalid,
+					return "", withDetails(codes.InvalidArgument, ReasonKeyInvalid,
 						fmt.Sprintf("the idempotency-key metadata and the request field %s hold different keys", in.keyField))
 				}
 				key, present = v, true
@@ -327,12 +349,12 @@ func (in *interceptor) key(ctx context.Context, msg proto.Message) (string, erro
 	}
 	if !present {
 		if in.requireKey {
-			return "", keyError(codes.InvalidArgument, ReasonKeyMissing, "this method requires an idempotency key")
+			return "", withDetails(codes.InvalidArgument, ReasonKeyMissing, "this method requires an idempotency key")
 		}
 		return "", nil
 	}
 	if err := in.client.ValidateKey(key); err != nil {
-		return "", keyError(codes.InvalidArgument, ReasonKeyInvalid, "invalid idempotency key: "+errorText(err))
+		return "", withDetails(codes.InvalidArgument, ReasonKeyInvalid, "invalid idempotency key: "+errorText(err))
 	}
 	return key, nil
 }
@@ -423,7 +445,7 @@ func (in *interceptor) run(ctx context.Context, req any, info *grpc.UnaryServerI
 		}
 		return reply, nil
 	}
-	return nil, storeError(ctx, err)
+	return nil, in.storeError(ctx, info.FullMethod, key, err)
 }
 
 // errNotStored is what the handler's function returns for an error of the
@@ -493,41 +515,48 @@ func (in *interceptor) stored(r *recorder) map[string][]string {
 	return out
 }
 
-// storeError is the status of an error of idem (or of the store under it).
-func storeError(ctx context.Context, err error) error {
+// storeError is the status of err, an error of idem (or of the store under
+// it) for a call of fullMethod with key. Those answered UNAVAILABLE or
+// INTERNAL are logged.
+func (in *interceptor) storeError(ctx context.Context, fullMethod, key string, err error) error {
 	var inProgress *idem.InProgressError
 	switch {
 	case errors.Is(err, idem.ErrKeyReused):
-		return keyError(codes.FailedPrecondition, ReasonKeyReused, "this idempotency key was used for a different request")
+		return withDetails(codes.FailedPrecondition, ReasonKeyReused, "this idempotency key was used for a different request")
 	case errors.As(err, &inProgress):
 		return withDetails(codes.Aborted, ReasonInProgress,
 			"a call with this idempotency key is in progress; retry later with the same key",
 			&errdetails.RetryInfo{RetryDelay: durationpb.New(inProgress.RetryAfter)})
 	case errors.Is(err, idem.ErrOutcomeUnknown):
-		return keyError(codes.FailedPrecondition, ReasonOutcomeUnknown,
+		return withDetails(codes.FailedPrecondition, ReasonOutcomeUnknown,
 			"the outcome of the call with this idempotency key is unknown; it will not run again until it is reconciled")
 	case errors.Is(err, idem.ErrInvalidKey):
-		return keyError(codes.InvalidArgument, ReasonKeyInvalid, "invalid idempotency key: "+errorText(err))
+		return withDetails(codes.InvalidArgument, ReasonKeyInvalid, "invalid idempotency key: "+errorText(err))
 	case ctx.Err() != nil:
 		return status.FromContextError(ctx.Err()).Err()
 	case idem.Unavailable(err):
+		in.logFailure(ctx, "idemgrpc: store unavailable", fullMethod, key, err)
 		return withDetails(codes.Unavailable, ReasonStoreUnavailable,
 			"the idempotency store is unavailable; retry later with the same key",
 			&errdetails.RetryInfo{RetryDelay: durationpb.New(time.Second)})
 	}
+	in.logFailure(ctx, "idemgrpc: call failed", fullMethod, key, err)
 	return status.Error(codes.Internal, "idemgrpc: the call failed; nothing was stored: "+errorText(err))
 }
 
-// keyError is a status with an ErrorInfo detail.
-func keyError(code codes.Code, reason, msg string) error {
-	return withDetails(code, reason, msg)
+// logFailure logs err, which the interceptor answers itself, with the
+// keyed hash of key.
+func (in *interceptor) logFailure(ctx context.Context, msg, fullMethod, key string, err error) {
+	in.log.LogAttrs(ctx, slog.LevelError, msg, slog.String("method", fullMethod),
+		slog.String("key_hash", in.hash.Sum(key)), slog.Any("error", err))
 }
 
+// withDetails is a status with an ErrorInfo detail, and more details.
 func withDetails(code codes.Code, reason, msg string, more ...proto.Message) error {
 	details := append([]proto.Message{&errdetails.ErrorInfo{Reason: reason, Domain: ErrorDomain}}, more...)
 	p := &spb.Status{Code: int32(code), Message: msg}
 	for _, d := range details {
-		if a, err := anyOf(d); err == nil {
+		if a, err := anypb.New(d); err == nil {
 			p.Details = append(p.Details, a)
 		}
 	}

@@ -3,6 +3,9 @@ package idemgrpc_test
 import (
 	"bytes"
 	"context"
+	"errors"
+	"log/slog"
+	"reflect"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -11,6 +14,7 @@ import (
 
 	"github.com/jackc/pgx/v5/pgxpool"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	spb "google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
@@ -24,6 +28,7 @@ import (
 	"github.com/pgidem/idem/internal/pgtest"
 	"github.com/pgidem/idem/internal/relay"
 	"github.com/pgidem/idem/internal/rpcidem"
+	"github.com/pgidem/idem/internal/testlog"
 )
 
 // errorInfo returns the reason of err's ErrorInfo detail, or "".
@@ -453,7 +458,8 @@ func TestLostCommitAcknowledgement(t *testing.T) {
 	}
 	defer pool.Close()
 	var runs atomic.Int64
-	conn := serve(t, pool, idemgrpc.Options{}, insertHandler(&runs))
+	var logs testlog.Buffer
+	conn := serve(t, pool, idemgrpc.Options{Logger: slog.New(slog.NewTextHandler(&logs, nil))}, insertHandler(&runs))
 
 	first := call(ctx, conn, "alice", "lost-1", request("lost", 9))
 	if status.Code(first.err) != codes.Unavailable || errorInfo(first.err) != idemgrpc.ReasonStoreUnavailable || retryDelay(first.err) <= 0 {
@@ -473,6 +479,73 @@ func TestLostCommitAcknowledgement(t *testing.T) {
 	down := call(ctx, conn, "alice", "down-1", request("down", 1))
 	if status.Code(down.err) != codes.Unavailable || errorInfo(down.err) != idemgrpc.ReasonStoreUnavailable || runs.Load() != 1 {
 		t.Errorf("store down: %v (%s), %d runs", down.err, errorInfo(down.err), runs.Load())
+	}
+	// Logged with the key's hash, never the key.
+	if out := logs.String(); strings.Count(out, `msg="idemgrpc: store unavailable"`) != 2 || !strings.Contains(out, "key_hash=") ||
+		strings.Contains(out, "lost-1") || strings.Contains(out, "down-1") {
+		t.Errorf("logs:\n%s", out)
+	}
+}
+
+// The stored form, which idemconnect shares (a key used through one
+// replays through the other): a reply is status 200 and the reply's
+// deterministic bytes, the chosen headers under their names and trailers
+// under "trailer:", binary values base64.
+func TestStoredForm(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	pool := pgtest.Pool(t, migrate)
+	var runs atomic.Int64
+	insert := insertHandler(&runs)
+	conn := serve(t, pool, idemgrpc.Options{StoredHeaders: []string{"X-Order"}, StoredTrailers: []string{"x-trace-bin"}},
+		func(ctx context.Context, req *dynamicpb.Message) (proto.Message, error) {
+			_ = grpc.SetHeader(ctx, metadata.Pairs("x-order", "42"))
+			_ = grpc.SetTrailer(ctx, metadata.Pairs("x-trace-bin", "\x00\xff\n"))
+			if getInt(req, "amount") > 100 {
+				return nil, status.Error(codes.OutOfRange, "too much")
+			}
+			return insert(ctx, req)
+		})
+	scope := idem.Scope{Actor: "alice", Operation: transferMethod}
+	if a := call(ctx, conn, "alice", "form-1", request("f", 1)); a.err != nil {
+		t.Fatal(a.err)
+	}
+	rec, err := idem.Lookup(ctx, pool, scope, "form-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	want, _ := proto.MarshalOptions{Deterministic: true}.Marshal(reply(1, "f"))
+	if rec.Response.Status != 200 || !bytes.Equal(rec.Response.Body, want) ||
+		!reflect.DeepEqual(rec.Response.Header, map[string][]string{"x-order": {"42"}, "trailer:x-trace-bin": {"AP8K"}}) {
+		t.Errorf("stored reply: %d %x %v", rec.Response.Status, rec.Response.Body, rec.Response.Header)
+	}
+	if a := call(ctx, conn, "alice", "form-2", request("f", 500)); status.Code(a.err) != codes.OutOfRange {
+		t.Fatal(a.err)
+	}
+	if rec, err = idem.Lookup(ctx, pool, scope, "form-2"); err != nil {
+		t.Fatal(err)
+	}
+	var st spb.Status
+	if rec.Response.Status != 400 || proto.Unmarshal(rec.Response.Body, &st) != nil || st.Code != int32(codes.OutOfRange) || st.Message != "too much" {
+		t.Errorf("stored refusal: %d %v", rec.Response.Status, &st)
+	}
+}
+
+// A reply over Config.MaxResponseBytes cannot be stored: INTERNAL, the
+// handler's writes rolled back, nothing stored.
+func TestReplyTooLarge(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	pool := pgtest.Pool(t, migrate)
+	var runs atomic.Int64
+	conn := serve(t, pool, idemgrpc.Options{Config: idem.Config{MaxResponseBytes: 8}, Logger: slog.New(slog.DiscardHandler)},
+		insertHandler(&runs))
+	a := call(ctx, conn, "alice", "big-1", request("a note longer than eight bytes", 1))
+	if status.Code(a.err) != codes.Internal || countRows(t, pool) != 0 {
+		t.Errorf("%v, %d rows", a.err, countRows(t, pool))
+	}
+	if _, err := idem.Lookup(ctx, pool, idem.Scope{Actor: "alice", Operation: transferMethod}, "big-1"); !errors.Is(err, idem.ErrNotFound) {
+		t.Errorf("lookup: %v", err)
 	}
 }
 

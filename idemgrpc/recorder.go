@@ -5,8 +5,6 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/metadata"
-	"google.golang.org/protobuf/proto"
-	"google.golang.org/protobuf/types/known/anypb"
 )
 
 // recorder is the grpc.ServerTransportStream of one run of the handler: it
@@ -58,6 +56,3 @@ func (r *recorder) forward(stream grpc.ServerTransportStream) {
 		_ = stream.SetTrailer(r.trailer)
 	}
 }
-
-// anyOf packs m into an Any.
-func anyOf(m proto.Message) (*anypb.Any, error) { return anypb.New(m) }
