@@ -29,7 +29,15 @@ type Error struct {
 	Detail string
 }
 
-func (e *Error) Error() string { return e.Detail }
+func (e *Error) Error() string {
+	switch e.Kind {
+	case Missing:
+		return "no key"
+	case Multiple:
+		return "more than one key: " + e.Detail
+	}
+	return "malformed key: " + e.Detail
+}
 
 // Parse returns the idempotency key held by values, the entries of the
 // header (one per header line or metadata value). It returns an *Error of
