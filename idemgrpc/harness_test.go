@@ -175,7 +175,7 @@ func insertHandler(runs *atomic.Int64) ledgerHandler {
 
 // serve starts a grpc-go server on 127.0.0.1 with the interceptor and h, and
 // returns a client connection to it; both end with the test.
-func serve(t *testing.T, db idem.Beginner, opts idemgrpc.Options, h ledgerHandler) *grpc.ClientConn {
+func serve(t testing.TB, db idem.Beginner, opts idemgrpc.Options, h ledgerHandler) *grpc.ClientConn {
 	t.Helper()
 	if opts.Scope == nil {
 		opts.Scope = scopeFromMetadata
