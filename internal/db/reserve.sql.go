@@ -112,7 +112,7 @@ SET status     = 'unknown',
     last_error = $1::text
 FROM (SELECT actor, operation, idem_key
       FROM idem_keys
-      WHERE status = 'processing' AND lease_expires_at IS NOT NULL
+      WHERE status = 'processing' AND lease_expires_at IS NOT NULL AND completed_at IS NULL
         AND lease_expires_at <= now()
       ORDER BY lease_expires_at
       LIMIT $2
@@ -128,7 +128,8 @@ type ReserveExpireLeasesParams struct {
 
 // Turns at most @max_rows reservations whose lease ran out into 'unknown',
 // oldest lease first. Rows another worker has locked are skipped, so several
-// workers can run it at once.
+// workers can run it at once. It walks idem_keys_open_lease_idx: its WHERE
+// repeats the index predicate (open reservations: a lease, no outcome).
 func (q *Queries) ReserveExpireLeases(ctx context.Context, db DBTX, arg ReserveExpireLeasesParams) (int64, error) {
 	result, err := db.Exec(ctx, ReserveExpireLeases, arg.Reason, arg.MaxRows)
 	if err != nil {
@@ -253,7 +254,7 @@ func (q *Queries) ReserveInsert(ctx context.Context, db DBTX, arg ReserveInsertP
 const ReserveListUnknown = `-- name: ReserveListUnknown :many
 SELECT actor, operation, idem_key, fingerprint, status, response_status, response_headers, response_body, created_at, completed_at, expires_at, token, lease_expires_at, last_error, resolve_reason
 FROM idem_keys
-WHERE status = 'unknown'
+WHERE status = 'unknown' AND lease_expires_at IS NOT NULL AND completed_at IS NULL
   AND (created_at, actor, operation, idem_key)
       > ($1::timestamptz, $2::text,
          $3::text, $4::text)
@@ -270,7 +271,9 @@ type ReserveListUnknownParams struct {
 }
 
 // Pages through 'unknown' records, oldest first, after the given position
-// ('-infinity' and empty names for the first page).
+// ('-infinity' and empty names for the first page). It walks
+// idem_keys_open_created_idx: its WHERE repeats the index predicate (open
+// reservations: a lease, no outcome).
 func (q *Queries) ReserveListUnknown(ctx context.Context, db DBTX, arg ReserveListUnknownParams) ([]IdemKey, error) {
 	rows, err := db.Query(ctx, ReserveListUnknown,
 		arg.AfterCreatedAt,
