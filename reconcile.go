@@ -246,7 +246,9 @@ func (c *Client) Resolve(ctx context.Context, db Beginner, scope Scope, key stri
 		if err != nil {
 			return err
 		}
-		if row.IdemKey.Token != res.Token {
+		// (Token 0: a record Do wrote, which has no attempt to name and is
+		// never awaiting reconciliation: ErrNotResolvable below.)
+		if row.IdemKey.Token != res.Token && row.IdemKey.Token != 0 {
 			return fmt.Errorf("%w: token %d was resolved or replaced; the record holds token %d now (status %s)",
 				ErrFenced, res.Token, row.IdemKey.Token, row.IdemKey.Status)
 		}
