@@ -100,7 +100,7 @@ func (c *Client) Do(ctx context.Context, tx pgx.Tx, scope Scope, key string, fp 
 	ctx, cl := c.obs.begin(ctx, "do", "idem.Do", scope, key)
 	defer cl.endIfPanicking(ctx)
 	res, err := c.do(ctx, tx, newRowKey(scope, key), fp, fn, &cl)
-	err = preparedStatementsLost(err)
+	err = preparedStatementsLost(txUnusable(err))
 	cl.end(ctx, res, err)
 	return res, err
 }

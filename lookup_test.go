@@ -71,6 +71,23 @@ func TestForgetRefusesKeysInFlight(t *testing.T) {
 		t.Fatalf("an unknown outcome: %v", err)
 	}
 
+	// A lease that ran out, the record still processing: Forget answers as
+	// Reserve and Do do, and changes nothing.
+	if _, err := idem.Reserve(ctx, pool, scope, "lapsed", fpA, time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	waitPast(t, pool, scope, "lapsed", "lease_expires_at")
+	before := readRow(t, pool, scope, "lapsed")
+	if err := idem.Forget(ctx, pool, scope, "lapsed"); !errors.Is(err, idem.ErrOutcomeUnknown) || errors.Is(err, idem.ErrInProgress) {
+		t.Fatalf("Forget of a lapsed lease: %v, want ErrOutcomeUnknown", err)
+	}
+	if after := readRow(t, pool, scope, "lapsed"); after.Status != before.Status || after.Token != before.Token {
+		t.Fatalf("Forget of a lapsed lease changed the row: %+v", after)
+	}
+	if _, err := idem.DoInTx(ctx, pool, scope, "lapsed", fpA, recordEffect(&calls, "lapsed")); !errors.Is(err, idem.ErrOutcomeUnknown) {
+		t.Fatalf("DoInTx on a lapsed lease: %v", err)
+	}
+
 	// A take-over of an expired key that has not committed holds its row.
 	short, _ := idem.New(idem.Config{TTL: time.Millisecond})
 	if _, err := short.DoInTx(ctx, pool, scope, "old", fpA, recordEffect(&calls, "old")); err != nil {
@@ -91,8 +108,8 @@ func TestForgetRefusesKeysInFlight(t *testing.T) {
 	if err := tx.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if keyRows(t, pool) != 2 {
-		t.Fatalf("%d rows, want both kept", keyRows(t, pool))
+	if keyRows(t, pool) != 3 {
+		t.Fatalf("%d rows, want all kept", keyRows(t, pool))
 	}
 
 	for _, bad := range []func() error{

@@ -123,6 +123,12 @@ type StatusOptions struct {
 	// Logger receives a record for every 5xx the handler writes, with a
 	// hash of the key, never the key. Default: slog.Default().
 	Logger *slog.Logger
+
+	// StoredHeaders are the stored headers a replay carries: give it the
+	// middleware's Options.StoredHeaders (same default: Content-Type,
+	// Content-Encoding, Location). Headers a record holds beyond these (one
+	// written by idem.Resolve or idem.DoInTx directly) are not sent.
+	StoredHeaders []string
 }
 
 // StatusHandler returns the handler of the status URL that Middleware
@@ -147,8 +153,9 @@ type StatusOptions struct {
 //     request with the key still runs: its transaction has not committed
 //     yet, or its reservation (idem.Reserve) holds a live lease;
 //   - the stored response once the request finished (succeeded, or
-//     refused with a stored 4xx): its status, stored headers and body
-//     exactly as Middleware replays it, with Idempotent-Replayed: true;
+//     refused with a stored 4xx): its status, the stored headers named in
+//     StatusOptions.StoredHeaders and body exactly as Middleware replays
+//     it, with Idempotent-Replayed: true;
 //   - 409 when the outcome is unknown (CodeOutcomeUnknown): a reservation
 //     marked unknown, or whose lease ran out, until it is reconciled;
 //   - 404 (CodeKeyNotFound) when the caller has no such request: never
@@ -200,6 +207,7 @@ type statusHandler struct {
 	challenge string
 	log       *slog.Logger
 	hash      *loghash.Hasher // of keys in log records
+	stored    []string        // canonical names of the headers a replay carries
 }
 
 func newStatusHandler(db idem.Beginner, opts StatusOptions) (*statusHandler, error) {
@@ -222,8 +230,12 @@ func newStatusHandler(db idem.Beginner, opts StatusOptions) (*statusHandler, err
 	if err != nil {
 		return nil, fmt.Errorf("idemhttp: StatusOptions.Config: %w", err)
 	}
+	stored, err := storedHeaderNames(opts.StoredHeaders)
+	if err != nil {
+		return nil, fmt.Errorf("idemhttp: StatusOptions.StoredHeaders: %w", err)
+	}
 	h := &statusHandler{db: db, probe: probe, actor: opts.Actor, challenge: opts.Challenge, log: opts.Logger,
-		hash: loghash.New(opts.Config.LogHashKey)}
+		hash: loghash.New(opts.Config.LogHashKey), stored: stored}
 	if h.challenge == "" {
 		h.challenge = "Bearer"
 	}
@@ -344,9 +356,7 @@ func (h *statusHandler) answer(w http.ResponseWriter, r *http.Request, key strin
 		}
 		// As Middleware replays it, but never cached, whatever was stored.
 		hdr := w.Header()
-		for name, v := range resp.Header {
-			hdr[http.CanonicalHeaderKey(name)] = v
-		}
+		replayHeaders(hdr, resp.Header, h.stored)
 		hdr.Set("Cache-Control", "no-store")
 		hdr.Set(HeaderReplayed, "true")
 		writeBody(w, resp.Status, resp.Body)
