@@ -72,14 +72,14 @@ func newRowKey(scope Scope, key string) rowKey {
 // fresh claim, or with takeOver the take-over of a row that is over. The
 // bound is set and the caller's lock_timeout restored by the statement
 // itself (see KeyClaim).
-func (c *Client) queueClaim(b *pgx.Batch, k rowKey, fp Fingerprint, takeOver bool) {
+func (c *Client) queueClaim(b *pgx.Batch, k rowKey, fp []byte, takeOver bool) {
 	ctx, q := context.Background(), queuer{b}
 	if takeOver {
 		_, _ = queries.KeyTakeOver(ctx, q, db.KeyTakeOverParams{Actor: k.actor, Operation: k.operation,
-			IdemKey: k.key, Fingerprint: fp[:], TtlMicros: c.ttlMicros, LockTimeout: c.lockTimeout})
+			IdemKey: k.key, Fingerprint: fp, TtlMicros: c.ttlMicros, LockTimeout: c.lockTimeout})
 	} else {
 		_, _ = queries.KeyClaim(ctx, q, db.KeyClaimParams{Actor: k.actor, Operation: k.operation,
-			IdemKey: k.key, Fingerprint: fp[:], TtlMicros: c.ttlMicros, LockTimeout: c.lockTimeout})
+			IdemKey: k.key, Fingerprint: fp, TtlMicros: c.ttlMicros, LockTimeout: c.lockTimeout})
 	}
 }
 
@@ -172,13 +172,13 @@ func (c *Client) judge(row keyRow, found bool, fp Fingerprint, k rowKey) (Result
 
 // queueComplete queues the statement that stores the outcome of a claimed
 // key.
-func (c *Client) queueComplete(b *pgx.Batch, k rowKey, fp Fingerprint, out outcome) {
+func (c *Client) queueComplete(b *pgx.Batch, k rowKey, fp []byte, out outcome) {
 	body := out.resp.Body
 	if body == nil {
 		body = []byte{}
 	}
 	_, _ = queries.KeyComplete(context.Background(), queuer{b}, db.KeyCompleteParams{
-		Actor: k.actor, Operation: k.operation, IdemKey: k.key, Fingerprint: fp[:],
+		Actor: k.actor, Operation: k.operation, IdemKey: k.key, Fingerprint: fp,
 		Status: string(out.status), TtlMicros: c.ttlMicros, ResponseStatus: int32(out.resp.Status),
 		ResponseHeaders: out.headers, ResponseBody: body,
 	})
