@@ -13,8 +13,8 @@ import (
 	"github.com/pgidem/idem/internal/db"
 )
 
-// The statements of the protocol that Do (idem.go) and DoInTx (tx.go) send,
-// and what the row that holds a key means for a call.
+// The statements of the protocol that Do and DoInTx send (their one loop,
+// call, is in idem.go), and what the row that holds a key means for a call.
 //
 // Every statement is a generated sqlc method. The ones Do and DoInTx send
 // together in one round trip are queued in a pgx.Batch by calling the
@@ -24,7 +24,15 @@ import (
 // None of them depends on the planner's statistics for its access path:
 //   - The claim, the take-over and the completion are INSERT ... ON CONFLICT:
 //     the key is found through the primary key (the arbiter index), whatever
-//     the statistics say.
+//     the statistics say. The completion of a key Do claimed changes no
+//     indexed column and no column an index predicate reads, so it is a HOT
+//     update (migration 00003).
+//
+// Their ON CONFLICT DO UPDATE clauses call no function: the clock is read
+// from the proposed row (excluded), which a distributed planner (Citus)
+// accepts too. The claim's bounded wait is a subquery of its INSERT, which
+// such a planner refuses: a variant for it replaces KeyClaim and
+// KeyTakeOver in queueClaim alone.
 //   - KeyGet runs only after "SET LOCAL enable_seqscan = off", undone with
 //     the savepoint (Do) or the transaction (DoInTx) it runs in, so every
 //     plan of it, and the generic plan pgx's statement cache keeps for the

@@ -130,7 +130,7 @@ func (c *Client) do(ctx context.Context, tx pgx.Tx, k rowKey, fp Fingerprint,
 // claim of its own that runs nothing.
 func (c *Client) call(ctx context.Context, s *span, k rowKey, fp Fingerprint,
 	fn func(ctx context.Context, tx pgx.Tx) (Response, error), cl *call) (Result, error) {
-	var decided outcome // a refusal, stored once the key is claimed again
+	var decided outcome // a refusal, stored once the key is claimed again (none: status "")
 	takeOver := false
 	fpBytes := fp[:]
 	b := &pgx.Batch{QueuedQueries: make([]*pgx.QueuedQuery, 0, 4)} // every round trip's, in turn
