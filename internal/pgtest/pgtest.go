@@ -35,6 +35,12 @@
 // DATABASE_URL that is set but does not connect is such a failure: it is
 // never replaced by another server (see [pgserver.Resolve]).
 //
+// Runnable examples have no *testing.T: they connect the way a service
+// does, to DATABASE_URL (with a default for a local server), and keep to a
+// schema of their own. So that they find the server the tests use, Main
+// sets DATABASE_URL, when it is unset, to the server's URL once a test has
+// resolved it.
+//
 // Dropping needs DROP DATABASE … WITH (FORCE), so PostgreSQL 13 or newer.
 package pgtest
 
@@ -125,6 +131,11 @@ func resolve() (*pgserver.Server, *pgxpool.Pool, error) {
 		if err != nil {
 			_ = server.Close()
 			server, serverErr = nil, fmt.Errorf("pgtest: admin pool: %w", err)
+			return
+		}
+		if stopOnNoServer && os.Getenv("DATABASE_URL") == "" {
+			// For the runnable examples, which connect as a service does.
+			_ = os.Setenv("DATABASE_URL", server.URL)
 		}
 	})
 	if serverErr != nil && stopOnNoServer {
@@ -217,6 +228,9 @@ func NewDatabase(ctx context.Context, migrate MigrateFunc) (url string, drop fun
 // a fresh database migrated by migrate (maxConns connections; 0 means
 // pgxpool's default), and a function that closes the pool and drops the
 // database. It panics if the database or the pool cannot be made.
+//
+// The examples of this repository do not use it: they connect as a service
+// does (see examplePool in example_test.go), so that they can be copied.
 func ExamplePool(migrate MigrateFunc, maxConns int32) (*pgxpool.Pool, func()) {
 	ctx := context.Background()
 	url, drop, err := NewDatabase(ctx, migrate)
