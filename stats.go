@@ -28,7 +28,9 @@ type Stats struct {
 // ReadStats reads Stats in one transaction on db. It counts every row, so
 // it takes time in proportion to the table: run it from operators' tools,
 // not on a request path.
-func ReadStats(ctx context.Context, db Beginner) (Stats, error) { return defaultClient.ReadStats(ctx, db) }
+func ReadStats(ctx context.Context, db Beginner) (Stats, error) {
+	return defaultClient.ReadStats(ctx, db)
+}
 
 // ReadStats is the package-level ReadStats, in a transaction of this
 // client (its isolation level and retry budget).
