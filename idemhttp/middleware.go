@@ -18,7 +18,9 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/keyhdr"
 	"github.com/pgidem/idem/internal/loghash"
+	"github.com/pgidem/idem/internal/watchtx"
 )
 
 // Options configures Middleware. Actor is required; every other field's
@@ -351,7 +353,7 @@ func newMiddleware(db idem.Beginner, opts Options) (*middleware, error) {
 
 func isToken(s string) bool {
 	for i := 0; i < len(s); i++ {
-		if !isTchar(s[i]) {
+		if !keyhdr.IsTchar(s[i]) {
 			return false
 		}
 	}
@@ -471,13 +473,13 @@ func (m *middleware) readBody(w http.ResponseWriter, r *http.Request) (body []by
 // to the caller.
 func (m *middleware) run(ctx context.Context, tx pgx.Tx, r *http.Request, base http.Header, body []byte) (*bufferWriter, error) {
 	buf := newBufferWriter(base, m.maxResponse)
-	wt := &watchedTx{Tx: tx}
+	wt := watchtx.New(tx)
 	ctx = context.WithValue(context.WithValue(ctx, txKey{}, pgx.Tx(wt)), runKey{}, buf)
 	req := r.WithContext(ctx)
 	req.Body = io.NopCloser(bytes.NewReader(body))
 	req.ContentLength = int64(len(body))
 	m.next.ServeHTTP(buf, req)
-	return buf, wt.retryable
+	return buf, wt.Retryable()
 }
 
 // serveKeyed runs the handler under idem for a request with a key.
