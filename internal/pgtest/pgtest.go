@@ -224,38 +224,6 @@ func NewDatabase(ctx context.Context, migrate MigrateFunc) (url string, drop fun
 	return server.DatabaseURL(name), drop, nil
 }
 
-// ExamplePool is for runnable examples, which have no *testing.T: a pool on
-// a fresh database migrated by migrate (maxConns connections; 0 means
-// pgxpool's default), and a function that closes the pool and drops the
-// database. It panics if the database or the pool cannot be made.
-//
-// The examples of this repository do not use it: they connect as a service
-// does (see examplePool in example_test.go), so that they can be copied.
-func ExamplePool(migrate MigrateFunc, maxConns int32) (*pgxpool.Pool, func()) {
-	ctx := context.Background()
-	url, drop, err := NewDatabase(ctx, migrate)
-	if err != nil {
-		panic(err)
-	}
-	cfg, err := pgxpool.ParseConfig(url)
-	if err != nil {
-		drop()
-		panic(err)
-	}
-	if maxConns > 0 {
-		cfg.MaxConns = maxConns
-	}
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		drop()
-		panic(err)
-	}
-	return pool, func() {
-		pool.Close()
-		drop()
-	}
-}
-
 // URL returns the URL of a fresh database migrated by migrate (nil means an
 // empty database), dropped when the test ends. Failures fail the test.
 func URL(t testing.TB, migrate MigrateFunc) string {
