@@ -3,6 +3,8 @@ package idem_test
 import (
 	"context"
 	"errors"
+	"maps"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -154,5 +156,36 @@ func TestReadStats(t *testing.T) {
 	}
 	if _, err := idem.ReadStats(ctx, nil); !errors.Is(err, idem.ErrInvalidArgument) {
 		t.Fatal(err)
+	}
+
+	// A Client reads the same, in its own (here serializable) transaction.
+	c, err := idem.New(idem.Config{IsolationLevel: pgx.Serializable})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cst, err := c.ReadStats(ctx, pool)
+	if err != nil || !maps.Equal(cst.Keys, st.Keys) || !cst.OldestProcessing.Equal(st.OldestProcessing) {
+		t.Fatalf("Client.ReadStats: %+v, %v; want %+v", cst, err, st)
+	}
+	if _, err := c.ReadStats(ctx, nil); !errors.Is(err, idem.ErrInvalidArgument) {
+		t.Fatal(err)
+	}
+}
+
+// A Client checks both halves of a call's target: its key (under its
+// bounds) and its scope (the package's limits).
+func TestClientValidateScope(t *testing.T) {
+	t.Parallel()
+	c, err := idem.New(idem.Config{MinKeyLength: 8})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, bad := range []idem.Scope{{}, {Actor: "a"}, {Operation: "o"}, {Actor: strings.Repeat("a", 256), Operation: "o"}, {Actor: "a\x00", Operation: "o"}} {
+		if err := c.ValidateScope(bad); !errors.Is(err, idem.ErrInvalidScope) || err.Error() != idem.ValidateScope(bad).Error() {
+			t.Errorf("%q: %v", bad, err)
+		}
+	}
+	if err := c.ValidateScope(idem.Scope{Actor: "alice", Operation: "draw"}); err != nil {
+		t.Error(err)
 	}
 }

@@ -409,7 +409,7 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 
-	key, err := parseKey(r.Header.Values(HeaderKey))
+	key, err := ParseKey(r.Header)
 	switch {
 	case errors.Is(err, ErrMissingKey) && m.keyOptional:
 		key, err = "", nil

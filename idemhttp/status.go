@@ -37,10 +37,17 @@ const (
 	StatusParamKey       = "key"
 )
 
-// StatusProcessing is the "status" member of the JSON document of a 202
-// Accepted answer, {"status":"processing"}: the request with the key is
-// still running; ask again after Retry-After.
-const StatusProcessing = "processing"
+// AcceptedStatusProcessing is the "status" member of the JSON document of
+// a 202 Accepted answer, {"status":"processing"}: the request with the key
+// is still running; ask again after Retry-After. It is a string in a
+// response body, not an idem.Status.
+const AcceptedStatusProcessing = "processing"
+
+// StatusProcessing is AcceptedStatusProcessing.
+//
+// Deprecated: use AcceptedStatusProcessing. This name is easily taken for
+// idem.StatusProcessing, the Status of a record.
+const StatusProcessing = AcceptedStatusProcessing
 
 // statusLocation returns the status URL of (operation, key) under base, an
 // Options.StatusURL that parseStatusURL accepted.
@@ -68,7 +75,7 @@ func parseStatusURL(s string) error {
 func writeAccepted(w http.ResponseWriter, location string, retryAfter time.Duration) {
 	body, _ := json.Marshal(struct {
 		Status string `json:"status"`
-	}{StatusProcessing})
+	}{AcceptedStatusProcessing})
 	h := w.Header()
 	h.Set("Content-Type", "application/json")
 	h.Set("Content-Length", strconv.Itoa(len(body)))

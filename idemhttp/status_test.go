@@ -50,7 +50,7 @@ func processing(t *testing.T, what string, r reply) {
 	var doc struct{ Status string }
 	if r.status != http.StatusAccepted || r.header.Get("Retry-After") == "" ||
 		r.header.Get("Content-Type") != "application/json" || r.header.Get("Cache-Control") != "no-store" ||
-		json.Unmarshal(r.body, &doc) != nil || doc.Status != idemhttp.StatusProcessing || r.replayed() {
+		json.Unmarshal(r.body, &doc) != nil || doc.Status != idemhttp.AcceptedStatusProcessing || r.replayed() {
 		t.Fatalf("%s: %s %v, want 202 processing with Retry-After", what, r, r.header)
 	}
 }
