@@ -1,6 +1,8 @@
 package idem
 
 import (
+	"database/sql"
+	"database/sql/driver"
 	"errors"
 	"fmt"
 	"io"
@@ -131,11 +133,17 @@ func RejectedResponse(err error) (Response, bool) {
 // nothing is stored and the key is free again once the caller rolls back.
 func Reject(resp Response) error { return &rejection{resp: resp} }
 
-// pgCode returns the SQLSTATE of err if it is (or wraps) a PostgreSQL error.
+// pgCode returns the SQLSTATE of err if it is (or wraps) a PostgreSQL error:
+// pgx's *pgconn.PgError, or another driver's error with an SQLState method
+// (lib/pq's *pq.Error), so that package idemsql classifies alike.
 func pgCode(err error) string {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
 		return pgErr.Code
+	}
+	var stateErr interface{ SQLState() string }
+	if errors.As(err, &stateErr) {
+		return stateErr.SQLState()
 	}
 	return ""
 }
@@ -144,7 +152,9 @@ func pgCode(err error) string {
 // request, through no fault of the request itself: err wraps
 // ErrUnavailable; or the server could not be reached, or dropped the
 // connection, or the pool is closed, or a deadline ran out on the way; or
-// the server answered with SQLSTATE class 08 (connection exception), 53
+// database/sql reports a bad or closed connection (driver.ErrBadConn,
+// sql.ErrConnDone); or the server answered (through pgx or another driver,
+// such as lib/pq) with SQLSTATE class 08 (connection exception), 53
 // (insufficient resources), 57 (operator intervention: a shutdown, a
 // cancelled or timed-out statement) or 58 (system error). Fail closed (HTTP 503) and let the client retry with
 // the same key: the retry replays if the first attempt committed, and runs
@@ -159,11 +169,17 @@ func isUnavailable(err error) bool {
 	if errors.As(err, &pgErr) {
 		return serverUnavailable(pgErr)
 	}
+	if code := pgCode(err); code != "" { // another driver's server error
+		return serverUnavailable(&pgconn.PgError{Code: code})
+	}
 	var connectErr *pgconn.ConnectError
 	var netErr net.Error
 	return errors.As(err, &connectErr) || errors.As(err, &netErr) || pgconn.Timeout(err) ||
 		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, net.ErrClosed) ||
-		errors.Is(err, puddle.ErrClosedPool)
+		errors.Is(err, puddle.ErrClosedPool) ||
+		// database/sql: a connection the driver found broken, or one
+		// database/sql closed under a transaction.
+		errors.Is(err, driver.ErrBadConn) || errors.Is(err, sql.ErrConnDone)
 }
 
 // serverUnavailable reports whether the server answered with an error of
