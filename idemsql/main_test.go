@@ -6,10 +6,10 @@ import (
 	"os"
 	"testing"
 
-	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" driver
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-	_ "github.com/lib/pq" // the "postgres" driver
+	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" driver
+	_ "github.com/lib/pq"              // the "postgres" driver
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/pgtest"
