@@ -176,7 +176,7 @@ func isUnavailable(err error) bool {
 	var netErr net.Error
 	return errors.As(err, &connectErr) || errors.As(err, &netErr) || pgconn.Timeout(err) ||
 		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, net.ErrClosed) ||
-		errors.Is(err, puddle.ErrClosedPool) ||
+		errors.Is(err, puddle.ErrClosedPool) || errors.Is(err, pgconn.ErrConnClosed) ||
 		// database/sql: a connection the driver found broken, or one
 		// database/sql closed under a transaction.
 		errors.Is(err, driver.ErrBadConn) || errors.Is(err, sql.ErrConnDone)
