@@ -44,6 +44,7 @@ func init() {
 				Fingerprint: row.Fingerprint, Status: row.Status, ResponseStatus: row.ResponseStatus,
 				ResponseHeaders: row.ResponseHeaders, ResponseBody: row.ResponseBody,
 				Token: r.Token, LastError: pgtype.Text{String: r.LastError, Valid: r.LastError != ""},
+				ResolveReason:  pgtype.Text{String: r.ResolveReason, Valid: r.ResolveReason != ""},
 				CreatedAt:      pgtype.Timestamptz{Time: r.CreatedAt, Valid: true},
 				CompletedAt:    pgtype.Timestamptz{Time: r.CompletedAt, Valid: !r.CompletedAt.IsZero()},
 				ExpiresAt:      pgtype.Timestamptz{Time: r.ExpiresAt, Valid: true},

@@ -272,24 +272,22 @@ func failed(ctx context.Context, tx *sql.Tx, err error) error {
 // claim claims k for fp in tx, bounded by Config.Wait: a fresh claim, or
 // with takeOver the take-over of a row that is over. claimed is false when
 // a committed row holds the key.
+//
+// The statement sets the bound and, when it claims, restores the caller's
+// lock_timeout itself (see KeyClaim); when it claims nothing the savepoint
+// or transaction ends before the caller's code runs, which restores it.
 func (c *Client) claim(ctx context.Context, tx *sql.Tx, k bridge.Key, fp idem.Fingerprint, takeOver bool) (claimed bool, err error) {
-	if err := queries.LockTimeoutSet(ctx, tx, c.wait); err != nil {
-		return false, err
-	}
 	if takeOver {
 		claimed, err = queries.KeyTakeOver(ctx, tx, dbsql.KeyTakeOverParams{Actor: k.Actor, Operation: k.Operation,
-			IdemKey: k.Key, Fingerprint: fp[:], TtlMicros: c.ttlMicros})
+			IdemKey: k.Key, Fingerprint: fp[:], TtlMicros: c.ttlMicros, LockTimeout: c.wait})
 	} else {
 		claimed, err = queries.KeyClaim(ctx, tx, dbsql.KeyClaimParams{Actor: k.Actor, Operation: k.Operation,
-			IdemKey: k.Key, Fingerprint: fp[:], TtlMicros: c.ttlMicros})
+			IdemKey: k.Key, Fingerprint: fp[:], TtlMicros: c.ttlMicros, LockTimeout: c.wait})
 	}
 	if errors.Is(err, sql.ErrNoRows) {
-		claimed, err = false, nil
+		return false, nil
 	}
-	if err != nil {
-		return false, err
-	}
-	return claimed, queries.LockTimeoutRestore(ctx, tx)
+	return claimed, err
 }
 
 // claimError turns the failure of a claim into the error a call returns: a

@@ -25,6 +25,9 @@ import (
 // package idem stores it).
 const leaseExpiredReason = "lease expired before the outcome was recorded"
 
+// sqlLockTimeout bounds the waits of the rest of Reserve's transaction.
+const sqlLockTimeout = "SELECT set_config('lock_timeout', $1, true)"
+
 // maxReserveAttempts bounds the rounds of insert and read when the row that
 // held a key keeps disappearing under Reserve (pruned, forgotten).
 const maxReserveAttempts = 4
@@ -92,7 +95,9 @@ func (c *Client) reserve(ctx context.Context, tx *sql.Tx, k bridge.Key, fp idem.
 	}
 	// Both settings are local to Reserve's own transaction: the wait for
 	// a transaction that holds the key, and the read as an index lookup.
-	if err := queries.LockTimeoutSet(ctx, tx, c.wait); err != nil {
+	// (set_config(..., true) is SET LOCAL lock_timeout, which takes no
+	// parameter; package idem's Reserve sends the same.)
+	if _, err := tx.ExecContext(ctx, sqlLockTimeout, c.wait); err != nil {
 		return r, nil, err
 	}
 	if _, err := tx.ExecContext(ctx, sqlIndexLookup); err != nil {
@@ -419,7 +424,7 @@ func record(k dbsql.IdemKey) (idem.Record, error) {
 		},
 		Key:       bridge.Key{Actor: k.Actor, Operation: k.Operation, Key: k.IdemKey},
 		Token:     k.Token,
-		LastError: k.LastError.String,
+		LastError: k.LastError.String, ResolveReason: k.ResolveReason.String,
 		CreatedAt: k.CreatedAt, CompletedAt: k.CompletedAt.Time, ExpiresAt: k.ExpiresAt,
 		LeaseExpiresAt: k.LeaseExpiresAt.Time,
 	})
@@ -431,7 +436,10 @@ func record(k dbsql.IdemKey) (idem.Record, error) {
 // 'failed_retryable'; the token advances, fencing the reservation that held
 // the key. idem.ErrNotFound when no record holds the key,
 // idem.ErrNotResolvable when a live lease holds it or its outcome is
-// recorded; invalid resolutions are refused before anything runs.
+// recorded; idem.ErrFenced when res.Token is not the record's current token
+// (look it up again); invalid resolutions (no token, both or neither
+// verdict) are refused before anything runs. The record keeps its
+// LastError; res.Reason is stored as its ResolveReason.
 func Resolve(ctx context.Context, db *sql.DB, scope idem.Scope, key string, res idem.Resolution) error {
 	return defaultClient.Resolve(ctx, db, scope, key, res)
 }
@@ -443,6 +451,9 @@ func (c *Client) Resolve(ctx context.Context, db *sql.DB, scope idem.Scope, key 
 	}
 	if db == nil {
 		return errNilDB
+	}
+	if res.Token <= 0 {
+		return fmt.Errorf("%w: a Resolution names the Token of the attempt it resolves (Record.Token)", idem.ErrInvalidArgument)
 	}
 	if (res.Succeeded != nil) == res.Retryable {
 		return fmt.Errorf("%w: a Resolution sets exactly one of Succeeded and Retryable", idem.ErrInvalidArgument)
@@ -475,6 +486,10 @@ func (c *Client) Resolve(ctx context.Context, db *sql.DB, scope idem.Scope, key 
 		if err != nil {
 			return err
 		}
+		if row.IdemKey.Token != res.Token {
+			return fmt.Errorf("%w: token %d was resolved or replaced; the record holds token %d now (status %s)",
+				idem.ErrFenced, res.Token, row.IdemKey.Token, row.IdemKey.Status)
+		}
 		switch status := idem.Status(row.IdemKey.Status); {
 		case status == idem.StatusUnknown:
 		case status == idem.StatusProcessing && row.Leased && row.LeaseLeftMs > 0:
@@ -491,7 +506,7 @@ func (c *Client) Resolve(ctx context.Context, db *sql.DB, scope idem.Scope, key 
 		}
 		return err
 	})
-	if err != nil && !errors.Is(err, idem.ErrNotFound) && !errors.Is(err, idem.ErrNotResolvable) {
+	if err != nil && !errors.Is(err, idem.ErrNotFound) && !errors.Is(err, idem.ErrNotResolvable) && !errors.Is(err, idem.ErrFenced) {
 		err = fmt.Errorf("idem: resolve: %w", err)
 	}
 	if err != nil {

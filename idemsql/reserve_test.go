@@ -97,13 +97,20 @@ func TestReservations(t *testing.T) {
 		if next, err := c.ListUnknown(ctx, db, 10, &list[0]); err != nil || len(next) != 0 {
 			t.Fatalf("ListUnknown's next page: %+v, %v", next, err)
 		}
-		if err := c.Resolve(ctx, db, scope, "r2", idem.Resolution{Succeeded: &paid, Reason: "found at the gateway"}); err != nil {
+		if err := c.Resolve(ctx, db, scope, "r2", idem.Resolution{Token: list[0].Token, Succeeded: &paid, Reason: "found at the gateway"}); err != nil {
 			t.Fatalf("Resolve: %v", err)
 		}
-		if err := c.Resolve(ctx, db, scope, "r2", idem.Resolution{Retryable: true}); !errors.Is(err, idem.ErrNotResolvable) {
-			t.Fatalf("Resolve twice: %v", err)
+		if err := c.Resolve(ctx, db, scope, "r2", idem.Resolution{Token: list[0].Token, Retryable: true}); !errors.Is(err, idem.ErrFenced) {
+			t.Fatalf("Resolve twice with the same token: %v", err)
 		}
-		if err := c.Resolve(ctx, db, scope, "nobody", idem.Resolution{Retryable: true}); !errors.Is(err, idem.ErrNotFound) {
+		resolved, err := c.Lookup(ctx, db, scope, "r2")
+		if err != nil || resolved.ResolveReason != "found at the gateway" || resolved.LastError != "timeout after send" {
+			t.Fatalf("Lookup after Resolve: %+v, %v", resolved, err)
+		}
+		if err := c.Resolve(ctx, db, scope, "r2", idem.Resolution{Token: resolved.Token, Retryable: true}); !errors.Is(err, idem.ErrNotResolvable) {
+			t.Fatalf("Resolve of a resolved record: %v", err)
+		}
+		if err := c.Resolve(ctx, db, scope, "nobody", idem.Resolution{Token: 1, Retryable: true}); !errors.Is(err, idem.ErrNotFound) {
 			t.Fatalf("Resolve of no record: %v", err)
 		}
 		err = c.InTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error { return c.Complete(ctx, tx, r3, paid) })

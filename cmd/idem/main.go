@@ -253,10 +253,11 @@ var commands = map[string]command{
 		},
 	},
 	"resolve": {
-		usage: "resolve <actor> <operation> <key> (--succeeded [--status N] [--body B | --body-file F] | --retryable) --reason R",
-		help:  "Reconciles a record whose outcome is unknown (or whose lease ran out): --succeeded stores the\nresponse found at the outside system, to be replayed; --retryable says the work certainly did not\nhappen, so the next request with the key runs it. The reservation that held the key is fenced.",
+		usage: "resolve <actor> <operation> <key> --token T (--succeeded [--status N] [--body B | --body-file F] | --retryable) --reason R",
+		help:  "Reconciles a record whose outcome is unknown (or whose lease ran out): --succeeded stores the\nresponse found at the outside system, to be replayed; --retryable says the work certainly did not\nhappen, so the next request with the key runs it. The reservation that held the key is fenced.\n--token names the attempt the verdict is about (as unknown list and inspect show it); when the record\nholds another token now, nothing changes and resolve fails: inspect the record again.",
 		flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			var o resolveFlags
+			fs.Int64Var(&o.token, "token", 0, "the token of the attempt being resolved, as unknown list and inspect show it (required)")
 			fs.BoolVar(&o.succeeded, "succeeded", false, "the work happened: store a response")
 			fs.BoolVar(&o.retryable, "retryable", false, "the work certainly did not happen: let it run again")
 			fs.IntVar(&o.status, "status", 200, "with --succeeded: the stored response's status")
@@ -324,7 +325,8 @@ func (e *env) exit(err error) int {
 		code = exitUsage
 	case errors.Is(err, idem.ErrNotFound):
 		code = exitNotFound
-	case errors.Is(err, idem.ErrNotResolvable), errors.Is(err, idem.ErrInProgress), errors.Is(err, idem.ErrOutcomeUnknown):
+	case errors.Is(err, idem.ErrNotResolvable), errors.Is(err, idem.ErrInProgress), errors.Is(err, idem.ErrOutcomeUnknown),
+		errors.Is(err, idem.ErrFenced):
 		code = exitRefused
 	case errors.Is(err, idem.ErrInvalidKey), errors.Is(err, idem.ErrInvalidScope), errors.Is(err, idem.ErrInvalidArgument),
 		errors.Is(err, idem.ErrInvalidResponse), errors.Is(err, idem.ErrResponseTooLarge):
@@ -584,6 +586,7 @@ type resolveFlags struct {
 	body, bodyFile       string
 	contentType          string
 	reason               string
+	token                int64
 }
 
 func resolve(ctx context.Context, e *env, args []string, o resolveFlags) error {
@@ -591,13 +594,16 @@ func resolve(ctx context.Context, e *env, args []string, o resolveFlags) error {
 	if err != nil {
 		return err
 	}
+	if o.token <= 0 {
+		return usagef("--token is required: the token of the attempt being resolved, as unknown list and inspect show it")
+	}
 	if o.succeeded == o.retryable {
 		return usagef("give exactly one of --succeeded and --retryable")
 	}
 	if strings.TrimSpace(o.reason) == "" {
 		return usagef("--reason is required: it is stored with the record for the audit trail")
 	}
-	res := idem.Resolution{Retryable: o.retryable, Reason: o.reason}
+	res := idem.Resolution{Token: o.token, Retryable: o.retryable, Reason: o.reason}
 	if o.succeeded {
 		if o.body != "" && o.bodyFile != "" {
 			return usagef("give --body or --body-file, not both")
@@ -640,6 +646,9 @@ func recordJSON(r idem.Record) map[string]any {
 	if r.LastError != "" {
 		out["last_error"] = r.LastError
 	}
+	if r.ResolveReason != "" {
+		out["resolve_reason"] = r.ResolveReason
+	}
 	if !r.CompletedAt.IsZero() {
 		out["completed_at"] = r.CompletedAt
 	}
@@ -676,6 +685,9 @@ func recordText(r idem.Record) string {
 	}
 	if r.LastError != "" {
 		line("last_error", r.LastError)
+	}
+	if r.ResolveReason != "" {
+		line("resolve_reason", r.ResolveReason)
 	}
 	if r.Response != nil {
 		line("response_status", fmt.Sprint(r.Response.Status))

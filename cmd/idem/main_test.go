@@ -6,9 +6,11 @@ import (
 	"encoding/json"
 	"errors"
 	"flag"
+	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -95,8 +97,13 @@ func TestCLIEndToEnd(t *testing.T) {
 	}
 
 	// migrate up, status, down, up.
+	files, err := fs.ReadDir(idem.Migrations(), ".")
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := len(files) // idem's migrations
 	out, stderr, code := cli(t, url, "migrate", "up")
-	if code != 0 || strings.Count(out, "applied") != 2 {
+	if code != 0 || strings.Count(out, "applied") != n {
 		t.Fatalf("migrate up: exit %d\n%s%s", code, out, stderr)
 	}
 	if out, _, code = cli(t, url, "migrate", "down"); code != 0 || !strings.Contains(out, "pending") {
@@ -105,7 +112,7 @@ func TestCLIEndToEnd(t *testing.T) {
 	for _, args := range [][]string{{"--json", "migrate", "status"}, {"migrate", "status", "--json"}} {
 		out, _, code = cli(t, url, args...)
 		var status []struct{ Applied bool }
-		if code != 0 || json.Unmarshal([]byte(out), &status) != nil || len(status) != 2 || !status[0].Applied || status[1].Applied {
+		if code != 0 || json.Unmarshal([]byte(out), &status) != nil || len(status) != n || !status[n-2].Applied || status[n-1].Applied {
 			t.Fatalf("%v: exit %d\n%s", args, code, out)
 		}
 	}
@@ -198,15 +205,26 @@ func TestCLIEndToEnd(t *testing.T) {
 	if _, _, code = cli(t, url, "forget", "alice", "draw", "pay-1"); code != exitRefused {
 		t.Fatalf("forget of an unknown outcome: exit %d", code)
 	}
-	if _, _, code = cli(t, url, "resolve", "alice", "draw", "pay-1", "--succeeded"); code != exitUsage {
+	token := strconv.FormatInt(r.Token, 10)
+	if !strings.Contains(out, "token "+token) {
+		t.Fatalf("unknown list does not show token %s:\n%s", token, out)
+	}
+	if _, _, code = cli(t, url, "resolve", "alice", "draw", "pay-1", "--token", token, "--succeeded"); code != exitUsage {
 		t.Fatalf("resolve without --reason: exit %d", code)
 	}
-	out, stderr, code = cli(t, url, "resolve", "alice", "draw", "pay-1", "--succeeded", "--status", "201",
+	if _, _, code = cli(t, url, "resolve", "alice", "draw", "pay-1", "--succeeded", "--reason", "found"); code != exitUsage {
+		t.Fatalf("resolve without --token: exit %d", code)
+	}
+	if _, _, code = cli(t, url, "resolve", "alice", "draw", "pay-1", "--token", strconv.FormatInt(r.Token+1, 10),
+		"--succeeded", "--reason", "found"); code != exitRefused {
+		t.Fatalf("resolve with another token: exit %d", code)
+	}
+	out, stderr, code = cli(t, url, "resolve", "alice", "draw", "pay-1", "--token", token, "--succeeded", "--status", "201",
 		"--body", `{"charged":true}`, "--reason", "charge found at the gateway")
 	if code != 0 {
 		t.Fatalf("resolve: exit %d\n%s%s", code, out, stderr)
 	}
-	if _, _, code = cli(t, url, "resolve", "alice", "draw", "pay-1", "--retryable", "--reason", "again"); code != exitRefused {
+	if _, _, code = cli(t, url, "resolve", "alice", "draw", "pay-1", "--token", token, "--retryable", "--reason", "again"); code != exitRefused {
 		t.Fatalf("resolve of a resolved record: exit %d", code)
 	}
 	replay, err := idem.Reserve(ctx, pool, scope, "pay-1", idem.FingerprintParts([]byte("p")), time.Minute)

@@ -48,6 +48,7 @@ type RecordRow struct {
 	Key
 	Token          int64
 	LastError      string
+	ResolveReason  string
 	CreatedAt      time.Time
 	CompletedAt    time.Time
 	ExpiresAt      time.Time

@@ -26,4 +26,5 @@ type IdemKey struct {
 	Token           int64
 	LeaseExpiresAt  sql.NullTime
 	LastError       sql.NullString
+	ResolveReason   sql.NullString
 }
