@@ -6,8 +6,8 @@ import (
 	"os"
 	"testing"
 
-	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" database/sql driver
 	"github.com/jackc/pgx/v5/pgxpool"
+	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" database/sql driver
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/pgtest"
@@ -60,4 +60,3 @@ func checkOnce(t *testing.T, db *sql.DB, first, second idem.Result, item string)
 		t.Fatalf("%d orders of %s, want 1 (%v)", n, item, err)
 	}
 }
-
