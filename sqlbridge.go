@@ -2,8 +2,10 @@ package idem
 
 import (
 	"context"
+	"database/sql"
 
 	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/pressly/goose/v3"
 
 	"github.com/pgidem/idem/internal/bridge"
 	store "github.com/pgidem/idem/internal/db"
@@ -69,6 +71,12 @@ func init() {
 		},
 		CountEnd: func(c *Client, ctx context.Context, call, operation string, err error, event string) {
 			c.countEnd(ctx, call, Scope{Operation: operation}, err, event)
+		},
+		Migrate: func(ctx context.Context, db *sql.DB) error {
+			return withSQLProvider(db, func(p *goose.Provider) error {
+				_, err := p.Up(ctx)
+				return err
+			})
 		},
 		Count: func(c *Client, ctx context.Context, event, call, operation string, n int64) {
 			c.obs.count(ctx, event, call, operation, n)

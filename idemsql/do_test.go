@@ -13,6 +13,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5/pgxpool"
+
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemsql"
 	"github.com/pgidem/idem/internal/pgtest"
@@ -35,11 +37,23 @@ func TestMigrate(t *testing.T) {
 	t.Parallel()
 	eachDriver(t, func(t *testing.T, driver string) {
 		ctx := t.Context()
-		db := open(t, driver, pgtest.URL(t, nil))
+		url := pgtest.URL(t, nil)
+		db := open(t, driver, url)
+		pool, err := pgxpool.New(ctx, url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer pool.Close()
 		var wg sync.WaitGroup
 		errs := make([]error, 4)
-		for i := range errs { // concurrent runs serialize on the lock
-			wg.Go(func() { errs[i] = idemsql.Migrate(ctx, db) })
+		for i := range errs { // concurrent runs of both forms serialize on one lock
+			wg.Go(func() {
+				if i == 0 {
+					errs[i] = idem.Migrate(ctx, pool)
+					return
+				}
+				errs[i] = idemsql.Migrate(ctx, db)
+			})
 		}
 		wg.Wait()
 		for _, err := range errs {

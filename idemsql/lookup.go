@@ -7,39 +7,23 @@ import (
 	"fmt"
 
 	"github.com/jackc/pgerrcode"
-	"github.com/pressly/goose/v3"
-	"github.com/pressly/goose/v3/lock"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/dbsql"
 )
 
 // Migrate is idem.Migrate on a *sql.DB: it brings idem's table up to date
-// with the same migrations (idem.Migrations), the same version table
-// (idem.MigrationTable) and the same advisory lock (idem.MigrationLockID),
-// so a database migrated by either form is migrated for both, and
-// concurrent runs of either serialize. It does nothing when everything is
-// applied.
+// with package idem's own migration run (the same migrations,
+// idem.Migrations; the same version table, idem.MigrationTable; the same
+// lock, idem.MigrationLockID in idem.MigrationLockTable), so a database
+// migrated by either form is migrated for both, and concurrent runs of
+// either serialize. It does nothing when everything is applied, and works
+// through a transaction pooler.
 func Migrate(ctx context.Context, db *sql.DB) error {
 	if db == nil {
 		return errNilDB
 	}
-	locker, err := lock.NewPostgresSessionLocker(
-		lock.WithLockID(idem.MigrationLockID),
-		lock.WithLockTimeout(1, 300),
-	)
-	if err != nil {
-		return fmt.Errorf("idem: migrate: %w", err)
-	}
-	provider, err := goose.NewProvider(goose.DialectPostgres, db, idem.Migrations(),
-		goose.WithTableName(idem.MigrationTable),
-		goose.WithSessionLocker(locker),
-		goose.WithDisableGlobalRegistry(true),
-	)
-	if err != nil {
-		return fmt.Errorf("idem: migrate: %w", err)
-	}
-	if _, err := provider.Up(ctx); err != nil {
+	if err := core.Migrate(ctx, db); err != nil {
 		return fmt.Errorf("idem: migrate: %w", err)
 	}
 	return nil

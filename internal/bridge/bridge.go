@@ -20,6 +20,7 @@ package bridge
 
 import (
 	"context"
+	"database/sql"
 	"database/sql/driver"
 	"errors"
 	"time"
@@ -125,6 +126,9 @@ type Funcs[Client, Result, Response, Record any] struct {
 	// it succeeded and event is not "", a fenced reservation, a store
 	// failure).
 	CountEnd func(c Client, ctx context.Context, call, operation string, err error, event string)
+	// Migrate brings idem's tables up to date on db, serialized with
+	// idem.Migrate (the same goose provider, version table and lock).
+	Migrate func(ctx context.Context, db *sql.DB) error
 	// Count adds n to the counter of event.
 	Count func(c Client, ctx context.Context, event, call, operation string, n int64)
 }
