@@ -242,6 +242,9 @@ func (c *Client) Resolve(ctx context.Context, db Beginner, scope Scope, key stri
 		if err != nil {
 			return err
 		}
+		if row.IdemKey.Token == 0 { // Do's record: no attempt to resolve
+			return fmt.Errorf("%w: it is %s, recorded by Do", ErrNotResolvable, row.IdemKey.Status)
+		}
 		if row.IdemKey.Token != res.Token {
 			return fmt.Errorf("%w: token %d was resolved or replaced; the record holds token %d now (status %s)",
 				ErrFenced, res.Token, row.IdemKey.Token, row.IdemKey.Status)

@@ -18,7 +18,9 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/keyhdr"
 	"github.com/pgidem/idem/internal/loghash"
+	"github.com/pgidem/idem/internal/watchtx"
 )
 
 // Options configures Middleware. Actor is required; every other field's
@@ -360,7 +362,7 @@ func newMiddleware(db any, opts Options) (*middleware, error) {
 
 func isToken(s string) bool {
 	for i := 0; i < len(s); i++ {
-		if !isTchar(s[i]) {
+		if !keyhdr.IsTchar(s[i]) {
 			return false
 		}
 	}
@@ -480,10 +482,10 @@ func (m *middleware) readBody(w http.ResponseWriter, r *http.Request) (body []by
 // to the caller.
 func (m *middleware) run(ctx context.Context, tx any, r *http.Request, base http.Header, body []byte) (*bufferWriter, error) {
 	buf := newBufferWriter(base, m.maxResponse)
-	var wt *watchedTx
+	var wt *watchtx.Tx
 	switch tx := tx.(type) {
 	case pgx.Tx:
-		wt = &watchedTx{Tx: tx}
+		wt = watchtx.New(tx)
 		ctx = context.WithValue(ctx, txKey{}, pgx.Tx(wt))
 	case *sql.Tx:
 		ctx = context.WithValue(ctx, sqlTxKey{}, tx)
@@ -496,7 +498,7 @@ func (m *middleware) run(ctx context.Context, tx any, r *http.Request, base http
 	if wt == nil {
 		return buf, nil
 	}
-	return buf, wt.retryable
+	return buf, wt.Retryable()
 }
 
 // serveKeyed runs the handler under idem for a request with a key.

@@ -316,7 +316,7 @@ func TestCLIUsageErrors(t *testing.T) {
 		{[]string{"prune", "--batch-size", "x"}, `idem prune: invalid value "x" for flag -batch-size: parse error`},
 		{[]string{"migrate", "sideways"}, `idem migrate: want up, down or status, got "sideways"`},
 		{[]string{"stats"}, "idem stats: no database: set DATABASE_URL or pass --database-url"},
-		{[]string{"resolve", "a", "b", "c", "--succeeded"}, "idem resolve: --reason is required: it is stored with the record for the audit trail"},
+		{[]string{"resolve", "a", "b", "c", "--token", "1", "--succeeded"}, "idem resolve: --reason is required: it is stored with the record for the audit trail"},
 	} {
 		out, errOut, code := runCLI(t, "", tc.args...)
 		first, rest, _ := strings.Cut(errOut, "\n")
@@ -383,7 +383,7 @@ func TestCLIUnmigrated(t *testing.T) {
 	const hint = "run `idem migrate up`"
 	for _, args := range [][]string{
 		{"stats"}, {"prune"}, {"prune", "--dry-run"}, {"inspect", "a", "b", "c"}, {"forget", "a", "b", "c"},
-		{"unknown", "list"}, {"resolve", "a", "b", "c", "--retryable", "--reason", "r"},
+		{"unknown", "list"}, {"resolve", "a", "b", "c", "--token", "1", "--retryable", "--reason", "r"},
 	} {
 		out, errOut, code := runCLI(t, url, args...)
 		if code != exitFailure || out != "" || strings.Count(errOut, "\n") != 1 ||
