@@ -180,11 +180,17 @@ func RejectedResponse(err error) (Response, bool) {
 // nothing is stored and the key is free again once the caller rolls back.
 func Reject(resp Response) error { return &rejection{resp: resp} }
 
-// pgCode returns the SQLSTATE of err if it is (or wraps) a PostgreSQL error.
+// pgCode returns the SQLSTATE of err if it is (or wraps) a PostgreSQL error:
+// pgx's *pgconn.PgError, or another driver's error with an SQLState method
+// (lib/pq's *pq.Error), so that package idemsql classifies alike.
 func pgCode(err error) string {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
 		return pgErr.Code
+	}
+	var stateErr interface{ SQLState() string }
+	if errors.As(err, &stateErr) {
+		return stateErr.SQLState()
 	}
 	return ""
 }
@@ -193,15 +199,17 @@ func pgCode(err error) string {
 // request, through no fault of the request itself: err wraps
 // ErrUnavailable; or the server could not be reached, or dropped the
 // connection (also when pgx reports the broken connection later as "conn
-// closed", to any call or to the caller's own Exec or Commit), or the pool is
-// closed, or a deadline ran out on the way; or the server answered with
-// SQLSTATE class 08 (connection exception), 53 (insufficient resources), 57
-// (operator intervention: a shutdown, a cancelled or timed-out statement) or
-// 58 (system error). This holds for the error of every public call of idem
-// and of Migrate. Fail closed (HTTP 503) and let the client retry with the
-// same key: the retry replays if the first attempt committed, and runs
-// otherwise (Lookup shows what committed). This is the one classification
-// idem and idemhttp use.
+// closed", to any call or to the caller's own Exec or Commit; database/sql
+// reports it as driver.ErrBadConn or sql.ErrConnDone), or the pool is
+// closed, or a deadline ran out on the way; or the server answered
+// (through pgx, or another driver such as lib/pq under package idemsql)
+// with SQLSTATE class 08 (connection exception), 53 (insufficient
+// resources), 57 (operator intervention: a shutdown, a cancelled or
+// timed-out statement) or 58 (system error). This holds for the error of
+// every public call of idem and of Migrate. Fail closed (HTTP 503) and let
+// the client retry with the same key: the retry replays if the first
+// attempt committed, and runs otherwise (Lookup shows what committed). This
+// is the one classification idem and idemhttp use.
 func Unavailable(err error) bool {
 	return err != nil && (errors.Is(err, ErrUnavailable) || isUnavailable(err))
 }
@@ -211,6 +219,9 @@ func isUnavailable(err error) bool {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
 		return serverUnavailable(pgErr)
+	}
+	if code := pgCode(err); code != "" { // another driver's server error
+		return serverUnavailable(&pgconn.PgError{Code: code})
 	}
 	var connectErr *pgconn.ConnectError
 	var netErr net.Error

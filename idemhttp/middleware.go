@@ -3,12 +3,12 @@ package idemhttp
 import (
 	"bytes"
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
-	"reflect"
 	"runtime/debug"
 	"slices"
 	"strconv"
@@ -228,19 +228,22 @@ func Middleware(db idem.Beginner, opts Options) func(http.Handler) http.Handler 
 	if err != nil {
 		panic(err)
 	}
-	return func(next http.Handler) http.Handler {
-		if next == nil {
-			panic("idemhttp: nil handler")
-		}
-		h := *m
-		h.next = next
-		return &h
+	return m.wrap
+}
+
+// wrap returns the middleware around next.
+func (m *middleware) wrap(next http.Handler) http.Handler {
+	if next == nil {
+		panic("idemhttp: nil handler")
 	}
+	h := *m
+	h.next = next
+	return &h
 }
 
 // middleware is the configured middleware around one handler.
 type middleware struct {
-	db          idem.Beginner
+	store       store
 	client      *idem.Client
 	actor       func(*http.Request) (string, error)
 	operation   func(*http.Request) string
@@ -258,8 +261,10 @@ type middleware struct {
 	next        http.Handler
 }
 
-func newMiddleware(db idem.Beginner, opts Options) (*middleware, error) {
-	if db == nil || reflect.ValueOf(db).Kind() == reflect.Pointer && reflect.ValueOf(db).IsNil() {
+// newMiddleware configures the middleware on db: an idem.Beginner or a
+// *sql.DB (see store).
+func newMiddleware(db any, opts Options) (*middleware, error) {
+	if nilHandle(db) {
 		return nil, errors.New("idemhttp: nil database handle")
 	}
 	if opts.Actor == nil {
@@ -294,8 +299,12 @@ func newMiddleware(db idem.Beginner, opts Options) (*middleware, error) {
 			return nil, fmt.Errorf("idemhttp: Options.Config: %w", err)
 		}
 	}
+	st, err := newStore(db, client)
+	if err != nil {
+		return nil, fmt.Errorf("idemhttp: Options.Config: %w", err)
+	}
 	m := &middleware{
-		db:          db,
+		store:       st,
 		client:      client,
 		actor:       opts.Actor,
 		operation:   opts.Operation,
@@ -482,14 +491,24 @@ func (m *middleware) readBody(w http.ResponseWriter, r *http.Request) (body []by
 // whatever the handler answered, and returning that error makes InTx and
 // DoInTx run the handler again in a new one. A panic of the handler goes on
 // to the caller.
-func (m *middleware) run(ctx context.Context, tx pgx.Tx, r *http.Request, base http.Header, body []byte) (*bufferWriter, error) {
+func (m *middleware) run(ctx context.Context, tx any, r *http.Request, base http.Header, body []byte) (*bufferWriter, error) {
 	buf := newBufferWriter(base, m.maxResponse)
-	wt := watchtx.New(tx)
-	ctx = context.WithValue(context.WithValue(ctx, txKey{}, pgx.Tx(wt)), runKey{}, buf)
+	var wt *watchtx.Tx
+	switch tx := tx.(type) {
+	case pgx.Tx:
+		wt = watchtx.New(tx)
+		ctx = context.WithValue(ctx, txKey{}, pgx.Tx(wt))
+	case *sql.Tx:
+		ctx = context.WithValue(ctx, sqlTxKey{}, tx)
+	}
+	ctx = context.WithValue(ctx, runKey{}, buf)
 	req := r.WithContext(ctx)
 	req.Body = io.NopCloser(bytes.NewReader(body))
 	req.ContentLength = int64(len(body))
 	m.next.ServeHTTP(buf, req)
+	if wt == nil {
+		return buf, nil
+	}
 	return buf, wt.Retryable()
 }
 
@@ -501,7 +520,7 @@ func (m *middleware) serveKeyed(ctx context.Context, w http.ResponseWriter, r *h
 	var res idem.Result
 	err := m.guard(ctx, w, r, key, func() error {
 		var err error
-		res, err = m.client.DoInTx(ctx, m.db, scope, key, fp, func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+		res, err = m.store.doInTx(ctx, scope, key, fp, func(ctx context.Context, tx any) (idem.Response, error) {
 			var retry error
 			if buf, retry = m.run(ctx, tx, r, base, body); retry != nil {
 				return idem.Response{}, retry
@@ -557,7 +576,7 @@ func (m *middleware) serveUnkeyed(ctx context.Context, w http.ResponseWriter, r 
 	base := w.Header().Clone()
 	var buf *bufferWriter
 	err := m.guard(ctx, w, r, "", func() error {
-		return m.client.InTx(ctx, m.db, func(ctx context.Context, tx pgx.Tx) error {
+		return m.store.inTx(ctx, func(ctx context.Context, tx any) error {
 			var retry error
 			if buf, retry = m.run(ctx, tx, r, base, body); retry != nil {
 				return retry

@@ -8,11 +8,9 @@ import (
 	"log/slog"
 	"net/http"
 	"net/url"
-	"reflect"
 	"strconv"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"go.opentelemetry.io/otel/metric/noop"
 
 	"github.com/pgidem/idem"
@@ -208,7 +206,7 @@ func StatusHandler(db idem.Beginner, opts StatusOptions) http.Handler {
 
 // statusHandler is the handler StatusHandler returns.
 type statusHandler struct {
-	db        idem.Beginner
+	store     store        // of probe
 	probe     *idem.Client // key bounds; claims that wait for nothing and count nowhere
 	actor     func(*http.Request) (string, error)
 	challenge string
@@ -217,8 +215,10 @@ type statusHandler struct {
 	stored    []string        // canonical names of the headers a replay carries
 }
 
-func newStatusHandler(db idem.Beginner, opts StatusOptions) (*statusHandler, error) {
-	if db == nil || reflect.ValueOf(db).Kind() == reflect.Pointer && reflect.ValueOf(db).IsNil() {
+// newStatusHandler configures the handler on db: an idem.Beginner or a
+// *sql.DB (see store).
+func newStatusHandler(db any, opts StatusOptions) (*statusHandler, error) {
+	if nilHandle(db) {
 		return nil, errors.New("idemhttp: nil database handle")
 	}
 	if opts.Actor == nil {
@@ -241,7 +241,11 @@ func newStatusHandler(db idem.Beginner, opts StatusOptions) (*statusHandler, err
 	if err != nil {
 		return nil, fmt.Errorf("idemhttp: StatusOptions.StoredHeaders: %w", err)
 	}
-	h := &statusHandler{db: db, probe: probe, actor: opts.Actor, challenge: opts.Challenge, log: opts.Logger,
+	st, err := newStore(db, probe)
+	if err != nil {
+		return nil, fmt.Errorf("idemhttp: StatusOptions.Config: %w", err)
+	}
+	h := &statusHandler{store: st, probe: probe, actor: opts.Actor, challenge: opts.Challenge, log: opts.Logger,
 		hash: loghash.New(opts.Config.LogHashKey), stored: stored}
 	if h.challenge == "" {
 		h.challenge = "Bearer"
@@ -284,7 +288,7 @@ func (h *statusHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	// At most: a lookup, a probe, and a second lookup when the request
 	// committed between the first two.
 	for range 2 {
-		rec, err := h.probe.Lookup(ctx, h.db, scope, key)
+		rec, err := h.store.lookup(ctx, scope, key)
 		if err == nil {
 			h.answer(w, r, key, rec)
 			return
@@ -293,8 +297,8 @@ func (h *statusHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			h.fail(ctx, w, r, key, err)
 			return
 		}
-		_, err = h.probe.DoInTx(ctx, h.db, scope, key, probeFingerprint,
-			func(context.Context, pgx.Tx) (idem.Response, error) { return idem.Response{}, errProbe })
+		_, err = h.store.doInTx(ctx, scope, key, probeFingerprint,
+			func(context.Context, any) (idem.Response, error) { return idem.Response{}, errProbe })
 		var inProgress *idem.InProgressError
 		switch {
 		case errors.Is(err, errProbe):
