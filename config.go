@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -99,6 +100,7 @@ type Client struct {
 	txOptions   pgx.TxOptions
 	retryAfter  time.Duration
 	obs         *observer
+	citus       sync.Map // database (citusKey) → whether it is Citus (bool); see citus.go
 }
 
 // New returns a Client for cfg, with zero fields replaced by their defaults.

@@ -41,10 +41,15 @@ func Migrations() fs.FS {
 // Migrate brings idem's tables up to date in the database of pool. It is safe
 // to run from many processes at once (they serialize on MigrationLockID) and
 // does nothing when everything is applied. It uses its own version table
-// (MigrationTable), so an application's goose migrations are untouched.
+// (MigrationTable), so an application's goose migrations are untouched. On
+// Citus, run it on the coordinator (then Distribute): a worker is refused
+// with ErrUnsupported.
 func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
 	if pool == nil {
 		return fmt.Errorf("%w: nil pool", ErrInvalidArgument)
+	}
+	if err := checkNotWorker(ctx, pool); err != nil {
+		return fmt.Errorf("idem: migrate: %w", err)
 	}
 	locker, err := lock.NewPostgresSessionLocker(
 		lock.WithLockID(MigrationLockID),

@@ -138,7 +138,7 @@ func (c *Client) reserveTx(ctx context.Context, db Beginner, scope Scope, key st
 		// not yet committed) and did not finish within Config.Wait.
 		return Reservation{}, c.inProgressOn(newRowKey(scope, key))
 	case err != nil:
-		return Reservation{}, fmt.Errorf("idem: reserve: %w", err)
+		return Reservation{}, fmt.Errorf("idem: reserve: %w", unsupportedIf(err))
 	case refusal == errLeaseRanOut:
 		c.obs.count(ctx, "zombie_key", "reserve", scope.Operation, 1)
 		return Reservation{}, refusal
@@ -294,7 +294,7 @@ func (c *Client) Complete(ctx context.Context, tx pgx.Tx, r Reservation, resp Re
 	})
 	switch {
 	case err != nil:
-		err = fmt.Errorf("idem: complete: %w", err)
+		err = fmt.Errorf("idem: complete: %w", unsupportedIf(err))
 	case n != 1:
 		err = ErrFenced
 	}
@@ -390,7 +390,7 @@ func (c *Client) Heartbeat(ctx context.Context, db Beginner, r Reservation, exte
 	case errors.Is(err, pgx.ErrNoRows):
 		err = ErrFenced
 	case err != nil:
-		err = fmt.Errorf("idem: heartbeat: %w", err)
+		err = fmt.Errorf("idem: heartbeat: %w", unsupportedIf(err))
 	}
 	c.countEnd(ctx, "heartbeat", r.Scope, err, "")
 	if err != nil {
@@ -413,7 +413,7 @@ func (c *Client) fence(ctx context.Context, db Beginner, call string, scope Scop
 	})
 	switch {
 	case err != nil:
-		err = fmt.Errorf("idem: %s: %w", call, err)
+		err = fmt.Errorf("idem: %s: %w", call, unsupportedIf(err))
 	case n != 1:
 		err = ErrFenced
 	}
