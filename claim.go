@@ -107,7 +107,7 @@ func (c *Client) claimError(err error, k rowKey) error {
 	if pgCode(err) == pgerrcode.LockNotAvailable {
 		return c.inProgressOn(k)
 	}
-	return fmt.Errorf("idem: claim: %w", err)
+	return fmt.Errorf("idem: claim: %w", unsupportedIf(err))
 }
 
 // queueRead queues the read of the committed row that holds k, preceded by
@@ -198,7 +198,7 @@ func readComplete(br pgx.BatchResults) error {
 		err = errors.New("the claimed row changed under fn")
 	}
 	if err != nil {
-		return fmt.Errorf("idem: store response: %w", err)
+		return fmt.Errorf("idem: store response: %w", unsupportedIf(err))
 	}
 	return nil
 }
