@@ -158,18 +158,20 @@ func (c *Client) reserve(ctx context.Context, tx pgx.Tx, scope Scope, key string
 		LeaseMicros: lease.Microseconds(), TtlMicros: c.cfg.TTL.Microseconds(),
 	}
 	lock := store.ReserveLockParams{Actor: scope.Actor, Operation: scope.Operation, IdemKey: key}
-	// set_config(..., true) is SET LOCAL lock_timeout, which takes no
-	// parameter; SET LOCAL enable_seqscan makes the read an index lookup
-	// whatever the planner's statistics say. The transaction is Reserve's
-	// own: both settings end with it.
-	wait := fmt.Sprintf("%dms", max(c.cfg.Wait, time.Millisecond).Milliseconds())
+	// SET LOCAL lock_timeout bounds the insert's wait for a twin; SET LOCAL
+	// enable_seqscan makes the read an index lookup whatever the planner's
+	// statistics say. The transaction is Reserve's own: both settings end
+	// with it. (A SET LOCAL statement, not set_config: on Citus the wait
+	// happens on the worker, which only a SET LOCAL statement reaches, with
+	// citus.propagate_set_commands = 'local'.)
+	setWait := "SET LOCAL lock_timeout = '" + c.lockTimeout + "'"
 	for range maxReserveAttempts {
 		// One round trip: insert a fresh reservation, or else lock and
 		// read the committed row that holds the key. Under READ COMMITTED
 		// the read sees the row the insert ran into, also one committed
 		// while the insert waited for it.
 		b := &pgx.Batch{}
-		b.Queue("SELECT set_config('lock_timeout', $1, true)", wait)
+		b.Queue(setWait)
 		_, _ = queries.ReserveInsert(ctx, queuer{b}, insert)
 		b.Queue(sqlIndexLookup)
 		_, _ = queries.ReserveLock(ctx, queuer{b}, lock)

@@ -37,14 +37,14 @@ func orders(ctx context.Context, pool *pgxpool.Pool) error {
 }
 
 // newDB makes a test's database with orders, and a pool on the coordinator.
-func newDB(t *testing.T) (citustest.DB, *pgxpool.Pool) {
+func newDB(t testing.TB) (citustest.DB, *pgxpool.Pool) {
 	t.Helper()
 	db := citustest.New(t, orders)
 	return db, pool(t, db.URL)
 }
 
 // pool opens a pool on url, closed when the test ends.
-func pool(t *testing.T, url string) *pgxpool.Pool {
+func pool(t testing.TB, url string) *pgxpool.Pool {
 	t.Helper()
 	p, err := pgxpool.New(context.Background(), url)
 	if err != nil {
@@ -69,7 +69,7 @@ func order(actor, key, item string) func(ctx context.Context, tx pgx.Tx) (idem.R
 func fp(item string) idem.Fingerprint { return idem.FingerprintParts([]byte(item)) }
 
 // count runs a count query.
-func count(t *testing.T, p *pgxpool.Pool, sql string, args ...any) int64 {
+func count(t testing.TB, p *pgxpool.Pool, sql string, args ...any) int64 {
 	t.Helper()
 	var n int64
 	if err := p.QueryRow(context.Background(), sql, args...).Scan(&n); err != nil {
@@ -79,14 +79,14 @@ func count(t *testing.T, p *pgxpool.Pool, sql string, args ...any) int64 {
 }
 
 // ordersOf counts the orders written for a key.
-func ordersOf(t *testing.T, p *pgxpool.Pool, actor, key string) int64 {
+func ordersOf(t testing.TB, p *pgxpool.Pool, actor, key string) int64 {
 	t.Helper()
 	return count(t, p, `SELECT count(*) FROM orders WHERE actor = $1 AND idem_key = $2`, actor, key)
 }
 
 // workerOf returns the port of the worker that holds the shard of table for
 // actor.
-func workerOf(t *testing.T, p *pgxpool.Pool, table, actor string) int {
+func workerOf(t testing.TB, p *pgxpool.Pool, table, actor string) int {
 	t.Helper()
 	var port int
 	if err := p.QueryRow(context.Background(), `SELECT nodeport FROM citus_shards
@@ -98,7 +98,7 @@ func workerOf(t *testing.T, p *pgxpool.Pool, table, actor string) int {
 
 // actorsOnTwoWorkers returns two actors whose shards are on different
 // workers.
-func actorsOnTwoWorkers(t *testing.T, p *pgxpool.Pool) (string, string) {
+func actorsOnTwoWorkers(t testing.TB, p *pgxpool.Pool) (string, string) {
 	t.Helper()
 	first := "actor-0"
 	w := workerOf(t, p, "idem_keys", first)
@@ -113,7 +113,7 @@ func actorsOnTwoWorkers(t *testing.T, p *pgxpool.Pool) (string, string) {
 }
 
 // isErr fails the test unless err is target.
-func isErr(t *testing.T, what string, err, target error) {
+func isErr(t testing.TB, what string, err, target error) {
 	t.Helper()
 	if !errors.Is(err, target) {
 		t.Fatalf("%s: %v, want %v", what, err, target)
