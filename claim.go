@@ -34,11 +34,10 @@ import (
 //     planned (batch.go): planned anew on every execution.
 //
 // The wait for a concurrent claim of the same key is bounded by
-// lock_timeout, set for the claim alone: LockTimeoutSet saves the caller's
-// value and sets Config.Wait, LockTimeoutRestore puts the caller's value
-// back. They are statements of their own, run on every call whatever the
-// claim matches; when the claim fails the transaction (or savepoint) is
-// aborted and rolling it back restores the setting too.
+// lock_timeout = Config.Wait, set and restored by the claim statement itself
+// (KeyClaim, KeyTakeOver): no statement of its own. When nothing is claimed,
+// the savepoint (Do) or transaction (DoInTx) ends before any code of the
+// caller runs, and that restores the caller's value.
 
 // Statements that are not table queries. savepoint is the savepoint that Do
 // runs the claim and fn in.
@@ -70,35 +69,29 @@ func newRowKey(scope Scope, key string) rowKey {
 }
 
 // queueClaim queues the claim of k for fp in b, bounded by Config.Wait: a
-// fresh claim, or with takeOver the take-over of a row that is over.
+// fresh claim, or with takeOver the take-over of a row that is over. The
+// bound is set and the caller's lock_timeout restored by the statement
+// itself (see KeyClaim).
 func (c *Client) queueClaim(b *pgx.Batch, k rowKey, fp Fingerprint, takeOver bool) {
 	ctx, q := context.Background(), queuer{b}
-	_ = queries.LockTimeoutSet(ctx, q, c.lockTimeout)
 	if takeOver {
 		_, _ = queries.KeyTakeOver(ctx, q, db.KeyTakeOverParams{Actor: k.actor, Operation: k.operation,
-			IdemKey: k.key, Fingerprint: fp[:], TtlMicros: c.ttlMicros})
+			IdemKey: k.key, Fingerprint: fp[:], TtlMicros: c.ttlMicros, LockTimeout: c.lockTimeout})
 	} else {
 		_, _ = queries.KeyClaim(ctx, q, db.KeyClaimParams{Actor: k.actor, Operation: k.operation,
-			IdemKey: k.key, Fingerprint: fp[:], TtlMicros: c.ttlMicros})
+			IdemKey: k.key, Fingerprint: fp[:], TtlMicros: c.ttlMicros, LockTimeout: c.lockTimeout})
 	}
-	_ = queries.LockTimeoutRestore(ctx, q)
 }
 
-// readClaim reads the results of what queueClaim queued: whether the key is
+// readClaim reads the result of what queueClaim queued: whether the key is
 // now claimed by this transaction. (KeyClaim and KeyTakeOver return the
 // same single column.)
 func readClaim(br pgx.BatchResults) (claimed bool, err error) {
-	ctx, read := context.Background(), batchRead{br}
-	if err = queries.LockTimeoutSet(ctx, read, ""); err != nil {
-		return false, err
+	claimed, err = queries.KeyClaim(context.Background(), batchRead{br}, db.KeyClaimParams{})
+	if errors.Is(err, pgx.ErrNoRows) {
+		return false, nil
 	}
-	if claimed, err = queries.KeyClaim(ctx, read, db.KeyClaimParams{}); errors.Is(err, pgx.ErrNoRows) {
-		claimed, err = false, nil
-	}
-	if err != nil {
-		return false, err
-	}
-	return claimed, queries.LockTimeoutRestore(ctx, read)
+	return claimed, err
 }
 
 // claimError turns the failure of a claim round trip into the error a

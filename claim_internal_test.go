@@ -2,6 +2,7 @@ package idem
 
 import (
 	"context"
+	"fmt"
 	"strings"
 	"testing"
 
@@ -54,7 +55,7 @@ func TestHotStatementsUseTheIndexWithStaleStatistics(t *testing.T) {
 	}
 	exec(`COMMIT`)
 	for name, sql := range map[string]string{"claim": db.KeyClaim, "takeover": db.KeyTakeOver} {
-		if p := plan(name, sql, `('a', 'op', 'k7', '\x00', 1000)`); strings.Contains(p, "Scan") {
+		if p := plan(name, sql, `('a', 'op', 'k7', '\x00', 1000, '2s')`); strings.Contains(strings.ReplaceAll(p, "Subquery Scan", ""), "Scan") {
 			t.Errorf("%s:\n%s", name, p)
 		}
 	}
@@ -101,5 +102,83 @@ func TestPruneWalksTheIndexWithStaleStatistics(t *testing.T) {
 	})
 	if err != nil {
 		t.Fatal(err)
+	}
+}
+
+// ExpireLeases and ListUnknown find open reservations through their partial
+// indexes, with statistics taken while idem_keys was empty and with fresh
+// ones, while the table holds mostly Do rows and finished reservations: no
+// scan of the table (and for ExpireLeases, which runs with sqlIndexWalk, no
+// sort either).
+func TestReservationScansUseTheirIndexWithStaleStatistics(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t, Migrate)
+	if _, err := pool.Exec(ctx, `ANALYZE idem_keys`); err != nil { // while empty
+		t.Fatal(err)
+	}
+	for _, sql := range []string{`
+		INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, response_status, response_body,
+		                       completed_at, expires_at)
+		SELECT 'a', 'do', 'k' || i, '\x00', 'succeeded', 200, '\x', now(), now() + interval '1 day'
+		FROM generate_series(1, 150000) i`, `
+		INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, token, lease_expires_at,
+		                       response_status, response_body, completed_at, expires_at)
+		SELECT 'a', 'res', 'done' || i, '\x00', 'succeeded', i, now() - interval '1 hour', 200, '\x', now(), now() + interval '1 day'
+		FROM generate_series(1, 50000) i`, `
+		INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, token, lease_expires_at, expires_at)
+		SELECT 'a', 'res', 'open' || i, '\x00', 'processing', 100000 + i, now() - interval '1 second' * i, now() + interval '1 day'
+		FROM generate_series(1, 100) i`, `
+		INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, token, lease_expires_at, last_error, expires_at)
+		SELECT 'a', 'res', 'unknown' || i, '\x00', 'unknown', 200000 + i, now() - interval '1 hour', 'x', now() + interval '1 day'
+		FROM generate_series(1, 100) i`,
+	} {
+		if _, err := pool.Exec(ctx, sql); err != nil {
+			t.Fatal(err)
+		}
+	}
+	explain := func(settings, sql string, args ...string) string {
+		t.Helper()
+		sql = strings.SplitN(sql, "\n", 2)[1]
+		for i := len(args); i > 0; i-- { // $10 before $1
+			sql = strings.ReplaceAll(sql, fmt.Sprintf("$%d", i), args[i-1])
+		}
+		var p string
+		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			if settings != "" {
+				if _, err := tx.Exec(ctx, settings); err != nil {
+					return err
+				}
+			}
+			rows, err := tx.Query(ctx, `EXPLAIN `+sql)
+			if err != nil {
+				return err
+			}
+			lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
+			p = strings.Join(lines, "\n")
+			return err
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return p
+	}
+	for _, stats := range []string{"stale", "fresh"} {
+		if stats == "fresh" {
+			if _, err := pool.Exec(ctx, `ANALYZE idem_keys`); err != nil {
+				t.Fatal(err)
+			}
+		}
+		p := explain(sqlIndexWalk, db.ReserveExpireLeases, "'x'", "1000")
+		if !strings.Contains(p, "idem_keys_open_lease_idx") || strings.Contains(p, "Seq Scan") ||
+			strings.Contains(p, "Sort") || strings.Contains(p, "Bitmap") {
+			t.Errorf("ReserveExpireLeases, %s statistics:\n%s", stats, p)
+		}
+		p = explain("", db.ReserveListUnknown, "'-infinity'", "''", "''", "''", "100")
+		// Either index of open reservations: a few rows, whatever the
+		// size of the table.
+		if !strings.Contains(p, "idem_keys_open_") || strings.Contains(p, "Seq Scan") {
+			t.Errorf("ReserveListUnknown, %s statistics:\n%s", stats, p)
+		}
 	}
 }

@@ -160,6 +160,7 @@ func Example_reserve() {
 				return err
 			}
 			return idem.Resolve(ctx, tx, rec.Scope, rec.Key, idem.Resolution{
+				Token:     rec.Token, // the attempt this verdict is about
 				Succeeded: &idem.Response{Status: 201, Body: fmt.Appendf(nil, `{"paymentId":%q,"status":"created"}`, charge)},
 				Reason:    "charge found at the gateway",
 			})

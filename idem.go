@@ -100,42 +100,63 @@ func (c *Client) Do(ctx context.Context, tx pgx.Tx, scope Scope, key string, fp 
 	ctx, cl := c.obs.begin(ctx, "do", "idem.Do", scope, key)
 	defer cl.endIfPanicking(ctx)
 	res, err := c.do(ctx, tx, newRowKey(scope, key), fp, fn, &cl)
+	err = preparedStatementsLost(err)
 	cl.end(ctx, res, err)
 	return res, err
 }
 
-// do is Do after its checks, observed by cl.
+// do is Do after its checks, observed by cl: the call loop in a savepoint
+// of the caller's transaction.
 func (c *Client) do(ctx context.Context, tx pgx.Tx, k rowKey, fp Fingerprint,
+	fn func(ctx context.Context, tx pgx.Tx) (Response, error), cl *call) (Result, error) {
+	return c.call(ctx, &span{tx: tx}, k, fp, fn, cl)
+}
+
+// call is the one loop of Do and DoInTx: claim the key, run fn, store the
+// outcome. s says where that happens (Do's savepoint in the caller's
+// transaction, or a transaction of DoInTx's own) and how it begins and ends;
+// everything else is the same for both.
+//
+//  1. One round trip: the savepoint (or BEGIN) and the claim, waiting at
+//     most Config.Wait for a twin.
+//  2. fn runs in the savepoint (or transaction).
+//  3. One round trip: the outcome is stored and the savepoint released (or
+//     the transaction committed).
+//
+// When a committed row already holds the key, step 1 claims nothing and a
+// second round trip reads the row and ends the savepoint (or transaction),
+// which also undoes the read's planner setting and the claim's lock_timeout;
+// then the call replays, fails, or claims again (judge). When fn fails, its
+// writes and the claim are undone; a refusal (Reject) is then stored by a
+// claim of its own that runs nothing.
+func (c *Client) call(ctx context.Context, s *span, k rowKey, fp Fingerprint,
 	fn func(ctx context.Context, tx pgx.Tx) (Response, error), cl *call) (Result, error) {
 	var decided *outcome // a refusal, stored once the key is claimed again
 	takeOver := false
 	for range maxClaimAttempts {
-		// Round trip 1: the savepoint, and the claim, waiting at most
-		// Config.Wait for a twin.
+		// Round trip 1: begin, and claim.
 		b := &pgx.Batch{}
-		b.Queue(sqlSavepoint)
-		c.queueClaim(b, k, fp, takeOver)
-		br := tx.SendBatch(ctx, b)
+		br := s.begin(ctx, b, func() { c.queueClaim(b, k, fp, takeOver) })
 		_, err := br.Exec()
-		if err != nil { // no savepoint: nothing to undo
-			return Result{}, c.claimError(closeBatch(br, err), k)
+		if err != nil { // not begun: nothing to undo
+			return Result{}, s.notBegun(ctx, c.claimError(closeBatch(br, err), k))
 		}
 		claimed, err := readClaim(br)
 		if err = closeBatch(br, err); err != nil {
-			return Result{}, undone(ctx, tx, c.claimError(err, k))
+			return Result{}, s.fail(ctx, c.claimError(err, k))
 		}
 
 		if claimed {
 			out := decided
 			if out == nil {
-				o, err := c.runFn(ctx, tx, fn, cl)
+				o, err := c.runFn(ctx, s, fn, cl)
 				if err != nil {
-					return Result{}, undone(ctx, tx, err)
+					return Result{}, s.failFn(ctx, err)
 				}
 				if o.status == StatusRejected {
 					// Undo fn's writes (and the claim), then store the
 					// refusal in a claim of its own.
-					if err := undo(ctx, tx); err != nil {
+					if err := s.undo(ctx); err != nil {
 						return Result{}, err
 					}
 					decided = &o
@@ -144,31 +165,33 @@ func (c *Client) do(ctx context.Context, tx pgx.Tx, k rowKey, fp Fingerprint,
 				out = &o
 			}
 			cl.rejected = out.status == StatusRejected
-			// Round trip 2: store the outcome, end the savepoint.
+			// Round trip 2: store the outcome, and end.
 			b := &pgx.Batch{}
 			c.queueComplete(b, k, fp, *out)
-			b.Queue(sqlRelease)
-			br := tx.SendBatch(ctx, b)
+			s.queueEnd(b)
+			br := s.tx.SendBatch(ctx, b)
 			err := readComplete(br)
 			if err == nil {
-				_, err = br.Exec()
+				err = s.ended(br)
 			}
 			if err = closeBatch(br, err); err != nil {
-				return Result{}, undone(ctx, tx, err)
+				return Result{}, s.fail(ctx, err)
 			}
 			return out.result(), nil
 		}
 
-		// Round trip 2: read the row that holds the key; rolling back to
-		// the savepoint undoes the read's planner setting.
+		// Round trip 2: read the row that holds the key, and end: that
+		// undoes the read's planner setting and the claim's lock_timeout.
 		b = &pgx.Batch{}
 		queueRead(b, k)
-		b.Queue(sqlRollbackTo)
-		b.Queue(sqlRelease)
-		br = tx.SendBatch(ctx, b)
+		s.queueLeave(b)
+		br = s.tx.SendBatch(ctx, b)
 		row, found, err := readRow(br)
+		if err == nil {
+			err = s.left(br)
+		}
 		if err = closeBatch(br, err); err != nil {
-			return Result{}, undone(ctx, tx, fmt.Errorf("idem: read key: %w", err))
+			return Result{}, s.fail(ctx, fmt.Errorf("idem: read key: %w", err))
 		}
 		res, then, err := c.judge(row, found, fp, k)
 		if then == nextDone {
@@ -179,19 +202,127 @@ func (c *Client) do(ctx context.Context, tx pgx.Tx, k rowKey, fp Fingerprint,
 	return Result{}, c.inProgressOn(k)
 }
 
-// runFn runs fn in the claim's savepoint and decides the outcome to store.
-// If fn panics, its writes and the claim are undone before the panic goes on.
-func (c *Client) runFn(ctx context.Context, tx pgx.Tx,
+// span is where one call claims its key, runs fn and stores the outcome:
+// Do's savepoint in the caller's transaction (conn nil), or DoInTx's own
+// transactions on conn, one per round of call's loop, each begun with
+// txOptions by the claim's batch.
+type span struct {
+	tx        pgx.Tx // Do: the caller's; DoInTx: the current own transaction
+	conn      *pgx.Conn
+	txOptions pgx.TxOptions
+}
+
+// begin queues the savepoint (or BEGIN) in b, then what queue queues, and
+// sends b.
+func (s *span) begin(ctx context.Context, b *pgx.Batch, queue func()) pgx.BatchResults {
+	if s.conn == nil {
+		b.Queue(sqlSavepoint)
+		queue()
+		return s.tx.SendBatch(ctx, b)
+	}
+	b.BeginTx(s.txOptions)
+	queue()
+	br := s.conn.SendBatch(ctx, b)
+	s.tx = br.Tx()
+	return br
+}
+
+// queueEnd queues the end of a span that keeps its writes: RELEASE (or
+// COMMIT).
+func (s *span) queueEnd(b *pgx.Batch) {
+	if s.conn == nil {
+		b.Queue(sqlRelease)
+		return
+	}
+	b.Queue("COMMIT")
+}
+
+// ended reads the result of what queueEnd queued.
+func (s *span) ended(br pgx.BatchResults) error {
+	if s.conn == nil {
+		_, err := br.Exec()
+		return err
+	}
+	return commitResult(br.Exec())
+}
+
+// queueLeave queues the end of a span that wrote nothing and keeps none of
+// its settings: ROLLBACK TO and RELEASE (or COMMIT).
+func (s *span) queueLeave(b *pgx.Batch) {
+	if s.conn == nil {
+		b.Queue(sqlRollbackTo)
+		b.Queue(sqlRelease)
+		return
+	}
+	b.Queue("COMMIT")
+}
+
+// left reads the results of what queueLeave queued.
+func (s *span) left(br pgx.BatchResults) error {
+	if s.conn == nil {
+		_, err := br.Exec()
+		if err == nil {
+			_, err = br.Exec()
+		}
+		return err
+	}
+	return commitResult(br.Exec())
+}
+
+// undo undoes the span: the claim and fn's writes are gone, and so are the
+// settings made in it. It runs even when ctx is done.
+func (s *span) undo(ctx context.Context) error {
+	if s.conn == nil {
+		return undo(ctx, s.tx)
+	}
+	rollback(ctx, s.tx)
+	return nil
+}
+
+// notBegun returns the error of a span that failed to begin; a transaction
+// that did begin (the error came later in the batch) is rolled back.
+func (s *span) notBegun(ctx context.Context, err error) error {
+	if s.conn == nil {
+		return err
+	}
+	return s.fail(ctx, err)
+}
+
+// fail undoes the span after a statement of the call failed with err, and
+// returns err: for DoInTx, an ErrUnavailable when the connection was lost
+// or the server cannot serve.
+func (s *span) fail(ctx context.Context, err error) error {
+	if s.conn == nil {
+		return undone(ctx, s.tx, err)
+	}
+	rollback(ctx, s.tx)
+	return unavailableIf(connLost(s.conn) || isUnavailable(err), err)
+}
+
+// failFn undoes the span after fn failed with err (or its response cannot
+// be stored), and returns err: for DoInTx, an ErrUnavailable when the
+// connection was lost or the server said it cannot serve.
+func (s *span) failFn(ctx context.Context, err error) error {
+	if s.conn == nil {
+		return undone(ctx, s.tx, err)
+	}
+	rollback(ctx, s.tx)
+	return unavailableIf(connLost(s.conn) || serverSaidUnavailable(err), err)
+}
+
+// runFn runs fn in the span and decides the outcome to store. If fn panics,
+// its writes and the claim are undone before the panic goes on.
+func (c *Client) runFn(ctx context.Context, s *span,
 	fn func(ctx context.Context, tx pgx.Tx) (Response, error), cl *call) (outcome, error) {
 	panicked := true
 	defer func() {
 		if panicked {
-			_ = undo(ctx, tx)
+			_ = s.undo(ctx)
 		}
 	}()
 	var resp Response
 	var err error
-	cl.timeFn(func() { resp, err = fn(ctx, tx) })
+	cl.timeFn(func() { resp, err = fn(ctx, s.tx) })
 	panicked = false
 	return c.decide(resp, err)
 }

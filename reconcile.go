@@ -54,9 +54,12 @@ type Record struct {
 	// Token is the fencing token of the reservation that last held the key
 	// (0 for records Do wrote).
 	Token int64
-	// LastError says why the record failed or became unknown, or how it was
-	// resolved; empty when there is nothing to say.
+	// LastError says why the record failed or became unknown; empty when
+	// there is nothing to say. Resolve keeps it.
 	LastError string
+	// ResolveReason is the operator's reason (Resolution.Reason) when
+	// Resolve reconciled the record; empty otherwise.
+	ResolveReason string
 	// CreatedAt is when the key was claimed or reserved (for a reservation,
 	// its latest attempt).
 	CreatedAt time.Time
@@ -74,15 +77,21 @@ type Record struct {
 
 // Resolution is an operator's verdict on a record whose outcome was unknown,
 // after looking at the outside system. Set exactly one of Succeeded and
-// Retryable.
+// Retryable, and the Token of the attempt the verdict is about.
 type Resolution struct {
+	// Token is the fencing token of the attempt being resolved, as
+	// ListUnknown and Lookup show it (Record.Token). Required: a verdict
+	// about one attempt must never land on a later one, so Resolve refuses
+	// a token that is not the record's current one with ErrFenced.
+	Token int64
 	// Succeeded is the response to store and replay: the work did happen.
 	Succeeded *Response
 	// Retryable says the work certainly did not happen: the next Reserve with
 	// the same fingerprint executes again.
 	Retryable bool
-	// Reason is stored as the record's LastError (at most MaxReasonLength
-	// bytes), for the audit trail.
+	// Reason is stored as the record's ResolveReason (at most
+	// MaxReasonLength bytes), for the audit trail, beside the LastError
+	// that says why the record became unknown.
 	Reason string
 }
 
@@ -181,10 +190,18 @@ func (c *Client) ListUnknown(ctx context.Context, db Beginner, limit int, after 
 // way the token advances: the reservation that held the key is fenced, so a
 // late Complete of it changes nothing.
 //
+// res.Token names the attempt the verdict is about (Record.Token, as
+// ListUnknown and Lookup show it). When it is not the record's current token
+// (another operator resolved it, or a later attempt holds it now), Resolve
+// returns ErrFenced and changes nothing: look the record up again.
+//
 // ErrNotFound when no record holds the key; ErrNotResolvable when a live
-// lease holds it or its outcome is already recorded. Both, or neither, of
-// res.Succeeded and res.Retryable, a reason too long or not valid text, or a
-// response that cannot be stored are refused before anything runs.
+// lease holds it or its outcome is already recorded. No token (0 or less),
+// both or neither of res.Succeeded and res.Retryable, a reason too long or
+// not valid text, or a response that cannot be stored is ErrInvalidArgument
+// (ErrInvalidResponse, ErrResponseTooLarge for the response), refused before
+// anything runs. The record keeps its LastError; res.Reason is stored as its
+// ResolveReason.
 func Resolve(ctx context.Context, db Beginner, scope Scope, key string, res Resolution) error {
 	return defaultClient.Resolve(ctx, db, scope, key, res)
 }
@@ -196,6 +213,9 @@ func (c *Client) Resolve(ctx context.Context, db Beginner, scope Scope, key stri
 	}
 	if isNil(db) {
 		return fmt.Errorf("%w: nil database handle", ErrInvalidArgument)
+	}
+	if res.Token <= 0 {
+		return fmt.Errorf("%w: a Resolution names the Token of the attempt it resolves (Record.Token)", ErrInvalidArgument)
 	}
 	if (res.Succeeded != nil) == res.Retryable {
 		return fmt.Errorf("%w: a Resolution sets exactly one of Succeeded and Retryable", ErrInvalidArgument)
@@ -230,6 +250,10 @@ func (c *Client) Resolve(ctx context.Context, db Beginner, scope Scope, key stri
 		if err != nil {
 			return err
 		}
+		if row.IdemKey.Token != res.Token {
+			return fmt.Errorf("%w: token %d was resolved or replaced; the record holds token %d now (status %s)",
+				ErrFenced, res.Token, row.IdemKey.Token, row.IdemKey.Status)
+		}
 		switch status := Status(row.IdemKey.Status); {
 		case status == StatusUnknown:
 		case status == StatusProcessing && row.Leased && row.LeaseLeftMs > 0:
@@ -246,7 +270,7 @@ func (c *Client) Resolve(ctx context.Context, db Beginner, scope Scope, key stri
 		}
 		return err
 	})
-	if err != nil && !errors.Is(err, ErrNotFound) && !errors.Is(err, ErrNotResolvable) {
+	if err != nil && !errors.Is(err, ErrNotFound) && !errors.Is(err, ErrNotResolvable) && !errors.Is(err, ErrFenced) {
 		err = fmt.Errorf("idem: resolve: %w", unsupportedIf(err))
 	}
 	if err != nil {
@@ -279,6 +303,7 @@ func newRecord(k store.IdemKey) (Record, error) {
 		Fingerprint:    Fingerprint(k.Fingerprint),
 		Token:          k.Token,
 		LastError:      k.LastError.String,
+		ResolveReason:  k.ResolveReason.String,
 		CreatedAt:      k.CreatedAt.Time,
 		CompletedAt:    k.CompletedAt.Time,
 		ExpiresAt:      k.ExpiresAt.Time,

@@ -119,6 +119,7 @@ func (c *Client) Reserve(ctx context.Context, db Beginner, scope Scope, key stri
 	}
 	ctx, cl := c.obs.begin(ctx, "reserve", "idem.Reserve", scope, key)
 	r, err := c.reserveTx(ctx, db, scope, key, fp, lease)
+	err = preparedStatementsLost(err)
 	cl.end(ctx, r.Result, err)
 	return r, err
 }

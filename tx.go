@@ -57,7 +57,7 @@ func (c *Client) InTx(ctx context.Context, db Beginner, fn func(ctx context.Cont
 		return fmt.Errorf("%w: nil function", ErrInvalidArgument)
 	}
 	_, nested := db.(pgx.Tx)
-	return c.retry(ctx, nested, func() error { return c.inTx(ctx, db, fn) })
+	return preparedStatementsLost(c.retry(ctx, nested, func() error { return c.inTx(ctx, db, fn) }))
 }
 
 // retry runs once until it succeeds, fails with an error other than a
@@ -147,6 +147,7 @@ func (c *Client) DoInTx(ctx context.Context, db Beginner, scope Scope, key strin
 	ctx, cl := c.obs.begin(ctx, "do_in_tx", "idem.DoInTx", scope, key)
 	defer cl.endIfPanicking(ctx)
 	res, err := c.coalesced(ctx, db, scope, key, fp, fn, &cl)
+	err = preparedStatementsLost(err)
 	cl.end(ctx, res, err)
 	return res, err
 }
@@ -178,107 +179,13 @@ func (c *Client) doInTx(ctx context.Context, db Beginner, scope Scope, key strin
 	return res, nil
 }
 
-// doOwnTx is one run of DoInTx in a transaction of its own on conn:
-//
-//  1. One round trip: BEGIN and the claim, waiting at most Config.Wait for a
-//     twin.
-//  2. fn runs in the transaction.
-//  3. One round trip: the outcome is stored and the transaction committed.
-//
-// When a committed row already holds the key, step 1 claims nothing and a
-// second round trip reads the row and ends the transaction (it wrote
-// nothing); then the call replays, fails, or claims again in a new
-// transaction. When fn fails the transaction is rolled back; a refusal
-// (Reject) is then stored in a transaction of its own that claims the key
-// again and runs nothing.
+// doOwnTx is one run of DoInTx in transactions of its own on conn: the call
+// loop (idem.go) with BEGIN sent with the claim and COMMIT with the stored
+// outcome (or with the read of a row that holds the key). fn runs directly
+// in the transaction; when it fails, the transaction is rolled back.
 func (c *Client) doOwnTx(ctx context.Context, conn *pgx.Conn, k rowKey, fp Fingerprint,
 	fn func(ctx context.Context, tx pgx.Tx) (Response, error), cl *call) (Result, error) {
-	var decided *outcome // a refusal, stored once the key is claimed again
-	takeOver := false
-	for range maxClaimAttempts {
-		b := &pgx.Batch{}
-		b.BeginTx(c.txOptions)
-		c.queueClaim(b, k, fp, takeOver)
-		br := conn.SendBatch(ctx, b)
-		tx := br.Tx()
-		_, err := br.Exec() // BEGIN
-		claimed := false
-		if err == nil {
-			claimed, err = readClaim(br)
-		}
-		if err = closeBatch(br, err); err != nil {
-			rollback(ctx, tx)
-			return Result{}, unavailableIf(connLost(conn) || isUnavailable(err), c.claimError(err, k))
-		}
-
-		if claimed {
-			out := decided
-			if out == nil {
-				o, err := c.runOwnFn(ctx, tx, fn, cl)
-				if err != nil {
-					rollback(ctx, tx)
-					return Result{}, unavailableIf(connLost(conn) || serverSaidUnavailable(err), err)
-				}
-				if o.status == StatusRejected {
-					rollback(ctx, tx) // undo fn's writes; claim again to store the refusal
-					decided = &o
-					continue
-				}
-				out = &o
-			}
-			cl.rejected = out.status == StatusRejected
-			b := &pgx.Batch{}
-			c.queueComplete(b, k, fp, *out)
-			b.Queue("COMMIT")
-			br := tx.SendBatch(ctx, b)
-			err := readComplete(br)
-			if err == nil {
-				err = commitResult(br.Exec())
-			}
-			if err = closeBatch(br, err); err != nil {
-				rollback(ctx, tx)
-				return Result{}, unavailableIf(connLost(conn) || isUnavailable(err), err)
-			}
-			return out.result(), nil
-		}
-
-		b = &pgx.Batch{}
-		queueRead(b, k)
-		b.Queue("COMMIT") // ends the read's planner setting with the transaction
-		br = tx.SendBatch(ctx, b)
-		row, found, err := readRow(br)
-		if err == nil {
-			err = commitResult(br.Exec())
-		}
-		if err = closeBatch(br, err); err != nil {
-			rollback(ctx, tx)
-			return Result{}, unavailableIf(connLost(conn) || isUnavailable(err), fmt.Errorf("idem: read key: %w", err))
-		}
-		res, then, err := c.judge(row, found, fp, k)
-		if then == nextDone {
-			return res, err
-		}
-		takeOver = then == nextTakeOver
-	}
-	return Result{}, c.inProgressOn(k)
-}
-
-// runOwnFn runs fn in DoInTx's transaction and decides the outcome to
-// store. If fn panics, the transaction is rolled back before the panic goes
-// on.
-func (c *Client) runOwnFn(ctx context.Context, tx pgx.Tx,
-	fn func(ctx context.Context, tx pgx.Tx) (Response, error), cl *call) (outcome, error) {
-	panicked := true
-	defer func() {
-		if panicked {
-			rollback(ctx, tx)
-		}
-	}()
-	var resp Response
-	var err error
-	cl.timeFn(func() { resp, err = fn(ctx, tx) })
-	panicked = false
-	return c.decide(resp, err)
+	return c.call(ctx, &span{conn: conn, txOptions: c.txOptions}, k, fp, fn, cl)
 }
 
 // commitResult checks the result of a COMMIT sent in a batch.

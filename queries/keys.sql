@@ -6,58 +6,70 @@
 -- the generic plan a connection caches while the table is empty, or while
 -- its statistics say so, is the primary key index.
 
--- Bounds the wait of the next statement for a concurrent claim of the same
--- key: saves the caller's lock_timeout in idem.lock_timeout and sets
--- @lock_timeout, both local to the transaction. The subquery is volatile, so
--- it is never flattened away: it runs first, on every execution.
--- name: LockTimeoutSet :exec
-SELECT set_config('lock_timeout', sqlc.arg(lock_timeout)::text, true)
-FROM (SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true)) AS saved;
-
--- Restores the lock_timeout that LockTimeoutSet saved.
--- name: LockTimeoutRestore :exec
-SELECT set_config('lock_timeout', current_setting('idem.lock_timeout'), true);
-
 -- Claims a key for the calling transaction. The primary key picks a single
 -- winner: while another transaction holds an uncommitted claim on the same
--- key, the INSERT waits for it to end. No row means a committed row holds
--- the key: KeyGet reads it.
+-- key, the INSERT waits for it to end, at most @lock_timeout. No row means a
+-- committed row holds the key: KeyGet reads it.
+--
+-- The bounded wait costs no statement of its own. The innermost subquery
+-- saves the caller's lock_timeout in idem.lock_timeout, the next one sets
+-- @lock_timeout, both local to the transaction (or savepoint), before the row
+-- is inserted: a subquery whose output is volatile is never flattened into
+-- the INSERT, and runs first. RETURNING puts the caller's value back on the
+-- one path that returns to the caller's code with the key claimed. On every
+-- other path (nothing claimed, or the wait ran out) the caller rolls back to
+-- its savepoint or ends the transaction before any code of the caller runs,
+-- which restores lock_timeout too.
+--
+-- completed_at is written with the claim: it is the value KeyComplete would
+-- write (now() of the same transaction), and a completion that changes no
+-- indexed column and no column an index predicate reads is a HOT update (see
+-- migration 00003).
 -- name: KeyClaim :one
-INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, expires_at)
-VALUES (@actor, @operation, @idem_key, @fingerprint, 'processing',
-        now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond'))
+INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at)
+SELECT @actor, @operation, @idem_key, @fingerprint, 'processing', now(), now(),
+       now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond')
+FROM (SELECT set_config('lock_timeout', sqlc.arg(lock_timeout)::text, true)
+      FROM (SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true)) AS saved) AS wait
 ON CONFLICT (actor, operation, idem_key) DO NOTHING
-RETURNING true AS claimed;
+RETURNING (set_config('lock_timeout', current_setting('idem.lock_timeout'), true) IS NOT NULL)::boolean AS claimed;
 
 -- Claims a key whose row is over: a finished row past its TTL (an expired
 -- key is a new request), or a reservation that certainly did not execute
 -- ('failed_retryable') asked for again with the same fingerprint. Returns no
 -- row when the row holding the key is neither (another transaction took it
--- over first). Inserts when the row is gone (pruned).
+-- over first). Inserts when the row is gone (pruned). The wait is bounded as
+-- KeyClaim's. The DO UPDATE reads the clock only from the proposed row
+-- (excluded.created_at is now()), never calls a function of its own.
 -- name: KeyTakeOver :one
-INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, expires_at)
-VALUES (@actor, @operation, @idem_key, @fingerprint, 'processing',
-        now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond'))
+INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at)
+SELECT @actor, @operation, @idem_key, @fingerprint, 'processing', now(), now(),
+       now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond')
+FROM (SELECT set_config('lock_timeout', sqlc.arg(lock_timeout)::text, true)
+      FROM (SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true)) AS saved) AS wait
 ON CONFLICT (actor, operation, idem_key) DO UPDATE
 SET fingerprint      = excluded.fingerprint,
     status           = 'processing',
     response_status  = NULL,
     response_headers = NULL,
     response_body    = NULL,
-    created_at       = now(),
-    completed_at     = NULL,
+    created_at       = excluded.created_at,
+    completed_at     = excluded.completed_at,
     expires_at       = excluded.expires_at,
     token            = 0,
     lease_expires_at = NULL,
-    last_error       = NULL
-WHERE (k.expires_at <= now() AND k.status IN ('succeeded', 'rejected', 'failed_retryable'))
+    last_error       = NULL,
+    resolve_reason   = NULL
+WHERE (k.expires_at <= excluded.created_at AND k.status IN ('succeeded', 'rejected', 'failed_retryable'))
    OR (k.status = 'failed_retryable' AND k.fingerprint = excluded.fingerprint)
-RETURNING true AS claimed;
+RETURNING (set_config('lock_timeout', current_setting('idem.lock_timeout'), true) IS NOT NULL)::boolean AS claimed;
 
--- Stores the final outcome of a key this transaction claimed. Should the
--- claimed row be gone (fn deleted it), the outcome is inserted whole, so the
--- key never commits without its outcome; a row that is no longer this
--- claim's 'processing' is left alone and no row is affected.
+-- Stores the final outcome of a key this transaction claimed. It changes
+-- status and the response columns only, none of them indexed or read by an
+-- index predicate, so the update is HOT. Should the claimed row be gone (fn
+-- deleted it), the outcome is inserted whole, so the key never commits
+-- without its outcome; a row that is no longer this claim's 'processing' is
+-- left alone and no row is affected.
 -- name: KeyComplete :execrows
 INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, expires_at,
                             response_status, response_headers, response_body, completed_at)
@@ -69,8 +81,7 @@ ON CONFLICT (actor, operation, idem_key) DO UPDATE
 SET status           = excluded.status,
     response_status  = excluded.response_status,
     response_headers = excluded.response_headers,
-    response_body    = excluded.response_body,
-    completed_at     = excluded.completed_at
+    response_body    = excluded.response_body
 WHERE k.status = 'processing' AND k.token = 0 AND k.fingerprint = excluded.fingerprint;
 
 -- Reads the committed row that holds a key, with what the database clock

@@ -45,7 +45,8 @@ SET fingerprint      = @fingerprint,
     expires_at       = now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond'),
     token            = (SELECT next.token FROM next),
     lease_expires_at = now() + (sqlc.arg(lease_micros)::bigint * interval '1 microsecond'),
-    last_error       = NULL
+    last_error       = NULL,
+    resolve_reason   = NULL
 WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
   AND idem_keys.token = @token
 RETURNING idem_keys.token, lease_expires_at;
@@ -95,14 +96,15 @@ RETURNING lease_expires_at;
 
 -- Turns at most @max_rows reservations whose lease ran out into 'unknown',
 -- oldest lease first. Rows another worker has locked are skipped, so several
--- workers can run it at once.
+-- workers can run it at once. It walks idem_keys_open_lease_idx: its WHERE
+-- repeats the index predicate (open reservations: a lease, no outcome).
 -- name: ReserveExpireLeases :execrows
 UPDATE idem_keys AS k
 SET status     = 'unknown',
     last_error = sqlc.arg(reason)::text
 FROM (SELECT actor, operation, idem_key
       FROM idem_keys
-      WHERE status = 'processing' AND lease_expires_at IS NOT NULL
+      WHERE status = 'processing' AND lease_expires_at IS NOT NULL AND completed_at IS NULL
         AND lease_expires_at <= now()
       ORDER BY lease_expires_at
       LIMIT @max_rows
@@ -122,7 +124,7 @@ SET status     = 'unknown',
     last_error = sqlc.arg(reason)::text
 FROM (SELECT actor, operation, idem_key
       FROM idem_keys
-      WHERE status = 'processing' AND lease_expires_at IS NOT NULL
+      WHERE status = 'processing' AND lease_expires_at IS NOT NULL AND completed_at IS NULL
         AND lease_expires_at <= now()
       ORDER BY lease_expires_at
       LIMIT @max_rows) AS expired
@@ -130,21 +132,25 @@ WHERE k.actor = expired.actor AND k.operation = expired.operation AND k.idem_key
   AND k.status = 'processing' AND k.lease_expires_at <= now();
 
 -- Pages through 'unknown' records, oldest first, after the given position
--- ('-infinity' and empty names for the first page).
+-- ('-infinity' and empty names for the first page). It walks
+-- idem_keys_open_created_idx: its WHERE repeats the index predicate (open
+-- reservations: a lease, no outcome).
 -- name: ReserveListUnknown :many
 SELECT *
 FROM idem_keys
-WHERE status = 'unknown'
+WHERE status = 'unknown' AND lease_expires_at IS NOT NULL AND completed_at IS NULL
   AND (created_at, actor, operation, idem_key)
       > (sqlc.arg(after_created_at)::timestamptz, sqlc.arg(after_actor)::text,
          sqlc.arg(after_operation)::text, sqlc.arg(after_key)::text)
 ORDER BY created_at, actor, operation, idem_key
 LIMIT @max_rows;
 
--- Reconciles the row ReserveLock read (identified by its token): 'succeeded'
--- with the response found at the provider, or 'failed_retryable'. The token
--- advances, so the reservation that held the key is fenced. (The new token
--- is drawn in a CTE: see ReserveAcquire.)
+-- Reconciles the row ReserveLock read (identified by its token, the one the
+-- operator named): 'succeeded' with the response found at the provider, or
+-- 'failed_retryable'. The token advances, so the reservation that held the
+-- key is fenced. last_error keeps why the record failed or became unknown;
+-- the operator's reason goes beside it. (The new token is drawn in a CTE:
+-- see ReserveAcquire.)
 -- name: ReserveResolve :execrows
 WITH next AS (SELECT nextval('idem_keys_token_seq') AS token)
 UPDATE idem_keys
@@ -155,6 +161,6 @@ SET status           = @status,
     completed_at     = now(),
     expires_at       = greatest(expires_at, now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond')),
     token            = (SELECT next.token FROM next),
-    last_error       = sqlc.arg(reason)::text
+    resolve_reason   = sqlc.arg(reason)::text
 WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
   AND idem_keys.token = @token;

@@ -12,11 +12,14 @@ import (
 )
 
 const KeyClaim = `-- name: KeyClaim :one
-INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, expires_at)
-VALUES ($1, $2, $3, $4, 'processing',
-        now() + ($5::bigint * interval '1 microsecond'))
+
+INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at)
+SELECT $1, $2, $3, $4, 'processing', now(), now(),
+       now() + ($5::bigint * interval '1 microsecond')
+FROM (SELECT set_config('lock_timeout', $6::text, true)
+      FROM (SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true)) AS saved) AS wait
 ON CONFLICT (actor, operation, idem_key) DO NOTHING
-RETURNING true AS claimed
+RETURNING (set_config('lock_timeout', current_setting('idem.lock_timeout'), true) IS NOT NULL)::boolean AS claimed
 `
 
 type KeyClaimParams struct {
@@ -25,12 +28,35 @@ type KeyClaimParams struct {
 	IdemKey     string
 	Fingerprint []byte
 	TtlMicros   int64
+	LockTimeout string
 }
 
+// The statements of Do and DoInTx. Their access paths do not depend on the
+// planner's statistics: the claim, the take-over and the completion are
+// INSERT ... ON CONFLICT, which always finds the key through the primary key
+// (the arbiter index), and KeyGet is only ever run with enable_seqscan off
+// for the statement's own savepoint or transaction (see claim.go), so even
+// the generic plan a connection caches while the table is empty, or while
+// its statistics say so, is the primary key index.
 // Claims a key for the calling transaction. The primary key picks a single
 // winner: while another transaction holds an uncommitted claim on the same
-// key, the INSERT waits for it to end. No row means a committed row holds
-// the key: KeyGet reads it.
+// key, the INSERT waits for it to end, at most @lock_timeout. No row means a
+// committed row holds the key: KeyGet reads it.
+//
+// The bounded wait costs no statement of its own. The innermost subquery
+// saves the caller's lock_timeout in idem.lock_timeout, the next one sets
+// @lock_timeout, both local to the transaction (or savepoint), before the row
+// is inserted: a subquery whose output is volatile is never flattened into
+// the INSERT, and runs first. RETURNING puts the caller's value back on the
+// one path that returns to the caller's code with the key claimed. On every
+// other path (nothing claimed, or the wait ran out) the caller rolls back to
+// its savepoint or ends the transaction before any code of the caller runs,
+// which restores lock_timeout too.
+//
+// completed_at is written with the claim: it is the value KeyComplete would
+// write (now() of the same transaction), and a completion that changes no
+// indexed column and no column an index predicate reads is a HOT update (see
+// migration 00003).
 func (q *Queries) KeyClaim(ctx context.Context, db DBTX, arg KeyClaimParams) (bool, error) {
 	row := db.QueryRow(ctx, KeyClaim,
 		arg.Actor,
@@ -38,6 +64,7 @@ func (q *Queries) KeyClaim(ctx context.Context, db DBTX, arg KeyClaimParams) (bo
 		arg.IdemKey,
 		arg.Fingerprint,
 		arg.TtlMicros,
+		arg.LockTimeout,
 	)
 	var claimed bool
 	err := row.Scan(&claimed)
@@ -55,8 +82,7 @@ ON CONFLICT (actor, operation, idem_key) DO UPDATE
 SET status           = excluded.status,
     response_status  = excluded.response_status,
     response_headers = excluded.response_headers,
-    response_body    = excluded.response_body,
-    completed_at     = excluded.completed_at
+    response_body    = excluded.response_body
 WHERE k.status = 'processing' AND k.token = 0 AND k.fingerprint = excluded.fingerprint
 `
 
@@ -72,10 +98,12 @@ type KeyCompleteParams struct {
 	ResponseBody    []byte
 }
 
-// Stores the final outcome of a key this transaction claimed. Should the
-// claimed row be gone (fn deleted it), the outcome is inserted whole, so the
-// key never commits without its outcome; a row that is no longer this
-// claim's 'processing' is left alone and no row is affected.
+// Stores the final outcome of a key this transaction claimed. It changes
+// status and the response columns only, none of them indexed or read by an
+// index predicate, so the update is HOT. Should the claimed row be gone (fn
+// deleted it), the outcome is inserted whole, so the key never commits
+// without its outcome; a row that is no longer this claim's 'processing' is
+// left alone and no row is affected.
 func (q *Queries) KeyComplete(ctx context.Context, db DBTX, arg KeyCompleteParams) (int64, error) {
 	result, err := db.Exec(ctx, KeyComplete,
 		arg.Actor,
@@ -139,24 +167,27 @@ func (q *Queries) KeyGet(ctx context.Context, db DBTX, arg KeyGetParams) (KeyGet
 }
 
 const KeyTakeOver = `-- name: KeyTakeOver :one
-INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, expires_at)
-VALUES ($1, $2, $3, $4, 'processing',
-        now() + ($5::bigint * interval '1 microsecond'))
+INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at)
+SELECT $1, $2, $3, $4, 'processing', now(), now(),
+       now() + ($5::bigint * interval '1 microsecond')
+FROM (SELECT set_config('lock_timeout', $6::text, true)
+      FROM (SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true)) AS saved) AS wait
 ON CONFLICT (actor, operation, idem_key) DO UPDATE
 SET fingerprint      = excluded.fingerprint,
     status           = 'processing',
     response_status  = NULL,
     response_headers = NULL,
     response_body    = NULL,
-    created_at       = now(),
-    completed_at     = NULL,
+    created_at       = excluded.created_at,
+    completed_at     = excluded.completed_at,
     expires_at       = excluded.expires_at,
     token            = 0,
     lease_expires_at = NULL,
-    last_error       = NULL
-WHERE (k.expires_at <= now() AND k.status IN ('succeeded', 'rejected', 'failed_retryable'))
+    last_error       = NULL,
+    resolve_reason   = NULL
+WHERE (k.expires_at <= excluded.created_at AND k.status IN ('succeeded', 'rejected', 'failed_retryable'))
    OR (k.status = 'failed_retryable' AND k.fingerprint = excluded.fingerprint)
-RETURNING true AS claimed
+RETURNING (set_config('lock_timeout', current_setting('idem.lock_timeout'), true) IS NOT NULL)::boolean AS claimed
 `
 
 type KeyTakeOverParams struct {
@@ -165,13 +196,16 @@ type KeyTakeOverParams struct {
 	IdemKey     string
 	Fingerprint []byte
 	TtlMicros   int64
+	LockTimeout string
 }
 
 // Claims a key whose row is over: a finished row past its TTL (an expired
 // key is a new request), or a reservation that certainly did not execute
 // ('failed_retryable') asked for again with the same fingerprint. Returns no
 // row when the row holding the key is neither (another transaction took it
-// over first). Inserts when the row is gone (pruned).
+// over first). Inserts when the row is gone (pruned). The wait is bounded as
+// KeyClaim's. The DO UPDATE reads the clock only from the proposed row
+// (excluded.created_at is now()), never calls a function of its own.
 func (q *Queries) KeyTakeOver(ctx context.Context, db DBTX, arg KeyTakeOverParams) (bool, error) {
 	row := db.QueryRow(ctx, KeyTakeOver,
 		arg.Actor,
@@ -179,40 +213,9 @@ func (q *Queries) KeyTakeOver(ctx context.Context, db DBTX, arg KeyTakeOverParam
 		arg.IdemKey,
 		arg.Fingerprint,
 		arg.TtlMicros,
+		arg.LockTimeout,
 	)
 	var claimed bool
 	err := row.Scan(&claimed)
 	return claimed, err
-}
-
-const LockTimeoutRestore = `-- name: LockTimeoutRestore :exec
-SELECT set_config('lock_timeout', current_setting('idem.lock_timeout'), true)
-`
-
-// Restores the lock_timeout that LockTimeoutSet saved.
-func (q *Queries) LockTimeoutRestore(ctx context.Context, db DBTX) error {
-	_, err := db.Exec(ctx, LockTimeoutRestore)
-	return err
-}
-
-const LockTimeoutSet = `-- name: LockTimeoutSet :exec
-
-SELECT set_config('lock_timeout', $1::text, true)
-FROM (SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true)) AS saved
-`
-
-// The statements of Do and DoInTx. Their access paths do not depend on the
-// planner's statistics: the claim, the take-over and the completion are
-// INSERT ... ON CONFLICT, which always finds the key through the primary key
-// (the arbiter index), and KeyGet is only ever run with enable_seqscan off
-// for the statement's own savepoint or transaction (see claim.go), so even
-// the generic plan a connection caches while the table is empty, or while
-// its statistics say so, is the primary key index.
-// Bounds the wait of the next statement for a concurrent claim of the same
-// key: saves the caller's lock_timeout in idem.lock_timeout and sets
-// @lock_timeout, both local to the transaction. The subquery is volatile, so
-// it is never flattened away: it runs first, on every execution.
-func (q *Queries) LockTimeoutSet(ctx context.Context, db DBTX, lockTimeout string) error {
-	_, err := db.Exec(ctx, LockTimeoutSet, lockTimeout)
-	return err
 }

@@ -24,7 +24,8 @@ SET fingerprint      = $1,
     expires_at       = now() + ($2::bigint * interval '1 microsecond'),
     token            = (SELECT next.token FROM next),
     lease_expires_at = now() + ($3::bigint * interval '1 microsecond'),
-    last_error       = NULL
+    last_error       = NULL,
+    resolve_reason   = NULL
 WHERE actor = $4 AND operation = $5 AND idem_key = $6
   AND idem_keys.token = $7
 RETURNING idem_keys.token, lease_expires_at
@@ -115,7 +116,7 @@ SET status     = 'unknown',
     last_error = $1::text
 FROM (SELECT actor, operation, idem_key
       FROM idem_keys
-      WHERE status = 'processing' AND lease_expires_at IS NOT NULL
+      WHERE status = 'processing' AND lease_expires_at IS NOT NULL AND completed_at IS NULL
         AND lease_expires_at <= now()
       ORDER BY lease_expires_at
       LIMIT $2
@@ -131,7 +132,8 @@ type ReserveExpireLeasesParams struct {
 
 // Turns at most @max_rows reservations whose lease ran out into 'unknown',
 // oldest lease first. Rows another worker has locked are skipped, so several
-// workers can run it at once.
+// workers can run it at once. It walks idem_keys_open_lease_idx: its WHERE
+// repeats the index predicate (open reservations: a lease, no outcome).
 func (q *Queries) ReserveExpireLeases(ctx context.Context, db DBTX, arg ReserveExpireLeasesParams) (int64, error) {
 	result, err := db.Exec(ctx, ReserveExpireLeases, arg.Reason, arg.MaxRows)
 	if err != nil {
@@ -146,7 +148,7 @@ SET status     = 'unknown',
     last_error = $1::text
 FROM (SELECT actor, operation, idem_key
       FROM idem_keys
-      WHERE status = 'processing' AND lease_expires_at IS NOT NULL
+      WHERE status = 'processing' AND lease_expires_at IS NOT NULL AND completed_at IS NULL
         AND lease_expires_at <= now()
       ORDER BY lease_expires_at
       LIMIT $2) AS expired
@@ -287,9 +289,9 @@ func (q *Queries) ReserveInsert(ctx context.Context, db DBTX, arg ReserveInsertP
 }
 
 const ReserveListUnknown = `-- name: ReserveListUnknown :many
-SELECT actor, operation, idem_key, fingerprint, status, response_status, response_headers, response_body, created_at, completed_at, expires_at, token, lease_expires_at, last_error
+SELECT actor, operation, idem_key, fingerprint, status, response_status, response_headers, response_body, created_at, completed_at, expires_at, token, lease_expires_at, last_error, resolve_reason
 FROM idem_keys
-WHERE status = 'unknown'
+WHERE status = 'unknown' AND lease_expires_at IS NOT NULL AND completed_at IS NULL
   AND (created_at, actor, operation, idem_key)
       > ($1::timestamptz, $2::text,
          $3::text, $4::text)
@@ -306,7 +308,9 @@ type ReserveListUnknownParams struct {
 }
 
 // Pages through 'unknown' records, oldest first, after the given position
-// ('-infinity' and empty names for the first page).
+// ('-infinity' and empty names for the first page). It walks
+// idem_keys_open_created_idx: its WHERE repeats the index predicate (open
+// reservations: a lease, no outcome).
 func (q *Queries) ReserveListUnknown(ctx context.Context, db DBTX, arg ReserveListUnknownParams) ([]IdemKey, error) {
 	rows, err := db.Query(ctx, ReserveListUnknown,
 		arg.AfterCreatedAt,
@@ -337,6 +341,7 @@ func (q *Queries) ReserveListUnknown(ctx context.Context, db DBTX, arg ReserveLi
 			&i.Token,
 			&i.LeaseExpiresAt,
 			&i.LastError,
+			&i.ResolveReason,
 		); err != nil {
 			return nil, err
 		}
@@ -349,7 +354,7 @@ func (q *Queries) ReserveListUnknown(ctx context.Context, db DBTX, arg ReserveLi
 }
 
 const ReserveLock = `-- name: ReserveLock :one
-SELECT idem_keys.actor, idem_keys.operation, idem_keys.idem_key, idem_keys.fingerprint, idem_keys.status, idem_keys.response_status, idem_keys.response_headers, idem_keys.response_body, idem_keys.created_at, idem_keys.completed_at, idem_keys.expires_at, idem_keys.token, idem_keys.lease_expires_at, idem_keys.last_error,
+SELECT idem_keys.actor, idem_keys.operation, idem_keys.idem_key, idem_keys.fingerprint, idem_keys.status, idem_keys.response_status, idem_keys.response_headers, idem_keys.response_body, idem_keys.created_at, idem_keys.completed_at, idem_keys.expires_at, idem_keys.token, idem_keys.lease_expires_at, idem_keys.last_error, idem_keys.resolve_reason,
        (expires_at <= now())::boolean AS expired,
        (lease_expires_at IS NOT NULL)::boolean AS leased,
        coalesce((extract(epoch FROM lease_expires_at - now()) * 1000)::bigint, 0)::bigint AS lease_left_ms
@@ -391,6 +396,7 @@ func (q *Queries) ReserveLock(ctx context.Context, db DBTX, arg ReserveLockParam
 		&i.IdemKey.Token,
 		&i.IdemKey.LeaseExpiresAt,
 		&i.IdemKey.LastError,
+		&i.IdemKey.ResolveReason,
 		&i.Expired,
 		&i.Leased,
 		&i.LeaseLeftMs,
@@ -440,7 +446,7 @@ SET status           = $1,
     completed_at     = now(),
     expires_at       = greatest(expires_at, now() + ($5::bigint * interval '1 microsecond')),
     token            = (SELECT next.token FROM next),
-    last_error       = $6::text
+    resolve_reason   = $6::text
 WHERE actor = $7 AND operation = $8 AND idem_key = $9
   AND idem_keys.token = $10
 `
@@ -458,10 +464,12 @@ type ReserveResolveParams struct {
 	Token           int64
 }
 
-// Reconciles the row ReserveLock read (identified by its token): 'succeeded'
-// with the response found at the provider, or 'failed_retryable'. The token
-// advances, so the reservation that held the key is fenced. (The new token
-// is drawn in a CTE: see ReserveAcquire.)
+// Reconciles the row ReserveLock read (identified by its token, the one the
+// operator named): 'succeeded' with the response found at the provider, or
+// 'failed_retryable'. The token advances, so the reservation that held the
+// key is fenced. last_error keeps why the record failed or became unknown;
+// the operator's reason goes beside it. (The new token is drawn in a CTE:
+// see ReserveAcquire.)
 func (q *Queries) ReserveResolve(ctx context.Context, db DBTX, arg ReserveResolveParams) (int64, error) {
 	result, err := db.Exec(ctx, ReserveResolve,
 		arg.Status,
