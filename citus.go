@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
+	"sync/atomic"
 
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
@@ -19,6 +21,10 @@ import (
 // The statements are the same on both engines wherever Citus accepts them
 // at no cost to PostgreSQL. Where they differ, the call says so and picks
 // one with Client.isCitus, which asks each database once per Client:
+//   - Do and DoInTx's claim: Citus waits for a twin on the worker, which
+//     set_config never reaches; SET LOCAL lock_timeout statements around a
+//     plain claim bound the wait there (queueClaim, KeyClaimCitus,
+//     KeyTakeOverCitus). Reserve uses that statement on both engines;
 //   - Prune and ExpireLeases: Citus refuses FOR UPDATE SKIP LOCKED over a
 //     distributed table (KeyPruneCitus, ReserveExpireLeasesCitus);
 //   - ReadStats: the sizes come from citus_table_size (asked on every call:
@@ -113,21 +119,32 @@ func hasCitus(ctx context.Context, q interface {
 }
 
 // isCitus reports whether the database of conn has the citus extension. It
-// asks the database once per Client and database (host, port and database
-// name of conn's configuration): a Client serving several databases asks
-// each of them.
+// asks each database once per Client: the first database the Client meets
+// is remembered beside the Client (one comparison of conn's host, port and
+// database name per call, no allocation), any other in a map.
 func (c *Client) isCitus(ctx context.Context, conn *pgx.Conn) (bool, error) {
 	cfg := conn.Config()
+	if e := c.citus.first.Load(); e != nil && e.host == cfg.Host && e.port == cfg.Port && e.database == cfg.Database {
+		return e.citus, nil
+	}
 	key := citusKey{host: cfg.Host, port: cfg.Port, database: cfg.Database}
-	if citus, ok := c.citus.Load(key); ok {
+	if citus, ok := c.citus.others.Load(key); ok {
 		return citus.(bool), nil
 	}
 	citus, err := hasCitus(ctx, conn)
 	if err != nil {
 		return false, err
 	}
-	c.citus.Store(key, citus)
+	if !c.citus.first.CompareAndSwap(nil, &citusEntry{citusKey: key, citus: citus}) {
+		c.citus.others.Store(key, citus)
+	}
 	return citus, nil
+}
+
+// citusCache is what Client.isCitus learned.
+type citusCache struct {
+	first  atomic.Pointer[citusEntry]
+	others sync.Map // citusKey → bool
 }
 
 // citusKey names a database for Client.isCitus.
@@ -135,6 +152,11 @@ type citusKey struct {
 	host     string
 	port     uint16
 	database string
+}
+
+type citusEntry struct {
+	citusKey
+	citus bool
 }
 
 // isCitusTable reports whether idem_keys is a Citus table in the database

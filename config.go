@@ -4,7 +4,6 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
-	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -97,10 +96,11 @@ type Client struct {
 	cfg         Config
 	ttlMicros   int64
 	lockTimeout string // Wait as a lock_timeout value
+	sqlSetWait  string // SET LOCAL lock_timeout = Wait (Citus's claim, Reserve)
 	txOptions   pgx.TxOptions
 	retryAfter  time.Duration
 	obs         *observer
-	citus       sync.Map // database (citusKey) → whether it is Citus (bool); see citus.go
+	citus       citusCache // whether each database is Citus; see citus.go
 }
 
 // New returns a Client for cfg, with zero fields replaced by their defaults.
@@ -149,6 +149,7 @@ func New(cfg Config) (*Client, error) {
 		wait = time.Millisecond // lock_timeout 0 would mean "wait forever"
 	}
 	c.lockTimeout = fmt.Sprintf("%dms", wait.Milliseconds())
+	c.sqlSetWait = "SET LOCAL lock_timeout = '" + c.lockTimeout + "'"
 	c.retryAfter = max(time.Second, wait.Round(time.Second))
 	c.txOptions = pgx.TxOptions{IsoLevel: cfg.IsolationLevel}
 	c.obs = newObserver(cfg)

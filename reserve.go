@@ -165,14 +165,13 @@ func (c *Client) reserve(ctx context.Context, tx pgx.Tx, scope Scope, key string
 	// with it. (A SET LOCAL statement, not set_config: on Citus the wait
 	// happens on the worker, which only a SET LOCAL statement reaches, with
 	// citus.propagate_set_commands = 'local'.)
-	setWait := "SET LOCAL lock_timeout = '" + c.lockTimeout + "'"
 	for range maxReserveAttempts {
 		// One round trip: insert a fresh reservation, or else lock and
 		// read the committed row that holds the key. Under READ COMMITTED
 		// the read sees the row the insert ran into, also one committed
 		// while the insert waited for it.
 		b := &pgx.Batch{}
-		b.Queue(setWait)
+		b.Queue(c.sqlSetWait)
 		_, _ = queries.ReserveInsert(ctx, queuer{b}, insert)
 		b.Queue(sqlIndexLookup)
 		_, _ = queries.ReserveLock(ctx, queuer{b}, lock)

@@ -192,7 +192,7 @@ func TestCallsReserve(t *testing.T) {
 	if err != nil || len(recs) != 1 || recs[0].Key != "r3" {
 		t.Fatalf("ListUnknown: %+v, %v", recs, err)
 	}
-	if err := idem.Resolve(ctx, p, scope, "r3", idem.Resolution{
+	if err := idem.Resolve(ctx, p, scope, "r3", idem.Resolution{Token: recs[0].Token,
 		Succeeded: &idem.Response{Status: 201, Body: []byte("found at the provider")}, Reason: "checked"}); err != nil {
 		t.Fatalf("Resolve succeeded: %v", err)
 	}
@@ -212,7 +212,7 @@ func TestCallsReserve(t *testing.T) {
 	if err != nil || n != 1 {
 		t.Fatalf("ExpireLeases: %d, %v", n, err)
 	}
-	if err := idem.Resolve(ctx, p, scope, "r4", idem.Resolution{Retryable: true, Reason: "not charged"}); err != nil {
+	if err := idem.Resolve(ctx, p, scope, "r4", idem.Resolution{Token: r4.Token, Retryable: true, Reason: "not charged"}); err != nil {
 		t.Fatalf("Resolve retryable: %v", err)
 	}
 	r4b, err := idem.Reserve(ctx, p, scope, "r4", fp("40"), time.Minute)
@@ -254,10 +254,6 @@ func TestCallsTakeOver(t *testing.T) {
 		t.Fatalf("Reserve past the TTL: %+v, %v", r2, err)
 	}
 	res, err := short.DoInTx(ctx, p, scope, "t1", fp("other"), order("carol", "t1", "other"))
-	if errors.Is(err, idem.ErrUnsupported) {
-		// KeyTakeOver's now() in DO UPDATE: issue 19 rewrites it.
-		t.Skipf("DoInTx past the TTL: %v", err)
-	}
 	if err != nil || res.Replayed {
 		t.Fatalf("DoInTx past the TTL: %+v, %v", res, err)
 	}

@@ -208,7 +208,6 @@ func TestBoundedWait(t *testing.T) {
 		_, err := short.Reserve(ctx, p, scope, "held", fp("x"), time.Minute)
 		return err
 	})
-	t.Skip("Do and DoInTx on Citus: their claim's wait still uses set_config, which never reaches the worker")
 	twin("DoInTx", func() error {
 		_, err := short.DoInTx(ctx, p, scope, "held", fp("x"), order("grace", "held", "x"))
 		return err
