@@ -222,3 +222,51 @@ func TestBoundedWait(t *testing.T) {
 		return err
 	})
 }
+
+// Config.Wait bounds the claim only: fn's own statements wait for locks as
+// long as the server's lock_timeout says (here: without bound), on the
+// coordinator and on the worker.
+func TestWaitDoesNotBoundFn(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, p := newDB(t)
+	short, err := idem.New(idem.Config{Wait: 200 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var id int64
+	if err := p.QueryRow(ctx, `INSERT INTO orders (actor, idem_key, item) VALUES ('ivan', 'seed', 'x') RETURNING id`).Scan(&id); err != nil {
+		t.Fatal(err)
+	}
+	// fn updates a row another transaction holds for a second.
+	fn := func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+		var timeout string
+		if err := tx.QueryRow(ctx, `SHOW lock_timeout`).Scan(&timeout); err != nil || timeout != "0" {
+			return idem.Response{}, fmt.Errorf("lock_timeout in fn: %q, %v", timeout, err)
+		}
+		_, err := tx.Exec(ctx, `UPDATE orders SET item = item || '+' WHERE actor = 'ivan' AND id = $1`, id)
+		return idem.Response{Status: 200}, err
+	}
+	hold := func() {
+		locker, err := p.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := locker.Exec(ctx, `UPDATE orders SET item = item WHERE actor = 'ivan' AND id = $1`, id); err != nil {
+			t.Fatal(err)
+		}
+		time.AfterFunc(time.Second, func() { _ = locker.Commit(ctx) })
+	}
+	hold()
+	if _, err := short.DoInTx(ctx, p, idem.Scope{Actor: "ivan", Operation: "order"}, "w1", fp("x"), fn); err != nil {
+		t.Fatalf("DoInTx: fn's wait was bounded: %v", err)
+	}
+	hold()
+	err = pgx.BeginFunc(ctx, p, func(tx pgx.Tx) error {
+		_, err := short.Do(ctx, tx, idem.Scope{Actor: "ivan", Operation: "order"}, "w2", fp("x"), fn)
+		return err
+	})
+	if err != nil {
+		t.Fatalf("Do: fn's wait was bounded: %v", err)
+	}
+}
