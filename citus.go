@@ -49,9 +49,11 @@ const DistributionColumn = "actor"
 // coordinator's. Run it once after Migrate, before the table holds keys;
 // it does nothing when idem_keys is distributed by actor already.
 //
-// A database without the citus extension, a Citus worker, or an idem_keys
-// distributed otherwise (by another column, or as a reference table) gives
-// an error wrapping ErrUnsupported, and nothing changes. Migrate keeps
+// A database without the citus extension, a Citus worker, a session whose
+// citus.propagate_set_commands is not 'local' (SET LOCAL statements must
+// reach the workers: that is how Config.Wait bounds a wait there), or an
+// idem_keys distributed otherwise (by another column, or as a reference
+// table) gives an error wrapping ErrUnsupported, and nothing changes. Migrate keeps
 // working on the distributed table: Citus propagates idem's later
 // migrations (columns, indexes) to every shard.
 func Distribute(ctx context.Context, pool *pgxpool.Pool) error {
@@ -65,6 +67,14 @@ func Distribute(ctx context.Context, pool *pgxpool.Pool) error {
 		}
 		if !coordinator {
 			return errWorker
+		}
+		var propagate string
+		if err := conn.QueryRow(ctx, sqlPropagateSet).Scan(&propagate); err != nil {
+			return err
+		}
+		if propagate != "local" {
+			return fmt.Errorf("%w: citus.propagate_set_commands is %q: set it to 'local' (postgresql.conf, "+
+				"ALTER DATABASE or ALTER ROLE), or Config.Wait cannot bound a wait on the workers", ErrUnsupported, propagate)
 		}
 		var column string
 		err = conn.QueryRow(ctx, sqlDistributionColumn).Scan(&column)
@@ -92,6 +102,8 @@ func Distribute(ctx context.Context, pool *pgxpool.Pool) error {
 const (
 	sqlHasCitus   = "SELECT EXISTS (SELECT FROM pg_extension WHERE extname = 'citus')"
 	sqlIsCoordntr = "SELECT citus_is_coordinator()"
+	// Whether SET LOCAL reaches the workers (Config.Wait needs it).
+	sqlPropagateSet = "SELECT current_setting('citus.propagate_set_commands')"
 	// The distribution column of idem_keys, no row when it is not a Citus
 	// table ('<none>' for a reference table).
 	sqlDistributionColumn = "SELECT distribution_column::text FROM citus_tables WHERE table_name = 'idem_keys'::regclass"

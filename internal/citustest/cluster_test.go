@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
 )
@@ -58,6 +59,25 @@ func TestWorkerConnection(t *testing.T) {
 	if n := count(t, p, `SELECT count(*) FROM idem_keys`); n != 0 {
 		t.Fatalf("%d keys written through the worker", n)
 	}
+}
+
+// Distribute refuses a session whose SET LOCAL statements do not reach the
+// workers: Config.Wait would bound nothing there.
+func TestDistributeNeedsSetPropagation(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db, _ := newDB(t)
+	cfg, err := pgxpool.ParseConfig(db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.RuntimeParams["citus.propagate_set_commands"] = "none"
+	p, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	isErr(t, "Distribute with citus.propagate_set_commands none", idem.Distribute(ctx, p), idem.ErrUnsupported)
 }
 
 // Concurrent pruners and lease sweepers on Citus (no SKIP LOCKED there):
