@@ -59,6 +59,19 @@ func TestWorkerConnection(t *testing.T) {
 	if n := count(t, p, `SELECT count(*) FROM idem_keys`); n != 0 {
 		t.Fatalf("%d keys written through the worker", n)
 	}
+	// Resolve draws a new token too.
+	r, err := idem.Reserve(ctx, p, scope, "u", fp("x"), time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := idem.MarkUnknown(ctx, p, r, "lost"); err != nil {
+		t.Fatal(err)
+	}
+	err = idem.Resolve(ctx, w, scope, "u", idem.Resolution{Token: r.Token, Retryable: true, Reason: "checked"})
+	isErr(t, "Resolve on a worker", err, idem.ErrUnsupported)
+	if rec, err := idem.Lookup(ctx, p, scope, "u"); err != nil || rec.Status != idem.StatusUnknown || rec.Token != r.Token {
+		t.Fatalf("after Resolve on a worker: %+v, %v", rec, err)
+	}
 }
 
 // Distribute refuses a session whose SET LOCAL statements do not reach the
