@@ -20,7 +20,9 @@ type Config struct {
 	TTL time.Duration
 
 	// Wait bounds how long a call waits for a concurrent transaction that
-	// holds the same key before it gives up with ErrInProgress. Default 2
+	// holds the same key before it gives up with ErrInProgress. (On Citus
+	// the wait happens on a worker, which the bound reaches only when
+	// citus.propagate_set_commands is 'local': see Distribute.) Default 2
 	// seconds; a negative value means wait at most a millisecond
 	// (PostgreSQL's lock_timeout cannot be zero: that means forever).
 	Wait time.Duration
