@@ -46,7 +46,7 @@ func (c *Client) Lookup(ctx context.Context, db Beginner, scope Scope, key strin
 	case errors.Is(err, ErrNotFound):
 		return Record{}, err
 	case err != nil:
-		return Record{}, fmt.Errorf("idem: lookup: %w", err)
+		return Record{}, fmt.Errorf("idem: lookup: %w", unsupportedIf(err))
 	}
 	return rec, nil
 }
@@ -103,7 +103,7 @@ func (c *Client) Forget(ctx context.Context, db Beginner, scope Scope, key strin
 	case errors.Is(err, ErrNotFound), errors.Is(err, ErrInProgress), errors.Is(err, ErrOutcomeUnknown):
 		return err
 	case err != nil:
-		return fmt.Errorf("idem: forget: %w", err)
+		return fmt.Errorf("idem: forget: %w", unsupportedIf(err))
 	}
 	return nil
 }

@@ -99,7 +99,9 @@ type Resolution struct {
 // (by the database clock) into 'unknown', oldest lease first, in one
 // statement of a short transaction begun on db, and returns how many. Rows
 // that another worker holds locked are skipped, so several workers can run
-// it at once; when it returns limit, more may be waiting: call it again.
+// it at once (on Citus, which has no SKIP LOCKED over a distributed table,
+// they wait for each other instead); when it returns limit, more may be
+// waiting: call it again.
 //
 // Records it turns unknown never run again by themselves: reconcile them
 // with Resolve (ListUnknown finds them). Reserve turns such a record unknown
@@ -117,14 +119,20 @@ func (c *Client) ExpireLeases(ctx context.Context, db Beginner, limit int) (int6
 	}
 	var n int64
 	err := c.batchTx(ctx, db, func(ctx context.Context, tx pgx.Tx) error {
-		var err error
-		n, err = queries.ReserveExpireLeases(ctx, planned{tx}, store.ReserveExpireLeasesParams{
-			Reason: leaseExpiredReason, MaxRows: int32(min(limit, math.MaxInt32)),
-		})
+		citus, err := c.isCitus(ctx, tx.Conn())
+		if err != nil {
+			return err
+		}
+		arg := store.ReserveExpireLeasesParams{Reason: leaseExpiredReason, MaxRows: int32(min(limit, math.MaxInt32))}
+		if citus {
+			n, err = queries.ReserveExpireLeasesCitus(ctx, planned{tx}, store.ReserveExpireLeasesCitusParams(arg))
+		} else {
+			n, err = queries.ReserveExpireLeases(ctx, planned{tx}, arg)
+		}
 		return err
 	})
 	if err != nil {
-		err = fmt.Errorf("idem: expire leases: %w", err)
+		err = fmt.Errorf("idem: expire leases: %w", unsupportedIf(err))
 		c.countEnd(ctx, "expire_leases", Scope{}, err, "")
 		return 0, err
 	}
@@ -165,13 +173,13 @@ func (c *Client) ListUnknown(ctx context.Context, db Beginner, limit int, after 
 		return err
 	})
 	if err != nil {
-		return nil, fmt.Errorf("idem: list unknown: %w", err)
+		return nil, fmt.Errorf("idem: list unknown: %w", unsupportedIf(err))
 	}
 	records := make([]Record, 0, len(rows))
 	for _, row := range rows {
 		rec, err := newRecord(row)
 		if err != nil {
-			return nil, fmt.Errorf("idem: list unknown: %w", err)
+			return nil, fmt.Errorf("idem: list unknown: %w", unsupportedIf(err))
 		}
 		records = append(records, rec)
 	}
@@ -269,7 +277,7 @@ func (c *Client) Resolve(ctx context.Context, db Beginner, scope Scope, key stri
 		return err
 	})
 	if err != nil && !errors.Is(err, ErrNotFound) && !errors.Is(err, ErrNotResolvable) && !errors.Is(err, ErrFenced) {
-		err = fmt.Errorf("idem: resolve: %w", err)
+		err = fmt.Errorf("idem: resolve: %w", unsupportedIf(err))
 	}
 	if err != nil {
 		c.obs.count(ctx, "reconcile_failed", "resolve", scope.Operation, 1)
