@@ -45,7 +45,9 @@ import (
 // lock_timeout = Config.Wait, set and restored by the claim statement itself
 // (KeyClaim, KeyTakeOver): no statement of its own. When nothing is claimed,
 // the savepoint (Do) or transaction (DoInTx) ends before any code of the
-// caller runs, and that restores the caller's value.
+// caller runs, and that restores the caller's value. On Citus, where the
+// wait happens on a worker that set_config never reaches, SET LOCAL
+// statements around the claim bound it instead (queueClaim).
 
 // Statements that are not table queries. savepoint is the savepoint that Do
 // runs the claim and fn in.
@@ -59,6 +61,9 @@ const (
 	sqlUndo        = "ROLLBACK TO SAVEPOINT idem_do; RELEASE SAVEPOINT idem_do"
 	sqlRollbackTo  = "ROLLBACK TO SAVEPOINT idem_do"
 	sqlIndexLookup = "SET LOCAL enable_seqscan = off"
+	// sqlWaitDefault ends the Citus claim's bound on waiting (see
+	// queueClaim).
+	sqlWaitDefault = "SET LOCAL lock_timeout TO DEFAULT"
 )
 
 // maxClaimAttempts bounds the rounds of claim, read and take-over when the
@@ -77,27 +82,50 @@ func newRowKey(scope Scope, key string) rowKey {
 }
 
 // queueClaim queues the claim of k for fp in b, bounded by Config.Wait: a
-// fresh claim, or with takeOver the take-over of a row that is over. The
-// bound is set and the caller's lock_timeout restored by the statement
-// itself (see KeyClaim).
-func (c *Client) queueClaim(b *pgx.Batch, k rowKey, fp []byte, takeOver bool) {
+// fresh claim, or with takeOver the take-over of a row that is over. On
+// PostgreSQL the bound is set and the caller's lock_timeout restored by the
+// statement itself (see KeyClaim). On Citus (citus true, see
+// Client.isCitus) the wait happens on the worker, which only SET LOCAL
+// statements reach: lock_timeout is set to Config.Wait before the claim and
+// back to its default after it (the caller's own SET LOCAL of lock_timeout,
+// if any, is not known there and not restored).
+func (c *Client) queueClaim(b *pgx.Batch, k rowKey, fp []byte, takeOver, citus bool) {
 	ctx, q := context.Background(), queuer{b}
-	if takeOver {
+	switch {
+	case citus && takeOver:
+		b.Queue(c.sqlSetWait)
+		_, _ = queries.KeyTakeOverCitus(ctx, q, db.KeyTakeOverCitusParams{Actor: k.actor, Operation: k.operation,
+			IdemKey: k.key, Fingerprint: fp, TtlMicros: c.ttlMicros})
+		b.Queue(sqlWaitDefault)
+	case citus:
+		b.Queue(c.sqlSetWait)
+		_, _ = queries.KeyClaimCitus(ctx, q, db.KeyClaimCitusParams{Actor: k.actor, Operation: k.operation,
+			IdemKey: k.key, Fingerprint: fp, TtlMicros: c.ttlMicros})
+		b.Queue(sqlWaitDefault)
+	case takeOver:
 		_, _ = queries.KeyTakeOver(ctx, q, db.KeyTakeOverParams{Actor: k.actor, Operation: k.operation,
 			IdemKey: k.key, Fingerprint: fp, TtlMicros: c.ttlMicros, LockTimeout: c.lockTimeout})
-	} else {
+	default:
 		_, _ = queries.KeyClaim(ctx, q, db.KeyClaimParams{Actor: k.actor, Operation: k.operation,
 			IdemKey: k.key, Fingerprint: fp, TtlMicros: c.ttlMicros, LockTimeout: c.lockTimeout})
 	}
 }
 
-// readClaim reads the result of what queueClaim queued: whether the key is
-// now claimed by this transaction. (KeyClaim and KeyTakeOver return the
-// same single column.)
-func readClaim(br pgx.BatchResults) (claimed bool, err error) {
+// readClaim reads the results of what queueClaim queued: whether the key is
+// now claimed by this transaction. (All four claims return the same single
+// column.)
+func readClaim(br pgx.BatchResults, citus bool) (claimed bool, err error) {
+	if citus {
+		if _, err = br.Exec(); err != nil {
+			return false, err
+		}
+	}
 	claimed, err = queries.KeyClaim(context.Background(), batchRead{br}, db.KeyClaimParams{})
 	if errors.Is(err, pgx.ErrNoRows) {
-		return false, nil
+		claimed, err = false, nil
+	}
+	if err == nil && citus {
+		_, err = br.Exec()
 	}
 	return claimed, err
 }
@@ -108,7 +136,7 @@ func (c *Client) claimError(err error, k rowKey) error {
 	if pgCode(err) == pgerrcode.LockNotAvailable {
 		return c.inProgressOn(k)
 	}
-	return fmt.Errorf("idem: claim: %w", err)
+	return fmt.Errorf("idem: claim: %w", unsupportedIf(err))
 }
 
 // queueRead queues the read of the committed row that holds k, preceded by
@@ -199,7 +227,7 @@ func readComplete(br pgx.BatchResults) error {
 		err = errors.New("the claimed row changed under fn")
 	}
 	if err != nil {
-		return fmt.Errorf("idem: store response: %w", err)
+		return fmt.Errorf("idem: store response: %w", unsupportedIf(err))
 	}
 	return nil
 }

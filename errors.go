@@ -1,6 +1,8 @@
 package idem
 
 import (
+	"database/sql"
+	"database/sql/driver"
 	"errors"
 	"fmt"
 	"io"
@@ -9,6 +11,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/puddle/v2"
 )
@@ -37,8 +40,9 @@ var (
 	ErrInvalidScope = errors.New("idem: invalid scope")
 
 	// ErrInvalidResponse means fn returned a Response that cannot be stored
-	// and replayed exactly (a status outside 0 and 100..999, a header that
-	// is not valid text).
+	// and replayed exactly (a status outside 0 and 100..999, a header name
+	// that is not an RFC 9110 token, a header value that is not valid text
+	// or holds CR, LF or NUL).
 	// fn's writes and the claim were undone; nothing was stored.
 	ErrInvalidResponse = errors.New("idem: invalid response")
 
@@ -62,8 +66,9 @@ var (
 	ErrUnavailable = errors.New("idem: store unavailable")
 
 	// ErrInvalidArgument means a required argument (transaction, function,
-	// database handle) is nil, or a value such as a lease or a limit is out
-	// of range. Nothing was touched.
+	// database handle) is nil, or a value such as a lease, a limit or a
+	// ListUnknown cursor is out of range, or the caller's transaction given
+	// to Do or Complete is closed or aborted. Nothing was touched.
 	ErrInvalidArgument = errors.New("idem: invalid argument")
 
 	// ErrOutcomeUnknown means the key belongs to a reservation whose work
@@ -82,7 +87,51 @@ var (
 	// operator resolved it). Whatever the caller was about to record must be
 	// rolled back.
 	ErrFenced = errors.New("idem: reservation fenced: no longer the owner of the key")
+
+	// ErrPreparedStatements means the server lost or mixed up pgx's cached
+	// prepared statements (SQLSTATE 26000 or 42P05 on a statement named
+	// stmtcache_…): the connection goes through a transaction pooler, such
+	// as PgBouncer in transaction mode, that hands each transaction another
+	// server connection and does not carry prepared statements across. The
+	// fix is a configuration: give the pool a DefaultQueryExecMode that does
+	// not prepare named statements (pgx.QueryExecModeExec,
+	// QueryExecModeCacheDescribe or QueryExecModeSimpleProtocol), or run
+	// PgBouncer 1.21 or newer with max_prepared_statements > 0. Nothing was
+	// stored (HTTP 500).
+	ErrPreparedStatements = errors.New("idem: prepared statements lost behind a connection pooler")
 )
+
+// preparedStatementsLost returns err wrapped with ErrPreparedStatements and
+// the fix when it is pgx's cached prepared statement missing (26000) or
+// already there (42P05) on the server connection: what a transaction pooler
+// without prepared-statement support does to pgx's default exec mode.
+func preparedStatementsLost(err error) error {
+	var pgErr *pgconn.PgError
+	if err == nil || !errors.As(err, &pgErr) || errors.Is(err, ErrPreparedStatements) ||
+		(pgErr.Code != pgerrcode.InvalidSQLStatementName && pgErr.Code != pgerrcode.DuplicatePreparedStatement) ||
+		!strings.Contains(pgErr.Message, "stmtcache_") {
+		return err
+	}
+	return fmt.Errorf("%w (a transaction pooler such as PgBouncer in transaction mode?): "+
+		"set the pool's DefaultQueryExecMode to pgx.QueryExecModeExec, QueryExecModeCacheDescribe or "+
+		"QueryExecModeSimpleProtocol, or run PgBouncer 1.21 or newer with max_prepared_statements > 0: %w",
+		ErrPreparedStatements, err)
+}
+
+// txUnusable returns err wrapped with ErrInvalidArgument when it says that
+// the caller's transaction could not run the call: it was closed
+// (committed or rolled back) or is aborted (a statement failed in it).
+func txUnusable(err error) error {
+	switch {
+	case err == nil || errors.Is(err, ErrInvalidArgument):
+		return err
+	case errors.Is(err, pgx.ErrTxClosed):
+		return fmt.Errorf("%w: the transaction is closed (committed or rolled back): %w", ErrInvalidArgument, err)
+	case pgCode(err) == pgerrcode.InFailedSQLTransaction:
+		return fmt.Errorf("%w: the transaction is aborted (a statement failed in it; roll it back): %w", ErrInvalidArgument, err)
+	}
+	return err
+}
 
 // InProgressError is returned when the key is held by a transaction that did
 // not finish within the wait. errors.Is(err, ErrInProgress) reports true.
@@ -131,11 +180,17 @@ func RejectedResponse(err error) (Response, bool) {
 // nothing is stored and the key is free again once the caller rolls back.
 func Reject(resp Response) error { return &rejection{resp: resp} }
 
-// pgCode returns the SQLSTATE of err if it is (or wraps) a PostgreSQL error.
+// pgCode returns the SQLSTATE of err if it is (or wraps) a PostgreSQL error:
+// pgx's *pgconn.PgError, or another driver's error with an SQLState method
+// (lib/pq's *pq.Error), so that package idemsql classifies alike.
 func pgCode(err error) string {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
 		return pgErr.Code
+	}
+	var stateErr interface{ SQLState() string }
+	if errors.As(err, &stateErr) {
+		return stateErr.SQLState()
 	}
 	return ""
 }
@@ -143,12 +198,18 @@ func pgCode(err error) string {
 // Unavailable reports whether err means the database could not serve the
 // request, through no fault of the request itself: err wraps
 // ErrUnavailable; or the server could not be reached, or dropped the
-// connection, or the pool is closed, or a deadline ran out on the way; or
-// the server answered with SQLSTATE class 08 (connection exception), 53
-// (insufficient resources), 57 (operator intervention: a shutdown, a
-// cancelled or timed-out statement) or 58 (system error). Fail closed (HTTP 503) and let the client retry with
-// the same key: the retry replays if the first attempt committed, and runs
-// otherwise. This is the one classification idem and idemhttp use.
+// connection (also when pgx reports the broken connection later as "conn
+// closed", to any call or to the caller's own Exec or Commit; database/sql
+// reports it as driver.ErrBadConn or sql.ErrConnDone), or the pool is
+// closed, or a deadline ran out on the way; or the server answered
+// (through pgx, or another driver such as lib/pq under package idemsql)
+// with SQLSTATE class 08 (connection exception), 53 (insufficient
+// resources), 57 (operator intervention: a shutdown, a cancelled or
+// timed-out statement) or 58 (system error). This holds for the error of
+// every public call of idem and of Migrate. Fail closed (HTTP 503) and let
+// the client retry with the same key: the retry replays if the first
+// attempt committed, and runs otherwise (Lookup shows what committed). This
+// is the one classification idem and idemhttp use.
 func Unavailable(err error) bool {
 	return err != nil && (errors.Is(err, ErrUnavailable) || isUnavailable(err))
 }
@@ -159,10 +220,19 @@ func isUnavailable(err error) bool {
 	if errors.As(err, &pgErr) {
 		return serverUnavailable(pgErr)
 	}
+	if code := pgCode(err); code != "" { // another driver's server error
+		return serverUnavailable(&pgconn.PgError{Code: code})
+	}
 	var connectErr *pgconn.ConnectError
 	var netErr net.Error
 	return errors.As(err, &connectErr) || errors.As(err, &netErr) || pgconn.Timeout(err) ||
 		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, net.ErrClosed) ||
+		// pgx's "conn closed": a statement, Begin, Commit or Rollback on a
+		// connection that broke earlier (a lost COMMIT acknowledgement
+		// closes it; so does a restart of the server).
+		errors.Is(err, pgconn.ErrConnClosed) ||
+		// database/sql's forms of the same (Migrate runs through it).
+		errors.Is(err, driver.ErrBadConn) || errors.Is(err, sql.ErrConnDone) ||
 		errors.Is(err, puddle.ErrClosedPool)
 }
 

@@ -100,6 +100,7 @@ func (c *Client) Do(ctx context.Context, tx pgx.Tx, scope Scope, key string, fp 
 	ctx, cl := c.obs.begin(ctx, "do", "idem.Do", scope, key)
 	defer cl.endIfPanicking(ctx)
 	res, err := c.do(ctx, tx, newRowKey(scope, key), fp, fn, &cl)
+	err = preparedStatementsLost(txUnusable(err))
 	cl.end(ctx, res, err)
 	return res, err
 }
@@ -132,17 +133,23 @@ func (c *Client) call(ctx context.Context, s *span, k rowKey, fp Fingerprint,
 	fn func(ctx context.Context, tx pgx.Tx) (Response, error), cl *call) (Result, error) {
 	var decided outcome // a refusal, stored once the key is claimed again (none: status "")
 	takeOver := false
+	// Citus bounds the claim's wait otherwise (see queueClaim); asked once
+	// per Client and database.
+	citus, err := c.isCitus(ctx, s.connection())
+	if err != nil {
+		return Result{}, unavailableIf(isUnavailable(err), fmt.Errorf("idem: claim: %w", err))
+	}
 	fpBytes := fp[:]
 	b := &pgx.Batch{QueuedQueries: make([]*pgx.QueuedQuery, 0, 4)} // every round trip's, in turn
 	for range maxClaimAttempts {
 		// Round trip 1: begin, and claim.
 		reset(b)
-		br := s.begin(ctx, b, func() { c.queueClaim(b, k, fpBytes, takeOver) })
+		br := s.begin(ctx, b, func() { c.queueClaim(b, k, fpBytes, takeOver, citus) })
 		_, err := br.Exec()
 		if err != nil { // not begun: nothing to undo
 			return Result{}, s.notBegun(ctx, c.claimError(closeBatch(br, err), k))
 		}
-		claimed, err := readClaim(br)
+		claimed, err := readClaim(br, citus)
 		if err = closeBatch(br, err); err != nil {
 			return Result{}, s.fail(ctx, c.claimError(err, k))
 		}
@@ -210,6 +217,14 @@ type span struct {
 	tx        pgx.Tx // Do: the caller's; DoInTx: the current own transaction
 	conn      *pgx.Conn
 	txOptions pgx.TxOptions
+}
+
+// connection is the connection the span runs on.
+func (s *span) connection() *pgx.Conn {
+	if s.conn != nil {
+		return s.conn
+	}
+	return s.tx.Conn()
 }
 
 // begin queues the savepoint (or BEGIN) in b, then what queue queues, and

@@ -2,10 +2,14 @@ package idem
 
 import (
 	"context"
+	"database/sql"
 	"embed"
+	"errors"
 	"fmt"
 	"io/fs"
+	"time"
 
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pressly/goose/v3"
@@ -16,11 +20,35 @@ import (
 // migrations, kept apart from an application's goose_db_version table.
 const MigrationTable = "idem_goose_db_version"
 
-// MigrationLockID is the PostgreSQL advisory lock id that serializes
-// concurrent runs of Migrate. It differs from goose's default lock id, so
-// idem's migrations and the application's own goose migrations never block
-// each other.
+// MigrationLockTable is the table that serializes concurrent runs of Migrate
+// and MigrateDown (goose's table-based lock: a row with a lease, renewed
+// while the run lasts). A table rather than a session advisory lock, so
+// that migrating works through a transaction pooler such as PgBouncer in
+// transaction mode, which would run the lock and the unlock on different
+// server connections.
+const MigrationLockTable = "idem_goose_lock"
+
+// MigrationLockID is the id of idem's row in MigrationLockTable. (Before
+// the table lock it was the id of a PostgreSQL advisory lock.) It differs
+// from goose's default lock id, so idem's migrations and the application's
+// own goose migrations never block each other.
 const MigrationLockID int64 = 0x6964656d // "idem"
+
+// ErrDowngradeDeletesRecords means MigrateDown refused to revert a migration
+// because its Down would delete records whose outcome may have happened
+// (unknown, in flight or failed_retryable, or, for the first migration,
+// every record): the keys would become free and their retries would run
+// again. The error says how many records; nothing changed.
+// MigrateDownOptions.Force reverts anyway.
+var ErrDowngradeDeletesRecords = errors.New("idem: migrating down would delete records whose outcome may have happened")
+
+// downRefusedCode is the SQLSTATE with which a Down migration refuses to
+// delete records (see MigrateDown).
+const downRefusedCode = "IDMDN"
+
+// forceDownParam is the setting, sent when the connection starts, that lets
+// a Down migration delete records (MigrateDownOptions.Force).
+const forceDownParam = "idem.force_down"
 
 //go:embed migrations/*.sql
 var migrationFiles embed.FS
@@ -30,6 +58,10 @@ var migrationFiles embed.FS
 // idem's version table:
 //
 //	goose -dir migrations -table idem_goose_db_version postgres "$DATABASE_URL" up
+//
+// A Down that would delete records whose outcome may have happened refuses
+// (SQLSTATE IDMDN, with the number of records) unless the connection sets
+// idem.force_down to on (see MigrateDown).
 func Migrations() fs.FS {
 	sub, err := fs.Sub(migrationFiles, "migrations")
 	if err != nil {
@@ -39,32 +71,117 @@ func Migrations() fs.FS {
 }
 
 // Migrate brings idem's tables up to date in the database of pool. It is safe
-// to run from many processes at once (they serialize on MigrationLockID) and
-// does nothing when everything is applied. It uses its own version table
-// (MigrationTable), so an application's goose migrations are untouched.
+// to run from many processes at once (they serialize on MigrationLockID in
+// MigrationLockTable) and does nothing when everything is applied. It uses
+// its own version table (MigrationTable), so an application's goose
+// migrations are untouched. It works through a transaction pooler when the
+// pool's exec mode does (see the README, Behind a connection pooler). On
+// Citus, run it on the coordinator (then Distribute): a worker is refused
+// with ErrUnsupported.
 func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
 	if pool == nil {
 		return fmt.Errorf("%w: nil pool", ErrInvalidArgument)
 	}
-	locker, err := lock.NewPostgresSessionLocker(
-		lock.WithLockID(MigrationLockID),
-		lock.WithLockTimeout(1, 300),
-	)
-	if err != nil {
+	if err := checkNotWorker(ctx, pool); err != nil {
 		return fmt.Errorf("idem: migrate: %w", err)
 	}
-	db := stdlib.OpenDBFromPool(pool)
-	defer db.Close()
-	provider, err := goose.NewProvider(goose.DialectPostgres, db, Migrations(),
-		goose.WithTableName(MigrationTable),
-		goose.WithSessionLocker(locker),
-		goose.WithDisableGlobalRegistry(true),
-	)
+	err := withProvider(pool, func(p *goose.Provider) error {
+		_, err := p.Up(ctx)
+		return err
+	})
 	if err != nil {
-		return fmt.Errorf("idem: migrate: %w", err)
-	}
-	if _, err := provider.Up(ctx); err != nil {
 		return fmt.Errorf("idem: migrate: %w", err)
 	}
 	return nil
+}
+
+// MigrateDownOptions configure MigrateDown.
+type MigrateDownOptions struct {
+	// Force reverts the migration even when its Down deletes records whose
+	// outcome may have happened. Their keys become free: a retry runs the
+	// work again. It is sent as a setting when the connection starts
+	// (idem.force_down), which PgBouncer refuses: force a downgrade on a
+	// direct connection.
+	Force bool
+}
+
+// MigrateDown reverts the latest applied migration of idem in the database
+// of pool, in one transaction, and returns its version (0 when none is
+// applied). It serializes with Migrate like Migrate does.
+//
+// Migrations never delete outcomes on their own: when the Down would delete
+// records whose outcome may have happened (unknown, in flight or
+// failed_retryable records; every record for the first migration, which
+// drops the table), MigrateDown returns ErrDowngradeDeletesRecords, saying
+// how many, and changes nothing, unless opts.Force is set.
+func MigrateDown(ctx context.Context, pool *pgxpool.Pool, opts MigrateDownOptions) (int64, error) {
+	if pool == nil {
+		return 0, fmt.Errorf("%w: nil pool", ErrInvalidArgument)
+	}
+	if opts.Force {
+		cfg := pool.Config().Copy()
+		cfg.ConnConfig.RuntimeParams[forceDownParam] = "on"
+		cfg.MinConns, cfg.MaxConns = 0, 2
+		forced, err := pgxpool.NewWithConfig(ctx, cfg)
+		if err != nil {
+			return 0, fmt.Errorf("idem: migrate down: %w", err)
+		}
+		defer forced.Close()
+		pool = forced
+	}
+	var version int64
+	err := withProvider(pool, func(p *goose.Provider) error {
+		res, err := p.Down(ctx)
+		if res != nil && err == nil {
+			version = res.Source.Version
+		}
+		if errors.Is(err, goose.ErrNoNextVersion) {
+			return nil // nothing applied
+		}
+		return err
+	})
+	var pgErr *pgconn.PgError
+	switch {
+	case errors.As(err, &pgErr) && pgErr.Code == downRefusedCode:
+		return 0, fmt.Errorf("%w: %s; nothing changed (MigrateDownOptions.Force, or idem migrate down --force, deletes them)",
+			ErrDowngradeDeletesRecords, pgErr.Message)
+	case err != nil:
+		return 0, fmt.Errorf("idem: migrate down: %w", err)
+	}
+	return version, nil
+}
+
+// withProvider runs fn with a goose provider for idem's migrations on pool,
+// locked with the table lock.
+func withProvider(pool *pgxpool.Pool, fn func(*goose.Provider) error) error {
+	db := stdlib.OpenDBFromPool(pool)
+	defer db.Close()
+	return withSQLProvider(db, fn)
+}
+
+// withSQLProvider is withProvider on a *sql.DB (package idemsql's Migrate
+// runs through it too).
+func withSQLProvider(db *sql.DB, fn func(*goose.Provider) error) error {
+	locker, err := lock.NewPostgresTableLocker(
+		lock.WithTableName(MigrationLockTable),
+		lock.WithTableLockID(MigrationLockID),
+		// Poll often (runs are short) for at most five minutes.
+		lock.WithTableLockTimeout(200*time.Millisecond, 1500),
+	)
+	if err != nil {
+		return err
+	}
+	return runProvider(db, locker, fn)
+}
+
+func runProvider(db *sql.DB, locker lock.Locker, fn func(*goose.Provider) error) error {
+	provider, err := goose.NewProvider(goose.DialectPostgres, db, Migrations(),
+		goose.WithTableName(MigrationTable),
+		goose.WithLocker(locker),
+		goose.WithDisableGlobalRegistry(true),
+	)
+	if err != nil {
+		return err
+	}
+	return fn(provider)
 }

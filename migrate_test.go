@@ -4,10 +4,13 @@ import (
 	"context"
 	"errors"
 	"io/fs"
+	"strings"
 	"sync"
 	"testing"
 	"testing/fstest"
+	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pressly/goose/v3"
@@ -96,4 +99,109 @@ func memFS(files map[string]string) fs.FS {
 		m[name] = &fstest.MapFile{Data: []byte(body)}
 	}
 	return m
+}
+
+// appliedVersion is the latest migration of idem applied in pool's database.
+func appliedVersion(t *testing.T, pool *pgxpool.Pool) int64 {
+	t.Helper()
+	var v int64
+	if err := pool.QueryRow(context.Background(), `SELECT coalesce(max(version_id), 0) FROM `+idem.MigrationTable).Scan(&v); err != nil {
+		t.Fatal(err)
+	}
+	return v
+}
+
+// idemRows is every row of idem_keys as text, or "" once the table is gone.
+func idemRows(t *testing.T, pool *pgxpool.Pool) string {
+	t.Helper()
+	var rows string
+	err := pool.QueryRow(context.Background(), `SELECT CASE WHEN to_regclass('idem_keys') IS NULL THEN ''
+		ELSE (SELECT coalesce(string_agg(k::text, E'\n' ORDER BY k::text), 'empty') FROM idem_keys AS k) END`).Scan(&rows)
+	if err != nil {
+		// to_regclass is checked first, but the subquery is planned anyway.
+		return ""
+	}
+	return rows
+}
+
+// Migrating down never deletes an outcome unless forced: a Down that would
+// delete unknown, in-flight or failed_retryable records (2), or any record
+// (1, which drops the table), refuses with the count and changes nothing.
+// The Down of 4 keeps the operator's reason in last_error.
+func TestMigrateDownKeepsOutcomes(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t, idem.Migrate)
+	c := mustClient(t, idem.Config{})
+	reserve := func(key string) idem.Reservation {
+		r, err := c.Reserve(ctx, pool, payScope, key, fpA, time.Hour)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return r
+	}
+	if err := c.MarkUnknown(ctx, pool, reserve("unknown"), "timeout"); err != nil {
+		t.Fatal(err)
+	}
+	reserve("in-flight")
+	f := reserve("resolved")
+	if err := c.MarkUnknown(ctx, pool, f, "timeout"); err != nil {
+		t.Fatal(err)
+	}
+	if err := c.Resolve(ctx, pool, payScope, "resolved", idem.Resolution{Token: f.Token, Retryable: true, Reason: "no charge"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.DoInTx(ctx, pool, payScope, "done", fpA, func(context.Context, pgx.Tx) (idem.Response, error) {
+		return idem.Response{Status: 200}, nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+
+	// Down to 2, which keeps everything.
+	for appliedVersion(t, pool) > 2 {
+		v := appliedVersion(t, pool)
+		if got, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{}); err != nil || got != v {
+			t.Fatalf("MigrateDown from %d: %d, %v", v, got, err)
+		}
+	}
+	var lastError string
+	if err := pool.QueryRow(ctx, `SELECT last_error FROM idem_keys WHERE idem_key = 'resolved'`).Scan(&lastError); err != nil ||
+		lastError != "timeout; resolved: no charge" {
+		t.Fatalf("last_error after the Down of 4: %q, %v", lastError, err)
+	}
+
+	refused := func(wantCount string) {
+		t.Helper()
+		before, version := idemRows(t, pool), appliedVersion(t, pool)
+		_, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{})
+		if !errors.Is(err, idem.ErrDowngradeDeletesRecords) || !strings.Contains(err.Error(), wantCount) {
+			t.Fatalf("MigrateDown from %d: %v; want ErrDowngradeDeletesRecords about %s", version, err, wantCount)
+		}
+		if after := idemRows(t, pool); after != before || appliedVersion(t, pool) != version {
+			t.Fatalf("a refused MigrateDown changed something:\nbefore %s\nafter  %s", before, after)
+		}
+	}
+	refused("3 records") // unknown, in-flight, failed_retryable
+	if v, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{Force: true}); err != nil || v != 2 {
+		t.Fatalf("forced MigrateDown: %d, %v", v, err)
+	}
+	refused("1 records") // the one Do stored
+	if v, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{Force: true}); err != nil || v != 1 {
+		t.Fatalf("forced MigrateDown: %d, %v", v, err)
+	}
+	if v, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{}); err != nil || v != 0 {
+		t.Fatalf("MigrateDown with nothing applied: %d, %v", v, err)
+	}
+	// Empty, version 1 goes without force; and up again.
+	if err := idem.Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	for appliedVersion(t, pool) > 0 {
+		if _, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{}); err != nil {
+			t.Fatalf("MigrateDown of an empty table: %v", err)
+		}
+	}
+	if _, err := idem.MigrateDown(ctx, nil, idem.MigrateDownOptions{}); !errors.Is(err, idem.ErrInvalidArgument) {
+		t.Fatalf("MigrateDown(nil): %v", err)
+	}
 }

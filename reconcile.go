@@ -54,9 +54,12 @@ type Record struct {
 	// Token is the fencing token of the reservation that last held the key
 	// (0 for records Do wrote).
 	Token int64
-	// LastError says why the record failed or became unknown, or how it was
-	// resolved; empty when there is nothing to say.
+	// LastError says why the record failed or became unknown; empty when
+	// there is nothing to say. Resolve keeps it.
 	LastError string
+	// ResolveReason is the operator's reason (Resolution.Reason) when
+	// Resolve reconciled the record; empty otherwise.
+	ResolveReason string
 	// CreatedAt is when the key was claimed or reserved (for a reservation,
 	// its latest attempt).
 	CreatedAt time.Time
@@ -74,15 +77,21 @@ type Record struct {
 
 // Resolution is an operator's verdict on a record whose outcome was unknown,
 // after looking at the outside system. Set exactly one of Succeeded and
-// Retryable.
+// Retryable, and the Token of the attempt the verdict is about.
 type Resolution struct {
+	// Token is the fencing token of the attempt being resolved, as
+	// ListUnknown and Lookup show it (Record.Token). Required: a verdict
+	// about one attempt must never land on a later one, so Resolve refuses
+	// a token that is not the record's current one with ErrFenced.
+	Token int64
 	// Succeeded is the response to store and replay: the work did happen.
 	Succeeded *Response
 	// Retryable says the work certainly did not happen: the next Reserve with
 	// the same fingerprint executes again.
 	Retryable bool
-	// Reason is stored as the record's LastError (at most MaxReasonLength
-	// bytes), for the audit trail.
+	// Reason is stored as the record's ResolveReason (at most
+	// MaxReasonLength bytes), for the audit trail, beside the LastError
+	// that says why the record became unknown.
 	Reason string
 }
 
@@ -90,7 +99,9 @@ type Resolution struct {
 // (by the database clock) into 'unknown', oldest lease first, in one
 // statement of a short transaction begun on db, and returns how many. Rows
 // that another worker holds locked are skipped, so several workers can run
-// it at once; when it returns limit, more may be waiting: call it again.
+// it at once (on Citus, which has no SKIP LOCKED over a distributed table,
+// they wait for each other instead); when it returns limit, more may be
+// waiting: call it again.
 //
 // Records it turns unknown never run again by themselves: reconcile them
 // with Resolve (ListUnknown finds them). Reserve turns such a record unknown
@@ -108,14 +119,20 @@ func (c *Client) ExpireLeases(ctx context.Context, db Beginner, limit int) (int6
 	}
 	var n int64
 	err := c.batchTx(ctx, db, func(ctx context.Context, tx pgx.Tx) error {
-		var err error
-		n, err = queries.ReserveExpireLeases(ctx, planned{tx}, store.ReserveExpireLeasesParams{
-			Reason: leaseExpiredReason, MaxRows: int32(min(limit, math.MaxInt32)),
-		})
+		citus, err := c.isCitus(ctx, tx.Conn())
+		if err != nil {
+			return err
+		}
+		arg := store.ReserveExpireLeasesParams{Reason: leaseExpiredReason, MaxRows: int32(min(limit, math.MaxInt32))}
+		if citus {
+			n, err = queries.ReserveExpireLeasesCitus(ctx, planned{tx}, store.ReserveExpireLeasesCitusParams(arg))
+		} else {
+			n, err = queries.ReserveExpireLeases(ctx, planned{tx}, arg)
+		}
 		return err
 	})
 	if err != nil {
-		err = fmt.Errorf("idem: expire leases: %w", err)
+		err = fmt.Errorf("idem: expire leases: %w", unsupportedIf(err))
 		c.countEnd(ctx, "expire_leases", Scope{}, err, "")
 		return 0, err
 	}
@@ -125,8 +142,9 @@ func (c *Client) ExpireLeases(ctx context.Context, db Beginner, limit int) (int6
 
 // ListUnknown returns at most limit 'unknown' records, oldest first (by
 // CreatedAt, then scope and key). Pass nil for the first page and the last
-// record of a page for the next; an empty page is the end. limit <= 0 is
-// ErrInvalidArgument.
+// record of a page for the next; an empty page is the end. limit <= 0, or
+// an after whose names are not valid UTF-8 or hold NUL, or whose CreatedAt
+// is outside PostgreSQL's range, is ErrInvalidArgument.
 func ListUnknown(ctx context.Context, db Beginner, limit int, after *Record) ([]Record, error) {
 	return defaultClient.ListUnknown(ctx, db, limit, after)
 }
@@ -142,6 +160,9 @@ func (c *Client) ListUnknown(ctx context.Context, db Beginner, limit int, after 
 		MaxRows:        int32(min(limit, math.MaxInt32)),
 	}
 	if after != nil {
+		if err := checkCursor(after); err != nil {
+			return nil, err
+		}
 		arg.AfterCreatedAt = pgtype.Timestamptz{Time: after.CreatedAt, Valid: true}
 		arg.AfterActor, arg.AfterOperation, arg.AfterKey = after.Scope.Actor, after.Scope.Operation, after.Key
 	}
@@ -152,13 +173,13 @@ func (c *Client) ListUnknown(ctx context.Context, db Beginner, limit int, after 
 		return err
 	})
 	if err != nil {
-		return nil, fmt.Errorf("idem: list unknown: %w", err)
+		return nil, fmt.Errorf("idem: list unknown: %w", unsupportedIf(err))
 	}
 	records := make([]Record, 0, len(rows))
 	for _, row := range rows {
 		rec, err := newRecord(row)
 		if err != nil {
-			return nil, fmt.Errorf("idem: list unknown: %w", err)
+			return nil, fmt.Errorf("idem: list unknown: %w", unsupportedIf(err))
 		}
 		records = append(records, rec)
 	}
@@ -173,10 +194,18 @@ func (c *Client) ListUnknown(ctx context.Context, db Beginner, limit int, after 
 // way the token advances: the reservation that held the key is fenced, so a
 // late Complete of it changes nothing.
 //
+// res.Token names the attempt the verdict is about (Record.Token, as
+// ListUnknown and Lookup show it). When it is not the record's current token
+// (another operator resolved it, or a later attempt holds it now), Resolve
+// returns ErrFenced and changes nothing: look the record up again.
+//
 // ErrNotFound when no record holds the key; ErrNotResolvable when a live
-// lease holds it or its outcome is already recorded. Both, or neither, of
-// res.Succeeded and res.Retryable, a reason too long or not valid text, or a
-// response that cannot be stored are refused before anything runs.
+// lease holds it or its outcome is already recorded. No token (0 or less),
+// both or neither of res.Succeeded and res.Retryable, a reason too long or
+// not valid text, or a response that cannot be stored is ErrInvalidArgument
+// (ErrInvalidResponse, ErrResponseTooLarge for the response), refused before
+// anything runs. The record keeps its LastError; res.Reason is stored as its
+// ResolveReason.
 func Resolve(ctx context.Context, db Beginner, scope Scope, key string, res Resolution) error {
 	return defaultClient.Resolve(ctx, db, scope, key, res)
 }
@@ -188,6 +217,9 @@ func (c *Client) Resolve(ctx context.Context, db Beginner, scope Scope, key stri
 	}
 	if isNil(db) {
 		return fmt.Errorf("%w: nil database handle", ErrInvalidArgument)
+	}
+	if res.Token <= 0 {
+		return fmt.Errorf("%w: a Resolution names the Token of the attempt it resolves (Record.Token)", ErrInvalidArgument)
 	}
 	if (res.Succeeded != nil) == res.Retryable {
 		return fmt.Errorf("%w: a Resolution sets exactly one of Succeeded and Retryable", ErrInvalidArgument)
@@ -222,6 +254,12 @@ func (c *Client) Resolve(ctx context.Context, db Beginner, scope Scope, key stri
 		if err != nil {
 			return err
 		}
+		// (Token 0: a record Do wrote, which has no attempt to name and is
+		// never awaiting reconciliation: ErrNotResolvable below.)
+		if row.IdemKey.Token != res.Token && row.IdemKey.Token != 0 {
+			return fmt.Errorf("%w: token %d was resolved or replaced; the record holds token %d now (status %s)",
+				ErrFenced, res.Token, row.IdemKey.Token, row.IdemKey.Status)
+		}
 		switch status := Status(row.IdemKey.Status); {
 		case status == StatusUnknown:
 		case status == StatusProcessing && row.Leased && row.LeaseLeftMs > 0:
@@ -238,14 +276,37 @@ func (c *Client) Resolve(ctx context.Context, db Beginner, scope Scope, key stri
 		}
 		return err
 	})
-	if err != nil && !errors.Is(err, ErrNotFound) && !errors.Is(err, ErrNotResolvable) {
-		err = fmt.Errorf("idem: resolve: %w", err)
+	if err != nil && !errors.Is(err, ErrNotFound) && !errors.Is(err, ErrNotResolvable) && !errors.Is(err, ErrFenced) {
+		err = fmt.Errorf("idem: resolve: %w", unsupportedIf(err))
 	}
 	if err != nil {
 		c.obs.count(ctx, "reconcile_failed", "resolve", scope.Operation, 1)
 	}
 	c.countEnd(ctx, "resolve", scope, err, "reconcile_resolved")
 	return err
+}
+
+// PostgreSQL's range of timestamptz: 4713 BC to 294276 AD.
+var (
+	minTimestamp = time.Date(-4712, 1, 1, 0, 0, 0, 0, time.UTC)
+	maxTimestamp = time.Date(294277, 1, 1, 0, 0, 0, 0, time.UTC)
+)
+
+// checkCursor validates the Record after which ListUnknown continues: its
+// names must be text PostgreSQL can hold (valid UTF-8 without NUL), its
+// CreatedAt within PostgreSQL's range.
+func checkCursor(after *Record) error {
+	for _, f := range [...]struct{ name, v string }{
+		{"actor", after.Scope.Actor}, {"operation", after.Scope.Operation}, {"key", after.Key},
+	} {
+		if err := checkHeaderText(f.v); err != nil {
+			return fmt.Errorf("%w: cursor %s %v", ErrInvalidArgument, f.name, err)
+		}
+	}
+	if t := after.CreatedAt; t.Before(minTimestamp) || !t.Before(maxTimestamp) {
+		return fmt.Errorf("%w: cursor CreatedAt %s is outside PostgreSQL's range", ErrInvalidArgument, t.UTC().Format(time.RFC3339))
+	}
+	return nil
 }
 
 // checkList validates the arguments of ExpireLeases and ListUnknown.
@@ -271,6 +332,7 @@ func newRecord(k store.IdemKey) (Record, error) {
 		Fingerprint:    Fingerprint(k.Fingerprint),
 		Token:          k.Token,
 		LastError:      k.LastError.String,
+		ResolveReason:  k.ResolveReason.String,
 		CreatedAt:      k.CreatedAt.Time,
 		CompletedAt:    k.CompletedAt.Time,
 		ExpiresAt:      k.ExpiresAt.Time,

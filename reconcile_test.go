@@ -270,7 +270,7 @@ func TestListUnknownPages(t *testing.T) {
 	}
 
 	// A resolved record leaves the list.
-	if err := idem.Resolve(ctx, pool, payScope, "u-3", idem.Resolution{Retryable: true}); err != nil {
+	if err := idem.Resolve(ctx, pool, payScope, "u-3", idem.Resolution{Token: readRow(t, pool, payScope, "u-3").Token, Retryable: true}); err != nil {
 		t.Fatal(err)
 	}
 	recs, err := idem.ListUnknown(ctx, pool, 100, nil)
@@ -375,18 +375,22 @@ func TestReservationBadInput(t *testing.T) {
 		{"ListUnknown limit 0", list(pool, 0), idem.ErrInvalidArgument},
 		{"ListUnknown nil db", list(nil, 10), idem.ErrInvalidArgument},
 
-		{"Resolve neither", c.Resolve(ctx, pool, payScope, "unknown", idem.Resolution{}), idem.ErrInvalidArgument},
-		{"Resolve both", c.Resolve(ctx, pool, payScope, "unknown", idem.Resolution{Succeeded: &ok, Retryable: true}), idem.ErrInvalidArgument},
-		{"Resolve bad response", c.Resolve(ctx, pool, payScope, "unknown", idem.Resolution{Succeeded: &idem.Response{Status: 7}}), idem.ErrInvalidResponse},
-		{"Resolve too large", c.Resolve(ctx, pool, payScope, "unknown", idem.Resolution{Succeeded: &idem.Response{Body: make([]byte, 17)}}), idem.ErrResponseTooLarge},
-		{"Resolve long reason", c.Resolve(ctx, pool, payScope, "unknown", idem.Resolution{Retryable: true, Reason: long}), idem.ErrInvalidArgument},
-		{"Resolve bad key", c.Resolve(ctx, pool, payScope, "", idem.Resolution{Retryable: true}), idem.ErrInvalidKey},
-		{"Resolve bad scope", c.Resolve(ctx, pool, idem.Scope{Actor: "a"}, "unknown", idem.Resolution{Retryable: true}), idem.ErrInvalidScope},
-		{"Resolve nil db", c.Resolve(ctx, nil, payScope, "unknown", idem.Resolution{Retryable: true}), idem.ErrInvalidArgument},
+		{"Resolve neither", c.Resolve(ctx, pool, payScope, "unknown", idem.Resolution{Token: u.Token}), idem.ErrInvalidArgument},
+		{"Resolve both", c.Resolve(ctx, pool, payScope, "unknown", idem.Resolution{Token: u.Token, Succeeded: &ok, Retryable: true}), idem.ErrInvalidArgument},
+		{"Resolve bad response", c.Resolve(ctx, pool, payScope, "unknown", idem.Resolution{Token: u.Token, Succeeded: &idem.Response{Status: 7}}), idem.ErrInvalidResponse},
+		{"Resolve too large", c.Resolve(ctx, pool, payScope, "unknown", idem.Resolution{Token: u.Token, Succeeded: &idem.Response{Body: make([]byte, 17)}}), idem.ErrResponseTooLarge},
+		{"Resolve long reason", c.Resolve(ctx, pool, payScope, "unknown", idem.Resolution{Token: u.Token, Retryable: true, Reason: long}), idem.ErrInvalidArgument},
+		{"Resolve bad key", c.Resolve(ctx, pool, payScope, "", idem.Resolution{Token: u.Token, Retryable: true}), idem.ErrInvalidKey},
+		{"Resolve bad scope", c.Resolve(ctx, pool, idem.Scope{Actor: "a"}, "unknown", idem.Resolution{Token: u.Token, Retryable: true}), idem.ErrInvalidScope},
+		{"Resolve no token", c.Resolve(ctx, pool, payScope, "unknown", idem.Resolution{Retryable: true}), idem.ErrInvalidArgument},
+		{"Resolve token < 0", c.Resolve(ctx, pool, payScope, "unknown", idem.Resolution{Token: -u.Token, Retryable: true}), idem.ErrInvalidArgument},
+		{"Resolve nil db", c.Resolve(ctx, nil, payScope, "unknown", idem.Resolution{Token: u.Token, Retryable: true}), idem.ErrInvalidArgument},
 
 		// Well-formed, but not the state of things.
-		{"Resolve no record", c.Resolve(ctx, pool, payScope, "never", idem.Resolution{Retryable: true}), idem.ErrNotFound},
-		{"Resolve live lease", c.Resolve(ctx, pool, payScope, "held", idem.Resolution{Retryable: true}), idem.ErrNotResolvable},
+		{"Resolve no record", c.Resolve(ctx, pool, payScope, "never", idem.Resolution{Token: u.Token, Retryable: true}), idem.ErrNotFound},
+		{"Resolve stale token", c.Resolve(ctx, pool, payScope, "unknown", idem.Resolution{Token: u.Token - 1, Retryable: true}), idem.ErrFenced},
+		{"Resolve newer token", c.Resolve(ctx, pool, payScope, "unknown", idem.Resolution{Token: u.Token + 1000, Succeeded: &ok}), idem.ErrFenced},
+		{"Resolve live lease", c.Resolve(ctx, pool, payScope, "held", idem.Resolution{Token: owner.Token, Retryable: true}), idem.ErrNotResolvable},
 		{"Complete stale token", completeTx(ctx, c, pool, idem.Reservation{Scope: payScope, Key: "held", Token: owner.Token + 1000}, ok), idem.ErrFenced},
 		{"Complete no record", completeTx(ctx, c, pool, idem.Reservation{Scope: payScope, Key: "never", Token: owner.Token}, ok), idem.ErrFenced},
 		{"FailRetryable unknown", c.FailRetryable(ctx, pool, u, ""), idem.ErrFenced},
@@ -417,14 +421,20 @@ func TestResolveFencesTheOwner(t *testing.T) {
 			err = idem.MarkUnknown(ctx, pool, r, "timeout")
 		}
 		if err == nil {
+			res.Token = r.Token
 			err = idem.Resolve(ctx, pool, payScope, key, res)
 		}
 		if err != nil {
 			t.Fatal(err)
 		}
 		row := readRow(t, pool, payScope, key)
-		if row.Token <= r.Token || row.LastError == nil || *row.LastError != res.Reason || row.Completed == nil {
+		if row.Token <= r.Token || row.LastError == nil || *row.LastError != "timeout" || row.Completed == nil {
 			t.Fatalf("resolved row %+v", row)
+		}
+		// The original reason stays; the operator's is beside it.
+		rec, err := idem.Lookup(ctx, pool, payScope, key)
+		if err != nil || rec.LastError != "timeout" || rec.ResolveReason != res.Reason || rec.Token != row.Token {
+			t.Fatalf("Lookup after Resolve: %+v, %v", rec, err)
 		}
 		err = idem.InTx(ctx, pool, func(ctx context.Context, tx pgx.Tx) error { return idem.Complete(ctx, tx, r, charged) })
 		if !errors.Is(err, idem.ErrFenced) {
@@ -433,11 +443,96 @@ func TestResolveFencesTheOwner(t *testing.T) {
 		if err := idem.MarkUnknown(ctx, pool, r, "late"); !errors.Is(err, idem.ErrFenced) {
 			t.Fatalf("MarkUnknown after Resolve: %v, want ErrFenced", err)
 		}
+		// The same verdict again names a token that is gone.
+		if err := idem.Resolve(ctx, pool, payScope, key, res); !errors.Is(err, idem.ErrFenced) {
+			t.Fatalf("second Resolve: %v, want ErrFenced", err)
+		}
+		res.Token = row.Token
 		if err := idem.Resolve(ctx, pool, payScope, key, res); !errors.Is(err, idem.ErrNotResolvable) {
-			t.Fatalf("second Resolve: %v, want ErrNotResolvable", err)
+			t.Fatalf("Resolve with the new token: %v, want ErrNotResolvable", err)
 		}
 		if after := readRow(t, pool, payScope, key); after.Token != row.Token || after.Status != row.Status {
 			t.Fatalf("fenced calls changed the row: %+v", after)
 		}
+	}
+}
+
+// Two operators reconcile the same unknown attempt. B's verdict lands first
+// and a second attempt runs, charges, and its lease runs out. A's late
+// verdict names the first attempt's token: it is refused with ErrFenced and
+// changes nothing, so the second attempt's charge is not run a third time.
+// Verdicts racing on one token: exactly one lands.
+func TestResolveOperatorRace(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	c := mustClient(t, idem.Config{})
+	const key = "operator-race"
+	first, err := c.Reserve(ctx, pool, payScope, key, fpA, time.Minute)
+	if err == nil {
+		err = c.MarkUnknown(ctx, pool, first, "gateway timed out")
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	listed, err := c.ListUnknown(ctx, pool, 10, nil)
+	if err != nil || len(listed) != 1 || listed[0].Token != first.Token {
+		t.Fatalf("ListUnknown = %+v, %v; want token %d", listed, err, first.Token)
+	}
+	seen := listed[0] // what both operators look at
+
+	// B: no charge for attempt 1.
+	if err := c.Resolve(ctx, pool, payScope, key, idem.Resolution{Token: seen.Token, Retryable: true, Reason: "B: no charge"}); err != nil {
+		t.Fatal(err)
+	}
+	// Attempt 2 runs (and charges), then its lease runs out.
+	second, err := c.Reserve(ctx, pool, payScope, key, fpA, 10*time.Millisecond)
+	if err != nil || second.Replayed || second.Token == first.Token {
+		t.Fatalf("second attempt: %+v, %v", second, err)
+	}
+	waitPast(t, pool, payScope, key, "lease_expires_at")
+	before := tableState(t, pool)
+
+	// A's verdict about attempt 1 arrives late.
+	err = c.Resolve(ctx, pool, payScope, key, idem.Resolution{Token: seen.Token, Retryable: true, Reason: "A: no charge"})
+	if !errors.Is(err, idem.ErrFenced) {
+		t.Fatalf("late verdict: %v, want ErrFenced", err)
+	}
+	if after := tableState(t, pool); after != before {
+		t.Fatalf("the refused verdict changed the table:\nbefore %s\nafter  %s", before, after)
+	}
+	// The third request does not run: attempt 2 may have charged.
+	if r, err := c.Reserve(ctx, pool, payScope, key, fpA, time.Minute); !errors.Is(err, idem.ErrOutcomeUnknown) {
+		t.Fatalf("third attempt: %+v, %v; want ErrOutcomeUnknown", r, err)
+	}
+	rec, err := c.Lookup(ctx, pool, payScope, key)
+	if err != nil || rec.Token != second.Token || rec.Status != idem.StatusUnknown {
+		t.Fatalf("Lookup: %+v, %v; want attempt 2 (token %d) unknown", rec, err, second.Token)
+	}
+
+	// Racing verdicts on attempt 2's token: one lands, the others are fenced.
+	var wg sync.WaitGroup
+	var landed, fenced atomic.Int64
+	for i := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			res := idem.Resolution{Token: rec.Token, Retryable: i%2 == 0, Reason: fmt.Sprint("operator ", i)}
+			if !res.Retryable {
+				res.Succeeded = &resolved
+			}
+			switch err := c.Resolve(ctx, pool, payScope, key, res); {
+			case err == nil:
+				landed.Add(1)
+			case errors.Is(err, idem.ErrFenced):
+				fenced.Add(1)
+			default:
+				t.Error(err)
+			}
+		}()
+	}
+	wg.Wait()
+	if landed.Load() != 1 || fenced.Load() != 7 {
+		t.Fatalf("%d verdicts landed, %d fenced; want 1 and 7", landed.Load(), fenced.Load())
 	}
 }

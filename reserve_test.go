@@ -272,10 +272,14 @@ func TestStateTable(t *testing.T) {
 		case "ExpireLeases":
 			_, err := c.ExpireLeases(ctx, pool, 10)
 			return false, false, err
-		case "Resolve(succeeded)":
-			return false, false, c.Resolve(ctx, pool, payScope, key, idem.Resolution{Succeeded: &resolved, Reason: "charge found"})
-		case "Resolve(retryable)":
-			return false, false, c.Resolve(ctx, pool, payScope, key, idem.Resolution{Retryable: true, Reason: "no charge"})
+		case "Resolve(succeeded)", "Resolve(retryable)":
+			// The operator names the token the record holds (none for a
+			// key without a record or one Do wrote: any token).
+			res := idem.Resolution{Token: max(readRow(t, pool, payScope, key).Token, 1), Retryable: true, Reason: "no charge"}
+			if name == "Resolve(succeeded)" {
+				res = idem.Resolution{Token: res.Token, Succeeded: &resolved, Reason: "charge found"}
+			}
+			return false, false, c.Resolve(ctx, pool, payScope, key, res)
 		case "Do", "Do(other fp)":
 			fp := fpA
 			if name != "Do" {
@@ -474,7 +478,7 @@ func TestStaleWorkerIsFenced(t *testing.T) {
 	if id, _ := gw.lookup(key); id != "" {
 		t.Fatalf("charge %s before anyone called the gateway", id)
 	}
-	if err := c.Resolve(ctx, pool, payScope, key, idem.Resolution{Retryable: true, Reason: "no charge at the gateway"}); err != nil {
+	if err := c.Resolve(ctx, pool, payScope, key, idem.Resolution{Token: stale.Token, Retryable: true, Reason: "no charge at the gateway"}); err != nil {
 		t.Fatal(err)
 	}
 
@@ -594,7 +598,7 @@ func TestCrashAfterChargeEndsUnknownThenResolved(t *testing.T) {
 					return err
 				}
 				return c.Resolve(ctx, tx, payScope, key, idem.Resolution{
-					Succeeded: &idem.Response{Status: 201, Body: []byte(found)}, Reason: "charge found at the gateway",
+					Token: unknown[0].Token, Succeeded: &idem.Response{Status: 201, Body: []byte(found)}, Reason: "charge found at the gateway",
 				})
 			})
 			if err != nil {
@@ -880,9 +884,9 @@ func TestReservationMetrics(t *testing.T) {
 	if n, err := c.ExpireLeases(ctx, pool, 10); err != nil || n != 1 { // zombie_key
 		t.Fatalf("ExpireLeases = %d, %v", n, err)
 	}
-	check(c.MarkUnknown(ctx, pool, y, "timeout"))                                                    // unknown
-	check(c.Resolve(ctx, pool, payScope, "y", idem.Resolution{Retryable: true}))                     // reconcile_resolved
-	if err := c.Resolve(ctx, pool, payScope, "none", idem.Resolution{Retryable: true}); err == nil { // reconcile_failed
+	check(c.MarkUnknown(ctx, pool, y, "timeout"))                                                                    // unknown
+	check(c.Resolve(ctx, pool, payScope, "y", idem.Resolution{Token: y.Token, Retryable: true}))                     // reconcile_resolved
+	if err := c.Resolve(ctx, pool, payScope, "none", idem.Resolution{Token: y.Token, Retryable: true}); err == nil { // reconcile_failed
 		t.Fatal("resolved a key without a record")
 	}
 

@@ -274,7 +274,7 @@ func TestReservationFinishedAfterItsTTLReplays(t *testing.T) {
 		t.Fatal(err)
 	}
 	time.Sleep(1100 * time.Millisecond)
-	if err := short.Resolve(ctx, pool, scope, "late-resolve", idem.Resolution{Succeeded: &resp, Reason: "found"}); err != nil {
+	if err := short.Resolve(ctx, pool, scope, "late-resolve", idem.Resolution{Token: r.Token, Succeeded: &resp, Reason: "found"}); err != nil {
 		t.Fatal(err)
 	}
 	again, err = short.Reserve(ctx, pool, scope, "late-resolve", fpA, time.Minute)

@@ -57,7 +57,7 @@ func (c *Client) InTx(ctx context.Context, db Beginner, fn func(ctx context.Cont
 		return fmt.Errorf("%w: nil function", ErrInvalidArgument)
 	}
 	_, nested := db.(pgx.Tx)
-	return c.retry(ctx, nested, func() error { return c.inTx(ctx, db, fn) })
+	return preparedStatementsLost(c.retry(ctx, nested, func() error { return c.inTx(ctx, db, fn) }))
 }
 
 // retry runs once until it succeeds, fails with an error other than a
@@ -147,6 +147,7 @@ func (c *Client) DoInTx(ctx context.Context, db Beginner, scope Scope, key strin
 	ctx, cl := c.obs.begin(ctx, "do_in_tx", "idem.DoInTx", scope, key)
 	defer cl.endIfPanicking(ctx)
 	res, err := c.coalesced(ctx, db, scope, key, fp, fn, &cl)
+	err = preparedStatementsLost(err)
 	cl.end(ctx, res, err)
 	return res, err
 }

@@ -96,16 +96,21 @@ type envConfig struct {
 	db        func(*pgxpool.Pool) idem.Beginner            // the middleware's database handle
 	beforeRun func(w http.ResponseWriter, r *http.Request) // first thing every handler does
 	routes    func(mux *http.ServeMux, pool *pgxpool.Pool) // more routes, not wrapped
+	pool      func(t *testing.T) *pgxpool.Pool             // the pool (default: newPool(t, migrate))
 }
 
 func newEnv(t *testing.T, cfg envConfig) *env {
 	t.Helper()
 	e := &env{
 		t:       t,
-		pool:    newPool(t, migrate),
 		started: make(chan struct{}, 16),
 		release: make(chan struct{}),
 		done:    make(chan struct{}),
+	}
+	if cfg.pool != nil {
+		e.pool = cfg.pool(t)
+	} else {
+		e.pool = newPool(t, migrate)
 	}
 	opts := cfg.opts
 	if opts.Actor == nil {

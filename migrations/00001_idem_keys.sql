@@ -26,4 +26,24 @@ CREATE TABLE idem_keys (
 CREATE INDEX idem_keys_expires_at_idx ON idem_keys (expires_at);
 
 -- +goose Down
+-- Dropping the table deletes every record: keys whose outcome was stored
+-- would run again. Refused (SQLSTATE IDMDN, saying how many) while there are
+-- records, unless the connection sets idem.force_down to on (idem.MigrateDown
+-- with Force, idem migrate down --force).
+LOCK TABLE idem_keys IN ACCESS EXCLUSIVE MODE;
+-- +goose StatementBegin
+DO $$
+DECLARE
+    n bigint;
+BEGIN
+    IF coalesce(current_setting('idem.force_down', true), '') <> 'on' THEN
+        SELECT count(*) INTO n FROM idem_keys;
+        IF n > 0 THEN
+            RAISE EXCEPTION 'reverting migration 1 would delete % records (dropping idem_keys)', n
+                USING ERRCODE = 'IDMDN';
+        END IF;
+    END IF;
+END
+$$;
+-- +goose StatementEnd
 DROP TABLE idem_keys;

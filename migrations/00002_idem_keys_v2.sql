@@ -34,6 +34,31 @@ CREATE INDEX idem_keys_unknown_idx ON idem_keys (created_at, actor, operation, i
     WHERE status = 'unknown';
 
 -- +goose Down
+-- Version 1 knows neither reservations nor their statuses: the records of
+-- reservations that are unknown, in flight (processing with a lease) or
+-- failed_retryable are deleted, and their keys become free, so a retry
+-- would run the work again. Refused (SQLSTATE IDMDN, saying how many) while
+-- there are such records, unless the connection sets idem.force_down to on
+-- (idem.MigrateDown with Force, idem migrate down --force). The table is
+-- locked first, so none can be written between the count and the delete.
+LOCK TABLE idem_keys IN ACCESS EXCLUSIVE MODE;
+-- +goose StatementBegin
+DO $$
+DECLARE
+    n bigint;
+BEGIN
+    IF coalesce(current_setting('idem.force_down', true), '') <> 'on' THEN
+        SELECT count(*) INTO n FROM idem_keys
+        WHERE status NOT IN ('processing', 'succeeded', 'rejected')
+           OR (status = 'processing' AND lease_expires_at IS NOT NULL);
+        IF n > 0 THEN
+            RAISE EXCEPTION 'reverting migration 2 would delete % records whose outcome may have happened (unknown, in flight or failed_retryable)', n
+                USING ERRCODE = 'IDMDN';
+        END IF;
+    END IF;
+END
+$$;
+-- +goose StatementEnd
 DROP INDEX idem_keys_unknown_idx;
 DROP INDEX idem_keys_lease_idx;
 DROP SEQUENCE idem_keys_token_seq;

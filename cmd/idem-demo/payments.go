@@ -292,15 +292,22 @@ func insertPayment(ctx context.Context, tx pgx.Tx, user, key string, c gatewayCh
 // response; no charge makes the key retryable.
 func (s *payments) resolve(ctx context.Context, actor, key string) (charge gatewayCharge, found bool, err error) {
 	scope := idem.Scope{Actor: actor, Operation: paymentOperation}
+	// The verdict is about the attempt the record holds now, before the
+	// gateway is asked: should another attempt take the key meanwhile,
+	// Resolve refuses with ErrFenced.
+	rec, err := idem.Lookup(ctx, s.pool, scope, key)
+	if err != nil {
+		return charge, false, err
+	}
 	charge, found = s.gw.lookup(key)
 	if !found {
-		err = idem.Resolve(ctx, s.pool, scope, key, idem.Resolution{Retryable: true, Reason: "operator: no charge at the gateway"})
+		err = idem.Resolve(ctx, s.pool, scope, key, idem.Resolution{Token: rec.Token, Retryable: true, Reason: "operator: no charge at the gateway"})
 		return charge, false, err
 	}
 	resp := paymentResponse(charge)
 	err = idem.InTx(ctx, s.pool, func(ctx context.Context, tx pgx.Tx) error {
 		err := idem.Resolve(ctx, tx, scope, key, idem.Resolution{
-			Succeeded: &resp, Reason: "operator: charge " + charge.ID + " found at the gateway",
+			Token: rec.Token, Succeeded: &resp, Reason: "operator: charge " + charge.ID + " found at the gateway",
 		})
 		if err != nil {
 			return err
@@ -405,6 +412,8 @@ func registerPayments(mux *http.ServeMux, s *payments, log *slog.Logger) {
 		switch {
 		case errors.Is(err, idem.ErrNotFound):
 			writeResponse(w, draw.Problem(http.StatusNotFound, "NOT_FOUND", "No payment holds this key."))
+		case errors.Is(err, idem.ErrFenced):
+			writeResponse(w, draw.Problem(http.StatusConflict, "NOT_RESOLVABLE", "Another attempt or operator changed the payment while it was resolved; look again."))
 		case errors.Is(err, idem.ErrNotResolvable):
 			writeResponse(w, draw.Problem(http.StatusConflict, "NOT_RESOLVABLE", "The payment's outcome is not in doubt: "+strings.TrimPrefix(err.Error(), "idem: ")))
 		case errors.Is(err, idem.ErrInvalidKey), errors.Is(err, idem.ErrInvalidScope):

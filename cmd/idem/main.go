@@ -6,7 +6,12 @@
 //	go run github.com/pgidem/idem/cmd/idem@latest --help
 //
 // It connects to DATABASE_URL (or --database-url). Every command takes
-// --help; --json prints a result as JSON for scripts.
+// --help, which prints the usage to stdout; --json prints a result as JSON
+// for scripts. An error is one line on stderr, "idem <command>: <message>";
+// with --json it is a JSON object on stdout instead,
+// {"error": "<message>", "exit_code": N}, and stderr stays empty. On a
+// database where idem's migrations have not run, the message says to run
+// "idem migrate up".
 //
 // Exit codes:
 //
@@ -24,15 +29,17 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"mime"
 	"os"
 	"os/signal"
 	"strings"
 	"time"
 
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pressly/goose/v3"
-	"github.com/pressly/goose/v3/lock"
 
 	"github.com/pgidem/idem"
 )
@@ -67,14 +74,16 @@ Usage:
 
 Commands:
   migrate up|down|status        apply, revert (one step) or list idem's migrations
+                                (down refuses to delete records unless --force)
   prune [--dry-run]             delete expired finished keys in batches
   inspect <actor> <operation> <key>
                                 show a key's record and stored response
   forget <actor> <operation> <key>
                                 delete a finished key's record: the key is free again
   stats                         keys by status, oldest in flight, table and index size
-  unknown list                  list the records whose outcome is unknown, oldest first
-  resolve <actor> <operation> <key> (--succeeded [--status N] [--body B | --body-file F] | --retryable) --reason R
+  unknown list                  list the records whose outcome is unknown (leases that ran out
+                                included), oldest first
+  resolve <actor> <operation> <key> --token T (--succeeded [--status N] [--body B | --body-file F] | --retryable) --reason R
                                 reconcile an unknown outcome
 
 The database is DATABASE_URL unless --database-url is given. Every command
@@ -84,57 +93,81 @@ Exit codes: 0 success, 1 failure, 2 usage error, 3 not found, 4 refused.
 `
 
 // run runs the command line args and returns the exit code.
+//
+// Output: a result goes to stdout, as text or, with --json, as JSON. Help
+// (--help, or "help [command]") goes to stdout once. An error is one line on
+// stderr, "idem <command>: <message>" (a usage error adds the usage); with
+// --json it is one JSON object on stdout instead, {"error": ..., "exit_code":
+// ...}, and stderr stays empty.
 func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	top := flag.NewFlagSet("idem", flag.ContinueOnError)
-	top.SetOutput(stderr)
-	top.Usage = func() { fmt.Fprint(stderr, mainUsage) }
+	top.SetOutput(io.Discard) // run reports parse errors and prints the usage itself
+	top.Usage = func() {}
 	dbURL := top.String("database-url", "", "PostgreSQL connection string (default $DATABASE_URL)")
 	jsonOut := top.Bool("json", false, "print the result as JSON")
+	e := &env{stdout: stdout, stderr: stderr, name: "idem", usage: "\n" + mainUsage}
 	if err := top.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			fmt.Fprint(stdout, mainUsage)
 			return exitOK
 		}
-		return exitUsage
+		e.json = *jsonOut
+		return e.exit(usageError{err.Error()})
 	}
+	e.json = *jsonOut
 	if top.NArg() == 0 {
-		fmt.Fprint(stderr, mainUsage)
-		return exitUsage
+		return e.exit(usagef("no command"))
 	}
 	name, rest := top.Arg(0), top.Args()[1:]
+	if name == "help" {
+		return help(e, rest)
+	}
 	cmd, ok := commands[name]
 	if !ok {
-		if name == "help" {
-			fmt.Fprint(stdout, mainUsage)
-			return exitOK
-		}
-		fmt.Fprintf(stderr, "idem: unknown command %q\n\n%s", name, mainUsage)
-		return exitUsage
+		e.usage = "Run 'idem help' for the commands.\n"
+		return e.exit(usagef("unknown command %q", name))
 	}
 	fs := flag.NewFlagSet("idem "+name, flag.ContinueOnError)
-	fs.SetOutput(stderr)
-	env := &env{stdout: stdout, stderr: stderr, fs: fs}
-	fs.BoolVar(&env.json, "json", false, "print the result as JSON")
-	fs.Usage = func() {
-		fmt.Fprintf(stderr, "Usage: idem %s\n\n%s\n\nFlags:\n", cmd.usage, cmd.help)
-		fs.PrintDefaults()
-	}
+	fs.SetOutput(io.Discard)
+	fs.Usage = func() {}
+	e.name = "idem " + name
+	e.usage = fmt.Sprintf("Usage: idem %s\nRun 'idem %s --help' for more.\n", cmd.usage, name)
+	var jsonFlag bool
+	fs.BoolVar(&jsonFlag, "json", false, "print the result as JSON")
 	run := cmd.flags(fs)
 	positional, err := parseInterleaved(fs, rest)
+	e.json = *jsonOut || jsonFlag
 	if err != nil {
 		if errors.Is(err, flag.ErrHelp) {
-			fs.SetOutput(stdout)
-			fmt.Fprintf(stdout, "Usage: idem %s\n\n%s\n\nFlags:\n", cmd.usage, cmd.help)
-			fs.PrintDefaults()
+			fmt.Fprint(stdout, cmd.usageText(fs))
 			return exitOK
 		}
-		return exitUsage
+		return e.exit(usageError{err.Error()})
 	}
-	env.url, env.json = *dbURL, env.json || *jsonOut
-	if env.url == "" {
-		env.url = os.Getenv("DATABASE_URL")
+	e.url = *dbURL
+	if e.url == "" {
+		e.url = os.Getenv("DATABASE_URL")
 	}
-	return env.exit(run(ctx, env, positional))
+	return e.exit(run(ctx, e, positional))
+}
+
+// help prints the usage of idem, or of the command named in args, to
+// stdout.
+func help(e *env, args []string) int {
+	if len(args) == 0 {
+		fmt.Fprint(e.stdout, mainUsage)
+		return exitOK
+	}
+	cmd, ok := commands[args[0]]
+	if !ok || len(args) > 1 {
+		e.usage = "Run 'idem help' for the commands.\n"
+		return e.exit(usagef("help takes one command name at most, got %q", strings.Join(args, " ")))
+	}
+	fs := flag.NewFlagSet("idem "+args[0], flag.ContinueOnError)
+	fs.Bool("json", false, "print the result as JSON")
+	cmd.flags(fs)
+	fmt.Fprint(e.stdout, cmd.usageText(fs))
+	return exitOK
 }
 
 // parseInterleaved parses fs's flags wherever they stand among the
@@ -170,11 +203,26 @@ type command struct {
 	flags       func(fs *flag.FlagSet) func(ctx context.Context, e *env, args []string) error
 }
 
+// usageText is the command's usage, with the flags defined on fs.
+func (c command) usageText(fs *flag.FlagSet) string {
+	var sb strings.Builder
+	fmt.Fprintf(&sb, "Usage: idem %s\n\n%s\n\nFlags:\n", c.usage, c.help)
+	out := fs.Output()
+	fs.SetOutput(&sb)
+	fs.PrintDefaults()
+	fs.SetOutput(out)
+	return sb.String()
+}
+
 var commands = map[string]command{
 	"migrate": {
-		usage: "migrate up|down|status",
-		help:  "Applies idem's migrations (up), reverts the latest one (down), or lists them (status). They are\nrecorded in their own goose table, " + idem.MigrationTable + ", apart from the application's.",
-		flags: func(*flag.FlagSet) func(context.Context, *env, []string) error { return migrate },
+		usage: "migrate up|down|status [--force]",
+		help: "Applies idem's migrations (up), reverts the latest one (down), or lists them (status). They are\nrecorded in their own goose table, " + idem.MigrationTable + ", apart from the application's.\n" +
+			"down refuses (exit 4, nothing changed) when reverting would delete records whose outcome may have\nhappened (unknown, in flight, failed_retryable; for the first migration, every record): their keys\nwould run again. --force deletes them.",
+		flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
+			force := fs.Bool("force", false, "with down: revert even when that deletes records whose outcome may have happened")
+			return func(ctx context.Context, e *env, args []string) error { return migrate(ctx, e, args, *force) }
+		},
 	},
 	"prune": {
 		usage: "prune [--dry-run] [--batch-size N] [--max-batches N]",
@@ -204,17 +252,19 @@ var commands = map[string]command{
 	},
 	"unknown": {
 		usage: "unknown list [--limit N]",
-		help:  "Lists the records whose outcome is unknown (a reservation may or may not have done its work),\noldest first. Reconcile each with resolve after checking the outside system.",
+		help: "Lists the records whose outcome is unknown (a reservation may or may not have done its work),\noldest first. Reconcile each with resolve after checking the outside system. Reservations whose\n" +
+			"lease ran out before they recorded an outcome are turned unknown first (as the library's\nExpireLeases does; their token stays), so they are listed too.",
 		flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			limit := fs.Int("limit", 100, "list at most this many records")
 			return func(ctx context.Context, e *env, args []string) error { return unknownList(ctx, e, args, *limit) }
 		},
 	},
 	"resolve": {
-		usage: "resolve <actor> <operation> <key> (--succeeded [--status N] [--body B | --body-file F] | --retryable) --reason R",
-		help:  "Reconciles a record whose outcome is unknown (or whose lease ran out): --succeeded stores the\nresponse found at the outside system, to be replayed; --retryable says the work certainly did not\nhappen, so the next request with the key runs it. The reservation that held the key is fenced.",
+		usage: "resolve <actor> <operation> <key> --token T (--succeeded [--status N] [--body B | --body-file F] | --retryable) --reason R",
+		help:  "Reconciles a record whose outcome is unknown (or whose lease ran out): --succeeded stores the\nresponse found at the outside system, to be replayed; --retryable says the work certainly did not\nhappen, so the next request with the key runs it. The reservation that held the key is fenced.\n--token names the attempt the verdict is about (as unknown list and inspect show it); when the record\nholds another token now, nothing changes and resolve fails: inspect the record again.",
 		flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			var o resolveFlags
+			fs.Int64Var(&o.token, "token", 0, "the token of the attempt being resolved, as unknown list and inspect show it (required)")
 			fs.BoolVar(&o.succeeded, "succeeded", false, "the work happened: store a response")
 			fs.BoolVar(&o.retryable, "retryable", false, "the work certainly did not happen: let it run again")
 			fs.IntVar(&o.status, "status", 200, "with --succeeded: the stored response's status")
@@ -232,7 +282,8 @@ type env struct {
 	url            string
 	json           bool
 	stdout, stderr io.Writer
-	fs             *flag.FlagSet
+	name           string // "idem" or "idem <command>": the prefix of error messages
+	usage          string // printed after a usage error (text output only)
 }
 
 // pool connects to the database.
@@ -281,17 +332,36 @@ func (e *env) exit(err error) int {
 		code = exitUsage
 	case errors.Is(err, idem.ErrNotFound):
 		code = exitNotFound
-	case errors.Is(err, idem.ErrNotResolvable), errors.Is(err, idem.ErrInProgress), errors.Is(err, idem.ErrOutcomeUnknown):
+	case errors.Is(err, idem.ErrNotResolvable), errors.Is(err, idem.ErrInProgress), errors.Is(err, idem.ErrOutcomeUnknown),
+		errors.Is(err, idem.ErrFenced), errors.Is(err, idem.ErrDowngradeDeletesRecords):
 		code = exitRefused
 	case errors.Is(err, idem.ErrInvalidKey), errors.Is(err, idem.ErrInvalidScope), errors.Is(err, idem.ErrInvalidArgument),
 		errors.Is(err, idem.ErrInvalidResponse), errors.Is(err, idem.ErrResponseTooLarge):
 		code = exitUsage
 	}
+	msg := message(err)
 	if e.json {
-		_ = json.NewEncoder(e.stdout).Encode(map[string]any{"error": err.Error(), "exit_code": code})
+		_ = json.NewEncoder(e.stdout).Encode(map[string]any{"error": msg, "exit_code": code})
+		return code
 	}
-	fmt.Fprintf(e.stderr, "idem %s: %v\n", strings.TrimPrefix(e.fs.Name(), "idem "), err)
+	fmt.Fprintf(e.stderr, "%s: %s\n", e.name, msg)
+	if code == exitUsage && errors.As(err, &ue) {
+		fmt.Fprint(e.stderr, e.usage)
+	}
 	return code
+}
+
+// message is err's text for the one line exit prints after the command's
+// name: the library's own "idem: " prefix is dropped (the line has one
+// already), and an error saying that a table or column is missing (idem's
+// migrations have not run) says how to create them.
+func message(err error) string {
+	msg := strings.TrimPrefix(err.Error(), "idem: ")
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) && (pgErr.Code == pgerrcode.UndefinedTable || pgErr.Code == pgerrcode.UndefinedColumn) {
+		msg = "idem's table is missing or not up to date in this database: run `idem migrate up` (" + msg + ")"
+	}
+	return msg
 }
 
 // wantArgs checks the number of positional arguments.
@@ -302,7 +372,7 @@ func wantArgs(args []string, n int, what string) error {
 	return nil
 }
 
-func migrate(ctx context.Context, e *env, args []string) error {
+func migrate(ctx context.Context, e *env, args []string, force bool) error {
 	if err := wantArgs(args, 1, "up, down or status"); err != nil {
 		return err
 	}
@@ -322,25 +392,26 @@ func migrate(ctx context.Context, e *env, args []string) error {
 			return err
 		}
 	}
-	locker, err := lock.NewPostgresSessionLocker(lock.WithLockID(idem.MigrationLockID))
-	if err != nil {
-		return err
-	}
-	db := stdlib.OpenDBFromPool(pool)
-	defer db.Close()
-	provider, err := goose.NewProvider(goose.DialectPostgres, db, idem.Migrations(),
-		goose.WithTableName(idem.MigrationTable), goose.WithSessionLocker(locker), goose.WithDisableGlobalRegistry(true))
-	if err != nil {
-		return err
+	if force && args[0] != "down" {
+		return usagef("--force goes with down only")
 	}
 	if args[0] == "down" {
-		res, err := provider.Down(ctx)
+		// The library's path, which refuses to delete outcomes unless forced.
+		version, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{Force: force})
 		if err != nil {
 			return err
 		}
-		if res != nil {
-			fmt.Fprintf(e.stderr, "reverted %s\n", res.Source.Path)
+		if version != 0 {
+			fmt.Fprintf(e.stderr, "reverted version %d\n", version)
 		}
+	}
+	// The status only reads the version table: no lock.
+	db := stdlib.OpenDBFromPool(pool)
+	defer db.Close()
+	provider, err := goose.NewProvider(goose.DialectPostgres, db, idem.Migrations(),
+		goose.WithTableName(idem.MigrationTable), goose.WithDisableGlobalRegistry(true))
+	if err != nil {
+		return err
 	}
 	statuses, err := provider.Status(ctx)
 	if err != nil {
@@ -490,6 +561,19 @@ func unknownList(ctx context.Context, e *env, args []string, limit int) error {
 		return err
 	}
 	defer pool.Close()
+	// A reservation whose lease ran out is in doubt too: turn such records
+	// unknown (the token stays), so that they are listed.
+	var expired int64
+	for {
+		n, err := idem.ExpireLeases(ctx, pool, 1000)
+		if err != nil {
+			return err
+		}
+		expired += n
+		if n < 1000 {
+			break
+		}
+	}
 	var all []idem.Record
 	var after *idem.Record
 	for len(all) < limit {
@@ -513,6 +597,9 @@ func unknownList(ctx context.Context, e *env, args []string, limit int) error {
 	if len(all) == 0 {
 		sb.WriteString("no unknown outcomes\n")
 	}
+	if expired > 0 {
+		fmt.Fprintf(&sb, "(%d reservations whose lease ran out were turned unknown now)\n", expired)
+	}
 	e.print(out, sb.String())
 	return nil
 }
@@ -523,6 +610,7 @@ type resolveFlags struct {
 	body, bodyFile       string
 	contentType          string
 	reason               string
+	token                int64
 }
 
 func resolve(ctx context.Context, e *env, args []string, o resolveFlags) error {
@@ -530,13 +618,16 @@ func resolve(ctx context.Context, e *env, args []string, o resolveFlags) error {
 	if err != nil {
 		return err
 	}
+	if o.token <= 0 {
+		return usagef("--token is required: the token of the attempt being resolved, as unknown list and inspect show it")
+	}
 	if o.succeeded == o.retryable {
 		return usagef("give exactly one of --succeeded and --retryable")
 	}
 	if strings.TrimSpace(o.reason) == "" {
 		return usagef("--reason is required: it is stored with the record for the audit trail")
 	}
-	res := idem.Resolution{Retryable: o.retryable, Reason: o.reason}
+	res := idem.Resolution{Token: o.token, Retryable: o.retryable, Reason: o.reason}
 	if o.succeeded {
 		if o.body != "" && o.bodyFile != "" {
 			return usagef("give --body or --body-file, not both")
@@ -546,6 +637,9 @@ func resolve(ctx context.Context, e *env, args []string, o resolveFlags) error {
 			if body, err = os.ReadFile(o.bodyFile); err != nil {
 				return usagef("--body-file: %v", err)
 			}
+		}
+		if len(body) > 0 && isJSONType(o.contentType) && !json.Valid(body) {
+			return usagef("the body is not valid JSON, and --content-type says %s: fix the body or give the right --content-type", o.contentType)
 		}
 		resp := &idem.Response{Status: o.status, Body: body}
 		if len(body) > 0 && o.contentType != "" {
@@ -569,6 +663,16 @@ func resolve(ctx context.Context, e *env, args []string, o resolveFlags) error {
 	return nil
 }
 
+// isJSONType reports whether the media type ct says JSON: application/json
+// or a +json type such as application/problem+json.
+func isJSONType(ct string) bool {
+	mt, _, err := mime.ParseMediaType(ct)
+	if err != nil {
+		return false
+	}
+	return mt == "application/json" || strings.HasSuffix(mt, "+json")
+}
+
 // recordJSON is a Record as --json prints it.
 func recordJSON(r idem.Record) map[string]any {
 	out := map[string]any{
@@ -578,6 +682,9 @@ func recordJSON(r idem.Record) map[string]any {
 	}
 	if r.LastError != "" {
 		out["last_error"] = r.LastError
+	}
+	if r.ResolveReason != "" {
+		out["resolve_reason"] = r.ResolveReason
 	}
 	if !r.CompletedAt.IsZero() {
 		out["completed_at"] = r.CompletedAt
@@ -615,6 +722,9 @@ func recordText(r idem.Record) string {
 	}
 	if r.LastError != "" {
 		line("last_error", r.LastError)
+	}
+	if r.ResolveReason != "" {
+		line("resolve_reason", r.ResolveReason)
 	}
 	if r.Response != nil {
 		line("response_status", fmt.Sprint(r.Response.Status))

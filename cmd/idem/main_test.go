@@ -6,9 +6,11 @@ import (
 	"encoding/json"
 	"errors"
 	"flag"
+	"io/fs"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -95,8 +97,13 @@ func TestCLIEndToEnd(t *testing.T) {
 	}
 
 	// migrate up, status, down, up.
+	files, err := fs.ReadDir(idem.Migrations(), ".")
+	if err != nil {
+		t.Fatal(err)
+	}
+	n := len(files) // idem's migrations
 	out, stderr, code := cli(t, url, "migrate", "up")
-	if code != 0 || strings.Count(out, "applied") != 2 {
+	if code != 0 || strings.Count(out, "applied") != n {
 		t.Fatalf("migrate up: exit %d\n%s%s", code, out, stderr)
 	}
 	if out, _, code = cli(t, url, "migrate", "down"); code != 0 || !strings.Contains(out, "pending") {
@@ -105,7 +112,7 @@ func TestCLIEndToEnd(t *testing.T) {
 	for _, args := range [][]string{{"--json", "migrate", "status"}, {"migrate", "status", "--json"}} {
 		out, _, code = cli(t, url, args...)
 		var status []struct{ Applied bool }
-		if code != 0 || json.Unmarshal([]byte(out), &status) != nil || len(status) != 2 || !status[0].Applied || status[1].Applied {
+		if code != 0 || json.Unmarshal([]byte(out), &status) != nil || len(status) != n || !status[n-2].Applied || status[n-1].Applied {
 			t.Fatalf("%v: exit %d\n%s", args, code, out)
 		}
 	}
@@ -198,15 +205,26 @@ func TestCLIEndToEnd(t *testing.T) {
 	if _, _, code = cli(t, url, "forget", "alice", "draw", "pay-1"); code != exitRefused {
 		t.Fatalf("forget of an unknown outcome: exit %d", code)
 	}
-	if _, _, code = cli(t, url, "resolve", "alice", "draw", "pay-1", "--succeeded"); code != exitUsage {
+	token := strconv.FormatInt(r.Token, 10)
+	if !strings.Contains(out, "token "+token) {
+		t.Fatalf("unknown list does not show token %s:\n%s", token, out)
+	}
+	if _, _, code = cli(t, url, "resolve", "alice", "draw", "pay-1", "--token", token, "--succeeded"); code != exitUsage {
 		t.Fatalf("resolve without --reason: exit %d", code)
 	}
-	out, stderr, code = cli(t, url, "resolve", "alice", "draw", "pay-1", "--succeeded", "--status", "201",
+	if _, _, code = cli(t, url, "resolve", "alice", "draw", "pay-1", "--succeeded", "--reason", "found"); code != exitUsage {
+		t.Fatalf("resolve without --token: exit %d", code)
+	}
+	if _, _, code = cli(t, url, "resolve", "alice", "draw", "pay-1", "--token", strconv.FormatInt(r.Token+1, 10),
+		"--succeeded", "--reason", "found"); code != exitRefused {
+		t.Fatalf("resolve with another token: exit %d", code)
+	}
+	out, stderr, code = cli(t, url, "resolve", "alice", "draw", "pay-1", "--token", token, "--succeeded", "--status", "201",
 		"--body", `{"charged":true}`, "--reason", "charge found at the gateway")
 	if code != 0 {
 		t.Fatalf("resolve: exit %d\n%s%s", code, out, stderr)
 	}
-	if _, _, code = cli(t, url, "resolve", "alice", "draw", "pay-1", "--retryable", "--reason", "again"); code != exitRefused {
+	if _, _, code = cli(t, url, "resolve", "alice", "draw", "pay-1", "--token", token, "--retryable", "--reason", "again"); code != exitRefused {
 		t.Fatalf("resolve of a resolved record: exit %d", code)
 	}
 	replay, err := idem.Reserve(ctx, pool, scope, "pay-1", idem.FingerprintParts([]byte("p")), time.Minute)
@@ -241,5 +259,218 @@ func TestParseInterleaved(t *testing.T) {
 		if strings.Contains(strings.Join(tc.args, " "), "--json") && !strings.Contains(tc.want, "--json") && !*j {
 			t.Errorf("%q: --json not set", tc.args)
 		}
+	}
+}
+
+// runCLI runs the command line in-process and returns its stdout, stderr
+// and exit code.
+func runCLI(t *testing.T, url string, args ...string) (string, string, int) {
+	t.Helper()
+	t.Setenv("DATABASE_URL", url)
+	var stdout, stderr bytes.Buffer
+	code := run(t.Context(), args, &stdout, &stderr)
+	return stdout.String(), stderr.String(), code
+}
+
+// Help goes to stdout, once, and nothing to stderr.
+func TestCLIHelpOnce(t *testing.T) {
+	for _, args := range [][]string{
+		{"--help"}, {"-h"}, {"help"}, {"--json", "--help"},
+		{"inspect", "--help"}, {"inspect", "-h"}, {"help", "inspect"}, {"inspect", "a", "--help"},
+		{"prune", "--help"}, {"help", "prune"}, {"resolve", "--help"},
+	} {
+		out, errOut, code := runCLI(t, "", args...)
+		want := "Usage: idem " + args[len(args)-1]
+		if len(args) == 1 || args[0] == "--json" {
+			want = "Usage:\n  idem [--database-url URL]"
+		} else if args[0] != "help" {
+			want = "Usage: idem " + args[0]
+		}
+		if code != exitOK || errOut != "" || strings.Count(out, want) != 1 || strings.Count(out, "Usage") != 1 {
+			t.Errorf("%q: exit %d\nstdout:\n%s\nstderr:\n%s", args, code, out, errOut)
+		}
+	}
+	// The built binary, as a user runs it: the same.
+	for _, args := range [][]string{{"--help"}, {"stats", "--help"}} {
+		out, errOut, code := cli(t, "", args...)
+		if code != exitOK || errOut != "" || strings.Count(out, "Usage") != 1 {
+			t.Errorf("binary %q: exit %d\nstdout:\n%s\nstderr:\n%s", args, code, out, errOut)
+		}
+	}
+}
+
+// Usage errors: one line with one prefix on stderr, the usage after it,
+// nothing on stdout; with --json one JSON object on stdout and nothing on
+// stderr.
+func TestCLIUsageErrors(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		line string // the first line of stderr
+	}{
+		{nil, "idem: no command"},
+		{[]string{"frobnicate"}, `idem: unknown command "frobnicate"`},
+		{[]string{"--bogus"}, "idem: flag provided but not defined: -bogus"},
+		{[]string{"help", "frobnicate"}, `idem: help takes one command name at most, got "frobnicate"`},
+		{[]string{"inspect", "a"}, "idem inspect: want <actor> <operation> <key>, got 1 argument(s)"},
+		{[]string{"inspect", "--bogus", "a", "b", "c"}, "idem inspect: flag provided but not defined: -bogus"},
+		{[]string{"prune", "--batch-size", "x"}, `idem prune: invalid value "x" for flag -batch-size: parse error`},
+		{[]string{"migrate", "sideways"}, `idem migrate: want up, down or status, got "sideways"`},
+		{[]string{"stats"}, "idem stats: no database: set DATABASE_URL or pass --database-url"},
+		{[]string{"resolve", "a", "b", "c", "--token", "1", "--succeeded"}, "idem resolve: --reason is required: it is stored with the record for the audit trail"},
+	} {
+		out, errOut, code := runCLI(t, "", tc.args...)
+		first, rest, _ := strings.Cut(errOut, "\n")
+		if code != exitUsage || out != "" || first != tc.line || !strings.Contains(rest, "idem") {
+			t.Errorf("%q: exit %d\nstdout:\n%s\nstderr:\n%s", tc.args, code, out, errOut)
+		}
+
+		// --json before the command, and after it where a command was found.
+		jsonArgs := [][]string{append([]string{"--json"}, tc.args...)}
+		if len(tc.args) > 0 && commands[tc.args[0]].usage != "" {
+			jsonArgs = append(jsonArgs, append([]string{tc.args[0], "--json"}, tc.args[1:]...))
+		}
+		for _, args := range jsonArgs {
+			out, errOut, code := runCLI(t, "", args...)
+			_, msg, _ := strings.Cut(tc.line, ": ")
+			wantJSON(t, args, out, errOut, code, exitUsage, msg)
+		}
+	}
+}
+
+// wantJSON checks that out is exactly one JSON error object with msg and
+// code, and that nothing went to stderr.
+func wantJSON(t *testing.T, args []string, out, errOut string, code, wantCode int, msg string) {
+	t.Helper()
+	var got struct {
+		Error    string
+		ExitCode int `json:"exit_code"`
+	}
+	dec := json.NewDecoder(strings.NewReader(out))
+	err := dec.Decode(&got)
+	if err != nil || dec.More() || code != wantCode || errOut != "" || got.ExitCode != wantCode || !strings.Contains(got.Error, msg) {
+		t.Errorf("%q: exit %d (%v)\nstdout:\n%s\nstderr:\n%s", args, code, err, out, errOut)
+	}
+}
+
+// Errors from the library carry its "idem: " prefix; the line carries one
+// prefix only.
+func TestCLIErrorOnePrefix(t *testing.T) {
+	url := pgtest.URL(t, idem.Migrate)
+	for _, args := range [][]string{{"inspect", "a", "b", "nope"}, {"forget", "a", "b", "nope"}} {
+		out, errOut, code := runCLI(t, url, args...)
+		want := "idem " + args[0] + ": no record for this idempotency key\n"
+		if code != exitNotFound || out != "" || errOut != want {
+			t.Errorf("%q: exit %d\nstdout:\n%s\nstderr:\n%s", args, code, out, errOut)
+		}
+		args = append([]string{"--json"}, args...)
+		out, errOut, code = runCLI(t, url, args...)
+		wantJSON(t, args, out, errOut, code, exitNotFound, "no record for this idempotency key")
+		if strings.Contains(out, "idem: ") {
+			t.Errorf("%q: the JSON error keeps the library's prefix: %s", args, out)
+		}
+	}
+	// A key the library refuses: a usage error, one prefix.
+	out, errOut, code := runCLI(t, url, "inspect", "a", "b", "")
+	if code != exitUsage || out != "" || strings.Contains(errOut, "idem: ") || !strings.HasPrefix(errOut, "idem inspect: invalid idempotency key") {
+		t.Errorf("empty key: exit %d\nstdout:\n%s\nstderr:\n%s", code, out, errOut)
+	}
+}
+
+// A database where idem's migrations never ran: every command that reads
+// the table says to run "idem migrate up".
+func TestCLIUnmigrated(t *testing.T) {
+	url := pgtest.URL(t, nil)
+	const hint = "run `idem migrate up`"
+	for _, args := range [][]string{
+		{"stats"}, {"prune"}, {"prune", "--dry-run"}, {"inspect", "a", "b", "c"}, {"forget", "a", "b", "c"},
+		{"unknown", "list"}, {"resolve", "a", "b", "c", "--token", "1", "--retryable", "--reason", "r"},
+	} {
+		out, errOut, code := runCLI(t, url, args...)
+		if code != exitFailure || out != "" || strings.Count(errOut, "\n") != 1 ||
+			!strings.HasPrefix(errOut, "idem "+args[0]+": ") || !strings.Contains(errOut, hint) {
+			t.Errorf("%q: exit %d\nstdout:\n%s\nstderr:\n%s", args, code, out, errOut)
+		}
+		args = append([]string{"--json"}, args...)
+		out, errOut, code = runCLI(t, url, args...)
+		wantJSON(t, args, out, errOut, code, exitFailure, hint)
+	}
+	// After migrate up, the same command works.
+	if _, errOut, code := runCLI(t, url, "migrate", "up"); code != exitOK {
+		t.Fatalf("migrate up: exit %d: %s", code, errOut)
+	}
+	if out, errOut, code := runCLI(t, url, "stats"); code != exitOK || errOut != "" || !strings.Contains(out, "total") {
+		t.Errorf("stats after migrate up: exit %d\nstdout:\n%s\nstderr:\n%s", code, out, errOut)
+	}
+}
+
+// The operator's side of issue 15: a lapsed lease shows in unknown list
+// (turned unknown, its token kept) and resolves with that token; resolve
+// refuses a body that is not the JSON its content type says; migrate down
+// refuses to delete outcomes unless --force.
+func TestCLIOperatorCoherence(t *testing.T) {
+	ctx := t.Context()
+	url := pgtest.URL(t, idem.Migrate)
+	pool, err := pgxpool.New(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	scope := idem.Scope{Actor: "alice", Operation: "pay"}
+	r, err := idem.Reserve(ctx, pool, scope, "lapsed", idem.FingerprintParts([]byte("p")), time.Millisecond)
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(20 * time.Millisecond)
+	token := strconv.FormatInt(r.Token, 10)
+	out, errOut, code := runCLI(t, url, "unknown", "list")
+	if code != exitOK || !strings.Contains(out, "lapsed") || !strings.Contains(out, "token "+token) {
+		t.Fatalf("unknown list does not show the lapsed lease: exit %d\n%s%s", code, out, errOut)
+	}
+
+	// A body that is not JSON, labelled JSON: refused, nothing changed.
+	for _, args := range [][]string{
+		{"--body", "{not json"},
+		{"--body", `{"a":1}x`, "--content-type", "application/problem+json"},
+	} {
+		args = append([]string{"resolve", "alice", "pay", "lapsed", "--token", token, "--succeeded", "--reason", "found"}, args...)
+		if _, errOut, code := runCLI(t, url, args...); code != exitUsage || !strings.Contains(errOut, "not valid JSON") {
+			t.Fatalf("%q: exit %d: %s", args, code, errOut)
+		}
+	}
+	if rec, err := idem.Lookup(ctx, pool, scope, "lapsed"); err != nil || rec.Status != idem.StatusUnknown || rec.Token != r.Token {
+		t.Fatalf("after refused resolves: %+v, %v", rec, err)
+	}
+	// Not JSON and not labelled JSON: stored as given.
+	if _, errOut, code := runCLI(t, url, "resolve", "alice", "pay", "lapsed", "--token", token, "--succeeded",
+		"--reason", "found", "--body", "{not json", "--content-type", "text/plain"); code != exitOK {
+		t.Fatalf("resolve with a text body: exit %d: %s", code, errOut)
+	}
+
+	// migrate down: the migrations after 2 keep every record; 2 would delete unknown,
+	// in-flight and failed_retryable records: refused unless --force.
+	if _, err := idem.Reserve(ctx, pool, scope, "in-flight", idem.FingerprintParts([]byte("p")), time.Hour); err != nil {
+		t.Fatal(err)
+	}
+	for {
+		var v int64
+		if err := pool.QueryRow(ctx, `SELECT max(version_id) FROM `+idem.MigrationTable).Scan(&v); err != nil {
+			t.Fatal(err)
+		}
+		if v <= 2 {
+			break
+		}
+		if _, errOut, code := runCLI(t, url, "migrate", "down"); code != exitOK {
+			t.Fatalf("migrate down from %d: exit %d: %s", v, code, errOut)
+		}
+	}
+	_, errOut, code = runCLI(t, url, "migrate", "down")
+	if code != exitRefused || !strings.Contains(errOut, "1 records") || !strings.Contains(errOut, "--force") {
+		t.Fatalf("migrate down deleting a record in flight: exit %d: %s", code, errOut)
+	}
+	if _, errOut, code := runCLI(t, url, "migrate", "down", "--force"); code != exitOK {
+		t.Fatalf("migrate down --force: exit %d: %s", code, errOut)
+	}
+	if _, _, code := runCLI(t, url, "migrate", "status", "--force"); code != exitUsage {
+		t.Fatalf("migrate status --force: exit %d", code)
 	}
 }

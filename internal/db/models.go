@@ -23,4 +23,5 @@ type IdemKey struct {
 	Token           int64
 	LeaseExpiresAt  pgtype.Timestamptz
 	LastError       pgtype.Text
+	ResolveReason   pgtype.Text
 }

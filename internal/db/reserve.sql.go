@@ -12,6 +12,7 @@ import (
 )
 
 const ReserveAcquire = `-- name: ReserveAcquire :one
+WITH next AS (SELECT nextval('idem_keys_token_seq') AS token)
 UPDATE idem_keys
 SET fingerprint      = $1,
     status           = 'processing',
@@ -21,12 +22,13 @@ SET fingerprint      = $1,
     created_at       = now(),
     completed_at     = NULL,
     expires_at       = now() + ($2::bigint * interval '1 microsecond'),
-    token            = nextval('idem_keys_token_seq'),
+    token            = (SELECT next.token FROM next),
     lease_expires_at = now() + ($3::bigint * interval '1 microsecond'),
-    last_error       = NULL
+    last_error       = NULL,
+    resolve_reason   = NULL
 WHERE actor = $4 AND operation = $5 AND idem_key = $6
-  AND token = $7
-RETURNING token, lease_expires_at
+  AND idem_keys.token = $7
+RETURNING idem_keys.token, lease_expires_at
 `
 
 type ReserveAcquireParams struct {
@@ -46,6 +48,9 @@ type ReserveAcquireRow struct {
 
 // Hands the row ReserveLock read (identified by its token) to a new owner: a
 // new request after the TTL, or a new attempt after a retryable failure.
+// The new token is drawn in a CTE, not in SET: Citus refuses a volatile
+// function in an UPDATE of a distributed table, and runs the CTE on the
+// coordinator, whose sequence it is.
 func (q *Queries) ReserveAcquire(ctx context.Context, db DBTX, arg ReserveAcquireParams) (ReserveAcquireRow, error) {
 	row := db.QueryRow(ctx, ReserveAcquire,
 		arg.Fingerprint,
@@ -131,6 +136,39 @@ type ReserveExpireLeasesParams struct {
 // repeats the index predicate (open reservations: a lease, no outcome).
 func (q *Queries) ReserveExpireLeases(ctx context.Context, db DBTX, arg ReserveExpireLeasesParams) (int64, error) {
 	result, err := db.Exec(ctx, ReserveExpireLeases, arg.Reason, arg.MaxRows)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const ReserveExpireLeasesCitus = `-- name: ReserveExpireLeasesCitus :execrows
+UPDATE idem_keys AS k
+SET status     = 'unknown',
+    last_error = $1::text
+FROM (SELECT actor, operation, idem_key
+      FROM idem_keys
+      WHERE status = 'processing' AND lease_expires_at IS NOT NULL AND completed_at IS NULL
+        AND lease_expires_at <= now()
+      ORDER BY lease_expires_at
+      LIMIT $2) AS expired
+WHERE k.actor = expired.actor AND k.operation = expired.operation AND k.idem_key = expired.idem_key
+  AND k.status = 'processing' AND k.lease_expires_at <= now()
+`
+
+type ReserveExpireLeasesCitusParams struct {
+	Reason  string
+	MaxRows int32
+}
+
+// ReserveExpireLeases for Citus, which refuses FOR UPDATE in a query over a
+// distributed table (see KeyPruneCitus). Without SKIP LOCKED the
+// conditions are checked again on the row the UPDATE locks: a lease
+// extended, or a record completed, by a transaction that committed while
+// this one waited for its lock stays as it is. Concurrent workers wait for
+// each other's batches.
+func (q *Queries) ReserveExpireLeasesCitus(ctx context.Context, db DBTX, arg ReserveExpireLeasesCitusParams) (int64, error) {
+	result, err := db.Exec(ctx, ReserveExpireLeasesCitus, arg.Reason, arg.MaxRows)
 	if err != nil {
 		return 0, err
 	}
@@ -251,7 +289,7 @@ func (q *Queries) ReserveInsert(ctx context.Context, db DBTX, arg ReserveInsertP
 }
 
 const ReserveListUnknown = `-- name: ReserveListUnknown :many
-SELECT actor, operation, idem_key, fingerprint, status, response_status, response_headers, response_body, created_at, completed_at, expires_at, token, lease_expires_at, last_error
+SELECT actor, operation, idem_key, fingerprint, status, response_status, response_headers, response_body, created_at, completed_at, expires_at, token, lease_expires_at, last_error, resolve_reason
 FROM idem_keys
 WHERE status = 'unknown' AND lease_expires_at IS NOT NULL AND completed_at IS NULL
   AND (created_at, actor, operation, idem_key)
@@ -303,6 +341,7 @@ func (q *Queries) ReserveListUnknown(ctx context.Context, db DBTX, arg ReserveLi
 			&i.Token,
 			&i.LeaseExpiresAt,
 			&i.LastError,
+			&i.ResolveReason,
 		); err != nil {
 			return nil, err
 		}
@@ -315,7 +354,7 @@ func (q *Queries) ReserveListUnknown(ctx context.Context, db DBTX, arg ReserveLi
 }
 
 const ReserveLock = `-- name: ReserveLock :one
-SELECT idem_keys.actor, idem_keys.operation, idem_keys.idem_key, idem_keys.fingerprint, idem_keys.status, idem_keys.response_status, idem_keys.response_headers, idem_keys.response_body, idem_keys.created_at, idem_keys.completed_at, idem_keys.expires_at, idem_keys.token, idem_keys.lease_expires_at, idem_keys.last_error,
+SELECT idem_keys.actor, idem_keys.operation, idem_keys.idem_key, idem_keys.fingerprint, idem_keys.status, idem_keys.response_status, idem_keys.response_headers, idem_keys.response_body, idem_keys.created_at, idem_keys.completed_at, idem_keys.expires_at, idem_keys.token, idem_keys.lease_expires_at, idem_keys.last_error, idem_keys.resolve_reason,
        (expires_at <= now())::boolean AS expired,
        (lease_expires_at IS NOT NULL)::boolean AS leased,
        coalesce((extract(epoch FROM lease_expires_at - now()) * 1000)::bigint, 0)::bigint AS lease_left_ms
@@ -357,6 +396,7 @@ func (q *Queries) ReserveLock(ctx context.Context, db DBTX, arg ReserveLockParam
 		&i.IdemKey.Token,
 		&i.IdemKey.LeaseExpiresAt,
 		&i.IdemKey.LastError,
+		&i.IdemKey.ResolveReason,
 		&i.Expired,
 		&i.Leased,
 		&i.LeaseLeftMs,
@@ -397,6 +437,7 @@ func (q *Queries) ReserveMarkUnknown(ctx context.Context, db DBTX, arg ReserveMa
 }
 
 const ReserveResolve = `-- name: ReserveResolve :execrows
+WITH next AS (SELECT nextval('idem_keys_token_seq') AS token)
 UPDATE idem_keys
 SET status           = $1,
     response_status  = $2,
@@ -404,10 +445,10 @@ SET status           = $1,
     response_body    = $4,
     completed_at     = now(),
     expires_at       = greatest(expires_at, now() + ($5::bigint * interval '1 microsecond')),
-    token            = nextval('idem_keys_token_seq'),
-    last_error       = $6::text
+    token            = (SELECT next.token FROM next),
+    resolve_reason   = $6::text
 WHERE actor = $7 AND operation = $8 AND idem_key = $9
-  AND token = $10
+  AND idem_keys.token = $10
 `
 
 type ReserveResolveParams struct {
@@ -423,9 +464,12 @@ type ReserveResolveParams struct {
 	Token           int64
 }
 
-// Reconciles the row ReserveLock read (identified by its token): 'succeeded'
-// with the response found at the provider, or 'failed_retryable'. The token
-// advances, so the reservation that held the key is fenced.
+// Reconciles the row ReserveLock read (identified by its token, the one the
+// operator named): 'succeeded' with the response found at the provider, or
+// 'failed_retryable'. The token advances, so the reservation that held the
+// key is fenced. last_error keeps why the record failed or became unknown;
+// the operator's reason goes beside it. (The new token is drawn in a CTE:
+// see ReserveAcquire.)
 func (q *Queries) ReserveResolve(ctx context.Context, db DBTX, arg ReserveResolveParams) (int64, error) {
 	result, err := db.Exec(ctx, ReserveResolve,
 		arg.Status,
