@@ -139,8 +139,10 @@ func (c *Client) call(ctx context.Context, s *span, k rowKey, fp Fingerprint,
 	if err != nil {
 		return Result{}, unavailableIf(isUnavailable(err), fmt.Errorf("idem: claim: %w", err))
 	}
-	fpBytes := fp[:]
-	b := &pgx.Batch{QueuedQueries: make([]*pgx.QueuedQuery, 0, 4)} // every round trip's, in turn
+	s.fp = fp
+	fpBytes := s.fp[:]
+	b := &s.batch
+	b.QueuedQueries = s.queue[:0]
 	for range maxClaimAttempts {
 		// Round trip 1: begin, and claim.
 		reset(b)
@@ -217,6 +219,12 @@ type span struct {
 	tx        pgx.Tx // Do: the caller's; DoInTx: the current own transaction
 	conn      *pgx.Conn
 	txOptions pgx.TxOptions
+	// The batch of every round trip in turn, with room for the longest,
+	// and the fingerprint the statements take: kept here, a call allocates
+	// them with the span, once.
+	batch pgx.Batch
+	queue [4]*pgx.QueuedQuery
+	fp    Fingerprint
 }
 
 // connection is the connection the span runs on.
