@@ -78,7 +78,7 @@ func (c *Client) Reserve(ctx context.Context, db *sql.DB, scope idem.Scope, key 
 		err = refusal
 	}
 	if err != nil {
-		r = idem.Reservation{}
+		r, err = idem.Reservation{}, pooled(err)
 	}
 	cl.End(ctx, r.Result, err)
 	return r, err
