@@ -13,8 +13,8 @@ import (
 	"github.com/pgidem/idem/internal/db"
 )
 
-// The statements of the protocol that Do (idem.go) and DoInTx (tx.go) send,
-// and what the row that holds a key means for a call.
+// The statements of the protocol that Do and DoInTx send (their one loop,
+// call, is in idem.go), and what the row that holds a key means for a call.
 //
 // Every statement is a generated sqlc method. The ones Do and DoInTx send
 // together in one round trip are queued in a pgx.Batch by calling the
@@ -24,7 +24,15 @@ import (
 // None of them depends on the planner's statistics for its access path:
 //   - The claim, the take-over and the completion are INSERT ... ON CONFLICT:
 //     the key is found through the primary key (the arbiter index), whatever
-//     the statistics say.
+//     the statistics say. The completion of a key Do claimed changes no
+//     indexed column and no column an index predicate reads, so it is a HOT
+//     update (migration 00003).
+//
+// Their ON CONFLICT DO UPDATE clauses call no function: the clock is read
+// from the proposed row (excluded), which a distributed planner (Citus)
+// accepts too. The claim's bounded wait is a subquery of its INSERT, which
+// such a planner refuses: a variant for it replaces KeyClaim and
+// KeyTakeOver in queueClaim alone.
 //   - KeyGet runs only after "SET LOCAL enable_seqscan = off", undone with
 //     the savepoint (Do) or the transaction (DoInTx) it runs in, so every
 //     plan of it, and the generic plan pgx's statement cache keeps for the
@@ -37,7 +45,9 @@ import (
 // lock_timeout = Config.Wait, set and restored by the claim statement itself
 // (KeyClaim, KeyTakeOver): no statement of its own. When nothing is claimed,
 // the savepoint (Do) or transaction (DoInTx) ends before any code of the
-// caller runs, and that restores the caller's value.
+// caller runs, and that restores the caller's value. On Citus, where the
+// wait happens on a worker that set_config never reaches, SET LOCAL
+// statements around the claim bound it instead (queueClaim).
 
 // Statements that are not table queries. savepoint is the savepoint that Do
 // runs the claim and fn in.
@@ -51,6 +61,9 @@ const (
 	sqlUndo        = "ROLLBACK TO SAVEPOINT idem_do; RELEASE SAVEPOINT idem_do"
 	sqlRollbackTo  = "ROLLBACK TO SAVEPOINT idem_do"
 	sqlIndexLookup = "SET LOCAL enable_seqscan = off"
+	// sqlWaitDefault ends the Citus claim's bound on waiting (see
+	// queueClaim).
+	sqlWaitDefault = "SET LOCAL lock_timeout TO DEFAULT"
 )
 
 // maxClaimAttempts bounds the rounds of claim, read and take-over when the
@@ -69,27 +82,50 @@ func newRowKey(scope Scope, key string) rowKey {
 }
 
 // queueClaim queues the claim of k for fp in b, bounded by Config.Wait: a
-// fresh claim, or with takeOver the take-over of a row that is over. The
-// bound is set and the caller's lock_timeout restored by the statement
-// itself (see KeyClaim).
-func (c *Client) queueClaim(b *pgx.Batch, k rowKey, fp Fingerprint, takeOver bool) {
+// fresh claim, or with takeOver the take-over of a row that is over. On
+// PostgreSQL the bound is set and the caller's lock_timeout restored by the
+// statement itself (see KeyClaim). On Citus (citus true, see
+// Client.isCitus) the wait happens on the worker, which only SET LOCAL
+// statements reach: lock_timeout is set to Config.Wait before the claim and
+// back to its default after it (the caller's own SET LOCAL of lock_timeout,
+// if any, is not known there and not restored).
+func (c *Client) queueClaim(b *pgx.Batch, k rowKey, fp []byte, takeOver, citus bool) {
 	ctx, q := context.Background(), queuer{b}
-	if takeOver {
+	switch {
+	case citus && takeOver:
+		b.Queue(c.sqlSetWait)
+		_, _ = queries.KeyTakeOverCitus(ctx, q, db.KeyTakeOverCitusParams{Actor: k.actor, Operation: k.operation,
+			IdemKey: k.key, Fingerprint: fp, TtlMicros: c.ttlMicros})
+		b.Queue(sqlWaitDefault)
+	case citus:
+		b.Queue(c.sqlSetWait)
+		_, _ = queries.KeyClaimCitus(ctx, q, db.KeyClaimCitusParams{Actor: k.actor, Operation: k.operation,
+			IdemKey: k.key, Fingerprint: fp, TtlMicros: c.ttlMicros})
+		b.Queue(sqlWaitDefault)
+	case takeOver:
 		_, _ = queries.KeyTakeOver(ctx, q, db.KeyTakeOverParams{Actor: k.actor, Operation: k.operation,
-			IdemKey: k.key, Fingerprint: fp[:], TtlMicros: c.ttlMicros, LockTimeout: c.lockTimeout})
-	} else {
+			IdemKey: k.key, Fingerprint: fp, TtlMicros: c.ttlMicros, LockTimeout: c.lockTimeout})
+	default:
 		_, _ = queries.KeyClaim(ctx, q, db.KeyClaimParams{Actor: k.actor, Operation: k.operation,
-			IdemKey: k.key, Fingerprint: fp[:], TtlMicros: c.ttlMicros, LockTimeout: c.lockTimeout})
+			IdemKey: k.key, Fingerprint: fp, TtlMicros: c.ttlMicros, LockTimeout: c.lockTimeout})
 	}
 }
 
-// readClaim reads the result of what queueClaim queued: whether the key is
-// now claimed by this transaction. (KeyClaim and KeyTakeOver return the
-// same single column.)
-func readClaim(br pgx.BatchResults) (claimed bool, err error) {
+// readClaim reads the results of what queueClaim queued: whether the key is
+// now claimed by this transaction. (All four claims return the same single
+// column.)
+func readClaim(br pgx.BatchResults, citus bool) (claimed bool, err error) {
+	if citus {
+		if _, err = br.Exec(); err != nil {
+			return false, err
+		}
+	}
 	claimed, err = queries.KeyClaim(context.Background(), batchRead{br}, db.KeyClaimParams{})
 	if errors.Is(err, pgx.ErrNoRows) {
-		return false, nil
+		claimed, err = false, nil
+	}
+	if err == nil && citus {
+		_, err = br.Exec()
 	}
 	return claimed, err
 }
@@ -100,7 +136,7 @@ func (c *Client) claimError(err error, k rowKey) error {
 	if pgCode(err) == pgerrcode.LockNotAvailable {
 		return c.inProgressOn(k)
 	}
-	return fmt.Errorf("idem: claim: %w", err)
+	return fmt.Errorf("idem: claim: %w", unsupportedIf(err))
 }
 
 // queueRead queues the read of the committed row that holds k, preceded by
@@ -172,13 +208,13 @@ func (c *Client) judge(row keyRow, found bool, fp Fingerprint, k rowKey) (Result
 
 // queueComplete queues the statement that stores the outcome of a claimed
 // key.
-func (c *Client) queueComplete(b *pgx.Batch, k rowKey, fp Fingerprint, out outcome) {
+func (c *Client) queueComplete(b *pgx.Batch, k rowKey, fp []byte, out outcome) {
 	body := out.resp.Body
 	if body == nil {
 		body = []byte{}
 	}
 	_, _ = queries.KeyComplete(context.Background(), queuer{b}, db.KeyCompleteParams{
-		Actor: k.actor, Operation: k.operation, IdemKey: k.key, Fingerprint: fp[:],
+		Actor: k.actor, Operation: k.operation, IdemKey: k.key, Fingerprint: fp,
 		Status: string(out.status), TtlMicros: c.ttlMicros, ResponseStatus: int32(out.resp.Status),
 		ResponseHeaders: out.headers, ResponseBody: body,
 	})
@@ -191,7 +227,7 @@ func readComplete(br pgx.BatchResults) error {
 		err = errors.New("the claimed row changed under fn")
 	}
 	if err != nil {
-		return fmt.Errorf("idem: store response: %w", err)
+		return fmt.Errorf("idem: store response: %w", unsupportedIf(err))
 	}
 	return nil
 }

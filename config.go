@@ -20,7 +20,9 @@ type Config struct {
 	TTL time.Duration
 
 	// Wait bounds how long a call waits for a concurrent transaction that
-	// holds the same key before it gives up with ErrInProgress. Default 2
+	// holds the same key before it gives up with ErrInProgress. (On Citus
+	// the wait happens on a worker, which the bound reaches only when
+	// citus.propagate_set_commands is 'local': see Distribute.) Default 2
 	// seconds; a negative value means wait at most a millisecond
 	// (PostgreSQL's lock_timeout cannot be zero: that means forever).
 	Wait time.Duration
@@ -96,9 +98,11 @@ type Client struct {
 	cfg         Config
 	ttlMicros   int64
 	lockTimeout string // Wait as a lock_timeout value
+	sqlSetWait  string // SET LOCAL lock_timeout = Wait (Citus's claim, Reserve)
 	txOptions   pgx.TxOptions
 	retryAfter  time.Duration
 	obs         *observer
+	citus       citusCache // whether each database is Citus; see citus.go
 }
 
 // New returns a Client for cfg, with zero fields replaced by their defaults.
@@ -147,6 +151,7 @@ func New(cfg Config) (*Client, error) {
 		wait = time.Millisecond // lock_timeout 0 would mean "wait forever"
 	}
 	c.lockTimeout = fmt.Sprintf("%dms", wait.Milliseconds())
+	c.sqlSetWait = "SET LOCAL lock_timeout = '" + c.lockTimeout + "'"
 	c.retryAfter = max(time.Second, wait.Round(time.Second))
 	c.txOptions = pgx.TxOptions{IsoLevel: cfg.IsolationLevel}
 	c.obs = newObserver(cfg)

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/puddle/v2"
 )
@@ -39,8 +40,9 @@ var (
 	ErrInvalidScope = errors.New("idem: invalid scope")
 
 	// ErrInvalidResponse means fn returned a Response that cannot be stored
-	// and replayed exactly (a status outside 0 and 100..999, a header that
-	// is not valid text).
+	// and replayed exactly (a status outside 0 and 100..999, a header name
+	// that is not an RFC 9110 token, a header value that is not valid text
+	// or holds CR, LF or NUL).
 	// fn's writes and the claim were undone; nothing was stored.
 	ErrInvalidResponse = errors.New("idem: invalid response")
 
@@ -64,8 +66,9 @@ var (
 	ErrUnavailable = errors.New("idem: store unavailable")
 
 	// ErrInvalidArgument means a required argument (transaction, function,
-	// database handle) is nil, or a value such as a lease or a limit is out
-	// of range. Nothing was touched.
+	// database handle) is nil, or a value such as a lease, a limit or a
+	// ListUnknown cursor is out of range, or the caller's transaction given
+	// to Do or Complete is closed or aborted. Nothing was touched.
 	ErrInvalidArgument = errors.New("idem: invalid argument")
 
 	// ErrOutcomeUnknown means the key belongs to a reservation whose work
@@ -113,6 +116,21 @@ func preparedStatementsLost(err error) error {
 		"set the pool's DefaultQueryExecMode to pgx.QueryExecModeExec, QueryExecModeCacheDescribe or "+
 		"QueryExecModeSimpleProtocol, or run PgBouncer 1.21 or newer with max_prepared_statements > 0: %w",
 		ErrPreparedStatements, err)
+}
+
+// txUnusable returns err wrapped with ErrInvalidArgument when it says that
+// the caller's transaction could not run the call: it was closed
+// (committed or rolled back) or is aborted (a statement failed in it).
+func txUnusable(err error) error {
+	switch {
+	case err == nil || errors.Is(err, ErrInvalidArgument):
+		return err
+	case errors.Is(err, pgx.ErrTxClosed):
+		return fmt.Errorf("%w: the transaction is closed (committed or rolled back): %w", ErrInvalidArgument, err)
+	case pgCode(err) == pgerrcode.InFailedSQLTransaction:
+		return fmt.Errorf("%w: the transaction is aborted (a statement failed in it; roll it back): %w", ErrInvalidArgument, err)
+	}
+	return err
 }
 
 // InProgressError is returned when the key is held by a transaction that did

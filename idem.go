@@ -100,7 +100,7 @@ func (c *Client) Do(ctx context.Context, tx pgx.Tx, scope Scope, key string, fp 
 	ctx, cl := c.obs.begin(ctx, "do", "idem.Do", scope, key)
 	defer cl.endIfPanicking(ctx)
 	res, err := c.do(ctx, tx, newRowKey(scope, key), fp, fn, &cl)
-	err = preparedStatementsLost(err)
+	err = preparedStatementsLost(txUnusable(err))
 	cl.end(ctx, res, err)
 	return res, err
 }
@@ -131,43 +131,50 @@ func (c *Client) do(ctx context.Context, tx pgx.Tx, k rowKey, fp Fingerprint,
 // claim of its own that runs nothing.
 func (c *Client) call(ctx context.Context, s *span, k rowKey, fp Fingerprint,
 	fn func(ctx context.Context, tx pgx.Tx) (Response, error), cl *call) (Result, error) {
-	var decided *outcome // a refusal, stored once the key is claimed again
+	var decided outcome // a refusal, stored once the key is claimed again (none: status "")
 	takeOver := false
+	// Citus bounds the claim's wait otherwise (see queueClaim); asked once
+	// per Client and database.
+	citus, err := c.isCitus(ctx, s.connection())
+	if err != nil {
+		return Result{}, unavailableIf(isUnavailable(err), fmt.Errorf("idem: claim: %w", err))
+	}
+	fpBytes := fp[:]
+	b := &pgx.Batch{QueuedQueries: make([]*pgx.QueuedQuery, 0, 4)} // every round trip's, in turn
 	for range maxClaimAttempts {
 		// Round trip 1: begin, and claim.
-		b := &pgx.Batch{}
-		br := s.begin(ctx, b, func() { c.queueClaim(b, k, fp, takeOver) })
+		reset(b)
+		br := s.begin(ctx, b, func() { c.queueClaim(b, k, fpBytes, takeOver, citus) })
 		_, err := br.Exec()
 		if err != nil { // not begun: nothing to undo
 			return Result{}, s.notBegun(ctx, c.claimError(closeBatch(br, err), k))
 		}
-		claimed, err := readClaim(br)
+		claimed, err := readClaim(br, citus)
 		if err = closeBatch(br, err); err != nil {
 			return Result{}, s.fail(ctx, c.claimError(err, k))
 		}
 
 		if claimed {
 			out := decided
-			if out == nil {
-				o, err := c.runFn(ctx, s, fn, cl)
+			if out.status == "" {
+				out, err = c.runFn(ctx, s, fn, cl)
 				if err != nil {
 					return Result{}, s.failFn(ctx, err)
 				}
-				if o.status == StatusRejected {
+				if out.status == StatusRejected {
 					// Undo fn's writes (and the claim), then store the
 					// refusal in a claim of its own.
 					if err := s.undo(ctx); err != nil {
 						return Result{}, err
 					}
-					decided = &o
+					decided = out
 					continue
 				}
-				out = &o
 			}
 			cl.rejected = out.status == StatusRejected
 			// Round trip 2: store the outcome, and end.
-			b := &pgx.Batch{}
-			c.queueComplete(b, k, fp, *out)
+			reset(b)
+			c.queueComplete(b, k, fpBytes, out)
 			s.queueEnd(b)
 			br := s.tx.SendBatch(ctx, b)
 			err := readComplete(br)
@@ -182,7 +189,7 @@ func (c *Client) call(ctx context.Context, s *span, k rowKey, fp Fingerprint,
 
 		// Round trip 2: read the row that holds the key, and end: that
 		// undoes the read's planner setting and the claim's lock_timeout.
-		b = &pgx.Batch{}
+		reset(b)
 		queueRead(b, k)
 		s.queueLeave(b)
 		br = s.tx.SendBatch(ctx, b)
@@ -210,6 +217,14 @@ type span struct {
 	tx        pgx.Tx // Do: the caller's; DoInTx: the current own transaction
 	conn      *pgx.Conn
 	txOptions pgx.TxOptions
+}
+
+// connection is the connection the span runs on.
+func (s *span) connection() *pgx.Conn {
+	if s.conn != nil {
+		return s.conn
+	}
+	return s.tx.Conn()
 }
 
 // begin queues the savepoint (or BEGIN) in b, then what queue queues, and

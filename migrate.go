@@ -75,10 +75,15 @@ func Migrations() fs.FS {
 // MigrationLockTable) and does nothing when everything is applied. It uses
 // its own version table (MigrationTable), so an application's goose
 // migrations are untouched. It works through a transaction pooler when the
-// pool's exec mode does (see the README, Behind a connection pooler).
+// pool's exec mode does (see the README, Behind a connection pooler). On
+// Citus, run it on the coordinator (then Distribute): a worker is refused
+// with ErrUnsupported.
 func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
 	if pool == nil {
 		return fmt.Errorf("%w: nil pool", ErrInvalidArgument)
+	}
+	if err := checkNotWorker(ctx, pool); err != nil {
+		return fmt.Errorf("idem: migrate: %w", err)
 	}
 	err := withProvider(pool, func(p *goose.Provider) error {
 		_, err := p.Up(ctx)

@@ -30,7 +30,9 @@ const DefaultPruneBatchSize = 1000
 // touches a key in flight: a claim not yet committed, a take-over in
 // progress, or a reservation that is processing or unknown. Several pruners
 // (processes, goroutines) may run at once: they skip each other's rows
-// instead of waiting (SKIP LOCKED).
+// instead of waiting (SKIP LOCKED). On Citus, which has no SKIP LOCKED over
+// a distributed table, they wait for each other's batches instead, and a
+// pruner that finds its batch taken stops early.
 //
 // Each batch is an index walk of the expired rows in expiry order, at
 // millions of rows and whatever the planner's statistics say: it is planned
@@ -67,7 +69,7 @@ func (c *Client) Prune(ctx context.Context, db Beginner, opts PruneOptions) (int
 			return err
 		})
 		if err != nil {
-			return 0, fmt.Errorf("idem: prune: %w", err)
+			return 0, fmt.Errorf("idem: prune: %w", unsupportedIf(err))
 		}
 		return n, nil
 	}
@@ -77,12 +79,21 @@ func (c *Client) Prune(ctx context.Context, db Beginner, opts PruneOptions) (int
 			return total, err
 		}
 		var n int64
-		err := c.batchTx(ctx, db, func(ctx context.Context, tx pgx.Tx) (err error) {
-			n, err = queries.KeyPrune(ctx, planned{tx}, int32(min(opts.BatchSize, 1<<30)))
+		err := c.batchTx(ctx, db, func(ctx context.Context, tx pgx.Tx) error {
+			citus, err := c.isCitus(ctx, tx.Conn())
+			if err != nil {
+				return err
+			}
+			size := int32(min(opts.BatchSize, 1<<30))
+			if citus {
+				n, err = queries.KeyPruneCitus(ctx, planned{tx}, size)
+			} else {
+				n, err = queries.KeyPrune(ctx, planned{tx}, size)
+			}
 			return err
 		})
 		if err != nil {
-			return total, fmt.Errorf("idem: prune: %w", err)
+			return total, fmt.Errorf("idem: prune: %w", unsupportedIf(err))
 		}
 		total += n
 		c.obs.count(ctx, "ttl_pruned", "prune", "", n)

@@ -139,7 +139,7 @@ func (c *Client) reserveTx(ctx context.Context, db Beginner, scope Scope, key st
 		// not yet committed) and did not finish within Config.Wait.
 		return Reservation{}, c.inProgressOn(newRowKey(scope, key))
 	case err != nil:
-		return Reservation{}, fmt.Errorf("idem: reserve: %w", err)
+		return Reservation{}, fmt.Errorf("idem: reserve: %w", unsupportedIf(err))
 	case refusal == errLeaseRanOut:
 		c.obs.count(ctx, "zombie_key", "reserve", scope.Operation, 1)
 		return Reservation{}, refusal
@@ -159,18 +159,19 @@ func (c *Client) reserve(ctx context.Context, tx pgx.Tx, scope Scope, key string
 		LeaseMicros: lease.Microseconds(), TtlMicros: c.cfg.TTL.Microseconds(),
 	}
 	lock := store.ReserveLockParams{Actor: scope.Actor, Operation: scope.Operation, IdemKey: key}
-	// set_config(..., true) is SET LOCAL lock_timeout, which takes no
-	// parameter; SET LOCAL enable_seqscan makes the read an index lookup
-	// whatever the planner's statistics say. The transaction is Reserve's
-	// own: both settings end with it.
-	wait := fmt.Sprintf("%dms", max(c.cfg.Wait, time.Millisecond).Milliseconds())
+	// SET LOCAL lock_timeout bounds the insert's wait for a twin; SET LOCAL
+	// enable_seqscan makes the read an index lookup whatever the planner's
+	// statistics say. The transaction is Reserve's own: both settings end
+	// with it. (A SET LOCAL statement, not set_config: on Citus the wait
+	// happens on the worker, which only a SET LOCAL statement reaches, with
+	// citus.propagate_set_commands = 'local'.)
 	for range maxReserveAttempts {
 		// One round trip: insert a fresh reservation, or else lock and
 		// read the committed row that holds the key. Under READ COMMITTED
 		// the read sees the row the insert ran into, also one committed
 		// while the insert waited for it.
 		b := &pgx.Batch{}
-		b.Queue("SELECT set_config('lock_timeout', $1, true)", wait)
+		b.Queue(c.sqlSetWait)
 		_, _ = queries.ReserveInsert(ctx, queuer{b}, insert)
 		b.Queue(sqlIndexLookup)
 		_, _ = queries.ReserveLock(ctx, queuer{b}, lock)
@@ -295,7 +296,7 @@ func (c *Client) Complete(ctx context.Context, tx pgx.Tx, r Reservation, resp Re
 	})
 	switch {
 	case err != nil:
-		err = fmt.Errorf("idem: complete: %w", err)
+		err = txUnusable(fmt.Errorf("idem: complete: %w", unsupportedIf(err)))
 	case n != 1:
 		err = ErrFenced
 	}
@@ -391,7 +392,7 @@ func (c *Client) Heartbeat(ctx context.Context, db Beginner, r Reservation, exte
 	case errors.Is(err, pgx.ErrNoRows):
 		err = ErrFenced
 	case err != nil:
-		err = fmt.Errorf("idem: heartbeat: %w", err)
+		err = fmt.Errorf("idem: heartbeat: %w", unsupportedIf(err))
 	}
 	c.countEnd(ctx, "heartbeat", r.Scope, err, "")
 	if err != nil {
@@ -414,7 +415,7 @@ func (c *Client) fence(ctx context.Context, db Beginner, call string, scope Scop
 	})
 	switch {
 	case err != nil:
-		err = fmt.Errorf("idem: %s: %w", call, err)
+		err = fmt.Errorf("idem: %s: %w", call, unsupportedIf(err))
 	case n != 1:
 		err = ErrFenced
 	}

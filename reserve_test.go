@@ -224,11 +224,6 @@ func TestStateTable(t *testing.T) {
 		return owner
 	}
 
-	// attempt is the token an operator names: the record's, or (for a
-	// record Do wrote, or none) one that no attempt holds.
-	attempt := func(t *testing.T, key string) int64 {
-		return max(readRow(t, pool, payScope, key).Token, 1)
-	}
 	// event applies an event; replayed and ran say what Reserve or Do did.
 	event := func(t *testing.T, name, key string, owner idem.Reservation) (replayed, ran bool, err error) {
 		t.Helper()
@@ -277,10 +272,14 @@ func TestStateTable(t *testing.T) {
 		case "ExpireLeases":
 			_, err := c.ExpireLeases(ctx, pool, 10)
 			return false, false, err
-		case "Resolve(succeeded)":
-			return false, false, c.Resolve(ctx, pool, payScope, key, idem.Resolution{Token: attempt(t, key), Succeeded: &resolved, Reason: "charge found"})
-		case "Resolve(retryable)":
-			return false, false, c.Resolve(ctx, pool, payScope, key, idem.Resolution{Token: attempt(t, key), Retryable: true, Reason: "no charge"})
+		case "Resolve(succeeded)", "Resolve(retryable)":
+			// The operator names the token the record holds (none for a
+			// key without a record or one Do wrote: any token).
+			res := idem.Resolution{Token: max(readRow(t, pool, payScope, key).Token, 1), Retryable: true, Reason: "no charge"}
+			if name == "Resolve(succeeded)" {
+				res = idem.Resolution{Token: res.Token, Succeeded: &resolved, Reason: "charge found"}
+			}
+			return false, false, c.Resolve(ctx, pool, payScope, key, res)
 		case "Do", "Do(other fp)":
 			fp := fpA
 			if name != "Do" {

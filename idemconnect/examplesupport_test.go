@@ -1,21 +1,12 @@
 package idemconnect_test
 
 import (
-	"github.com/jackc/pgx/v5/pgxpool"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protodesc"
 	"google.golang.org/protobuf/reflect/protoreflect"
 	"google.golang.org/protobuf/reflect/protoregistry"
 	"google.golang.org/protobuf/types/descriptorpb"
-
-	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/pgtest"
 )
-
-// examplePool stands in for the application's own pool in the examples: a
-// pool on a fresh database that idem.Migrate has prepared, and a function
-// that closes the pool and drops the database.
-func examplePool() (*pgxpool.Pool, func()) { return pgtest.ExamplePool(idem.Migrate, 0) }
 
 // placeOrderSchema stands in for what protoc-gen-go and
 // protoc-gen-connect-go generate from

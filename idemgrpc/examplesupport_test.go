@@ -3,22 +3,13 @@ package idemgrpc_test
 import (
 	"context"
 
-	"github.com/jackc/pgx/v5/pgxpool"
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protodesc"
 	"google.golang.org/protobuf/reflect/protoregistry"
 	"google.golang.org/protobuf/types/descriptorpb"
 	"google.golang.org/protobuf/types/known/wrapperspb"
-
-	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/pgtest"
 )
-
-// examplePool stands in for the application's own pool in the examples: a
-// pool on a fresh database that idem.Migrate has prepared, and a function
-// that closes the pool and drops the database.
-func examplePool() (*pgxpool.Pool, func()) { return pgtest.ExamplePool(idem.Migrate, 0) }
 
 // What follows stands in for the code protoc-gen-go and protoc-gen-go-grpc
 // generate from

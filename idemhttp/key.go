@@ -2,6 +2,7 @@ package idemhttp
 
 import (
 	"errors"
+	"net/http"
 
 	"github.com/pgidem/idem/internal/keyhdr"
 )
@@ -12,8 +13,8 @@ const HeaderKey = "Idempotency-Key"
 // HeaderReplayed is the response header set to "true" on a replayed response.
 const HeaderReplayed = "Idempotent-Replayed"
 
-// Errors of the Idempotency-Key header. The middleware answers them with a
-// 400 problem; they are exported for code that parses the header itself.
+// Errors of the Idempotency-Key header, returned by ParseKey. The
+// middleware answers them with a 400 problem.
 var (
 	// ErrMissingKey means a covered request has no Idempotency-Key header
 	// and Options.KeyOptional is false.
@@ -26,6 +27,20 @@ var (
 	// valid structured-field string (RFC 8941).
 	ErrMalformedKey = errors.New("idemhttp: malformed Idempotency-Key header")
 )
+
+// ParseKey returns the idempotency key of a request's Idempotency-Key
+// header, read as the middleware reads it: for a handler that calls idem
+// itself (idem.DoInTx, idem.Reserve) rather than through Middleware. The
+// error wraps ErrMissingKey when there is no such header, ErrMultipleKeys
+// for more than one (or a bare value holding a comma), and ErrMalformedKey
+// for a value it cannot read; answer them with 400.
+//
+// Both forms are accepted: a structured-field string (RFC 8941), as the
+// IETF draft specifies, "8e03978e-40d5", with any parameters ignored; and a
+// bare key, as real clients send, 8e03978e-40d5. ParseKey only extracts the
+// key: check its length and alphabet with idem.ValidateKey (or the
+// Client's), as Do does.
+func ParseKey(h http.Header) (string, error) { return parseKey(h.Values(HeaderKey)) }
 
 // parseKey returns the idempotency key held by the values of the
 // Idempotency-Key header (one entry per header line). It returns

@@ -344,20 +344,31 @@ func newMiddleware(db any, opts Options) (*middleware, error) {
 			return nil, fmt.Errorf("idemhttp: Options.Methods: method %q is not upper case; clients send %q", method, strings.ToUpper(method))
 		}
 	}
-	stored := opts.StoredHeaders
-	if len(stored) == 0 {
-		stored = defaultStoredHeaders
+	stored, err := storedHeaderNames(opts.StoredHeaders)
+	if err != nil {
+		return nil, fmt.Errorf("idemhttp: Options.StoredHeaders: %w", err)
 	}
-	for _, name := range stored {
+	m.stored = stored
+	return m, nil
+}
+
+// storedHeaderNames returns the canonical names of the headers stored and
+// replayed: names, or defaultStoredHeaders when it is empty.
+func storedHeaderNames(names []string) ([]string, error) {
+	if len(names) == 0 {
+		names = defaultStoredHeaders
+	}
+	var stored []string
+	for _, name := range names {
 		if name == "" || !isToken(name) {
-			return nil, fmt.Errorf("idemhttp: Options.StoredHeaders: invalid header name %q", name)
+			return nil, fmt.Errorf("invalid header name %q", name)
 		}
 		name = http.CanonicalHeaderKey(name)
-		if name != HeaderReplayed && !slices.Contains(m.stored, name) {
-			m.stored = append(m.stored, name)
+		if name != HeaderReplayed && !slices.Contains(stored, name) {
+			stored = append(stored, name)
 		}
 	}
-	return m, nil
+	return stored, nil
 }
 
 func isToken(s string) bool {
@@ -407,7 +418,7 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 
-	key, err := parseKey(r.Header.Values(HeaderKey))
+	key, err := ParseKey(r.Header)
 	switch {
 	case errors.Is(err, ErrMissingKey) && m.keyOptional:
 		key, err = "", nil
@@ -536,7 +547,7 @@ func (m *middleware) serveKeyed(ctx context.Context, w http.ResponseWriter, r *h
 	case errors.Is(err, errPanicked):
 		// guard answered already.
 	case err == nil && res.Replayed:
-		writeReplay(w, res.Response)
+		writeReplay(w, res.Response, m.stored)
 	case errors.Is(err, errNotStored) && timedOut(ctx, buf):
 		m.fail(ctx, w, r, key, context.Cause(ctx))
 	case err == nil, errors.Is(err, errNotStored):
@@ -697,15 +708,22 @@ func writeBuffered(w http.ResponseWriter, buf *bufferWriter) {
 	writeBody(w, status, buf.body.Bytes())
 }
 
-// writeReplay writes a stored response: its stored headers and
-// Idempotent-Replayed: true.
-func writeReplay(w http.ResponseWriter, resp idem.Response) {
-	h := w.Header()
-	for name, v := range resp.Header {
-		h[http.CanonicalHeaderKey(name)] = v
-	}
-	h.Set(HeaderReplayed, "true")
+// writeReplay writes a stored response: its headers named in stored (a
+// record written by other means, Resolve or idem.DoInTx, may hold others)
+// and Idempotent-Replayed: true.
+func writeReplay(w http.ResponseWriter, resp idem.Response, stored []string) {
+	replayHeaders(w.Header(), resp.Header, stored)
+	w.Header().Set(HeaderReplayed, "true")
 	writeBody(w, resp.Status, resp.Body)
+}
+
+// replayHeaders copies the headers of from named in stored into h.
+func replayHeaders(h http.Header, from map[string][]string, stored []string) {
+	for name, v := range from {
+		if name = http.CanonicalHeaderKey(name); slices.Contains(stored, name) {
+			h[name] = v
+		}
+	}
 }
 
 func writeBody(w http.ResponseWriter, status int, body []byte) {

@@ -35,10 +35,17 @@ const (
 	StatusParamKey       = "key"
 )
 
-// StatusProcessing is the "status" member of the JSON document of a 202
-// Accepted answer, {"status":"processing"}: the request with the key is
-// still running; ask again after Retry-After.
-const StatusProcessing = "processing"
+// AcceptedStatusProcessing is the "status" member of the JSON document of
+// a 202 Accepted answer, {"status":"processing"}: the request with the key
+// is still running; ask again after Retry-After. It is a string in a
+// response body, not an idem.Status.
+const AcceptedStatusProcessing = "processing"
+
+// StatusProcessing is AcceptedStatusProcessing.
+//
+// Deprecated: use AcceptedStatusProcessing. This name is easily taken for
+// idem.StatusProcessing, the Status of a record.
+const StatusProcessing = AcceptedStatusProcessing
 
 // statusLocation returns the status URL of (operation, key) under base, an
 // Options.StatusURL that parseStatusURL accepted.
@@ -66,7 +73,7 @@ func parseStatusURL(s string) error {
 func writeAccepted(w http.ResponseWriter, location string, retryAfter time.Duration) {
 	body, _ := json.Marshal(struct {
 		Status string `json:"status"`
-	}{StatusProcessing})
+	}{AcceptedStatusProcessing})
 	h := w.Header()
 	h.Set("Content-Type", "application/json")
 	h.Set("Content-Length", strconv.Itoa(len(body)))
@@ -121,6 +128,12 @@ type StatusOptions struct {
 	// Logger receives a record for every 5xx the handler writes, with a
 	// hash of the key, never the key. Default: slog.Default().
 	Logger *slog.Logger
+
+	// StoredHeaders are the stored headers a replay carries: give it the
+	// middleware's Options.StoredHeaders (same default: Content-Type,
+	// Content-Encoding, Location). Headers a record holds beyond these (one
+	// written by idem.Resolve or idem.DoInTx directly) are not sent.
+	StoredHeaders []string
 }
 
 // StatusHandler returns the handler of the status URL that Middleware
@@ -145,8 +158,9 @@ type StatusOptions struct {
 //     request with the key still runs: its transaction has not committed
 //     yet, or its reservation (idem.Reserve) holds a live lease;
 //   - the stored response once the request finished (succeeded, or
-//     refused with a stored 4xx): its status, stored headers and body
-//     exactly as Middleware replays it, with Idempotent-Replayed: true;
+//     refused with a stored 4xx): its status, the stored headers named in
+//     StatusOptions.StoredHeaders and body exactly as Middleware replays
+//     it, with Idempotent-Replayed: true;
 //   - 409 when the outcome is unknown (CodeOutcomeUnknown): a reservation
 //     marked unknown, or whose lease ran out, until it is reconciled;
 //   - 404 (CodeKeyNotFound) when the caller has no such request: never
@@ -198,6 +212,7 @@ type statusHandler struct {
 	challenge string
 	log       *slog.Logger
 	hash      *loghash.Hasher // of keys in log records
+	stored    []string        // canonical names of the headers a replay carries
 }
 
 // newStatusHandler configures the handler on db: an idem.Beginner or a
@@ -222,12 +237,16 @@ func newStatusHandler(db any, opts StatusOptions) (*statusHandler, error) {
 	if err != nil {
 		return nil, fmt.Errorf("idemhttp: StatusOptions.Config: %w", err)
 	}
+	stored, err := storedHeaderNames(opts.StoredHeaders)
+	if err != nil {
+		return nil, fmt.Errorf("idemhttp: StatusOptions.StoredHeaders: %w", err)
+	}
 	st, err := newStore(db, probe)
 	if err != nil {
 		return nil, fmt.Errorf("idemhttp: StatusOptions.Config: %w", err)
 	}
 	h := &statusHandler{store: st, probe: probe, actor: opts.Actor, challenge: opts.Challenge, log: opts.Logger,
-		hash: loghash.New(opts.Config.LogHashKey)}
+		hash: loghash.New(opts.Config.LogHashKey), stored: stored}
 	if h.challenge == "" {
 		h.challenge = "Bearer"
 	}
@@ -348,9 +367,7 @@ func (h *statusHandler) answer(w http.ResponseWriter, r *http.Request, key strin
 		}
 		// As Middleware replays it, but never cached, whatever was stored.
 		hdr := w.Header()
-		for name, v := range resp.Header {
-			hdr[http.CanonicalHeaderKey(name)] = v
-		}
+		replayHeaders(hdr, resp.Header, h.stored)
 		hdr.Set("Cache-Control", "no-store")
 		hdr.Set(HeaderReplayed, "true")
 		writeBody(w, resp.Status, resp.Body)

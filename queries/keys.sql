@@ -64,6 +64,41 @@ WHERE (k.expires_at <= excluded.created_at AND k.status IN ('succeeded', 'reject
    OR (k.status = 'failed_retryable' AND k.fingerprint = excluded.fingerprint)
 RETURNING (set_config('lock_timeout', current_setting('idem.lock_timeout'), true) IS NOT NULL)::boolean AS claimed;
 
+-- KeyClaim for Citus. On Citus the wait happens on the worker that holds
+-- the key's shard, and set_config never reaches it (nor is idem.lock_timeout
+-- known there): the call bounds the wait with SET LOCAL lock_timeout
+-- statements around this one instead, which Citus propagates to the
+-- workers (citus.propagate_set_commands = 'local'; see claim.go).
+-- name: KeyClaimCitus :one
+INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at)
+VALUES (@actor, @operation, @idem_key, @fingerprint, 'processing', now(), now(),
+        now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond'))
+ON CONFLICT (actor, operation, idem_key) DO NOTHING
+RETURNING true AS claimed;
+
+-- KeyTakeOver for Citus (see KeyClaimCitus). Citus accepts the DO UPDATE
+-- because it reads the clock only from the proposed row.
+-- name: KeyTakeOverCitus :one
+INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at)
+VALUES (@actor, @operation, @idem_key, @fingerprint, 'processing', now(), now(),
+        now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond'))
+ON CONFLICT (actor, operation, idem_key) DO UPDATE
+SET fingerprint      = excluded.fingerprint,
+    status           = 'processing',
+    response_status  = NULL,
+    response_headers = NULL,
+    response_body    = NULL,
+    created_at       = excluded.created_at,
+    completed_at     = excluded.completed_at,
+    expires_at       = excluded.expires_at,
+    token            = 0,
+    lease_expires_at = NULL,
+    last_error       = NULL,
+    resolve_reason   = NULL
+WHERE (k.expires_at <= excluded.created_at AND k.status IN ('succeeded', 'rejected', 'failed_retryable'))
+   OR (k.status = 'failed_retryable' AND k.fingerprint = excluded.fingerprint)
+RETURNING true AS claimed;
+
 -- Stores the final outcome of a key this transaction claimed. It changes
 -- status and the response columns only, none of them indexed or read by an
 -- index predicate, so the update is HOT. Should the claimed row be gone (fn

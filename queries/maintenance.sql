@@ -16,6 +16,27 @@ USING (SELECT actor, operation, idem_key
        FOR UPDATE SKIP LOCKED) AS old
 WHERE k.actor = old.actor AND k.operation = old.operation AND k.idem_key = old.idem_key;
 
+-- KeyPrune for Citus, which refuses FOR UPDATE in a query over a
+-- distributed table. Without SKIP LOCKED the conditions are checked again
+-- on the row the DELETE locks: a row taken over (or pruned) by a
+-- transaction that committed while this one waited for its lock is no
+-- longer expired and finished (or gone), and stays. Concurrent pruners wait
+-- for each other's batches instead of taking the next one: on PostgreSQL
+-- that made two or four pruners no faster than one (issue 20), so
+-- PostgreSQL keeps KeyPrune. Prune picks the statement per database
+-- (citus.go).
+-- name: KeyPruneCitus :execrows
+DELETE FROM idem_keys AS k
+USING (SELECT actor, operation, idem_key
+       FROM idem_keys
+       WHERE expires_at <= now()
+         AND status IN ('succeeded', 'rejected', 'failed_retryable')
+       ORDER BY expires_at
+       LIMIT sqlc.arg(batch_size)::integer) AS old
+WHERE k.actor = old.actor AND k.operation = old.operation AND k.idem_key = old.idem_key
+  AND k.expires_at <= now()
+  AND k.status IN ('succeeded', 'rejected', 'failed_retryable');
+
 -- Counts the rows KeyPrune would delete now.
 -- name: KeyCountPrunable :one
 SELECT count(*) FROM idem_keys

@@ -29,7 +29,11 @@ FOR UPDATE;
 
 -- Hands the row ReserveLock read (identified by its token) to a new owner: a
 -- new request after the TTL, or a new attempt after a retryable failure.
+-- The new token is drawn in a CTE, not in SET: Citus refuses a volatile
+-- function in an UPDATE of a distributed table, and runs the CTE on the
+-- coordinator, whose sequence it is.
 -- name: ReserveAcquire :one
+WITH next AS (SELECT nextval('idem_keys_token_seq') AS token)
 UPDATE idem_keys
 SET fingerprint      = @fingerprint,
     status           = 'processing',
@@ -39,13 +43,13 @@ SET fingerprint      = @fingerprint,
     created_at       = now(),
     completed_at     = NULL,
     expires_at       = now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond'),
-    token            = nextval('idem_keys_token_seq'),
+    token            = (SELECT next.token FROM next),
     lease_expires_at = now() + (sqlc.arg(lease_micros)::bigint * interval '1 microsecond'),
     last_error       = NULL,
     resolve_reason   = NULL
 WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
-  AND token = @token
-RETURNING token, lease_expires_at;
+  AND idem_keys.token = @token
+RETURNING idem_keys.token, lease_expires_at;
 
 -- Stores the outcome of a reservation, in the caller's transaction. Like
 -- every statement that finishes a record (FailRetryable, Resolve), it keeps
@@ -108,6 +112,25 @@ FROM (SELECT actor, operation, idem_key
 WHERE k.actor = expired.actor AND k.operation = expired.operation AND k.idem_key = expired.idem_key
   AND k.status = 'processing';
 
+-- ReserveExpireLeases for Citus, which refuses FOR UPDATE in a query over a
+-- distributed table (see KeyPruneCitus). Without SKIP LOCKED the
+-- conditions are checked again on the row the UPDATE locks: a lease
+-- extended, or a record completed, by a transaction that committed while
+-- this one waited for its lock stays as it is. Concurrent workers wait for
+-- each other's batches.
+-- name: ReserveExpireLeasesCitus :execrows
+UPDATE idem_keys AS k
+SET status     = 'unknown',
+    last_error = sqlc.arg(reason)::text
+FROM (SELECT actor, operation, idem_key
+      FROM idem_keys
+      WHERE status = 'processing' AND lease_expires_at IS NOT NULL AND completed_at IS NULL
+        AND lease_expires_at <= now()
+      ORDER BY lease_expires_at
+      LIMIT @max_rows) AS expired
+WHERE k.actor = expired.actor AND k.operation = expired.operation AND k.idem_key = expired.idem_key
+  AND k.status = 'processing' AND k.lease_expires_at <= now();
+
 -- Pages through 'unknown' records, oldest first, after the given position
 -- ('-infinity' and empty names for the first page). It walks
 -- idem_keys_open_created_idx: its WHERE repeats the index predicate (open
@@ -126,8 +149,10 @@ LIMIT @max_rows;
 -- operator named): 'succeeded' with the response found at the provider, or
 -- 'failed_retryable'. The token advances, so the reservation that held the
 -- key is fenced. last_error keeps why the record failed or became unknown;
--- the operator's reason goes beside it.
+-- the operator's reason goes beside it. (The new token is drawn in a CTE:
+-- see ReserveAcquire.)
 -- name: ReserveResolve :execrows
+WITH next AS (SELECT nextval('idem_keys_token_seq') AS token)
 UPDATE idem_keys
 SET status           = @status,
     response_status  = sqlc.narg(response_status),
@@ -135,7 +160,7 @@ SET status           = @status,
     response_body    = sqlc.narg(response_body),
     completed_at     = now(),
     expires_at       = greatest(expires_at, now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond')),
-    token            = nextval('idem_keys_token_seq'),
+    token            = (SELECT next.token FROM next),
     resolve_reason   = sqlc.arg(reason)::text
 WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
-  AND token = @token;
+  AND idem_keys.token = @token;

@@ -37,8 +37,10 @@ func Fingerprint(procedure string, request []byte) idem.Fingerprint {
 // StatusReply is the stored Status of a reply.
 const StatusReply = 200
 
-// TrailerPrefix is put before the name of a stored trailer.
-const TrailerPrefix = "trailer:"
+// TrailerPrefix is put before the name of a stored trailer. The stored
+// name stays an HTTP token (idem refuses other header names), and no header
+// can carry it: '~' is not allowed in gRPC metadata keys.
+const TrailerPrefix = "trailer~"
 
 // HTTPStatus is the stored Status of a refusal with the gRPC status code
 // code: the HTTP status that google.rpc.Code documents for it (400 for

@@ -1,0 +1,229 @@
+package citustest_test
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/idem"
+)
+
+// ReadStats reports the size of idem_keys' shards on the workers, not the
+// coordinator's empty shell.
+func TestReadStatsSizes(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, p := newDB(t)
+	if _, err := p.Exec(ctx, `INSERT INTO idem_keys
+		(actor, operation, idem_key, fingerprint, status, response_status, response_body, expires_at)
+		SELECT 'bulk-' || (i % 50), 'op', 'k' || i, '\x00', 'succeeded', 200, repeat('x', 200)::bytea, now() + interval '1 hour'
+		FROM generate_series(1, 5000) i`); err != nil {
+		t.Fatal(err)
+	}
+	st, err := idem.ReadStats(ctx, p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var shell, table, total int64
+	if err := p.QueryRow(ctx, `SELECT pg_table_size('idem_keys'), citus_table_size('idem_keys'),
+		citus_total_relation_size('idem_keys')`).Scan(&shell, &table, &total); err != nil {
+		t.Fatal(err)
+	}
+	if st.Keys[idem.StatusSucceeded] != 5000 {
+		t.Fatalf("ReadStats counts %+v, want 5000 succeeded", st.Keys)
+	}
+	if st.TableBytes != table || st.IndexBytes != total-table || st.TableBytes <= shell || st.TableBytes < 5000*200 {
+		t.Fatalf("ReadStats sizes: table %d, indexes %d; shards: table %d, with indexes %d; the coordinator's shell %d",
+			st.TableBytes, st.IndexBytes, table, total, shell)
+	}
+}
+
+// A pool on a worker instead of the coordinator: Migrate, Distribute and
+// the reservation calls (whose token sequence lives on the coordinator)
+// are refused with ErrUnsupported, and nothing is written.
+func TestWorkerConnection(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db, p := newDB(t)
+	w := pool(t, db.Workers[0])
+	scope := idem.Scope{Actor: "heidi", Operation: "charge"}
+	isErr(t, "Migrate on a worker", idem.Migrate(ctx, w), idem.ErrUnsupported)
+	isErr(t, "Distribute on a worker", idem.Distribute(ctx, w), idem.ErrUnsupported)
+	_, err := idem.Reserve(ctx, w, scope, "r", fp("x"), time.Minute)
+	isErr(t, "Reserve on a worker", err, idem.ErrUnsupported)
+	if n := count(t, p, `SELECT count(*) FROM idem_keys`); n != 0 {
+		t.Fatalf("%d keys written through the worker", n)
+	}
+	// Resolve draws a new token too.
+	r, err := idem.Reserve(ctx, p, scope, "u", fp("x"), time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := idem.MarkUnknown(ctx, p, r, "lost"); err != nil {
+		t.Fatal(err)
+	}
+	err = idem.Resolve(ctx, w, scope, "u", idem.Resolution{Token: r.Token, Retryable: true, Reason: "checked"})
+	isErr(t, "Resolve on a worker", err, idem.ErrUnsupported)
+	if rec, err := idem.Lookup(ctx, p, scope, "u"); err != nil || rec.Status != idem.StatusUnknown || rec.Token != r.Token {
+		t.Fatalf("after Resolve on a worker: %+v, %v", rec, err)
+	}
+}
+
+// Distribute refuses a session whose SET LOCAL statements do not reach the
+// workers: Config.Wait would bound nothing there.
+func TestDistributeNeedsSetPropagation(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db, _ := newDB(t)
+	cfg, err := pgxpool.ParseConfig(db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.RuntimeParams["citus.propagate_set_commands"] = "none"
+	p, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer p.Close()
+	isErr(t, "Distribute with citus.propagate_set_commands none", idem.Distribute(ctx, p), idem.ErrUnsupported)
+}
+
+// Concurrent pruners and lease sweepers on Citus (no SKIP LOCKED there):
+// every expired finished key goes, every live one stays, each lease that
+// ran out turns unknown once.
+func TestConcurrentMaintenance(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, p := newDB(t)
+	if _, err := p.Exec(ctx, `INSERT INTO idem_keys
+		(actor, operation, idem_key, fingerprint, status, response_status, response_body, expires_at, token, lease_expires_at)
+		SELECT 'm-' || (i % 40), 'op', 'k' || i, '\x00',
+		       CASE WHEN i % 4 = 0 THEN 'processing' ELSE 'succeeded' END,
+		       200, '\x', now() + CASE WHEN i % 4 = 1 THEN interval '1 hour' ELSE - interval '1 second' * i END,
+		       i, CASE WHEN i % 4 = 0 THEN now() - interval '1 second' END
+		FROM generate_series(1, 4000) i`); err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	var pruned, expired [3]int64
+	for i := range 3 {
+		wg.Go(func() {
+			n, err := idem.Prune(ctx, p, idem.PruneOptions{BatchSize: 200})
+			if err != nil {
+				t.Errorf("Prune: %v", err)
+			}
+			pruned[i] = n
+		})
+		wg.Go(func() {
+			for {
+				n, err := idem.ExpireLeases(ctx, p, 100)
+				if err != nil {
+					t.Errorf("ExpireLeases: %v", err)
+					return
+				}
+				expired[i] += n
+				if n == 0 {
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	// Pruners that stopped early leave the rest to a last one.
+	rest, err := idem.Prune(ctx, p, idem.PruneOptions{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	sweep, err := idem.ExpireLeases(ctx, p, 1000)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := pruned[0] + pruned[1] + pruned[2] + rest; got != 2000 {
+		t.Fatalf("pruned %v + %d, want 2000 in all", pruned, rest)
+	}
+	if got := expired[0] + expired[1] + expired[2] + sweep; got != 1000 {
+		t.Fatalf("expired %v + %d, want 1000 in all", expired, sweep)
+	}
+	if n := count(t, p, `SELECT count(*) FROM idem_keys WHERE status = 'succeeded'`); n != 1000 {
+		t.Fatalf("%d live keys left, want 1000", n)
+	}
+	if n := count(t, p, `SELECT count(*) FROM idem_keys WHERE status = 'unknown'`); n != 1000 {
+		t.Fatalf("%d unknown, want 1000", n)
+	}
+}
+
+// Two actors in one transaction (a request that also writes for another
+// tenant): Citus commits it on both workers with two-phase commit, and
+// both keys replay.
+func TestTwoActorsOneTransaction(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, p := newDB(t)
+	a, b := actorsOnTwoWorkers(t, p)
+	res, err := idem.DoInTx(ctx, p, idem.Scope{Actor: a, Operation: "transfer"}, "x1", fp("x"),
+		func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+			if _, err := order(a, "x1", "out")(ctx, tx); err != nil {
+				return idem.Response{}, err
+			}
+			inner, err := idem.Do(ctx, tx, idem.Scope{Actor: b, Operation: "receive"}, "x1", fp("x"), order(b, "x1", "in"))
+			if err != nil {
+				return idem.Response{}, err
+			}
+			return idem.Response{Status: 201, Body: inner.Body}, nil
+		})
+	if err != nil || res.Replayed {
+		t.Fatalf("two actors: %+v, %v", res, err)
+	}
+	if ordersOf(t, p, a, "x1") != 1 || ordersOf(t, p, b, "x1") != 1 {
+		t.Fatal("the orders of the two actors did not both commit")
+	}
+	for _, s := range []idem.Scope{{Actor: a, Operation: "transfer"}, {Actor: b, Operation: "receive"}} {
+		if rec, err := idem.Lookup(ctx, p, s, "x1"); err != nil || rec.Status != idem.StatusSucceeded {
+			t.Fatalf("%v: %+v, %v", s, rec, err)
+		}
+	}
+}
+
+// What a request costs on Citus when it touches one actor's worker, and
+// when it touches two actors on two workers in one transaction (two-phase
+// commit). The figures are in the README ("Scaling out with Citus"):
+//
+//	go test -run '^$' -bench Citus -benchtime 3s ./internal/citustest
+func BenchmarkCitus(b *testing.B) {
+	ctx := context.Background()
+	_, p := newDB(b)
+	a, c := actorsOnTwoWorkers(b, p)
+	b.Run("one actor", func(b *testing.B) {
+		i := 0
+		for b.Loop() {
+			i++
+			key := fmt.Sprintf("one-%d", i)
+			if _, err := idem.DoInTx(ctx, p, idem.Scope{Actor: a, Operation: "order"}, key, fp("x"), order(a, key, "x")); err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+	b.Run("two actors on two workers", func(b *testing.B) {
+		i := 0
+		for b.Loop() {
+			i++
+			key := fmt.Sprintf("two-%d", i)
+			_, err := idem.DoInTx(ctx, p, idem.Scope{Actor: a, Operation: "transfer"}, key, fp("x"),
+				func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+					if _, err := order(a, key, "out")(ctx, tx); err != nil {
+						return idem.Response{}, err
+					}
+					inner, err := idem.Do(ctx, tx, idem.Scope{Actor: c, Operation: "receive"}, key, fp("x"), order(c, key, "in"))
+					return inner.Response, err
+				})
+			if err != nil {
+				b.Fatal(err)
+			}
+		}
+	})
+}
