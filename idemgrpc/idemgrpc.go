@@ -406,22 +406,20 @@ func (c *call) Reply() (map[string][]string, []byte, error) {
 func (in *interceptor) replay(ctx context.Context, resp idem.Response, replyType protoreflect.MessageType) (any, error) {
 	header := metadata.Pairs(MetadataReplayed, "true")
 	trailer := metadata.MD{}
-	headers, trailers := rpcidem.SplitStored(resp.Header)
-	for _, part := range []struct {
-		stored map[string][]string
-		md     metadata.MD
-	}{{headers, header}, {trailers, trailer}} {
-		for name, values := range part.stored {
-			for _, v := range values {
-				if rpcidem.IsBinary(name) {
-					raw, err := rpcidem.DecodeBinary(v)
-					if err != nil {
-						return nil, status.Errorf(codes.Internal, "idemgrpc: stored metadata %s: %v", name, err)
-					}
-					v = raw
+	for name, values := range resp.Header {
+		md := header
+		if n, ok := strings.CutPrefix(name, rpcidem.TrailerPrefix); ok {
+			name, md = n, trailer
+		}
+		for _, v := range values {
+			if rpcidem.IsBinary(name) {
+				raw, err := rpcidem.DecodeBinary(v)
+				if err != nil {
+					return nil, status.Errorf(codes.Internal, "idemgrpc: stored metadata %s: %v", name, err)
 				}
-				part.md.Append(name, v)
+				v = raw
 			}
+			md.Append(name, v)
 		}
 	}
 	_ = grpc.SetHeader(ctx, header) // fails only outside a server, or after headers went out

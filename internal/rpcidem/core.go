@@ -281,17 +281,3 @@ func (c *Core) logFailure(ctx context.Context, msg, procedure, key string, err e
 func errorText(err error) string {
 	return strings.ReplaceAll(err.Error(), "idem: ", "")
 }
-
-// SplitStored returns the headers and the trailers of a stored outcome's
-// Header, under their own names.
-func SplitStored(stored map[string][]string) (header, trailer map[string][]string) {
-	header, trailer = map[string][]string{}, map[string][]string{}
-	for name, values := range stored {
-		if n, ok := strings.CutPrefix(name, TrailerPrefix); ok {
-			trailer[n] = values
-		} else {
-			header[name] = values
-		}
-	}
-	return header, trailer
-}
