@@ -20,14 +20,14 @@ import (
 // The gRPC status codes (Connect's codes are the same numbers) that the
 // decisions here name.
 const (
-	CodeCanceled         uint32 = 1
-	CodeInvalidArgument  uint32 = 3
-	CodeDeadlineExceeded uint32 = 4
-	CodeFailedPrecond    uint32 = 9
-	CodeAborted          uint32 = 10
-	CodeInternal         uint32 = 13
-	CodeUnavailable      uint32 = 14
-	CodeUnauthenticated  uint32 = 16
+	CodeCanceled           uint32 = 1
+	CodeInvalidArgument    uint32 = 3
+	CodeDeadlineExceeded   uint32 = 4
+	CodeFailedPrecondition uint32 = 9
+	CodeAborted            uint32 = 10
+	CodeInternal           uint32 = 13
+	CodeUnavailable        uint32 = 14
+	CodeUnauthenticated    uint32 = 16
 )
 
 // Failure is an error that the interceptor answers itself, before its
@@ -243,14 +243,14 @@ func (c *Core) storeError(ctx context.Context, procedure, key string, err error)
 	var inProgress *idem.InProgressError
 	switch {
 	case errors.Is(err, idem.ErrKeyReused):
-		return &Failure{Code: CodeFailedPrecond, Reason: ReasonKeyReused,
+		return &Failure{Code: CodeFailedPrecondition, Reason: ReasonKeyReused,
 			Message: "this idempotency key was used for a different request"}
 	case errors.As(err, &inProgress):
 		return &Failure{Code: CodeAborted, Reason: ReasonInProgress,
 			Message: "a call with this idempotency key is in progress; retry later with the same key",
 			Retry:   true, RetryDelay: inProgress.RetryAfter}
 	case errors.Is(err, idem.ErrOutcomeUnknown):
-		return &Failure{Code: CodeFailedPrecond, Reason: ReasonOutcomeUnknown,
+		return &Failure{Code: CodeFailedPrecondition, Reason: ReasonOutcomeUnknown,
 			Message: "the outcome of the call with this idempotency key is unknown; it will not run again until it is reconciled"}
 	case errors.Is(err, idem.ErrInvalidKey):
 		return invalid(ReasonKeyInvalid, "invalid idempotency key: "+errorText(err))

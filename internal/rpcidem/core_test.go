@@ -29,7 +29,7 @@ func (noDB) Begin(context.Context) (pgx.Tx, error) { return nil, errors.New("no 
 func testOptions() Options {
 	return Options{Name: "idemtest", ProcedureAttr: "method", KeySource: "idempotency-key metadata",
 		KeyMissing: "this method requires an idempotency key", ScopeSet: true, KeyField: "request_id",
-		RefusalCodes: []uint32{CodeFailedPrecond}}
+		RefusalCodes: []uint32{CodeFailedPrecondition}}
 }
 
 func newCore(t *testing.T, db idem.Beginner, opts Options) *Core {
@@ -149,9 +149,9 @@ func TestStoreErrorMapping(t *testing.T) {
 		retry  bool
 		logged string
 	}{
-		{"reused", context.Background(), idem.ErrKeyReused, CodeFailedPrecond, ReasonKeyReused, false, ""},
+		{"reused", context.Background(), idem.ErrKeyReused, CodeFailedPrecondition, ReasonKeyReused, false, ""},
 		{"in progress", context.Background(), &idem.InProgressError{RetryAfter: 3 * time.Second}, CodeAborted, ReasonInProgress, true, ""},
-		{"outcome unknown", context.Background(), idem.ErrOutcomeUnknown, CodeFailedPrecond, ReasonOutcomeUnknown, false, ""},
+		{"outcome unknown", context.Background(), idem.ErrOutcomeUnknown, CodeFailedPrecondition, ReasonOutcomeUnknown, false, ""},
 		{"invalid key", context.Background(), fmt.Errorf("%w: too long", idem.ErrInvalidKey), CodeInvalidArgument, ReasonKeyInvalid, false, ""},
 		{"canceled", canceled, errors.New("query failed"), CodeCanceled, "", false, ""},
 		{"deadline", expired, errors.New("query failed"), CodeDeadlineExceeded, "", false, ""},
@@ -243,10 +243,10 @@ func TestDo(t *testing.T) {
 		t.Errorf("reply: %d runs, %d rows; want 1, 1", reply.runs, notes("reply"))
 	}
 
-	refusal := &fakeCall{note: "refusal", err: errors.New("no funds"), code: CodeFailedPrecond}
+	refusal := &fakeCall{note: "refusal", err: errors.New("no funds"), code: CodeFailedPrecondition}
 	for i, want := range []bool{false, true} {
 		stored, replayed, f := c.Do(ctx, "/p.S/M", scope, "k-refusal", fp, refusal)
-		if f != nil || replayed != want || replayed && (stored.Status != HTTPStatus(CodeFailedPrecond) ||
+		if f != nil || replayed != want || replayed && (stored.Status != HTTPStatus(CodeFailedPrecondition) ||
 			string(stored.Body) != "status: no funds") {
 			t.Fatalf("refusal, call %d: %+v, %v, %+v", i, stored, replayed, f)
 		}
