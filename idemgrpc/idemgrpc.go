@@ -446,8 +446,8 @@ func (in *interceptor) stored(r *recorder) map[string][]string {
 	add := func(prefix string, names []string, md metadata.MD) {
 		for _, name := range names {
 			values := md.Get(name)
-			if len(values) == 0 {
-				continue
+			if len(values) == 0 || out[prefix+name] != nil {
+				continue // absent, or listed twice
 			}
 			if out == nil {
 				out = map[string][]string{}

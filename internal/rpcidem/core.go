@@ -153,7 +153,7 @@ func (c *Core) Key(values []string, field string) (string, *Failure) {
 		return "", nil
 	}
 	if err := c.client.ValidateKey(key); err != nil {
-		return "", invalid(ReasonKeyInvalid, "invalid idempotency key: "+errorText(err))
+		return "", invalid(ReasonKeyInvalid, errorText(err)) // "invalid idempotency key: why"
 	}
 	return key, nil
 }
@@ -253,7 +253,7 @@ func (c *Core) storeError(ctx context.Context, procedure, key string, err error)
 		return &Failure{Code: CodeFailedPrecondition, Reason: ReasonOutcomeUnknown,
 			Message: "the outcome of the call with this idempotency key is unknown; it will not run again until it is reconciled"}
 	case errors.Is(err, idem.ErrInvalidKey):
-		return invalid(ReasonKeyInvalid, "invalid idempotency key: "+errorText(err))
+		return invalid(ReasonKeyInvalid, errorText(err)) // "invalid idempotency key: why"
 	case ctx.Err() != nil:
 		code := CodeCanceled
 		if errors.Is(ctx.Err(), context.DeadlineExceeded) {
