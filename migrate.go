@@ -165,8 +165,11 @@ func withSQLProvider(db *sql.DB, fn func(*goose.Provider) error) error {
 	locker, err := lock.NewPostgresTableLocker(
 		lock.WithTableName(MigrationLockTable),
 		lock.WithTableLockID(MigrationLockID),
-		// Poll often (runs are short) for at most five minutes.
+		// Poll often (runs are short) for at most five minutes, while
+		// another run holds the lock; a store failure ends the wait at
+		// once (idem.Unavailable is true for it).
 		lock.WithTableLockTimeout(200*time.Millisecond, 1500),
+		lock.WithTableRetryPolicy(func(err error) bool { return !isUnavailable(err) }),
 	)
 	if err != nil {
 		return err
