@@ -490,7 +490,7 @@ func TestLostCommitAcknowledgement(t *testing.T) {
 // The stored form, which idemconnect shares (a key used through one
 // replays through the other): a reply is status 200 and the reply's
 // deterministic bytes, the chosen headers under their names and trailers
-// under "trailer!", binary values base64.
+// under "trailer~", binary values base64.
 func TestStoredForm(t *testing.T) {
 	t.Parallel()
 	ctx := t.Context()
@@ -516,7 +516,7 @@ func TestStoredForm(t *testing.T) {
 	}
 	want, _ := proto.MarshalOptions{Deterministic: true}.Marshal(reply(1, "f"))
 	if rec.Response.Status != 200 || !bytes.Equal(rec.Response.Body, want) ||
-		!reflect.DeepEqual(rec.Response.Header, map[string][]string{"x-order": {"42"}, "trailer!x-trace-bin": {"AP8K"}}) {
+		!reflect.DeepEqual(rec.Response.Header, map[string][]string{"x-order": {"42"}, "trailer~x-trace-bin": {"AP8K"}}) {
 		t.Errorf("stored reply: %d %x %v", rec.Response.Status, rec.Response.Body, rec.Response.Header)
 	}
 	if a := call(ctx, conn, "alice", "form-2", request("f", 500)); status.Code(a.err) != codes.OutOfRange {

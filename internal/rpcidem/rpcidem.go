@@ -38,11 +38,9 @@ func Fingerprint(procedure string, request []byte) idem.Fingerprint {
 const StatusReply = 200
 
 // TrailerPrefix is put before the name of a stored trailer. The stored
-// name stays an HTTP token, as idem requires of every stored header name
-// ('!' is one of the token's characters), and does not meet a header's
-// name: gRPC metadata keys hold no '!' (an HTTP header of Connect could,
-// but none is named so).
-const TrailerPrefix = "trailer!"
+// name stays an HTTP token (idem refuses other header names), and no header
+// can carry it: '~' is not allowed in gRPC metadata keys.
+const TrailerPrefix = "trailer~"
 
 // HTTPStatus is the stored Status of a refusal with the gRPC status code
 // code: the HTTP status that google.rpc.Code documents for it (400 for
