@@ -381,6 +381,9 @@ func migrate(ctx context.Context, e *env, args []string, force bool) error {
 	default:
 		return usagef("want up, down or status, got %q", args[0])
 	}
+	if force && args[0] != "down" {
+		return usagef("--force goes with down only")
+	}
 	pool, err := e.pool(ctx)
 	if err != nil {
 		return err
@@ -391,9 +394,6 @@ func migrate(ctx context.Context, e *env, args []string, force bool) error {
 		if err := idem.Migrate(ctx, pool); err != nil {
 			return err
 		}
-	}
-	if force && args[0] != "down" {
-		return usagef("--force goes with down only")
 	}
 	if args[0] == "down" {
 		// The library's path, which refuses to delete outcomes unless forced.

@@ -474,3 +474,26 @@ func TestCLIOperatorCoherence(t *testing.T) {
 		t.Fatalf("migrate status --force: exit %d", code)
 	}
 }
+
+// --force goes with down only: "migrate up --force" (or status) is a usage
+// error before anything touches the database.
+func TestCLIMigrateForceOnlyWithDown(t *testing.T) {
+	ctx := t.Context()
+	url := pgtest.URL(t, nil) // empty: up would create idem's table
+	for _, args := range [][]string{{"migrate", "up", "--force"}, {"migrate", "--force", "status"}} {
+		out, errOut, code := runCLI(t, url, args...)
+		if code != exitUsage || out != "" || !strings.HasPrefix(errOut, "idem migrate: --force goes with down only\n") {
+			t.Errorf("%q: exit %d\nstdout:\n%s\nstderr:\n%s", args, code, out, errOut)
+		}
+	}
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	rows, _ := conn.Query(ctx, `SELECT tablename FROM pg_tables WHERE tablename LIKE 'idem%'`)
+	tables, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil || len(tables) != 0 {
+		t.Fatalf("after refused migrate --force: tables %q (%v), want none", tables, err)
+	}
+}
