@@ -20,6 +20,8 @@ import (
 // the local server.
 var serverURL = "postgres://postgres@localhost:5432/postgres?sslmode=disable"
 
+// TestMain stops the package at once, with one line and exit status 1, when
+// no server answers: no test could run.
 func TestMain(m *testing.M) {
 	if u := os.Getenv("DATABASE_URL"); u != "" {
 		serverURL = u
@@ -30,7 +32,9 @@ func TestMain(m *testing.M) {
 		_ = db.Close()
 	}
 	if err != nil {
-		fmt.Fprintf(os.Stderr, "examples: no PostgreSQL server at DATABASE_URL or localhost:5432 (%v)\n", err)
+		// One line: the driver's message spans several.
+		reason := strings.Join(strings.Fields(err.Error()), " ")
+		fmt.Fprintf(os.Stderr, "examples: no PostgreSQL server at DATABASE_URL or localhost:5432; stopping (%s)\n", reason)
 		os.Exit(1)
 	}
 	os.Exit(m.Run())
