@@ -51,9 +51,9 @@ const DistributionColumn = "actor"
 // citus.propagate_set_commands is not 'local' (SET LOCAL statements must
 // reach the workers: that is how Config.Wait bounds a wait there), or an
 // idem_keys distributed otherwise (by another column, or as a reference
-// table) gives an error wrapping ErrUnsupported, and nothing changes. Migrate keeps
-// working on the distributed table: Citus propagates idem's later
-// migrations (columns, indexes) to every shard.
+// table) gives an error wrapping ErrUnsupported, and nothing changes.
+// Migrate keeps working on the distributed table: Citus applies idem's
+// later migrations (columns, indexes built concurrently) to every shard.
 func Distribute(ctx context.Context, pool *pgxpool.Pool) error {
 	if pool == nil {
 		return fmt.Errorf("%w: nil pool", ErrInvalidArgument)

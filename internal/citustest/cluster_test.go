@@ -9,8 +9,11 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/jackc/pgx/v5/stdlib"
+	"github.com/pressly/goose/v3"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/citustest"
 )
 
 // ReadStats reports the size of idem_keys' shards on the workers, not the
@@ -226,4 +229,58 @@ func BenchmarkCitus(b *testing.B) {
 			}
 		}
 	})
+}
+
+// idem_keys distributed at an earlier version: Migrate brings it up to date
+// on the coordinator, Citus applies the later migrations (indexes built
+// concurrently, a new column) to every shard, and every call works.
+func TestMigrateAfterDistribute(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := citustest.Empty(t)
+	p := pool(t, db.URL)
+	sqlDB := stdlib.OpenDBFromPool(p)
+	defer sqlDB.Close()
+	provider, err := goose.NewProvider(goose.DialectPostgres, sqlDB, idem.Migrations(),
+		goose.WithTableName(idem.MigrationTable), goose.WithDisableGlobalRegistry(true))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := provider.UpTo(ctx, 2); err != nil {
+		t.Fatal(err)
+	}
+	if err := idem.Distribute(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	if err := idem.Migrate(ctx, p); err != nil {
+		t.Fatalf("Migrate on the distributed table: %v", err)
+	}
+	if err := orders(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	// The newest index is on every shard.
+	var shards, indexed int64
+	if err := p.QueryRow(ctx, `SELECT count(*) FROM citus_shards WHERE table_name = 'idem_keys'::regclass`).Scan(&shards); err != nil {
+		t.Fatal(err)
+	}
+	indexed = count(t, p, `SELECT count(*) FROM run_command_on_shards('idem_keys',
+		$$SELECT count(*) FROM pg_indexes WHERE tablename = '%s' AND indexname LIKE 'idem_keys_open_lease_idx%%'$$)
+		WHERE success AND result = '1'`)
+	if shards == 0 || indexed != shards {
+		t.Fatalf("%d shards, %d of them with the newest index", shards, indexed)
+	}
+	scope := idem.Scope{Actor: "judy", Operation: "order"}
+	if _, err := idem.DoInTx(ctx, p, scope, "m1", fp("x"), order("judy", "m1", "x")); err != nil {
+		t.Fatal(err)
+	}
+	r, err := idem.Reserve(ctx, p, scope, "m2", fp("x"), time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := idem.MarkUnknown(ctx, p, r, "lost"); err != nil {
+		t.Fatal(err)
+	}
+	if err := idem.Resolve(ctx, p, scope, "m2", idem.Resolution{Token: r.Token, Retryable: true, Reason: "checked"}); err != nil {
+		t.Fatal(err)
+	}
 }
