@@ -39,6 +39,13 @@ type queuedRow struct{}
 
 func (queuedRow) Scan(...any) error { return errQueued }
 
+// reset empties b for the next round trip of a call, keeping the room of
+// its queue (the queued statements of a sent batch are no longer read once
+// its results are closed).
+func reset(b *pgx.Batch) {
+	*b = pgx.Batch{QueuedQueries: b.QueuedQueries[:0]}
+}
+
 // batchRead is a db.DBTX that reads the next result of a batch already sent
 // instead of running a statement, so that the generated method of a
 // statement queued with queuer scans its own result.

@@ -13,8 +13,8 @@ import (
 	"github.com/pgidem/idem/internal/db"
 )
 
-// The statements of the protocol that Do (idem.go) and DoInTx (tx.go) send,
-// and what the row that holds a key means for a call.
+// The statements of the protocol that Do and DoInTx send (their one loop,
+// call, is in idem.go), and what the row that holds a key means for a call.
 //
 // Every statement is a generated sqlc method. The ones Do and DoInTx send
 // together in one round trip are queued in a pgx.Batch by calling the
@@ -24,7 +24,15 @@ import (
 // None of them depends on the planner's statistics for its access path:
 //   - The claim, the take-over and the completion are INSERT ... ON CONFLICT:
 //     the key is found through the primary key (the arbiter index), whatever
-//     the statistics say.
+//     the statistics say. The completion of a key Do claimed changes no
+//     indexed column and no column an index predicate reads, so it is a HOT
+//     update (migration 00003).
+//
+// Their ON CONFLICT DO UPDATE clauses call no function: the clock is read
+// from the proposed row (excluded), which a distributed planner (Citus)
+// accepts too. The claim's bounded wait is a subquery of its INSERT, which
+// such a planner refuses: a variant for it replaces KeyClaim and
+// KeyTakeOver in queueClaim alone.
 //   - KeyGet runs only after "SET LOCAL enable_seqscan = off", undone with
 //     the savepoint (Do) or the transaction (DoInTx) it runs in, so every
 //     plan of it, and the generic plan pgx's statement cache keeps for the
@@ -81,25 +89,25 @@ func newRowKey(scope Scope, key string) rowKey {
 // statements reach: lock_timeout is set to Config.Wait before the claim and
 // back to its default after it (the caller's own SET LOCAL of lock_timeout,
 // if any, is not known there and not restored).
-func (c *Client) queueClaim(b *pgx.Batch, k rowKey, fp Fingerprint, takeOver, citus bool) {
+func (c *Client) queueClaim(b *pgx.Batch, k rowKey, fp []byte, takeOver, citus bool) {
 	ctx, q := context.Background(), queuer{b}
 	switch {
 	case citus && takeOver:
 		b.Queue(c.sqlSetWait)
 		_, _ = queries.KeyTakeOverCitus(ctx, q, db.KeyTakeOverCitusParams{Actor: k.actor, Operation: k.operation,
-			IdemKey: k.key, Fingerprint: fp[:], TtlMicros: c.ttlMicros})
+			IdemKey: k.key, Fingerprint: fp, TtlMicros: c.ttlMicros})
 		b.Queue(sqlWaitDefault)
 	case citus:
 		b.Queue(c.sqlSetWait)
 		_, _ = queries.KeyClaimCitus(ctx, q, db.KeyClaimCitusParams{Actor: k.actor, Operation: k.operation,
-			IdemKey: k.key, Fingerprint: fp[:], TtlMicros: c.ttlMicros})
+			IdemKey: k.key, Fingerprint: fp, TtlMicros: c.ttlMicros})
 		b.Queue(sqlWaitDefault)
 	case takeOver:
 		_, _ = queries.KeyTakeOver(ctx, q, db.KeyTakeOverParams{Actor: k.actor, Operation: k.operation,
-			IdemKey: k.key, Fingerprint: fp[:], TtlMicros: c.ttlMicros, LockTimeout: c.lockTimeout})
+			IdemKey: k.key, Fingerprint: fp, TtlMicros: c.ttlMicros, LockTimeout: c.lockTimeout})
 	default:
 		_, _ = queries.KeyClaim(ctx, q, db.KeyClaimParams{Actor: k.actor, Operation: k.operation,
-			IdemKey: k.key, Fingerprint: fp[:], TtlMicros: c.ttlMicros, LockTimeout: c.lockTimeout})
+			IdemKey: k.key, Fingerprint: fp, TtlMicros: c.ttlMicros, LockTimeout: c.lockTimeout})
 	}
 }
 
@@ -200,13 +208,13 @@ func (c *Client) judge(row keyRow, found bool, fp Fingerprint, k rowKey) (Result
 
 // queueComplete queues the statement that stores the outcome of a claimed
 // key.
-func (c *Client) queueComplete(b *pgx.Batch, k rowKey, fp Fingerprint, out outcome) {
+func (c *Client) queueComplete(b *pgx.Batch, k rowKey, fp []byte, out outcome) {
 	body := out.resp.Body
 	if body == nil {
 		body = []byte{}
 	}
 	_, _ = queries.KeyComplete(context.Background(), queuer{b}, db.KeyCompleteParams{
-		Actor: k.actor, Operation: k.operation, IdemKey: k.key, Fingerprint: fp[:],
+		Actor: k.actor, Operation: k.operation, IdemKey: k.key, Fingerprint: fp,
 		Status: string(out.status), TtlMicros: c.ttlMicros, ResponseStatus: int32(out.resp.Status),
 		ResponseHeaders: out.headers, ResponseBody: body,
 	})

@@ -11,6 +11,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/puddle/v2"
 )
@@ -39,8 +40,9 @@ var (
 	ErrInvalidScope = errors.New("idem: invalid scope")
 
 	// ErrInvalidResponse means fn returned a Response that cannot be stored
-	// and replayed exactly (a status outside 0 and 100..999, a header that
-	// is not valid text).
+	// and replayed exactly (a status outside 0 and 100..999, a header name
+	// that is not an RFC 9110 token, a header value that is not valid text
+	// or holds CR, LF or NUL).
 	// fn's writes and the claim were undone; nothing was stored.
 	ErrInvalidResponse = errors.New("idem: invalid response")
 
@@ -64,8 +66,9 @@ var (
 	ErrUnavailable = errors.New("idem: store unavailable")
 
 	// ErrInvalidArgument means a required argument (transaction, function,
-	// database handle) is nil, or a value such as a lease or a limit is out
-	// of range. Nothing was touched.
+	// database handle) is nil, or a value such as a lease, a limit or a
+	// ListUnknown cursor is out of range, or the caller's transaction given
+	// to Do or Complete is closed or aborted. Nothing was touched.
 	ErrInvalidArgument = errors.New("idem: invalid argument")
 
 	// ErrOutcomeUnknown means the key belongs to a reservation whose work
@@ -115,6 +118,21 @@ func preparedStatementsLost(err error) error {
 		ErrPreparedStatements, err)
 }
 
+// txUnusable returns err wrapped with ErrInvalidArgument when it says that
+// the caller's transaction could not run the call: it was closed
+// (committed or rolled back) or is aborted (a statement failed in it).
+func txUnusable(err error) error {
+	switch {
+	case err == nil || errors.Is(err, ErrInvalidArgument):
+		return err
+	case errors.Is(err, pgx.ErrTxClosed):
+		return fmt.Errorf("%w: the transaction is closed (committed or rolled back): %w", ErrInvalidArgument, err)
+	case pgCode(err) == pgerrcode.InFailedSQLTransaction:
+		return fmt.Errorf("%w: the transaction is aborted (a statement failed in it; roll it back): %w", ErrInvalidArgument, err)
+	}
+	return err
+}
+
 // InProgressError is returned when the key is held by a transaction that did
 // not finish within the wait. errors.Is(err, ErrInProgress) reports true.
 type InProgressError struct {
@@ -162,11 +180,17 @@ func RejectedResponse(err error) (Response, bool) {
 // nothing is stored and the key is free again once the caller rolls back.
 func Reject(resp Response) error { return &rejection{resp: resp} }
 
-// pgCode returns the SQLSTATE of err if it is (or wraps) a PostgreSQL error.
+// pgCode returns the SQLSTATE of err if it is (or wraps) a PostgreSQL error:
+// pgx's *pgconn.PgError, or another driver's error with an SQLState method
+// (lib/pq's *pq.Error), so that package idemsql classifies alike.
 func pgCode(err error) string {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
 		return pgErr.Code
+	}
+	var stateErr interface{ SQLState() string }
+	if errors.As(err, &stateErr) {
+		return stateErr.SQLState()
 	}
 	return ""
 }
@@ -175,15 +199,17 @@ func pgCode(err error) string {
 // request, through no fault of the request itself: err wraps
 // ErrUnavailable; or the server could not be reached, or dropped the
 // connection (also when pgx reports the broken connection later as "conn
-// closed", to any call or to the caller's own Exec or Commit), or the pool is
-// closed, or a deadline ran out on the way; or the server answered with
-// SQLSTATE class 08 (connection exception), 53 (insufficient resources), 57
-// (operator intervention: a shutdown, a cancelled or timed-out statement) or
-// 58 (system error). This holds for the error of every public call of idem
-// and of Migrate. Fail closed (HTTP 503) and let the client retry with the
-// same key: the retry replays if the first attempt committed, and runs
-// otherwise (Lookup shows what committed). This is the one classification
-// idem and idemhttp use.
+// closed", to any call or to the caller's own Exec or Commit; database/sql
+// reports it as driver.ErrBadConn or sql.ErrConnDone), or the pool is
+// closed, or a deadline ran out on the way; or the server answered
+// (through pgx, or another driver such as lib/pq under package idemsql)
+// with SQLSTATE class 08 (connection exception), 53 (insufficient
+// resources), 57 (operator intervention: a shutdown, a cancelled or
+// timed-out statement) or 58 (system error). This holds for the error of
+// every public call of idem and of Migrate. Fail closed (HTTP 503) and let
+// the client retry with the same key: the retry replays if the first
+// attempt committed, and runs otherwise (Lookup shows what committed). This
+// is the one classification idem and idemhttp use.
 func Unavailable(err error) bool {
 	return err != nil && (errors.Is(err, ErrUnavailable) || isUnavailable(err))
 }
@@ -193,6 +219,9 @@ func isUnavailable(err error) bool {
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) {
 		return serverUnavailable(pgErr)
+	}
+	if code := pgCode(err); code != "" { // another driver's server error
+		return serverUnavailable(&pgconn.PgError{Code: code})
 	}
 	var connectErr *pgconn.ConnectError
 	var netErr net.Error

@@ -6,16 +6,18 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"sync"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
 )
 
 // The Goose Kuzi draw: one request debits points, takes stock from a box,
-// picks prizes at random and writes a batch, inventory rows and a ledger
-// debit (executeDraw, the application's domain code). The draw endpoint
+// picks prizes at random and writes a batch and a ledger debit (executeDraw
+// below, the application's domain code). The draw endpoint
 // runs it under idem.DoInTx, and this example puts it through the failure
 // scenarios of the design, printing what the database holds after each one.
 func Example_draw() {
@@ -26,10 +28,13 @@ func Example_draw() {
 		}
 	}
 
-	// The application's pool on its database: alice holds 1000 points;
-	// box 1 costs 100 points a draw and holds 50 draws.
-	pool, closeDB := drawPool()
+	// The application's pool on its database (examplePool, in
+	// example_test.go), and its tables: alice holds 1000 points; box 1 costs
+	// 100 points a draw and holds 50 draws.
+	pool, closeDB := examplePool()
 	defer closeDB()
+	_, err := pool.Exec(ctx, drawSchema)
+	check(err)
 
 	// drawOnce is the draw endpoint: parse the body, fingerprint it, and
 	// draw once per key. An invalid body claims nothing.
@@ -171,4 +176,127 @@ func Example_draw() {
 	//    first: 402 replayed=false; retry: 402 replayed=true; same bytes: true
 	//    points=600 stock=46 batches=3 debits=3
 	// points 600 + debited 400 = 1000; stock 46 + taken 4 = 50; invariants hold: true
+}
+
+// The draw application: its tables, alice's wallet and box 1.
+const drawSchema = `
+	CREATE TABLE wallets (user_id text PRIMARY KEY, points bigint NOT NULL CHECK (points >= 0));
+	CREATE TABLE boxes (id bigint PRIMARY KEY, price bigint NOT NULL, stock int NOT NULL CHECK (stock >= 0));
+	CREATE TABLE draw_batches (
+		id bigint GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+		user_id text NOT NULL REFERENCES wallets, box_id bigint NOT NULL REFERENCES boxes,
+		quantity int NOT NULL, prizes text[] NOT NULL);
+	CREATE TABLE point_ledger (
+		batch_id bigint PRIMARY KEY REFERENCES draw_batches, -- one debit per batch
+		user_id text NOT NULL REFERENCES wallets, amount bigint NOT NULL);
+	INSERT INTO wallets VALUES ('alice', 1000);
+	INSERT INTO boxes VALUES (1, 100, 50)`
+
+// startPoints and startStock are alice's points and box 1's draws in
+// drawSchema.
+const (
+	startPoints = 1000
+	startStock  = 50
+)
+
+// drawRequest is the body of a draw request: {"box_id":1,"quantity":2}.
+type drawRequest struct {
+	BoxID    int64 `json:"box_id"`
+	Quantity int   `json:"quantity"`
+}
+
+// parseDrawRequest decodes and validates a draw request body.
+func parseDrawRequest(body []byte) (drawRequest, error) {
+	var req drawRequest
+	dec := json.NewDecoder(bytes.NewReader(body))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&req); err != nil {
+		return drawRequest{}, fmt.Errorf("invalid draw request: %w", err)
+	}
+	if req.BoxID <= 0 || req.Quantity < 1 || req.Quantity > 10 {
+		return drawRequest{}, errors.New("invalid draw request: box_id must be positive, quantity 1 to 10")
+	}
+	return req, nil
+}
+
+// prizes are what a draw may win, the common ones more often.
+var prizes = []string{"Golden Goose", "Silver Goose", "Goose Plush", "Goose Plush", "Goose Sticker", "Goose Sticker"}
+
+// executeDraw performs one draw for user in tx: 201 with the batch on
+// success, or a refusal made with idem.Reject (402 insufficient points or
+// unknown box, 409 out of stock), which undoes the debit and is stored.
+func executeDraw(ctx context.Context, tx pgx.Tx, user string, req drawRequest) (idem.Response, error) {
+	var cost, pointsLeft int64
+	err := tx.QueryRow(ctx, `
+		UPDATE wallets AS w SET points = w.points - b.price * $3
+		FROM boxes AS b
+		WHERE w.user_id = $1 AND b.id = $2 AND w.points >= b.price * $3
+		RETURNING b.price * $3, w.points`, user, req.BoxID, req.Quantity).Scan(&cost, &pointsLeft)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return idem.Response{}, idem.Reject(idem.Response{Status: 402, Body: []byte(`{"error":"insufficient points"}`)})
+	}
+	if err != nil {
+		return idem.Response{}, err
+	}
+	tag, err := tx.Exec(ctx, `UPDATE boxes SET stock = stock - $2 WHERE id = $1 AND stock >= $2`, req.BoxID, req.Quantity)
+	if err != nil {
+		return idem.Response{}, err
+	}
+	if tag.RowsAffected() == 0 {
+		return idem.Response{}, idem.Reject(idem.Response{Status: 409, Body: []byte(`{"error":"out of stock"}`)})
+	}
+	won := make([]string, req.Quantity)
+	for i := range won {
+		won[i] = prizes[rand.IntN(len(prizes))] // a replay returns these, never draws again
+	}
+	var batchID int64
+	err = tx.QueryRow(ctx, `
+		WITH batch AS (
+			INSERT INTO draw_batches (user_id, box_id, quantity, prizes) VALUES ($1, $2, $3, $4) RETURNING id
+		), debit AS (
+			INSERT INTO point_ledger (batch_id, user_id, amount) SELECT id, $1, $5 FROM batch
+		)
+		SELECT id FROM batch`, user, req.BoxID, req.Quantity, won, cost).Scan(&batchID)
+	if err != nil {
+		return idem.Response{}, err
+	}
+	body, err := json.Marshal(map[string]any{"batch_id": batchID, "prizes": won, "points_left": pointsLeft})
+	if err != nil {
+		return idem.Response{}, err
+	}
+	return idem.Response{Status: 201, Header: map[string][]string{"Content-Type": {"application/json"}}, Body: body}, nil
+}
+
+// drawState is what the database holds for one user and box 1.
+type drawState struct {
+	Points, Debited int64 // points left; points debited by the ledger
+	Stock, Taken    int   // draws left in box 1; draws taken by the batches
+	Batches, Debits int   // the user's batches and ledger debits
+}
+
+// Check reports whether nothing was charged or taken twice: points and
+// stock add up to what they started from, and every batch has one debit.
+func (s drawState) Check(startPoints int64, startStock int) error {
+	if s.Points+s.Debited != startPoints || s.Stock+s.Taken != startStock || s.Debits != s.Batches {
+		return fmt.Errorf("invariants broken: %+v", s)
+	}
+	return nil
+}
+
+// readDrawState reads user's points, batches and ledger debits and box 1's
+// stock in one statement.
+func readDrawState(ctx context.Context, pool *pgxpool.Pool, user string) drawState {
+	var s drawState
+	err := pool.QueryRow(ctx, `SELECT
+		(SELECT points FROM wallets WHERE user_id = $1),
+		(SELECT coalesce(sum(amount), 0)::bigint FROM point_ledger WHERE user_id = $1),
+		(SELECT stock FROM boxes WHERE id = 1),
+		(SELECT coalesce(sum(quantity), 0)::int FROM draw_batches WHERE box_id = 1),
+		(SELECT count(*) FROM draw_batches WHERE user_id = $1),
+		(SELECT count(*) FROM point_ledger WHERE user_id = $1)`, user).
+		Scan(&s.Points, &s.Debited, &s.Stock, &s.Taken, &s.Batches, &s.Debits)
+	if err != nil {
+		panic(err)
+	}
+	return s
 }

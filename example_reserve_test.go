@@ -16,7 +16,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/pgtest"
 )
 
 // payment is a payment request (seed 003): the body a client sends with
@@ -98,13 +97,9 @@ func Example_reserve() {
 			panic(err)
 		}
 	}
-	url, drop, err := pgtest.NewDatabase(ctx, idem.Migrate)
-	check(err)
-	defer drop()
-	pool, err := pgxpool.New(ctx, url)
-	check(err)
-	defer pool.Close()
-	_, err = pool.Exec(ctx, `CREATE TABLE payments (idem_key text PRIMARY KEY, charge_id text NOT NULL, amount_cents bigint NOT NULL)`)
+	pool, closeDB := examplePool() // the application's *pgxpool.Pool (example_test.go)
+	defer closeDB()
+	_, err := pool.Exec(ctx, `CREATE TABLE payments (idem_key text PRIMARY KEY, charge_id text NOT NULL, amount_cents bigint NOT NULL)`)
 	check(err)
 
 	// The gateway: one charge per idempotency key. For the key "slow-1"

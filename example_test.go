@@ -4,9 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
+	"os"
 	"strconv"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
 )
@@ -203,4 +206,45 @@ func ExampleReject() {
 	// wd-1: 402 {"error":"insufficient funds"} replayed=true
 	// wd-2: 200 {"balance":70} replayed=false
 	// balance: 70
+}
+
+// examplePool connects the way a service does: to DATABASE_URL (here with
+// a default for a local PostgreSQL), through a pgxpool, with idem.Migrate at
+// start-up. In a service that is all:
+//
+//	pool, err := pgxpool.New(ctx, os.Getenv("DATABASE_URL"))
+//	...
+//	err = idem.Migrate(ctx, pool)
+//
+// Only so that the examples never see each other's rows or those of an
+// earlier run, each one gets a schema of its own, first on the pool's
+// search_path: idem's table and the example's tables live there, and the
+// function returned drops it and closes the pool.
+func examplePool() (*pgxpool.Pool, func()) {
+	ctx := context.Background()
+	url := os.Getenv("DATABASE_URL")
+	if url == "" {
+		url = "postgres://postgres@localhost:5432/postgres"
+	}
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		panic(err)
+	}
+	cfg.MaxConns = 10
+	schema := fmt.Sprintf("example_%x", rand.Uint64())
+	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err == nil {
+		_, err = pool.Exec(ctx, "CREATE SCHEMA "+schema)
+		if err == nil {
+			err = idem.Migrate(ctx, pool)
+		}
+	}
+	if err != nil {
+		panic(err)
+	}
+	return pool, func() {
+		_, _ = pool.Exec(ctx, "DROP SCHEMA "+schema+" CASCADE")
+		pool.Close()
+	}
 }

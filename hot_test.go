@@ -120,7 +120,7 @@ func TestMigrationHOTUpgradesAPopulatedTable(t *testing.T) {
 		return s
 	}
 	before := tableState(t, pool)
-	if err := idem.Migrate(ctx, pool); err != nil {
+	if _, err := provider.UpTo(ctx, 3); err != nil {
 		t.Fatal(err)
 	}
 	if after := tableState(t, pool); after != before {
@@ -129,6 +129,9 @@ func TestMigrationHOTUpgradesAPopulatedTable(t *testing.T) {
 	const v3 = "idem_keys_expires_at_idx:true,idem_keys_open_created_idx:true,idem_keys_open_lease_idx:true,idem_keys_pkey:true"
 	if got := indexes(); got != v3 {
 		t.Fatalf("indexes after the upgrade: %s", got)
+	}
+	if err := idem.Migrate(ctx, pool); err != nil { // the later versions, for the calls below
+		t.Fatal(err)
 	}
 	unknown, err := idem.ListUnknown(ctx, pool, 1000, nil)
 	if err != nil || len(unknown) != 20 {
@@ -141,6 +144,9 @@ func TestMigrationHOTUpgradesAPopulatedTable(t *testing.T) {
 		t.Fatalf("ListUnknown after ExpireLeases = %d records, %v", len(unknown), err)
 	}
 
+	if _, err := provider.DownTo(ctx, 3); err != nil {
+		t.Fatal(err)
+	}
 	before = tableState(t, pool)
 	if _, err := provider.DownTo(ctx, 2); err != nil {
 		t.Fatal(err)

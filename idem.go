@@ -100,7 +100,7 @@ func (c *Client) Do(ctx context.Context, tx pgx.Tx, scope Scope, key string, fp 
 	ctx, cl := c.obs.begin(ctx, "do", "idem.Do", scope, key)
 	defer cl.endIfPanicking(ctx)
 	res, err := c.do(ctx, tx, newRowKey(scope, key), fp, fn, &cl)
-	err = preparedStatementsLost(err)
+	err = preparedStatementsLost(txUnusable(err))
 	cl.end(ctx, res, err)
 	return res, err
 }
@@ -131,7 +131,7 @@ func (c *Client) do(ctx context.Context, tx pgx.Tx, k rowKey, fp Fingerprint,
 // claim of its own that runs nothing.
 func (c *Client) call(ctx context.Context, s *span, k rowKey, fp Fingerprint,
 	fn func(ctx context.Context, tx pgx.Tx) (Response, error), cl *call) (Result, error) {
-	var decided *outcome // a refusal, stored once the key is claimed again
+	var decided outcome // a refusal, stored once the key is claimed again (none: status "")
 	takeOver := false
 	// Citus bounds the claim's wait otherwise (see queueClaim); asked once
 	// per Client and database.
@@ -139,10 +139,12 @@ func (c *Client) call(ctx context.Context, s *span, k rowKey, fp Fingerprint,
 	if err != nil {
 		return Result{}, unavailableIf(isUnavailable(err), fmt.Errorf("idem: claim: %w", err))
 	}
+	fpBytes := fp[:]
+	b := &pgx.Batch{QueuedQueries: make([]*pgx.QueuedQuery, 0, 4)} // every round trip's, in turn
 	for range maxClaimAttempts {
 		// Round trip 1: begin, and claim.
-		b := &pgx.Batch{}
-		br := s.begin(ctx, b, func() { c.queueClaim(b, k, fp, takeOver, citus) })
+		reset(b)
+		br := s.begin(ctx, b, func() { c.queueClaim(b, k, fpBytes, takeOver, citus) })
 		_, err := br.Exec()
 		if err != nil { // not begun: nothing to undo
 			return Result{}, s.notBegun(ctx, c.claimError(closeBatch(br, err), k))
@@ -154,26 +156,25 @@ func (c *Client) call(ctx context.Context, s *span, k rowKey, fp Fingerprint,
 
 		if claimed {
 			out := decided
-			if out == nil {
-				o, err := c.runFn(ctx, s, fn, cl)
+			if out.status == "" {
+				out, err = c.runFn(ctx, s, fn, cl)
 				if err != nil {
 					return Result{}, s.failFn(ctx, err)
 				}
-				if o.status == StatusRejected {
+				if out.status == StatusRejected {
 					// Undo fn's writes (and the claim), then store the
 					// refusal in a claim of its own.
 					if err := s.undo(ctx); err != nil {
 						return Result{}, err
 					}
-					decided = &o
+					decided = out
 					continue
 				}
-				out = &o
 			}
 			cl.rejected = out.status == StatusRejected
 			// Round trip 2: store the outcome, and end.
-			b := &pgx.Batch{}
-			c.queueComplete(b, k, fp, *out)
+			reset(b)
+			c.queueComplete(b, k, fpBytes, out)
 			s.queueEnd(b)
 			br := s.tx.SendBatch(ctx, b)
 			err := readComplete(br)
@@ -188,7 +189,7 @@ func (c *Client) call(ctx context.Context, s *span, k rowKey, fp Fingerprint,
 
 		// Round trip 2: read the row that holds the key, and end: that
 		// undoes the read's planner setting and the claim's lock_timeout.
-		b = &pgx.Batch{}
+		reset(b)
 		queueRead(b, k)
 		s.queueLeave(b)
 		br = s.tx.SendBatch(ctx, b)

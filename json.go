@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"reflect"
 
 	"github.com/jackc/pgx/v5"
 )
@@ -149,37 +150,53 @@ func checkJSONCall[T any](c *Client, fn func(ctx context.Context, tx pgx.Tx) (T,
 func jsonFn[T any](fn func(ctx context.Context, tx pgx.Tx) (T, error)) func(ctx context.Context, tx pgx.Tx) (Response, error) {
 	return func(ctx context.Context, tx pgx.Tx) (Response, error) {
 		v, err := fn(ctx, tx)
-		if err != nil {
-			if refusal, ok := RejectedResponse(err); ok && refusal.Status == 0 {
-				return Response{}, fmt.Errorf("%w: a rejection under DoJSON needs a status of 100 to 999", ErrInvalidResponse)
-			}
-			return Response{}, err
-		}
-		body, err := json.Marshal(v)
-		if err != nil {
-			return Response{}, fmt.Errorf("%w: %T does not marshal to JSON: %w", ErrInvalidResponse, v, err)
-		}
-		var back T
-		if err := json.Unmarshal(body, &back); err != nil {
-			return Response{}, fmt.Errorf("%w: the JSON of %T does not decode back into it: %w", ErrInvalidResponse, v, err)
-		}
-		return Response{Body: body}, nil
+		return jsonResponse(v, err, new(T))
 	}
+}
+
+// jsonResponse is the Response that stores v, fn's value under DoJSON, or
+// fn's error err; back points to a zero value of v's type, which v's JSON
+// must decode into. (Without type parameters, so that package idemsql
+// shares it through internal/bridge.)
+func jsonResponse(v any, err error, back any) (Response, error) {
+	if err != nil {
+		if refusal, ok := RejectedResponse(err); ok && refusal.Status == 0 {
+			return Response{}, fmt.Errorf("%w: a rejection under DoJSON needs a status of 100 to 999", ErrInvalidResponse)
+		}
+		return Response{}, err
+	}
+	body, err := json.Marshal(v)
+	if err != nil {
+		return Response{}, fmt.Errorf("%w: %T does not marshal to JSON: %w", ErrInvalidResponse, v, err)
+	}
+	if err := json.Unmarshal(body, back); err != nil {
+		return Response{}, fmt.Errorf("%w: the JSON of %T does not decode back into it: %w", ErrInvalidResponse, v, err)
+	}
+	return Response{Body: body}, nil
 }
 
 // decodeResult turns Do's outcome into DoJSON's: the decoded value, or the
 // refusal as a *RejectedError.
 func decodeResult[T any](res Result, err error) (T, bool, error) {
 	var v T
+	replayed, err := decodeInto(res, err, &v)
 	if err != nil {
-		return v, false, err
+		var zero T
+		return zero, replayed, err
+	}
+	return v, replayed, nil
+}
+
+// decodeInto is decodeResult decoding into v, a pointer to a T.
+func decodeInto(res Result, err error, v any) (replayed bool, _ error) {
+	if err != nil {
+		return false, err
 	}
 	if res.Status != 0 {
-		return v, res.Replayed, &RejectedError{Status: res.Status, Body: res.Body}
+		return res.Replayed, &RejectedError{Status: res.Status, Body: res.Body}
 	}
-	if err := json.Unmarshal(res.Body, &v); err != nil {
-		var zero T
-		return zero, false, fmt.Errorf("%w: %T: %w", ErrStoredValue, zero, err)
+	if err := json.Unmarshal(res.Body, v); err != nil {
+		return false, fmt.Errorf("%w: %T: %w", ErrStoredValue, reflect.ValueOf(v).Elem().Interface(), err)
 	}
-	return v, res.Replayed, nil
+	return res.Replayed, nil
 }

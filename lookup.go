@@ -55,9 +55,11 @@ func (c *Client) Lookup(ctx context.Context, db Beginner, scope Scope, key strin
 // failed_retryable), so that the next request with it runs as a new one:
 // for a client stuck on ErrKeyReused with a key it reused by mistake, or a
 // refusal that should not be replayed any more. It refuses a key in flight
-// with ErrInProgress (a reservation's 'processing' record, or a record a
-// transaction holds right now) and a key whose outcome is unknown with
-// ErrOutcomeUnknown (Resolve it instead: forgetting it could run its work
+// with ErrInProgress (a reservation's 'processing' record whose lease is
+// live, or a record a transaction holds right now) and a key whose outcome
+// is unknown with ErrOutcomeUnknown, as Reserve and Do do (an 'unknown'
+// record, or a reservation whose lease ran out before it recorded an
+// outcome: Resolve it instead, since forgetting it could run its work
 // twice). ErrNotFound when no committed record holds the key. Nothing
 // changes on an error.
 func Forget(ctx context.Context, db Beginner, scope Scope, key string) error {
@@ -74,7 +76,7 @@ func (c *Client) Forget(ctx context.Context, db Beginner, scope Scope, key strin
 	}
 	k := store.KeyLockForForgetParams{Actor: scope.Actor, Operation: scope.Operation, IdemKey: key}
 	err := c.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) error {
-		status, err := queries.KeyLockForForget(ctx, planned{tx}, k)
+		row, err := queries.KeyLockForForget(ctx, planned{tx}, k)
 		switch {
 		case errors.Is(err, pgx.ErrNoRows):
 			return ErrNotFound
@@ -83,8 +85,13 @@ func (c *Client) Forget(ctx context.Context, db Beginner, scope Scope, key strin
 		case err != nil:
 			return err
 		}
-		switch Status(status) {
+		switch Status(row.Status) {
 		case StatusProcessing:
+			if row.LeaseRanOut {
+				// As Reserve and Do answer: the owner's lease ran out
+				// before it recorded an outcome.
+				return fmt.Errorf("%w: the reservation's lease ran out", ErrOutcomeUnknown)
+			}
 			return c.inProgress()
 		case StatusUnknown:
 			return ErrOutcomeUnknown

@@ -3,6 +3,8 @@ package idem_test
 import (
 	"context"
 	"errors"
+	"maps"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -71,6 +73,23 @@ func TestForgetRefusesKeysInFlight(t *testing.T) {
 		t.Fatalf("an unknown outcome: %v", err)
 	}
 
+	// A lease that ran out, the record still processing: Forget answers as
+	// Reserve and Do do, and changes nothing.
+	if _, err := idem.Reserve(ctx, pool, scope, "lapsed", fpA, time.Millisecond); err != nil {
+		t.Fatal(err)
+	}
+	waitPast(t, pool, scope, "lapsed", "lease_expires_at")
+	before := readRow(t, pool, scope, "lapsed")
+	if err := idem.Forget(ctx, pool, scope, "lapsed"); !errors.Is(err, idem.ErrOutcomeUnknown) || errors.Is(err, idem.ErrInProgress) {
+		t.Fatalf("Forget of a lapsed lease: %v, want ErrOutcomeUnknown", err)
+	}
+	if after := readRow(t, pool, scope, "lapsed"); after.Status != before.Status || after.Token != before.Token {
+		t.Fatalf("Forget of a lapsed lease changed the row: %+v", after)
+	}
+	if _, err := idem.DoInTx(ctx, pool, scope, "lapsed", fpA, recordEffect(&calls, "lapsed")); !errors.Is(err, idem.ErrOutcomeUnknown) {
+		t.Fatalf("DoInTx on a lapsed lease: %v", err)
+	}
+
 	// A take-over of an expired key that has not committed holds its row.
 	short, _ := idem.New(idem.Config{TTL: time.Millisecond})
 	if _, err := short.DoInTx(ctx, pool, scope, "old", fpA, recordEffect(&calls, "old")); err != nil {
@@ -91,8 +110,8 @@ func TestForgetRefusesKeysInFlight(t *testing.T) {
 	if err := tx.Commit(ctx); err != nil {
 		t.Fatal(err)
 	}
-	if keyRows(t, pool) != 2 {
-		t.Fatalf("%d rows, want both kept", keyRows(t, pool))
+	if keyRows(t, pool) != 3 {
+		t.Fatalf("%d rows, want all kept", keyRows(t, pool))
 	}
 
 	for _, bad := range []func() error{
@@ -137,5 +156,36 @@ func TestReadStats(t *testing.T) {
 	}
 	if _, err := idem.ReadStats(ctx, nil); !errors.Is(err, idem.ErrInvalidArgument) {
 		t.Fatal(err)
+	}
+
+	// A Client reads the same, in its own (here serializable) transaction.
+	c, err := idem.New(idem.Config{IsolationLevel: pgx.Serializable})
+	if err != nil {
+		t.Fatal(err)
+	}
+	cst, err := c.ReadStats(ctx, pool)
+	if err != nil || !maps.Equal(cst.Keys, st.Keys) || !cst.OldestProcessing.Equal(st.OldestProcessing) {
+		t.Fatalf("Client.ReadStats: %+v, %v; want %+v", cst, err, st)
+	}
+	if _, err := c.ReadStats(ctx, nil); !errors.Is(err, idem.ErrInvalidArgument) {
+		t.Fatal(err)
+	}
+}
+
+// A Client checks both halves of a call's target: its key (under its
+// bounds) and its scope (the package's limits).
+func TestClientValidateScope(t *testing.T) {
+	t.Parallel()
+	c, err := idem.New(idem.Config{MinKeyLength: 8})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, bad := range []idem.Scope{{}, {Actor: "a"}, {Operation: "o"}, {Actor: strings.Repeat("a", 256), Operation: "o"}, {Actor: "a\x00", Operation: "o"}} {
+		if err := c.ValidateScope(bad); !errors.Is(err, idem.ErrInvalidScope) || err.Error() != idem.ValidateScope(bad).Error() {
+			t.Errorf("%q: %v", bad, err)
+		}
+	}
+	if err := c.ValidateScope(idem.Scope{Actor: "alice", Operation: "draw"}); err != nil {
+		t.Error(err)
 	}
 }

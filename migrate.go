@@ -154,6 +154,14 @@ func MigrateDown(ctx context.Context, pool *pgxpool.Pool, opts MigrateDownOption
 // withProvider runs fn with a goose provider for idem's migrations on pool,
 // locked with the table lock.
 func withProvider(pool *pgxpool.Pool, fn func(*goose.Provider) error) error {
+	db := stdlib.OpenDBFromPool(pool)
+	defer db.Close()
+	return withSQLProvider(db, fn)
+}
+
+// withSQLProvider is withProvider on a *sql.DB (package idemsql's Migrate
+// runs through it too).
+func withSQLProvider(db *sql.DB, fn func(*goose.Provider) error) error {
 	locker, err := lock.NewPostgresTableLocker(
 		lock.WithTableName(MigrationLockTable),
 		lock.WithTableLockID(MigrationLockID),
@@ -163,8 +171,6 @@ func withProvider(pool *pgxpool.Pool, fn func(*goose.Provider) error) error {
 	if err != nil {
 		return err
 	}
-	db := stdlib.OpenDBFromPool(pool)
-	defer db.Close()
 	return runProvider(db, locker, fn)
 }
 

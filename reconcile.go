@@ -142,8 +142,9 @@ func (c *Client) ExpireLeases(ctx context.Context, db Beginner, limit int) (int6
 
 // ListUnknown returns at most limit 'unknown' records, oldest first (by
 // CreatedAt, then scope and key). Pass nil for the first page and the last
-// record of a page for the next; an empty page is the end. limit <= 0 is
-// ErrInvalidArgument.
+// record of a page for the next; an empty page is the end. limit <= 0, or
+// an after whose names are not valid UTF-8 or hold NUL, or whose CreatedAt
+// is outside PostgreSQL's range, is ErrInvalidArgument.
 func ListUnknown(ctx context.Context, db Beginner, limit int, after *Record) ([]Record, error) {
 	return defaultClient.ListUnknown(ctx, db, limit, after)
 }
@@ -159,6 +160,9 @@ func (c *Client) ListUnknown(ctx context.Context, db Beginner, limit int, after 
 		MaxRows:        int32(min(limit, math.MaxInt32)),
 	}
 	if after != nil {
+		if err := checkCursor(after); err != nil {
+			return nil, err
+		}
 		arg.AfterCreatedAt = pgtype.Timestamptz{Time: after.CreatedAt, Valid: true}
 		arg.AfterActor, arg.AfterOperation, arg.AfterKey = after.Scope.Actor, after.Scope.Operation, after.Key
 	}
@@ -250,7 +254,9 @@ func (c *Client) Resolve(ctx context.Context, db Beginner, scope Scope, key stri
 		if err != nil {
 			return err
 		}
-		if row.IdemKey.Token != res.Token {
+		// (Token 0: a record Do wrote, which has no attempt to name and is
+		// never awaiting reconciliation: ErrNotResolvable below.)
+		if row.IdemKey.Token != res.Token && row.IdemKey.Token != 0 {
 			return fmt.Errorf("%w: token %d was resolved or replaced; the record holds token %d now (status %s)",
 				ErrFenced, res.Token, row.IdemKey.Token, row.IdemKey.Status)
 		}
@@ -278,6 +284,29 @@ func (c *Client) Resolve(ctx context.Context, db Beginner, scope Scope, key stri
 	}
 	c.countEnd(ctx, "resolve", scope, err, "reconcile_resolved")
 	return err
+}
+
+// PostgreSQL's range of timestamptz: 4713 BC to 294276 AD.
+var (
+	minTimestamp = time.Date(-4712, 1, 1, 0, 0, 0, 0, time.UTC)
+	maxTimestamp = time.Date(294277, 1, 1, 0, 0, 0, 0, time.UTC)
+)
+
+// checkCursor validates the Record after which ListUnknown continues: its
+// names must be text PostgreSQL can hold (valid UTF-8 without NUL), its
+// CreatedAt within PostgreSQL's range.
+func checkCursor(after *Record) error {
+	for _, f := range [...]struct{ name, v string }{
+		{"actor", after.Scope.Actor}, {"operation", after.Scope.Operation}, {"key", after.Key},
+	} {
+		if err := checkHeaderText(f.v); err != nil {
+			return fmt.Errorf("%w: cursor %s %v", ErrInvalidArgument, f.name, err)
+		}
+	}
+	if t := after.CreatedAt; t.Before(minTimestamp) || !t.Before(maxTimestamp) {
+		return fmt.Errorf("%w: cursor CreatedAt %s is outside PostgreSQL's range", ErrInvalidArgument, t.UTC().Format(time.RFC3339))
+	}
+	return nil
 }
 
 // checkList validates the arguments of ExpireLeases and ListUnknown.

@@ -296,7 +296,7 @@ func (c *Client) Complete(ctx context.Context, tx pgx.Tx, r Reservation, resp Re
 	})
 	switch {
 	case err != nil:
-		err = fmt.Errorf("idem: complete: %w", unsupportedIf(err))
+		err = txUnusable(fmt.Errorf("idem: complete: %w", unsupportedIf(err)))
 	case n != 1:
 		err = ErrFenced
 	}

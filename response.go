@@ -23,8 +23,8 @@ func (c *Client) encodeResponse(resp Response) (headers pgtype.Text, err error) 
 		if name == "" {
 			return headers, fmt.Errorf("%w: empty header name", ErrInvalidResponse)
 		}
-		if err := checkHeaderField(name); err != nil {
-			return headers, fmt.Errorf("%w: header name %q: %v", ErrInvalidResponse, name, err)
+		if !isToken(name) {
+			return headers, fmt.Errorf("%w: header name %q is not an HTTP token (RFC 9110: letters, digits and !#$%%&'*+-.^_`|~)", ErrInvalidResponse, name)
 		}
 		size += len(name)
 		for _, v := range values {
@@ -47,8 +47,25 @@ func (c *Client) encodeResponse(resp Response) (headers pgtype.Text, err error) 
 	return pgtype.Text{String: sb.String(), Valid: true}, nil
 }
 
-// checkHeaderField reports whether s can be stored as a header name or
-// value and replayed as one: valid UTF-8 without CR, LF or NUL, which would
+// isToken reports whether s is a token of RFC 9110 (section 5.6.2), which a
+// header name must be: one or more letters, digits or !#$%&'*+-.^_`|~.
+func isToken(s string) bool {
+	if s == "" {
+		return false
+	}
+	for i := 0; i < len(s); i++ {
+		switch c := s[i]; {
+		case 'a' <= c && c <= 'z', 'A' <= c && c <= 'Z', '0' <= c && c <= '9':
+		case strings.IndexByte("!#$%&'*+-.^_`|~", c) >= 0:
+		default:
+			return false
+		}
+	}
+	return true
+}
+
+// checkHeaderField reports whether s can be stored as a header value and
+// replayed as one: valid UTF-8 without CR, LF or NUL, which would
 // split or end a header line in any consumer that writes it out.
 func checkHeaderField(s string) error {
 	if err := checkHeaderText(s); err != nil {

@@ -30,11 +30,17 @@ type Stats struct {
 // it takes time in proportion to the table: run it from operators' tools,
 // not on a request path.
 func ReadStats(ctx context.Context, db Beginner) (Stats, error) {
+	return defaultClient.ReadStats(ctx, db)
+}
+
+// ReadStats is the package-level ReadStats, in a transaction of this
+// client (its isolation level and retry budget).
+func (c *Client) ReadStats(ctx context.Context, db Beginner) (Stats, error) {
 	if isNil(db) {
 		return Stats{}, fmt.Errorf("%w: nil database handle", ErrInvalidArgument)
 	}
 	st := Stats{Keys: make(map[Status]int64)}
-	err := defaultClient.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) error {
+	err := c.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) error {
 		rows, err := queries.KeyStats(ctx, planned{tx})
 		if err != nil {
 			return err

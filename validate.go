@@ -49,6 +49,11 @@ func ValidateScope(scope Scope) error {
 	return nil
 }
 
+// ValidateScope is the package-level ValidateScope: a scope's limits do not
+// depend on the client's Config. It is here so that a Client checks both
+// halves of a call's target, as Do does.
+func (c *Client) ValidateScope(scope Scope) error { return ValidateScope(scope) }
+
 // ValidateKey reports whether key is a valid idempotency key under the
 // package defaults: 1 to 255 bytes of visible ASCII (0x21-0x7E), so no
 // spaces, control characters or non-ASCII. The error wraps ErrInvalidKey.

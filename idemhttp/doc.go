@@ -41,5 +41,16 @@
 //	mux.Handle("GET /v1/idempotency", idemhttp.StatusHandler(pool, idemhttp.StatusOptions{Actor: userFromToken}))
 //	mw := idemhttp.Middleware(pool, idemhttp.Options{Actor: userFromToken, StatusURL: "/v1/idempotency"})
 //
-// Run idem.Migrate once before use.
+// Services on database/sql (pgx's stdlib driver, lib/pq, or an ORM over
+// them) use MiddlewareSQL and StatusHandlerSQL on a *sql.DB instead: the
+// same requests, outcomes and answers, kept by package idemsql, with the
+// handler's transaction a *sql.Tx from TxSQL.
+//
+//	mw := idemhttp.MiddlewareSQL(db, idemhttp.Options{Actor: userFromToken})
+//	mux.Handle("POST /v1/orders", mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+//		tx := idemhttp.TxSQL(r.Context()) // *sql.Tx
+//		...
+//	})))
+//
+// Run idem.Migrate (or idemsql.Migrate) once before use.
 package idemhttp

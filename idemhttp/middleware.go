@@ -3,12 +3,12 @@ package idemhttp
 import (
 	"bytes"
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"io"
 	"log/slog"
 	"net/http"
-	"reflect"
 	"runtime/debug"
 	"slices"
 	"strconv"
@@ -18,7 +18,9 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/keyhdr"
 	"github.com/pgidem/idem/internal/loghash"
+	"github.com/pgidem/idem/internal/watchtx"
 )
 
 // Options configures Middleware. Actor is required; every other field's
@@ -226,19 +228,22 @@ func Middleware(db idem.Beginner, opts Options) func(http.Handler) http.Handler 
 	if err != nil {
 		panic(err)
 	}
-	return func(next http.Handler) http.Handler {
-		if next == nil {
-			panic("idemhttp: nil handler")
-		}
-		h := *m
-		h.next = next
-		return &h
+	return m.wrap
+}
+
+// wrap returns the middleware around next.
+func (m *middleware) wrap(next http.Handler) http.Handler {
+	if next == nil {
+		panic("idemhttp: nil handler")
 	}
+	h := *m
+	h.next = next
+	return &h
 }
 
 // middleware is the configured middleware around one handler.
 type middleware struct {
-	db          idem.Beginner
+	store       store
 	client      *idem.Client
 	actor       func(*http.Request) (string, error)
 	operation   func(*http.Request) string
@@ -256,8 +261,10 @@ type middleware struct {
 	next        http.Handler
 }
 
-func newMiddleware(db idem.Beginner, opts Options) (*middleware, error) {
-	if db == nil || reflect.ValueOf(db).Kind() == reflect.Pointer && reflect.ValueOf(db).IsNil() {
+// newMiddleware configures the middleware on db: an idem.Beginner or a
+// *sql.DB (see store).
+func newMiddleware(db any, opts Options) (*middleware, error) {
+	if nilHandle(db) {
 		return nil, errors.New("idemhttp: nil database handle")
 	}
 	if opts.Actor == nil {
@@ -292,8 +299,12 @@ func newMiddleware(db idem.Beginner, opts Options) (*middleware, error) {
 			return nil, fmt.Errorf("idemhttp: Options.Config: %w", err)
 		}
 	}
+	st, err := newStore(db, client)
+	if err != nil {
+		return nil, fmt.Errorf("idemhttp: Options.Config: %w", err)
+	}
 	m := &middleware{
-		db:          db,
+		store:       st,
 		client:      client,
 		actor:       opts.Actor,
 		operation:   opts.Operation,
@@ -333,25 +344,36 @@ func newMiddleware(db idem.Beginner, opts Options) (*middleware, error) {
 			return nil, fmt.Errorf("idemhttp: Options.Methods: method %q is not upper case; clients send %q", method, strings.ToUpper(method))
 		}
 	}
-	stored := opts.StoredHeaders
-	if len(stored) == 0 {
-		stored = defaultStoredHeaders
+	stored, err := storedHeaderNames(opts.StoredHeaders)
+	if err != nil {
+		return nil, fmt.Errorf("idemhttp: Options.StoredHeaders: %w", err)
 	}
-	for _, name := range stored {
+	m.stored = stored
+	return m, nil
+}
+
+// storedHeaderNames returns the canonical names of the headers stored and
+// replayed: names, or defaultStoredHeaders when it is empty.
+func storedHeaderNames(names []string) ([]string, error) {
+	if len(names) == 0 {
+		names = defaultStoredHeaders
+	}
+	var stored []string
+	for _, name := range names {
 		if name == "" || !isToken(name) {
-			return nil, fmt.Errorf("idemhttp: Options.StoredHeaders: invalid header name %q", name)
+			return nil, fmt.Errorf("invalid header name %q", name)
 		}
 		name = http.CanonicalHeaderKey(name)
-		if name != HeaderReplayed && !slices.Contains(m.stored, name) {
-			m.stored = append(m.stored, name)
+		if name != HeaderReplayed && !slices.Contains(stored, name) {
+			stored = append(stored, name)
 		}
 	}
-	return m, nil
+	return stored, nil
 }
 
 func isToken(s string) bool {
 	for i := 0; i < len(s); i++ {
-		if !isTchar(s[i]) {
+		if !keyhdr.IsTchar(s[i]) {
 			return false
 		}
 	}
@@ -396,7 +418,7 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 
-	key, err := parseKey(r.Header.Values(HeaderKey))
+	key, err := ParseKey(r.Header)
 	switch {
 	case errors.Is(err, ErrMissingKey) && m.keyOptional:
 		key, err = "", nil
@@ -469,15 +491,25 @@ func (m *middleware) readBody(w http.ResponseWriter, r *http.Request) (body []by
 // whatever the handler answered, and returning that error makes InTx and
 // DoInTx run the handler again in a new one. A panic of the handler goes on
 // to the caller.
-func (m *middleware) run(ctx context.Context, tx pgx.Tx, r *http.Request, base http.Header, body []byte) (*bufferWriter, error) {
+func (m *middleware) run(ctx context.Context, tx any, r *http.Request, base http.Header, body []byte) (*bufferWriter, error) {
 	buf := newBufferWriter(base, m.maxResponse)
-	wt := &watchedTx{Tx: tx}
-	ctx = context.WithValue(context.WithValue(ctx, txKey{}, pgx.Tx(wt)), runKey{}, buf)
+	var wt *watchtx.Tx
+	switch tx := tx.(type) {
+	case pgx.Tx:
+		wt = watchtx.New(tx)
+		ctx = context.WithValue(ctx, txKey{}, pgx.Tx(wt))
+	case *sql.Tx:
+		ctx = context.WithValue(ctx, sqlTxKey{}, tx)
+	}
+	ctx = context.WithValue(ctx, runKey{}, buf)
 	req := r.WithContext(ctx)
 	req.Body = io.NopCloser(bytes.NewReader(body))
 	req.ContentLength = int64(len(body))
 	m.next.ServeHTTP(buf, req)
-	return buf, wt.retryable
+	if wt == nil {
+		return buf, nil
+	}
+	return buf, wt.Retryable()
 }
 
 // serveKeyed runs the handler under idem for a request with a key.
@@ -488,7 +520,7 @@ func (m *middleware) serveKeyed(ctx context.Context, w http.ResponseWriter, r *h
 	var res idem.Result
 	err := m.guard(ctx, w, r, key, func() error {
 		var err error
-		res, err = m.client.DoInTx(ctx, m.db, scope, key, fp, func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+		res, err = m.store.doInTx(ctx, scope, key, fp, func(ctx context.Context, tx any) (idem.Response, error) {
 			var retry error
 			if buf, retry = m.run(ctx, tx, r, base, body); retry != nil {
 				return idem.Response{}, retry
@@ -515,7 +547,7 @@ func (m *middleware) serveKeyed(ctx context.Context, w http.ResponseWriter, r *h
 	case errors.Is(err, errPanicked):
 		// guard answered already.
 	case err == nil && res.Replayed:
-		writeReplay(w, res.Response)
+		writeReplay(w, res.Response, m.stored)
 	case errors.Is(err, errNotStored) && timedOut(ctx, buf):
 		m.fail(ctx, w, r, key, context.Cause(ctx))
 	case err == nil, errors.Is(err, errNotStored):
@@ -544,7 +576,7 @@ func (m *middleware) serveUnkeyed(ctx context.Context, w http.ResponseWriter, r 
 	base := w.Header().Clone()
 	var buf *bufferWriter
 	err := m.guard(ctx, w, r, "", func() error {
-		return m.client.InTx(ctx, m.db, func(ctx context.Context, tx pgx.Tx) error {
+		return m.store.inTx(ctx, func(ctx context.Context, tx any) error {
 			var retry error
 			if buf, retry = m.run(ctx, tx, r, base, body); retry != nil {
 				return retry
@@ -676,15 +708,22 @@ func writeBuffered(w http.ResponseWriter, buf *bufferWriter) {
 	writeBody(w, status, buf.body.Bytes())
 }
 
-// writeReplay writes a stored response: its stored headers and
-// Idempotent-Replayed: true.
-func writeReplay(w http.ResponseWriter, resp idem.Response) {
-	h := w.Header()
-	for name, v := range resp.Header {
-		h[http.CanonicalHeaderKey(name)] = v
-	}
-	h.Set(HeaderReplayed, "true")
+// writeReplay writes a stored response: its headers named in stored (a
+// record written by other means, Resolve or idem.DoInTx, may hold others)
+// and Idempotent-Replayed: true.
+func writeReplay(w http.ResponseWriter, resp idem.Response, stored []string) {
+	replayHeaders(w.Header(), resp.Header, stored)
+	w.Header().Set(HeaderReplayed, "true")
 	writeBody(w, resp.Status, resp.Body)
+}
+
+// replayHeaders copies the headers of from named in stored into h.
+func replayHeaders(h http.Header, from map[string][]string, stored []string) {
+	for name, v := range from {
+		if name = http.CanonicalHeaderKey(name); slices.Contains(stored, name) {
+			h[name] = v
+		}
+	}
 }
 
 func writeBody(w http.ResponseWriter, status int, body []byte) {

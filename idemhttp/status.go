@@ -8,11 +8,9 @@ import (
 	"log/slog"
 	"net/http"
 	"net/url"
-	"reflect"
 	"strconv"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"go.opentelemetry.io/otel/metric/noop"
 
 	"github.com/pgidem/idem"
@@ -37,10 +35,17 @@ const (
 	StatusParamKey       = "key"
 )
 
-// StatusProcessing is the "status" member of the JSON document of a 202
-// Accepted answer, {"status":"processing"}: the request with the key is
-// still running; ask again after Retry-After.
-const StatusProcessing = "processing"
+// AcceptedStatusProcessing is the "status" member of the JSON document of
+// a 202 Accepted answer, {"status":"processing"}: the request with the key
+// is still running; ask again after Retry-After. It is a string in a
+// response body, not an idem.Status.
+const AcceptedStatusProcessing = "processing"
+
+// StatusProcessing is AcceptedStatusProcessing.
+//
+// Deprecated: use AcceptedStatusProcessing. This name is easily taken for
+// idem.StatusProcessing, the Status of a record.
+const StatusProcessing = AcceptedStatusProcessing
 
 // statusLocation returns the status URL of (operation, key) under base, an
 // Options.StatusURL that parseStatusURL accepted.
@@ -68,7 +73,7 @@ func parseStatusURL(s string) error {
 func writeAccepted(w http.ResponseWriter, location string, retryAfter time.Duration) {
 	body, _ := json.Marshal(struct {
 		Status string `json:"status"`
-	}{StatusProcessing})
+	}{AcceptedStatusProcessing})
 	h := w.Header()
 	h.Set("Content-Type", "application/json")
 	h.Set("Content-Length", strconv.Itoa(len(body)))
@@ -123,6 +128,12 @@ type StatusOptions struct {
 	// Logger receives a record for every 5xx the handler writes, with a
 	// hash of the key, never the key. Default: slog.Default().
 	Logger *slog.Logger
+
+	// StoredHeaders are the stored headers a replay carries: give it the
+	// middleware's Options.StoredHeaders (same default: Content-Type,
+	// Content-Encoding, Location). Headers a record holds beyond these (one
+	// written by idem.Resolve or idem.DoInTx directly) are not sent.
+	StoredHeaders []string
 }
 
 // StatusHandler returns the handler of the status URL that Middleware
@@ -147,8 +158,9 @@ type StatusOptions struct {
 //     request with the key still runs: its transaction has not committed
 //     yet, or its reservation (idem.Reserve) holds a live lease;
 //   - the stored response once the request finished (succeeded, or
-//     refused with a stored 4xx): its status, stored headers and body
-//     exactly as Middleware replays it, with Idempotent-Replayed: true;
+//     refused with a stored 4xx): its status, the stored headers named in
+//     StatusOptions.StoredHeaders and body exactly as Middleware replays
+//     it, with Idempotent-Replayed: true;
 //   - 409 when the outcome is unknown (CodeOutcomeUnknown): a reservation
 //     marked unknown, or whose lease ran out, until it is reconciled;
 //   - 404 (CodeKeyNotFound) when the caller has no such request: never
@@ -194,16 +206,19 @@ func StatusHandler(db idem.Beginner, opts StatusOptions) http.Handler {
 
 // statusHandler is the handler StatusHandler returns.
 type statusHandler struct {
-	db        idem.Beginner
+	store     store        // of probe
 	probe     *idem.Client // key bounds; claims that wait for nothing and count nowhere
 	actor     func(*http.Request) (string, error)
 	challenge string
 	log       *slog.Logger
 	hash      *loghash.Hasher // of keys in log records
+	stored    []string        // canonical names of the headers a replay carries
 }
 
-func newStatusHandler(db idem.Beginner, opts StatusOptions) (*statusHandler, error) {
-	if db == nil || reflect.ValueOf(db).Kind() == reflect.Pointer && reflect.ValueOf(db).IsNil() {
+// newStatusHandler configures the handler on db: an idem.Beginner or a
+// *sql.DB (see store).
+func newStatusHandler(db any, opts StatusOptions) (*statusHandler, error) {
+	if nilHandle(db) {
 		return nil, errors.New("idemhttp: nil database handle")
 	}
 	if opts.Actor == nil {
@@ -222,8 +237,16 @@ func newStatusHandler(db idem.Beginner, opts StatusOptions) (*statusHandler, err
 	if err != nil {
 		return nil, fmt.Errorf("idemhttp: StatusOptions.Config: %w", err)
 	}
-	h := &statusHandler{db: db, probe: probe, actor: opts.Actor, challenge: opts.Challenge, log: opts.Logger,
-		hash: loghash.New(opts.Config.LogHashKey)}
+	stored, err := storedHeaderNames(opts.StoredHeaders)
+	if err != nil {
+		return nil, fmt.Errorf("idemhttp: StatusOptions.StoredHeaders: %w", err)
+	}
+	st, err := newStore(db, probe)
+	if err != nil {
+		return nil, fmt.Errorf("idemhttp: StatusOptions.Config: %w", err)
+	}
+	h := &statusHandler{store: st, probe: probe, actor: opts.Actor, challenge: opts.Challenge, log: opts.Logger,
+		hash: loghash.New(opts.Config.LogHashKey), stored: stored}
 	if h.challenge == "" {
 		h.challenge = "Bearer"
 	}
@@ -265,7 +288,7 @@ func (h *statusHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	// At most: a lookup, a probe, and a second lookup when the request
 	// committed between the first two.
 	for range 2 {
-		rec, err := h.probe.Lookup(ctx, h.db, scope, key)
+		rec, err := h.store.lookup(ctx, scope, key)
 		if err == nil {
 			h.answer(w, r, key, rec)
 			return
@@ -274,8 +297,8 @@ func (h *statusHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			h.fail(ctx, w, r, key, err)
 			return
 		}
-		_, err = h.probe.DoInTx(ctx, h.db, scope, key, probeFingerprint,
-			func(context.Context, pgx.Tx) (idem.Response, error) { return idem.Response{}, errProbe })
+		_, err = h.store.doInTx(ctx, scope, key, probeFingerprint,
+			func(context.Context, any) (idem.Response, error) { return idem.Response{}, errProbe })
 		var inProgress *idem.InProgressError
 		switch {
 		case errors.Is(err, errProbe):
@@ -344,9 +367,7 @@ func (h *statusHandler) answer(w http.ResponseWriter, r *http.Request, key strin
 		}
 		// As Middleware replays it, but never cached, whatever was stored.
 		hdr := w.Header()
-		for name, v := range resp.Header {
-			hdr[http.CanonicalHeaderKey(name)] = v
-		}
+		replayHeaders(hdr, resp.Header, h.stored)
 		hdr.Set("Cache-Control", "no-store")
 		hdr.Set(HeaderReplayed, "true")
 		writeBody(w, resp.Status, resp.Body)

@@ -2,6 +2,7 @@ package idemhttp_test
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
 	"net/http"
 	"net/http/httptest"
@@ -11,6 +12,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
@@ -48,7 +50,7 @@ func processing(t *testing.T, what string, r reply) {
 	var doc struct{ Status string }
 	if r.status != http.StatusAccepted || r.header.Get("Retry-After") == "" ||
 		r.header.Get("Content-Type") != "application/json" || r.header.Get("Cache-Control") != "no-store" ||
-		json.Unmarshal(r.body, &doc) != nil || doc.Status != idemhttp.StatusProcessing || r.replayed() {
+		json.Unmarshal(r.body, &doc) != nil || doc.Status != idemhttp.AcceptedStatusProcessing || r.replayed() {
 		t.Fatalf("%s: %s %v, want 202 processing with Retry-After", what, r, r.header)
 	}
 }
@@ -318,5 +320,39 @@ func TestStatusOfReservations(t *testing.T) {
 	}
 	if e.calls.Load() != 0 {
 		t.Errorf("the handler ran %d times", e.calls.Load())
+	}
+}
+
+// A record written without the middleware (idem.Resolve, idem.DoInTx) may
+// hold any header: the status URL and the middleware's replay send only
+// the stored headers the middleware stores (StoredHeaders), never the
+// others.
+func TestReplayOnlyStoredHeaders(t *testing.T) {
+	t.Parallel()
+	e := statusEnv(t)
+	scope := idem.Scope{Actor: "alice", Operation: "POST /items"}
+	fp, _ := idemhttp.DefaultFingerprint(e.request(t.Context(), call{path: "/items"}), []byte(`{}`))
+	_, err := idem.DoInTx(t.Context(), e.pool, scope, "outside", fp,
+		func(context.Context, pgx.Tx) (idem.Response, error) {
+			return idem.Response{Status: 201, Body: []byte(`{}`), Header: map[string][]string{
+				"Content-Type": {"application/json"}, "Location": {"/items/9"},
+				"Set-Cookie": {"session=secret"}, "X-Internal": {"1"},
+			}}, nil
+		})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []call{
+		{method: "GET", path: statusOf("POST /items", "outside"), actor: "alice"},
+		{path: "/items", key: "outside", actor: "alice", body: `{}`},
+	} {
+		r := e.do(c)
+		if r.status != http.StatusCreated || !r.replayed() || r.header.Get("Location") != "/items/9" ||
+			r.header.Get("Content-Type") != "application/json" {
+			t.Fatalf("%s %s: %s %v", c.method, c.path, r, r.header)
+		}
+		if r.header.Get("Set-Cookie") != "" || r.header.Get("X-Internal") != "" {
+			t.Errorf("%s %s replayed headers the middleware does not store: %v", c.method, c.path, r.header)
+		}
 	}
 }

@@ -3,7 +3,6 @@ package idemhttp
 import (
 	"errors"
 	"fmt"
-	"io"
 	"maps"
 	"net/http"
 	"net/http/httptest"
@@ -92,7 +91,7 @@ func FuzzResponseWriter(f *testing.F) {
 				if op == 4 {
 					n, err = buf.Write(p)
 				} else {
-					n, err = io.WriteString(buf, string(p))
+					n, err = buf.WriteString(string(p)) // the io.StringWriter path
 				}
 				if status == 0 {
 					status = 200

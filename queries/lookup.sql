@@ -5,9 +5,11 @@ FROM idem_keys
 WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key;
 
 -- Locks the committed record of a key for Forget, without waiting for a
--- transaction that holds it (55P03). Run through planned.
+-- transaction that holds it (55P03), with whether a reservation's lease ran
+-- out (by the database clock). Run through planned.
 -- name: KeyLockForForget :one
-SELECT status
+SELECT status,
+       (lease_expires_at IS NOT NULL AND lease_expires_at <= now())::boolean AS lease_ran_out
 FROM idem_keys
 WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
 FOR UPDATE NOWAIT;

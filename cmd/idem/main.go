@@ -29,6 +29,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"mime"
 	"os"
 	"os/signal"
 	"strings"
@@ -39,7 +40,6 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pressly/goose/v3"
-	"github.com/pressly/goose/v3/lock"
 
 	"github.com/pgidem/idem"
 )
@@ -74,14 +74,16 @@ Usage:
 
 Commands:
   migrate up|down|status        apply, revert (one step) or list idem's migrations
+                                (down refuses to delete records unless --force)
   prune [--dry-run]             delete expired finished keys in batches
   inspect <actor> <operation> <key>
                                 show a key's record and stored response
   forget <actor> <operation> <key>
                                 delete a finished key's record: the key is free again
   stats                         keys by status, oldest in flight, table and index size
-  unknown list                  list the records whose outcome is unknown, oldest first
-  resolve <actor> <operation> <key> (--succeeded [--status N] [--body B | --body-file F] | --retryable) --reason R
+  unknown list                  list the records whose outcome is unknown (leases that ran out
+                                included), oldest first
+  resolve <actor> <operation> <key> --token T (--succeeded [--status N] [--body B | --body-file F] | --retryable) --reason R
                                 reconcile an unknown outcome
 
 The database is DATABASE_URL unless --database-url is given. Every command
@@ -214,9 +216,13 @@ func (c command) usageText(fs *flag.FlagSet) string {
 
 var commands = map[string]command{
 	"migrate": {
-		usage: "migrate up|down|status",
-		help:  "Applies idem's migrations (up), reverts the latest one (down), or lists them (status). They are\nrecorded in their own goose table, " + idem.MigrationTable + ", apart from the application's.",
-		flags: func(*flag.FlagSet) func(context.Context, *env, []string) error { return migrate },
+		usage: "migrate up|down|status [--force]",
+		help: "Applies idem's migrations (up), reverts the latest one (down), or lists them (status). They are\nrecorded in their own goose table, " + idem.MigrationTable + ", apart from the application's.\n" +
+			"down refuses (exit 4, nothing changed) when reverting would delete records whose outcome may have\nhappened (unknown, in flight, failed_retryable; for the first migration, every record): their keys\nwould run again. --force deletes them.",
+		flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
+			force := fs.Bool("force", false, "with down: revert even when that deletes records whose outcome may have happened")
+			return func(ctx context.Context, e *env, args []string) error { return migrate(ctx, e, args, *force) }
+		},
 	},
 	"prune": {
 		usage: "prune [--dry-run] [--batch-size N] [--max-batches N]",
@@ -246,7 +252,8 @@ var commands = map[string]command{
 	},
 	"unknown": {
 		usage: "unknown list [--limit N]",
-		help:  "Lists the records whose outcome is unknown (a reservation may or may not have done its work),\noldest first. Reconcile each with resolve after checking the outside system.",
+		help: "Lists the records whose outcome is unknown (a reservation may or may not have done its work),\noldest first. Reconcile each with resolve after checking the outside system. Reservations whose\n" +
+			"lease ran out before they recorded an outcome are turned unknown first (as the library's\nExpireLeases does; their token stays), so they are listed too.",
 		flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			limit := fs.Int("limit", 100, "list at most this many records")
 			return func(ctx context.Context, e *env, args []string) error { return unknownList(ctx, e, args, *limit) }
@@ -326,7 +333,7 @@ func (e *env) exit(err error) int {
 	case errors.Is(err, idem.ErrNotFound):
 		code = exitNotFound
 	case errors.Is(err, idem.ErrNotResolvable), errors.Is(err, idem.ErrInProgress), errors.Is(err, idem.ErrOutcomeUnknown),
-		errors.Is(err, idem.ErrFenced):
+		errors.Is(err, idem.ErrFenced), errors.Is(err, idem.ErrDowngradeDeletesRecords):
 		code = exitRefused
 	case errors.Is(err, idem.ErrInvalidKey), errors.Is(err, idem.ErrInvalidScope), errors.Is(err, idem.ErrInvalidArgument),
 		errors.Is(err, idem.ErrInvalidResponse), errors.Is(err, idem.ErrResponseTooLarge):
@@ -365,7 +372,7 @@ func wantArgs(args []string, n int, what string) error {
 	return nil
 }
 
-func migrate(ctx context.Context, e *env, args []string) error {
+func migrate(ctx context.Context, e *env, args []string, force bool) error {
 	if err := wantArgs(args, 1, "up, down or status"); err != nil {
 		return err
 	}
@@ -385,25 +392,26 @@ func migrate(ctx context.Context, e *env, args []string) error {
 			return err
 		}
 	}
-	locker, err := lock.NewPostgresSessionLocker(lock.WithLockID(idem.MigrationLockID))
-	if err != nil {
-		return err
-	}
-	db := stdlib.OpenDBFromPool(pool)
-	defer db.Close()
-	provider, err := goose.NewProvider(goose.DialectPostgres, db, idem.Migrations(),
-		goose.WithTableName(idem.MigrationTable), goose.WithSessionLocker(locker), goose.WithDisableGlobalRegistry(true))
-	if err != nil {
-		return err
+	if force && args[0] != "down" {
+		return usagef("--force goes with down only")
 	}
 	if args[0] == "down" {
-		res, err := provider.Down(ctx)
+		// The library's path, which refuses to delete outcomes unless forced.
+		version, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{Force: force})
 		if err != nil {
 			return err
 		}
-		if res != nil {
-			fmt.Fprintf(e.stderr, "reverted %s\n", res.Source.Path)
+		if version != 0 {
+			fmt.Fprintf(e.stderr, "reverted version %d\n", version)
 		}
+	}
+	// The status only reads the version table: no lock.
+	db := stdlib.OpenDBFromPool(pool)
+	defer db.Close()
+	provider, err := goose.NewProvider(goose.DialectPostgres, db, idem.Migrations(),
+		goose.WithTableName(idem.MigrationTable), goose.WithDisableGlobalRegistry(true))
+	if err != nil {
+		return err
 	}
 	statuses, err := provider.Status(ctx)
 	if err != nil {
@@ -553,6 +561,19 @@ func unknownList(ctx context.Context, e *env, args []string, limit int) error {
 		return err
 	}
 	defer pool.Close()
+	// A reservation whose lease ran out is in doubt too: turn such records
+	// unknown (the token stays), so that they are listed.
+	var expired int64
+	for {
+		n, err := idem.ExpireLeases(ctx, pool, 1000)
+		if err != nil {
+			return err
+		}
+		expired += n
+		if n < 1000 {
+			break
+		}
+	}
 	var all []idem.Record
 	var after *idem.Record
 	for len(all) < limit {
@@ -575,6 +596,9 @@ func unknownList(ctx context.Context, e *env, args []string, limit int) error {
 	}
 	if len(all) == 0 {
 		sb.WriteString("no unknown outcomes\n")
+	}
+	if expired > 0 {
+		fmt.Fprintf(&sb, "(%d reservations whose lease ran out were turned unknown now)\n", expired)
 	}
 	e.print(out, sb.String())
 	return nil
@@ -614,6 +638,9 @@ func resolve(ctx context.Context, e *env, args []string, o resolveFlags) error {
 				return usagef("--body-file: %v", err)
 			}
 		}
+		if len(body) > 0 && isJSONType(o.contentType) && !json.Valid(body) {
+			return usagef("the body is not valid JSON, and --content-type says %s: fix the body or give the right --content-type", o.contentType)
+		}
 		resp := &idem.Response{Status: o.status, Body: body}
 		if len(body) > 0 && o.contentType != "" {
 			resp.Header = map[string][]string{"Content-Type": {o.contentType}}
@@ -634,6 +661,16 @@ func resolve(ctx context.Context, e *env, args []string, o resolveFlags) error {
 	}
 	e.print(map[string]any{"resolved": true, "retryable": o.retryable}, "resolved as "+verdict+"\n")
 	return nil
+}
+
+// isJSONType reports whether the media type ct says JSON: application/json
+// or a +json type such as application/problem+json.
+func isJSONType(ct string) bool {
+	mt, _, err := mime.ParseMediaType(ct)
+	if err != nil {
+		return false
+	}
+	return mt == "application/json" || strings.HasSuffix(mt, "+json")
 }
 
 // recordJSON is a Record as --json prints it.

@@ -316,7 +316,7 @@ func TestCLIUsageErrors(t *testing.T) {
 		{[]string{"prune", "--batch-size", "x"}, `idem prune: invalid value "x" for flag -batch-size: parse error`},
 		{[]string{"migrate", "sideways"}, `idem migrate: want up, down or status, got "sideways"`},
 		{[]string{"stats"}, "idem stats: no database: set DATABASE_URL or pass --database-url"},
-		{[]string{"resolve", "a", "b", "c", "--succeeded"}, "idem resolve: --reason is required: it is stored with the record for the audit trail"},
+		{[]string{"resolve", "a", "b", "c", "--token", "1", "--succeeded"}, "idem resolve: --reason is required: it is stored with the record for the audit trail"},
 	} {
 		out, errOut, code := runCLI(t, "", tc.args...)
 		first, rest, _ := strings.Cut(errOut, "\n")
@@ -383,7 +383,7 @@ func TestCLIUnmigrated(t *testing.T) {
 	const hint = "run `idem migrate up`"
 	for _, args := range [][]string{
 		{"stats"}, {"prune"}, {"prune", "--dry-run"}, {"inspect", "a", "b", "c"}, {"forget", "a", "b", "c"},
-		{"unknown", "list"}, {"resolve", "a", "b", "c", "--retryable", "--reason", "r"},
+		{"unknown", "list"}, {"resolve", "a", "b", "c", "--token", "1", "--retryable", "--reason", "r"},
 	} {
 		out, errOut, code := runCLI(t, url, args...)
 		if code != exitFailure || out != "" || strings.Count(errOut, "\n") != 1 ||
@@ -400,5 +400,77 @@ func TestCLIUnmigrated(t *testing.T) {
 	}
 	if out, errOut, code := runCLI(t, url, "stats"); code != exitOK || errOut != "" || !strings.Contains(out, "total") {
 		t.Errorf("stats after migrate up: exit %d\nstdout:\n%s\nstderr:\n%s", code, out, errOut)
+	}
+}
+
+// The operator's side of issue 15: a lapsed lease shows in unknown list
+// (turned unknown, its token kept) and resolves with that token; resolve
+// refuses a body that is not the JSON its content type says; migrate down
+// refuses to delete outcomes unless --force.
+func TestCLIOperatorCoherence(t *testing.T) {
+	ctx := t.Context()
+	url := pgtest.URL(t, idem.Migrate)
+	pool, err := pgxpool.New(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	scope := idem.Scope{Actor: "alice", Operation: "pay"}
+	r, err := idem.Reserve(ctx, pool, scope, "lapsed", idem.FingerprintParts([]byte("p")), time.Millisecond)
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(20 * time.Millisecond)
+	token := strconv.FormatInt(r.Token, 10)
+	out, errOut, code := runCLI(t, url, "unknown", "list")
+	if code != exitOK || !strings.Contains(out, "lapsed") || !strings.Contains(out, "token "+token) {
+		t.Fatalf("unknown list does not show the lapsed lease: exit %d\n%s%s", code, out, errOut)
+	}
+
+	// A body that is not JSON, labelled JSON: refused, nothing changed.
+	for _, args := range [][]string{
+		{"--body", "{not json"},
+		{"--body", `{"a":1}x`, "--content-type", "application/problem+json"},
+	} {
+		args = append([]string{"resolve", "alice", "pay", "lapsed", "--token", token, "--succeeded", "--reason", "found"}, args...)
+		if _, errOut, code := runCLI(t, url, args...); code != exitUsage || !strings.Contains(errOut, "not valid JSON") {
+			t.Fatalf("%q: exit %d: %s", args, code, errOut)
+		}
+	}
+	if rec, err := idem.Lookup(ctx, pool, scope, "lapsed"); err != nil || rec.Status != idem.StatusUnknown || rec.Token != r.Token {
+		t.Fatalf("after refused resolves: %+v, %v", rec, err)
+	}
+	// Not JSON and not labelled JSON: stored as given.
+	if _, errOut, code := runCLI(t, url, "resolve", "alice", "pay", "lapsed", "--token", token, "--succeeded",
+		"--reason", "found", "--body", "{not json", "--content-type", "text/plain"); code != exitOK {
+		t.Fatalf("resolve with a text body: exit %d: %s", code, errOut)
+	}
+
+	// migrate down: the migrations after 2 keep every record; 2 would delete unknown,
+	// in-flight and failed_retryable records: refused unless --force.
+	if _, err := idem.Reserve(ctx, pool, scope, "in-flight", idem.FingerprintParts([]byte("p")), time.Hour); err != nil {
+		t.Fatal(err)
+	}
+	for {
+		var v int64
+		if err := pool.QueryRow(ctx, `SELECT max(version_id) FROM `+idem.MigrationTable).Scan(&v); err != nil {
+			t.Fatal(err)
+		}
+		if v <= 2 {
+			break
+		}
+		if _, errOut, code := runCLI(t, url, "migrate", "down"); code != exitOK {
+			t.Fatalf("migrate down from %d: exit %d: %s", v, code, errOut)
+		}
+	}
+	_, errOut, code = runCLI(t, url, "migrate", "down")
+	if code != exitRefused || !strings.Contains(errOut, "1 records") || !strings.Contains(errOut, "--force") {
+		t.Fatalf("migrate down deleting a record in flight: exit %d: %s", code, errOut)
+	}
+	if _, errOut, code := runCLI(t, url, "migrate", "down", "--force"); code != exitOK {
+		t.Fatalf("migrate down --force: exit %d: %s", code, errOut)
+	}
+	if _, _, code := runCLI(t, url, "migrate", "status", "--force"); code != exitUsage {
+		t.Fatalf("migrate status --force: exit %d", code)
 	}
 }

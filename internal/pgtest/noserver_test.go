@@ -18,6 +18,8 @@ const noServerChild = "PGTEST_NO_SERVER_CHILD"
 // and only TestNoServerChild selected. The child must stop at the first test
 // that needs a server: one message naming DATABASE_URL, exit status
 // exitNoServer, no failing test, no panic, and no test running after it.
+// A second child of the same run (the same marker directory) stops the same
+// way with one short line instead of the message.
 func TestNoServerStopsTheRun(t *testing.T) {
 	if os.Getenv(noServerChild) != "" {
 		t.Skip("in the child run")
@@ -30,16 +32,29 @@ func TestNoServerStopsTheRun(t *testing.T) {
 	port := ln.Addr().(*net.TCPAddr).Port
 	_ = ln.Close() // nothing listens there now
 
-	cmd := exec.CommandContext(t.Context(), os.Args[0],
-		"-test.run=^TestNoServerChild$", "-test.v", "-test.timeout=2m")
-	cmd.Env = append(os.Environ(), noServerChild+"=1",
-		"DATABASE_URL=postgres://postgres@127.0.0.1:"+strconv.Itoa(port)+"/postgres?sslmode=disable")
-	out, err := cmd.CombinedOutput()
-	text := string(out)
-	var exit *exec.ExitError
-	if !errors.As(err, &exit) || exit.ExitCode() != exitNoServer {
-		t.Fatalf("child: %v, want exit status %d; output:\n%s", err, exitNoServer, text)
+	// Two children share one marker directory, as the test binaries of one
+	// go test run share go test's work directory: the first prints the
+	// message, the second one line pointing to it.
+	dir := t.TempDir()
+	child := func() string {
+		cmd := exec.CommandContext(t.Context(), os.Args[0],
+			"-test.run=^TestNoServerChild$", "-test.v", "-test.timeout=2m")
+		cmd.Env = append(os.Environ(), noServerChild+"=1", noServerDirEnv+"="+dir,
+			"DATABASE_URL=postgres://postgres@127.0.0.1:"+strconv.Itoa(port)+"/postgres?sslmode=disable")
+		out, err := cmd.CombinedOutput()
+		text := string(out)
+		var exit *exec.ExitError
+		if !errors.As(err, &exit) || exit.ExitCode() != exitNoServer {
+			t.Fatalf("child: %v, want exit status %d; output:\n%s", err, exitNoServer, text)
+		}
+		for _, unwanted := range []string{"--- FAIL", "panic", "goroutine ", "after the stop"} {
+			if strings.Contains(text, unwanted) {
+				t.Errorf("child output holds %q:\n%s", unwanted, text)
+			}
+		}
+		return text
 	}
+	text := child()
 	for _, want := range []string{
 		"no PostgreSQL server for these tests", // what happened, once
 		"DATABASE_URL does not connect",        // why
@@ -49,10 +64,9 @@ func TestNoServerStopsTheRun(t *testing.T) {
 			t.Errorf("child output holds %q %d times, want once:\n%s", want, n, text)
 		}
 	}
-	for _, unwanted := range []string{"--- FAIL", "panic", "goroutine ", "after the stop"} {
-		if strings.Contains(text, unwanted) {
-			t.Errorf("child output holds %q:\n%s", unwanted, text)
-		}
+	if second := child(); strings.Count(second, "pgtest") != 1 || !strings.Contains(second, noServerAgain) ||
+		!strings.Contains(second, "before the stop") {
+		t.Errorf("second child of the same run: want the one line %q after the test before the stop:\n%s", noServerAgain, second)
 	}
 	if !strings.Contains(text, "before the stop") {
 		t.Errorf("the test needing no server did not run first:\n%s", text)

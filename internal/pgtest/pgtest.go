@@ -30,9 +30,16 @@
 // that need none run without it. Under [Main], if resolution fails, the
 // test binary prints one message (why, and how to provide a server) and
 // exits with status 1 at once, instead of failing every later test with the
-// same error (and panicking in examples). A DATABASE_URL that is set but
-// does not connect is such a failure: it is never replaced by another
-// server (see [pgserver.Resolve]).
+// same error (and panicking in examples). Of the test binaries that one go
+// test run starts, only the first to stop prints the message. A
+// DATABASE_URL that is set but does not connect is such a failure: it is
+// never replaced by another server (see [pgserver.Resolve]).
+//
+// Runnable examples have no *testing.T: they connect the way a service
+// does, to DATABASE_URL (with a default for a local server), and keep to a
+// schema of their own. So that they find the server the tests use, Main
+// sets DATABASE_URL, when it is unset, to the server's URL once a test has
+// resolved it.
 //
 // Dropping needs DROP DATABASE … WITH (FORCE), so PostgreSQL 13 or newer.
 package pgtest
@@ -43,8 +50,11 @@ import (
 	"encoding/hex"
 	"errors"
 	"fmt"
+	"io/fs"
 	"os"
+	"path/filepath"
 	"reflect"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -121,6 +131,11 @@ func resolve() (*pgserver.Server, *pgxpool.Pool, error) {
 		if err != nil {
 			_ = server.Close()
 			server, serverErr = nil, fmt.Errorf("pgtest: admin pool: %w", err)
+			return
+		}
+		if stopOnNoServer && os.Getenv("DATABASE_URL") == "" {
+			// For the runnable examples, which connect as a service does.
+			_ = os.Setenv("DATABASE_URL", server.URL)
 		}
 	})
 	if serverErr != nil && stopOnNoServer {
@@ -132,11 +147,52 @@ func resolve() (*pgserver.Server, *pgxpool.Pool, error) {
 // stopNoServer prints why no server could be resolved, once, and exits with
 // exitNoServer. Concurrent callers block in the Once until the process is
 // gone, so the message appears once and nothing else runs after it.
+//
+// go test runs the test binaries of several packages at once, and each
+// would print the same message; only the first of one go test run does
+// (see firstNoServer), the others print the one line noServerAgain.
 func stopNoServer(err error) {
 	stopOnce.Do(func() {
-		fmt.Fprintf(os.Stderr, "\npgtest: no PostgreSQL server for these tests; stopping the run.\n%v\n\n", err)
+		if firstNoServer() {
+			fmt.Fprintf(os.Stderr, "\npgtest: no PostgreSQL server for these tests; stopping the run.\n%v\n\n", err)
+		} else {
+			fmt.Fprintln(os.Stderr, noServerAgain)
+		}
 		os.Exit(exitNoServer)
 	})
+}
+
+// noServerAgain is what the test binaries of a go test run after the first
+// print when they stop for want of a server.
+const noServerAgain = "pgtest: no server; stopping (the reason is printed once in this go test run, with another package)"
+
+// noServerDirEnv names a directory to hold the marker of firstNoServer in
+// place of go test's work directory: for this package's own tests.
+const noServerDirEnv = "PGTEST_NO_SERVER_DIR"
+
+// firstNoServer reports whether this test binary is the first of its go
+// test run to stop for want of a server. It creates a marker file with
+// O_EXCL in the directory that go test builds and runs the binaries of one
+// run in ($WORK/bNNN/pkg.test, where $WORK is a go-build* directory that go
+// test removes at the end), so that the binaries of one run share it and
+// nothing outlives the run. A binary run otherwise (built with go test -c)
+// is always first.
+func firstNoServer() bool {
+	dir := os.Getenv(noServerDirEnv)
+	if dir == "" {
+		dir = filepath.Dir(filepath.Dir(os.Args[0]))
+		if !strings.HasPrefix(filepath.Base(dir), "go-build") {
+			return true
+		}
+	}
+	f, err := os.OpenFile(filepath.Join(dir, "pgtest-no-server"), os.O_CREATE|os.O_EXCL|os.O_WRONLY, 0o600)
+	if errors.Is(err, fs.ErrExist) {
+		return false
+	}
+	if err == nil {
+		_ = f.Close()
+	}
+	return true
 }
 
 // Server returns the process-wide PostgreSQL server, resolving it on first
@@ -166,35 +222,6 @@ func NewDatabase(ctx context.Context, migrate MigrateFunc) (url string, drop fun
 		once.Do(func() { _ = dropDatabase(name) })
 	}
 	return server.DatabaseURL(name), drop, nil
-}
-
-// ExamplePool is for runnable examples, which have no *testing.T: a pool on
-// a fresh database migrated by migrate (maxConns connections; 0 means
-// pgxpool's default), and a function that closes the pool and drops the
-// database. It panics if the database or the pool cannot be made.
-func ExamplePool(migrate MigrateFunc, maxConns int32) (*pgxpool.Pool, func()) {
-	ctx := context.Background()
-	url, drop, err := NewDatabase(ctx, migrate)
-	if err != nil {
-		panic(err)
-	}
-	cfg, err := pgxpool.ParseConfig(url)
-	if err != nil {
-		drop()
-		panic(err)
-	}
-	if maxConns > 0 {
-		cfg.MaxConns = maxConns
-	}
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		drop()
-		panic(err)
-	}
-	return pool, func() {
-		pool.Close()
-		drop()
-	}
 }
 
 // URL returns the URL of a fresh database migrated by migrate (nil means an

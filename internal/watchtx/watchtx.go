@@ -1,4 +1,10 @@
-package idemhttp
+// Package watchtx gives handlers a pgx.Tx that remembers the first
+// serialization failure (40001) or deadlock (40P01) one of their statements
+// met. Such a failure dooms the transaction whatever the handler answers;
+// idemhttp, idemgrpc and idemconnect then run the handler again in a new
+// transaction (idem.InTx and idem.DoInTx retry when fn returns that error),
+// as they do when the failure surfaces at the claim or at COMMIT.
+package watchtx
 
 import (
 	"context"
@@ -9,19 +15,25 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 )
 
-// watchedTx is the pgx.Tx a handler gets from Tx: the request's
-// transaction, remembering the first serialization failure (40001) or
-// deadlock (40P01) any of the handler's statements met. Such a failure
-// dooms the transaction whatever the handler answers; the middleware then
-// runs the handler again in a new transaction instead of sending its 5xx,
-// as it does when the failure surfaces at the claim or at COMMIT.
-type watchedTx struct {
+// Tx is the pgx.Tx a handler gets: the request's transaction, remembering
+// the first serialization failure or deadlock any of the handler's
+// statements met.
+type Tx struct {
 	pgx.Tx
 	retryable error // the first 40001 or 40P01 seen, or nil
 }
 
+// New returns tx, watched.
+func New(tx pgx.Tx) *Tx { return &Tx{Tx: tx} }
+
+// Retryable returns the first serialization failure or deadlock that a
+// statement through t met, or nil. When it is not nil, the transaction is
+// lost whatever the handler answered: return it to idem.InTx or
+// idem.DoInTx, which run the handler again in a new transaction.
+func (t *Tx) Retryable() error { return t.retryable }
+
 // see records err if it is a serialization failure or a deadlock.
-func (t *watchedTx) see(err error) error {
+func (t *Tx) see(err error) error {
 	var pgErr *pgconn.PgError
 	if t.retryable == nil && errors.As(err, &pgErr) &&
 		(pgErr.Code == pgerrcode.SerializationFailure || pgErr.Code == pgerrcode.DeadlockDetected) {
@@ -30,12 +42,12 @@ func (t *watchedTx) see(err error) error {
 	return err
 }
 
-func (t *watchedTx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+func (t *Tx) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
 	tag, err := t.Tx.Exec(ctx, sql, args...)
 	return tag, t.see(err)
 }
 
-func (t *watchedTx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+func (t *Tx) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
 	rows, err := t.Tx.Query(ctx, sql, args...)
 	if err != nil {
 		return rows, t.see(err)
@@ -43,31 +55,31 @@ func (t *watchedTx) Query(ctx context.Context, sql string, args ...any) (pgx.Row
 	return watchedRows{rows, t}, nil
 }
 
-func (t *watchedTx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+func (t *Tx) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
 	return watchedRow{t.Tx.QueryRow(ctx, sql, args...), t}
 }
 
-func (t *watchedTx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
+func (t *Tx) SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults {
 	return watchedBatch{t.Tx.SendBatch(ctx, b), t}
 }
 
 type watchedRows struct {
 	pgx.Rows
-	t *watchedTx
+	t *Tx
 }
 
 func (r watchedRows) Err() error { return r.t.see(r.Rows.Err()) }
 
 type watchedRow struct {
 	pgx.Row
-	t *watchedTx
+	t *Tx
 }
 
 func (r watchedRow) Scan(dest ...any) error { return r.t.see(r.Row.Scan(dest...)) }
 
 type watchedBatch struct {
 	pgx.BatchResults
-	t *watchedTx
+	t *Tx
 }
 
 func (b watchedBatch) Exec() (pgconn.CommandTag, error) {

@@ -1,0 +1,569 @@
+// Package idemgrpc is a grpc-go unary server interceptor that makes calls
+// idempotent by their idempotency key, with the handler's own database
+// writes in the same PostgreSQL transaction as the key and the stored reply.
+//
+//	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(
+//		auth, // puts the authenticated user in the context
+//		idemgrpc.UnaryServerInterceptor(pool, idemgrpc.Options{Scope: scopeOf}),
+//	))
+//
+//	func (s *orders) PlaceOrder(ctx context.Context, req *pb.PlaceOrderRequest) (*pb.Order, error) {
+//		tx := idemgrpc.Tx(ctx) // writes here commit with the key and the reply; nil without a key
+//		...
+//	}
+//
+// A client sends a new key (a UUID, say) in the metadata entry
+// idempotency-key with each new intent, and the same key with every retry of
+// it (or in a request field, AIP-155's request_id: Options.KeyField). The
+// first call runs the handler in a transaction; its reply, or its refusal,
+// commits with the key. A retry gets the same reply (the same message bytes,
+// with the metadata idempotent-replayed: true) and the handler does not run.
+// See UnaryServerInterceptor for the whole contract, and the module's README
+// section "gRPC and Connect".
+//
+// Run idem.Migrate once before use.
+package idemgrpc
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"slices"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	spb "google.golang.org/genproto/googleapis/rpc/status"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/reflect/protoreflect"
+	"google.golang.org/protobuf/reflect/protoregistry"
+	"google.golang.org/protobuf/types/dynamicpb"
+	"google.golang.org/protobuf/types/known/anypb"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/keyhdr"
+	"github.com/pgidem/idem/internal/loghash"
+	"github.com/pgidem/idem/internal/rpcidem"
+	"github.com/pgidem/idem/internal/watchtx"
+)
+
+// MetadataKey is the request metadata entry that carries the idempotency
+// key: a bare key or an RFC 8941 string, as the HTTP header
+// Idempotency-Key (see idemhttp).
+const MetadataKey = "idempotency-key"
+
+// MetadataReplayed is the response header set to "true" on a replay.
+const MetadataReplayed = "idempotent-replayed"
+
+// ErrorDomain is the domain of the ErrorInfo detail of the interceptor's
+// own errors, whose reason is one of the Reason constants.
+const ErrorDomain = rpcidem.ErrorDomain
+
+// The reasons of the ErrorInfo detail of the interceptor's own errors.
+const (
+	ReasonKeyMissing       = rpcidem.ReasonKeyMissing       // INVALID_ARGUMENT: Options.RequireKey and no key
+	ReasonKeyInvalid       = rpcidem.ReasonKeyInvalid       // INVALID_ARGUMENT: a malformed key, two keys, or one idem.ValidateKey refuses
+	ReasonKeyReused        = rpcidem.ReasonKeyReused        // FAILED_PRECONDITION: the same key with a different request
+	ReasonInProgress       = rpcidem.ReasonInProgress       // ABORTED, with RetryInfo: a call with the key is still running
+	ReasonOutcomeUnknown   = rpcidem.ReasonOutcomeUnknown   // FAILED_PRECONDITION: a reservation's outcome must be reconciled first
+	ReasonStoreUnavailable = rpcidem.ReasonStoreUnavailable // UNAVAILABLE, with RetryInfo: the database could not serve
+)
+
+// DefaultRefusalCodes are the status codes stored as deterministic refusals
+// when Options.RefusalCodes is nil.
+var DefaultRefusalCodes = []codes.Code{codes.FailedPrecondition, codes.InvalidArgument, codes.OutOfRange, codes.NotFound}
+
+// Options configures UnaryServerInterceptor. Scope is required; every other
+// field's zero value means its default.
+type Options struct {
+	// Scope returns the scope of a call with a key: the actor, from
+	// authentication (an interceptor before this one, the peer's
+	// certificate), never from the request; and the operation, usually
+	// fullMethod itself. An error is returned to the client as it is when it
+	// carries a gRPC status, as UNAUTHENTICATED otherwise, and so is an
+	// actor that idem.ValidateScope refuses; an operation it refuses is
+	// INTERNAL. Nothing runs then. Required.
+	Scope func(ctx context.Context, fullMethod string) (idem.Scope, error)
+
+	// Methods are the full methods ("/pkg.Service/Method") the interceptor
+	// covers. Calls of other methods pass straight to the handler, without
+	// a transaction, whatever key they carry. Default: every unary method.
+	Methods []string
+
+	// RequireKey refuses a covered call without a key with INVALID_ARGUMENT
+	// (reason IDEMPOTENCY_KEY_MISSING). Default false: such a call runs as
+	// if the interceptor were not there, without a transaction (Tx returns
+	// nil), and nothing is stored.
+	RequireKey bool
+
+	// KeyField names a string field of request messages that carries the
+	// key (AIP-155's "request_id"), by its name in the .proto file. A
+	// request whose message has the field set takes its key from it; the
+	// metadata entry, if sent too, must hold the same key (INVALID_ARGUMENT
+	// otherwise). Requests without the field, or with it empty, take the key
+	// from the metadata. Default "": metadata only.
+	KeyField string
+
+	// RefusalCodes are the status codes that, returned by the handler, are
+	// deterministic refusals: the handler's writes are rolled back, and the
+	// status (code, message, details) is stored with the key and returned to
+	// every retry. A handler error with another code stores nothing, so a
+	// retry runs again. Default: DefaultRefusalCodes (FAILED_PRECONDITION,
+	// INVALID_ARGUMENT, OUT_OF_RANGE, NOT_FOUND). OK is not a refusal.
+	RefusalCodes []codes.Code
+
+	// StoredHeaders and StoredTrailers are the response metadata keys that
+	// are stored with the outcome and sent again on a replay (set by the
+	// handler with grpc.SetHeader, grpc.SendHeader and grpc.SetTrailer). The
+	// first call sends everything the handler set; a replay only these, plus
+	// idempotent-replayed: true. Keep secrets out. Default: none.
+	StoredHeaders  []string
+	StoredTrailers []string
+
+	// Logger receives a record for every error the interceptor answers
+	// itself as UNAVAILABLE or INTERNAL (a store that failed, an outcome
+	// that could not be stored), with the method and the keyed hash of the
+	// key (key_hash, HMAC-SHA256 under Config.LogHashKey, as in idem's own
+	// records), never the key. Default: slog.Default().
+	Logger *slog.Logger
+
+	// Config configures the idempotency store (see idem.Config): the key's
+	// TTL (default 24 h), how long a duplicate waits for the call that holds
+	// its key before it gets ABORTED (Wait, default 2 s), the key length
+	// bounds, the largest stored outcome (MaxResponseBytes, default 1 MiB),
+	// the isolation level and the retries after serialization failures.
+	Config idem.Config
+}
+
+// txKey is the context key of the call's transaction.
+type txKey struct{}
+
+// Tx returns the transaction of the covered call with a key that ctx
+// belongs to (the handler's context), or nil for a call without a key or a
+// method the interceptor does not cover.
+//
+// The handler's writes through it commit together with the stored reply
+// when the handler returns a reply, and are rolled back when it returns an
+// error. The handler must not commit or roll it back, nor keep it after
+// returning. After a serialization failure or a deadlock, met by one of the
+// handler's statements or at COMMIT, the handler runs again in a new
+// transaction (Config.MaxRetries), so it must not have effects outside the
+// transaction.
+func Tx(ctx context.Context) pgx.Tx {
+	tx, _ := ctx.Value(txKey{}).(pgx.Tx)
+	return tx
+}
+
+// UnaryServerInterceptor returns an interceptor that makes covered unary
+// calls (Options.Methods) that carry a key idempotent, with the handler's
+// writes in the transaction of the key.
+//
+// The key comes from the metadata entry idempotency-key (or
+// Options.KeyField) and is read and checked as idemhttp reads the
+// Idempotency-Key header: a bare key or an RFC 8941 string, 1 to 255 bytes
+// of visible ASCII (Config's bounds). The fingerprint is the full method and
+// the request message marshalled deterministically (protobuf's
+// Deterministic option), versioned ("idemrpc/1"). The handler then runs in
+// idem.DoInTx on db, and its outcome decides what is stored:
+//
+//   - a reply: the handler's writes, the key and the reply (its bytes, and
+//     the chosen headers and trailers) commit together; the client gets the
+//     reply after the commit.
+//   - an error whose code Options.RefusalCodes holds: a deterministic
+//     refusal. The handler's writes are rolled back; the status (code,
+//     message, details) is stored and returned to every retry.
+//   - any other error, or a panic: everything is rolled back and nothing is
+//     stored; the error (or panic) goes to the client as it is, and a retry
+//     runs again.
+//
+// A later call with the same scope, key and request gets the stored outcome
+// and the handler does not run: the reply is the stored bytes decoded into a
+// new message of the method's reply type, which the server's codec encodes
+// again (byte for byte the first reply's bytes, except that map entries go in
+// the codec's order), or the stored status; with the stored headers and
+// trailers and idempotent-replayed: true. The reply type is looked up once
+// per method in protoregistry.GlobalFiles (where generated code registers
+// every service) and protoregistry.GlobalTypes (a dynamicpb message when
+// the Go type is not registered); a method that is not there is refused
+// with INTERNAL before anything runs.
+//
+// The interceptor's own errors change nothing, and carry an ErrorInfo
+// detail (ErrorDomain, a Reason constant):
+//
+//	no key, Options.RequireKey        INVALID_ARGUMENT     IDEMPOTENCY_KEY_MISSING
+//	malformed or invalid key          INVALID_ARGUMENT     IDEMPOTENCY_KEY_INVALID
+//	same key, different request       FAILED_PRECONDITION  IDEMPOTENCY_KEY_REUSED
+//	a call with the key in progress   ABORTED + RetryInfo  REQUEST_IN_PROGRESS
+//	a reservation's outcome unknown   FAILED_PRECONDITION  IDEMPOTENCY_OUTCOME_UNKNOWN
+//	store down (idem.Unavailable)     UNAVAILABLE + RetryInfo  STORE_UNAVAILABLE
+//
+// An unknown outcome is FAILED_PRECONDITION because retrying does not help:
+// the key was used through idem.Reserve for work outside the database,
+// which an operator must reconcile first (idem.Resolve). UNAVAILABLE includes
+// a connection lost at COMMIT: the client retries with the same key, and the
+// retry replays if the commit happened and runs otherwise. A call whose
+// context ends first gets CANCELLED or DEADLINE_EXCEEDED; nothing of it
+// commits unless the commit went through, and the retry tells. An outcome
+// that cannot be stored (a reply over Config.MaxResponseBytes, a reply that
+// is not a protobuf message) is INTERNAL, with the handler's writes rolled
+// back.
+//
+// UnaryServerInterceptor panics if db is nil or opts is invalid (nil Scope,
+// a Config that idem.New refuses): a programming error to find at start-up.
+func UnaryServerInterceptor(db idem.Beginner, opts Options) grpc.UnaryServerInterceptor {
+	in, err := newInterceptor(db, opts)
+	if err != nil {
+		panic(err)
+	}
+	return in.intercept
+}
+
+// interceptor is the configured interceptor.
+type interceptor struct {
+	db         idem.Beginner
+	client     *idem.Client
+	scope      func(ctx context.Context, fullMethod string) (idem.Scope, error)
+	methods    []string
+	requireKey bool
+	keyField   protoreflect.Name
+	refusals   []codes.Code
+	headers    []string
+	trailers   []string
+	log        *slog.Logger
+	hash       *loghash.Hasher // of keys in log records
+	replies    sync.Map        // full method -> replyType
+}
+
+func newInterceptor(db idem.Beginner, opts Options) (*interceptor, error) {
+	if db == nil {
+		return nil, errors.New("idemgrpc: nil database handle")
+	}
+	if opts.Scope == nil {
+		return nil, errors.New("idemgrpc: Options.Scope is required")
+	}
+	if len(opts.Config.LogHashKey) == 0 {
+		// One random secret for idem's logs and the interceptor's, so that
+		// both hash a key alike.
+		opts.Config.LogHashKey = loghash.NewSecret()
+	}
+	client, err := idem.New(opts.Config)
+	if err != nil {
+		return nil, fmt.Errorf("idemgrpc: Options.Config: %w", err)
+	}
+	in := &interceptor{
+		db:         db,
+		client:     client,
+		scope:      opts.Scope,
+		methods:    slices.Clone(opts.Methods),
+		requireKey: opts.RequireKey,
+		keyField:   protoreflect.Name(opts.KeyField),
+		refusals:   slices.Clone(opts.RefusalCodes),
+		log:        opts.Logger,
+		hash:       loghash.New(opts.Config.LogHashKey),
+	}
+	if in.log == nil {
+		in.log = slog.Default()
+	}
+	if in.refusals == nil {
+		in.refusals = DefaultRefusalCodes
+	}
+	if slices.Contains(in.refusals, codes.OK) {
+		return nil, errors.New("idemgrpc: Options.RefusalCodes: OK is not a refusal")
+	}
+	if in.keyField != "" && !in.keyField.IsValid() {
+		return nil, fmt.Errorf("idemgrpc: Options.KeyField: %q is not a field name", opts.KeyField)
+	}
+	for _, list := range []struct {
+		in  []string
+		out *[]string
+	}{{opts.StoredHeaders, &in.headers}, {opts.StoredTrailers, &in.trailers}} {
+		for _, name := range list.in {
+			name = strings.ToLower(name)
+			if name == "" || strings.HasPrefix(name, ":") || strings.HasPrefix(name, "grpc-") {
+				return nil, fmt.Errorf("idemgrpc: Options.StoredHeaders, StoredTrailers: invalid metadata key %q", name)
+			}
+			*list.out = append(*list.out, name)
+		}
+	}
+	return in, nil
+}
+
+func (in *interceptor) intercept(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+	if len(in.methods) > 0 && !slices.Contains(in.methods, info.FullMethod) {
+		return handler(ctx, req)
+	}
+	msg, isProto := req.(proto.Message)
+	key, err := in.key(ctx, msg)
+	if err != nil {
+		return nil, err
+	}
+	if key == "" {
+		return handler(ctx, req)
+	}
+	if !isProto {
+		return nil, status.Errorf(codes.Internal, "idemgrpc: the request of %s is a %T, not a protobuf message", info.FullMethod, req)
+	}
+	scope, err := in.scopeOf(ctx, info.FullMethod)
+	if err != nil {
+		return nil, err
+	}
+	reply, err := in.replyType(info.FullMethod)
+	if err != nil {
+		return nil, status.Error(codes.Internal, err.Error())
+	}
+	b, err := proto.MarshalOptions{Deterministic: true}.Marshal(msg)
+	if err != nil {
+		return nil, status.Errorf(codes.Internal, "idemgrpc: marshal the request: %v", err)
+	}
+	return in.run(ctx, req, info, handler, scope, key, rpcidem.Fingerprint(info.FullMethod, b), reply)
+}
+
+// key returns the call's key ("" for none), or the error to answer.
+func (in *interceptor) key(ctx context.Context, msg proto.Message) (string, error) {
+	md, _ := metadata.FromIncomingContext(ctx)
+	values := md.Get(MetadataKey)
+	present := len(values) > 0 // an empty value is an invalid key, not none
+	key, err := keyhdr.Parse(values)
+	if err != nil && present {
+		return "", withDetails(codes.InvalidArgument, ReasonKeyInvalid, "invalid idempotency-key metadata: "+err.Error())
+	}
+	if in.keyField != "" && msg != nil {
+		m := msg.ProtoReflect()
+		if fd := m.Descriptor().Fields().ByName(in.keyField); fd != nil && fd.Kind() == protoreflect.StringKind && !fd.IsList() {
+			if v := m.Get(fd).String(); v != "" {
+				if key != "" && key != v {
+					return "", withDetails(codes.InvalidArgument, ReasonKeyInvalid,
+						fmt.Sprintf("the idempotency-key metadata and the request field %s hold different keys", in.keyField))
+				}
+				key, present = v, true
+			}
+		}
+	}
+	if !present {
+		if in.requireKey {
+			return "", withDetails(codes.InvalidArgument, ReasonKeyMissing, "this method requires an idempotency key")
+		}
+		return "", nil
+	}
+	if err := in.client.ValidateKey(key); err != nil {
+		return "", withDetails(codes.InvalidArgument, ReasonKeyInvalid, "invalid idempotency key: "+errorText(err))
+	}
+	return key, nil
+}
+
+// scopeOf returns the call's scope, or the error to answer.
+func (in *interceptor) scopeOf(ctx context.Context, fullMethod string) (idem.Scope, error) {
+	scope, err := in.scope(ctx, fullMethod)
+	if err != nil {
+		if st, ok := status.FromError(err); ok {
+			return idem.Scope{}, st.Err()
+		}
+		return idem.Scope{}, status.Error(codes.Unauthenticated, "the call is not authenticated")
+	}
+	if idem.ValidateScope(idem.Scope{Actor: scope.Actor, Operation: "-"}) != nil {
+		return idem.Scope{}, status.Error(codes.Unauthenticated, "the call is not authenticated")
+	}
+	if err := idem.ValidateScope(scope); err != nil {
+		return idem.Scope{}, status.Errorf(codes.Internal, "idemgrpc: Options.Scope: %v", err)
+	}
+	return scope, nil
+}
+
+// replyType returns the reply message type of fullMethod, from the global
+// registries.
+func (in *interceptor) replyType(fullMethod string) (protoreflect.MessageType, error) {
+	if t, ok := in.replies.Load(fullMethod); ok {
+		return t.(protoreflect.MessageType), nil
+	}
+	name := protoreflect.FullName(strings.ReplaceAll(strings.TrimPrefix(fullMethod, "/"), "/", "."))
+	d, err := protoregistry.GlobalFiles.FindDescriptorByName(name)
+	md, ok := d.(protoreflect.MethodDescriptor)
+	if err != nil || !ok {
+		return nil, fmt.Errorf("idemgrpc: method %s is not in protoregistry.GlobalFiles: its reply type is needed to replay (register the service's file descriptor)", fullMethod)
+	}
+	var t protoreflect.MessageType
+	if t, err = protoregistry.GlobalTypes.FindMessageByName(md.Output().FullName()); err != nil {
+		t = dynamicpb.NewMessageType(md.Output())
+	}
+	in.replies.Store(fullMethod, t)
+	return t, nil
+}
+
+// run is the call with a key: the handler in idem.DoInTx, then the answer.
+func (in *interceptor) run(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler,
+	scope idem.Scope, key string, fp idem.Fingerprint, replyType protoreflect.MessageType) (any, error) {
+	stream := grpc.ServerTransportStreamFromContext(ctx)
+	var last *recorder // the last run of the handler
+	var reply any
+	var handlerErr error
+	res, err := in.client.DoInTx(ctx, in.db, scope, key, fp, func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+		wt := watchtx.New(tx)
+		last = &recorder{method: info.FullMethod}
+		hctx := grpc.NewContextWithServerTransportStream(context.WithValue(ctx, txKey{}, pgx.Tx(wt)), last)
+		reply, handlerErr = handler(hctx, req)
+		if err := wt.Retryable(); err != nil {
+			return idem.Response{}, err // the transaction is lost: DoInTx runs the handler again
+		}
+		if handlerErr != nil {
+			st := status.Convert(handlerErr)
+			if !slices.Contains(in.refusals, st.Code()) {
+				return idem.Response{}, errNotStored
+			}
+			body, err := proto.MarshalOptions{Deterministic: true}.Marshal(st.Proto())
+			if err != nil {
+				return idem.Response{}, fmt.Errorf("idemgrpc: marshal the status: %w", err)
+			}
+			return idem.Response{}, idem.Reject(idem.Response{
+				Status: rpcidem.HTTPStatus(uint32(st.Code())), Header: in.stored(last), Body: body})
+		}
+		msg, ok := reply.(proto.Message)
+		if !ok {
+			return idem.Response{}, fmt.Errorf("idemgrpc: the reply of %s is a %T, not a protobuf message", info.FullMethod, reply)
+		}
+		body, err := proto.MarshalOptions{Deterministic: true}.Marshal(msg)
+		if err != nil {
+			return idem.Response{}, fmt.Errorf("idemgrpc: marshal the reply: %w", err)
+		}
+		return idem.Response{Status: rpcidem.StatusReply, Header: in.stored(last), Body: body}, nil
+	})
+	switch {
+	case err == nil && res.Replayed:
+		return in.replay(ctx, res.Response, replyType)
+	case err == nil, errors.Is(err, errNotStored) && !idem.Unavailable(err):
+		// The handler's own answer, with everything it set.
+		last.forward(stream)
+		if handlerErr != nil {
+			return nil, handlerErr
+		}
+		return reply, nil
+	}
+	return nil, in.storeError(ctx, info.FullMethod, key, err)
+}
+
+// errNotStored is what the handler's function returns for an error of the
+// handler that is not a refusal: nothing is stored.
+var errNotStored = errors.New("idemgrpc: the handler's error is not stored")
+
+// replay answers with a stored outcome.
+func (in *interceptor) replay(ctx context.Context, resp idem.Response, replyType protoreflect.MessageType) (any, error) {
+	header := metadata.Pairs(MetadataReplayed, "true")
+	trailer := metadata.MD{}
+	for name, values := range resp.Header {
+		md := header
+		if n, ok := strings.CutPrefix(name, rpcidem.TrailerPrefix); ok {
+			name, md = n, trailer
+		}
+		for _, v := range values {
+			if rpcidem.IsBinary(name) {
+				raw, err := rpcidem.DecodeBinary(v)
+				if err != nil {
+					return nil, status.Errorf(codes.Internal, "idemgrpc: stored metadata %s: %v", name, err)
+				}
+				v = raw
+			}
+			md.Append(name, v)
+		}
+	}
+	_ = grpc.SetHeader(ctx, header) // fails only outside a server, or after headers went out
+	if len(trailer) > 0 {
+		_ = grpc.SetTrailer(ctx, trailer)
+	}
+	if resp.Status != rpcidem.StatusReply {
+		var st spb.Status
+		if err := proto.Unmarshal(resp.Body, &st); err != nil {
+			return nil, status.Errorf(codes.Internal, "idemgrpc: stored status: %v", err)
+		}
+		return nil, status.ErrorProto(&st)
+	}
+	reply := replyType.New().Interface()
+	if err := proto.Unmarshal(resp.Body, reply); err != nil {
+		return nil, status.Errorf(codes.Internal, "idemgrpc: stored reply: %v", err)
+	}
+	return reply, nil
+}
+
+// stored returns the metadata of r that is stored, or nil.
+func (in *interceptor) stored(r *recorder) map[string][]string {
+	var out map[string][]string
+	add := func(prefix string, names []string, md metadata.MD) {
+		for _, name := range names {
+			values := md.Get(name)
+			if len(values) == 0 {
+				continue
+			}
+			if out == nil {
+				out = map[string][]string{}
+			}
+			for _, v := range values {
+				if rpcidem.IsBinary(name) {
+					v = rpcidem.EncodeBinary(v)
+				}
+				out[prefix+name] = append(out[prefix+name], v)
+			}
+		}
+	}
+	add("", in.headers, r.header)
+	add(rpcidem.TrailerPrefix, in.trailers, r.trailer)
+	return out
+}
+
+// storeError is the status of err, an error of idem (or of the store under
+// it) for a call of fullMethod with key. Those answered UNAVAILABLE or
+// INTERNAL are logged.
+func (in *interceptor) storeError(ctx context.Context, fullMethod, key string, err error) error {
+	var inProgress *idem.InProgressError
+	switch {
+	case errors.Is(err, idem.ErrKeyReused):
+		return withDetails(codes.FailedPrecondition, ReasonKeyReused, "this idempotency key was used for a different request")
+	case errors.As(err, &inProgress):
+		return withDetails(codes.Aborted, ReasonInProgress,
+			"a call with this idempotency key is in progress; retry later with the same key",
+			&errdetails.RetryInfo{RetryDelay: durationpb.New(inProgress.RetryAfter)})
+	case errors.Is(err, idem.ErrOutcomeUnknown):
+		return withDetails(codes.FailedPrecondition, ReasonOutcomeUnknown,
+			"the outcome of the call with this idempotency key is unknown; it will not run again until it is reconciled")
+	case errors.Is(err, idem.ErrInvalidKey):
+		return withDetails(codes.InvalidArgument, ReasonKeyInvalid, "invalid idempotency key: "+errorText(err))
+	case ctx.Err() != nil:
+		return status.FromContextError(ctx.Err()).Err()
+	case idem.Unavailable(err):
+		in.logFailure(ctx, "idemgrpc: store unavailable", fullMethod, key, err)
+		return withDetails(codes.Unavailable, ReasonStoreUnavailable,
+			"the idempotency store is unavailable; retry later with the same key",
+			&errdetails.RetryInfo{RetryDelay: durationpb.New(time.Second)})
+	}
+	in.logFailure(ctx, "idemgrpc: call failed", fullMethod, key, err)
+	return status.Error(codes.Internal, "idemgrpc: the call failed; nothing was stored: "+errorText(err))
+}
+
+// logFailure logs err, which the interceptor answers itself, with the
+// keyed hash of key.
+func (in *interceptor) logFailure(ctx context.Context, msg, fullMethod, key string, err error) {
+	in.log.LogAttrs(ctx, slog.LevelError, msg, slog.String("method", fullMethod),
+		slog.String("key_hash", in.hash.Sum(key)), slog.Any("error", err))
+}
+
+// withDetails is a status with an ErrorInfo detail, and more details.
+func withDetails(code codes.Code, reason, msg string, more ...proto.Message) error {
+	details := append([]proto.Message{&errdetails.ErrorInfo{Reason: reason, Domain: ErrorDomain}}, more...)
+	p := &spb.Status{Code: int32(code), Message: msg}
+	for _, d := range details {
+		if a, err := anypb.New(d); err == nil {
+			p.Details = append(p.Details, a)
+		}
+	}
+	return status.ErrorProto(p)
+}
+
+// errorText returns err's message without the package prefixes of idem.
+func errorText(err error) string {
+	return strings.ReplaceAll(err.Error(), "idem: ", "")
+}

@@ -1,0 +1,44 @@
+// Package idemsql is idem for services that talk to PostgreSQL through
+// database/sql: pgx's stdlib driver (github.com/jackc/pgx/v5/stdlib) or
+// lib/pq, directly or under an ORM that hands out a *sql.Tx (GORM, Bun,
+// sqlx, ent; the examples module shows each).
+//
+// It offers package idem's calls with *sql.DB and *sql.Tx in place of pgx's
+// handles: Do, DoInTx, InTx, Migrate, the reservation calls (Reserve,
+// Complete, FailRetryable, MarkUnknown, Heartbeat), the operator calls
+// (Lookup, Forget, Resolve, ListUnknown, ExpireLeases, Prune, ReadStats),
+// the typed-replay forms (DoJSON, DoInTxJSON and their With forms), and a
+// Client from New(idem.Config) with the same methods.
+//
+// Everything else is package idem's: the same table and migrations (a
+// database migrated by idem.Migrate or idemsql.Migrate serves both, and
+// both kinds of service can share keys), the same state machine (package
+// idem's own code decides what a stored row means for a call, through
+// internal/bridge), the same errors (idem's sentinels; idem.Unavailable
+// recognizes both drivers' connection failures and server errors), the same
+// retries of serialization failures and deadlocks, the same metrics, spans
+// and logs.
+//
+//	db, _ := sql.Open("pgx", url) // or "postgres" with lib/pq
+//	_ = idemsql.Migrate(ctx, db)
+//	res, err := idemsql.DoInTx(ctx, db, scope, key, fp,
+//		func(ctx context.Context, tx *sql.Tx) (idem.Response, error) {
+//			// the service's writes, in tx
+//			return idem.Response{Status: 201, Body: body}, nil
+//		})
+//
+// # Round trips
+//
+// database/sql sends one statement per round trip: it cannot pipeline, as
+// package idem does with pgx's batches. A first DoInTx costs six round
+// trips (BEGIN, the wait bound, the claim, the wait restored, the stored
+// response, COMMIT) where idem.DoInTx costs two, and Do in a caller's
+// transaction six (with its savepoint) where idem.Do costs two. lib/pq
+// adds a round trip to every statement with arguments unless the
+// connection sets binary_parameters=yes. See the README's database/sql
+// section for measurements.
+//
+// Concurrent DoInTx calls with the same key in one process are not
+// coalesced (idem.DoInTx coalesces them on one pgx pool); they meet at the
+// primary key, like calls from different processes.
+package idemsql
