@@ -83,7 +83,7 @@ func (c *Client) Forget(ctx context.Context, db *sql.DB, scope idem.Scope, key s
 	}
 	k := dbsql.KeyLockForForgetParams{Actor: scope.Actor, Operation: scope.Operation, IdemKey: key}
 	err := c.InTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
-		status, err := queries.KeyLockForForget(ctx, tx, k)
+		row, err := queries.KeyLockForForget(ctx, tx, k)
 		switch {
 		case errors.Is(err, sql.ErrNoRows):
 			return idem.ErrNotFound
@@ -92,8 +92,13 @@ func (c *Client) Forget(ctx context.Context, db *sql.DB, scope idem.Scope, key s
 		case err != nil:
 			return err
 		}
-		switch idem.Status(status) {
+		switch idem.Status(row.Status) {
 		case idem.StatusProcessing:
+			if row.LeaseRanOut {
+				// As idem.Forget answers: the owner's lease ran out before
+				// it recorded an outcome.
+				return fmt.Errorf("%w: the reservation's lease ran out", idem.ErrOutcomeUnknown)
+			}
 			return core.InProgress(c.c, bridgeKey(idem.Scope{}, ""))
 		case idem.StatusUnknown:
 			return idem.ErrOutcomeUnknown
