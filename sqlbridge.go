@@ -72,6 +72,7 @@ func init() {
 		CountEnd: func(c *Client, ctx context.Context, call, operation string, err error, event string) {
 			c.countEnd(ctx, call, Scope{Operation: operation}, err, event)
 		},
+		PreparedStatementsLost: preparedStatementsLost,
 		Migrate: func(ctx context.Context, db *sql.DB) error {
 			return withSQLProvider(db, func(p *goose.Provider) error {
 				_, err := p.Up(ctx)

@@ -97,7 +97,7 @@ func (c *Client) InTx(ctx context.Context, db *sql.DB, fn func(ctx context.Conte
 	if fn == nil {
 		return fmt.Errorf("%w: nil function", idem.ErrInvalidArgument)
 	}
-	return c.retry(ctx, func() error { return c.inTx(ctx, db, fn) })
+	return pooled(c.retry(ctx, func() error { return c.inTx(ctx, db, fn) }))
 }
 
 // retry runs once until it succeeds, fails with an error other than a
@@ -188,6 +188,17 @@ func sqlState(err error) string {
 		return stateErr.SQLState()
 	}
 	return ""
+}
+
+// pooled names the fix when err is pgx's stdlib driver in its default exec
+// mode losing its prepared statements behind a transaction pooler
+// (idem.ErrPreparedStatements).
+func pooled(err error) error {
+	if lost := core.PreparedStatementsLost(err); lost != err {
+		return fmt.Errorf("%w (on database/sql: default_query_exec_mode=exec, cache_describe or simple_protocol "+
+			"in pgx's connection string)", lost)
+	}
+	return err
 }
 
 // unavailableIf wraps err with idem.ErrUnavailable when lost is true.

@@ -77,6 +77,7 @@ func (c *Client) Do(ctx context.Context, tx *sql.Tx, scope idem.Scope, key strin
 	ctx, cl := core.Observe(c.c, ctx, "do", "idemsql.Do", bridgeKey(scope, key))
 	defer cl.EndIfPanicking(ctx)
 	res, err := c.do(ctx, tx, bridgeKey(scope, key), fp, fn, cl)
+	err = pooled(err)
 	cl.End(ctx, res, err)
 	return res, err
 }
@@ -191,7 +192,7 @@ func (c *Client) DoInTx(ctx context.Context, db *sql.DB, scope idem.Scope, key s
 	var res idem.Result
 	err := c.retry(ctx, func() (err error) { res, err = c.doOwnTx(ctx, db, k, fp, fn, cl); return err })
 	if err != nil {
-		res = idem.Result{}
+		res, err = idem.Result{}, pooled(err)
 	}
 	cl.End(ctx, res, err)
 	return res, err

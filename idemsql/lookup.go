@@ -44,7 +44,7 @@ func (c *Client) Lookup(ctx context.Context, db *sql.DB, scope idem.Scope, key s
 		return idem.Record{}, errNilDB
 	}
 	var rec idem.Record
-	err := c.InTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
+	err := c.indexTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
 		row, err := queries.KeyLookup(ctx, tx, dbsql.KeyLookupParams{Actor: scope.Actor, Operation: scope.Operation, IdemKey: key})
 		if errors.Is(err, sql.ErrNoRows) {
 			return idem.ErrNotFound
@@ -82,7 +82,7 @@ func (c *Client) Forget(ctx context.Context, db *sql.DB, scope idem.Scope, key s
 		return errNilDB
 	}
 	k := dbsql.KeyLockForForgetParams{Actor: scope.Actor, Operation: scope.Operation, IdemKey: key}
-	err := c.InTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
+	err := c.indexTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
 		row, err := queries.KeyLockForForget(ctx, tx, k)
 		switch {
 		case errors.Is(err, sql.ErrNoRows):
@@ -95,8 +95,8 @@ func (c *Client) Forget(ctx context.Context, db *sql.DB, scope idem.Scope, key s
 		switch idem.Status(row.Status) {
 		case idem.StatusProcessing:
 			if row.LeaseRanOut {
-				// As idem.Forget answers: the owner's lease ran out before
-				// it recorded an outcome.
+				// As Reserve and Do answer: the owner's lease ran out
+				// before it recorded an outcome.
 				return fmt.Errorf("%w: the reservation's lease ran out", idem.ErrOutcomeUnknown)
 			}
 			return core.InProgress(c.c, bridgeKey(idem.Scope{}, ""))
@@ -168,6 +168,22 @@ func (c *Client) Prune(ctx context.Context, db *sql.DB, opts idem.PruneOptions) 
 		}
 	}
 	return total, nil
+}
+
+// indexTx runs fn, an operator or reservation call's statements, in a
+// transaction of its own begun on db, with sqlIndexLookup set for it: every
+// plan of those statements, also the generic plan that pgx's stdlib driver
+// caches for the life of a connection, finds rows through an index, even
+// when idem_keys was analyzed while empty. (Package idem plans them anew on
+// every execution instead, which database/sql cannot ask of a driver.) The
+// setting ends with the transaction.
+func (c *Client) indexTx(ctx context.Context, db *sql.DB, fn func(ctx context.Context, tx *sql.Tx) error) error {
+	return c.InTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
+		if _, err := tx.ExecContext(ctx, sqlIndexLookup); err != nil {
+			return err
+		}
+		return fn(ctx, tx)
+	})
 }
 
 // sqlIndexWalk makes the statements after it in its transaction walk an

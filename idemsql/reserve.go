@@ -78,7 +78,7 @@ func (c *Client) Reserve(ctx context.Context, db *sql.DB, scope idem.Scope, key 
 		err = refusal
 	}
 	if err != nil {
-		r = idem.Reservation{}
+		r, err = idem.Reservation{}, pooled(err)
 	}
 	cl.End(ctx, r.Result, err)
 	return r, err
@@ -278,7 +278,7 @@ func (c *Client) Heartbeat(ctx context.Context, db *sql.DB, r idem.Reservation, 
 		return idem.Reservation{}, fmt.Errorf("%w: extend %s must be at least 1µs", idem.ErrInvalidArgument, extend)
 	}
 	var lease sql.NullTime
-	err := c.InTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
+	err := c.indexTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
 		var err error
 		lease, err = queries.ReserveHeartbeat(ctx, tx, dbsql.ReserveHeartbeatParams{
 			ExtendMicros: extend.Microseconds(),
@@ -306,7 +306,7 @@ func (c *Client) Heartbeat(ctx context.Context, db *sql.DB, r idem.Reservation, 
 func (c *Client) fence(ctx context.Context, db *sql.DB, call string, scope idem.Scope, event string,
 	update func(ctx context.Context, tx *sql.Tx) (int64, error)) error {
 	var n int64
-	err := c.InTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
+	err := c.indexTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
 		var err error
 		n, err = update(ctx, tx)
 		return err
@@ -395,7 +395,7 @@ func (c *Client) ListUnknown(ctx context.Context, db *sql.DB, limit int, after *
 		arg.AfterActor, arg.AfterOperation, arg.AfterKey = after.Scope.Actor, after.Scope.Operation, after.Key
 	}
 	var rows []dbsql.IdemKey
-	err := c.InTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
+	err := c.indexTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
 		var err error
 		rows, err = queries.ReserveListUnknown(ctx, tx, arg)
 		return err
@@ -478,7 +478,7 @@ func (c *Client) Resolve(ctx context.Context, db *sql.DB, scope idem.Scope, key 
 			arg.ResponseBody = []byte{}
 		}
 	}
-	err := c.InTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
+	err := c.indexTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
 		row, err := queries.ReserveLock(ctx, tx, dbsql.ReserveLockParams{Actor: scope.Actor, Operation: scope.Operation, IdemKey: key})
 		if errors.Is(err, sql.ErrNoRows) {
 			return idem.ErrNotFound

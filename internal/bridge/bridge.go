@@ -126,6 +126,10 @@ type Funcs[Client, Result, Response, Record any] struct {
 	// it succeeded and event is not "", a fenced reservation, a store
 	// failure).
 	CountEnd func(c Client, ctx context.Context, call, operation string, err error, event string)
+	// PreparedStatementsLost wraps err with idem.ErrPreparedStatements
+	// when it is pgx's cached prepared statement lost behind a transaction
+	// pooler (pgx's stdlib driver in its default exec mode).
+	PreparedStatementsLost func(err error) error
 	// Migrate brings idem's tables up to date on db, serialized with
 	// idem.Migrate (the same goose provider, version table and lock).
 	Migrate func(ctx context.Context, db *sql.DB) error
