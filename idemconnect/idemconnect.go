@@ -119,7 +119,10 @@ type Options struct {
 	// connect.CallInfoForHandlerContext, and for a refusal the
 	// *connect.Error's Meta (stored as headers). The first call sends
 	// everything the handler set; a replay only these, plus
-	// Idempotent-Replayed: true. Keep secrets out. Default: none.
+	// Idempotent-Replayed: true. Keep secrets out. Each must be an HTTP
+	// token (RFC 9110: letters, digits and !#$%&'*+-.^_`|~) that does not
+	// start with "connect-" or "grpc-"; NewInterceptor panics otherwise.
+	// Default: none.
 	StoredHeaders  []string
 	StoredTrailers []string
 
@@ -215,8 +218,9 @@ func Tx(ctx context.Context) pgx.Tx {
 // outcome that cannot be stored (over Config.MaxResponseBytes, a message
 // that is not protobuf) is internal, with the handler's writes rolled back.
 //
-// NewInterceptor panics if db is nil or opts is invalid (nil Scope, a
-// Config that idem.New refuses): a programming error to find at start-up.
+// NewInterceptor panics if db is nil (a typed nil *pgxpool.Pool too) or
+// opts is invalid (nil Scope, a stored name that is not a token, a Config
+// that idem.New refuses): a programming error to find at start-up.
 func NewInterceptor(db idem.Beginner, opts Options) connect.Interceptor {
 	in, err := newInterceptor(db, opts)
 	if err != nil {
@@ -270,9 +274,7 @@ func newInterceptor(db idem.Beginner, opts Options) (*interceptor, error) {
 		out *[]string
 	}{{opts.StoredHeaders, &in.headers}, {opts.StoredTrailers, &in.trailers}} {
 		for _, name := range list.in {
-			lower := strings.ToLower(name)
-			if name == "" || strings.ContainsAny(name, " :\r\n") ||
-				strings.HasPrefix(lower, "connect-") || strings.HasPrefix(lower, "grpc-") {
+			if !rpcidem.HeaderName(name, "connect-", "grpc-") {
 				return nil, fmt.Errorf("idemconnect: Options.StoredHeaders, StoredTrailers: invalid header name %q", name)
 			}
 			*list.out = append(*list.out, http.CanonicalHeaderKey(name))

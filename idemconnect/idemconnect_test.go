@@ -564,11 +564,13 @@ func TestScopeErrors(t *testing.T) {
 // NewInterceptor refuses invalid options at start-up.
 func TestInvalidOptionsPanic(t *testing.T) {
 	for name, opts := range map[string]idemconnect.Options{
-		"no scope":       {},
-		"bad field":      {Scope: scopeFromHeader, KeyField: "request-id"},
-		"bad header":     {Scope: scopeFromHeader, StoredHeaders: []string{""}},
-		"bad config":     {Scope: scopeFromHeader, Config: idem.Config{TTL: -time.Hour}},
-		"connect header": {Scope: scopeFromHeader, StoredTrailers: []string{"Connect-Timeout-Ms"}},
+		"no scope":          {},
+		"bad field":         {Scope: scopeFromHeader, KeyField: "request-id"},
+		"non-token header":  {Scope: scopeFromHeader, StoredHeaders: []string{"x@id"}},
+		"non-token trailer": {Scope: scopeFromHeader, StoredTrailers: []string{"x id"}},
+		"bad header":        {Scope: scopeFromHeader, StoredHeaders: []string{""}},
+		"bad config":        {Scope: scopeFromHeader, Config: idem.Config{TTL: -time.Hour}},
+		"connect header":    {Scope: scopeFromHeader, StoredTrailers: []string{"Connect-Timeout-Ms"}},
 	} {
 		func() {
 			defer func() {
@@ -585,6 +587,17 @@ func TestInvalidOptionsPanic(t *testing.T) {
 		}
 	}()
 	idemconnect.NewInterceptor(nil, idemconnect.Options{Scope: scopeFromHeader})
+}
+
+// A typed nil *pgxpool.Pool is refused at start-up too, not call by call.
+func TestTypedNilPoolPanics(t *testing.T) {
+	defer func() {
+		if r := recover(); r == nil || !strings.Contains(fmt.Sprint(r), "nil database handle") {
+			t.Errorf("recovered %v, want a nil database handle panic", r)
+		}
+	}()
+	var pool *pgxpool.Pool
+	idemconnect.NewInterceptor(pool, idemconnect.Options{Scope: scopeFromHeader})
 }
 
 // A run of the handler that is rolled back (a serialization failure) leaves
