@@ -119,7 +119,10 @@ type Options struct {
 	// connect.CallInfoForHandlerContext, and for a refusal the
 	// *connect.Error's Meta (stored as headers). The first call sends
 	// everything the handler set; a replay only these, plus
-	// Idempotent-Replayed: true. Keep secrets out. Default: none.
+	// Idempotent-Replayed: true. Keep secrets out. Each must be an HTTP
+	// token (RFC 9110: letters, digits and !#$%&'*+-.^_`|~) that does not
+	// start with "connect-" or "grpc-"; NewInterceptor panics otherwise.
+	// Default: none.
 	StoredHeaders  []string
 	StoredTrailers []string
 
@@ -151,7 +154,10 @@ type txKey struct{}
 // returning. After a serialization failure or a deadlock, met by one of the
 // handler's statements or at COMMIT, the handler runs again in a new
 // transaction (Config.MaxRetries), so it must not have effects outside the
-// transaction.
+// transaction. The response headers and trailers a run that is rolled back
+// set through connect.CallInfoForHandlerContext are dropped: the client gets
+// those of the last run only (or, when that run finds the key's outcome
+// stored by another call, the stored ones).
 func Tx(ctx context.Context) pgx.Tx {
 	tx, _ := ctx.Value(txKey{}).(pgx.Tx)
 	return tx
@@ -212,8 +218,9 @@ func Tx(ctx context.Context) pgx.Tx {
 // outcome that cannot be stored (over Config.MaxResponseBytes, a message
 // that is not protobuf) is internal, with the handler's writes rolled back.
 //
-// NewInterceptor panics if db is nil or opts is invalid (nil Scope, a
-// Config that idem.New refuses): a programming error to find at start-up.
+// NewInterceptor panics if db is nil (a typed nil *pgxpool.Pool too) or
+// opts is invalid (nil Scope, a stored name that is not a token, a Config
+// that idem.New refuses): a programming error to find at start-up.
 func NewInterceptor(db idem.Beginner, opts Options) connect.Interceptor {
 	in, err := newInterceptor(db, opts)
 	if err != nil {
@@ -267,9 +274,7 @@ func newInterceptor(db idem.Beginner, opts Options) (*interceptor, error) {
 		out *[]string
 	}{{opts.StoredHeaders, &in.headers}, {opts.StoredTrailers, &in.trailers}} {
 		for _, name := range list.in {
-			lower := strings.ToLower(name)
-			if name == "" || strings.ContainsAny(name, " :\r\n") ||
-				strings.HasPrefix(lower, "connect-") || strings.HasPrefix(lower, "grpc-") {
+			if !rpcidem.HeaderName(name, "connect-", "grpc-") {
 				return nil, fmt.Errorf("idemconnect: Options.StoredHeaders, StoredTrailers: invalid header name %q", name)
 			}
 			*list.out = append(*list.out, http.CanonicalHeaderKey(name))
@@ -322,16 +327,23 @@ func (in *interceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
 		if err != nil {
 			return nil, connect.NewError(connect.CodeInternal, fmt.Errorf("idemconnect: marshal the request: %w", err))
 		}
-		info, _ := connect.CallInfoForHandlerContext(ctx)
-		c := &call{in: in, req: req, next: next, info: info}
+		c := &call{in: in, req: req, next: next}
+		if info, ok := connect.CallInfoForHandlerContext(ctx); ok {
+			// What is set before the handler runs (by interceptors before
+			// this one): each run starts from it, and a replay or a failure
+			// goes out with it only.
+			c.info, c.header, c.trailer = info, info.ResponseHeader().Clone(), info.ResponseTrailer().Clone()
+		}
 		stored, replayed, f := in.core.Do(ctx, spec.Procedure, scope, key, rpcidem.Fingerprint(spec.Procedure, b), c)
 		switch {
 		case f != nil:
+			c.restore()
 			return nil, errorOf(f)
 		case replayed:
+			c.restore()
 			return in.replay(stored, replyType)
 		}
-		return c.resp, c.err // the handler's own answer
+		return c.resp, c.err // the handler's own answer, with what its last run set
 	}
 }
 
@@ -376,13 +388,32 @@ type call struct {
 	next connect.UnaryFunc
 	info connect.CallInfo // nil outside a handler
 
+	// header and trailer are info's response header and trailer before
+	// the first run: a run that is rolled back leaves nothing it set there.
+	header, trailer http.Header
+
 	resp connect.AnyResponse // of the last run of the handler
 	err  error
 }
 
 func (c *call) Handle(ctx context.Context, tx pgx.Tx) error {
+	c.restore()
 	c.resp, c.err = c.next(context.WithValue(ctx, txKey{}, tx), c.req)
 	return c.err
+}
+
+// restore sets info's response header and trailer back to what they were
+// before the first run.
+func (c *call) restore() {
+	if c.info == nil {
+		return
+	}
+	for _, h := range []struct{ now, was http.Header }{{c.info.ResponseHeader(), c.header}, {c.info.ResponseTrailer(), c.trailer}} {
+		clear(h.now)
+		for name, values := range h.was {
+			h.now[name] = slices.Clone(values)
+		}
+	}
 }
 
 func (c *call) Code(err error) uint32 { return uint32(connect.CodeOf(err)) }

@@ -120,7 +120,10 @@ type Options struct {
 	// are stored with the outcome and sent again on a replay (set by the
 	// handler with grpc.SetHeader, grpc.SendHeader and grpc.SetTrailer). The
 	// first call sends everything the handler set; a replay only these, plus
-	// idempotent-replayed: true. Keep secrets out. Default: none.
+	// idempotent-replayed: true. Keep secrets out. Each must be an HTTP
+	// token (RFC 9110: letters, digits and !#$%&'*+-.^_`|~) that does not
+	// start with "grpc-"; UnaryServerInterceptor panics otherwise.
+	// Default: none.
 	StoredHeaders  []string
 	StoredTrailers []string
 
@@ -212,7 +215,8 @@ func Tx(ctx context.Context) pgx.Tx {
 // is not a protobuf message) is INTERNAL, with the handler's writes rolled
 // back.
 //
-// UnaryServerInterceptor panics if db is nil or opts is invalid (nil Scope,
+// UnaryServerInterceptor panics if db is nil (a typed nil *pgxpool.Pool
+// too) or opts is invalid (nil Scope, a stored name that is not a token,
 // a Config that idem.New refuses): a programming error to find at start-up.
 func UnaryServerInterceptor(db idem.Beginner, opts Options) grpc.UnaryServerInterceptor {
 	in, err := newInterceptor(db, opts)
@@ -271,7 +275,7 @@ func newInterceptor(db idem.Beginner, opts Options) (*interceptor, error) {
 	}{{opts.StoredHeaders, &in.headers}, {opts.StoredTrailers, &in.trailers}} {
 		for _, name := range list.in {
 			name = strings.ToLower(name)
-			if name == "" || strings.HasPrefix(name, ":") || strings.HasPrefix(name, "grpc-") {
+			if !rpcidem.HeaderName(name, "grpc-") {
 				return nil, fmt.Errorf("idemgrpc: Options.StoredHeaders, StoredTrailers: invalid metadata key %q", name)
 			}
 			*list.out = append(*list.out, name)

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"reflect"
 	"strings"
@@ -596,12 +597,14 @@ func TestScopeErrors(t *testing.T) {
 // UnaryServerInterceptor refuses invalid options at start-up.
 func TestInvalidOptionsPanic(t *testing.T) {
 	for name, opts := range map[string]idemgrpc.Options{
-		"no scope":    {},
-		"OK refusal":  {Scope: scopeFromMetadata, RefusalCodes: []codes.Code{codes.OK}},
-		"bad field":   {Scope: scopeFromMetadata, KeyField: "request-id"},
-		"bad header":  {Scope: scopeFromMetadata, StoredHeaders: []string{""}},
-		"bad config":  {Scope: scopeFromMetadata, Config: idem.Config{TTL: -time.Hour}},
-		"grpc header": {Scope: scopeFromMetadata, StoredTrailers: []string{"grpc-status"}},
+		"no scope":          {},
+		"OK refusal":        {Scope: scopeFromMetadata, RefusalCodes: []codes.Code{codes.OK}},
+		"bad field":         {Scope: scopeFromMetadata, KeyField: "request-id"},
+		"non-token header":  {Scope: scopeFromMetadata, StoredHeaders: []string{"x@id"}},
+		"non-token trailer": {Scope: scopeFromMetadata, StoredTrailers: []string{"x id"}},
+		"bad header":        {Scope: scopeFromMetadata, StoredHeaders: []string{""}},
+		"bad config":        {Scope: scopeFromMetadata, Config: idem.Config{TTL: -time.Hour}},
+		"grpc header":       {Scope: scopeFromMetadata, StoredTrailers: []string{"grpc-status"}},
 	} {
 		func() {
 			defer func() {
@@ -618,4 +621,15 @@ func TestInvalidOptionsPanic(t *testing.T) {
 		}
 	}()
 	idemgrpc.UnaryServerInterceptor(nil, idemgrpc.Options{Scope: scopeFromMetadata})
+}
+
+// A typed nil *pgxpool.Pool is refused at start-up too, not call by call.
+func TestTypedNilPoolPanics(t *testing.T) {
+	defer func() {
+		if r := recover(); r == nil || !strings.Contains(fmt.Sprint(r), "nil database handle") {
+			t.Errorf("recovered %v, want a nil database handle panic", r)
+		}
+	}()
+	var pool *pgxpool.Pool
+	idemgrpc.UnaryServerInterceptor(pool, idemgrpc.Options{Scope: scopeFromMetadata})
 }

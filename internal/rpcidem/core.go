@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
+	"reflect"
 	"slices"
 	"strings"
 	"time"
@@ -88,9 +89,10 @@ type Core struct {
 }
 
 // New returns the Core of an interceptor on db, or the error of invalid
-// options (a nil db, no Scope, a Config that idem.New refuses).
+// options (a nil db, a typed nil pointer too, no Scope, a Config that
+// idem.New refuses).
 func New(db idem.Beginner, opts Options) (*Core, error) {
-	if db == nil {
+	if db == nil || reflect.ValueOf(db).Kind() == reflect.Pointer && reflect.ValueOf(db).IsNil() {
 		return nil, errors.New(opts.Name + ": nil database handle")
 	}
 	if !opts.ScopeSet {
@@ -118,6 +120,28 @@ func New(db idem.Beginner, opts Options) (*Core, error) {
 		c.log = slog.Default()
 	}
 	return c, nil
+}
+
+// HeaderName reports whether name can be stored as the name of a header or
+// trailer: an RFC 9110 token, as idemhttp's stored header names (idem
+// refuses to store any other name), that starts with none of reserved, the
+// transport's own prefixes ("grpc-"), compared without case.
+func HeaderName(name string, reserved ...string) bool {
+	if name == "" {
+		return false
+	}
+	for i := 0; i < len(name); i++ {
+		if !keyhdr.IsTchar(name[i]) {
+			return false
+		}
+	}
+	lower := strings.ToLower(name)
+	for _, prefix := range reserved {
+		if strings.HasPrefix(lower, prefix) {
+			return false
+		}
+	}
+	return true
 }
 
 // Codes returns codes as numbers.

@@ -54,6 +54,7 @@ func TestNewRefuses(t *testing.T) {
 		want string
 	}{
 		{"nil db", nil, testOptions(), "idemtest: nil database handle"},
+		{"typed nil pool", (*pgxpool.Pool)(nil), testOptions(), "idemtest: nil database handle"},
 		{"no scope", noDB{}, noScope, "idemtest: Options.Scope is required"},
 		{"bad config", noDB{}, badConfig, "idemtest: Options.Config: "},
 	} {
@@ -268,5 +269,18 @@ func TestDo(t *testing.T) {
 	other := Fingerprint("/p.S/M", []byte("another request"))
 	if _, _, f := c.Do(ctx, "/p.S/M", scope, "k-reply", other, reply); f == nil || f.Reason != ReasonKeyReused {
 		t.Errorf("same key, other request: %+v, want %s", f, ReasonKeyReused)
+	}
+}
+
+// Stored header names are HTTP tokens outside the reserved prefixes.
+func TestHeaderName(t *testing.T) {
+	for name, want := range map[string]bool{
+		"x-order": true, "X-Order": true, "x-trace-bin": true, "x_a.b~c!": true,
+		"": false, "x@id": false, "x id": false, ":authority": false, "x:y": false,
+		"x\r\n": false, "x\"y": false, "grpc-status": false, "Grpc-Status": false, "é": false,
+	} {
+		if got := HeaderName(name, "grpc-"); got != want {
+			t.Errorf("HeaderName(%q) = %v, want %v", name, got, want)
+		}
 	}
 }
