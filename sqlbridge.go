@@ -27,6 +27,12 @@ func init() {
 			}
 			return res, bridge.Done, err
 		},
+		Resolvable: func(status string, token, want int64, leased bool, leaseLeftMs int64) error {
+			return resolvable(Status(status), token, want, leased, leaseLeftMs)
+		},
+		Forgettable: func(c *Client, status string, leaseRanOut bool) error {
+			return c.forgettable(Status(status), leaseRanOut)
+		},
 		Decide: func(c *Client, resp Response, fnErr error) (bridge.Outcome[Response], error) {
 			out, err := c.decide(resp, fnErr)
 			return bridge.Outcome[Response]{Status: string(out.status), Response: out.resp,

@@ -92,16 +92,8 @@ func (c *Client) Forget(ctx context.Context, db *sql.DB, scope idem.Scope, key s
 		case err != nil:
 			return err
 		}
-		switch idem.Status(row.Status) {
-		case idem.StatusProcessing:
-			if row.LeaseRanOut {
-				// As Reserve and Do answer: the owner's lease ran out
-				// before it recorded an outcome.
-				return fmt.Errorf("%w: the reservation's lease ran out", idem.ErrOutcomeUnknown)
-			}
-			return core.InProgress(c.c, bridgeKey(idem.Scope{}, ""))
-		case idem.StatusUnknown:
-			return idem.ErrOutcomeUnknown
+		if err := core.Forgettable(c.c, row.Status, row.LeaseRanOut); err != nil {
+			return err
 		}
 		_, err = queries.KeyForget(ctx, tx, dbsql.KeyForgetParams(k))
 		return err

@@ -486,18 +486,8 @@ func (c *Client) Resolve(ctx context.Context, db *sql.DB, scope idem.Scope, key 
 		if err != nil {
 			return err
 		}
-		if row.IdemKey.Token != res.Token {
-			return fmt.Errorf("%w: token %d was resolved or replaced; the record holds token %d now (status %s)",
-				idem.ErrFenced, res.Token, row.IdemKey.Token, row.IdemKey.Status)
-		}
-		switch status := idem.Status(row.IdemKey.Status); {
-		case status == idem.StatusUnknown:
-		case status == idem.StatusProcessing && row.Leased && row.LeaseLeftMs > 0:
-			return fmt.Errorf("%w: a live lease holds it", idem.ErrNotResolvable)
-		case status == idem.StatusProcessing && row.Leased:
-			// The lease ran out before an outcome was recorded.
-		default:
-			return fmt.Errorf("%w: it is %s", idem.ErrNotResolvable, status)
+		if err := core.Resolvable(row.IdemKey.Status, row.IdemKey.Token, res.Token, row.Leased, row.LeaseLeftMs); err != nil {
+			return err
 		}
 		arg.Token = row.IdemKey.Token
 		n, err := queries.ReserveResolve(ctx, tx, arg)

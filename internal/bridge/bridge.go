@@ -94,6 +94,15 @@ type Funcs[Client, Result, Response, Record any] struct {
 	// Judge tells what the committed row that holds k means for a call with
 	// fingerprint fp (found false: no row holds it).
 	Judge func(c Client, row Row, found bool, fp [32]byte, k Key) (Result, Next, error)
+	// Resolvable decides whether Resolve may reconcile the locked record of
+	// a key, in status with token (leased and leaseLeftMs as ReserveLock
+	// reads them), for a Resolution naming want: nil, idem.ErrFenced or
+	// idem.ErrNotResolvable.
+	Resolvable func(status string, token, want int64, leased bool, leaseLeftMs int64) error
+	// Forgettable decides whether Forget may delete the locked record of a
+	// key, in status (leaseRanOut as KeyLockForForget reads it): nil,
+	// idem.ErrInProgress or idem.ErrOutcomeUnknown.
+	Forgettable func(c Client, status string, leaseRanOut bool) error
 	// Decide checks fn's result and turns it into the outcome to store; a
 	// refusal (idem.Reject) is an outcome, any other error comes back.
 	Decide func(c Client, resp Response, fnErr error) (Outcome[Response], error)
