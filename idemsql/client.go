@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgidem/idem"
@@ -197,6 +198,22 @@ func pooled(err error) error {
 	if lost := core.PreparedStatementsLost(err); lost != err {
 		return fmt.Errorf("%w (on database/sql: default_query_exec_mode=exec, cache_describe or simple_protocol "+
 			"in pgx's connection string)", lost)
+	}
+	return err
+}
+
+// txUnusable returns err wrapped with idem.ErrInvalidArgument when it says
+// that the caller's transaction cannot be used (as package idem answers
+// for a pgx.Tx): closed, committed or rolled back (sql.ErrTxDone), or
+// aborted by a statement that failed in it (SQLSTATE 25P02).
+func txUnusable(err error) error {
+	switch {
+	case err == nil || errors.Is(err, idem.ErrInvalidArgument):
+		return err
+	case errors.Is(err, sql.ErrTxDone):
+		return fmt.Errorf("%w: the transaction is closed (committed or rolled back): %w", idem.ErrInvalidArgument, err)
+	case sqlState(err) == pgerrcode.InFailedSQLTransaction:
+		return fmt.Errorf("%w: the transaction is aborted (a statement failed in it; roll it back): %w", idem.ErrInvalidArgument, err)
 	}
 	return err
 }

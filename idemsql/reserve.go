@@ -182,7 +182,8 @@ func lockedRow(row dbsql.ReserveLockRow) bridge.Row {
 // idem.ErrFenced when the record is no longer this reservation's
 // 'processing' (nothing changed; roll tx back); idem.ErrInvalidResponse or
 // idem.ErrResponseTooLarge for a response that cannot be stored; a zero or
-// replayed Reservation, or a nil tx, idem.ErrInvalidArgument.
+// replayed Reservation, or a nil, closed or aborted tx,
+// idem.ErrInvalidArgument.
 func Complete(ctx context.Context, tx *sql.Tx, r idem.Reservation, resp idem.Response) error {
 	return defaultClient.Complete(ctx, tx, r, resp)
 }
@@ -210,7 +211,7 @@ func (c *Client) Complete(ctx context.Context, tx *sql.Tx, r idem.Reservation, r
 	})
 	switch {
 	case err != nil:
-		err = fmt.Errorf("idem: complete: %w", err)
+		err = txUnusable(fmt.Errorf("idem: complete: %w", err))
 	case n != 1:
 		err = idem.ErrFenced
 	}
