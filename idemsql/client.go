@@ -231,6 +231,14 @@ var (
 	errNilTx = fmt.Errorf("%w: nil transaction", idem.ErrInvalidArgument)
 )
 
+// ValidateKey is idem.Client.ValidateKey: whether key is a valid
+// idempotency key under this client's key length bounds (ErrInvalidKey).
+func (c *Client) ValidateKey(key string) error { return c.c.ValidateKey(key) }
+
+// ValidateScope is idem.ValidateScope (ErrInvalidScope): a scope's limits
+// do not depend on the client's Config.
+func (c *Client) ValidateScope(scope idem.Scope) error { return idem.ValidateScope(scope) }
+
 // checkTarget validates the scope and key of a call.
 func (c *Client) checkTarget(scope idem.Scope, key string) error {
 	if err := c.c.ValidateKey(key); err != nil {

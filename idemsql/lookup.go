@@ -197,11 +197,17 @@ func (c *Client) batchTx(ctx context.Context, db *sql.DB, fn func(ctx context.Co
 // oldest in flight and unknown, and the table's size. It counts every row:
 // run it from operators' tools, not on a request path.
 func ReadStats(ctx context.Context, db *sql.DB) (idem.Stats, error) {
+	return defaultClient.ReadStats(ctx, db)
+}
+
+// ReadStats is the package-level ReadStats, in a transaction at this
+// client's isolation level.
+func (c *Client) ReadStats(ctx context.Context, db *sql.DB) (idem.Stats, error) {
 	if db == nil {
 		return idem.Stats{}, errNilDB
 	}
 	st := idem.Stats{Keys: make(map[idem.Status]int64)}
-	err := defaultClient.InTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
+	err := c.InTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
 		rows, err := queries.KeyStats(ctx, tx)
 		if err != nil {
 			return err

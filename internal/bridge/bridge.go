@@ -103,6 +103,10 @@ type Funcs[Client, Result, Response, Record any] struct {
 	// key, in status (leaseRanOut as KeyLockForForget reads it): nil,
 	// idem.ErrInProgress or idem.ErrOutcomeUnknown.
 	Forgettable func(c Client, status string, leaseRanOut bool) error
+	// Inbox is the key under which Inbox records message messageID of
+	// consumer, and the fingerprint of payload; nilFn is whether the
+	// caller's fn is nil. The error is the refusal of invalid input.
+	Inbox func(c Client, consumer, messageID string, payload []byte, nilFn bool) (Key, [32]byte, error)
 	// Decide checks fn's result and turns it into the outcome to store; a
 	// refusal (idem.Reject) is an outcome, any other error comes back.
 	Decide func(c Client, resp Response, fnErr error) (Outcome[Response], error)
