@@ -72,6 +72,7 @@ func init() {
 		},
 		JSONResponse: jsonResponse,
 		DecodeInto:   decodeInto,
+		CheckCursor:  checkCursor,
 		CheckReason:  checkReason,
 		Retryable:    isRetryable,
 		Backoff:      backoff,

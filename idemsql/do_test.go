@@ -255,6 +255,8 @@ func testInvalidInput(t *testing.T, driver string) {
 		{"Resolve both", idemsql.Resolve(ctx, db, scope, "k", idem.Resolution{Token: 1, Succeeded: &created, Retryable: true}), idem.ErrInvalidArgument},
 		{"Resolve no token", idemsql.Resolve(ctx, db, scope, "k", idem.Resolution{Retryable: true}), idem.ErrInvalidArgument},
 		{"ListUnknown limit", second(idemsql.ListUnknown(ctx, db, 0, nil)), idem.ErrInvalidArgument},
+		{"ListUnknown cursor NUL", second(idemsql.ListUnknown(ctx, db, 1, &idem.Record{Scope: scope, Key: "a\x00", CreatedAt: time.Now()})), idem.ErrInvalidArgument},
+		{"ListUnknown cursor time", second(idemsql.ListUnknown(ctx, db, 1, &idem.Record{Scope: scope, Key: "a", CreatedAt: time.Date(300000, 1, 1, 0, 0, 0, 0, time.UTC)})), idem.ErrInvalidArgument},
 		{"Prune batch", second(idemsql.Prune(ctx, db, idem.PruneOptions{BatchSize: -1})), idem.ErrInvalidArgument},
 		{"DoJSON nil fn", third(idemsql.DoJSON[int](ctx, tx, scope, "k", fpOf("a"), nil)), idem.ErrInvalidArgument},
 		{"Do closed tx", second(idemsql.Do(ctx, closed, scope, "k", fpOf("a"), fn)), idem.ErrInvalidArgument},

@@ -374,7 +374,9 @@ func (c *Client) ExpireLeases(ctx context.Context, db *sql.DB, limit int) (int64
 
 // ListUnknown is idem.ListUnknown on a *sql.DB: at most limit 'unknown'
 // records, oldest first; pass nil for the first page and the last record
-// of a page for the next. limit <= 0 is idem.ErrInvalidArgument.
+// of a page for the next. limit <= 0, or an after that idem.ListUnknown
+// refuses (names that are not valid text, a CreatedAt outside PostgreSQL's
+// range), is idem.ErrInvalidArgument.
 func ListUnknown(ctx context.Context, db *sql.DB, limit int, after *idem.Record) ([]idem.Record, error) {
 	return defaultClient.ListUnknown(ctx, db, limit, after)
 }
@@ -392,6 +394,9 @@ func (c *Client) ListUnknown(ctx context.Context, db *sql.DB, limit int, after *
 		MaxRows:        int32(min(limit, math.MaxInt32)),
 	}
 	if after != nil {
+		if err := core.CheckCursor(after); err != nil {
+			return nil, err
+		}
 		arg.AfterCreatedAt = after.CreatedAt
 		arg.AfterActor, arg.AfterOperation, arg.AfterKey = after.Scope.Actor, after.Scope.Operation, after.Key
 	}

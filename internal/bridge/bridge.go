@@ -126,6 +126,8 @@ type Funcs[Client, Result, Response, Record any] struct {
 	// DecodeInto decodes the result of a typed-replay call into v (a
 	// pointer); a refusal comes back as an *idem.RejectedError.
 	DecodeInto func(res Result, err error, v any) (replayed bool, _ error)
+	// CheckCursor validates the record after which ListUnknown continues.
+	CheckCursor func(after *Record) error
 	// CheckReason validates a reason to store.
 	CheckReason func(reason string) error
 	// Retryable reports a serialization failure or a deadlock.
