@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgidem/idem"
@@ -201,6 +202,22 @@ func pooled(err error) error {
 	return err
 }
 
+// txUnusable returns err wrapped with idem.ErrInvalidArgument when it says
+// that the caller's transaction cannot be used (as package idem answers
+// for a pgx.Tx): closed, committed or rolled back (sql.ErrTxDone), or
+// aborted by a statement that failed in it (SQLSTATE 25P02).
+func txUnusable(err error) error {
+	switch {
+	case err == nil || errors.Is(err, idem.ErrInvalidArgument):
+		return err
+	case errors.Is(err, sql.ErrTxDone):
+		return fmt.Errorf("%w: the transaction is closed (committed or rolled back): %w", idem.ErrInvalidArgument, err)
+	case sqlState(err) == pgerrcode.InFailedSQLTransaction:
+		return fmt.Errorf("%w: the transaction is aborted (a statement failed in it; roll it back): %w", idem.ErrInvalidArgument, err)
+	}
+	return err
+}
+
 // unavailableIf wraps err with idem.ErrUnavailable when lost is true.
 func unavailableIf(lost bool, err error) error {
 	if !lost || errors.Is(err, idem.ErrUnavailable) {
@@ -213,6 +230,14 @@ var (
 	errNilDB = fmt.Errorf("%w: nil database handle", idem.ErrInvalidArgument)
 	errNilTx = fmt.Errorf("%w: nil transaction", idem.ErrInvalidArgument)
 )
+
+// ValidateKey is idem.Client.ValidateKey: whether key is a valid
+// idempotency key under this client's key length bounds (ErrInvalidKey).
+func (c *Client) ValidateKey(key string) error { return c.c.ValidateKey(key) }
+
+// ValidateScope is idem.ValidateScope (ErrInvalidScope): a scope's limits
+// do not depend on the client's Config.
+func (c *Client) ValidateScope(scope idem.Scope) error { return idem.ValidateScope(scope) }
 
 // checkTarget validates the scope and key of a call.
 func (c *Client) checkTarget(scope idem.Scope, key string) error {

@@ -57,7 +57,9 @@ const statusRejected = string(idem.StatusRejected)
 // one): the examples module shows each.
 //
 // After a serialization failure (40001) or a deadlock (40P01) the whole
-// transaction must be run again (InTx and DoInTx do so).
+// transaction must be run again (InTx and DoInTx do so). A tx that is
+// closed (committed or rolled back) or aborted (a statement failed in it)
+// is idem.ErrInvalidArgument, as in idem.Do.
 //
 // Do uses the package defaults; see Client.Do.
 func Do(ctx context.Context, tx *sql.Tx, scope idem.Scope, key string, fp idem.Fingerprint,
@@ -77,7 +79,7 @@ func (c *Client) Do(ctx context.Context, tx *sql.Tx, scope idem.Scope, key strin
 	ctx, cl := core.Observe(c.c, ctx, "do", "idemsql.Do", bridgeKey(scope, key))
 	defer cl.EndIfPanicking(ctx)
 	res, err := c.do(ctx, tx, bridgeKey(scope, key), fp, fn, cl)
-	err = pooled(err)
+	err = pooled(txUnusable(err))
 	cl.End(ctx, res, err)
 	return res, err
 }

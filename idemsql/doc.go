@@ -7,8 +7,11 @@
 // handles: Do, DoInTx, InTx, Migrate, the reservation calls (Reserve,
 // Complete, FailRetryable, MarkUnknown, Heartbeat), the operator calls
 // (Lookup, Forget, Resolve, ListUnknown, ExpireLeases, Prune, ReadStats),
-// the typed-replay forms (DoJSON, DoInTxJSON and their With forms), and a
-// Client from New(idem.Config) with the same methods.
+// the inbox (Inbox, InboxInTx, InboxKey), the typed-replay forms (DoJSON,
+// DoInTxJSON and their With forms), and a Client from New(idem.Config)
+// with every method of idem.Client. idem.MigrateDown is not ported: run it
+// (or the idem command) on a pgx pool. There is no Citus path: on a Citus
+// coordinator use package idem (see idem.Distribute).
 //
 // Everything else is package idem's: the same table and migrations (a
 // database migrated by idem.Migrate or idemsql.Migrate serves both, and

@@ -92,16 +92,8 @@ func (c *Client) Forget(ctx context.Context, db *sql.DB, scope idem.Scope, key s
 		case err != nil:
 			return err
 		}
-		switch idem.Status(row.Status) {
-		case idem.StatusProcessing:
-			if row.LeaseRanOut {
-				// As Reserve and Do answer: the owner's lease ran out
-				// before it recorded an outcome.
-				return fmt.Errorf("%w: the reservation's lease ran out", idem.ErrOutcomeUnknown)
-			}
-			return core.InProgress(c.c, bridgeKey(idem.Scope{}, ""))
-		case idem.StatusUnknown:
-			return idem.ErrOutcomeUnknown
+		if err := core.Forgettable(c.c, row.Status, row.LeaseRanOut); err != nil {
+			return err
 		}
 		_, err = queries.KeyForget(ctx, tx, dbsql.KeyForgetParams(k))
 		return err
@@ -205,11 +197,17 @@ func (c *Client) batchTx(ctx context.Context, db *sql.DB, fn func(ctx context.Co
 // oldest in flight and unknown, and the table's size. It counts every row:
 // run it from operators' tools, not on a request path.
 func ReadStats(ctx context.Context, db *sql.DB) (idem.Stats, error) {
+	return defaultClient.ReadStats(ctx, db)
+}
+
+// ReadStats is the package-level ReadStats, in a transaction at this
+// client's isolation level.
+func (c *Client) ReadStats(ctx context.Context, db *sql.DB) (idem.Stats, error) {
 	if db == nil {
 		return idem.Stats{}, errNilDB
 	}
 	st := idem.Stats{Keys: make(map[idem.Status]int64)}
-	err := defaultClient.InTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
+	err := c.InTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
 		rows, err := queries.KeyStats(ctx, tx)
 		if err != nil {
 			return err
