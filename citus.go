@@ -5,8 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"strings"
-	"sync"
-	"sync/atomic"
 
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
@@ -53,9 +51,9 @@ const DistributionColumn = "actor"
 // citus.propagate_set_commands is not 'local' (SET LOCAL statements must
 // reach the workers: that is how Config.Wait bounds a wait there), or an
 // idem_keys distributed otherwise (by another column, or as a reference
-// table) gives an error wrapping ErrUnsupported, and nothing changes. Migrate keeps
-// working on the distributed table: Citus propagates idem's later
-// migrations (columns, indexes) to every shard.
+// table) gives an error wrapping ErrUnsupported, and nothing changes.
+// Migrate keeps working on the distributed table: Citus applies idem's
+// later migrations (columns, indexes built concurrently) to every shard.
 func Distribute(ctx context.Context, pool *pgxpool.Pool) error {
 	if pool == nil {
 		return fmt.Errorf("%w: nil pool", ErrInvalidArgument)
@@ -131,44 +129,39 @@ func hasCitus(ctx context.Context, q interface {
 }
 
 // isCitus reports whether the database of conn has the citus extension. It
-// asks each database once per Client: the first database the Client meets
-// is remembered beside the Client (one comparison of conn's host, port and
-// database name per call, no allocation), any other in a map.
+// asks each database once per Client (by host, port and database name of
+// conn's configuration), and each connection then keeps the answer in its
+// pgconn CustomData: on every later call on that connection it costs a map
+// lookup, no allocation and no statement.
 func (c *Client) isCitus(ctx context.Context, conn *pgx.Conn) (bool, error) {
-	cfg := conn.Config()
-	if e := c.citus.first.Load(); e != nil && e.host == cfg.Host && e.port == cfg.Port && e.database == cfg.Database {
-		return e.citus, nil
+	data := conn.PgConn().CustomData()
+	if citus, ok := data[citusData].(bool); ok {
+		return citus, nil
 	}
+	cfg := conn.Config() // a copy: once per connection
 	key := citusKey{host: cfg.Host, port: cfg.Port, database: cfg.Database}
-	if citus, ok := c.citus.others.Load(key); ok {
-		return citus.(bool), nil
+	var citus bool
+	if known, ok := c.citus.Load(key); ok {
+		citus = known.(bool)
+	} else {
+		var err error
+		if citus, err = hasCitus(ctx, conn); err != nil {
+			return false, err
+		}
+		c.citus.Store(key, citus)
 	}
-	citus, err := hasCitus(ctx, conn)
-	if err != nil {
-		return false, err
-	}
-	if !c.citus.first.CompareAndSwap(nil, &citusEntry{citusKey: key, citus: citus}) {
-		c.citus.others.Store(key, citus)
-	}
+	data[citusData] = citus
 	return citus, nil
 }
 
-// citusCache is what Client.isCitus learned.
-type citusCache struct {
-	first  atomic.Pointer[citusEntry]
-	others sync.Map // citusKey → bool
-}
+// citusData is the key of isCitus's answer in a connection's CustomData.
+const citusData = "github.com/pgidem/idem.citus"
 
 // citusKey names a database for Client.isCitus.
 type citusKey struct {
 	host     string
 	port     uint16
 	database string
-}
-
-type citusEntry struct {
-	citusKey
-	citus bool
 }
 
 // isCitusTable reports whether idem_keys is a Citus table in the database

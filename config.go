@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math"
+	"sync"
 	"time"
 
 	"github.com/jackc/pgx/v5"
@@ -102,7 +103,7 @@ type Client struct {
 	txOptions   pgx.TxOptions
 	retryAfter  time.Duration
 	obs         *observer
-	citus       citusCache // whether each database is Citus; see citus.go
+	citus       sync.Map // citusKey → whether that database is Citus (bool); see citus.go
 }
 
 // New returns a Client for cfg, with zero fields replaced by their defaults.

@@ -72,15 +72,26 @@ func Inbox(ctx context.Context, tx pgx.Tx, consumer, messageID string, payload [
 // Inbox is the package-level Inbox with this client's configuration.
 func (c *Client) Inbox(ctx context.Context, tx pgx.Tx, consumer, messageID string, payload []byte,
 	fn func(ctx context.Context, tx pgx.Tx) error) (duplicate bool, err error) {
-	key, err := c.InboxKey(messageID)
+	scope, key, fp, err := c.inboxTarget(consumer, messageID, payload, fn == nil)
 	if err != nil {
 		return false, err
 	}
-	if fn == nil {
-		return false, fmt.Errorf("%w: nil function", ErrInvalidArgument)
-	}
-	res, err := c.Do(ctx, tx, inboxScope(consumer), key, inboxFingerprint(payload), inboxFn(fn))
+	res, err := c.Do(ctx, tx, scope, key, fp, inboxFn(fn))
 	return res.Replayed, err
+}
+
+// inboxTarget is the key under which Inbox records a message, and its
+// fingerprint; nilFn is whether the caller's fn is nil (refused). Package
+// idemsql's Inbox records messages through it too (internal/bridge).
+func (c *Client) inboxTarget(consumer, messageID string, payload []byte, nilFn bool) (Scope, string, Fingerprint, error) {
+	key, err := c.InboxKey(messageID)
+	if err != nil {
+		return Scope{}, "", Fingerprint{}, err
+	}
+	if nilFn {
+		return Scope{}, "", Fingerprint{}, fmt.Errorf("%w: nil function", ErrInvalidArgument)
+	}
+	return inboxScope(consumer), key, inboxFingerprint(payload), nil
 }
 
 // InboxInTx is Inbox in a transaction of its own begun on db, committed
@@ -101,14 +112,11 @@ func InboxInTx(ctx context.Context, db Beginner, consumer, messageID string, pay
 // configuration.
 func (c *Client) InboxInTx(ctx context.Context, db Beginner, consumer, messageID string, payload []byte,
 	fn func(ctx context.Context, tx pgx.Tx) error) (duplicate bool, err error) {
-	key, err := c.InboxKey(messageID)
+	scope, key, fp, err := c.inboxTarget(consumer, messageID, payload, fn == nil)
 	if err != nil {
 		return false, err
 	}
-	if fn == nil {
-		return false, fmt.Errorf("%w: nil function", ErrInvalidArgument)
-	}
-	res, err := c.DoInTx(ctx, db, inboxScope(consumer), key, inboxFingerprint(payload), inboxFn(fn))
+	res, err := c.DoInTx(ctx, db, scope, key, fp, inboxFn(fn))
 	return res.Replayed, err
 }
 

@@ -85,16 +85,8 @@ func (c *Client) Forget(ctx context.Context, db Beginner, scope Scope, key strin
 		case err != nil:
 			return err
 		}
-		switch Status(row.Status) {
-		case StatusProcessing:
-			if row.LeaseRanOut {
-				// As Reserve and Do answer: the owner's lease ran out
-				// before it recorded an outcome.
-				return fmt.Errorf("%w: the reservation's lease ran out", ErrOutcomeUnknown)
-			}
-			return c.inProgress()
-		case StatusUnknown:
-			return ErrOutcomeUnknown
+		if err := c.forgettable(Status(row.Status), row.LeaseRanOut); err != nil {
+			return err
 		}
 		_, err = queries.KeyForget(ctx, planned{tx}, store.KeyForgetParams(k))
 		return err
@@ -104,6 +96,25 @@ func (c *Client) Forget(ctx context.Context, db Beginner, scope Scope, key strin
 		return err
 	case err != nil:
 		return fmt.Errorf("idem: forget: %w", unsupportedIf(err))
+	}
+	return nil
+}
+
+// forgettable decides whether Forget may delete the locked record of a key,
+// which is in status (leaseRanOut as KeyLockForForget reads it): nil,
+// ErrInProgress or ErrOutcomeUnknown. Package idemsql decides through it
+// too (internal/bridge).
+func (c *Client) forgettable(status Status, leaseRanOut bool) error {
+	switch status {
+	case StatusProcessing:
+		if leaseRanOut {
+			// As Reserve and Do answer: the owner's lease ran out before
+			// it recorded an outcome.
+			return fmt.Errorf("%w: the reservation's lease ran out", ErrOutcomeUnknown)
+		}
+		return c.inProgress()
+	case StatusUnknown:
+		return ErrOutcomeUnknown
 	}
 	return nil
 }

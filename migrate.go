@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
@@ -101,7 +102,8 @@ type MigrateDownOptions struct {
 	// outcome may have happened. Their keys become free: a retry runs the
 	// work again. It is sent as a setting when the connection starts
 	// (idem.force_down), which PgBouncer refuses: force a downgrade on a
-	// direct connection.
+	// direct connection (through one, MigrateDown returns
+	// ErrInvalidArgument saying so).
 	Force bool
 }
 
@@ -142,6 +144,12 @@ func MigrateDown(ctx context.Context, pool *pgxpool.Pool, opts MigrateDownOption
 	})
 	var pgErr *pgconn.PgError
 	switch {
+	case opts.Force && errors.As(err, &pgErr) && strings.Contains(pgErr.Message, forceDownParam):
+		// A pooler (PgBouncer) that refuses the setting: not an outage, so
+		// the cause is kept as text, out of Unavailable's reach.
+		return 0, fmt.Errorf("%w: MigrateDownOptions.Force sends the setting %s when the connection starts, "+
+			"which the server or pooler refused (%v); force the downgrade on a direct connection to PostgreSQL",
+			ErrInvalidArgument, forceDownParam, err)
 	case errors.As(err, &pgErr) && pgErr.Code == downRefusedCode:
 		return 0, fmt.Errorf("%w: %s; nothing changed (MigrateDownOptions.Force, or idem migrate down --force, deletes them)",
 			ErrDowngradeDeletesRecords, pgErr.Message)
@@ -165,8 +173,11 @@ func withSQLProvider(db *sql.DB, fn func(*goose.Provider) error) error {
 	locker, err := lock.NewPostgresTableLocker(
 		lock.WithTableName(MigrationLockTable),
 		lock.WithTableLockID(MigrationLockID),
-		// Poll often (runs are short) for at most five minutes.
+		// Poll often (runs are short) for at most five minutes, while
+		// another run holds the lock; a store failure ends the wait at
+		// once (idem.Unavailable is true for it).
 		lock.WithTableLockTimeout(200*time.Millisecond, 1500),
+		lock.WithTableRetryPolicy(func(err error) bool { return !isUnavailable(err) }),
 	)
 	if err != nil {
 		return err

@@ -221,3 +221,19 @@ func TestPoolerDefaultModeNamesTheFix(t *testing.T) {
 	}
 	t.Logf("%d of 64 calls failed, each with the fix named", failed.Load())
 }
+
+// A forced downgrade through the pooler, which refuses the startup setting
+// that forces it: ErrInvalidArgument saying to use a direct connection,
+// not an outage; nothing changed.
+func TestMigrateDownForceBehindPooler(t *testing.T) {
+	t.Parallel()
+	pool := poolerPool(t, idem.Migrate, pgx.QueryExecModeExec, nil)
+	before := appliedVersion(t, pool)
+	_, err := idem.MigrateDown(t.Context(), pool, idem.MigrateDownOptions{Force: true})
+	if !errors.Is(err, idem.ErrInvalidArgument) || idem.Unavailable(err) || !strings.Contains(err.Error(), "direct connection") {
+		t.Fatalf("forced MigrateDown through the pooler: %v", err)
+	}
+	if after := appliedVersion(t, pool); after != before {
+		t.Fatalf("version %d, was %d", after, before)
+	}
+}

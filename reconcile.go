@@ -254,20 +254,8 @@ func (c *Client) Resolve(ctx context.Context, db Beginner, scope Scope, key stri
 		if err != nil {
 			return err
 		}
-		// (Token 0: a record Do wrote, which has no attempt to name and is
-		// never awaiting reconciliation: ErrNotResolvable below.)
-		if row.IdemKey.Token != res.Token && row.IdemKey.Token != 0 {
-			return fmt.Errorf("%w: token %d was resolved or replaced; the record holds token %d now (status %s)",
-				ErrFenced, res.Token, row.IdemKey.Token, row.IdemKey.Status)
-		}
-		switch status := Status(row.IdemKey.Status); {
-		case status == StatusUnknown:
-		case status == StatusProcessing && row.Leased && row.LeaseLeftMs > 0:
-			return fmt.Errorf("%w: a live lease holds it", ErrNotResolvable)
-		case status == StatusProcessing && row.Leased:
-			// The lease ran out before an outcome was recorded.
-		default:
-			return fmt.Errorf("%w: it is %s", ErrNotResolvable, status)
+		if err := resolvable(Status(row.IdemKey.Status), row.IdemKey.Token, res.Token, row.Leased, row.LeaseLeftMs); err != nil {
+			return err
 		}
 		arg.Token = row.IdemKey.Token
 		n, err := queries.ReserveResolve(ctx, planned{tx}, arg)
@@ -284,6 +272,30 @@ func (c *Client) Resolve(ctx context.Context, db Beginner, scope Scope, key stri
 	}
 	c.countEnd(ctx, "resolve", scope, err, "reconcile_resolved")
 	return err
+}
+
+// resolvable decides whether Resolve may reconcile the locked record of a
+// key, which is in status and holds token (leased and leaseLeftMs as
+// ReserveLock reads them), with a Resolution that names the token want:
+// nil, ErrFenced or ErrNotResolvable. Package idemsql decides through it
+// too (internal/bridge).
+func resolvable(status Status, token, want int64, leased bool, leaseLeftMs int64) error {
+	// (Token 0: a record Do wrote, which has no attempt to name and is
+	// never awaiting reconciliation: ErrNotResolvable below.)
+	if token != want && token != 0 {
+		return fmt.Errorf("%w: token %d was resolved or replaced; the record holds token %d now (status %s)",
+			ErrFenced, want, token, status)
+	}
+	switch {
+	case status == StatusUnknown:
+	case status == StatusProcessing && leased && leaseLeftMs > 0:
+		return fmt.Errorf("%w: a live lease holds it", ErrNotResolvable)
+	case status == StatusProcessing && leased:
+		// The lease ran out before an outcome was recorded.
+	default:
+		return fmt.Errorf("%w: it is %s", ErrNotResolvable, status)
+	}
+	return nil
 }
 
 // PostgreSQL's range of timestamptz: 4713 BC to 294276 AD.

@@ -27,6 +27,16 @@ func init() {
 			}
 			return res, bridge.Done, err
 		},
+		Resolvable: func(status string, token, want int64, leased bool, leaseLeftMs int64) error {
+			return resolvable(Status(status), token, want, leased, leaseLeftMs)
+		},
+		Forgettable: func(c *Client, status string, leaseRanOut bool) error {
+			return c.forgettable(Status(status), leaseRanOut)
+		},
+		Inbox: func(c *Client, consumer, messageID string, payload []byte, nilFn bool) (bridge.Key, [32]byte, error) {
+			scope, key, fp, err := c.inboxTarget(consumer, messageID, payload, nilFn)
+			return bridge.Key{Actor: scope.Actor, Operation: scope.Operation, Key: key}, fp, err
+		},
 		Decide: func(c *Client, resp Response, fnErr error) (bridge.Outcome[Response], error) {
 			out, err := c.decide(resp, fnErr)
 			return bridge.Outcome[Response]{Status: string(out.status), Response: out.resp,
@@ -62,6 +72,7 @@ func init() {
 		},
 		JSONResponse: jsonResponse,
 		DecodeInto:   decodeInto,
+		CheckCursor:  checkCursor,
 		CheckReason:  checkReason,
 		Retryable:    isRetryable,
 		Backoff:      backoff,
@@ -72,6 +83,7 @@ func init() {
 		CountEnd: func(c *Client, ctx context.Context, call, operation string, err error, event string) {
 			c.countEnd(ctx, call, Scope{Operation: operation}, err, event)
 		},
+		PreparedStatementsLost: preparedStatementsLost,
 		Migrate: func(ctx context.Context, db *sql.DB) error {
 			return withSQLProvider(db, func(p *goose.Provider) error {
 				_, err := p.Up(ctx)

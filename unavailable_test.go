@@ -437,3 +437,54 @@ func TestUnavailableAcrossRestart(t *testing.T) {
 		t.Fatalf("a transaction open across the restart committed: %+v", rec)
 	}
 }
+
+// Migrate waiting for the migration lock that another run holds stops at
+// once, Unavailable, when the server goes away, instead of polling for the
+// lock's five minutes.
+func TestMigrateWaitingForTheLockFailsFastWhenTheServerGoes(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	direct := pgtest.URL(t, idem.Migrate)
+	pool, err := pgxpool.New(ctx, direct)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	// A migration to apply, and another run holds the lock, with a long
+	// lease.
+	if _, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if tag, err := pool.Exec(ctx, `UPDATE `+idem.MigrationLockTable+` SET locked = true, locked_by = 'other',
+		lease_expires_at = now() + interval '1 hour' WHERE lock_id = $1`, idem.MigrationLockID); err != nil || tag.RowsAffected() != 1 {
+		t.Fatalf("holding the lock: %v, %v", tag, err)
+	}
+	target, err := relay.Target(direct)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := relay.Start(target, relay.Options{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	relayed, err := r.ConnString(direct)
+	if err != nil {
+		t.Fatal(err)
+	}
+	through, err := pgxpool.New(ctx, relayed)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer through.Close()
+	done := make(chan error, 1)
+	go func() { done <- idem.Migrate(ctx, through) }()
+	time.Sleep(500 * time.Millisecond) // waiting for the lock
+	_ = r.Close()                      // the server is gone
+	select {
+	case err := <-done:
+		wantUnavailable(t, "Migrate waiting for the lock when the server went away", err)
+	case <-ctx.Done():
+		t.Fatal("Migrate still waits for the lock a minute after the server went away")
+	}
+}

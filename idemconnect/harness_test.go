@@ -166,13 +166,19 @@ func initRequest(spec connect.Spec, msg any) error {
 // client; both end with the test.
 func serve(t *testing.T, db idem.Beginner, opts idemconnect.Options, h ledgerHandler) (string, *http.Client) {
 	t.Helper()
+	return serveWith(t, db, opts, nil, h)
+}
+
+// serveWith is serve with the interceptors outer before idemconnect's.
+func serveWith(t *testing.T, db idem.Beginner, opts idemconnect.Options, outer []connect.Interceptor, h ledgerHandler) (string, *http.Client) {
+	t.Helper()
 	if opts.Scope == nil {
 		opts.Scope = scopeFromHeader
 	}
 	mux := http.NewServeMux()
 	mux.Handle(transferProcedure, connect.NewUnaryHandler(transferProcedure, h,
 		connect.WithSchema(transferMethod), connect.WithRequestInitializer(initRequest),
-		connect.WithInterceptors(idemconnect.NewInterceptor(db, opts))))
+		connect.WithInterceptors(append(outer, idemconnect.NewInterceptor(db, opts))...)))
 	srv := httptest.NewUnstartedServer(mux)
 	srv.EnableHTTP2 = true
 	srv.StartTLS()

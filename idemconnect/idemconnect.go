@@ -32,7 +32,6 @@ import (
 	"slices"
 	"strings"
 	"sync"
-	"time"
 
 	"connectrpc.com/connect"
 	"github.com/jackc/pgx/v5"
@@ -46,10 +45,7 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/keyhdr"
-	"github.com/pgidem/idem/internal/loghash"
 	"github.com/pgidem/idem/internal/rpcidem"
-	"github.com/pgidem/idem/internal/watchtx"
 )
 
 // HeaderKey is the request header that carries the idempotency key: a bare
@@ -123,7 +119,10 @@ type Options struct {
 	// connect.CallInfoForHandlerContext, and for a refusal the
 	// *connect.Error's Meta (stored as headers). The first call sends
 	// everything the handler set; a replay only these, plus
-	// Idempotent-Replayed: true. Keep secrets out. Default: none.
+	// Idempotent-Replayed: true. Keep secrets out. Each must be an HTTP
+	// token (RFC 9110: letters, digits and !#$%&'*+-.^_`|~) that does not
+	// start with "connect-" or "grpc-"; NewInterceptor panics otherwise.
+	// Default: none.
 	StoredHeaders  []string
 	StoredTrailers []string
 
@@ -155,7 +154,10 @@ type txKey struct{}
 // returning. After a serialization failure or a deadlock, met by one of the
 // handler's statements or at COMMIT, the handler runs again in a new
 // transaction (Config.MaxRetries), so it must not have effects outside the
-// transaction.
+// transaction. The response headers and trailers a run that is rolled back
+// set through connect.CallInfoForHandlerContext are dropped: the client gets
+// those of the last run only (or, when that run finds the key's outcome
+// stored by another call, the stored ones).
 func Tx(ctx context.Context) pgx.Tx {
 	tx, _ := ctx.Value(txKey{}).(pgx.Tx)
 	return tx
@@ -216,8 +218,9 @@ func Tx(ctx context.Context) pgx.Tx {
 // outcome that cannot be stored (over Config.MaxResponseBytes, a message
 // that is not protobuf) is internal, with the handler's writes rolled back.
 //
-// NewInterceptor panics if db is nil or opts is invalid (nil Scope, a
-// Config that idem.New refuses): a programming error to find at start-up.
+// NewInterceptor panics if db is nil (a typed nil *pgxpool.Pool too) or
+// opts is invalid (nil Scope, a stored name that is not a token, a Config
+// that idem.New refuses): a programming error to find at start-up.
 func NewInterceptor(db idem.Beginner, opts Options) connect.Interceptor {
 	in, err := newInterceptor(db, opts)
 	if err != nil {
@@ -228,52 +231,40 @@ func NewInterceptor(db idem.Beginner, opts Options) connect.Interceptor {
 
 // interceptor is the configured interceptor.
 type interceptor struct {
-	db         idem.Beginner
-	client     *idem.Client
+	core       *rpcidem.Core
 	scope      func(ctx context.Context, procedure string) (idem.Scope, error)
 	procedures []string
-	requireKey bool
 	keyField   protoreflect.Name
-	refusals   []connect.Code
 	headers    []string // canonical
 	trailers   []string // canonical
-	log        *slog.Logger
-	hash       *loghash.Hasher // of keys in log records
-	replies    sync.Map        // procedure -> protoreflect.MessageType
+	replies    sync.Map // procedure -> protoreflect.MessageType
 }
 
 func newInterceptor(db idem.Beginner, opts Options) (*interceptor, error) {
-	if db == nil {
-		return nil, errors.New("idemconnect: nil database handle")
+	refusals := opts.RefusalCodes
+	if refusals == nil {
+		refusals = DefaultRefusalCodes
 	}
-	if opts.Scope == nil {
-		return nil, errors.New("idemconnect: Options.Scope is required")
-	}
-	if len(opts.Config.LogHashKey) == 0 {
-		// One random secret for idem's logs and the interceptor's, so that
-		// both hash a key alike.
-		opts.Config.LogHashKey = loghash.NewSecret()
-	}
-	client, err := idem.New(opts.Config)
+	core, err := rpcidem.New(db, rpcidem.Options{
+		Name:          "idemconnect",
+		ProcedureAttr: "procedure",
+		KeySource:     "Idempotency-Key header",
+		KeyMissing:    "this procedure requires an Idempotency-Key header",
+		ScopeSet:      opts.Scope != nil,
+		RequireKey:    opts.RequireKey,
+		KeyField:      opts.KeyField,
+		RefusalCodes:  rpcidem.Codes(refusals),
+		Logger:        opts.Logger,
+		Config:        opts.Config,
+	})
 	if err != nil {
-		return nil, fmt.Errorf("idemconnect: Options.Config: %w", err)
+		return nil, err
 	}
 	in := &interceptor{
-		db:         db,
-		client:     client,
+		core:       core,
 		scope:      opts.Scope,
 		procedures: slices.Clone(opts.Procedures),
-		requireKey: opts.RequireKey,
 		keyField:   protoreflect.Name(opts.KeyField),
-		refusals:   slices.Clone(opts.RefusalCodes),
-		log:        opts.Logger,
-		hash:       loghash.New(opts.Config.LogHashKey),
-	}
-	if in.log == nil {
-		in.log = slog.Default()
-	}
-	if in.refusals == nil {
-		in.refusals = DefaultRefusalCodes
 	}
 	if in.keyField != "" && !in.keyField.IsValid() {
 		return nil, fmt.Errorf("idemconnect: Options.KeyField: %q is not a field name", opts.KeyField)
@@ -283,9 +274,7 @@ func newInterceptor(db idem.Beginner, opts Options) (*interceptor, error) {
 		out *[]string
 	}{{opts.StoredHeaders, &in.headers}, {opts.StoredTrailers, &in.trailers}} {
 		for _, name := range list.in {
-			lower := strings.ToLower(name)
-			if name == "" || strings.ContainsAny(name, " :\r\n") ||
-				strings.HasPrefix(lower, "connect-") || strings.HasPrefix(lower, "grpc-") {
+			if !rpcidem.HeaderName(name, "connect-", "grpc-") {
 				return nil, fmt.Errorf("idemconnect: Options.StoredHeaders, StoredTrailers: invalid header name %q", name)
 			}
 			*list.out = append(*list.out, http.CanonicalHeaderKey(name))
@@ -312,9 +301,9 @@ func (in *interceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
 			return next(ctx, req)
 		}
 		msg, isProto := req.Any().(proto.Message)
-		key, err := in.key(req.Header(), msg)
-		if err != nil {
-			return nil, err
+		key, f := in.core.Key(req.Header().Values(HeaderKey), keyField(msg, in.keyField))
+		if f != nil {
+			return nil, errorOf(f)
 		}
 		if key == "" {
 			return next(ctx, req)
@@ -323,9 +312,12 @@ func (in *interceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
 			return nil, connect.NewError(connect.CodeInternal,
 				fmt.Errorf("idemconnect: the request of %s is a %T, not a protobuf message", spec.Procedure, req.Any()))
 		}
-		scope, err := in.scopeOf(ctx, spec.Procedure)
-		if err != nil {
-			return nil, err
+		scope, err := in.scope(ctx, spec.Procedure)
+		if ce := (*connect.Error)(nil); errors.As(err, &ce) {
+			return nil, ce
+		}
+		if f := in.core.Scope(scope, err); f != nil {
+			return nil, errorOf(f)
 		}
 		replyType, err := in.replyType(spec)
 		if err != nil {
@@ -335,60 +327,37 @@ func (in *interceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
 		if err != nil {
 			return nil, connect.NewError(connect.CodeInternal, fmt.Errorf("idemconnect: marshal the request: %w", err))
 		}
-		return in.run(ctx, req, next, scope, key, rpcidem.Fingerprint(spec.Procedure, b), replyType)
+		c := &call{in: in, req: req, next: next}
+		if info, ok := connect.CallInfoForHandlerContext(ctx); ok {
+			// What is set before the handler runs (by interceptors before
+			// this one): each run starts from it, and a replay or a failure
+			// goes out with it only.
+			c.info, c.header, c.trailer = info, info.ResponseHeader().Clone(), info.ResponseTrailer().Clone()
+		}
+		stored, replayed, f := in.core.Do(ctx, spec.Procedure, scope, key, rpcidem.Fingerprint(spec.Procedure, b), c)
+		switch {
+		case f != nil:
+			c.restore()
+			return nil, errorOf(f)
+		case replayed:
+			c.restore()
+			return in.replay(stored, replyType)
+		}
+		return c.resp, c.err // the handler's own answer, with what its last run set
 	}
 }
 
-// key returns the call's key ("" for none), or the error to answer.
-func (in *interceptor) key(header http.Header, msg proto.Message) (string, error) {
-	values := header.Values(HeaderKey)
-	present := len(values) > 0 // an empty value is an invalid key, not none
-	key, err := keyhdr.Parse(values)
-	if err != nil && present {
-		return "", withInfo(connect.CodeInvalidArgument, ReasonKeyInvalid, "invalid Idempotency-Key header: "+err.Error())
+// keyField returns the value of msg's string field name, or "" (no
+// name, no such field, or not set).
+func keyField(msg proto.Message, name protoreflect.Name) string {
+	if name == "" || msg == nil {
+		return ""
 	}
-	if in.keyField != "" && msg != nil {
-		m := msg.ProtoReflect()
-		if fd := m.Descriptor().Fields().ByName(in.keyField); fd != nil && fd.Kind() == protoreflect.StringKind && !fd.IsList() {
-			if v := m.Get(fd).String(); v != "" {
-				if key != "" && key != v {
-					return "", withInfo(connect.CodeInvalidArgument, ReasonKeyInvalid,
-						fmt.Sprintf("the Idempotency-Key header and the request field %s hold different keys", in.keyField))
-				}
-				key, present = v, true
-			}
-		}
+	m := msg.ProtoReflect()
+	if fd := m.Descriptor().Fields().ByName(name); fd != nil && fd.Kind() == protoreflect.StringKind && !fd.IsList() {
+		return m.Get(fd).String()
 	}
-	if !present {
-		if in.requireKey {
-			return "", withInfo(connect.CodeInvalidArgument, ReasonKeyMissing, "this procedure requires an Idempotency-Key header")
-		}
-		return "", nil
-	}
-	if err := in.client.ValidateKey(key); err != nil {
-		return "", withInfo(connect.CodeInvalidArgument, ReasonKeyInvalid, "invalid idempotency key: "+errorText(err))
-	}
-	return key, nil
-}
-
-// scopeOf returns the call's scope, or the error to answer.
-func (in *interceptor) scopeOf(ctx context.Context, procedure string) (idem.Scope, error) {
-	unauthenticated := connect.NewError(connect.CodeUnauthenticated, errors.New("the call is not authenticated"))
-	scope, err := in.scope(ctx, procedure)
-	if err != nil {
-		var ce *connect.Error
-		if errors.As(err, &ce) {
-			return idem.Scope{}, ce
-		}
-		return idem.Scope{}, unauthenticated
-	}
-	if idem.ValidateScope(idem.Scope{Actor: scope.Actor, Operation: "-"}) != nil {
-		return idem.Scope{}, unauthenticated
-	}
-	if err := idem.ValidateScope(scope); err != nil {
-		return idem.Scope{}, connect.NewError(connect.CodeInternal, fmt.Errorf("idemconnect: Options.Scope: %w", err))
-	}
-	return scope, nil
+	return ""
 }
 
 // replyType returns the reply message type of the procedure of spec.
@@ -412,55 +381,62 @@ func (in *interceptor) replyType(spec connect.Spec) (protoreflect.MessageType, e
 	return t, nil
 }
 
-// errNotStored is what the handler's function returns for an error of the
-// handler that is not a refusal: nothing is stored.
-var errNotStored = errors.New("idemconnect: the handler's error is not stored")
+// call is one call with a key, as rpcidem.Core.Do runs it.
+type call struct {
+	in   *interceptor
+	req  connect.AnyRequest
+	next connect.UnaryFunc
+	info connect.CallInfo // nil outside a handler
 
-// run is the call with a key: the handler in idem.DoInTx, then the answer.
-func (in *interceptor) run(ctx context.Context, req connect.AnyRequest, next connect.UnaryFunc,
-	scope idem.Scope, key string, fp idem.Fingerprint, replyType protoreflect.MessageType) (connect.AnyResponse, error) {
-	info, _ := connect.CallInfoForHandlerContext(ctx)
-	var resp connect.AnyResponse
-	var handlerErr error
-	res, err := in.client.DoInTx(ctx, in.db, scope, key, fp, func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
-		wt := watchtx.New(tx)
-		resp, handlerErr = next(context.WithValue(ctx, txKey{}, pgx.Tx(wt)), req)
-		if err := wt.Retryable(); err != nil {
-			return idem.Response{}, err // the transaction is lost: DoInTx runs the handler again
-		}
-		if handlerErr != nil {
-			return in.refusal(handlerErr, info)
-		}
-		msg, ok := resp.Any().(proto.Message)
-		if !ok {
-			return idem.Response{}, fmt.Errorf("idemconnect: the reply of %s is a %T, not a protobuf message", req.Spec().Procedure, resp.Any())
-		}
-		body, err := proto.MarshalOptions{Deterministic: true}.Marshal(msg)
-		if err != nil {
-			return idem.Response{}, fmt.Errorf("idemconnect: marshal the reply: %w", err)
-		}
-		header, trailer := resp.Header(), resp.Trailer()
-		if info != nil {
-			header, trailer = merged(header, info.ResponseHeader()), merged(trailer, info.ResponseTrailer())
-		}
-		return idem.Response{Status: rpcidem.StatusReply, Header: in.stored(header, trailer), Body: body}, nil
-	})
-	switch {
-	case err == nil && res.Replayed:
-		return in.replay(res.Response, replyType)
-	case err == nil, errors.Is(err, errNotStored) && !idem.Unavailable(err):
-		return resp, handlerErr // the handler's own answer
-	}
-	return nil, in.storeError(ctx, req.Spec().Procedure, key, err)
+	// header and trailer are info's response header and trailer before
+	// the first run: a run that is rolled back leaves nothing it set there.
+	header, trailer http.Header
+
+	resp connect.AnyResponse // of the last run of the handler
+	err  error
 }
 
-// refusal is the outcome of the handler's error herr: a refusal to store,
-// or errNotStored.
-func (in *interceptor) refusal(herr error, info connect.CallInfo) (idem.Response, error) {
-	code := connect.CodeOf(herr)
-	if !slices.Contains(in.refusals, code) {
-		return idem.Response{}, errNotStored
+func (c *call) Handle(ctx context.Context, tx pgx.Tx) error {
+	c.restore()
+	c.resp, c.err = c.next(context.WithValue(ctx, txKey{}, tx), c.req)
+	return c.err
+}
+
+// restore sets info's response header and trailer back to what they were
+// before the first run.
+func (c *call) restore() {
+	if c.info == nil {
+		return
 	}
+	for _, h := range []struct{ now, was http.Header }{{c.info.ResponseHeader(), c.header}, {c.info.ResponseTrailer(), c.trailer}} {
+		clear(h.now)
+		for name, values := range h.was {
+			h.now[name] = slices.Clone(values)
+		}
+	}
+}
+
+func (c *call) Code(err error) uint32 { return uint32(connect.CodeOf(err)) }
+
+func (c *call) Reply() (map[string][]string, []byte, error) {
+	msg, ok := c.resp.Any().(proto.Message)
+	if !ok {
+		return nil, nil, fmt.Errorf("idemconnect: the reply of %s is a %T, not a protobuf message", c.req.Spec().Procedure, c.resp.Any())
+	}
+	body, err := proto.MarshalOptions{Deterministic: true}.Marshal(msg)
+	if err != nil {
+		return nil, nil, fmt.Errorf("idemconnect: marshal the reply: %w", err)
+	}
+	header, trailer := c.resp.Header(), c.resp.Trailer()
+	if c.info != nil {
+		header, trailer = merged(header, c.info.ResponseHeader()), merged(trailer, c.info.ResponseTrailer())
+	}
+	return c.in.stored(header, trailer), body, nil
+}
+
+// Refusal is the stored form of herr, the handler's error, a refusal.
+func (c *call) Refusal(herr error) (map[string][]string, []byte, error) {
+	code := connect.CodeOf(herr)
 	st := &spb.Status{Code: int32(code), Message: herr.Error()}
 	var meta http.Header
 	if ce := (*connect.Error)(nil); errors.As(herr, &ce) {
@@ -470,17 +446,17 @@ func (in *interceptor) refusal(herr error, info connect.CallInfo) (idem.Response
 		}
 		meta = ce.Meta()
 	}
-	if info != nil {
-		meta = merged(merged(meta, info.ResponseHeader()), info.ResponseTrailer())
+	if c.info != nil {
+		meta = merged(merged(meta, c.info.ResponseHeader()), c.info.ResponseTrailer())
 	}
 	body, err := proto.MarshalOptions{Deterministic: true}.Marshal(st)
 	if err != nil {
-		return idem.Response{}, fmt.Errorf("idemconnect: marshal the error: %w", err)
+		return nil, nil, fmt.Errorf("idemconnect: marshal the error: %w", err)
 	}
 	// An error's metadata travels as one set (headers or trailers,
 	// depending on the protocol): it is stored as headers.
-	stored := in.stored(meta, nil)
-	for name, values := range in.stored(nil, meta) {
+	stored := c.in.stored(meta, nil)
+	for name, values := range c.in.stored(nil, meta) {
 		name = strings.TrimPrefix(name, rpcidem.TrailerPrefix)
 		if _, dup := stored[name]; !dup {
 			if stored == nil {
@@ -489,7 +465,7 @@ func (in *interceptor) refusal(herr error, info connect.CallInfo) (idem.Response
 			stored[name] = values
 		}
 	}
-	return idem.Response{}, idem.Reject(idem.Response{Status: rpcidem.HTTPStatus(uint32(code)), Header: stored, Body: body})
+	return stored, body, nil
 }
 
 // merged returns a and b together (either may be nil; neither changes).
@@ -579,42 +555,20 @@ func (in *interceptor) replay(resp idem.Response, replyType protoreflect.Message
 	return r, nil
 }
 
-// storeError is the error to answer for err, an error of idem (or of the
-// store under it) for a call of procedure with key. Those answered
-// unavailable or internal are logged.
-func (in *interceptor) storeError(ctx context.Context, procedure, key string, err error) error {
-	var inProgress *idem.InProgressError
-	switch {
-	case errors.Is(err, idem.ErrKeyReused):
-		return withInfo(connect.CodeFailedPrecondition, ReasonKeyReused, "this idempotency key was used for a different request")
-	case errors.As(err, &inProgress):
-		return withInfo(connect.CodeAborted, ReasonInProgress,
-			"a call with this idempotency key is in progress; retry later with the same key",
-			&errdetails.RetryInfo{RetryDelay: durationpb.New(inProgress.RetryAfter)})
-	case errors.Is(err, idem.ErrOutcomeUnknown):
-		return withInfo(connect.CodeFailedPrecondition, ReasonOutcomeUnknown,
-			"the outcome of the call with this idempotency key is unknown; it will not run again until it is reconciled")
-	case errors.Is(err, idem.ErrInvalidKey):
-		return withInfo(connect.CodeInvalidArgument, ReasonKeyInvalid, "invalid idempotency key: "+errorText(err))
-	case errors.Is(ctx.Err(), context.DeadlineExceeded):
-		return connect.NewError(connect.CodeDeadlineExceeded, ctx.Err())
-	case ctx.Err() != nil:
-		return connect.NewError(connect.CodeCanceled, ctx.Err())
-	case idem.Unavailable(err):
-		in.logFailure(ctx, "idemconnect: store unavailable", procedure, key, err)
-		return withInfo(connect.CodeUnavailable, ReasonStoreUnavailable,
-			"the idempotency store is unavailable; retry later with the same key",
-			&errdetails.RetryInfo{RetryDelay: durationpb.New(time.Second)})
+// errorOf is the error to answer for f.
+func errorOf(f *rpcidem.Failure) error {
+	if f.Reason == "" {
+		cause := f.Cause
+		if cause == nil {
+			cause = errors.New(f.Message)
+		}
+		return connect.NewError(connect.Code(f.Code), cause)
 	}
-	in.logFailure(ctx, "idemconnect: call failed", procedure, key, err)
-	return connect.NewError(connect.CodeInternal, errors.New("idemconnect: the call failed; nothing was stored: "+errorText(err)))
-}
-
-// logFailure logs err, which the interceptor answers itself, with the
-// keyed hash of key.
-func (in *interceptor) logFailure(ctx context.Context, msg, procedure, key string, err error) {
-	in.log.LogAttrs(ctx, slog.LevelError, msg, slog.String("procedure", procedure),
-		slog.String("key_hash", in.hash.Sum(key)), slog.Any("error", err))
+	var more []proto.Message
+	if f.Retry {
+		more = append(more, &errdetails.RetryInfo{RetryDelay: durationpb.New(f.RetryDelay)})
+	}
+	return withInfo(connect.Code(f.Code), f.Reason, f.Message, more...)
 }
 
 // withInfo is a *connect.Error with an ErrorInfo detail, and more.
@@ -626,9 +580,4 @@ func withInfo(code connect.Code, reason, msg string, more ...proto.Message) *con
 		}
 	}
 	return ce
-}
-
-// errorText returns err's message without the package prefixes of idem.
-func errorText(err error) string {
-	return strings.ReplaceAll(err.Error(), "idem: ", "")
 }

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"reflect"
 	"strings"
@@ -471,7 +472,7 @@ func TestLostCommitAcknowledgement(t *testing.T) {
 // The stored form, which idemgrpc shares (a key used through one replays
 // through the other): a reply is status 200 and the reply's deterministic
 // bytes, the chosen headers under their lower-case names and trailers under
-// "trailer:", binary values base64; a refusal is the HTTP status of its code
+// "trailer~", binary values base64; a refusal is the HTTP status of its code
 // and a google.rpc.Status.
 func TestStoredForm(t *testing.T) {
 	t.Parallel()
@@ -501,7 +502,7 @@ func TestStoredForm(t *testing.T) {
 	}
 	want, _ := proto.MarshalOptions{Deterministic: true}.Marshal(reply(1, "f"))
 	if rec.Response.Status != 200 || !bytes.Equal(rec.Response.Body, want) ||
-		!reflect.DeepEqual(rec.Response.Header, map[string][]string{"x-order": {"42"}, "trailer:x-trace-bin": {"AP8K"}}) {
+		!reflect.DeepEqual(rec.Response.Header, map[string][]string{"x-order": {"42"}, "trailer~x-trace-bin": {"AP8K"}}) {
 		t.Errorf("stored reply: %d %x %v", rec.Response.Status, rec.Response.Body, rec.Response.Header)
 	}
 	if a := call(ctx, url, hc, "alice", key("form-2"), request("f", 500)); connect.CodeOf(a.err) != connect.CodeOutOfRange {
@@ -563,11 +564,13 @@ func TestScopeErrors(t *testing.T) {
 // NewInterceptor refuses invalid options at start-up.
 func TestInvalidOptionsPanic(t *testing.T) {
 	for name, opts := range map[string]idemconnect.Options{
-		"no scope":       {},
-		"bad field":      {Scope: scopeFromHeader, KeyField: "request-id"},
-		"bad header":     {Scope: scopeFromHeader, StoredHeaders: []string{""}},
-		"bad config":     {Scope: scopeFromHeader, Config: idem.Config{TTL: -time.Hour}},
-		"connect header": {Scope: scopeFromHeader, StoredTrailers: []string{"Connect-Timeout-Ms"}},
+		"no scope":          {},
+		"bad field":         {Scope: scopeFromHeader, KeyField: "request-id"},
+		"non-token header":  {Scope: scopeFromHeader, StoredHeaders: []string{"x@id"}},
+		"non-token trailer": {Scope: scopeFromHeader, StoredTrailers: []string{"x id"}},
+		"bad header":        {Scope: scopeFromHeader, StoredHeaders: []string{""}},
+		"bad config":        {Scope: scopeFromHeader, Config: idem.Config{TTL: -time.Hour}},
+		"connect header":    {Scope: scopeFromHeader, StoredTrailers: []string{"Connect-Timeout-Ms"}},
 	} {
 		func() {
 			defer func() {
@@ -584,4 +587,139 @@ func TestInvalidOptionsPanic(t *testing.T) {
 		}
 	}()
 	idemconnect.NewInterceptor(nil, idemconnect.Options{Scope: scopeFromHeader})
+}
+
+// A typed nil *pgxpool.Pool is refused at start-up too, not call by call.
+func TestTypedNilPoolPanics(t *testing.T) {
+	defer func() {
+		if r := recover(); r == nil || !strings.Contains(fmt.Sprint(r), "nil database handle") {
+			t.Errorf("recovered %v, want a nil database handle panic", r)
+		}
+	}()
+	var pool *pgxpool.Pool
+	idemconnect.NewInterceptor(pool, idemconnect.Options{Scope: scopeFromHeader})
+}
+
+// A run of the handler that is rolled back (a serialization failure) leaves
+// nothing it set through connect.CallInfoForHandlerContext: the first call
+// and its replay get the headers and trailers of the run that committed
+// only, and those an interceptor before this one set.
+func TestRolledBackRunHeadersDropped(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	pool := pgtest.Pool(t, migrate)
+	var runs atomic.Int64
+	insert := insertHandler(&runs)
+	outer := connect.UnaryInterceptorFunc(func(next connect.UnaryFunc) connect.UnaryFunc {
+		return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
+			if info, ok := connect.CallInfoForHandlerContext(ctx); ok {
+				info.ResponseHeader().Set("X-Outer", "kept")
+			}
+			return next(ctx, req)
+		}
+	})
+	url, hc := serveWith(t, pool, idemconnect.Options{StoredHeaders: []string{"X-Run"}, StoredTrailers: []string{"X-Run-Trailer"}},
+		[]connect.Interceptor{outer},
+		func(ctx context.Context, req *connect.Request[dynamicpb.Message]) (*connect.Response[errdetails.ResourceInfo], error) {
+			info, _ := connect.CallInfoForHandlerContext(ctx)
+			if runs.Load() == 0 {
+				runs.Add(1)
+				info.ResponseHeader().Add("X-Run", "first-rolled-back")
+				info.ResponseTrailer().Add("X-Run-Trailer", "first-rolled-back")
+				_, err := idemconnect.Tx(ctx).Exec(ctx, `DO $$ BEGIN RAISE EXCEPTION USING ERRCODE = '40001'; END $$`)
+				return nil, err
+			}
+			info.ResponseHeader().Add("X-Run", "second")
+			info.ResponseTrailer().Add("X-Run-Trailer", "second")
+			return insert(ctx, req)
+		})
+	for _, name := range []string{"first call", "replay"} {
+		a := call(ctx, url, hc, "alice", key("rerun-1"), request("r", 1))
+		if a.err != nil {
+			t.Fatalf("%s: %v", name, a.err)
+		}
+		if got := a.header.Values("X-Run"); !reflect.DeepEqual(got, []string{"second"}) {
+			t.Errorf("%s: X-Run %q, want [second]", name, got)
+		}
+		if got := a.trailer.Values("X-Run-Trailer"); !reflect.DeepEqual(got, []string{"second"}) {
+			t.Errorf("%s: X-Run-Trailer %q, want [second]", name, got)
+		}
+		if got := a.header.Values("X-Outer"); !reflect.DeepEqual(got, []string{"kept"}) {
+			t.Errorf("%s: X-Outer %q, want [kept]", name, got)
+		}
+		if a.replayed() != (name == "replay") {
+			t.Errorf("%s: replayed %v", name, a.replayed())
+		}
+	}
+	if runs.Load() != 2 || countRows(t, pool) != 1 {
+		t.Errorf("%d runs, %d rows; want 2, 1", runs.Load(), countRows(t, pool))
+	}
+}
+
+// A run that is rolled back while a duplicate waits for its key: the
+// duplicate runs and commits, and the first call's next try replays that
+// outcome (or, if it claims the key first, runs again and the duplicate
+// replays it). Either way both calls get the headers of the run that
+// committed only, not those the rolled-back run set.
+func TestRolledBackRunHeadersDroppedOnReplay(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	pool := pgtest.Pool(t, migrate)
+	var runs atomic.Int64
+	inFirst := make(chan struct{})
+	// Two servers, as two processes: a duplicate on the same one would
+	// wait for the first call in the process, not for the key's row lock.
+	h := func(ctx context.Context, req *connect.Request[dynamicpb.Message]) (*connect.Response[errdetails.ResourceInfo], error) {
+		info, _ := connect.CallInfoForHandlerContext(ctx)
+		n := runs.Add(1)
+		if n == 1 {
+			info.ResponseHeader().Add("X-Run", "first-rolled-back")
+			close(inFirst)
+			// Until the duplicate waits for the key's row lock (at most 20 s).
+			for waiting, start := 0, time.Now(); waiting == 0 && time.Since(start) < 20*time.Second; time.Sleep(10 * time.Millisecond) {
+				if err := pool.QueryRow(ctx, `SELECT count(*) FROM pg_stat_activity
+						WHERE datname = current_database() AND wait_event_type = 'Lock'`).Scan(&waiting); err != nil {
+					return nil, err
+				}
+			}
+			_, err := idemconnect.Tx(ctx).Exec(ctx, `DO $$ BEGIN RAISE EXCEPTION USING ERRCODE = '40001'; END $$`)
+			return nil, err
+		}
+		info.ResponseHeader().Add("X-Run", fmt.Sprint("run-", n))
+		var id int64
+		if err := idemconnect.Tx(ctx).QueryRow(ctx, `INSERT INTO transfers (note, amount) VALUES ('d', 1) RETURNING id`).Scan(&id); err != nil {
+			return nil, err
+		}
+		return connect.NewResponse(reply(id, "d")), nil
+	}
+	opts := idemconnect.Options{StoredHeaders: []string{"X-Run"}, Config: idem.Config{Wait: 30 * time.Second}}
+	url, hc := serve(t, pool, opts, h)
+	url2, hc2 := serve(t, pool, opts, h)
+	var first answer
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		first = call(ctx, url, hc, "alice", key("dup-1"), request("d", 1))
+	}()
+	select {
+	case <-inFirst:
+	case <-done:
+		t.Fatalf("first call: %v", first.err)
+	}
+	dup := call(ctx, url2, hc2, "alice", key("dup-1"), request("d", 1))
+	<-done
+	for name, a := range map[string]answer{"first call": first, "duplicate": dup} {
+		if a.err != nil {
+			t.Fatalf("%s: %v", name, a.err)
+		}
+		if got := a.header.Values("X-Run"); !reflect.DeepEqual(got, []string{"run-2"}) {
+			t.Errorf("%s: X-Run %q, want [run-2]", name, got)
+		}
+	}
+	if first.replayed() == dup.replayed() {
+		t.Errorf("replayed: first call %v, duplicate %v; want exactly one", first.replayed(), dup.replayed())
+	}
+	if runs.Load() != 2 || countRows(t, pool) != 1 {
+		t.Errorf("%d runs, %d rows; want 2, 1", runs.Load(), countRows(t, pool))
+	}
 }

@@ -32,7 +32,6 @@ import (
 	"slices"
 	"strings"
 	"sync"
-	"time"
 
 	"github.com/jackc/pgx/v5"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
@@ -49,10 +48,7 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/keyhdr"
-	"github.com/pgidem/idem/internal/loghash"
 	"github.com/pgidem/idem/internal/rpcidem"
-	"github.com/pgidem/idem/internal/watchtx"
 )
 
 // MetadataKey is the request metadata entry that carries the idempotency
@@ -124,7 +120,10 @@ type Options struct {
 	// are stored with the outcome and sent again on a replay (set by the
 	// handler with grpc.SetHeader, grpc.SendHeader and grpc.SetTrailer). The
 	// first call sends everything the handler set; a replay only these, plus
-	// idempotent-replayed: true. Keep secrets out. Default: none.
+	// idempotent-replayed: true. Keep secrets out. Each must be an HTTP
+	// token (RFC 9110: letters, digits and !#$%&'*+-.^_`|~) that does not
+	// start with "grpc-"; UnaryServerInterceptor panics otherwise.
+	// Default: none.
 	StoredHeaders  []string
 	StoredTrailers []string
 
@@ -216,7 +215,8 @@ func Tx(ctx context.Context) pgx.Tx {
 // is not a protobuf message) is INTERNAL, with the handler's writes rolled
 // back.
 //
-// UnaryServerInterceptor panics if db is nil or opts is invalid (nil Scope,
+// UnaryServerInterceptor panics if db is nil (a typed nil *pgxpool.Pool
+// too) or opts is invalid (nil Scope, a stored name that is not a token,
 // a Config that idem.New refuses): a programming error to find at start-up.
 func UnaryServerInterceptor(db idem.Beginner, opts Options) grpc.UnaryServerInterceptor {
 	in, err := newInterceptor(db, opts)
@@ -228,54 +228,42 @@ func UnaryServerInterceptor(db idem.Beginner, opts Options) grpc.UnaryServerInte
 
 // interceptor is the configured interceptor.
 type interceptor struct {
-	db         idem.Beginner
-	client     *idem.Client
-	scope      func(ctx context.Context, fullMethod string) (idem.Scope, error)
-	methods    []string
-	requireKey bool
-	keyField   protoreflect.Name
-	refusals   []codes.Code
-	headers    []string
-	trailers   []string
-	log        *slog.Logger
-	hash       *loghash.Hasher // of keys in log records
-	replies    sync.Map        // full method -> replyType
+	core     *rpcidem.Core
+	scope    func(ctx context.Context, fullMethod string) (idem.Scope, error)
+	methods  []string
+	keyField protoreflect.Name
+	headers  []string
+	trailers []string
+	replies  sync.Map // full method -> replyType
 }
 
 func newInterceptor(db idem.Beginner, opts Options) (*interceptor, error) {
-	if db == nil {
-		return nil, errors.New("idemgrpc: nil database handle")
+	refusals := opts.RefusalCodes
+	if refusals == nil {
+		refusals = DefaultRefusalCodes
 	}
-	if opts.Scope == nil {
-		return nil, errors.New("idemgrpc: Options.Scope is required")
-	}
-	if len(opts.Config.LogHashKey) == 0 {
-		// One random secret for idem's logs and the interceptor's, so that
-		// both hash a key alike.
-		opts.Config.LogHashKey = loghash.NewSecret()
-	}
-	client, err := idem.New(opts.Config)
+	core, err := rpcidem.New(db, rpcidem.Options{
+		Name:          "idemgrpc",
+		ProcedureAttr: "method",
+		KeySource:     "idempotency-key metadata",
+		KeyMissing:    "this method requires an idempotency key",
+		ScopeSet:      opts.Scope != nil,
+		RequireKey:    opts.RequireKey,
+		KeyField:      opts.KeyField,
+		RefusalCodes:  rpcidem.Codes(refusals),
+		Logger:        opts.Logger,
+		Config:        opts.Config,
+	})
 	if err != nil {
-		return nil, fmt.Errorf("idemgrpc: Options.Config: %w", err)
+		return nil, err
 	}
 	in := &interceptor{
-		db:         db,
-		client:     client,
-		scope:      opts.Scope,
-		methods:    slices.Clone(opts.Methods),
-		requireKey: opts.RequireKey,
-		keyField:   protoreflect.Name(opts.KeyField),
-		refusals:   slices.Clone(opts.RefusalCodes),
-		log:        opts.Logger,
-		hash:       loghash.New(opts.Config.LogHashKey),
+		core:     core,
+		scope:    opts.Scope,
+		methods:  slices.Clone(opts.Methods),
+		keyField: protoreflect.Name(opts.KeyField),
 	}
-	if in.log == nil {
-		in.log = slog.Default()
-	}
-	if in.refusals == nil {
-		in.refusals = DefaultRefusalCodes
-	}
-	if slices.Contains(in.refusals, codes.OK) {
+	if slices.Contains(refusals, codes.OK) {
 		return nil, errors.New("idemgrpc: Options.RefusalCodes: OK is not a refusal")
 	}
 	if in.keyField != "" && !in.keyField.IsValid() {
@@ -287,7 +275,7 @@ func newInterceptor(db idem.Beginner, opts Options) (*interceptor, error) {
 	}{{opts.StoredHeaders, &in.headers}, {opts.StoredTrailers, &in.trailers}} {
 		for _, name := range list.in {
 			name = strings.ToLower(name)
-			if name == "" || strings.HasPrefix(name, ":") || strings.HasPrefix(name, "grpc-") {
+			if !rpcidem.HeaderName(name, "grpc-") {
 				return nil, fmt.Errorf("idemgrpc: Options.StoredHeaders, StoredTrailers: invalid metadata key %q", name)
 			}
 			*list.out = append(*list.out, name)
@@ -301,9 +289,10 @@ func (in *interceptor) intercept(ctx context.Context, req any, info *grpc.UnaryS
 		return handler(ctx, req)
 	}
 	msg, isProto := req.(proto.Message)
-	key, err := in.key(ctx, msg)
-	if err != nil {
-		return nil, err
+	md, _ := metadata.FromIncomingContext(ctx)
+	key, f := in.core.Key(md.Get(MetadataKey), keyField(msg, in.keyField))
+	if f != nil {
+		return nil, statusOf(f)
 	}
 	if key == "" {
 		return handler(ctx, req)
@@ -311,9 +300,12 @@ func (in *interceptor) intercept(ctx context.Context, req any, info *grpc.UnaryS
 	if !isProto {
 		return nil, status.Errorf(codes.Internal, "idemgrpc: the request of %s is a %T, not a protobuf message", info.FullMethod, req)
 	}
-	scope, err := in.scopeOf(ctx, info.FullMethod)
-	if err != nil {
-		return nil, err
+	scope, err := in.scope(ctx, info.FullMethod)
+	if st, ok := status.FromError(err); err != nil && ok {
+		return nil, st.Err()
+	}
+	if f := in.core.Scope(scope, err); f != nil {
+		return nil, statusOf(f)
 	}
 	reply, err := in.replyType(info.FullMethod)
 	if err != nil {
@@ -323,58 +315,34 @@ func (in *interceptor) intercept(ctx context.Context, req any, info *grpc.UnaryS
 	if err != nil {
 		return nil, status.Errorf(codes.Internal, "idemgrpc: marshal the request: %v", err)
 	}
-	return in.run(ctx, req, info, handler, scope, key, rpcidem.Fingerprint(info.FullMethod, b), reply)
+	stream := grpc.ServerTransportStreamFromContext(ctx)
+	c := &call{in: in, req: req, info: info, handler: handler}
+	stored, replayed, f := in.core.Do(ctx, info.FullMethod, scope, key, rpcidem.Fingerprint(info.FullMethod, b), c)
+	switch {
+	case f != nil:
+		return nil, statusOf(f)
+	case replayed:
+		return in.replay(ctx, stored, reply)
+	}
+	// The handler's own answer, with everything it set.
+	c.last.forward(stream)
+	if c.err != nil {
+		return nil, c.err
+	}
+	return c.reply, nil
 }
 
-// key returns the call's key ("" for none), or the error to answer.
-func (in *interceptor) key(ctx context.Context, msg proto.Message) (string, error) {
-	md, _ := metadata.FromIncomingContext(ctx)
-	values := md.Get(MetadataKey)
-	present := len(values) > 0 // an empty value is an invalid key, not none
-	key, err := keyhdr.Parse(values)
-	if err != nil && present {
-		return "", withDetails(codes.InvalidArgument, ReasonKeyInvalid, "invalid idempotency-key metadata: "+err.Error())
+// keyField returns the value of msg's string field name, or "" (no
+// name, no such field, or not set).
+func keyField(msg proto.Message, name protoreflect.Name) string {
+	if name == "" || msg == nil {
+		return ""
 	}
-	if in.keyField != "" && msg != nil {
-		m := msg.ProtoReflect()
-		if fd := m.Descriptor().Fields().ByName(in.keyField); fd != nil && fd.Kind() == protoreflect.StringKind && !fd.IsList() {
-			if v := m.Get(fd).String(); v != "" {
-				if key != "" && key != v {
-					return "", withDetails(codes.InvalidArgument, ReasonKeyInvalid,
-						fmt.Sprintf("the idempotency-key metadata and the request field %s hold different keys", in.keyField))
-				}
-				key, present = v, true
-			}
-		}
+	m := msg.ProtoReflect()
+	if fd := m.Descriptor().Fields().ByName(name); fd != nil && fd.Kind() == protoreflect.StringKind && !fd.IsList() {
+		return m.Get(fd).String()
 	}
-	if !present {
-		if in.requireKey {
-			return "", withDetails(codes.InvalidArgument, ReasonKeyMissing, "this method requires an idempotency key")
-		}
-		return "", nil
-	}
-	if err := in.client.ValidateKey(key); err != nil {
-		return "", withDetails(codes.InvalidArgument, ReasonKeyInvalid, "invalid idempotency key: "+errorText(err))
-	}
-	return key, nil
-}
-
-// scopeOf returns the call's scope, or the error to answer.
-func (in *interceptor) scopeOf(ctx context.Context, fullMethod string) (idem.Scope, error) {
-	scope, err := in.scope(ctx, fullMethod)
-	if err != nil {
-		if st, ok := status.FromError(err); ok {
-			return idem.Scope{}, st.Err()
-		}
-		return idem.Scope{}, status.Error(codes.Unauthenticated, "the call is not authenticated")
-	}
-	if idem.ValidateScope(idem.Scope{Actor: scope.Actor, Operation: "-"}) != nil {
-		return idem.Scope{}, status.Error(codes.Unauthenticated, "the call is not authenticated")
-	}
-	if err := idem.ValidateScope(scope); err != nil {
-		return idem.Scope{}, status.Errorf(codes.Internal, "idemgrpc: Options.Scope: %v", err)
-	}
-	return scope, nil
+	return ""
 }
 
 // replyType returns the reply message type of fullMethod, from the global
@@ -397,60 +365,46 @@ func (in *interceptor) replyType(fullMethod string) (protoreflect.MessageType, e
 	return t, nil
 }
 
-// run is the call with a key: the handler in idem.DoInTx, then the answer.
-func (in *interceptor) run(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler,
-	scope idem.Scope, key string, fp idem.Fingerprint, replyType protoreflect.MessageType) (any, error) {
-	stream := grpc.ServerTransportStreamFromContext(ctx)
-	var last *recorder // the last run of the handler
-	var reply any
-	var handlerErr error
-	res, err := in.client.DoInTx(ctx, in.db, scope, key, fp, func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
-		wt := watchtx.New(tx)
-		last = &recorder{method: info.FullMethod}
-		hctx := grpc.NewContextWithServerTransportStream(context.WithValue(ctx, txKey{}, pgx.Tx(wt)), last)
-		reply, handlerErr = handler(hctx, req)
-		if err := wt.Retryable(); err != nil {
-			return idem.Response{}, err // the transaction is lost: DoInTx runs the handler again
-		}
-		if handlerErr != nil {
-			st := status.Convert(handlerErr)
-			if !slices.Contains(in.refusals, st.Code()) {
-				return idem.Response{}, errNotStored
-			}
-			body, err := proto.MarshalOptions{Deterministic: true}.Marshal(st.Proto())
-			if err != nil {
-				return idem.Response{}, fmt.Errorf("idemgrpc: marshal the status: %w", err)
-			}
-			return idem.Response{}, idem.Reject(idem.Response{
-				Status: rpcidem.HTTPStatus(uint32(st.Code())), Header: in.stored(last), Body: body})
-		}
-		msg, ok := reply.(proto.Message)
-		if !ok {
-			return idem.Response{}, fmt.Errorf("idemgrpc: the reply of %s is a %T, not a protobuf message", info.FullMethod, reply)
-		}
-		body, err := proto.MarshalOptions{Deterministic: true}.Marshal(msg)
-		if err != nil {
-			return idem.Response{}, fmt.Errorf("idemgrpc: marshal the reply: %w", err)
-		}
-		return idem.Response{Status: rpcidem.StatusReply, Header: in.stored(last), Body: body}, nil
-	})
-	switch {
-	case err == nil && res.Replayed:
-		return in.replay(ctx, res.Response, replyType)
-	case err == nil, errors.Is(err, errNotStored) && !idem.Unavailable(err):
-		// The handler's own answer, with everything it set.
-		last.forward(stream)
-		if handlerErr != nil {
-			return nil, handlerErr
-		}
-		return reply, nil
-	}
-	return nil, in.storeError(ctx, info.FullMethod, key, err)
+// call is one call with a key, as rpcidem.Core.Do runs it.
+type call struct {
+	in      *interceptor
+	req     any
+	info    *grpc.UnaryServerInfo
+	handler grpc.UnaryHandler
+
+	last  *recorder // of the last run of the handler
+	reply any
+	err   error
 }
 
-// errNotStored is what the handler's function returns for an error of the
-// handler that is not a refusal: nothing is stored.
-var errNotStored = errors.New("idemgrpc: the handler's error is not stored")
+func (c *call) Handle(ctx context.Context, tx pgx.Tx) error {
+	c.last = &recorder{method: c.info.FullMethod}
+	hctx := grpc.NewContextWithServerTransportStream(context.WithValue(ctx, txKey{}, tx), c.last)
+	c.reply, c.err = c.handler(hctx, c.req)
+	return c.err
+}
+
+func (c *call) Code(err error) uint32 { return uint32(status.Convert(err).Code()) }
+
+func (c *call) Refusal(err error) (map[string][]string, []byte, error) {
+	body, err := proto.MarshalOptions{Deterministic: true}.Marshal(status.Convert(err).Proto())
+	if err != nil {
+		return nil, nil, fmt.Errorf("idemgrpc: marshal the status: %w", err)
+	}
+	return c.in.stored(c.last), body, nil
+}
+
+func (c *call) Reply() (map[string][]string, []byte, error) {
+	msg, ok := c.reply.(proto.Message)
+	if !ok {
+		return nil, nil, fmt.Errorf("idemgrpc: the reply of %s is a %T, not a protobuf message", c.info.FullMethod, c.reply)
+	}
+	body, err := proto.MarshalOptions{Deterministic: true}.Marshal(msg)
+	if err != nil {
+		return nil, nil, fmt.Errorf("idemgrpc: marshal the reply: %w", err)
+	}
+	return c.in.stored(c.last), body, nil
+}
 
 // replay answers with a stored outcome.
 func (in *interceptor) replay(ctx context.Context, resp idem.Response, replyType protoreflect.MessageType) (any, error) {
@@ -496,8 +450,8 @@ func (in *interceptor) stored(r *recorder) map[string][]string {
 	add := func(prefix string, names []string, md metadata.MD) {
 		for _, name := range names {
 			values := md.Get(name)
-			if len(values) == 0 {
-				continue
+			if len(values) == 0 || out[prefix+name] != nil {
+				continue // absent, or listed twice
 			}
 			if out == nil {
 				out = map[string][]string{}
@@ -515,40 +469,16 @@ func (in *interceptor) stored(r *recorder) map[string][]string {
 	return out
 }
 
-// storeError is the status of err, an error of idem (or of the store under
-// it) for a call of fullMethod with key. Those answered UNAVAILABLE or
-// INTERNAL are logged.
-func (in *interceptor) storeError(ctx context.Context, fullMethod, key string, err error) error {
-	var inProgress *idem.InProgressError
-	switch {
-	case errors.Is(err, idem.ErrKeyReused):
-		return withDetails(codes.FailedPrecondition, ReasonKeyReused, "this idempotency key was used for a different request")
-	case errors.As(err, &inProgress):
-		return withDetails(codes.Aborted, ReasonInProgress,
-			"a call with this idempotency key is in progress; retry later with the same key",
-			&errdetails.RetryInfo{RetryDelay: durationpb.New(inProgress.RetryAfter)})
-	case errors.Is(err, idem.ErrOutcomeUnknown):
-		return withDetails(codes.FailedPrecondition, ReasonOutcomeUnknown,
-			"the outcome of the call with this idempotency key is unknown; it will not run again until it is reconciled")
-	case errors.Is(err, idem.ErrInvalidKey):
-		return withDetails(codes.InvalidArgument, ReasonKeyInvalid, "invalid idempotency key: "+errorText(err))
-	case ctx.Err() != nil:
-		return status.FromContextError(ctx.Err()).Err()
-	case idem.Unavailable(err):
-		in.logFailure(ctx, "idemgrpc: store unavailable", fullMethod, key, err)
-		return withDetails(codes.Unavailable, ReasonStoreUnavailable,
-			"the idempotency store is unavailable; retry later with the same key",
-			&errdetails.RetryInfo{RetryDelay: durationpb.New(time.Second)})
+// statusOf is the status of f.
+func statusOf(f *rpcidem.Failure) error {
+	if f.Reason == "" {
+		return status.Error(codes.Code(f.Code), f.Message)
 	}
-	in.logFailure(ctx, "idemgrpc: call failed", fullMethod, key, err)
-	return status.Error(codes.Internal, "idemgrpc: the call failed; nothing was stored: "+errorText(err))
-}
-
-// logFailure logs err, which the interceptor answers itself, with the
-// keyed hash of key.
-func (in *interceptor) logFailure(ctx context.Context, msg, fullMethod, key string, err error) {
-	in.log.LogAttrs(ctx, slog.LevelError, msg, slog.String("method", fullMethod),
-		slog.String("key_hash", in.hash.Sum(key)), slog.Any("error", err))
+	var more []proto.Message
+	if f.Retry {
+		more = append(more, &errdetails.RetryInfo{RetryDelay: durationpb.New(f.RetryDelay)})
+	}
+	return withDetails(codes.Code(f.Code), f.Reason, f.Message, more...)
 }
 
 // withDetails is a status with an ErrorInfo detail, and more details.
@@ -561,9 +491,4 @@ func withDetails(code codes.Code, reason, msg string, more ...proto.Message) err
 		}
 	}
 	return status.ErrorProto(p)
-}
-
-// errorText returns err's message without the package prefixes of idem.
-func errorText(err error) string {
-	return strings.ReplaceAll(err.Error(), "idem: ", "")
 }

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"reflect"
 	"strings"
@@ -490,7 +491,7 @@ func TestLostCommitAcknowledgement(t *testing.T) {
 // The stored form, which idemconnect shares (a key used through one
 // replays through the other): a reply is status 200 and the reply's
 // deterministic bytes, the chosen headers under their names and trailers
-// under "trailer:", binary values base64.
+// under "trailer~", binary values base64.
 func TestStoredForm(t *testing.T) {
 	t.Parallel()
 	ctx := t.Context()
@@ -516,7 +517,7 @@ func TestStoredForm(t *testing.T) {
 	}
 	want, _ := proto.MarshalOptions{Deterministic: true}.Marshal(reply(1, "f"))
 	if rec.Response.Status != 200 || !bytes.Equal(rec.Response.Body, want) ||
-		!reflect.DeepEqual(rec.Response.Header, map[string][]string{"x-order": {"42"}, "trailer:x-trace-bin": {"AP8K"}}) {
+		!reflect.DeepEqual(rec.Response.Header, map[string][]string{"x-order": {"42"}, "trailer~x-trace-bin": {"AP8K"}}) {
 		t.Errorf("stored reply: %d %x %v", rec.Response.Status, rec.Response.Body, rec.Response.Header)
 	}
 	if a := call(ctx, conn, "alice", "form-2", request("f", 500)); status.Code(a.err) != codes.OutOfRange {
@@ -596,12 +597,14 @@ func TestScopeErrors(t *testing.T) {
 // UnaryServerInterceptor refuses invalid options at start-up.
 func TestInvalidOptionsPanic(t *testing.T) {
 	for name, opts := range map[string]idemgrpc.Options{
-		"no scope":    {},
-		"OK refusal":  {Scope: scopeFromMetadata, RefusalCodes: []codes.Code{codes.OK}},
-		"bad field":   {Scope: scopeFromMetadata, KeyField: "request-id"},
-		"bad header":  {Scope: scopeFromMetadata, StoredHeaders: []string{""}},
-		"bad config":  {Scope: scopeFromMetadata, Config: idem.Config{TTL: -time.Hour}},
-		"grpc header": {Scope: scopeFromMetadata, StoredTrailers: []string{"grpc-status"}},
+		"no scope":          {},
+		"OK refusal":        {Scope: scopeFromMetadata, RefusalCodes: []codes.Code{codes.OK}},
+		"bad field":         {Scope: scopeFromMetadata, KeyField: "request-id"},
+		"non-token header":  {Scope: scopeFromMetadata, StoredHeaders: []string{"x@id"}},
+		"non-token trailer": {Scope: scopeFromMetadata, StoredTrailers: []string{"x id"}},
+		"bad header":        {Scope: scopeFromMetadata, StoredHeaders: []string{""}},
+		"bad config":        {Scope: scopeFromMetadata, Config: idem.Config{TTL: -time.Hour}},
+		"grpc header":       {Scope: scopeFromMetadata, StoredTrailers: []string{"grpc-status"}},
 	} {
 		func() {
 			defer func() {
@@ -618,4 +621,15 @@ func TestInvalidOptionsPanic(t *testing.T) {
 		}
 	}()
 	idemgrpc.UnaryServerInterceptor(nil, idemgrpc.Options{Scope: scopeFromMetadata})
+}
+
+// A typed nil *pgxpool.Pool is refused at start-up too, not call by call.
+func TestTypedNilPoolPanics(t *testing.T) {
+	defer func() {
+		if r := recover(); r == nil || !strings.Contains(fmt.Sprint(r), "nil database handle") {
+			t.Errorf("recovered %v, want a nil database handle panic", r)
+		}
+	}()
+	var pool *pgxpool.Pool
+	idemgrpc.UnaryServerInterceptor(pool, idemgrpc.Options{Scope: scopeFromMetadata})
 }

@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"time"
 
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgidem/idem"
@@ -97,7 +98,7 @@ func (c *Client) InTx(ctx context.Context, db *sql.DB, fn func(ctx context.Conte
 	if fn == nil {
 		return fmt.Errorf("%w: nil function", idem.ErrInvalidArgument)
 	}
-	return c.retry(ctx, func() error { return c.inTx(ctx, db, fn) })
+	return pooled(c.retry(ctx, func() error { return c.inTx(ctx, db, fn) }))
 }
 
 // retry runs once until it succeeds, fails with an error other than a
@@ -190,6 +191,33 @@ func sqlState(err error) string {
 	return ""
 }
 
+// pooled names the fix when err is pgx's stdlib driver in its default exec
+// mode losing its prepared statements behind a transaction pooler
+// (idem.ErrPreparedStatements).
+func pooled(err error) error {
+	if lost := core.PreparedStatementsLost(err); lost != err {
+		return fmt.Errorf("%w (on database/sql: default_query_exec_mode=exec, cache_describe or simple_protocol "+
+			"in pgx's connection string)", lost)
+	}
+	return err
+}
+
+// txUnusable returns err wrapped with idem.ErrInvalidArgument when it says
+// that the caller's transaction cannot be used (as package idem answers
+// for a pgx.Tx): closed, committed or rolled back (sql.ErrTxDone), or
+// aborted by a statement that failed in it (SQLSTATE 25P02).
+func txUnusable(err error) error {
+	switch {
+	case err == nil || errors.Is(err, idem.ErrInvalidArgument):
+		return err
+	case errors.Is(err, sql.ErrTxDone):
+		return fmt.Errorf("%w: the transaction is closed (committed or rolled back): %w", idem.ErrInvalidArgument, err)
+	case sqlState(err) == pgerrcode.InFailedSQLTransaction:
+		return fmt.Errorf("%w: the transaction is aborted (a statement failed in it; roll it back): %w", idem.ErrInvalidArgument, err)
+	}
+	return err
+}
+
 // unavailableIf wraps err with idem.ErrUnavailable when lost is true.
 func unavailableIf(lost bool, err error) error {
 	if !lost || errors.Is(err, idem.ErrUnavailable) {
@@ -202,6 +230,14 @@ var (
 	errNilDB = fmt.Errorf("%w: nil database handle", idem.ErrInvalidArgument)
 	errNilTx = fmt.Errorf("%w: nil transaction", idem.ErrInvalidArgument)
 )
+
+// ValidateKey is idem.Client.ValidateKey: whether key is a valid
+// idempotency key under this client's key length bounds (ErrInvalidKey).
+func (c *Client) ValidateKey(key string) error { return c.c.ValidateKey(key) }
+
+// ValidateScope is idem.ValidateScope (ErrInvalidScope): a scope's limits
+// do not depend on the client's Config.
+func (c *Client) ValidateScope(scope idem.Scope) error { return idem.ValidateScope(scope) }
 
 // checkTarget validates the scope and key of a call.
 func (c *Client) checkTarget(scope idem.Scope, key string) error {

@@ -57,7 +57,9 @@ const statusRejected = string(idem.StatusRejected)
 // one): the examples module shows each.
 //
 // After a serialization failure (40001) or a deadlock (40P01) the whole
-// transaction must be run again (InTx and DoInTx do so).
+// transaction must be run again (InTx and DoInTx do so). A tx that is
+// closed (committed or rolled back) or aborted (a statement failed in it)
+// is idem.ErrInvalidArgument, as in idem.Do.
 //
 // Do uses the package defaults; see Client.Do.
 func Do(ctx context.Context, tx *sql.Tx, scope idem.Scope, key string, fp idem.Fingerprint,
@@ -77,6 +79,7 @@ func (c *Client) Do(ctx context.Context, tx *sql.Tx, scope idem.Scope, key strin
 	ctx, cl := core.Observe(c.c, ctx, "do", "idemsql.Do", bridgeKey(scope, key))
 	defer cl.EndIfPanicking(ctx)
 	res, err := c.do(ctx, tx, bridgeKey(scope, key), fp, fn, cl)
+	err = pooled(txUnusable(err))
 	cl.End(ctx, res, err)
 	return res, err
 }
@@ -191,7 +194,7 @@ func (c *Client) DoInTx(ctx context.Context, db *sql.DB, scope idem.Scope, key s
 	var res idem.Result
 	err := c.retry(ctx, func() (err error) { res, err = c.doOwnTx(ctx, db, k, fp, fn, cl); return err })
 	if err != nil {
-		res = idem.Result{}
+		res, err = idem.Result{}, pooled(err)
 	}
 	cl.End(ctx, res, err)
 	return res, err

@@ -204,17 +204,38 @@ func TestDo(t *testing.T) {
 }
 
 // Invalid input is refused with a typed error before any statement runs,
-// and nothing changes.
+// and nothing changes. A transaction that is closed (committed or rolled
+// back) or aborted is idem.ErrInvalidArgument, as in package idem.
 func TestInvalidInput(t *testing.T) {
 	t.Parallel()
+	eachDriver(t, testInvalidInput)
+}
+
+func testInvalidInput(t *testing.T, driver string) {
 	ctx := t.Context()
-	db, pool := migrated(t, "pgx")
+	db, pool := migrated(t, driver)
 	fn := func(ctx context.Context, tx *sql.Tx) (idem.Response, error) { return created, nil }
 	tx, err := db.BeginTx(ctx, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer tx.Rollback()
+	closed, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := closed.Commit(); err != nil {
+		t.Fatal(err)
+	}
+	aborted, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer aborted.Rollback()
+	if _, err := aborted.ExecContext(ctx, "SELECT 1/0"); err == nil {
+		t.Fatal("1/0 did not fail")
+	}
+	held := idem.Reservation{Scope: scope, Key: "k", Token: 1}
 	for _, c := range []struct {
 		name string
 		err  error
@@ -234,8 +255,16 @@ func TestInvalidInput(t *testing.T) {
 		{"Resolve both", idemsql.Resolve(ctx, db, scope, "k", idem.Resolution{Token: 1, Succeeded: &created, Retryable: true}), idem.ErrInvalidArgument},
 		{"Resolve no token", idemsql.Resolve(ctx, db, scope, "k", idem.Resolution{Retryable: true}), idem.ErrInvalidArgument},
 		{"ListUnknown limit", second(idemsql.ListUnknown(ctx, db, 0, nil)), idem.ErrInvalidArgument},
+		{"ListUnknown cursor NUL", second(idemsql.ListUnknown(ctx, db, 1, &idem.Record{Scope: scope, Key: "a\x00", CreatedAt: time.Now()})), idem.ErrInvalidArgument},
+		{"ListUnknown cursor time", second(idemsql.ListUnknown(ctx, db, 1, &idem.Record{Scope: scope, Key: "a", CreatedAt: time.Date(300000, 1, 1, 0, 0, 0, 0, time.UTC)})), idem.ErrInvalidArgument},
 		{"Prune batch", second(idemsql.Prune(ctx, db, idem.PruneOptions{BatchSize: -1})), idem.ErrInvalidArgument},
 		{"DoJSON nil fn", third(idemsql.DoJSON[int](ctx, tx, scope, "k", fpOf("a"), nil)), idem.ErrInvalidArgument},
+		{"Do closed tx", second(idemsql.Do(ctx, closed, scope, "k", fpOf("a"), fn)), idem.ErrInvalidArgument},
+		{"Do aborted tx", second(idemsql.Do(ctx, aborted, scope, "k", fpOf("a"), fn)), idem.ErrInvalidArgument},
+		{"DoJSON closed tx", third(idemsql.DoJSON(ctx, closed, scope, "k", fpOf("a"),
+			func(context.Context, *sql.Tx) (int, error) { return 1, nil })), idem.ErrInvalidArgument},
+		{"Complete closed tx", idemsql.Complete(ctx, closed, held, created), idem.ErrInvalidArgument},
+		{"Complete aborted tx", idemsql.Complete(ctx, aborted, held, created), idem.ErrInvalidArgument},
 	} {
 		if !errors.Is(c.err, c.want) {
 			t.Errorf("%s: %v, want %v", c.name, c.err, c.want)

@@ -7,8 +7,11 @@
 // handles: Do, DoInTx, InTx, Migrate, the reservation calls (Reserve,
 // Complete, FailRetryable, MarkUnknown, Heartbeat), the operator calls
 // (Lookup, Forget, Resolve, ListUnknown, ExpireLeases, Prune, ReadStats),
-// the typed-replay forms (DoJSON, DoInTxJSON and their With forms), and a
-// Client from New(idem.Config) with the same methods.
+// the inbox (Inbox, InboxInTx, InboxKey), the typed-replay forms (DoJSON,
+// DoInTxJSON and their With forms), and a Client from New(idem.Config)
+// with every method of idem.Client. idem.MigrateDown is not ported: run it
+// (or the idem command) on a pgx pool. There is no Citus path: on a Citus
+// coordinator use package idem (see idem.Distribute).
 //
 // Everything else is package idem's: the same table and migrations (a
 // database migrated by idem.Migrate or idemsql.Migrate serves both, and
@@ -30,13 +33,15 @@
 // # Round trips
 //
 // database/sql sends one statement per round trip: it cannot pipeline, as
-// package idem does with pgx's batches. A first DoInTx costs six round
-// trips (BEGIN, the wait bound, the claim, the wait restored, the stored
-// response, COMMIT) where idem.DoInTx costs two, and Do in a caller's
-// transaction six (with its savepoint) where idem.Do costs two. lib/pq
-// adds a round trip to every statement with arguments unless the
-// connection sets binary_parameters=yes. See the README's database/sql
-// section for measurements.
+// package idem does with pgx's batches. A first DoInTx costs four round
+// trips (BEGIN, the claim, which bounds its own wait, the stored response,
+// COMMIT) where idem.DoInTx costs two; a replay five (BEGIN, the claim, the
+// planner setting and the read of the stored row, ROLLBACK); Do in a
+// caller's transaction four (its savepoint, the claim, the stored response,
+// the release) where idem.Do costs two. lib/pq adds a round trip to every
+// statement with arguments unless the connection sets
+// binary_parameters=yes. BenchmarkRoundTrips measures them; the README's
+// database/sql section has the figures.
 //
 // Concurrent DoInTx calls with the same key in one process are not
 // coalesced (idem.DoInTx coalesces them on one pgx pool); they meet at the

@@ -44,7 +44,7 @@ func (c *Client) Lookup(ctx context.Context, db *sql.DB, scope idem.Scope, key s
 		return idem.Record{}, errNilDB
 	}
 	var rec idem.Record
-	err := c.InTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
+	err := c.indexTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
 		row, err := queries.KeyLookup(ctx, tx, dbsql.KeyLookupParams{Actor: scope.Actor, Operation: scope.Operation, IdemKey: key})
 		if errors.Is(err, sql.ErrNoRows) {
 			return idem.ErrNotFound
@@ -82,8 +82,8 @@ func (c *Client) Forget(ctx context.Context, db *sql.DB, scope idem.Scope, key s
 		return errNilDB
 	}
 	k := dbsql.KeyLockForForgetParams{Actor: scope.Actor, Operation: scope.Operation, IdemKey: key}
-	err := c.InTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
-		status, err := queries.KeyLockForForget(ctx, tx, k)
+	err := c.indexTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
+		row, err := queries.KeyLockForForget(ctx, tx, k)
 		switch {
 		case errors.Is(err, sql.ErrNoRows):
 			return idem.ErrNotFound
@@ -92,11 +92,8 @@ func (c *Client) Forget(ctx context.Context, db *sql.DB, scope idem.Scope, key s
 		case err != nil:
 			return err
 		}
-		switch idem.Status(status) {
-		case idem.StatusProcessing:
-			return core.InProgress(c.c, bridgeKey(idem.Scope{}, ""))
-		case idem.StatusUnknown:
-			return idem.ErrOutcomeUnknown
+		if err := core.Forgettable(c.c, row.Status, row.LeaseRanOut); err != nil {
+			return err
 		}
 		_, err = queries.KeyForget(ctx, tx, dbsql.KeyForgetParams(k))
 		return err
@@ -165,6 +162,22 @@ func (c *Client) Prune(ctx context.Context, db *sql.DB, opts idem.PruneOptions) 
 	return total, nil
 }
 
+// indexTx runs fn, an operator or reservation call's statements, in a
+// transaction of its own begun on db, with sqlIndexLookup set for it: every
+// plan of those statements, also the generic plan that pgx's stdlib driver
+// caches for the life of a connection, finds rows through an index, even
+// when idem_keys was analyzed while empty. (Package idem plans them anew on
+// every execution instead, which database/sql cannot ask of a driver.) The
+// setting ends with the transaction.
+func (c *Client) indexTx(ctx context.Context, db *sql.DB, fn func(ctx context.Context, tx *sql.Tx) error) error {
+	return c.InTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
+		if _, err := tx.ExecContext(ctx, sqlIndexLookup); err != nil {
+			return err
+		}
+		return fn(ctx, tx)
+	})
+}
+
 // sqlIndexWalk makes the statements after it in its transaction walk an
 // index in the index's order (see idem.Prune).
 const sqlIndexWalk = "SET LOCAL enable_seqscan = off; SET LOCAL enable_bitmapscan = off; SET LOCAL enable_sort = off"
@@ -184,11 +197,17 @@ func (c *Client) batchTx(ctx context.Context, db *sql.DB, fn func(ctx context.Co
 // oldest in flight and unknown, and the table's size. It counts every row:
 // run it from operators' tools, not on a request path.
 func ReadStats(ctx context.Context, db *sql.DB) (idem.Stats, error) {
+	return defaultClient.ReadStats(ctx, db)
+}
+
+// ReadStats is the package-level ReadStats, in a transaction at this
+// client's isolation level.
+func (c *Client) ReadStats(ctx context.Context, db *sql.DB) (idem.Stats, error) {
 	if db == nil {
 		return idem.Stats{}, errNilDB
 	}
 	st := idem.Stats{Keys: make(map[idem.Status]int64)}
-	err := defaultClient.InTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
+	err := c.InTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
 		rows, err := queries.KeyStats(ctx, tx)
 		if err != nil {
 			return err

@@ -12,6 +12,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -21,6 +22,48 @@ import (
 	"github.com/pgidem/idem/idemsql"
 	"github.com/pgidem/idem/internal/pgtest"
 )
+
+// pgx's stdlib driver in its default exec mode (named prepared statements)
+// behind a pooler without prepared-statement support: the calls that fail
+// say so, with idem.ErrPreparedStatements and the fix.
+func TestPoolerDefaultModeNamesTheFix(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	db := open(t, "pgx", pgtest.BehindPooler(t, idem.Migrate))
+	db.SetMaxOpenConns(16)
+	var failed atomic.Int64
+	var wg sync.WaitGroup
+	ok := func(context.Context, *sql.Tx) (idem.Response, error) { return idem.Response{Status: 200}, nil }
+	for i := range 64 {
+		wg.Go(func() {
+			key := fmt.Sprintf("default-%d", i)
+			var err error
+			switch i % 3 {
+			case 0:
+				_, err = idemsql.DoInTx(ctx, db, scope, key, fpOf(key), ok)
+			case 1:
+				err = idemsql.InTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
+					_, err := idemsql.Do(ctx, tx, scope, key, fpOf(key), ok)
+					return err
+				})
+			default:
+				_, err = idemsql.Reserve(ctx, db, scope, key, fpOf(key), time.Minute)
+			}
+			if err == nil {
+				return
+			}
+			failed.Add(1)
+			if !errors.Is(err, idem.ErrPreparedStatements) || !strings.Contains(err.Error(), "default_query_exec_mode") {
+				t.Errorf("%s: %v; want ErrPreparedStatements naming default_query_exec_mode", key, err)
+			}
+		})
+	}
+	wg.Wait()
+	if failed.Load() == 0 {
+		t.Skip("no call failed: this pooler keeps prepared statements (PgBouncer 1.21+ with max_prepared_statements > 0)")
+	}
+	t.Logf("%d of 64 calls failed, each with the fix named", failed.Load())
+}
 
 func TestBehindPooler(t *testing.T) {
 	t.Parallel()

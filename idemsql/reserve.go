@@ -78,7 +78,7 @@ func (c *Client) Reserve(ctx context.Context, db *sql.DB, scope idem.Scope, key 
 		err = refusal
 	}
 	if err != nil {
-		r = idem.Reservation{}
+		r, err = idem.Reservation{}, pooled(err)
 	}
 	cl.End(ctx, r.Result, err)
 	return r, err
@@ -182,7 +182,8 @@ func lockedRow(row dbsql.ReserveLockRow) bridge.Row {
 // idem.ErrFenced when the record is no longer this reservation's
 // 'processing' (nothing changed; roll tx back); idem.ErrInvalidResponse or
 // idem.ErrResponseTooLarge for a response that cannot be stored; a zero or
-// replayed Reservation, or a nil tx, idem.ErrInvalidArgument.
+// replayed Reservation, or a nil, closed or aborted tx,
+// idem.ErrInvalidArgument.
 func Complete(ctx context.Context, tx *sql.Tx, r idem.Reservation, resp idem.Response) error {
 	return defaultClient.Complete(ctx, tx, r, resp)
 }
@@ -210,7 +211,7 @@ func (c *Client) Complete(ctx context.Context, tx *sql.Tx, r idem.Reservation, r
 	})
 	switch {
 	case err != nil:
-		err = fmt.Errorf("idem: complete: %w", err)
+		err = txUnusable(fmt.Errorf("idem: complete: %w", err))
 	case n != 1:
 		err = idem.ErrFenced
 	}
@@ -278,7 +279,7 @@ func (c *Client) Heartbeat(ctx context.Context, db *sql.DB, r idem.Reservation, 
 		return idem.Reservation{}, fmt.Errorf("%w: extend %s must be at least 1µs", idem.ErrInvalidArgument, extend)
 	}
 	var lease sql.NullTime
-	err := c.InTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
+	err := c.indexTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
 		var err error
 		lease, err = queries.ReserveHeartbeat(ctx, tx, dbsql.ReserveHeartbeatParams{
 			ExtendMicros: extend.Microseconds(),
@@ -306,7 +307,7 @@ func (c *Client) Heartbeat(ctx context.Context, db *sql.DB, r idem.Reservation, 
 func (c *Client) fence(ctx context.Context, db *sql.DB, call string, scope idem.Scope, event string,
 	update func(ctx context.Context, tx *sql.Tx) (int64, error)) error {
 	var n int64
-	err := c.InTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
+	err := c.indexTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
 		var err error
 		n, err = update(ctx, tx)
 		return err
@@ -373,7 +374,9 @@ func (c *Client) ExpireLeases(ctx context.Context, db *sql.DB, limit int) (int64
 
 // ListUnknown is idem.ListUnknown on a *sql.DB: at most limit 'unknown'
 // records, oldest first; pass nil for the first page and the last record
-// of a page for the next. limit <= 0 is idem.ErrInvalidArgument.
+// of a page for the next. limit <= 0, or an after that idem.ListUnknown
+// refuses (names that are not valid text, a CreatedAt outside PostgreSQL's
+// range), is idem.ErrInvalidArgument.
 func ListUnknown(ctx context.Context, db *sql.DB, limit int, after *idem.Record) ([]idem.Record, error) {
 	return defaultClient.ListUnknown(ctx, db, limit, after)
 }
@@ -391,11 +394,14 @@ func (c *Client) ListUnknown(ctx context.Context, db *sql.DB, limit int, after *
 		MaxRows:        int32(min(limit, math.MaxInt32)),
 	}
 	if after != nil {
+		if err := core.CheckCursor(after); err != nil {
+			return nil, err
+		}
 		arg.AfterCreatedAt = after.CreatedAt
 		arg.AfterActor, arg.AfterOperation, arg.AfterKey = after.Scope.Actor, after.Scope.Operation, after.Key
 	}
 	var rows []dbsql.IdemKey
-	err := c.InTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
+	err := c.indexTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
 		var err error
 		rows, err = queries.ReserveListUnknown(ctx, tx, arg)
 		return err
@@ -478,7 +484,7 @@ func (c *Client) Resolve(ctx context.Context, db *sql.DB, scope idem.Scope, key 
 			arg.ResponseBody = []byte{}
 		}
 	}
-	err := c.InTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
+	err := c.indexTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
 		row, err := queries.ReserveLock(ctx, tx, dbsql.ReserveLockParams{Actor: scope.Actor, Operation: scope.Operation, IdemKey: key})
 		if errors.Is(err, sql.ErrNoRows) {
 			return idem.ErrNotFound
@@ -486,18 +492,8 @@ func (c *Client) Resolve(ctx context.Context, db *sql.DB, scope idem.Scope, key 
 		if err != nil {
 			return err
 		}
-		if row.IdemKey.Token != res.Token {
-			return fmt.Errorf("%w: token %d was resolved or replaced; the record holds token %d now (status %s)",
-				idem.ErrFenced, res.Token, row.IdemKey.Token, row.IdemKey.Status)
-		}
-		switch status := idem.Status(row.IdemKey.Status); {
-		case status == idem.StatusUnknown:
-		case status == idem.StatusProcessing && row.Leased && row.LeaseLeftMs > 0:
-			return fmt.Errorf("%w: a live lease holds it", idem.ErrNotResolvable)
-		case status == idem.StatusProcessing && row.Leased:
-			// The lease ran out before an outcome was recorded.
-		default:
-			return fmt.Errorf("%w: it is %s", idem.ErrNotResolvable, status)
+		if err := core.Resolvable(row.IdemKey.Status, row.IdemKey.Token, res.Token, row.Leased, row.LeaseLeftMs); err != nil {
+			return err
 		}
 		arg.Token = row.IdemKey.Token
 		n, err := queries.ReserveResolve(ctx, tx, arg)

@@ -174,3 +174,55 @@ func TestReservations(t *testing.T) {
 		}
 	})
 }
+
+// Resolve and Forget answer as idem's do on the same rows: package idem's
+// code decides. A record Do wrote (token 0) is not awaiting reconciliation,
+// whatever token the Resolution names.
+func TestResolveForgetAsIdem(t *testing.T) {
+	t.Parallel()
+	eachDriver(t, func(t *testing.T, driver string) {
+		ctx := t.Context()
+		db, pool := migrated(t, driver)
+		ok := func(context.Context, *sql.Tx) (idem.Response, error) { return idem.Response{Status: 201}, nil }
+		if _, err := idemsql.DoInTx(ctx, db, scope, "done", fpOf("a"), ok); err != nil {
+			t.Fatal(err)
+		}
+		live, err := idemsql.Reserve(ctx, db, scope, "live", fpOf("a"), time.Minute)
+		if err != nil {
+			t.Fatal(err)
+		}
+		lost, err := idemsql.Reserve(ctx, db, scope, "lost", fpOf("a"), time.Millisecond)
+		if err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(20 * time.Millisecond)
+		for _, tc := range []struct {
+			key   string
+			token int64
+			want  error
+		}{
+			{"done", 1, idem.ErrNotResolvable},
+			{"done", 7, idem.ErrNotResolvable},
+			{"live", live.Token, idem.ErrNotResolvable},
+			{"live", live.Token + 1, idem.ErrFenced},
+			{"lost", lost.Token + 1, idem.ErrFenced},
+		} {
+			res := idem.Resolution{Token: tc.token, Retryable: true}
+			sqlErr := idemsql.Resolve(ctx, db, scope, tc.key, res)
+			pgxErr := idem.Resolve(ctx, pool, scope, tc.key, res)
+			if !errors.Is(sqlErr, tc.want) || !errors.Is(pgxErr, tc.want) {
+				t.Errorf("Resolve %s token %d: idemsql %v, idem %v; want %v", tc.key, tc.token, sqlErr, pgxErr, tc.want)
+			}
+		}
+		for _, tc := range []struct {
+			key  string
+			want error
+		}{{"live", idem.ErrInProgress}, {"lost", idem.ErrOutcomeUnknown}} {
+			sqlErr := idemsql.Forget(ctx, db, scope, tc.key)
+			pgxErr := idem.Forget(ctx, pool, scope, tc.key)
+			if !errors.Is(sqlErr, tc.want) || !errors.Is(pgxErr, tc.want) {
+				t.Errorf("Forget %s: idemsql %v, idem %v; want %v", tc.key, sqlErr, pgxErr, tc.want)
+			}
+		}
+	})
+}

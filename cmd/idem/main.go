@@ -1,7 +1,7 @@
 // Command idem is the operator's tool for idem's table: it applies the
 // migrations, prunes expired keys, looks a key up or forgets it, shows
-// statistics, and lists and resolves the outcomes left unknown by
-// reservations.
+// statistics, turns reservations whose lease ran out unknown, and lists and
+// resolves the outcomes left unknown by reservations.
 //
 //	go run github.com/pgidem/idem/cmd/idem@latest --help
 //
@@ -81,8 +81,10 @@ Commands:
   forget <actor> <operation> <key>
                                 delete a finished key's record: the key is free again
   stats                         keys by status, oldest in flight, table and index size
-  unknown list                  list the records whose outcome is unknown (leases that ran out
-                                included), oldest first
+  expire-leases [--batch N]     turn reservations whose lease ran out unknown, so that
+                                unknown list shows them
+  unknown list                  list the records whose outcome is unknown, oldest first
+                                (read-only; leases that ran out: run expire-leases first)
   resolve <actor> <operation> <key> --token T (--succeeded [--status N] [--body B | --body-file F] | --retryable) --reason R
                                 reconcile an unknown outcome
 
@@ -250,10 +252,20 @@ var commands = map[string]command{
 		help:  "Counts the keys in each status and shows the oldest key in flight and the oldest unknown\noutcome, and the size of the table and its indexes. It reads every row.",
 		flags: func(*flag.FlagSet) func(context.Context, *env, []string) error { return stats },
 	},
+	"expire-leases": {
+		usage: "expire-leases [--batch N]",
+		help: "Turns the reservations whose lease ran out before they recorded an outcome (still processing)\ninto unknown outcomes, their token kept, as the library's ExpireLeases does: in batches of one\n" +
+			"short transaction each, until none is left, and prints how many. unknown list then shows them.\n" +
+			"Their workers are fenced: a Complete that comes late is refused (ErrFenced) and the record\nwaits for resolve.",
+		flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
+			batch := fs.Int("batch", 1000, "reservations per batch (transaction)")
+			return func(ctx context.Context, e *env, args []string) error { return expireLeases(ctx, e, args, *batch) }
+		},
+	},
 	"unknown": {
 		usage: "unknown list [--limit N]",
-		help: "Lists the records whose outcome is unknown (a reservation may or may not have done its work),\noldest first. Reconcile each with resolve after checking the outside system. Reservations whose\n" +
-			"lease ran out before they recorded an outcome are turned unknown first (as the library's\nExpireLeases does; their token stays), so they are listed too.",
+		help: "Lists the records whose outcome is unknown (a reservation may or may not have done its work),\noldest first. Reconcile each with resolve after checking the outside system. It only reads:\n" +
+			"a reservation whose lease ran out but that is still processing is not listed (its worker may\nstill complete it); run idem expire-leases first to turn such reservations unknown.",
 		flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			limit := fs.Int("limit", 100, "list at most this many records")
 			return func(ctx context.Context, e *env, args []string) error { return unknownList(ctx, e, args, *limit) }
@@ -381,6 +393,9 @@ func migrate(ctx context.Context, e *env, args []string, force bool) error {
 	default:
 		return usagef("want up, down or status, got %q", args[0])
 	}
+	if force && args[0] != "down" {
+		return usagef("--force goes with down only")
+	}
 	pool, err := e.pool(ctx)
 	if err != nil {
 		return err
@@ -391,9 +406,6 @@ func migrate(ctx context.Context, e *env, args []string, force bool) error {
 		if err := idem.Migrate(ctx, pool); err != nil {
 			return err
 		}
-	}
-	if force && args[0] != "down" {
-		return usagef("--force goes with down only")
 	}
 	if args[0] == "down" {
 		// The library's path, which refuses to delete outcomes unless forced.
@@ -561,19 +573,6 @@ func unknownList(ctx context.Context, e *env, args []string, limit int) error {
 		return err
 	}
 	defer pool.Close()
-	// A reservation whose lease ran out is in doubt too: turn such records
-	// unknown (the token stays), so that they are listed.
-	var expired int64
-	for {
-		n, err := idem.ExpireLeases(ctx, pool, 1000)
-		if err != nil {
-			return err
-		}
-		expired += n
-		if n < 1000 {
-			break
-		}
-	}
 	var all []idem.Record
 	var after *idem.Record
 	for len(all) < limit {
@@ -597,10 +596,41 @@ func unknownList(ctx context.Context, e *env, args []string, limit int) error {
 	if len(all) == 0 {
 		sb.WriteString("no unknown outcomes\n")
 	}
-	if expired > 0 {
-		fmt.Fprintf(&sb, "(%d reservations whose lease ran out were turned unknown now)\n", expired)
-	}
+	sb.WriteString(expireLeasesHint)
 	e.print(out, sb.String())
+	return nil
+}
+
+// expireLeasesHint ends the text output of unknown list.
+const expireLeasesHint = "(reservations whose lease ran out are listed once `idem expire-leases` has turned them unknown)\n"
+
+func expireLeases(ctx context.Context, e *env, args []string, batch int) error {
+	if err := wantArgs(args, 0, "no arguments"); err != nil {
+		return err
+	}
+	if batch <= 0 {
+		return usagef("--batch must be positive")
+	}
+	pool, err := e.pool(ctx)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	// A batch that comes back full may leave more behind: go on until one
+	// does not.
+	var expired int64
+	for {
+		n, err := idem.ExpireLeases(ctx, pool, batch)
+		expired += n
+		if err != nil {
+			return err
+		}
+		if n < int64(batch) {
+			break
+		}
+	}
+	e.print(map[string]any{"expired": expired},
+		fmt.Sprintf("%d reservations whose lease ran out turned unknown: see idem unknown list\n", expired))
 	return nil
 }
 

@@ -77,7 +77,7 @@ func TestCLIEndToEnd(t *testing.T) {
 	scope := idem.Scope{Actor: "alice", Operation: "draw"}
 
 	// Every command has --help, and usage errors exit 2.
-	for _, c := range []string{"migrate", "prune", "inspect", "forget", "stats", "unknown", "resolve"} {
+	for _, c := range []string{"migrate", "prune", "inspect", "forget", "stats", "expire-leases", "unknown", "resolve"} {
 		out, _, code := cli(t, url, c, "--help")
 		if code != 0 || !strings.Contains(out, "Usage: idem "+c) {
 			t.Errorf("%s --help: exit %d\n%s", c, code, out)
@@ -383,7 +383,7 @@ func TestCLIUnmigrated(t *testing.T) {
 	const hint = "run `idem migrate up`"
 	for _, args := range [][]string{
 		{"stats"}, {"prune"}, {"prune", "--dry-run"}, {"inspect", "a", "b", "c"}, {"forget", "a", "b", "c"},
-		{"unknown", "list"}, {"resolve", "a", "b", "c", "--token", "1", "--retryable", "--reason", "r"},
+		{"expire-leases"}, {"unknown", "list"}, {"resolve", "a", "b", "c", "--token", "1", "--retryable", "--reason", "r"},
 	} {
 		out, errOut, code := runCLI(t, url, args...)
 		if code != exitFailure || out != "" || strings.Count(errOut, "\n") != 1 ||
@@ -404,7 +404,8 @@ func TestCLIUnmigrated(t *testing.T) {
 }
 
 // The operator's side of issue 15: a lapsed lease shows in unknown list
-// (turned unknown, its token kept) and resolves with that token; resolve
+// once expire-leases turned it unknown (its token kept) and resolves with
+// that token; resolve
 // refuses a body that is not the JSON its content type says; migrate down
 // refuses to delete outcomes unless --force.
 func TestCLIOperatorCoherence(t *testing.T) {
@@ -422,6 +423,9 @@ func TestCLIOperatorCoherence(t *testing.T) {
 	}
 	time.Sleep(20 * time.Millisecond)
 	token := strconv.FormatInt(r.Token, 10)
+	if out, errOut, code := runCLI(t, url, "expire-leases"); code != exitOK || !strings.Contains(out, "1 reservations") {
+		t.Fatalf("expire-leases: exit %d\n%s%s", code, out, errOut)
+	}
 	out, errOut, code := runCLI(t, url, "unknown", "list")
 	if code != exitOK || !strings.Contains(out, "lapsed") || !strings.Contains(out, "token "+token) {
 		t.Fatalf("unknown list does not show the lapsed lease: exit %d\n%s%s", code, out, errOut)
@@ -472,5 +476,93 @@ func TestCLIOperatorCoherence(t *testing.T) {
 	}
 	if _, _, code := runCLI(t, url, "migrate", "status", "--force"); code != exitUsage {
 		t.Fatalf("migrate status --force: exit %d", code)
+	}
+}
+
+// --force goes with down only: "migrate up --force" (or status) is a usage
+// error before anything touches the database.
+func TestCLIMigrateForceOnlyWithDown(t *testing.T) {
+	ctx := t.Context()
+	url := pgtest.URL(t, nil) // empty: up would create idem's table
+	for _, args := range [][]string{{"migrate", "up", "--force"}, {"migrate", "--force", "status"}} {
+		out, errOut, code := runCLI(t, url, args...)
+		if code != exitUsage || out != "" || !strings.HasPrefix(errOut, "idem migrate: --force goes with down only\n") {
+			t.Errorf("%q: exit %d\nstdout:\n%s\nstderr:\n%s", args, code, out, errOut)
+		}
+	}
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	rows, _ := conn.Query(ctx, `SELECT tablename FROM pg_tables WHERE tablename LIKE 'idem%'`)
+	tables, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil || len(tables) != 0 {
+		t.Fatalf("after refused migrate --force: tables %q (%v), want none", tables, err)
+	}
+}
+
+// unknown list only reads: a reservation whose lease ran out stays
+// processing, so its late worker's Complete still lands; the listing points
+// to expire-leases, which turns such reservations unknown (in batches, until
+// none is left) and says how many.
+func TestCLIUnknownListReadOnly(t *testing.T) {
+	ctx := t.Context()
+	url := pgtest.URL(t, idem.Migrate)
+	pool, err := pgxpool.New(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	scope := idem.Scope{Actor: "alice", Operation: "pay"}
+	fp := idem.FingerprintParts([]byte("p"))
+	var lapsed []idem.Reservation
+	for _, k := range []string{"late", "lapsed-1", "lapsed-2", "lapsed-3"} {
+		r, err := idem.Reserve(ctx, pool, scope, k, fp, time.Millisecond)
+		if err != nil {
+			t.Fatal(err)
+		}
+		lapsed = append(lapsed, r)
+	}
+	time.Sleep(20 * time.Millisecond)
+
+	out, errOut, code := runCLI(t, url, "unknown", "list")
+	if code != exitOK || errOut != "" || strings.Contains(out, "lapsed") || strings.Contains(out, "late") ||
+		!strings.Contains(out, "no unknown outcomes") || !strings.Contains(out, "idem expire-leases") {
+		t.Fatalf("unknown list: exit %d\nstdout:\n%s\nstderr:\n%s", code, out, errOut)
+	}
+	if out, errOut, code := runCLI(t, url, "unknown", "list", "--json"); code != exitOK || strings.TrimSpace(out) != "[]" {
+		t.Fatalf("unknown list --json: exit %d\nstdout:\n%s\nstderr:\n%s", code, out, errOut)
+	}
+	if out, _, code := runCLI(t, url, "unknown", "--help"); code != exitOK || !strings.Contains(out, "idem expire-leases") {
+		t.Fatalf("unknown --help does not point to expire-leases: exit %d\n%s", code, out)
+	}
+	// The late worker's Complete lands: nobody fenced it.
+	err = idem.InTx(ctx, pool, func(ctx context.Context, tx pgx.Tx) error {
+		return idem.Complete(ctx, tx, lapsed[0], idem.Response{Status: 201, Body: []byte(`{}`)})
+	})
+	if err != nil {
+		t.Fatalf("the late worker's Complete after unknown list: %v", err)
+	}
+
+	if _, errOut, code := runCLI(t, url, "expire-leases", "--batch", "0"); code != exitUsage || !strings.Contains(errOut, "--batch") {
+		t.Fatalf("expire-leases --batch 0: exit %d: %s", code, errOut)
+	}
+	out, errOut, code = runCLI(t, url, "expire-leases", "--batch", "1", "--json")
+	var got struct{ Expired int64 }
+	if code != exitOK || errOut != "" || json.Unmarshal([]byte(out), &got) != nil || got.Expired != 3 {
+		t.Fatalf("expire-leases --json: exit %d\nstdout:\n%s\nstderr:\n%s", code, out, errOut)
+	}
+	if out, _, code := runCLI(t, url, "expire-leases"); code != exitOK || !strings.Contains(out, "0 reservations") {
+		t.Fatalf("expire-leases again: exit %d\n%s", code, out)
+	}
+	out, _, code = runCLI(t, url, "unknown", "list")
+	for _, r := range lapsed[1:] {
+		if code != exitOK || !strings.Contains(out, r.Key+"  token "+strconv.FormatInt(r.Token, 10)) {
+			t.Fatalf("unknown list after expire-leases: exit %d\n%s", code, out)
+		}
+	}
+	if rec, err := idem.Lookup(ctx, pool, scope, "late"); err != nil || rec.Status != idem.StatusSucceeded {
+		t.Fatalf("late: %+v, %v", rec, err)
 	}
 }

@@ -94,6 +94,19 @@ type Funcs[Client, Result, Response, Record any] struct {
 	// Judge tells what the committed row that holds k means for a call with
 	// fingerprint fp (found false: no row holds it).
 	Judge func(c Client, row Row, found bool, fp [32]byte, k Key) (Result, Next, error)
+	// Resolvable decides whether Resolve may reconcile the locked record of
+	// a key, in status with token (leased and leaseLeftMs as ReserveLock
+	// reads them), for a Resolution naming want: nil, idem.ErrFenced or
+	// idem.ErrNotResolvable.
+	Resolvable func(status string, token, want int64, leased bool, leaseLeftMs int64) error
+	// Forgettable decides whether Forget may delete the locked record of a
+	// key, in status (leaseRanOut as KeyLockForForget reads it): nil,
+	// idem.ErrInProgress or idem.ErrOutcomeUnknown.
+	Forgettable func(c Client, status string, leaseRanOut bool) error
+	// Inbox is the key under which Inbox records message messageID of
+	// consumer, and the fingerprint of payload; nilFn is whether the
+	// caller's fn is nil. The error is the refusal of invalid input.
+	Inbox func(c Client, consumer, messageID string, payload []byte, nilFn bool) (Key, [32]byte, error)
 	// Decide checks fn's result and turns it into the outcome to store; a
 	// refusal (idem.Reject) is an outcome, any other error comes back.
 	Decide func(c Client, resp Response, fnErr error) (Outcome[Response], error)
@@ -113,6 +126,8 @@ type Funcs[Client, Result, Response, Record any] struct {
 	// DecodeInto decodes the result of a typed-replay call into v (a
 	// pointer); a refusal comes back as an *idem.RejectedError.
 	DecodeInto func(res Result, err error, v any) (replayed bool, _ error)
+	// CheckCursor validates the record after which ListUnknown continues.
+	CheckCursor func(after *Record) error
 	// CheckReason validates a reason to store.
 	CheckReason func(reason string) error
 	// Retryable reports a serialization failure or a deadlock.
@@ -126,6 +141,10 @@ type Funcs[Client, Result, Response, Record any] struct {
 	// it succeeded and event is not "", a fenced reservation, a store
 	// failure).
 	CountEnd func(c Client, ctx context.Context, call, operation string, err error, event string)
+	// PreparedStatementsLost wraps err with idem.ErrPreparedStatements
+	// when it is pgx's cached prepared statement lost behind a transaction
+	// pooler (pgx's stdlib driver in its default exec mode).
+	PreparedStatementsLost func(err error) error
 	// Migrate brings idem's tables up to date on db, serialized with
 	// idem.Migrate (the same goose provider, version table and lock).
 	Migrate func(ctx context.Context, db *sql.DB) error

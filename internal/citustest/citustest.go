@@ -181,18 +181,9 @@ func template(ctx context.Context) (string, error) {
 // the test ends. Failures fail the test.
 func New(t testing.TB, schema Schema) DB {
 	t.Helper()
-	if err := cluster(); err != nil {
-		t.Fatal(err)
-	}
+	db := Empty(t)
 	ctx, cancel := context.WithTimeout(t.Context(), 3*time.Minute)
 	defer cancel()
-	db, err := create(ctx)
-	if db.Name != "" {
-		t.Cleanup(func() { drop(db.Name) })
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
 	pool, err := pgxpool.New(ctx, db.URL)
 	if err != nil {
 		t.Fatal(err)
@@ -208,6 +199,26 @@ func New(t testing.TB, schema Schema) DB {
 		if err := schema(ctx, pool); err != nil {
 			t.Fatalf("citustest: schema: %v", err)
 		}
+	}
+	return db
+}
+
+// Empty creates a test's database on the cluster, the citus extension on
+// every node and the workers registered, without idem's tables. It is
+// dropped on every node when the test ends. Failures fail the test.
+func Empty(t testing.TB) DB {
+	t.Helper()
+	if err := cluster(); err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(t.Context(), 3*time.Minute)
+	defer cancel()
+	db, err := create(ctx)
+	if db.Name != "" {
+		t.Cleanup(func() { drop(db.Name) })
+	}
+	if err != nil {
+		t.Fatal(err)
 	}
 	return db
 }

@@ -72,6 +72,40 @@ func (q *Queries) KeyClaim(ctx context.Context, db DBTX, arg KeyClaimParams) (bo
 	return claimed, err
 }
 
+const KeyClaimCitus = `-- name: KeyClaimCitus :one
+INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at)
+VALUES ($1, $2, $3, $4, 'processing', now(), now(),
+        now() + ($5::bigint * interval '1 microsecond'))
+ON CONFLICT (actor, operation, idem_key) DO NOTHING
+RETURNING true AS claimed
+`
+
+type KeyClaimCitusParams struct {
+	Actor       string
+	Operation   string
+	IdemKey     string
+	Fingerprint []byte
+	TtlMicros   int64
+}
+
+// KeyClaim for Citus. On Citus the wait happens on the worker that holds
+// the key's shard, and set_config never reaches it (nor is idem.lock_timeout
+// known there): the call bounds the wait with SET LOCAL lock_timeout
+// statements around this one instead, which Citus propagates to the
+// workers (citus.propagate_set_commands = 'local'; see claim.go).
+func (q *Queries) KeyClaimCitus(ctx context.Context, db DBTX, arg KeyClaimCitusParams) (bool, error) {
+	row := db.QueryRowContext(ctx, KeyClaimCitus,
+		arg.Actor,
+		arg.Operation,
+		arg.IdemKey,
+		arg.Fingerprint,
+		arg.TtlMicros,
+	)
+	var claimed bool
+	err := row.Scan(&claimed)
+	return claimed, err
+}
+
 const KeyComplete = `-- name: KeyComplete :execrows
 INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, expires_at,
                             response_status, response_headers, response_body, completed_at)
@@ -215,6 +249,51 @@ func (q *Queries) KeyTakeOver(ctx context.Context, db DBTX, arg KeyTakeOverParam
 		arg.Fingerprint,
 		arg.TtlMicros,
 		arg.LockTimeout,
+	)
+	var claimed bool
+	err := row.Scan(&claimed)
+	return claimed, err
+}
+
+const KeyTakeOverCitus = `-- name: KeyTakeOverCitus :one
+INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at)
+VALUES ($1, $2, $3, $4, 'processing', now(), now(),
+        now() + ($5::bigint * interval '1 microsecond'))
+ON CONFLICT (actor, operation, idem_key) DO UPDATE
+SET fingerprint      = excluded.fingerprint,
+    status           = 'processing',
+    response_status  = NULL,
+    response_headers = NULL,
+    response_body    = NULL,
+    created_at       = excluded.created_at,
+    completed_at     = excluded.completed_at,
+    expires_at       = excluded.expires_at,
+    token            = 0,
+    lease_expires_at = NULL,
+    last_error       = NULL,
+    resolve_reason   = NULL
+WHERE (k.expires_at <= excluded.created_at AND k.status IN ('succeeded', 'rejected', 'failed_retryable'))
+   OR (k.status = 'failed_retryable' AND k.fingerprint = excluded.fingerprint)
+RETURNING true AS claimed
+`
+
+type KeyTakeOverCitusParams struct {
+	Actor       string
+	Operation   string
+	IdemKey     string
+	Fingerprint []byte
+	TtlMicros   int64
+}
+
+// KeyTakeOver for Citus (see KeyClaimCitus). Citus accepts the DO UPDATE
+// because it reads the clock only from the proposed row.
+func (q *Queries) KeyTakeOverCitus(ctx context.Context, db DBTX, arg KeyTakeOverCitusParams) (bool, error) {
+	row := db.QueryRowContext(ctx, KeyTakeOverCitus,
+		arg.Actor,
+		arg.Operation,
+		arg.IdemKey,
+		arg.Fingerprint,
+		arg.TtlMicros,
 	)
 	var claimed bool
 	err := row.Scan(&claimed)

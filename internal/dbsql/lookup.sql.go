@@ -31,7 +31,8 @@ func (q *Queries) KeyForget(ctx context.Context, db DBTX, arg KeyForgetParams) (
 }
 
 const KeyLockForForget = `-- name: KeyLockForForget :one
-SELECT status
+SELECT status,
+       (lease_expires_at IS NOT NULL AND lease_expires_at <= now())::boolean AS lease_ran_out
 FROM idem_keys
 WHERE actor = $1 AND operation = $2 AND idem_key = $3
 FOR UPDATE NOWAIT
@@ -43,13 +44,19 @@ type KeyLockForForgetParams struct {
 	IdemKey   string
 }
 
+type KeyLockForForgetRow struct {
+	Status      string
+	LeaseRanOut bool
+}
+
 // Locks the committed record of a key for Forget, without waiting for a
-// transaction that holds it (55P03). Run through planned.
-func (q *Queries) KeyLockForForget(ctx context.Context, db DBTX, arg KeyLockForForgetParams) (string, error) {
+// transaction that holds it (55P03), with whether a reservation's lease ran
+// out (by the database clock). Run through planned.
+func (q *Queries) KeyLockForForget(ctx context.Context, db DBTX, arg KeyLockForForgetParams) (KeyLockForForgetRow, error) {
 	row := db.QueryRowContext(ctx, KeyLockForForget, arg.Actor, arg.Operation, arg.IdemKey)
-	var status string
-	err := row.Scan(&status)
-	return status, err
+	var i KeyLockForForgetRow
+	err := row.Scan(&i.Status, &i.LeaseRanOut)
+	return i, err
 }
 
 const KeyLookup = `-- name: KeyLookup :one

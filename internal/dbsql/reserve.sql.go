@@ -12,6 +12,7 @@ import (
 )
 
 const ReserveAcquire = `-- name: ReserveAcquire :one
+WITH next AS (SELECT nextval('idem_keys_token_seq') AS token)
 UPDATE idem_keys
 SET fingerprint      = $1,
     status           = 'processing',
@@ -21,13 +22,13 @@ SET fingerprint      = $1,
     created_at       = now(),
     completed_at     = NULL,
     expires_at       = now() + ($2::bigint * interval '1 microsecond'),
-    token            = nextval('idem_keys_token_seq'),
+    token            = (SELECT next.token FROM next),
     lease_expires_at = now() + ($3::bigint * interval '1 microsecond'),
     last_error       = NULL,
     resolve_reason   = NULL
 WHERE actor = $4 AND operation = $5 AND idem_key = $6
-  AND token = $7
-RETURNING token, lease_expires_at
+  AND idem_keys.token = $7
+RETURNING idem_keys.token, lease_expires_at
 `
 
 type ReserveAcquireParams struct {
@@ -47,6 +48,9 @@ type ReserveAcquireRow struct {
 
 // Hands the row ReserveLock read (identified by its token) to a new owner: a
 // new request after the TTL, or a new attempt after a retryable failure.
+// The new token is drawn in a CTE, not in SET: Citus refuses a volatile
+// function in an UPDATE of a distributed table, and runs the CTE on the
+// coordinator, whose sequence it is.
 func (q *Queries) ReserveAcquire(ctx context.Context, db DBTX, arg ReserveAcquireParams) (ReserveAcquireRow, error) {
 	row := db.QueryRowContext(ctx, ReserveAcquire,
 		arg.Fingerprint,
@@ -132,6 +136,39 @@ type ReserveExpireLeasesParams struct {
 // repeats the index predicate (open reservations: a lease, no outcome).
 func (q *Queries) ReserveExpireLeases(ctx context.Context, db DBTX, arg ReserveExpireLeasesParams) (int64, error) {
 	result, err := db.ExecContext(ctx, ReserveExpireLeases, arg.Reason, arg.MaxRows)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected()
+}
+
+const ReserveExpireLeasesCitus = `-- name: ReserveExpireLeasesCitus :execrows
+UPDATE idem_keys AS k
+SET status     = 'unknown',
+    last_error = $1::text
+FROM (SELECT actor, operation, idem_key
+      FROM idem_keys
+      WHERE status = 'processing' AND lease_expires_at IS NOT NULL AND completed_at IS NULL
+        AND lease_expires_at <= now()
+      ORDER BY lease_expires_at
+      LIMIT $2) AS expired
+WHERE k.actor = expired.actor AND k.operation = expired.operation AND k.idem_key = expired.idem_key
+  AND k.status = 'processing' AND k.lease_expires_at <= now()
+`
+
+type ReserveExpireLeasesCitusParams struct {
+	Reason  string
+	MaxRows int32
+}
+
+// ReserveExpireLeases for Citus, which refuses FOR UPDATE in a query over a
+// distributed table (see KeyPruneCitus). Without SKIP LOCKED the
+// conditions are checked again on the row the UPDATE locks: a lease
+// extended, or a record completed, by a transaction that committed while
+// this one waited for its lock stays as it is. Concurrent workers wait for
+// each other's batches.
+func (q *Queries) ReserveExpireLeasesCitus(ctx context.Context, db DBTX, arg ReserveExpireLeasesCitusParams) (int64, error) {
+	result, err := db.ExecContext(ctx, ReserveExpireLeasesCitus, arg.Reason, arg.MaxRows)
 	if err != nil {
 		return 0, err
 	}
@@ -403,6 +440,7 @@ func (q *Queries) ReserveMarkUnknown(ctx context.Context, db DBTX, arg ReserveMa
 }
 
 const ReserveResolve = `-- name: ReserveResolve :execrows
+WITH next AS (SELECT nextval('idem_keys_token_seq') AS token)
 UPDATE idem_keys
 SET status           = $1,
     response_status  = $2,
@@ -410,10 +448,10 @@ SET status           = $1,
     response_body    = $4,
     completed_at     = now(),
     expires_at       = greatest(expires_at, now() + ($5::bigint * interval '1 microsecond')),
-    token            = nextval('idem_keys_token_seq'),
+    token            = (SELECT next.token FROM next),
     resolve_reason   = $6::text
 WHERE actor = $7 AND operation = $8 AND idem_key = $9
-  AND token = $10
+  AND idem_keys.token = $10
 `
 
 type ReserveResolveParams struct {
@@ -433,7 +471,8 @@ type ReserveResolveParams struct {
 // operator named): 'succeeded' with the response found at the provider, or
 // 'failed_retryable'. The token advances, so the reservation that held the
 // key is fenced. last_error keeps why the record failed or became unknown;
-// the operator's reason goes beside it.
+// the operator's reason goes beside it. (The new token is drawn in a CTE:
+// see ReserveAcquire.)
 func (q *Queries) ReserveResolve(ctx context.Context, db DBTX, arg ReserveResolveParams) (int64, error) {
 	result, err := db.ExecContext(ctx, ReserveResolve,
 		arg.Status,

@@ -39,7 +39,12 @@
 // does, to DATABASE_URL (with a default for a local server), and keep to a
 // schema of their own. So that they find the server the tests use, Main
 // sets DATABASE_URL, when it is unset, to the server's URL once a test has
-// resolved it.
+// resolved it. When the binary has examples that the run selects
+// (-test.run, -test.skip), Main resolves the server before any test runs,
+// so that examples run on their own (go test -run Example) find it too,
+// and a DATABASE_URL that does not connect gives the one message rather
+// than a panic in each example. With no server such a binary stops at
+// once, before its tests that need none.
 //
 // Dropping needs DROP DATABASE … WITH (FORCE), so PostgreSQL 13 or newer.
 package pgtest
@@ -49,11 +54,13 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"errors"
+	"flag"
 	"fmt"
 	"io/fs"
 	"os"
 	"path/filepath"
 	"reflect"
+	"regexp"
 	"strings"
 	"sync"
 	"testing"
@@ -307,14 +314,81 @@ func closePool(pool *pgxpool.Pool, timeout time.Duration) bool {
 // the whole binary: one message on stderr, exit status 1, no further tests.
 // Tests that need no server and ran before it have run; none runs after.
 //
+// When the run selects one of the binary's runnable examples, Main resolves
+// the server before m.Run and, if DATABASE_URL is unset, sets it to the
+// server's URL (or stops as above): examples connect to DATABASE_URL, and
+// without a test before them nothing else would set it or check that it
+// connects. Main parses the command-line flags for that (flag.Parse), as
+// m.Run would.
+//
 // Cleanup errors are printed to stderr; they do not fail the run.
 func Main(m *testing.M) int {
 	stopOnNoServer = true
+	if runsExamples(m) {
+		_, _, _ = resolve() // sets DATABASE_URL if unset, or stops the binary
+	}
 	code := m.Run()
 	if err := Shutdown(); err != nil {
 		fmt.Fprintln(os.Stderr, "pgtest: cleanup:", err)
 	}
 	return code
+}
+
+// runsExamples reports whether m will run a runnable example: whether the
+// binary has one (go test lists only those with an output comment) that
+// -test.run selects and -test.skip does not. testing.M does not export its
+// examples, so they are read by reflection; if that ever fails, the answer
+// is yes (resolving early costs a little time, never a wrong result).
+func runsExamples(m *testing.M) bool {
+	if !flag.Parsed() {
+		flag.Parse()
+	}
+	if flagValue("test.list") != "" {
+		return false // -test.list runs nothing
+	}
+	v := reflect.ValueOf(m).Elem().FieldByName("examples")
+	if !v.IsValid() || v.Type() != reflect.TypeOf([]testing.InternalExample(nil)) {
+		return true
+	}
+	run, skip := flagValue("test.run"), flagValue("test.skip")
+	for i := range v.Len() {
+		if selectsExample(run, skip, v.Index(i).FieldByName("Name").String()) {
+			return true
+		}
+	}
+	return false
+}
+
+// flagValue is the value of the command-line flag name, "" if undefined.
+func flagValue(name string) string {
+	if f := flag.Lookup(name); f != nil {
+		return f.Value.String()
+	}
+	return ""
+}
+
+// selectsExample reports whether the -test.run pattern run and the
+// -test.skip pattern skip select the example name. Examples have no
+// subtests, so only the first slash-separated element of each pattern
+// counts, as in testing; a skip with more elements skips subtests only. A
+// pattern that does not compile counts as selecting (testing reports it).
+func selectsExample(run, skip, name string) bool {
+	first := func(pattern string) (*regexp.Regexp, bool) {
+		elem, _, _ := strings.Cut(pattern, "/")
+		re, err := regexp.Compile(elem)
+		return re, err == nil
+	}
+	if run != "" {
+		if re, ok := first(run); ok && !re.MatchString(name) {
+			return false
+		}
+	}
+	if skip != "" && !strings.Contains(skip, "/") {
+		if re, ok := first(skip); ok && re.MatchString(name) {
+			return false
+		}
+	}
+	return true
 }
 
 // Shutdown drops every database this process created and has not dropped

@@ -1,8 +1,13 @@
-// Package rpcidem is what idemgrpc and idemconnect share, without protobuf:
-// the fingerprint of a call, the stored form of its outcome and the reasons
-// of their ErrorInfo details. Both store a call's outcome alike, so a key
-// used through one and retried through the other (the same procedure
-// served by grpc-go and by connect-go) replays.
+// Package rpcidem is what idemgrpc and idemconnect share, without protobuf,
+// grpc or connect: the fingerprint of a call, the stored form of its
+// outcome, the reasons of their ErrorInfo details, and Core, the part of an
+// interceptor that does not depend on its transport (options, the rules of
+// the key and the scope, the run of the handler in idem.DoInTx, the status
+// of idem's errors and their logs). Each module keeps its transport's glue:
+// reading the key, running the handler, protobuf (un)marshalling, and
+// turning a Failure into its own error. Both store a call's outcome alike,
+// so a key used through one and retried through the other (the same
+// procedure served by grpc-go and by connect-go) replays.
 //
 // The stored form, in an idem.Response:
 //   - a reply: Status 200, Body the reply message, marshalled by
@@ -37,8 +42,10 @@ func Fingerprint(procedure string, request []byte) idem.Fingerprint {
 // StatusReply is the stored Status of a reply.
 const StatusReply = 200
 
-// TrailerPrefix is put before the name of a stored trailer.
-const TrailerPrefix = "trailer:"
+// TrailerPrefix is put before the name of a stored trailer. The stored
+// name stays an HTTP token (idem refuses other header names), and no header
+// can carry it: '~' is not allowed in gRPC metadata keys.
+const TrailerPrefix = "trailer~"
 
 // HTTPStatus is the stored Status of a refusal with the gRPC status code
 // code: the HTTP status that google.rpc.Code documents for it (400 for

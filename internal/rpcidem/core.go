@@ -1,0 +1,307 @@
+package rpcidem
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"reflect"
+	"slices"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/keyhdr"
+	"github.com/pgidem/idem/internal/loghash"
+	"github.com/pgidem/idem/internal/watchtx"
+)
+
+// The gRPC status codes (Connect's codes are the same numbers) that the
+// decisions here name.
+const (
+	CodeCanceled           uint32 = 1
+	CodeInvalidArgument    uint32 = 3
+	CodeDeadlineExceeded   uint32 = 4
+	CodeFailedPrecondition uint32 = 9
+	CodeAborted            uint32 = 10
+	CodeInternal           uint32 = 13
+	CodeUnavailable        uint32 = 14
+	CodeUnauthenticated    uint32 = 16
+)
+
+// Failure is an error that the interceptor answers itself, before its
+// transport shapes it: a gRPC status code, a message, and for the
+// interceptor's own errors an ErrorInfo reason and perhaps a RetryInfo.
+type Failure struct {
+	Code    uint32
+	Message string
+
+	// Reason is the ErrorInfo reason (ErrorDomain); "" for none.
+	Reason string
+
+	// Retry asks for a RetryInfo detail with RetryDelay.
+	Retry      bool
+	RetryDelay time.Duration
+
+	// Cause is the error Message comes from, for a transport whose errors
+	// wrap one (connect-go's); nil for none.
+	Cause error
+}
+
+// Options are what Core needs of an interceptor's options.
+type Options struct {
+	// Name is the interceptor's package name ("idemgrpc"): the prefix of
+	// its errors and log messages.
+	Name string
+
+	// ProcedureAttr is the name of the log attribute of the procedure
+	// ("method", "procedure").
+	ProcedureAttr string
+
+	// KeySource names where the key travels ("idempotency-key metadata"),
+	// in messages; KeyMissing is the message of a missing required key.
+	KeySource  string
+	KeyMissing string
+
+	// ScopeSet, RequireKey, KeyField, RefusalCodes, Logger and Config are
+	// the interceptor's options of the same names (ScopeSet: Scope is not
+	// nil; RefusalCodes: the codes, not nil).
+	ScopeSet     bool
+	RequireKey   bool
+	KeyField     string
+	RefusalCodes []uint32
+	Logger       *slog.Logger
+	Config       idem.Config
+}
+
+// Core is the transport-neutral part of an interceptor: its options, the
+// rules of the key and the scope, the run of the handler in idem.DoInTx
+// and the mapping of idem's errors to statuses.
+type Core struct {
+	opts      Options
+	db        idem.Beginner
+	client    *idem.Client
+	log       *slog.Logger
+	hash      *loghash.Hasher // of keys in log records
+	notStored error
+}
+
+// New returns the Core of an interceptor on db, or the error of invalid
+// options (a nil db, a typed nil pointer too, no Scope, a Config that
+// idem.New refuses).
+func New(db idem.Beginner, opts Options) (*Core, error) {
+	if db == nil || reflect.ValueOf(db).Kind() == reflect.Pointer && reflect.ValueOf(db).IsNil() {
+		return nil, errors.New(opts.Name + ": nil database handle")
+	}
+	if !opts.ScopeSet {
+		return nil, errors.New(opts.Name + ": Options.Scope is required")
+	}
+	if len(opts.Config.LogHashKey) == 0 {
+		// One random secret for idem's logs and the interceptor's, so that
+		// both hash a key alike.
+		opts.Config.LogHashKey = loghash.NewSecret()
+	}
+	client, err := idem.New(opts.Config)
+	if err != nil {
+		return nil, fmt.Errorf("%s: Options.Config: %w", opts.Name, err)
+	}
+	c := &Core{
+		opts:      opts,
+		db:        db,
+		client:    client,
+		log:       opts.Logger,
+		hash:      loghash.New(opts.Config.LogHashKey),
+		notStored: errors.New(opts.Name + ": the handler's error is not stored"),
+	}
+	c.opts.RefusalCodes = slices.Clone(opts.RefusalCodes)
+	if c.log == nil {
+		c.log = slog.Default()
+	}
+	return c, nil
+}
+
+// HeaderName reports whether name can be stored as the name of a header or
+// trailer: an RFC 9110 token, as idemhttp's stored header names (idem
+// refuses to store any other name), that starts with none of reserved, the
+// transport's own prefixes ("grpc-"), compared without case.
+func HeaderName(name string, reserved ...string) bool {
+	if name == "" {
+		return false
+	}
+	for i := 0; i < len(name); i++ {
+		if !keyhdr.IsTchar(name[i]) {
+			return false
+		}
+	}
+	lower := strings.ToLower(name)
+	for _, prefix := range reserved {
+		if strings.HasPrefix(lower, prefix) {
+			return false
+		}
+	}
+	return true
+}
+
+// Codes returns codes as numbers.
+func Codes[C ~uint32](codes []C) []uint32 {
+	out := make([]uint32, len(codes))
+	for i, c := range codes {
+		out[i] = uint32(c)
+	}
+	return out
+}
+
+// Key returns the call's key ("" for none) from the values of its key
+// metadata or header, and field, the value of the request's key field (""
+// for none), or the failure to answer. Either place may carry the key; both
+// must then hold the same one.
+func (c *Core) Key(values []string, field string) (string, *Failure) {
+	present := len(values) > 0 // an empty value is an invalid key, not none
+	key, err := keyhdr.Parse(values)
+	if err != nil && present {
+		return "", invalid(ReasonKeyInvalid, "invalid "+c.opts.KeySource+": "+err.Error())
+	}
+	if field != "" {
+		if key != "" && key != field {
+			return "", invalid(ReasonKeyInvalid,
+				fmt.Sprintf("the %s and the request field %s hold different keys", c.opts.KeySource, c.opts.KeyField))
+		}
+		key, present = field, true
+	}
+	if !present {
+		if c.opts.RequireKey {
+			return "", invalid(ReasonKeyMissing, c.opts.KeyMissing)
+		}
+		return "", nil
+	}
+	if err := c.client.ValidateKey(key); err != nil {
+		return "", invalid(ReasonKeyInvalid, errorText(err)) // "invalid idempotency key: why"
+	}
+	return key, nil
+}
+
+func invalid(reason, msg string) *Failure {
+	return &Failure{Code: CodeInvalidArgument, Reason: reason, Message: msg}
+}
+
+// Scope checks scope and err, what Options.Scope returned (err, when not
+// nil, is not one the transport passes on as it is), and returns nil or the
+// failure to answer: UNAUTHENTICATED for an error or an actor that
+// idem.ValidateScope refuses, INTERNAL for an operation it refuses.
+func (c *Core) Scope(scope idem.Scope, err error) *Failure {
+	if err != nil || idem.ValidateScope(idem.Scope{Actor: scope.Actor, Operation: "-"}) != nil {
+		return &Failure{Code: CodeUnauthenticated, Message: "the call is not authenticated"}
+	}
+	if err := idem.ValidateScope(scope); err != nil {
+		cause := fmt.Errorf("%s: Options.Scope: %w", c.opts.Name, err)
+		return &Failure{Code: CodeInternal, Message: cause.Error(), Cause: cause}
+	}
+	return nil
+}
+
+// Call is the transport's side of one call with a key, as Core.Do runs it.
+type Call interface {
+	// Handle runs the handler once, with tx as the call's transaction
+	// (the one its Tx returns), keeps its answer and returns its error.
+	Handle(ctx context.Context, tx pgx.Tx) error
+
+	// Code is the status code of err, an error Handle returned.
+	Code(err error) uint32
+
+	// Reply is the stored form of the last Handle's reply: the chosen
+	// headers and trailers (see the package doc) and the marshalled
+	// message. Refusal is the same for err, the last Handle's error, a
+	// refusal: its Body is the marshalled google.rpc.Status.
+	Reply() (header map[string][]string, body []byte, err error)
+	Refusal(err error) (header map[string][]string, body []byte, err2 error)
+}
+
+// Do runs the call of procedure with scope, key and fp in idem.DoInTx and
+// decides its outcome: a reply commits with the key; an error whose code
+// Options.RefusalCodes holds is a refusal, stored, the handler's writes
+// rolled back; any other error stores nothing. A transaction lost under
+// the handler runs it again.
+//
+// It returns the stored outcome to replay (replayed true), or the failure
+// to answer, or neither: then the last Handle's own answer goes to the
+// client.
+func (c *Core) Do(ctx context.Context, procedure string, scope idem.Scope, key string, fp idem.Fingerprint, call Call) (stored idem.Response, replayed bool, f *Failure) {
+	res, err := c.client.DoInTx(ctx, c.db, scope, key, fp, func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+		wt := watchtx.New(tx)
+		herr := call.Handle(ctx, wt)
+		if err := wt.Retryable(); err != nil {
+			return idem.Response{}, err // the transaction is lost: DoInTx runs the handler again
+		}
+		if herr != nil {
+			code := call.Code(herr)
+			if !slices.Contains(c.opts.RefusalCodes, code) {
+				return idem.Response{}, c.notStored
+			}
+			header, body, err := call.Refusal(herr)
+			if err != nil {
+				return idem.Response{}, err
+			}
+			return idem.Response{}, idem.Reject(idem.Response{Status: HTTPStatus(code), Header: header, Body: body})
+		}
+		header, body, err := call.Reply()
+		if err != nil {
+			return idem.Response{}, err
+		}
+		return idem.Response{Status: StatusReply, Header: header, Body: body}, nil
+	})
+	switch {
+	case err == nil && res.Replayed:
+		return res.Response, true, nil
+	case err == nil, errors.Is(err, c.notStored) && !idem.Unavailable(err):
+		return idem.Response{}, false, nil
+	}
+	return idem.Response{}, false, c.storeError(ctx, procedure, key, err)
+}
+
+// storeError is the failure to answer for err, an error of idem (or of the
+// store under it) for a call of procedure with key. Those answered
+// UNAVAILABLE or INTERNAL are logged.
+func (c *Core) storeError(ctx context.Context, procedure, key string, err error) *Failure {
+	var inProgress *idem.InProgressError
+	switch {
+	case errors.Is(err, idem.ErrKeyReused):
+		return &Failure{Code: CodeFailedPrecondition, Reason: ReasonKeyReused,
+			Message: "this idempotency key was used for a different request"}
+	case errors.As(err, &inProgress):
+		return &Failure{Code: CodeAborted, Reason: ReasonInProgress,
+			Message: "a call with this idempotency key is in progress; retry later with the same key",
+			Retry:   true, RetryDelay: inProgress.RetryAfter}
+	case errors.Is(err, idem.ErrOutcomeUnknown):
+		return &Failure{Code: CodeFailedPrecondition, Reason: ReasonOutcomeUnknown,
+			Message: "the outcome of the call with this idempotency key is unknown; it will not run again until it is reconciled"}
+	case errors.Is(err, idem.ErrInvalidKey):
+		return invalid(ReasonKeyInvalid, errorText(err)) // "invalid idempotency key: why"
+	case ctx.Err() != nil:
+		code := CodeCanceled
+		if errors.Is(ctx.Err(), context.DeadlineExceeded) {
+			code = CodeDeadlineExceeded
+		}
+		return &Failure{Code: code, Message: ctx.Err().Error(), Cause: ctx.Err()}
+	case idem.Unavailable(err):
+		c.logFailure(ctx, c.opts.Name+": store unavailable", procedure, key, err)
+		return &Failure{Code: CodeUnavailable, Reason: ReasonStoreUnavailable,
+			Message: "the idempotency store is unavailable; retry later with the same key",
+			Retry:   true, RetryDelay: time.Second}
+	}
+	c.logFailure(ctx, c.opts.Name+": call failed", procedure, key, err)
+	return &Failure{Code: CodeInternal, Message: c.opts.Name + ": the call failed; nothing was stored: " + errorText(err)}
+}
+
+// logFailure logs err, which the interceptor answers itself, with the
+// keyed hash of key.
+func (c *Core) logFailure(ctx context.Context, msg, procedure, key string, err error) {
+	c.log.LogAttrs(ctx, slog.LevelError, msg, slog.String(c.opts.ProcedureAttr, procedure),
+		slog.String("key_hash", c.hash.Sum(key)), slog.Any("error", err))
+}
+
+// errorText returns err's message without the package prefixes of idem.
+func errorText(err error) string {
+	return strings.ReplaceAll(err.Error(), "idem: ", "")
+}
