@@ -106,8 +106,11 @@ var (
 // already there (42P05) on the server connection: what a transaction pooler
 // without prepared-statement support does to pgx's default exec mode.
 func preparedStatementsLost(err error) error {
+	if err == nil { // first: pgErr below escapes to the heap
+		return nil
+	}
 	var pgErr *pgconn.PgError
-	if err == nil || !errors.As(err, &pgErr) || errors.Is(err, ErrPreparedStatements) ||
+	if !errors.As(err, &pgErr) || errors.Is(err, ErrPreparedStatements) ||
 		(pgErr.Code != pgerrcode.InvalidSQLStatementName && pgErr.Code != pgerrcode.DuplicatePreparedStatement) ||
 		!strings.Contains(pgErr.Message, "stmtcache_") {
 		return err
