@@ -137,6 +137,32 @@ func TestDoAndCompleteOnUnusableTx(t *testing.T) {
 	}
 }
 
+// fn's own error that says "aborted transaction" (it ran a statement after
+// one of its statements failed) is fn's error, not a complaint about the
+// caller's transaction: Do undid fn's work, and the transaction goes on.
+func TestDoReturnsFnsAbortedError(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	_, err = idem.Do(ctx, tx, scope, "k", fpA, func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+		_, _ = tx.Exec(ctx, `SELECT 1/0`)
+		_, err := tx.Exec(ctx, `SELECT 1`) // 25P02
+		return idem.Response{}, err
+	})
+	if err == nil || errors.Is(err, idem.ErrInvalidArgument) {
+		t.Fatalf("Do = %v, want fn's error as it is", err)
+	}
+	var one int
+	if err := tx.QueryRow(ctx, `SELECT 1`).Scan(&one); err != nil {
+		t.Fatalf("the caller's transaction after Do: %v", err)
+	}
+}
+
 type atomicCounter struct{ n int }
 
 func (a *atomicCounter) fn(context.Context, pgx.Tx) (idem.Response, error) {

@@ -54,6 +54,11 @@ const DistributionColumn = "actor"
 // table) gives an error wrapping ErrUnsupported, and nothing changes.
 // Migrate keeps working on the distributed table: Citus applies idem's
 // later migrations (columns, indexes built concurrently) to every shard.
+//
+// A Client learns whether a database runs Citus on its first call there and
+// keeps the answer: a process that installs the citus extension after it
+// called idem on that database must create its Clients anew (the package
+// functions use one Client for the life of the process).
 func Distribute(ctx context.Context, pool *pgxpool.Pool) error {
 	if pool == nil {
 		return fmt.Errorf("%w: nil pool", ErrInvalidArgument)
@@ -134,6 +139,9 @@ func hasCitus(ctx context.Context, q interface {
 // pgconn CustomData: on every later call on that connection it costs a map
 // lookup, no allocation and no statement.
 func (c *Client) isCitus(ctx context.Context, conn *pgx.Conn) (bool, error) {
+	if conn == nil { // a pgx.Tx of another making that has no *pgx.Conn: plain PostgreSQL
+		return false, nil
+	}
 	data := conn.PgConn().CustomData()
 	if citus, ok := data[citusData].(bool); ok {
 		return citus, nil

@@ -87,8 +87,10 @@ func newRowKey(scope Scope, key string) rowKey {
 // statement itself (see KeyClaim). On Citus (citus true, see
 // Client.isCitus) the wait happens on the worker, which only SET LOCAL
 // statements reach: lock_timeout is set to Config.Wait before the claim and
-// back to its default after it (the caller's own SET LOCAL of lock_timeout,
-// if any, is not known there and not restored).
+// back to its default after it: the server's, role's, database's or
+// startup parameters' value. A session-level SET or an earlier SET LOCAL of
+// the caller's is not known there and not restored (README: Scaling out
+// with Citus).
 func (c *Client) queueClaim(b *pgx.Batch, k rowKey, fp []byte, takeOver, citus bool) {
 	ctx, q := context.Background(), queuer{b}
 	switch {

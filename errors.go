@@ -213,19 +213,24 @@ func pgCode(err error) string {
 // the client retry with the same key: the retry replays if the first
 // attempt committed, and runs otherwise (Lookup shows what committed). This
 // is the one classification idem and idemhttp use.
+//
+// It reads the whole chain, so an error fn returns is classified by what it
+// wraps: fn's own io.ErrUnexpectedEOF (a truncated request body, say) or a
+// net.Error of another service's client is Unavailable too. Wrap such
+// errors in an error of your own that does not unwrap to them when they
+// are not the database's.
 func Unavailable(err error) bool {
 	return err != nil && (errors.Is(err, ErrUnavailable) || isUnavailable(err))
 }
 
 // isUnavailable is Unavailable without the ErrUnavailable check.
 func isUnavailable(err error) bool {
-	var pgErr *pgconn.PgError
-	if errors.As(err, &pgErr) {
-		return serverUnavailable(pgErr)
+	if code := pgCode(err); code != "" && serverUnavailable(&pgconn.PgError{Code: code}) {
+		return true
 	}
-	if code := pgCode(err); code != "" { // another driver's server error
-		return serverUnavailable(&pgconn.PgError{Code: code})
-	}
+	// Another server error does not hide a lost connection further down the
+	// chain: Do joins fn's error (a 23505, say) with the failed undo's
+	// "conn closed".
 	var connectErr *pgconn.ConnectError
 	var netErr net.Error
 	return errors.As(err, &connectErr) || errors.As(err, &netErr) || pgconn.Timeout(err) ||

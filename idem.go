@@ -100,7 +100,7 @@ func (c *Client) Do(ctx context.Context, tx pgx.Tx, scope Scope, key string, fp 
 	ctx, cl := c.obs.begin(ctx, "do", "idem.Do", scope, key)
 	defer cl.endIfPanicking(ctx)
 	res, err := c.do(ctx, tx, newRowKey(scope, key), fp, fn, &cl)
-	err = preparedStatementsLost(txUnusable(err))
+	err = preparedStatementsLost(err)
 	cl.end(ctx, res, err)
 	return res, err
 }
@@ -137,7 +137,11 @@ func (c *Client) call(ctx context.Context, s *span, k rowKey, fp Fingerprint,
 	// per Client and database.
 	citus, err := c.isCitus(ctx, s.connection())
 	if err != nil {
-		return Result{}, unavailableIf(isUnavailable(err), fmt.Errorf("idem: claim: %w", err))
+		err = unavailableIf(isUnavailable(err), fmt.Errorf("idem: claim: %w", err))
+		if s.conn == nil {
+			err = txUnusable(err) // Do on a closed or aborted transaction
+		}
+		return Result{}, err
 	}
 	s.fp = fp
 	fpBytes := s.fp[:]
@@ -305,8 +309,8 @@ func (s *span) undo(ctx context.Context) error {
 // notBegun returns the error of a span that failed to begin; a transaction
 // that did begin (the error came later in the batch) is rolled back.
 func (s *span) notBegun(ctx context.Context, err error) error {
-	if s.conn == nil {
-		return err
+	if s.conn == nil { // Do: the savepoint did not begin in the caller's transaction
+		return txUnusable(err)
 	}
 	return s.fail(ctx, err)
 }

@@ -108,7 +108,9 @@ type MigrateDownOptions struct {
 }
 
 // MigrateDown reverts the latest applied migration of idem in the database
-// of pool, in one transaction, and returns its version (0 when none is
+// of pool, in one transaction (00003 excepted: it builds its indexes
+// concurrently, outside a transaction, and can be run again after an
+// interruption), and returns its version (0 when none is
 // applied). It serializes with Migrate like Migrate does.
 //
 // Migrations never delete outcomes on their own: when the Down would delete

@@ -225,6 +225,8 @@ func TestUnavailable(t *testing.T) {
 		{&pgconn.PgError{Code: "23505"}, false},
 		{&pgconn.PgError{Code: "40001"}, false},
 		{&pgconn.PgError{Code: "55P03"}, false},
+		// Do's error when fn failed and undoing it found the connection gone.
+		{errors.Join(&pgconn.PgError{Code: "23505"}, fmt.Errorf("idem: undo: %w", pgconn.ErrConnClosed)), true},
 		{io.ErrUnexpectedEOF, true},
 		{&net.OpError{Op: "dial", Err: errors.New("refused")}, true},
 		{context.DeadlineExceeded, true},
