@@ -3,6 +3,7 @@ package idem
 import (
 	"context"
 	"fmt"
+	"os"
 	"strings"
 	"testing"
 
@@ -180,5 +181,27 @@ func TestReservationScansUseTheirIndexWithStaleStatistics(t *testing.T) {
 		if !strings.Contains(p, "idem_keys_open_") || strings.Contains(p, "Seq Scan") {
 			t.Errorf("ReserveListUnknown, %s statistics:\n%s", stats, p)
 		}
+	}
+}
+
+// The take-over has two forms (the wait bounded inside the statement on
+// PostgreSQL, around it on Citus); what they do to the row that holds the
+// key must stay the same.
+func TestTakeOverFormsUpdateAlike(t *testing.T) {
+	src, err := os.ReadFile("queries/keys.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	update := func(name string) string {
+		_, query, found := strings.Cut(string(src), "-- name: "+name+" ")
+		start := strings.Index(query, "ON CONFLICT")
+		end := strings.Index(query, "RETURNING")
+		if !found || start < 0 || end < start {
+			t.Fatalf("no ON CONFLICT ... RETURNING in %s", name)
+		}
+		return query[start:end]
+	}
+	if plain, citus := update("KeyTakeOver"), update("KeyTakeOverCitus"); plain != citus {
+		t.Fatalf("KeyTakeOver and KeyTakeOverCitus update differently:\n%s\n%s", plain, citus)
 	}
 }
