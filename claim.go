@@ -224,9 +224,9 @@ func (c *Client) queueComplete(b *pgx.Batch, k rowKey, fp []byte, out outcome) {
 
 // readComplete reads the result of what queueComplete queued.
 func readComplete(br pgx.BatchResults) error {
-	n, err := queries.KeyComplete(context.Background(), batchRead{br}, db.KeyCompleteParams{})
-	if err == nil && n != 1 {
-		err = errors.New("the claimed row changed under fn")
+	_, err := queries.KeyComplete(context.Background(), batchRead{br}, db.KeyCompleteParams{})
+	if keyRowChanged(err) {
+		return ErrKeyRowChanged
 	}
 	if err != nil {
 		return fmt.Errorf("idem: store response: %w", unsupportedIf(err))

@@ -60,7 +60,7 @@ func TestHotStatementsUseTheIndexWithStaleStatistics(t *testing.T) {
 			t.Errorf("%s:\n%s", name, p)
 		}
 	}
-	if p := plan("complete", db.KeyComplete, `('a', 'op', 'k7', '\x00', 'succeeded', 1000, 200, NULL, '\x')`); strings.Contains(p, "Scan") {
+	if p := plan("complete", db.KeyComplete, `('a', 'op', 'k7', '\x00', 'succeeded', 1000, 200, NULL, '\x')`); strings.Contains(strings.ReplaceAll(p, "CTE Scan", ""), "Scan") {
 		t.Errorf("KeyComplete:\n%s", p)
 	}
 }

@@ -88,6 +88,16 @@ var (
 	// rolled back.
 	ErrFenced = errors.New("idem: reservation fenced: no longer the owner of the key")
 
+	// ErrKeyRowChanged means fn changed or deleted idem's own row of the key
+	// it ran under (the idem_keys row: its status, fingerprint, token, lease
+	// or expiry), so the outcome could not be stored. The call failed as a
+	// whole: fn's writes and the claim were undone (DoInTx rolled its
+	// transaction back; Do rolled back to its savepoint, and the caller's
+	// transaction stays usable), nothing was stored, and the key is free: a
+	// retry runs fn again. fn must not write idem_keys; this is a bug in fn,
+	// not in the request (HTTP 500).
+	ErrKeyRowChanged = errors.New("idem: fn changed or deleted the idem_keys row of its own key; nothing was stored")
+
 	// ErrPreparedStatements means the server lost or mixed up pgx's cached
 	// prepared statements (SQLSTATE 26000 or 42P05 on a statement named
 	// stmtcache_…): the connection goes through a transaction pooler, such
@@ -120,6 +130,17 @@ func preparedStatementsLost(err error) error {
 		"QueryExecModeSimpleProtocol, or run PgBouncer 1.21 or newer with max_prepared_statements > 0: %w",
 		ErrPreparedStatements, err)
 }
+
+// keyRowChanged reports whether err is the completion's refusal to store
+// an outcome because fn changed the claimed row (KeyComplete raises it as a
+// failed cast of its message to integer, SQLSTATE 22P02).
+func keyRowChanged(err error) bool {
+	return err != nil && pgCode(err) == pgerrcode.InvalidTextRepresentation &&
+		strings.Contains(err.Error(), keyRowChangedMessage)
+}
+
+// keyRowChangedMessage is in the message of KeyComplete's failure.
+const keyRowChangedMessage = "idem_keys row changed under fn"
 
 // txUnusable returns err wrapped with ErrInvalidArgument when it says that
 // the caller's transaction could not run the call: it was closed

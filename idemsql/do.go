@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/jackc/pgerrcode"
@@ -333,13 +334,13 @@ func (c *Client) complete(ctx context.Context, tx *sql.Tx, k bridge.Key, fp idem
 	if body == nil {
 		body = []byte{}
 	}
-	n, err := queries.KeyComplete(ctx, tx, dbsql.KeyCompleteParams{
+	_, err := queries.KeyComplete(ctx, tx, dbsql.KeyCompleteParams{
 		Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key, Fingerprint: fp[:],
 		Status: out.Status, TtlMicros: c.ttlMicros, ResponseStatus: int32(out.Response.Status),
 		ResponseHeaders: sql.NullString{String: out.Headers, Valid: out.HasHeaders}, ResponseBody: body,
 	})
-	if err == nil && n != 1 {
-		err = errors.New("the claimed row changed under fn")
+	if sqlState(err) == pgerrcode.InvalidTextRepresentation && strings.Contains(err.Error(), "idem_keys row changed under fn") {
+		return idem.ErrKeyRowChanged
 	}
 	if err != nil {
 		return fmt.Errorf("idem: store response: %w", err)
