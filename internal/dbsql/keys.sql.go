@@ -9,7 +9,7 @@ import (
 	"context"
 	"database/sql"
 
-	"github.com/pgidem/idem/internal/bridge"
+	"github.com/pgidem/idem/internal/nulljson"
 )
 
 const KeyClaim = `-- name: KeyClaim :one
@@ -191,7 +191,7 @@ type KeyGetRow struct {
 	Fingerprint     []byte
 	Status          string
 	ResponseStatus  sql.NullInt32
-	ResponseHeaders bridge.JSON
+	ResponseHeaders nulljson.JSON
 	ResponseBody    []byte
 	Expired         bool
 	Leased          bool

@@ -8,7 +8,7 @@ import (
 	"database/sql"
 	"time"
 
-	"github.com/pgidem/idem/internal/bridge"
+	"github.com/pgidem/idem/internal/nulljson"
 )
 
 type IdemKey struct {
@@ -18,7 +18,7 @@ type IdemKey struct {
 	Fingerprint     []byte
 	Status          string
 	ResponseStatus  sql.NullInt32
-	ResponseHeaders bridge.JSON
+	ResponseHeaders nulljson.JSON
 	ResponseBody    []byte
 	CreatedAt       time.Time
 	CompletedAt     sql.NullTime

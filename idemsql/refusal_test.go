@@ -1,0 +1,267 @@
+package idemsql_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
+	"github.com/jackc/pgx/v5/stdlib"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idemsql"
+	"github.com/pgidem/idem/internal/pgtest"
+)
+
+// handles are the ways these tests open a *sql.DB on a fresh connection:
+// pgx's stdlib driver in every exec mode, and lib/pq.
+var handles = []string{"pgx-cache_statement", "pgx-cache_describe", "pgx-describe_exec", "pgx-exec", "pgx-simple_protocol", "pq"}
+
+// freshDB opens a *sql.DB of one connection on url as handle names it; with
+// cancelRequest, pgx's stdlib driver cancels a statement whose context is
+// done with a cancel request (lib/pq always does).
+func freshDB(t *testing.T, url, handle string, cancelRequest bool) *sql.DB {
+	t.Helper()
+	var db *sql.DB
+	if handle == "pq" {
+		var err error
+		if db, err = sql.Open("postgres", url); err != nil {
+			t.Fatal(err)
+		}
+	} else {
+		cfg, err := pgx.ParseConfig(url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		mode := map[string]pgx.QueryExecMode{
+			"pgx-cache_statement": pgx.QueryExecModeCacheStatement, "pgx-cache_describe": pgx.QueryExecModeCacheDescribe,
+			"pgx-describe_exec": pgx.QueryExecModeDescribeExec, "pgx-exec": pgx.QueryExecModeExec,
+			"pgx-simple_protocol": pgx.QueryExecModeSimpleProtocol,
+		}[handle]
+		cfg.DefaultQueryExecMode = mode
+		if cancelRequest {
+			cfg.BuildContextWatcherHandler = func(c *pgconn.PgConn) ctxwatch.Handler {
+				return &pgconn.CancelRequestContextWatcherHandler{Conn: c, DeadlineDelay: 5 * time.Second}
+			}
+		}
+		db = stdlib.OpenDB(*cfg)
+	}
+	db.SetMaxOpenConns(1)
+	t.Cleanup(func() { _ = db.Close() })
+	return db
+}
+
+// isRefusal reports whether err is a refusal that promises the caller's
+// transaction is as it was before the call.
+func isRefusal(err error) bool {
+	return errors.Is(err, idem.ErrInProgress) || errors.Is(err, idem.ErrKeyReused) ||
+		errors.Is(err, idem.ErrOutcomeUnknown) || errors.Is(err, idem.ErrInvalidArgument)
+}
+
+// aborted reports whether tx is aborted: a statement in it fails with
+// 25P02.
+func aborted(tx *sql.Tx) bool {
+	_, err := tx.ExecContext(context.Background(), `SELECT 1`)
+	var stateErr interface{ SQLState() string }
+	return errors.As(err, &stateErr) && stateErr.SQLState() == pgerrcode.InFailedSQLTransaction
+}
+
+// refusalSetup stores "stored" (fingerprint a) and marks "unknown"
+// unknown.
+func refusalSetup(t *testing.T) (url string, setup *sql.DB) {
+	t.Helper()
+	ctx := context.Background()
+	url = pgtest.URL(t, idem.Migrate)
+	setup = open(t, "pgx", url)
+	if _, err := setup.ExecContext(ctx, `CREATE TABLE effects (key text NOT NULL)`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := idemsql.DoInTx(ctx, setup, scope, "stored", fpOf("a"), okFn); err != nil {
+		t.Fatal(err)
+	}
+	r, err := idemsql.Reserve(ctx, setup, scope, "unknown", fpOf("a"), time.Minute)
+	if err == nil {
+		err = idemsql.MarkUnknown(ctx, setup, r, "timeout")
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return url, setup
+}
+
+// other runs sql in a transaction of another session, kept open until the
+// returned function runs.
+func other(t *testing.T, db *sql.DB, sql string, args ...any) func() {
+	t.Helper()
+	tx, err := db.BeginTx(context.Background(), nil)
+	if err == nil {
+		_, err = tx.ExecContext(context.Background(), sql, args...)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return func() { _ = tx.Rollback() }
+}
+
+// Statements of another session: a lock of the whole table, and a claim of
+// "held" that it keeps open.
+const (
+	lockTable = `LOCK TABLE idem_keys IN ACCESS EXCLUSIVE MODE`
+	holdKey   = `INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, expires_at) VALUES ($1, $2, 'held', $3, 'processing', now() + interval '1 hour')`
+)
+
+func okFn(context.Context, *sql.Tx) (idem.Response, error) { return created, nil }
+
+// A refusal of idemsql.Do on a fresh connection, with pgx's stdlib driver
+// in every exec mode and with lib/pq, leaves the caller's transaction
+// usable: its own write commits. Among the refusals: idem_keys locked by
+// another session past the caller's own lock_timeout.
+func TestRefusalOnFreshConnectionLeavesTxUsable(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url, setup := refusalSetup(t)
+	fpA := fpOf("a")
+	cases := []struct {
+		name  string
+		key   string
+		fp    idem.Fingerprint
+		other func() func()
+		want  error
+	}{
+		{"table locked", "new", fpA, func() func() { return other(t, setup, lockTable) }, idem.ErrInProgress},
+		{"held by a twin", "held", fpA, func() func() { return other(t, setup, holdKey, scope.Actor, scope.Operation, fpA[:]) }, idem.ErrInProgress},
+		{"key reused", "stored", fpOf("b"), nil, idem.ErrKeyReused},
+		{"outcome unknown", "unknown", fpA, nil, idem.ErrOutcomeUnknown},
+		{"nil fn", "new", fpA, nil, idem.ErrInvalidArgument},
+	}
+	for _, handle := range handles {
+		for _, c := range cases {
+			db := freshDB(t, url, handle, false)
+			client, err := idemsql.New(idem.Config{Wait: 20 * time.Millisecond})
+			if err != nil {
+				t.Fatal(err)
+			}
+			tx, err := db.BeginTx(ctx, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := tx.ExecContext(ctx, `SET LOCAL lock_timeout = '100ms'`); err != nil {
+				t.Fatal(err)
+			}
+			mark := handle + " " + c.name
+			if _, err := tx.ExecContext(ctx, `INSERT INTO effects VALUES ($1)`, mark); err != nil {
+				t.Fatal(err)
+			}
+			release := func() {}
+			if c.other != nil {
+				release = c.other()
+			}
+			fn := okFn
+			if c.name == "nil fn" {
+				fn = nil
+			}
+			_, err = client.Do(ctx, tx, scope, c.key, c.fp, fn)
+			release()
+			if !errors.Is(err, c.want) {
+				t.Errorf("%s: err = %v, want %v", mark, err, c.want)
+			}
+			if aborted(tx) {
+				t.Errorf("%s: Do refused (%v) and left the caller's transaction aborted", mark, err)
+				_ = tx.Rollback()
+				continue
+			}
+			if err := tx.Commit(); err != nil {
+				t.Errorf("%s: commit after the refusal: %v", mark, err)
+			}
+			var n int
+			if err := setup.QueryRowContext(ctx, `SELECT count(*) FROM effects WHERE key = $1`, mark).Scan(&n); err != nil || n != 1 {
+				t.Errorf("%s: the caller's write did not commit (%d, %v)", mark, n, err)
+			}
+		}
+	}
+}
+
+// Contexts cancelled at random small delays while idemsql.Do runs on fresh
+// connections: when Do returns a refusal, the caller's transaction is never
+// aborted.
+func TestCancelledDoNeverAbortsAfterARefusal(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url, setup := refusalSetup(t)
+	held := fpOf("a")
+	defer other(t, setup, holdKey, scope.Actor, scope.Operation, held[:])()
+	trials := 30
+	if testing.Short() {
+		trials = 6
+	}
+	for _, handle := range handles {
+		// Cancel anywhere in a call: delays up to how long one takes here.
+		var span time.Duration
+		for range 3 {
+			db := freshDB(t, url, handle, true)
+			client, err := idemsql.New(idem.Config{Wait: time.Millisecond})
+			if err != nil {
+				t.Fatal(err)
+			}
+			tx, err := db.BeginTx(ctx, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			start := time.Now()
+			_, _ = client.Do(ctx, tx, scope, "held", fpOf("a"), okFn)
+			span = max(span, time.Since(start))
+			_ = tx.Rollback()
+			_ = db.Close()
+		}
+		var refusals, others, abortedAfterRefusal, abortedOther, lost int
+		var sample, otherSample, lostSample error // errors after which the transaction was aborted, or usable
+		for i := range trials {
+			db := freshDB(t, url, handle, true)
+			client, err := idemsql.New(idem.Config{Wait: time.Millisecond})
+			if err != nil {
+				t.Fatal(err)
+			}
+			tx, err := db.BeginTx(ctx, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			key, fp := "held", fpOf("a")
+			if i%2 == 1 {
+				key, fp = "stored", fpOf("b")
+			}
+			callCtx, cancel := context.WithCancel(ctx)
+			stop := time.AfterFunc(rand.N(span+1), cancel)
+			_, err = client.Do(callCtx, tx, scope, key, fp, okFn)
+			stop.Stop()
+			cancel()
+			_, pingErr := tx.ExecContext(ctx, `SELECT 1`)
+			switch {
+			case pingErr != nil && !aborted(tx) && idem.Unavailable(pingErr):
+				lost++
+				lostSample = fmt.Errorf("%v, then %w", err, pingErr)
+			case isRefusal(err) && aborted(tx):
+				abortedAfterRefusal++
+				t.Errorf("%s, trial %d: Do refused (%v) and left the caller's transaction aborted", handle, i, err)
+			case isRefusal(err):
+				refusals++
+			case aborted(tx):
+				abortedOther++
+				sample = err
+			default:
+				others++
+				otherSample = err
+			}
+			_ = tx.Rollback()
+			_ = db.Close()
+		}
+		t.Logf("%s: %d trials: %d refusals (transaction usable), %d other outcomes usable (such as %v), %d aborted after another error (such as %v), %d connections lost (such as %v)",
+			handle, trials, refusals, others, otherSample, abortedOther, sample, lost, lostSample)
+	}
+}

@@ -1,0 +1,245 @@
+package idem_test
+
+import (
+	"context"
+	"errors"
+	"math/rand/v2"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
+
+	"github.com/pgidem/idem"
+)
+
+// execModes are every query exec mode of pgx.
+var execModes = []pgx.QueryExecMode{
+	pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe,
+	pgx.QueryExecModeDescribeExec, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol,
+}
+
+// freshConn opens a connection to url in mode, whose statement caches are
+// empty; with cancelRequest, a done context sends the server a cancel
+// request (pgconn.CancelRequestContextWatcherHandler) instead of closing
+// the connection.
+func freshConn(t *testing.T, url string, mode pgx.QueryExecMode, cancelRequest bool) *pgx.Conn {
+	t.Helper()
+	cfg, err := pgx.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.DefaultQueryExecMode = mode
+	if cancelRequest {
+		cfg.BuildContextWatcherHandler = func(c *pgconn.PgConn) ctxwatch.Handler {
+			return &pgconn.CancelRequestContextWatcherHandler{Conn: c, DeadlineDelay: 5 * time.Second}
+		}
+	}
+	conn, err := pgx.ConnectConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close(context.Background()) })
+	return conn
+}
+
+// isRefusal reports whether err is a refusal that promises the caller's
+// transaction is as it was before the call.
+func isRefusal(err error) bool {
+	return errors.Is(err, idem.ErrInProgress) || errors.Is(err, idem.ErrKeyReused) ||
+		errors.Is(err, idem.ErrOutcomeUnknown) || errors.Is(err, idem.ErrInvalidArgument)
+}
+
+// aborted reports whether tx is aborted: a statement in it fails with
+// 25P02.
+func aborted(tx pgx.Tx) bool {
+	_, err := tx.Exec(context.Background(), `SELECT 1`)
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == pgerrcode.InFailedSQLTransaction
+}
+
+// A refusal of Do on a fresh connection (pgx's caches empty, a new Client
+// that has not yet asked whether the database is Citus), in every exec
+// mode, leaves the caller's transaction usable: its own write commits.
+// Among the refusals: idem_keys locked by another session past the
+// caller's own lock_timeout.
+func TestRefusalOnFreshConnectionLeavesTxUsable(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	url := pool.Config().ConnConfig.ConnString()
+	var calls atomic.Int64
+	if _, err := idem.DoInTx(ctx, pool, scope, "stored", fpA, recordEffect(&calls, "stored")); err != nil {
+		t.Fatal(err)
+	}
+	r, err := idem.Reserve(ctx, pool, scope, "unknown", fpA, time.Minute)
+	if err == nil {
+		err = idem.MarkUnknown(ctx, pool, r, "timeout")
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Another session holds LOCK TABLE idem_keys, or a claim of "held",
+	// while the call runs.
+	other := func(sql string, args ...any) func() {
+		o, err := pool.Begin(ctx)
+		if err == nil {
+			_, err = o.Exec(ctx, sql, args...)
+		}
+		if err != nil {
+			t.Fatal(err)
+		}
+		return func() { _ = o.Rollback(ctx) }
+	}
+	const lockTable, holdKey = `LOCK TABLE idem_keys IN ACCESS EXCLUSIVE MODE`,
+		`INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, expires_at) VALUES ($1, $2, 'held', $3, 'processing', now() + interval '1 hour')`
+	cases := []struct {
+		name  string
+		key   string
+		fp    idem.Fingerprint
+		other func() func()
+		want  error
+	}{
+		{"table locked", "new", fpA, func() func() { return other(lockTable) }, idem.ErrInProgress},
+		{"held by a twin", "held", fpA, func() func() { return other(holdKey, scope.Actor, scope.Operation, fpA[:]) }, idem.ErrInProgress},
+		{"key reused", "stored", fpB, nil, idem.ErrKeyReused},
+		{"outcome unknown", "unknown", fpA, nil, idem.ErrOutcomeUnknown},
+		{"nil fn", "new", fpA, nil, idem.ErrInvalidArgument},
+	}
+	for _, mode := range execModes {
+		for _, c := range cases {
+			conn := freshConn(t, url, mode, false)
+			client, err := idem.New(idem.Config{Wait: 20 * time.Millisecond})
+			if err != nil {
+				t.Fatal(err)
+			}
+			tx, err := conn.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := tx.Exec(ctx, `SET LOCAL lock_timeout = '100ms'`); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := tx.Exec(ctx, `INSERT INTO effects (key, note) VALUES ($1, 'caller')`, mode.String()+c.name); err != nil {
+				t.Fatal(err)
+			}
+			release := func() {}
+			if c.other != nil {
+				release = c.other()
+			}
+			fn := recordEffect(&calls, c.key)
+			if c.name == "nil fn" {
+				fn = nil
+			}
+			_, err = client.Do(ctx, tx, scope, c.key, c.fp, fn)
+			release()
+			if !errors.Is(err, c.want) {
+				t.Errorf("%s, %s: err = %v, want %v", mode, c.name, err, c.want)
+			}
+			if aborted(tx) {
+				t.Errorf("%s, %s: Do refused (%v) and left the caller's transaction aborted", mode, c.name, err)
+				_ = tx.Rollback(ctx)
+				continue
+			}
+			if err := tx.Commit(ctx); err != nil {
+				t.Errorf("%s, %s: commit after the refusal: %v", mode, c.name, err)
+			}
+			if n := count(t, pool, `SELECT count(*) FROM effects WHERE key = $1 AND note = 'caller'`, mode.String()+c.name); n != 1 {
+				t.Errorf("%s, %s: the caller's write did not commit", mode, c.name)
+			}
+		}
+	}
+}
+
+// Contexts cancelled at random small delays while Do runs on fresh
+// connections, in every exec mode, with pgx's cancel-request handler (the
+// server cancels the statement in flight; the connection lives on): when Do
+// returns a refusal, the caller's transaction is never aborted.
+func TestCancelledDoNeverAbortsAfterARefusal(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	url := pool.Config().ConnConfig.ConnString()
+	var calls atomic.Int64
+	if _, err := idem.DoInTx(ctx, pool, scope, "stored", fpA, recordEffect(&calls, "stored")); err != nil {
+		t.Fatal(err)
+	}
+	twin, err := pool.Begin(ctx) // holds "held" claimed for the whole test
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer twin.Rollback(ctx)
+	if _, err := idem.Do(ctx, twin, scope, "held", fpA, recordEffect(&calls, "held")); err != nil {
+		t.Fatal(err)
+	}
+	trials := 40
+	if testing.Short() {
+		trials = 8
+	}
+	for _, mode := range execModes {
+		// Cancel anywhere in a call: delays up to how long one takes here.
+		var span time.Duration
+		for range 3 {
+			conn := freshConn(t, url, mode, true)
+			client, err := idem.New(idem.Config{Wait: time.Millisecond})
+			if err != nil {
+				t.Fatal(err)
+			}
+			tx, err := conn.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			start := time.Now()
+			_, _ = client.Do(ctx, tx, scope, "held", fpA, recordEffect(&calls, "held"))
+			span = max(span, time.Since(start))
+			_ = conn.Close(ctx)
+		}
+		var refusals, others, abortedAfterRefusal, abortedOther, lost int
+		var sample, otherSample error // errors after which the transaction was aborted, or usable
+		for i := range trials {
+			conn := freshConn(t, url, mode, true)
+			client, err := idem.New(idem.Config{Wait: time.Millisecond})
+			if err != nil {
+				t.Fatal(err)
+			}
+			tx, err := conn.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			key, fp := "held", fpA
+			if i%2 == 1 {
+				key, fp = "stored", fpB
+			}
+			callCtx, cancel := context.WithCancel(ctx)
+			stop := time.AfterFunc(rand.N(span+1), cancel)
+			_, err = client.Do(callCtx, tx, scope, key, fp, recordEffect(&calls, key))
+			stop.Stop()
+			cancel()
+			switch {
+			case conn.IsClosed():
+				lost++
+			case isRefusal(err) && aborted(tx):
+				abortedAfterRefusal++
+				t.Errorf("%s, trial %d: Do refused (%v) and left the caller's transaction aborted", mode, i, err)
+			case isRefusal(err):
+				refusals++
+			case aborted(tx):
+				abortedOther++
+				sample = err
+			default:
+				others++
+				otherSample = err
+			}
+			_ = tx.Rollback(ctx)
+			_ = conn.Close(ctx)
+		}
+		t.Logf("%s: %d trials: %d refusals (transaction usable), %d other outcomes usable (such as %v), %d aborted after another error (such as %v), %d connections lost",
+			mode, trials, refusals, others, otherSample, abortedOther, sample, lost)
+		if abortedAfterRefusal != 0 {
+			t.Errorf("%s: %d caller transactions aborted after a refusal", mode, abortedAfterRefusal)
+		}
+	}
+}
