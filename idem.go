@@ -95,8 +95,15 @@ var defaultClient = func() *Client {
 // is not valid text) undoes fn's writes and the claim, and returns
 // ErrResponseTooLarge or ErrInvalidResponse.
 //
-// When Do returns ErrInProgress, ErrKeyReused, ErrOutcomeUnknown or a
-// replay, tx is as it was before the call. After a serialization failure
+// When Do returns ErrInProgress, ErrKeyReused, ErrOutcomeUnknown,
+// ErrInvalidArgument or a replay, tx is as it was before the call: also on a
+// connection that has not run Do before, in every exec mode of pgx, where
+// Do begins its savepoint alone before anything that could fail (pgx
+// preparing its statements, a lock wait, the question whether the database
+// is Citus) and undoes it on the way out. When fn changes or deletes the
+// key's own row in idem_keys, the outcome cannot be stored: Do undoes fn's
+// writes and the claim, tx stays usable, and the error is ErrKeyRowChanged.
+// After a serialization failure
 // (SQLSTATE 40001, under REPEATABLE READ or SERIALIZABLE) or a deadlock the
 // whole transaction must be run again (InTx and DoInTx do so); after a lost
 // connection it is gone. Either way the retry replays or runs.
@@ -125,6 +132,10 @@ func (c *Client) Do(ctx context.Context, tx pgx.Tx, scope Scope, key string, fp 
 // again in the retry, and only one run's writes commit. Invalid input is
 // refused before a transaction begins; so is a *pgx.Conn that is already in
 // a transaction.
+//
+// When fn changes or deletes the key's own row in idem_keys, the
+// completion fails, the COMMIT sent with it does not run, and DoInTx rolls
+// back and returns ErrKeyRowChanged: nothing of fn's is committed.
 //
 // On a *pgxpool.Pool or a *pgx.Conn, DoInTx sends BEGIN with the claim and
 // COMMIT with the stored response, so the transaction costs no round trip

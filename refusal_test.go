@@ -14,6 +14,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/callertest"
 )
 
 // execModes are every query exec mode of pgx.
@@ -44,13 +45,6 @@ func freshConn(t *testing.T, url string, mode pgx.QueryExecMode, cancelRequest b
 	}
 	t.Cleanup(func() { _ = conn.Close(context.Background()) })
 	return conn
-}
-
-// isRefusal reports whether err is a refusal that promises the caller's
-// transaction is as it was before the call.
-func isRefusal(err error) bool {
-	return errors.Is(err, idem.ErrInProgress) || errors.Is(err, idem.ErrKeyReused) ||
-		errors.Is(err, idem.ErrOutcomeUnknown) || errors.Is(err, idem.ErrInvalidArgument)
 }
 
 // aborted reports whether tx is aborted: a statement in it fails with
@@ -94,8 +88,6 @@ func TestRefusalOnFreshConnectionLeavesTxUsable(t *testing.T) {
 		}
 		return func() { _ = o.Rollback(ctx) }
 	}
-	const lockTable, holdKey = `LOCK TABLE idem_keys IN ACCESS EXCLUSIVE MODE`,
-		`INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, expires_at) VALUES ($1, $2, 'held', $3, 'processing', now() + interval '1 hour')`
 	cases := []struct {
 		name  string
 		key   string
@@ -103,8 +95,8 @@ func TestRefusalOnFreshConnectionLeavesTxUsable(t *testing.T) {
 		other func() func()
 		want  error
 	}{
-		{"table locked", "new", fpA, func() func() { return other(lockTable) }, idem.ErrInProgress},
-		{"held by a twin", "held", fpA, func() func() { return other(holdKey, scope.Actor, scope.Operation, fpA[:]) }, idem.ErrInProgress},
+		{"table locked", "new", fpA, func() func() { return other(callertest.LockTable) }, idem.ErrInProgress},
+		{"held by a twin", "held", fpA, func() func() { return other(callertest.HoldKey, scope.Actor, scope.Operation, fpA[:]) }, idem.ErrInProgress},
 		{"key reused", "stored", fpB, nil, idem.ErrKeyReused},
 		{"outcome unknown", "unknown", fpA, nil, idem.ErrOutcomeUnknown},
 		{"nil fn", "new", fpA, nil, idem.ErrInvalidArgument},
@@ -197,8 +189,7 @@ func TestCancelledDoNeverAbortsAfterARefusal(t *testing.T) {
 			span = max(span, time.Since(start))
 			_ = conn.Close(ctx)
 		}
-		var refusals, others, abortedAfterRefusal, abortedOther, lost int
-		var sample, otherSample error // errors after which the transaction was aborted, or usable
+		var tally callertest.Tally
 		for i := range trials {
 			conn := freshConn(t, url, mode, true)
 			client, err := idem.New(idem.Config{Wait: time.Millisecond})
@@ -218,28 +209,12 @@ func TestCancelledDoNeverAbortsAfterARefusal(t *testing.T) {
 			_, err = client.Do(callCtx, tx, scope, key, fp, recordEffect(&calls, key))
 			stop.Stop()
 			cancel()
-			switch {
-			case conn.IsClosed():
-				lost++
-			case isRefusal(err) && aborted(tx):
-				abortedAfterRefusal++
+			if tally.Add(err, !conn.IsClosed() && aborted(tx), conn.IsClosed()) {
 				t.Errorf("%s, trial %d: Do refused (%v) and left the caller's transaction aborted", mode, i, err)
-			case isRefusal(err):
-				refusals++
-			case aborted(tx):
-				abortedOther++
-				sample = err
-			default:
-				others++
-				otherSample = err
 			}
 			_ = tx.Rollback(ctx)
 			_ = conn.Close(ctx)
 		}
-		t.Logf("%s: %d trials: %d refusals (transaction usable), %d other outcomes usable (such as %v), %d aborted after another error (such as %v), %d connections lost",
-			mode, trials, refusals, others, otherSample, abortedOther, sample, lost)
-		if abortedAfterRefusal != 0 {
-			t.Errorf("%s: %d caller transactions aborted after a refusal", mode, abortedAfterRefusal)
-		}
+		t.Logf("%s: %d trials: %v", mode, trials, &tally)
 	}
 }

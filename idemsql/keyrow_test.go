@@ -10,18 +10,8 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemsql"
+	"github.com/pgidem/idem/internal/callertest"
 )
-
-// keyRowChanges are the ways fn can change the idem_keys row of the key it
-// runs under: every column the completion relies on, and the row itself.
-var keyRowChanges = map[string]string{
-	"status":      `UPDATE idem_keys SET status = 'succeeded' WHERE actor = $1 AND operation = $2 AND idem_key = $3`,
-	"fingerprint": `UPDATE idem_keys SET fingerprint = sha256(fingerprint) WHERE actor = $1 AND operation = $2 AND idem_key = $3`,
-	"token":       `UPDATE idem_keys SET token = 7 WHERE actor = $1 AND operation = $2 AND idem_key = $3`,
-	"lease":       `UPDATE idem_keys SET lease_expires_at = now() + interval '1 hour' WHERE actor = $1 AND operation = $2 AND idem_key = $3`,
-	"expires_at":  `UPDATE idem_keys SET expires_at = now() - interval '1 second' WHERE actor = $1 AND operation = $2 AND idem_key = $3`,
-	"delete":      `DELETE FROM idem_keys WHERE actor = $1 AND operation = $2 AND idem_key = $3`,
-}
 
 // An fn that changes (or deletes) idem's own row of its key makes the call
 // fail with idem.ErrKeyRowChanged, for Do and DoInTx with both drivers:
@@ -68,7 +58,7 @@ func TestFnChangingItsKeyRowStoresNothing(t *testing.T) {
 			},
 		}
 		for callName, call := range calls {
-			for column, change := range keyRowChanges {
+			for column, change := range callertest.KeyRowChanges {
 				key := "row-" + callName + "-" + column
 				if err := call(key, change); !errors.Is(err, idem.ErrKeyRowChanged) {
 					t.Errorf("%s, fn changes %s: err = %v, want ErrKeyRowChanged", callName, column, err)

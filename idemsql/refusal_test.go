@@ -4,7 +4,6 @@ import (
 	"context"
 	"database/sql"
 	"errors"
-	"fmt"
 	"math/rand/v2"
 	"testing"
 	"time"
@@ -17,6 +16,7 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemsql"
+	"github.com/pgidem/idem/internal/callertest"
 	"github.com/pgidem/idem/internal/pgtest"
 )
 
@@ -56,13 +56,6 @@ func freshDB(t *testing.T, url, handle string, cancelRequest bool) *sql.DB {
 	db.SetMaxOpenConns(1)
 	t.Cleanup(func() { _ = db.Close() })
 	return db
-}
-
-// isRefusal reports whether err is a refusal that promises the caller's
-// transaction is as it was before the call.
-func isRefusal(err error) bool {
-	return errors.Is(err, idem.ErrInProgress) || errors.Is(err, idem.ErrKeyReused) ||
-		errors.Is(err, idem.ErrOutcomeUnknown) || errors.Is(err, idem.ErrInvalidArgument)
 }
 
 // aborted reports whether tx is aborted: a statement in it fails with
@@ -110,13 +103,6 @@ func other(t *testing.T, db *sql.DB, sql string, args ...any) func() {
 	return func() { _ = tx.Rollback() }
 }
 
-// Statements of another session: a lock of the whole table, and a claim of
-// "held" that it keeps open.
-const (
-	lockTable = `LOCK TABLE idem_keys IN ACCESS EXCLUSIVE MODE`
-	holdKey   = `INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, expires_at) VALUES ($1, $2, 'held', $3, 'processing', now() + interval '1 hour')`
-)
-
 func okFn(context.Context, *sql.Tx) (idem.Response, error) { return created, nil }
 
 // A refusal of idemsql.Do on a fresh connection, with pgx's stdlib driver
@@ -135,8 +121,8 @@ func TestRefusalOnFreshConnectionLeavesTxUsable(t *testing.T) {
 		other func() func()
 		want  error
 	}{
-		{"table locked", "new", fpA, func() func() { return other(t, setup, lockTable) }, idem.ErrInProgress},
-		{"held by a twin", "held", fpA, func() func() { return other(t, setup, holdKey, scope.Actor, scope.Operation, fpA[:]) }, idem.ErrInProgress},
+		{"table locked", "new", fpA, func() func() { return other(t, setup, callertest.LockTable) }, idem.ErrInProgress},
+		{"held by a twin", "held", fpA, func() func() { return other(t, setup, callertest.HoldKey, scope.Actor, scope.Operation, fpA[:]) }, idem.ErrInProgress},
 		{"key reused", "stored", fpOf("b"), nil, idem.ErrKeyReused},
 		{"outcome unknown", "unknown", fpA, nil, idem.ErrOutcomeUnknown},
 		{"nil fn", "new", fpA, nil, idem.ErrInvalidArgument},
@@ -196,7 +182,7 @@ func TestCancelledDoNeverAbortsAfterARefusal(t *testing.T) {
 	ctx := context.Background()
 	url, setup := refusalSetup(t)
 	held := fpOf("a")
-	defer other(t, setup, holdKey, scope.Actor, scope.Operation, held[:])()
+	defer other(t, setup, callertest.HoldKey, scope.Actor, scope.Operation, held[:])()
 	trials := 30
 	if testing.Short() {
 		trials = 6
@@ -220,8 +206,7 @@ func TestCancelledDoNeverAbortsAfterARefusal(t *testing.T) {
 			_ = tx.Rollback()
 			_ = db.Close()
 		}
-		var refusals, others, abortedAfterRefusal, abortedOther, lost int
-		var sample, otherSample, lostSample error // errors after which the transaction was aborted, or usable
+		var tally callertest.Tally
 		for i := range trials {
 			db := freshDB(t, url, handle, true)
 			client, err := idemsql.New(idem.Config{Wait: time.Millisecond})
@@ -242,26 +227,13 @@ func TestCancelledDoNeverAbortsAfterARefusal(t *testing.T) {
 			stop.Stop()
 			cancel()
 			_, pingErr := tx.ExecContext(ctx, `SELECT 1`)
-			switch {
-			case pingErr != nil && !aborted(tx) && idem.Unavailable(pingErr):
-				lost++
-				lostSample = fmt.Errorf("%v, then %w", err, pingErr)
-			case isRefusal(err) && aborted(tx):
-				abortedAfterRefusal++
+			isAborted := aborted(tx)
+			if tally.Add(err, isAborted, pingErr != nil && !isAborted && idem.Unavailable(pingErr)) {
 				t.Errorf("%s, trial %d: Do refused (%v) and left the caller's transaction aborted", handle, i, err)
-			case isRefusal(err):
-				refusals++
-			case aborted(tx):
-				abortedOther++
-				sample = err
-			default:
-				others++
-				otherSample = err
 			}
 			_ = tx.Rollback()
 			_ = db.Close()
 		}
-		t.Logf("%s: %d trials: %d refusals (transaction usable), %d other outcomes usable (such as %v), %d aborted after another error (such as %v), %d connections lost (such as %v)",
-			handle, trials, refusals, others, otherSample, abortedOther, sample, lost, lostSample)
+		t.Logf("%s: %d trials: %v", handle, trials, &tally)
 	}
 }

@@ -112,7 +112,7 @@ RETURNING true AS claimed;
 -- of them read by an index predicate and expires_at unchanged, so it is
 -- HOT. Should the row be gone, the proposed row (token -1, which no claim
 -- writes) is inserted and the statement fails, which undoes the insert.
--- name: KeyComplete :one
+-- name: KeyComplete :exec
 WITH stored AS (
     INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, token, expires_at,
                                 response_status, response_headers, response_body, completed_at)

@@ -106,7 +106,7 @@ func (q *Queries) KeyClaimCitus(ctx context.Context, db DBTX, arg KeyClaimCitusP
 	return claimed, err
 }
 
-const KeyComplete = `-- name: KeyComplete :one
+const KeyComplete = `-- name: KeyComplete :exec
 WITH stored AS (
     INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, token, expires_at,
                                 response_status, response_headers, response_body, completed_at)
@@ -155,8 +155,8 @@ type KeyCompleteParams struct {
 // of them read by an index predicate and expires_at unchanged, so it is
 // HOT. Should the row be gone, the proposed row (token -1, which no claim
 // writes) is inserted and the statement fails, which undoes the insert.
-func (q *Queries) KeyComplete(ctx context.Context, db DBTX, arg KeyCompleteParams) (int32, error) {
-	row := db.QueryRowContext(ctx, KeyComplete,
+func (q *Queries) KeyComplete(ctx context.Context, db DBTX, arg KeyCompleteParams) error {
+	_, err := db.ExecContext(ctx, KeyComplete,
 		arg.Actor,
 		arg.Operation,
 		arg.IdemKey,
@@ -167,9 +167,7 @@ func (q *Queries) KeyComplete(ctx context.Context, db DBTX, arg KeyCompleteParam
 		arg.ResponseHeaders,
 		arg.ResponseBody,
 	)
-	var stored int32
-	err := row.Scan(&stored)
-	return stored, err
+	return err
 }
 
 const KeyGet = `-- name: KeyGet :one

@@ -294,12 +294,6 @@ type Executor interface {
 	KeyTableSize(ctx context.Context) (tableBytes, indexBytes int64, err error)
 }
 
-// cleanupTimeout bounds the statements that undo a call's work, which run
-// even when the caller's context is done.
-const cleanupTimeout = 5 * time.Second
-
-// CleanupContext is ctx without its cancellation, bounded by five seconds:
-// the context of the statements that undo a call's work.
-func CleanupContext(ctx context.Context) (context.Context, context.CancelFunc) {
-	return context.WithTimeout(context.WithoutCancel(ctx), cleanupTimeout)
-}
+// CleanupTimeout bounds the statements that undo a call's work, which run
+// even when the caller's context is done (without its cancellation).
+const CleanupTimeout = 5 * time.Second

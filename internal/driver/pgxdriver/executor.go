@@ -50,14 +50,6 @@ func (d *Driver) Rollback(ctx context.Context, db Beginner, tx pgx.Tx) bool {
 	return false
 }
 
-// rollback rolls tx back, even when ctx is done. A transaction that a
-// batch already ended answers with a warning only.
-func rollback(ctx context.Context, tx pgx.Tx) {
-	ctx, cancel := driver.CleanupContext(ctx)
-	defer cancel()
-	_ = tx.Rollback(ctx)
-}
-
 // executor runs the reservation and operator statements in one
 // transaction: each through planned (planned anew for its arguments and the
 // table as it is), except Reserve's first round trip, which is a batch.

@@ -221,7 +221,7 @@ func readClaim(br pgx.BatchResults, citus bool) (claimed bool, err error) {
 func (s *span) Complete(ctx context.Context, out driver.Outcome) error {
 	b := s.reset()
 	k, r := out.Key, out.Reply
-	_, _ = queries.KeyComplete(context.Background(), queuer{b}, db.KeyCompleteParams{
+	_ = queries.KeyComplete(context.Background(), queuer{b}, db.KeyCompleteParams{
 		Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key, Fingerprint: s.fp[:],
 		Status: out.Status, TtlMicros: s.d.ttlMicros, ResponseStatus: r.Status,
 		ResponseHeaders: pgtype.Text{String: r.Headers, Valid: r.HasHeaders}, ResponseBody: r.Body,
@@ -232,7 +232,7 @@ func (s *span) Complete(ctx context.Context, out driver.Outcome) error {
 		b.Queue("COMMIT")
 	}
 	br := s.tx.SendBatch(ctx, b)
-	_, err := queries.KeyComplete(context.Background(), batchRead{br}, db.KeyCompleteParams{})
+	err := queries.KeyComplete(context.Background(), batchRead{br}, db.KeyCompleteParams{})
 	if err != nil {
 		err = fmt.Errorf("store response: %w", err)
 	} else {
@@ -313,12 +313,20 @@ func (s *span) Undo(ctx context.Context) error {
 		rollback(ctx, s.tx)
 		return nil
 	}
-	ctx, cancel := driver.CleanupContext(ctx)
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), driver.CleanupTimeout)
 	defer cancel()
 	if _, err := s.tx.Exec(ctx, sqlUndo); err != nil {
 		return fmt.Errorf("undo: %w", err)
 	}
 	return nil
+}
+
+// rollback rolls tx back, even when ctx is done. A transaction that a
+// batch already ended answers with a warning only.
+func rollback(ctx context.Context, tx pgx.Tx) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), driver.CleanupTimeout)
+	defer cancel()
+	_ = tx.Rollback(ctx)
 }
 
 // Lost reports whether DoInTx's connection is closed: the server went away

@@ -24,17 +24,6 @@ func (d *Driver) Rollback(_ context.Context, _ *sql.DB, tx *sql.Tx) bool {
 	return err != nil && driver.Unavailable(err)
 }
 
-// rollback rolls tx back, whatever the context: database/sql sends
-// ROLLBACK regardless (a Tx whose context ended was rolled back already, and
-// answers sql.ErrTxDone).
-func rollback(tx *sql.Tx) error {
-	err := tx.Rollback()
-	if errors.Is(err, sql.ErrTxDone) {
-		return nil
-	}
-	return err
-}
-
 // executor runs the reservation and operator statements in one
 // transaction, one per round trip. database/sql cannot ask a driver to plan
 // a statement anew on every execution (pgx's stdlib driver caches a generic

@@ -103,7 +103,7 @@ func (d *Driver) claim(ctx context.Context, tx *sql.Tx, c driver.Claim) (claimed
 // Complete stores the outcome, then sends RELEASE (or COMMIT).
 func (s *span) Complete(ctx context.Context, out driver.Outcome) error {
 	k, r := out.Key, out.Reply
-	_, err := queries.KeyComplete(ctx, s.tx, dbsql.KeyCompleteParams{
+	err := queries.KeyComplete(ctx, s.tx, dbsql.KeyCompleteParams{
 		Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key, Fingerprint: out.Fingerprint[:],
 		Status: out.Status, TtlMicros: s.d.ttlMicros, ResponseStatus: r.Status,
 		ResponseHeaders: sql.NullString{String: r.Headers, Valid: r.HasHeaders}, ResponseBody: r.Body,
@@ -163,7 +163,7 @@ func (s *span) Undo(ctx context.Context) error {
 		_ = s.rollback()
 		return nil
 	}
-	ctx, cancel := driver.CleanupContext(ctx)
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), driver.CleanupTimeout)
 	defer cancel()
 	if _, err := s.tx.ExecContext(ctx, sqlUndo); err != nil {
 		return fmt.Errorf("undo: %w", err)
@@ -179,6 +179,17 @@ func (s *span) rollback() error {
 	}
 	err := rollback(s.tx)
 	s.lost = s.lost || err != nil && driver.Unavailable(err)
+	return err
+}
+
+// rollback rolls tx back, whatever the context: database/sql sends
+// ROLLBACK regardless (a Tx whose context ended was rolled back already, and
+// answers sql.ErrTxDone).
+func rollback(tx *sql.Tx) error {
+	err := tx.Rollback()
+	if errors.Is(err, sql.ErrTxDone) {
+		return nil
+	}
 	return err
 }
 

@@ -1,0 +1,83 @@
+// Package callertest holds what the tests of package idem and of package
+// idemsql share about the caller's side of a call: the ways fn can break
+// idem's own key row, the statements of another session that get in a
+// call's way, and the tally of what became of the caller's transaction when
+// calls were cancelled at random.
+package callertest
+
+import (
+	"errors"
+	"fmt"
+
+	"github.com/pgidem/idem"
+)
+
+// KeyRowChanges are the ways fn can change the idem_keys row of the key it
+// runs under (every column the completion relies on, and the row itself),
+// each a statement with the actor, operation and key as $1, $2 and $3.
+var KeyRowChanges = map[string]string{
+	"status":      `UPDATE idem_keys SET status = 'succeeded' WHERE actor = $1 AND operation = $2 AND idem_key = $3`,
+	"fingerprint": `UPDATE idem_keys SET fingerprint = sha256(fingerprint) WHERE actor = $1 AND operation = $2 AND idem_key = $3`,
+	"token":       `UPDATE idem_keys SET token = 7 WHERE actor = $1 AND operation = $2 AND idem_key = $3`,
+	"lease":       `UPDATE idem_keys SET lease_expires_at = now() + interval '1 hour' WHERE actor = $1 AND operation = $2 AND idem_key = $3`,
+	"expires_at":  `UPDATE idem_keys SET expires_at = now() - interval '1 second' WHERE actor = $1 AND operation = $2 AND idem_key = $3`,
+	"delete":      `DELETE FROM idem_keys WHERE actor = $1 AND operation = $2 AND idem_key = $3`,
+}
+
+// Statements of another session that get in a call's way: a lock of the
+// whole table, and a claim of the key "held" (actor, operation and
+// fingerprint as $1, $2 and $3) kept open.
+const (
+	LockTable = `LOCK TABLE idem_keys IN ACCESS EXCLUSIVE MODE`
+	HoldKey   = `INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, expires_at) ` +
+		`VALUES ($1, $2, 'held', $3, 'processing', now() + interval '1 hour')`
+)
+
+// IsRefusal reports whether err is a refusal that promises the caller's
+// transaction is as it was before the call.
+func IsRefusal(err error) bool {
+	return errors.Is(err, idem.ErrInProgress) || errors.Is(err, idem.ErrKeyReused) ||
+		errors.Is(err, idem.ErrOutcomeUnknown) || errors.Is(err, idem.ErrInvalidArgument)
+}
+
+// Tally counts what became of the caller's transaction after calls whose
+// context was cancelled at random.
+type Tally struct {
+	Refusals            int // a refusal, the transaction usable
+	Others              int // another outcome, the transaction usable
+	AbortedAfterRefusal int // a refusal, the transaction aborted: a broken promise
+	AbortedOther        int // another error, the transaction aborted
+	Lost                int // the connection is gone
+	// An error of each kind, to show.
+	other, aborted, lost error
+}
+
+// Add counts a call that returned err, after which the caller's
+// transaction was aborted, or its connection lost. It reports whether the
+// call broke its promise: a refusal that left the transaction aborted.
+func (t *Tally) Add(err error, aborted, lost bool) (broken bool) {
+	refusal := IsRefusal(err)
+	switch {
+	case lost:
+		t.Lost++
+		t.lost = err
+	case refusal && aborted:
+		t.AbortedAfterRefusal++
+		return true
+	case refusal:
+		t.Refusals++
+	case aborted:
+		t.AbortedOther++
+		t.aborted = err
+	default:
+		t.Others++
+		t.other = err
+	}
+	return false
+}
+
+func (t *Tally) String() string {
+	return fmt.Sprintf("%d refusals (transaction usable), %d other outcomes usable (such as %v), "+
+		"%d aborted after another error (such as %v), %d connections lost (such as %v), %d aborted after a refusal",
+		t.Refusals, t.Others, t.other, t.AbortedOther, t.aborted, t.Lost, t.lost, t.AbortedAfterRefusal)
+}
