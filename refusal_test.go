@@ -3,7 +3,6 @@ package idem_test
 import (
 	"context"
 	"errors"
-	"math/rand/v2"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -172,49 +171,25 @@ func TestCancelledDoNeverAbortsAfterARefusal(t *testing.T) {
 		trials = 8
 	}
 	for _, mode := range execModes {
-		// Cancel anywhere in a call: delays up to how long one takes here.
-		var span time.Duration
-		for range 3 {
+		tally := callertest.Cancelled(t, trials, func(begin func() context.Context, i int) (bool, bool, error) {
 			conn := freshConn(t, url, mode, true)
+			defer conn.Close(context.Background())
 			client, err := idem.New(idem.Config{Wait: time.Millisecond})
 			if err != nil {
 				t.Fatal(err)
 			}
-			tx, err := conn.Begin(ctx)
+			tx, err := conn.Begin(context.Background())
 			if err != nil {
 				t.Fatal(err)
 			}
-			start := time.Now()
-			_, _ = client.Do(ctx, tx, scope, "held", fpA, recordEffect(&calls, "held"))
-			span = max(span, time.Since(start))
-			_ = conn.Close(ctx)
-		}
-		var tally callertest.Tally
-		for i := range trials {
-			conn := freshConn(t, url, mode, true)
-			client, err := idem.New(idem.Config{Wait: time.Millisecond})
-			if err != nil {
-				t.Fatal(err)
-			}
-			tx, err := conn.Begin(ctx)
-			if err != nil {
-				t.Fatal(err)
-			}
+			defer tx.Rollback(context.Background())
 			key, fp := "held", fpA
 			if i%2 == 1 {
 				key, fp = "stored", fpB
 			}
-			callCtx, cancel := context.WithCancel(ctx)
-			stop := time.AfterFunc(rand.N(span+1), cancel)
-			_, err = client.Do(callCtx, tx, scope, key, fp, recordEffect(&calls, key))
-			stop.Stop()
-			cancel()
-			if tally.Add(err, !conn.IsClosed() && aborted(tx), conn.IsClosed()) {
-				t.Errorf("%s, trial %d: Do refused (%v) and left the caller's transaction aborted", mode, i, err)
-			}
-			_ = tx.Rollback(ctx)
-			_ = conn.Close(ctx)
-		}
-		t.Logf("%s: %d trials: %v", mode, trials, &tally)
+			_, err = client.Do(begin(), tx, scope, key, fp, recordEffect(&calls, key))
+			return !conn.IsClosed() && aborted(tx), conn.IsClosed(), err
+		})
+		t.Logf("%s: %d trials: %v", mode, trials, tally)
 	}
 }

@@ -4,7 +4,6 @@ import (
 	"context"
 	"database/sql"
 	"errors"
-	"math/rand/v2"
 	"testing"
 	"time"
 
@@ -179,7 +178,6 @@ func TestRefusalOnFreshConnectionLeavesTxUsable(t *testing.T) {
 // aborted.
 func TestCancelledDoNeverAbortsAfterARefusal(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
 	url, setup := refusalSetup(t)
 	held := fpOf("a")
 	defer other(t, setup, callertest.HoldKey, scope.Actor, scope.Operation, held[:])()
@@ -188,52 +186,27 @@ func TestCancelledDoNeverAbortsAfterARefusal(t *testing.T) {
 		trials = 6
 	}
 	for _, handle := range handles {
-		// Cancel anywhere in a call: delays up to how long one takes here.
-		var span time.Duration
-		for range 3 {
+		tally := callertest.Cancelled(t, trials, func(begin func() context.Context, i int) (bool, bool, error) {
 			db := freshDB(t, url, handle, true)
+			defer db.Close()
 			client, err := idemsql.New(idem.Config{Wait: time.Millisecond})
 			if err != nil {
 				t.Fatal(err)
 			}
-			tx, err := db.BeginTx(ctx, nil)
+			tx, err := db.BeginTx(context.Background(), nil)
 			if err != nil {
 				t.Fatal(err)
 			}
-			start := time.Now()
-			_, _ = client.Do(ctx, tx, scope, "held", fpOf("a"), okFn)
-			span = max(span, time.Since(start))
-			_ = tx.Rollback()
-			_ = db.Close()
-		}
-		var tally callertest.Tally
-		for i := range trials {
-			db := freshDB(t, url, handle, true)
-			client, err := idemsql.New(idem.Config{Wait: time.Millisecond})
-			if err != nil {
-				t.Fatal(err)
-			}
-			tx, err := db.BeginTx(ctx, nil)
-			if err != nil {
-				t.Fatal(err)
-			}
+			defer func() { _ = tx.Rollback() }()
 			key, fp := "held", fpOf("a")
 			if i%2 == 1 {
 				key, fp = "stored", fpOf("b")
 			}
-			callCtx, cancel := context.WithCancel(ctx)
-			stop := time.AfterFunc(rand.N(span+1), cancel)
-			_, err = client.Do(callCtx, tx, scope, key, fp, okFn)
-			stop.Stop()
-			cancel()
-			_, pingErr := tx.ExecContext(ctx, `SELECT 1`)
+			_, err = client.Do(begin(), tx, scope, key, fp, okFn)
+			_, pingErr := tx.ExecContext(context.Background(), `SELECT 1`)
 			isAborted := aborted(tx)
-			if tally.Add(err, isAborted, pingErr != nil && !isAborted && idem.Unavailable(pingErr)) {
-				t.Errorf("%s, trial %d: Do refused (%v) and left the caller's transaction aborted", handle, i, err)
-			}
-			_ = tx.Rollback()
-			_ = db.Close()
-		}
-		t.Logf("%s: %d trials: %v", handle, trials, &tally)
+			return isAborted, pingErr != nil && !isAborted && idem.Unavailable(pingErr), err
+		})
+		t.Logf("%s: %d trials: %v", handle, trials, tally)
 	}
 }

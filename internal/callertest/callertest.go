@@ -6,8 +6,12 @@
 package callertest
 
 import (
+	"context"
 	"errors"
 	"fmt"
+	"math/rand/v2"
+	"testing"
+	"time"
 
 	"github.com/pgidem/idem"
 )
@@ -80,4 +84,39 @@ func (t *Tally) String() string {
 	return fmt.Sprintf("%d refusals (transaction usable), %d other outcomes usable (such as %v), "+
 		"%d aborted after another error (such as %v), %d connections lost (such as %v), %d aborted after a refusal",
 		t.Refusals, t.Others, t.other, t.AbortedOther, t.aborted, t.Lost, t.lost, t.AbortedAfterRefusal)
+}
+
+// Trial is one call of Cancelled: it opens a fresh connection and a caller's
+// transaction, calls idem for trial number i with the context begin
+// returns (begin right before the call: the clock starts there), and
+// reports whether the caller's transaction was then aborted, or its
+// connection lost, and the call's error.
+type Trial func(begin func() context.Context, i int) (aborted, lost bool, err error)
+
+// Cancelled runs trial n times, each with a context cancelled after a random
+// delay up to how long a call takes here (the longest of three run without
+// cancelling), so that cancellations land anywhere in a call, and returns
+// the tally. A refusal that left the caller's transaction aborted fails t.
+func Cancelled(t testing.TB, n int, trial Trial) *Tally {
+	t.Helper()
+	var span time.Duration
+	for i := range 3 {
+		var start time.Time
+		_, _, _ = trial(func() context.Context { start = time.Now(); return context.Background() }, i)
+		span = max(span, time.Since(start))
+	}
+	tally := &Tally{}
+	for i := range n {
+		ctx, cancel := context.WithCancel(context.Background())
+		var stop *time.Timer
+		aborted, lost, err := trial(func() context.Context { stop = time.AfterFunc(rand.N(span+1), cancel); return ctx }, i)
+		if stop != nil {
+			stop.Stop()
+		}
+		cancel()
+		if tally.Add(err, aborted, lost) {
+			t.Errorf("trial %d: the call refused (%v) and left the caller's transaction aborted", i, err)
+		}
+	}
+	return tally
 }
