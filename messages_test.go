@@ -32,10 +32,7 @@ func TestErrorsNameIdemOnce(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer conn.Release()
-	inTx, err := conn.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
+	inTx := openTx(t, conn)
 	defer inTx.Rollback(ctx)
 
 	cases := []struct {
@@ -81,15 +78,20 @@ func noop(context.Context, pgx.Tx) (idem.Response, error) { return idem.Response
 // second is the error of a call that returns two values.
 func second[T any](_ T, err error) error { return err }
 
-// closedTx is a transaction on pool that is already rolled back.
-func closedTx(t *testing.T, pool interface {
-	Begin(context.Context) (pgx.Tx, error)
-}) pgx.Tx {
+// openTx begins a transaction on db.
+func openTx(t *testing.T, db idem.Beginner) pgx.Tx {
 	t.Helper()
-	tx, err := pool.Begin(context.Background())
+	tx, err := db.Begin(context.Background())
 	if err != nil {
 		t.Fatal(err)
 	}
+	return tx
+}
+
+// closedTx is a transaction on db that is already rolled back.
+func closedTx(t *testing.T, db idem.Beginner) pgx.Tx {
+	t.Helper()
+	tx := openTx(t, db)
 	_ = tx.Rollback(context.Background())
 	return tx
 }

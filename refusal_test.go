@@ -7,10 +7,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/callertest"
@@ -34,9 +31,7 @@ func freshConn(t *testing.T, url string, mode pgx.QueryExecMode, cancelRequest b
 	}
 	cfg.DefaultQueryExecMode = mode
 	if cancelRequest {
-		cfg.BuildContextWatcherHandler = func(c *pgconn.PgConn) ctxwatch.Handler {
-			return &pgconn.CancelRequestContextWatcherHandler{Conn: c, DeadlineDelay: 5 * time.Second}
-		}
+		callertest.CancelRequests(cfg)
 	}
 	conn, err := pgx.ConnectConfig(context.Background(), cfg)
 	if err != nil {
@@ -46,12 +41,22 @@ func freshConn(t *testing.T, url string, mode pgx.QueryExecMode, cancelRequest b
 	return conn
 }
 
+// waitingClient is a new Client (which has not asked whether the database is
+// Citus yet) that waits for a twin at most wait.
+func waitingClient(t *testing.T, wait time.Duration) *idem.Client {
+	t.Helper()
+	c, err := idem.New(idem.Config{Wait: wait})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
 // aborted reports whether tx is aborted: a statement in it fails with
 // 25P02.
 func aborted(tx pgx.Tx) bool {
 	_, err := tx.Exec(context.Background(), `SELECT 1`)
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == pgerrcode.InFailedSQLTransaction
+	return callertest.Aborted(err)
 }
 
 // A refusal of Do on a fresh connection (pgx's caches empty, a new Client
@@ -77,36 +82,24 @@ func TestRefusalOnFreshConnectionLeavesTxUsable(t *testing.T) {
 	}
 	// Another session holds LOCK TABLE idem_keys, or a claim of "held",
 	// while the call runs.
-	other := func(sql string, args ...any) func() {
+	other := func(c callertest.Refusal) func() {
+		if c.Other == "" {
+			return func() {}
+		}
 		o, err := pool.Begin(ctx)
-		if err == nil {
-			_, err = o.Exec(ctx, sql, args...)
+		if err == nil && c.Other == callertest.HoldKey {
+			_, err = o.Exec(ctx, c.Other, scope.Actor, scope.Operation, fpA[:])
+		} else if err == nil {
+			_, err = o.Exec(ctx, c.Other)
 		}
 		if err != nil {
 			t.Fatal(err)
 		}
 		return func() { _ = o.Rollback(ctx) }
 	}
-	cases := []struct {
-		name  string
-		key   string
-		fp    idem.Fingerprint
-		other func() func()
-		want  error
-	}{
-		{"table locked", "new", fpA, func() func() { return other(callertest.LockTable) }, idem.ErrInProgress},
-		{"held by a twin", "held", fpA, func() func() { return other(callertest.HoldKey, scope.Actor, scope.Operation, fpA[:]) }, idem.ErrInProgress},
-		{"key reused", "stored", fpB, nil, idem.ErrKeyReused},
-		{"outcome unknown", "unknown", fpA, nil, idem.ErrOutcomeUnknown},
-		{"nil fn", "new", fpA, nil, idem.ErrInvalidArgument},
-	}
 	for _, mode := range execModes {
-		for _, c := range cases {
-			conn := freshConn(t, url, mode, false)
-			client, err := idem.New(idem.Config{Wait: 20 * time.Millisecond})
-			if err != nil {
-				t.Fatal(err)
-			}
+		for _, c := range callertest.Refusals {
+			client, conn := waitingClient(t, 20*time.Millisecond), freshConn(t, url, mode, false)
 			tx, err := conn.Begin(ctx)
 			if err != nil {
 				t.Fatal(err)
@@ -114,32 +107,32 @@ func TestRefusalOnFreshConnectionLeavesTxUsable(t *testing.T) {
 			if _, err := tx.Exec(ctx, `SET LOCAL lock_timeout = '100ms'`); err != nil {
 				t.Fatal(err)
 			}
-			if _, err := tx.Exec(ctx, `INSERT INTO effects (key, note) VALUES ($1, 'caller')`, mode.String()+c.name); err != nil {
+			if _, err := tx.Exec(ctx, `INSERT INTO effects (key, note) VALUES ($1, 'caller')`, mode.String()+c.Name); err != nil {
 				t.Fatal(err)
 			}
-			release := func() {}
-			if c.other != nil {
-				release = c.other()
-			}
-			fn := recordEffect(&calls, c.key)
-			if c.name == "nil fn" {
+			release := other(c)
+			fn, fp := recordEffect(&calls, c.Key), fpA
+			if c.NilFn {
 				fn = nil
 			}
-			_, err = client.Do(ctx, tx, scope, c.key, c.fp, fn)
+			if c.Reused {
+				fp = fpB
+			}
+			_, err = client.Do(ctx, tx, scope, c.Key, fp, fn)
 			release()
-			if !errors.Is(err, c.want) {
-				t.Errorf("%s, %s: err = %v, want %v", mode, c.name, err, c.want)
+			if !errors.Is(err, c.Want) {
+				t.Errorf("%s, %s: err = %v, want %v", mode, c.Name, err, c.Want)
 			}
 			if aborted(tx) {
-				t.Errorf("%s, %s: Do refused (%v) and left the caller's transaction aborted", mode, c.name, err)
+				t.Errorf("%s, %s: Do refused (%v) and left the caller's transaction aborted", mode, c.Name, err)
 				_ = tx.Rollback(ctx)
 				continue
 			}
 			if err := tx.Commit(ctx); err != nil {
-				t.Errorf("%s, %s: commit after the refusal: %v", mode, c.name, err)
+				t.Errorf("%s, %s: commit after the refusal: %v", mode, c.Name, err)
 			}
-			if n := count(t, pool, `SELECT count(*) FROM effects WHERE key = $1 AND note = 'caller'`, mode.String()+c.name); n != 1 {
-				t.Errorf("%s, %s: the caller's write did not commit", mode, c.name)
+			if n := count(t, pool, `SELECT count(*) FROM effects WHERE key = $1 AND note = 'caller'`, mode.String()+c.Name); n != 1 {
+				t.Errorf("%s, %s: the caller's write did not commit", mode, c.Name)
 			}
 		}
 	}
@@ -166,18 +159,11 @@ func TestCancelledDoNeverAbortsAfterARefusal(t *testing.T) {
 	if _, err := idem.Do(ctx, twin, scope, "held", fpA, recordEffect(&calls, "held")); err != nil {
 		t.Fatal(err)
 	}
-	trials := 40
-	if testing.Short() {
-		trials = 8
-	}
+	trials := callertest.Trials(40)
 	for _, mode := range execModes {
 		tally := callertest.Cancelled(t, trials, func(begin func() context.Context, i int) (bool, bool, error) {
-			conn := freshConn(t, url, mode, true)
+			client, conn := waitingClient(t, time.Millisecond), freshConn(t, url, mode, true)
 			defer conn.Close(context.Background())
-			client, err := idem.New(idem.Config{Wait: time.Millisecond})
-			if err != nil {
-				t.Fatal(err)
-			}
 			tx, err := conn.Begin(context.Background())
 			if err != nil {
 				t.Fatal(err)

@@ -7,10 +7,7 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
-	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
 	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgidem/idem"
@@ -46,9 +43,7 @@ func freshDB(t *testing.T, url, handle string, cancelRequest bool) *sql.DB {
 		}[handle]
 		cfg.DefaultQueryExecMode = mode
 		if cancelRequest {
-			cfg.BuildContextWatcherHandler = func(c *pgconn.PgConn) ctxwatch.Handler {
-				return &pgconn.CancelRequestContextWatcherHandler{Conn: c, DeadlineDelay: 5 * time.Second}
-			}
+			callertest.CancelRequests(cfg)
 		}
 		db = stdlib.OpenDB(*cfg)
 	}
@@ -61,8 +56,7 @@ func freshDB(t *testing.T, url, handle string, cancelRequest bool) *sql.DB {
 // 25P02.
 func aborted(tx *sql.Tx) bool {
 	_, err := tx.ExecContext(context.Background(), `SELECT 1`)
-	var stateErr interface{ SQLState() string }
-	return errors.As(err, &stateErr) && stateErr.SQLState() == pgerrcode.InFailedSQLTransaction
+	return callertest.Aborted(err)
 }
 
 // refusalSetup stores "stored" (fingerprint a) and marks "unknown"
@@ -112,22 +106,8 @@ func TestRefusalOnFreshConnectionLeavesTxUsable(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	url, setup := refusalSetup(t)
-	fpA := fpOf("a")
-	cases := []struct {
-		name  string
-		key   string
-		fp    idem.Fingerprint
-		other func() func()
-		want  error
-	}{
-		{"table locked", "new", fpA, func() func() { return other(t, setup, callertest.LockTable) }, idem.ErrInProgress},
-		{"held by a twin", "held", fpA, func() func() { return other(t, setup, callertest.HoldKey, scope.Actor, scope.Operation, fpA[:]) }, idem.ErrInProgress},
-		{"key reused", "stored", fpOf("b"), nil, idem.ErrKeyReused},
-		{"outcome unknown", "unknown", fpA, nil, idem.ErrOutcomeUnknown},
-		{"nil fn", "new", fpA, nil, idem.ErrInvalidArgument},
-	}
 	for _, handle := range handles {
-		for _, c := range cases {
+		for _, c := range callertest.Refusals {
 			db := freshDB(t, url, handle, false)
 			client, err := idemsql.New(idem.Config{Wait: 20 * time.Millisecond})
 			if err != nil {
@@ -140,22 +120,29 @@ func TestRefusalOnFreshConnectionLeavesTxUsable(t *testing.T) {
 			if _, err := tx.ExecContext(ctx, `SET LOCAL lock_timeout = '100ms'`); err != nil {
 				t.Fatal(err)
 			}
-			mark := handle + " " + c.name
+			mark := handle + " " + c.Name
 			if _, err := tx.ExecContext(ctx, `INSERT INTO effects VALUES ($1)`, mark); err != nil {
 				t.Fatal(err)
 			}
 			release := func() {}
-			if c.other != nil {
-				release = c.other()
+			switch c.Other {
+			case callertest.HoldKey:
+				held := fpOf("a")
+				release = other(t, setup, c.Other, scope.Actor, scope.Operation, held[:])
+			case callertest.LockTable:
+				release = other(t, setup, c.Other)
 			}
-			fn := okFn
-			if c.name == "nil fn" {
+			fn, fp := okFn, fpOf("a")
+			if c.NilFn {
 				fn = nil
 			}
-			_, err = client.Do(ctx, tx, scope, c.key, c.fp, fn)
+			if c.Reused {
+				fp = fpOf("b")
+			}
+			_, err = client.Do(ctx, tx, scope, c.Key, fp, fn)
 			release()
-			if !errors.Is(err, c.want) {
-				t.Errorf("%s: err = %v, want %v", mark, err, c.want)
+			if !errors.Is(err, c.Want) {
+				t.Errorf("%s: err = %v, want %v", mark, err, c.Want)
 			}
 			if aborted(tx) {
 				t.Errorf("%s: Do refused (%v) and left the caller's transaction aborted", mark, err)
@@ -181,10 +168,7 @@ func TestCancelledDoNeverAbortsAfterARefusal(t *testing.T) {
 	url, setup := refusalSetup(t)
 	held := fpOf("a")
 	defer other(t, setup, callertest.HoldKey, scope.Actor, scope.Operation, held[:])()
-	trials := 30
-	if testing.Short() {
-		trials = 6
-	}
+	trials := callertest.Trials(30)
 	for _, handle := range handles {
 		tally := callertest.Cancelled(t, trials, func(begin func() context.Context, i int) (bool, bool, error) {
 			db := freshDB(t, url, handle, true)

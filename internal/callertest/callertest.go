@@ -13,7 +13,13 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
+
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/driver"
 )
 
 // KeyRowChanges are the ways fn can change the idem_keys row of the key it
@@ -36,6 +42,46 @@ const (
 	HoldKey   = `INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, expires_at) ` +
 		`VALUES ($1, $2, 'held', $3, 'processing', now() + interval '1 hour')`
 )
+
+// Refusal is a call that idem refuses, on keys the test sets up: "stored"
+// (stored with one fingerprint) and "unknown" (a reservation marked
+// unknown).
+type Refusal struct {
+	Name string
+	Key  string
+	// Reused: the call comes with another fingerprint than the stored one.
+	Reused bool
+	// Other is a statement another session runs, and keeps open while the
+	// call runs (HoldKey takes the actor, operation and fingerprint); ""
+	// for none.
+	Other string
+	// NilFn: the call has no fn.
+	NilFn bool
+	// Want is the refusal.
+	Want error
+}
+
+// Refusals are the refusals every front is tested with.
+var Refusals = []Refusal{
+	{Name: "table locked", Key: "new", Other: LockTable, Want: idem.ErrInProgress},
+	{Name: "held by a twin", Key: "held", Other: HoldKey, Want: idem.ErrInProgress},
+	{Name: "key reused", Key: "stored", Reused: true, Want: idem.ErrKeyReused},
+	{Name: "outcome unknown", Key: "unknown", Want: idem.ErrOutcomeUnknown},
+	{Name: "nil fn", Key: "new", NilFn: true, Want: idem.ErrInvalidArgument},
+}
+
+// CancelRequests makes a done context cancel the statement in flight with a
+// cancel request (pgconn.CancelRequestContextWatcherHandler) instead of
+// closing the connection: the statement fails, the connection lives on.
+func CancelRequests(cfg *pgx.ConnConfig) {
+	cfg.BuildContextWatcherHandler = func(c *pgconn.PgConn) ctxwatch.Handler {
+		return &pgconn.CancelRequestContextWatcherHandler{Conn: c, DeadlineDelay: 5 * time.Second}
+	}
+}
+
+// Aborted reports whether err, the answer to a statement in the caller's
+// transaction, says the transaction is aborted (25P02).
+func Aborted(err error) bool { return driver.SQLState(err) == pgerrcode.InFailedSQLTransaction }
 
 // IsRefusal reports whether err is a refusal that promises the caller's
 // transaction is as it was before the call.
@@ -84,6 +130,14 @@ func (t *Tally) String() string {
 	return fmt.Sprintf("%d refusals (transaction usable), %d other outcomes usable (such as %v), "+
 		"%d aborted after another error (such as %v), %d connections lost (such as %v), %d aborted after a refusal",
 		t.Refusals, t.Others, t.other, t.AbortedOther, t.aborted, t.Lost, t.lost, t.AbortedAfterRefusal)
+}
+
+// Trials is n, or an eighth of it (at least one) with -short.
+func Trials(n int) int {
+	if testing.Short() {
+		return max(1, n/8)
+	}
+	return n
 }
 
 // Trial is one call of Cancelled: it opens a fresh connection and a caller's
