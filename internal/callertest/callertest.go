@@ -10,6 +10,8 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -173,4 +175,46 @@ func Cancelled(t testing.TB, n int, trial Trial) *Tally {
 		}
 	}
 	return tally
+}
+
+// CutCommit checks, after the commit of key's call was cut (the relay
+// dropped its acknowledgement, the cuts-th time), that the relay counted
+// it and that the commit happened: the ledger entry of key is there, read
+// on direct. It returns the entry's id.
+func CutCommit(t testing.TB, cutsSoFar, cuts int64, direct interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}, key string) int64 {
+	t.Helper()
+	if cutsSoFar != cuts {
+		t.Fatalf("key %s: %d cuts, want %d", key, cutsSoFar, cuts)
+	}
+	var entry int64
+	if err := direct.QueryRow(context.Background(), `SELECT id FROM ledger WHERE idem_key = $1`, key).Scan(&entry); err != nil {
+		t.Fatalf("key %s: the cut commit did not commit: %v", key, err)
+	}
+	return entry
+}
+
+// Pooled runs n calls of call at once (call numbers its key with i) behind
+// a transaction pooler in pgx's default exec mode: each either succeeds or
+// fails with an error that check accepts (it names the fix). The test is
+// skipped when none failed: the pooler keeps prepared statements.
+func Pooled(t testing.TB, n int, call func(i int, key string) error, check func(key string, err error)) {
+	t.Helper()
+	var failed atomic.Int64
+	var wg sync.WaitGroup
+	for i := range n {
+		wg.Go(func() {
+			key := fmt.Sprintf("default-%d", i)
+			if err := call(i, key); err != nil {
+				failed.Add(1)
+				check(key, err)
+			}
+		})
+	}
+	wg.Wait()
+	if failed.Load() == 0 {
+		t.Skip("no call failed: this pooler keeps prepared statements (PgBouncer 1.21+ with max_prepared_statements > 0)")
+	}
+	t.Logf("%d of %d calls failed, each with the fix named", failed.Load(), n)
 }
