@@ -308,6 +308,8 @@ type keyView struct {
 	CanResolve  bool
 	CanForget   bool
 	CreatedAtIn string // the attempt's start as the forget form sends it
+	Resolved    bool   // an operator recorded the outcome: the token advanced past the attempt's
+	Attempt     int64  // the attempt's token when Resolved, from the trail; 0 when unknown
 	Form        resolveInput
 	Problem     *problem
 }
@@ -356,7 +358,11 @@ func (q *request) showKey(status int, p *problem, form resolveInput, fl *flash) 
 			v.Body = newBodyView(rec.Response.Header, rec.Response.Body)
 			v.Headers = headerViews(rec.Response.Header)
 		}
-		v.Timeline = timeline(rec, entries, now)
+		v.Resolved = rec.ResolveReason != ""
+		if v.Resolved {
+			v.Attempt = resolvedAttempt(entries)
+		}
+		v.Timeline = timeline(rec, entries, v.Attempt, now)
 		v.CanResolve = v.Rec.NeedsPerson && !q.c.opts.ReadOnly
 		v.CanForget = (rec.Status == idem.StatusSucceeded || rec.Status == idem.StatusRejected ||
 			rec.Status == idem.StatusFailedRetryable) && !q.c.opts.ReadOnly
@@ -392,16 +398,21 @@ func describe(rec idem.Record, ranOut bool) (label, class, meaning string) {
 
 // timeline is what happened to a record, in time order: its attempt, its
 // lease, its outcome, what operators did, and when it expires.
-func timeline(rec idem.Record, entries []audit.Entry, now time.Time) []event {
+func timeline(rec idem.Record, entries []audit.Entry, attempt int64, now time.Time) []event {
 	var ev []event
 	add := func(t time.Time, what string) {
 		if !t.IsZero() {
 			ev = append(ev, event{When: t, What: what, Future: t.After(now)})
 		}
 	}
-	if rec.Token != 0 {
+	switch {
+	case rec.ResolveReason != "" && attempt != 0:
+		add(rec.CreatedAt, fmt.Sprintf("Attempt %d reserved the key", attempt))
+	case rec.ResolveReason != "":
+		add(rec.CreatedAt, "A reservation took the key")
+	case rec.Token != 0:
 		add(rec.CreatedAt, fmt.Sprintf("Attempt %d reserved the key", rec.Token))
-	} else {
+	default:
 		add(rec.CreatedAt, "The request claimed the key")
 	}
 	if !rec.LeaseExpiresAt.IsZero() && rec.Status == idem.StatusProcessing {
@@ -429,6 +440,17 @@ func timeline(rec idem.Record, entries []audit.Entry, now time.Time) []event {
 	}
 	sort.SliceStable(ev, func(i, j int) bool { return ev[i].When.Before(ev[j].When) })
 	return ev
+}
+
+// resolvedAttempt is the token of the attempt that the latest verdict in
+// entries (newest first) was about; 0 when the trail has none.
+func resolvedAttempt(entries []audit.Entry) int64 {
+	for _, e := range entries {
+		if e.Action == audit.ActionResolve && e.HasBefore {
+			return e.TokenBefore
+		}
+	}
+	return 0
 }
 
 // actionText says what an audit row records, in a few words.

@@ -91,7 +91,7 @@ func TestSettleAnUnknownOutcome(t *testing.T) {
 
 	step(t, ctx, "list a merchant's keys", chromedp.Navigate(c.url("/search?actor=shop-1024&operation=payment.create")),
 		chromedp.WaitVisible(chromedp.CSS("table.list")))
-	screenshot(t, ctx, "search")
+	screenshotTop(t, ctx, "search")
 
 	step(t, ctx, "count the leases to expire", chromedp.Navigate(c.url("/expire-leases")), chromedp.WaitVisible(chromedp.CSS(".confirm")))
 	if txt := text(t, ctx); !strings.Contains(txt, "1 reservation's lease ran out") {

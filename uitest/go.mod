@@ -30,5 +30,3 @@ require (
 	golang.org/x/sync v0.25.0 // indirect
 	golang.org/x/text v0.44.0 // indirect
 )
-
-replace github.com/pgidem/idem => ../

@@ -121,9 +121,20 @@ func artifacts(t *testing.T) string {
 // screenshot saves the whole page as name.png in the artifacts directory.
 func screenshot(t *testing.T, ctx context.Context, name string) {
 	t.Helper()
+	shoot(t, ctx, name, chromedp.FullScreenshot(100))
+}
+
+// screenshotTop saves what the window shows of the page (its top).
+func screenshotTop(t *testing.T, ctx context.Context, name string) {
+	t.Helper()
+	shoot(t, ctx, name, chromedp.CaptureScreenshot())
+}
+
+func shoot(t *testing.T, ctx context.Context, name string, capture chromedp.Action[[]byte]) {
+	t.Helper()
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()
-	png, err := chromedp.Run(ctx, chromedp.FullScreenshot(100))
+	png, err := chromedp.Run(ctx, capture)
 	if err != nil {
 		t.Fatalf("screenshot %s: %v", name, err)
 	}
