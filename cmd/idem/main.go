@@ -466,21 +466,32 @@ func migrate(ctx context.Context, e *env, args []string, force bool) error {
 	if err != nil {
 		return err
 	}
-	type row struct {
-		Version   int64      `json:"version"`
-		Source    string     `json:"source"`
-		Applied   bool       `json:"applied"`
-		AppliedAt *time.Time `json:"applied_at,omitempty"`
-	}
-	var rows []row
-	width := 0
+	var rows []migrationRow
 	for _, s := range statuses {
-		r := row{Version: s.Source.Version, Source: s.Source.Path, Applied: s.State == goose.StateApplied}
+		r := migrationRow{Version: s.Source.Version, Source: s.Source.Path, Applied: s.State == goose.StateApplied}
 		if r.Applied {
 			t := s.AppliedAt
 			r.AppliedAt = &t
 		}
 		rows = append(rows, r)
+	}
+	printMigrations(e, rows)
+	return nil
+}
+
+// migrationRow is one migration as migrate prints it.
+type migrationRow struct {
+	Version   int64      `json:"version"`
+	Source    string     `json:"source"`
+	Applied   bool       `json:"applied"`
+	AppliedAt *time.Time `json:"applied_at,omitempty"`
+}
+
+// printMigrations prints rows as JSON, or as text with the file names
+// padded to the longest.
+func printMigrations(e *env, rows []migrationRow) {
+	width := 0
+	for _, r := range rows {
 		width = max(width, len(r.Source))
 	}
 	var sb strings.Builder
@@ -492,7 +503,6 @@ func migrate(ctx context.Context, e *env, args []string, force bool) error {
 		fmt.Fprintf(&sb, "%5d  %-*s  %s\n", r.Version, width, r.Source, when)
 	}
 	e.print(rows, sb.String())
-	return nil
 }
 
 func prune(ctx context.Context, e *env, args []string, opts idem.PruneOptions) error {
