@@ -138,17 +138,7 @@ func TestRunCreatesDatabase(t *testing.T) {
 	srv := pgtest.Server(t)
 	name, _ := emptyDatabase(t)
 	name += "_new"
-	t.Cleanup(func() {
-		conn, err := pgx.Connect(context.Background(), srv.URL)
-		if err != nil {
-			t.Error(err)
-			return
-		}
-		defer conn.Close(context.Background())
-		if _, err := conn.Exec(context.Background(), "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()); err != nil {
-			t.Error(err)
-		}
-	})
+	dropAtEnd(t, srv, name)
 	if err := runOn(t.Context(), io.Discard, srv, name); err != nil {
 		t.Fatal(err)
 	}

@@ -18,11 +18,12 @@
 // from the database, and exits with status 1 if any invariant fails. The
 // database is left in place for inspection.
 //
-// The demo only ever changes a database of its own: one it created, or
-// found empty, marks with its table idem_demo, and resets (every table in
-// it dropped and created again) at the start of each run. It refuses a
-// database that holds tables it did not create, never drops a database,
-// and never ends another session. Runs on one database take turns: a run
+// The demo only ever changes a database of its own: one it created, found
+// empty, or found holding only an older demo's tables. It marks it with its
+// table idem_demo and resets it (every table in it dropped and created
+// again) at the start of each run. It refuses a database that holds tables
+// it did not create, never drops a database, and never ends another
+// session. Runs on one database take turns: a run
 // waits (and says so) while another run or serve holds it, so concurrent
 // runs on one server all pass.
 //

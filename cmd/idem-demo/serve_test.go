@@ -23,6 +23,7 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/draw"
+	"github.com/pgidem/idem/internal/pgserver"
 	"github.com/pgidem/idem/internal/pgtest"
 )
 
@@ -281,6 +282,21 @@ func (w *lineWriter) String() string {
 	return w.buf.String()
 }
 
+// dropAtEnd drops the database called name on srv when the test ends.
+func dropAtEnd(t *testing.T, srv *pgserver.Server, name string) {
+	t.Cleanup(func() {
+		conn, err := pgx.Connect(context.Background(), srv.URL)
+		if err != nil {
+			t.Error(err)
+			return
+		}
+		defer conn.Close(context.Background())
+		if _, err := conn.Exec(context.Background(), "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)"); err != nil {
+			t.Error(err)
+		}
+	})
+}
+
 // startServe runs serve with args on a fresh database of its own, listening
 // on a free loopback port, and returns its address. When the test ends
 // serve is stopped (it must return nil) and its database dropped; output
@@ -296,17 +312,7 @@ func startServeOutput(t *testing.T, args ...string) (base string, output func() 
 	var b [8]byte
 	_, _ = rand.Read(b[:])
 	name := "idemtest_serve_" + hex.EncodeToString(b[:])
-	t.Cleanup(func() {
-		conn, err := pgx.Connect(context.Background(), srv.URL)
-		if err != nil {
-			t.Error(err)
-			return
-		}
-		defer conn.Close(context.Background())
-		if _, err := conn.Exec(context.Background(), "DROP DATABASE IF EXISTS "+pgx.Identifier{name}.Sanitize()+" WITH (FORCE)"); err != nil {
-			t.Error(err)
-		}
-	})
+	dropAtEnd(t, srv, name)
 
 	cfg, err := parseServeFlags(append([]string{"-addr", "127.0.0.1:0", "-db", name}, args...), io.Discard)
 	if err != nil {

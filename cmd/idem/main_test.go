@@ -698,12 +698,8 @@ func TestCLIStatsZeroCounts(t *testing.T) {
 // Do's records, which have none; a reservation's token in both.
 func TestCLIInspectFieldsAgree(t *testing.T) {
 	ctx := t.Context()
-	url := pgtest.URL(t, idem.Migrate)
-	pool, err := pgxpool.New(ctx, url)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pool.Close()
+	pool := pgtest.Pool(t, idem.Migrate)
+	url := pool.Config().ConnString()
 	scope := idem.Scope{Actor: "alice", Operation: "draw"}
 	ok := func(context.Context, pgx.Tx) (idem.Response, error) {
 		return idem.Response{Status: 201, Body: []byte("{\"id\":1}\n")}, nil
