@@ -22,7 +22,9 @@ import (
 func ExampleReservation_CallKey() {
 	r := idem.Reservation{Scope: idem.Scope{Actor: "alice", Operation: "payment.create"}, Key: "pay-0001"}
 	fmt.Println(r.CallKey("charge"))
-	fmt.Println(r.CallKey("charge") == r.CallKey("charge"), r.CallKey("refund") != r.CallKey("charge"))
+	again := r // a later attempt: another token, the same request
+	again.Token = 7
+	fmt.Println(again.CallKey("charge") == r.CallKey("charge"), r.CallKey("refund") != r.CallKey("charge"))
 	fmt.Printf("%q\n", r.CallKey("charge\n")) // an invalid step: idem's clients refuse the empty key
 
 	// Output:

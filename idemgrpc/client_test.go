@@ -214,7 +214,10 @@ func TestClientInterceptorRetriesByCode(t *testing.T) {
 	var runs atomic.Int64
 	lost := &seenKeys{}
 	conn = clientServer(t, idem.RetryPolicy{MaxAttempts: 3, BaseDelay: time.Millisecond, MaxDelay: time.Millisecond},
-		func(context.Context, *dynamicpb.Message) (proto.Message, error) { runs.Add(1); return reply(1, "x"), nil },
+		func(context.Context, *dynamicpb.Message) (proto.Message, error) {
+			runs.Add(1)
+			return reply(1, "x"), nil
+		},
 		func(l *cutter) []grpc.UnaryServerInterceptor {
 			return []grpc.UnaryServerInterceptor{lost.record(l, func(int) bool { return true })}
 		})

@@ -131,6 +131,7 @@ type attempts struct {
 	body    io.ReadCloser                 // the first attempt's body
 	getBody func() (io.ReadCloser, error) // the next attempts' bodies
 	length  int64                         // the body's length, when it was buffered
+	closed  bool                          // the request's body, once buffered
 	sent    int
 }
 
@@ -172,6 +173,7 @@ func (b *attempts) prepare(p idem.RetryPolicy) (callretry.Policy, string, error)
 		return policy.Once(), key, nil
 	}
 	b.closeBody()
+	b.closed = true
 	b.body = io.NopCloser(bytes.NewReader(buf))
 	b.getBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(buf)), nil }
 	b.length = int64(len(buf))
@@ -180,7 +182,7 @@ func (b *attempts) prepare(p idem.RetryPolicy) (callretry.Policy, string, error)
 
 // closeBody closes the request's body, as a RoundTripper must.
 func (b *attempts) closeBody() {
-	if b.req.Body != nil {
+	if b.req.Body != nil && !b.closed {
 		_ = b.req.Body.Close()
 	}
 }
@@ -204,6 +206,9 @@ func (b *attempts) send() (*http.Response, error) {
 	r := b.req.Clone(b.req.Context())
 	r.Body, r.GetBody, r.ContentLength = body, b.getBody, b.length
 	if b.header != "" {
+		if r.Header == nil {
+			r.Header = http.Header{}
+		}
 		r.Header.Set(HeaderKey, b.header)
 	}
 	resp, err := b.base.RoundTrip(r)

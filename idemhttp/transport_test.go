@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -39,7 +40,7 @@ func migrateOrders(ctx context.Context, pool *pgxpool.Pool) error {
 
 // ordersServer serves POST /orders behind idemhttp's Middleware on a fresh
 // database: each execution writes one order in the request's transaction.
-func ordersServer(t *testing.T) (url string, pool *pgxpool.Pool) {
+func ordersServer(t *testing.T) (base string, pool *pgxpool.Pool) {
 	t.Helper()
 	pool = pgtest.Pool(t, migrateOrders)
 	mw := idemhttp.Middleware(pool, idemhttp.Options{Actor: func(*http.Request) (string, error) { return "alice", nil }})
@@ -84,7 +85,7 @@ func keysByOp(relay *httprelay.Relay) (keys map[string]map[string]bool, attempts
 func TestTransportHealsLostReplies(t *testing.T) {
 	t.Parallel()
 	ctx := t.Context()
-	url, pool := ordersServer(t)
+	base, pool := ordersServer(t)
 	faults := map[string][]httprelay.Action{ // by attempt; then forward
 		"none":       nil,
 		"drop":       {{Fault: httprelay.DropReply}},
@@ -93,7 +94,7 @@ func TestTransportHealsLostReplies(t *testing.T) {
 		"close-drop": {{Fault: httprelay.CloseBefore}, {Fault: httprelay.DropReply}},
 		"delay":      {{Delay: 4 * time.Second}}, // longer than the client's ResponseHeaderTimeout
 	}
-	relay := httprelay.New(t, url, func(r *http.Request, attempt int) httprelay.Action {
+	relay := httprelay.New(t, base, func(r *http.Request, attempt int) httprelay.Action {
 		if f := faults[strings.SplitN(r.Header.Get("X-Op"), "/", 2)[0]]; attempt <= len(f) {
 			return f[attempt-1]
 		}
@@ -253,10 +254,10 @@ func status(code int, after string) func(w http.ResponseWriter) {
 	}
 }
 
-// post sends a POST with body to url through client.
-func post(t *testing.T, ctx context.Context, client *http.Client, url, body string) (*http.Response, error) {
+// post sends a POST with body to target through client.
+func post(t *testing.T, ctx context.Context, client *http.Client, target, body string) (*http.Response, error) {
 	t.Helper()
-	req, err := http.NewRequestWithContext(ctx, "POST", url, strings.NewReader(body))
+	req, err := http.NewRequestWithContext(ctx, "POST", target, strings.NewReader(body))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -613,10 +614,29 @@ func TestTransportKeys(t *testing.T) {
 		t.Errorf("retried: %d after %d attempts, %d bodies closed (2 by the transport, 1 by the test)",
 			resp.StatusCode, len(s.attempts("retried")), counter.closed.Load()-closedBefore)
 	}
+	// A request built by hand, without a header map, gets one on its clone.
+	bare := &http.Request{Method: "POST", URL: mustURL(t, s.URL+"/bare")}
+	resp, err := tr.RoundTrip(bare.WithContext(ctx))
+	if err != nil || resp.StatusCode != 200 || bare.Header != nil {
+		t.Fatalf("no header map: %v", err)
+	}
+	_ = resp.Body.Close()
+	if got := s.attempts("bare"); len(got) != 1 || idem.ValidateKey(got[0].key) != nil {
+		t.Errorf("no header map: %+v", got)
+	}
 	// A method that is not idempotent, without a key, is sent once.
 	if resp, _ := send(ctx, "CHARGE", "/custom", nil); resp.StatusCode != 500 || len(s.attempts("custom")) != 1 {
 		t.Errorf("CHARGE without a key: %d after %d attempts", resp.StatusCode, len(s.attempts("custom")))
 	}
+}
+
+func mustURL(t *testing.T, raw string) *url.URL {
+	t.Helper()
+	u, err := url.Parse(raw)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return u
 }
 
 func TestReplayed(t *testing.T) {
