@@ -49,6 +49,7 @@ var scenarios = []scenario{
 	{"insufficient points", (*demo).insufficientPoints, 4, 3},
 	// Payments through a card gateway (payments.go): the draws stay as they are.
 	{"payment, then its retry", (*demo).paymentRetried, 4, 3},
+	{"gateway's answer lost, the client retries", (*demo).paymentReplyLost, 4, 3},
 	{"gateway times out after charging", (*demo).paymentTimedOut, 4, 3},
 	{"operator resolves the unknown payment", (*demo).paymentResolved, 4, 3},
 	{"worker paused past its lease", (*demo).paymentStaleWorker, 4, 3},
