@@ -22,12 +22,12 @@ var auditCommand = command{
 		"filters match exactly; an empty one matches every row.",
 	flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 		var f audit.ListFilter
-		fs.IntVar(&f.Limit, "limit", 100, "list at most this many rows")
-		fs.StringVar(&f.Operator, "operator", "", "only the rows of this operator")
-		fs.StringVar(&f.Action, "action", "", "only this action: resolve, forget, expire_leases or prune")
-		fs.StringVar(&f.Scope.Actor, "actor", "", "only the rows about this actor's keys")
-		fs.StringVar(&f.Scope.Operation, "operation", "", "only the rows about this operation's keys")
-		fs.StringVar(&f.Key, "key", "", "only the rows about this key")
+		fs.IntVar(&f.Limit, "limit", 100, "list at most `N` rows")
+		fs.StringVar(&f.Operator, "operator", "", "only the rows of the operator `NAME`")
+		fs.StringVar(&f.Action, "action", "", "only the `action` resolve, forget, expire_leases or prune")
+		fs.StringVar(&f.Scope.Actor, "actor", "", "only the rows about the keys of the `actor`")
+		fs.StringVar(&f.Scope.Operation, "operation", "", "only the rows about the keys of the `operation`")
+		fs.StringVar(&f.Key, "key", "", "only the rows about the `key`")
 		return func(ctx context.Context, e *env, args []string) error { return auditList(ctx, e, args, f) }
 	},
 }
@@ -36,7 +36,7 @@ var auditCommand = command{
 // record and write the audit trail: its default is the name of the user
 // running the command.
 func operatorFlag(fs *flag.FlagSet, p *string) {
-	fs.StringVar(p, "operator", osUser(), "who acts, for the audit trail")
+	fs.StringVar(p, "operator", osUser(), "the operator `NAME` recorded in the audit trail")
 }
 
 // osUser is the name of the user running the command ("" when unknown).

@@ -36,8 +36,8 @@ var uiCommand = command{
 		"address, or behind TLS: basic authentication sends the password with every request.",
 	flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 		var o uiFlags
-		fs.StringVar(&o.listen, "listen", "127.0.0.1:8081", "the address to listen on")
-		fs.StringVar(&o.prefix, "prefix", "", "serve the console under this path (such as /idem) instead of /")
+		fs.StringVar(&o.listen, "listen", "127.0.0.1:8081", "listen on the address `ADDR`")
+		fs.StringVar(&o.prefix, "prefix", "", "serve the console under the `path` (such as /idem) instead of /")
 		fs.BoolVar(&o.readOnly, "read-only", false, "show records, change nothing")
 		operatorFlag(fs, &o.operator)
 		return func(ctx context.Context, e *env, args []string) error { return serveUI(ctx, e, args, o) }
