@@ -1,7 +1,6 @@
 package idemui
 
 import (
-	"context"
 	"net/http"
 	"time"
 
@@ -93,23 +92,7 @@ func (q *request) unknownAPI() {
 }
 
 func (q *request) expireCountAPI() {
-	in, err := filterFrom(q.r.URL.Query())
-	if err != nil {
-		q.fail(err)
-		return
-	}
-	f, err := in.filter()
-	if err != nil {
-		q.fail(err)
-		return
-	}
-	var n int64
-	var cutoff time.Time
-	err = audit.Read(q.r.Context(), q.c.opts.DB, func(ctx context.Context, db audit.Planned) error {
-		var err error
-		n, cutoff, err = audit.ExpirableCount(ctx, db, f)
-		return err
-	})
+	_, n, cutoff, err := q.expirable()
 	if err != nil {
 		q.fail(err)
 		return

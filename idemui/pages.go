@@ -238,27 +238,30 @@ type expireView struct {
 	BackURL  string
 }
 
-func (q *request) expireConfirmPage() {
-	in, err := filterFrom(q.r.URL.Query())
-	if err != nil {
-		q.fail(err)
-		return
+// expirable counts the reservations whose lease ran out that the query's
+// filter matches, with the database time of the count.
+func (q *request) expirable() (in filterInput, n int64, cutoff time.Time, err error) {
+	if in, err = filterFrom(q.r.URL.Query()); err != nil {
+		return in, 0, time.Time{}, err
 	}
 	f, err := in.filter()
 	if err != nil {
-		q.fail(err)
-		return
+		return in, 0, time.Time{}, err
 	}
-	var v expireView
 	err = audit.Read(q.r.Context(), q.c.opts.DB, func(ctx context.Context, db audit.Planned) error {
-		var err error
-		v.Leases, v.Cutoff, err = audit.ExpirableCount(ctx, db, f)
+		n, cutoff, err = audit.ExpirableCount(ctx, db, f)
 		return err
 	})
+	return in, n, cutoff, err
+}
+
+func (q *request) expireConfirmPage() {
+	in, n, cutoff, err := q.expirable()
 	if err != nil {
 		q.fail(err)
 		return
 	}
+	v := expireView{Leases: n, Cutoff: cutoff}
 	v.Filter, v.CutoffIn, v.BackURL = in, v.Cutoff.UTC().Format(time.RFC3339Nano), q.url("/unknown", in.query())
 	q.page(http.StatusOK, "expire", "Expire leases", "unknown", v, nil)
 }

@@ -34,9 +34,10 @@ func rows(t *testing.T, pool *pgxpool.Pool) string {
 	return s
 }
 
-// An operator name the trail cannot hold is refused before anything runs.
-func TestOperatorChecked(t *testing.T) {
-	t.Parallel()
+// unknownRecord returns a pool on a fresh database that holds one unknown
+// outcome, of (scope, "k"), and its reservation.
+func unknownRecord(t *testing.T) (*pgxpool.Pool, idem.Reservation) {
+	t.Helper()
 	ctx := context.Background()
 	pool := pgtest.Pool(t, idem.Migrate)
 	r, err := idem.Reserve(ctx, pool, scope, "k", fp, time.Hour)
@@ -46,6 +47,14 @@ func TestOperatorChecked(t *testing.T) {
 	if err := idem.MarkUnknown(ctx, pool, r, "timeout"); err != nil {
 		t.Fatal(err)
 	}
+	return pool, r
+}
+
+// An operator name the trail cannot hold is refused before anything runs.
+func TestOperatorChecked(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, r := unknownRecord(t)
 	before := rows(t, pool)
 	for _, op := range []string{"", "a\x00b", "\xff", strings.Repeat("o", audit.MaxOperatorLength+1)} {
 		_, err := audit.Resolve(ctx, pool, nil, op, scope, "k", idem.Resolution{Token: r.Token, Retryable: true})
@@ -69,14 +78,7 @@ func TestOperatorChecked(t *testing.T) {
 func TestInTheCallersTransaction(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	pool := pgtest.Pool(t, idem.Migrate)
-	r, err := idem.Reserve(ctx, pool, scope, "k", fp, time.Hour)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := idem.MarkUnknown(ctx, pool, r, "timeout"); err != nil {
-		t.Fatal(err)
-	}
+	pool, r := unknownRecord(t)
 	before := rows(t, pool)
 	for _, commit := range []bool{false, true} {
 		tx, err := pool.Begin(ctx)
