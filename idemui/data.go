@@ -34,7 +34,7 @@ const (
 	countCap = 1000
 	// samplePages is about how many pages of idem_keys the overview's
 	// sample reads.
-	samplePages = 1000
+	samplePages = 500
 	// pageSize is the rows of a list page.
 	pageSize = 50
 )

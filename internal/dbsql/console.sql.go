@@ -497,10 +497,10 @@ SELECT status,
        (CASE WHEN status <> 'processing'
                   AND coalesce(completed_at, created_at) > now() - interval '24 hours'
                   AND coalesce(completed_at, created_at) <= now()
-             THEN floor(extract(epoch FROM now() - coalesce(completed_at, created_at)) / 3600)
+             THEN floor(date_part('epoch', now() - coalesce(completed_at, created_at)) / 3600)
              ELSE -1 END)::integer AS hours_ago,
        count(*)::bigint AS keys
-FROM idem_keys TABLESAMPLE SYSTEM ($1::float8)
+FROM idem_keys TABLESAMPLE SYSTEM ($1::float8) REPEATABLE (0)
 GROUP BY 1, 2
 `
 
@@ -511,7 +511,9 @@ type ConsoleSampleRow struct {
 }
 
 // Counts the rows of a sample of idem_keys (SYSTEM: whole pages, each with
-// probability @percent / 100) by status and by the hour, counted back from
+// probability @percent / 100; REPEATABLE: the same pages each time while the
+// table keeps them, so that the page stays in the cache and the counts do not
+// jump between two views) by status and by the hour, counted back from
 // now, of their outcome (completed_at; created_at for an unknown outcome,
 // which records no time of its own): hours_ago 0 to 23, or -1 for older
 // ones and records in flight.
