@@ -6,6 +6,7 @@ import (
 	"encoding/base64"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"math"
 	"mime"
@@ -14,6 +15,7 @@ import (
 	"time"
 	"unicode/utf8"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgtype"
 
 	"github.com/pgidem/idem"
@@ -74,7 +76,7 @@ type overview struct {
 func readOverview(ctx context.Context, db idem.Beginner) (overview, error) {
 	var o overview
 	err := audit.Read(ctx, db, func(ctx context.Context, q audit.Planned) error {
-		size, err := queries.ConsoleTableSize(ctx, q)
+		size, err := tableSize(ctx, q)
 		if err != nil {
 			return err
 		}
@@ -133,6 +135,35 @@ func readOverview(ctx context.Context, db idem.Beginner) (overview, error) {
 		return nil
 	})
 	return o, err
+}
+
+// Citus keeps the rows of a distributed idem_keys in its shards; the
+// coordinator's table is an empty shell. sqlHasCitus says whether the
+// extension is there; sqlCitusSize then reads the sizes over the shards, and
+// no row when idem_keys is not Citus's.
+const (
+	sqlHasCitus  = "SELECT EXISTS (SELECT FROM pg_extension WHERE extname = 'citus')"
+	sqlCitusSize = `SELECT citus_table_size('idem_keys')::bigint,
+		(citus_total_relation_size('idem_keys') - citus_table_size('idem_keys'))::bigint,
+		(citus_relation_size('idem_keys') / current_setting('block_size')::bigint)::bigint
+		WHERE EXISTS (SELECT FROM citus_tables WHERE table_name = 'idem_keys'::regclass)`
+)
+
+// tableSize reads the size of idem_keys, over its shards when Citus
+// distributes it (so that the sample reads a part of the rows there too).
+func tableSize(ctx context.Context, q audit.Planned) (store.ConsoleTableSizeRow, error) {
+	var size store.ConsoleTableSizeRow
+	var citus bool
+	if err := q.QueryRow(ctx, sqlHasCitus).Scan(&citus); err != nil {
+		return size, err
+	}
+	if citus {
+		err := q.QueryRow(ctx, sqlCitusSize).Scan(&size.TableBytes, &size.IndexBytes, &size.Pages)
+		if !errors.Is(err, pgx.ErrNoRows) {
+			return size, err
+		}
+	}
+	return queries.ConsoleTableSize(ctx, q)
 }
 
 func timePtr(t pgtype.Timestamptz) *time.Time {
