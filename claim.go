@@ -89,8 +89,7 @@ func newRowKey(scope Scope, key string) rowKey {
 // statements reach: lock_timeout is set to Config.Wait before the claim and
 // back to its default after it: the server's, role's, database's or
 // startup parameters' value. A session-level SET or an earlier SET LOCAL of
-// the caller's is not known there and not restored (README: Scaling out
-// with Citus).
+// the caller's is not known there and not restored (docs/citus.md).
 func (c *Client) queueClaim(b *pgx.Batch, k rowKey, fp []byte, takeOver, citus bool) {
 	ctx, q := context.Background(), queuer{b}
 	switch {

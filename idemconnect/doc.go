@@ -17,8 +17,8 @@
 // AIP-155's request_id: Options.KeyField). The first call runs the handler
 // in a transaction; its reply, or its refusal, commits with the key. A retry
 // gets the same reply with Idempotent-Replayed: true and the handler does
-// not run. See NewInterceptor for the whole contract, and the README section
-// "gRPC and Connect".
+// not run. See NewInterceptor for the whole contract, and docs/rpc.md in the
+// repository.
 //
 // Services on database/sql (pgx's stdlib driver, lib/pq, or an ORM over
 // them) use NewInterceptorSQL on a *sql.DB instead: the same calls,

@@ -18,8 +18,8 @@
 // first call runs the handler in a transaction; its reply, or its refusal,
 // commits with the key. A retry gets the same reply (the same message bytes,
 // with the metadata idempotent-replayed: true) and the handler does not run.
-// See UnaryServerInterceptor for the whole contract, and the module's README
-// section "gRPC and Connect".
+// See UnaryServerInterceptor for the whole contract, and docs/rpc.md in the
+// repository.
 //
 // Services on database/sql (pgx's stdlib driver, lib/pq, or an ORM over
 // them) use UnaryServerInterceptorSQL on a *sql.DB instead: the same calls,
