@@ -65,10 +65,15 @@ const TrailerPrefix = "trailer~"
 const ReplyType = "reply~type"
 
 // Entries splits stored, the Header of a stored outcome, into the headers
-// and the trailers to send again (names as stored, lower case) and the
-// reply's type ("" for none).
+// and the trailers to send again (names as stored, lower case; nil for
+// none) and the reply's type ("" for none).
 func Entries(stored map[string][]string) (header, trailer map[string][]string, replyType string) {
-	header, trailer = map[string][]string{}, map[string][]string{}
+	add := func(m *map[string][]string, name string, values []string) {
+		if *m == nil {
+			*m = make(map[string][]string, len(stored))
+		}
+		(*m)[name] = values
+	}
 	for name, values := range stored {
 		switch n, isTrailer := strings.CutPrefix(name, TrailerPrefix); {
 		case name == ReplyType:
@@ -76,9 +81,9 @@ func Entries(stored map[string][]string) (header, trailer map[string][]string, r
 				replyType = values[0]
 			}
 		case isTrailer:
-			trailer[n] = values
+			add(&trailer, n, values)
 		default:
-			header[name] = values
+			add(&header, name, values)
 		}
 	}
 	return header, trailer, replyType
