@@ -88,15 +88,8 @@ func serve(t testing.TB, db rpctest.DB, o rpctest.Options, outer []connect.Inter
 	if procedure == "" {
 		procedure = rpctest.Transfer
 	}
-	opts := []connect.HandlerOption{
-		connect.WithRequestInitializer(func(_ connect.Spec, msg any) error {
-			if m, ok := msg.(*dynamicpb.Message); ok {
-				*m = *dynamicpb.NewMessage(rpctest.RequestDesc)
-			}
-			return nil
-		}),
-		connect.WithInterceptors(append(outer, interceptor(db, o))...),
-	}
+	opts := []connect.HandlerOption{connect.WithRequestInitializer(initRequest),
+		connect.WithInterceptors(append(outer, interceptor(db, o))...)}
 	if procedure == rpctest.Transfer {
 		opts = append(opts, connect.WithSchema(rpctest.Method))
 	}
@@ -107,6 +100,14 @@ func serve(t testing.TB, db rpctest.DB, o rpctest.Options, outer []connect.Inter
 	srv.StartTLS()
 	t.Cleanup(srv.Close)
 	return &server{url: srv.URL + procedure, hc: srv.Client()}
+}
+
+// initRequest makes the handler's request a dynamicpb TransferRequest.
+func initRequest(_ connect.Spec, msg any) error {
+	if m, ok := msg.(*dynamicpb.Message); ok {
+		*m = *dynamicpb.NewMessage(rpctest.RequestDesc)
+	}
+	return nil
 }
 
 // handler is h as a connect-go unary handler.
