@@ -12,10 +12,7 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
-	"google.golang.org/genproto/googleapis/rpc/errdetails"
-	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/dynamicpb"
-	"google.golang.org/protobuf/types/known/durationpb"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemconnect"
@@ -101,53 +98,22 @@ func TestClientInterceptorHealsDroppedReply(t *testing.T) {
 // request sent again after the call is a new call with a new key.
 func TestClientInterceptorRetriesByCode(t *testing.T) {
 	t.Parallel()
-	fail := func(code connect.Code, msg string, details ...proto.Message) *rpctest.Outcome {
-		out := rpctest.Fail(uint32(code), msg, details...)
-		return &out
-	}
-	aborted := fail(connect.CodeAborted, "a call with this key is in progress", &errdetails.RetryInfo{RetryDelay: durationpb.New(time.Millisecond)})
-	scripts := map[string][]*rpctest.Outcome{
-		"unavailable":         {fail(connect.CodeUnavailable, "store down"), nil},
-		"aborted":             {aborted, aborted, nil},
-		"failed-precondition": {fail(connect.CodeFailedPrecondition, "key reused"), nil},
-		"invalid-argument":    {fail(connect.CodeInvalidArgument, "bad key"), nil},
-		"not-found":           {fail(connect.CodeNotFound, "no"), nil},
-		"aborted-forever":     {aborted},
-		"ok":                  {nil},
-	}
+	cases := rpctest.RetryCases(quickPolicy.MaxAttempts)
 	var mu sync.Mutex
 	attempts := map[string][]string{} // keys, by note
-	url := plainServer(t, func(ctx context.Context, _ rpctest.Tx, req *dynamicpb.Message) rpctest.Outcome {
-		note := rpctest.Note(req)
+	url := plainServer(t, rpctest.Scripted(cases, func(ctx context.Context, note string) {
 		info, _ := connect.CallInfoForHandlerContext(ctx)
 		mu.Lock()
-		n := len(attempts[note])
+		defer mu.Unlock()
 		attempts[note] = append(attempts[note], info.RequestHeader().Get(idemconnect.HeaderKey))
-		mu.Unlock()
-		script := scripts[note]
-		if out := script[min(n, len(script)-1)]; out != nil {
-			return *out
-		}
-		return rpctest.Outcome{Reply: rpctest.Reply(1, note)}
-	})
-	for note, want := range map[string]struct {
-		attempts int
-		code     connect.Code
-	}{
-		"unavailable": {2, 0}, "aborted": {3, 0}, "failed-precondition": {1, connect.CodeFailedPrecondition},
-		"invalid-argument": {1, connect.CodeInvalidArgument}, "not-found": {1, connect.CodeNotFound},
-		"aborted-forever": {quickPolicy.MaxAttempts, connect.CodeAborted}, "ok": {1, 0},
-	} {
+	}))
+	for note, want := range cases {
 		a := call(t.Context(), url, http.DefaultClient, "alice", nil, rpctest.Request(note, 1), withRetries(quickPolicy))
 		mu.Lock()
 		keys := attempts[note]
 		mu.Unlock()
-		code := connect.Code(0)
-		if a.Err != nil {
-			code = connect.CodeOf(a.Err)
-		}
-		if len(keys) != want.attempts || code != want.code || errors.Is(a.Err, idem.ErrOutcomeUnknown) {
-			t.Errorf("%s: %d attempts, %v; want %d, %v", note, len(keys), a.Err, want.attempts, want.code)
+		if len(keys) != want.Attempts || a.Code() != want.Code || errors.Is(a.Err, idem.ErrOutcomeUnknown) {
+			t.Errorf("%s: %d attempts, %v; want %d, %v", note, len(keys), a.Err, want.Attempts, connect.Code(want.Code))
 		}
 		for _, k := range keys {
 			if k != keys[0] || k == "" {

@@ -10,15 +10,12 @@ import (
 	"testing"
 	"time"
 
-	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/dynamicpb"
-	"google.golang.org/protobuf/types/known/durationpb"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemgrpc"
@@ -167,51 +164,24 @@ func TestClientInterceptorHealsDroppedReply(t *testing.T) {
 // that never got an answer gives up with idem.ErrOutcomeUnknown.
 func TestClientInterceptorRetriesByCode(t *testing.T) {
 	t.Parallel()
-	fail := func(code codes.Code, msg string, details ...proto.Message) *rpctest.Outcome {
-		out := rpctest.Fail(uint32(code), msg, details...)
-		return &out
-	}
-	aborted := fail(codes.Aborted, "a call with this key is in progress", &errdetails.RetryInfo{RetryDelay: durationpb.New(time.Millisecond)})
-	scripts := map[string][]*rpctest.Outcome{
-		"unavailable":         {fail(codes.Unavailable, "store down"), nil},
-		"aborted":             {aborted, aborted, nil},
-		"failed-precondition": {fail(codes.FailedPrecondition, "key reused"), nil},
-		"invalid-argument":    {fail(codes.InvalidArgument, "bad key"), nil},
-		"not-found":           {fail(codes.NotFound, "no"), nil},
-		"aborted-forever":     {aborted},
-		"ok":                  {nil},
-	}
+	cases := rpctest.RetryCases(quickPolicy.MaxAttempts)
 	var mu sync.Mutex
 	attempts := map[string]int{}
 	seen := &seenKeys{}
-	conn := clientServer(t, quickPolicy, func(ctx context.Context, _ rpctest.Tx, req *dynamicpb.Message) rpctest.Outcome {
-		note := rpctest.Note(req)
+	conn := clientServer(t, quickPolicy, rpctest.Scripted(cases, func(_ context.Context, note string) {
 		mu.Lock()
-		n := attempts[note]
+		defer mu.Unlock()
 		attempts[note]++
-		mu.Unlock()
-		script := scripts[note]
-		if out := script[min(n, len(script)-1)]; out != nil {
-			return *out
-		}
-		return rpctest.Outcome{Reply: rpctest.Reply(1, note)}
-	}, func(l *cutter) []grpc.UnaryServerInterceptor {
+	}), func(l *cutter) []grpc.UnaryServerInterceptor {
 		return []grpc.UnaryServerInterceptor{seen.record(l, func(int) bool { return false })}
 	})
-	for note, want := range map[string]struct {
-		attempts int
-		code     codes.Code
-	}{
-		"unavailable": {2, codes.OK}, "aborted": {3, codes.OK}, "failed-precondition": {1, codes.FailedPrecondition},
-		"invalid-argument": {1, codes.InvalidArgument}, "not-found": {1, codes.NotFound},
-		"aborted-forever": {quickPolicy.MaxAttempts, codes.Aborted}, "ok": {1, codes.OK},
-	} {
+	for note, want := range cases {
 		a := conn.Call(t.Context(), "alice", nil, rpctest.Request(note, 1))
 		mu.Lock()
 		n := attempts[note]
 		mu.Unlock()
-		if n != want.attempts || status.Code(a.Err) != want.code || errors.Is(a.Err, idem.ErrOutcomeUnknown) {
-			t.Errorf("%s: %d attempts, %v; want %d, %s", note, n, a.Err, want.attempts, want.code)
+		if n != want.Attempts || a.Code() != want.Code || errors.Is(a.Err, idem.ErrOutcomeUnknown) {
+			t.Errorf("%s: %d attempts, %v; want %d, %s", note, n, a.Err, want.Attempts, codes.Code(want.Code))
 		}
 	}
 
