@@ -12,14 +12,13 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
-	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/protobuf/types/dynamicpb"
-	"google.golang.org/protobuf/types/known/durationpb"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemconnect"
 	"github.com/pgidem/idem/internal/httprelay"
 	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/rpcproto/rpctest"
 )
 
 // quickPolicy retries quickly, so that the tests do not wait.
@@ -27,15 +26,21 @@ var quickPolicy = idem.RetryPolicy{MaxAttempts: 4, BaseDelay: time.Millisecond, 
 
 // plainServer mounts h behind interceptors on an HTTP/1.1 server on
 // 127.0.0.1, which httprelay can stand in front of, and returns its URL.
-func plainServer(t *testing.T, h ledgerHandler, interceptors ...connect.Interceptor) string {
+func plainServer(t *testing.T, h rpctest.Handler, interceptors ...connect.Interceptor) string {
 	t.Helper()
 	mux := http.NewServeMux()
-	mux.Handle(transferProcedure, connect.NewUnaryHandler(transferProcedure, h,
-		connect.WithSchema(transferMethod), connect.WithRequestInitializer(initRequest),
+	mux.Handle(rpctest.Transfer, connect.NewUnaryHandler(rpctest.Transfer, handler(h),
+		connect.WithSchema(rpctest.Method), connect.WithRequestInitializer(initRequest),
 		connect.WithInterceptors(interceptors...)))
 	srv := httptest.NewServer(mux)
 	t.Cleanup(srv.Close)
 	return srv.URL
+}
+
+// call calls Transfer at url (a server's root) with hc, as server.call.
+func call(ctx context.Context, url string, hc *http.Client, user string, keys []string, req *dynamicpb.Message,
+	options ...connect.ClientOption) rpctest.Answer {
+	return (&server{url: url + rpctest.Transfer, hc: hc}).call(ctx, user, keys, req, options...)
 }
 
 // withRetries is the client option of the interceptor under test.
@@ -48,9 +53,9 @@ func withRetries(p idem.RetryPolicy) connect.ClientOption {
 // was minted, from the context or the request's own.
 func TestClientInterceptorHealsDroppedReply(t *testing.T) {
 	t.Parallel()
-	pool := pgtest.Pool(t, migrate)
+	pool := pgtest.Pool(t, rpctest.Migrate)
 	var runs atomic.Int64
-	url := plainServer(t, insertHandler(&runs), idemconnect.NewInterceptor(pool, idemconnect.Options{Scope: scopeFromHeader}))
+	url := plainServer(t, rpctest.Insert(&runs), idemconnect.NewInterceptor(pool, idemconnect.Options{Scope: scopeFromHeader}))
 	relay := httprelay.New(t, url, func(_ *http.Request, attempt int) httprelay.Action {
 		if attempt == 1 {
 			return httprelay.Action{Fault: httprelay.DropReply}
@@ -67,13 +72,13 @@ func TestClientInterceptorHealsDroppedReply(t *testing.T) {
 	}{
 		{"minted", ctx, nil},
 		{"context", idem.WithCallKey(ctx, "ctx-"+idem.NewCallKey()), nil},
-		{"own", ctx, key(own)},
+		{"own", ctx, []string{own}},
 	} {
 		before := len(relay.Keys())
-		a := call(c.ctx, relay.URL, hc, "alice", c.keys, request(c.name, int64(i)), withRetries(quickPolicy))
+		a := call(c.ctx, relay.URL, hc, "alice", c.keys, rpctest.Request(c.name, int64(i)), withRetries(quickPolicy))
 		keys := relay.Keys()[before:]
-		if a.err != nil || !a.replayed() || a.decode(t).Description != c.name {
-			t.Fatalf("%s: %v, replayed %t", c.name, a.err, a.replayed())
+		if a.Err != nil || !a.Replayed() || a.Decode(t).Description != c.name {
+			t.Fatalf("%s: %v, replayed %t", c.name, a.Err, a.Replayed())
 		}
 		if len(keys) != 2 || keys[0] != keys[1] || keys[0] == "" || (c.keys != nil && keys[0] != own) {
 			t.Errorf("%s: keys %q", c.name, keys)
@@ -82,8 +87,8 @@ func TestClientInterceptorHealsDroppedReply(t *testing.T) {
 			t.Errorf("%s: sent %q, not the context's %q", c.name, keys[0], ck)
 		}
 	}
-	if runs.Load() != 3 || countRows(t, pool) != 3 {
-		t.Fatalf("%d runs, %d rows for 3 calls", runs.Load(), countRows(t, pool))
+	if runs.Load() != 3 || transfers(t, pool) != 3 {
+		t.Fatalf("%d runs, %d rows for 3 calls", runs.Load(), transfers(t, pool))
 	}
 }
 
@@ -93,51 +98,22 @@ func TestClientInterceptorHealsDroppedReply(t *testing.T) {
 // request sent again after the call is a new call with a new key.
 func TestClientInterceptorRetriesByCode(t *testing.T) {
 	t.Parallel()
-	aborted := connect.NewError(connect.CodeAborted, errors.New("a call with this key is in progress"))
-	if d, err := connect.NewErrorDetail(&errdetails.RetryInfo{RetryDelay: durationpb.New(time.Millisecond)}); err == nil {
-		aborted.AddDetail(d)
-	}
-	scripts := map[string][]error{
-		"unavailable":         {connect.NewError(connect.CodeUnavailable, errors.New("store down")), nil},
-		"aborted":             {aborted, aborted, nil},
-		"failed-precondition": {connect.NewError(connect.CodeFailedPrecondition, errors.New("key reused")), nil},
-		"invalid-argument":    {connect.NewError(connect.CodeInvalidArgument, errors.New("bad key")), nil},
-		"not-found":           {connect.NewError(connect.CodeNotFound, errors.New("no")), nil},
-		"aborted-forever":     {aborted},
-		"ok":                  {nil},
-	}
+	cases := rpctest.RetryCases(quickPolicy.MaxAttempts)
 	var mu sync.Mutex
 	attempts := map[string][]string{} // keys, by note
-	url := plainServer(t, func(_ context.Context, req *connect.Request[dynamicpb.Message]) (*connect.Response[errdetails.ResourceInfo], error) {
-		note := getString(req.Msg, "note")
+	url := plainServer(t, rpctest.Scripted(cases, func(ctx context.Context, note string) {
+		info, _ := connect.CallInfoForHandlerContext(ctx)
 		mu.Lock()
-		n := len(attempts[note])
-		attempts[note] = append(attempts[note], req.Header().Get(idemconnect.HeaderKey))
-		mu.Unlock()
-		script := scripts[note]
-		if err := script[min(n, len(script)-1)]; err != nil {
-			return nil, err
-		}
-		return connect.NewResponse(reply(1, note)), nil
-	})
-	for note, want := range map[string]struct {
-		attempts int
-		code     connect.Code
-	}{
-		"unavailable": {2, 0}, "aborted": {3, 0}, "failed-precondition": {1, connect.CodeFailedPrecondition},
-		"invalid-argument": {1, connect.CodeInvalidArgument}, "not-found": {1, connect.CodeNotFound},
-		"aborted-forever": {quickPolicy.MaxAttempts, connect.CodeAborted}, "ok": {1, 0},
-	} {
-		a := call(t.Context(), url, http.DefaultClient, "alice", nil, request(note, 1), withRetries(quickPolicy))
+		defer mu.Unlock()
+		attempts[note] = append(attempts[note], info.RequestHeader().Get(idemconnect.HeaderKey))
+	}))
+	for note, want := range cases {
+		a := call(t.Context(), url, http.DefaultClient, "alice", nil, rpctest.Request(note, 1), withRetries(quickPolicy))
 		mu.Lock()
 		keys := attempts[note]
 		mu.Unlock()
-		code := connect.Code(0)
-		if a.err != nil {
-			code = connect.CodeOf(a.err)
-		}
-		if len(keys) != want.attempts || code != want.code || errors.Is(a.err, idem.ErrOutcomeUnknown) {
-			t.Errorf("%s: %d attempts, %v; want %d, %v", note, len(keys), a.err, want.attempts, want.code)
+		if len(keys) != want.Attempts || a.Code() != want.Code || errors.Is(a.Err, idem.ErrOutcomeUnknown) {
+			t.Errorf("%s: %d attempts, %v; want %d, %v", note, len(keys), a.Err, want.Attempts, connect.Code(want.Code))
 		}
 		for _, k := range keys {
 			if k != keys[0] || k == "" {
@@ -149,9 +125,9 @@ func TestClientInterceptorRetriesByCode(t *testing.T) {
 	// Every reply is lost: the call may have happened.
 	relay := httprelay.New(t, url, func(*http.Request, int) httprelay.Action { return httprelay.Action{Fault: httprelay.DropReply} })
 	hc := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
-	client := connect.NewClient[dynamicpb.Message, rawReply](hc, relay.URL+transferProcedure, connect.WithCodec(rawCodec{}),
+	client := connect.NewClient[dynamicpb.Message, rawReply](hc, relay.URL+rpctest.Transfer, connect.WithCodec(rawCodec{}),
 		withRetries(idem.RetryPolicy{MaxAttempts: 3, BaseDelay: time.Millisecond, MaxDelay: time.Millisecond}))
-	req := connect.NewRequest(request("ok", 1))
+	req := connect.NewRequest(rpctest.Request("ok", 1))
 	req.Header().Set("User", "alice")
 	_, err := client.CallUnary(t.Context(), req)
 	var ce *idem.CallError
@@ -176,9 +152,9 @@ func TestClientInterceptorRetriesByCode(t *testing.T) {
 func TestClientInterceptorRefusesBadInput(t *testing.T) {
 	t.Parallel()
 	var runs atomic.Int64
-	url := plainServer(t, func(context.Context, *connect.Request[dynamicpb.Message]) (*connect.Response[errdetails.ResourceInfo], error) {
+	url := plainServer(t, func(context.Context, rpctest.Tx, *dynamicpb.Message) rpctest.Outcome {
 		runs.Add(1)
-		return connect.NewResponse(reply(1, "x")), nil
+		return rpctest.Outcome{Reply: rpctest.Reply(1, "x")}
 	})
 	r := idem.Reservation{Scope: idem.Scope{Actor: "alice", Operation: "transfer"}, Key: "k1"}
 	ctx := t.Context()
@@ -191,13 +167,13 @@ func TestClientInterceptorRefusesBadInput(t *testing.T) {
 	}{
 		{"step with a control character", idem.WithCallKey(ctx, r.CallKey("transfer\x1b")), nil, idem.RetryPolicy{}, idem.ErrInvalidKey},
 		{"context key too long", idem.WithCallKey(ctx, strings.Repeat("k", 256)), nil, idem.RetryPolicy{}, idem.ErrInvalidKey},
-		{"own key with a space", ctx, key("a b"), idem.RetryPolicy{}, idem.ErrInvalidKey},
+		{"own key with a space", ctx, []string{"a b"}, idem.RetryPolicy{}, idem.ErrInvalidKey},
 		{"negative MaxElapsed", ctx, nil, idem.RetryPolicy{MaxElapsed: -1}, idem.ErrInvalidArgument},
 		{"negative BaseDelay", ctx, nil, idem.RetryPolicy{BaseDelay: -1}, idem.ErrInvalidArgument},
 	} {
-		a := call(c.ctx, url, http.DefaultClient, "alice", c.keys, request("x", 1), withRetries(c.policy))
-		if !errors.Is(a.err, c.want) {
-			t.Errorf("%s: %v", c.name, a.err)
+		a := call(c.ctx, url, http.DefaultClient, "alice", c.keys, rpctest.Request("x", 1), withRetries(c.policy))
+		if !errors.Is(a.Err, c.want) {
+			t.Errorf("%s: %v", c.name, a.Err)
 		}
 	}
 	if runs.Load() != 0 {

@@ -10,19 +10,17 @@ import (
 	"testing"
 	"time"
 
-	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/dynamicpb"
-	"google.golang.org/protobuf/types/known/durationpb"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemgrpc"
 	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/rpcproto/rpctest"
 )
 
 // quickPolicy retries quickly, so that the tests do not wait.
@@ -87,7 +85,7 @@ func (s *seenKeys) record(l *cutter, drop func(attempt int) bool) grpc.UnaryServ
 
 // clientServer serves h behind the server interceptors on 127.0.0.1 and
 // returns a client connection through UnaryClientInterceptor(p).
-func clientServer(t *testing.T, p idem.RetryPolicy, h ledgerHandler, chain func(l *cutter) []grpc.UnaryServerInterceptor) *grpc.ClientConn {
+func clientServer(t *testing.T, p idem.RetryPolicy, h rpctest.Handler, chain func(l *cutter) []grpc.UnaryServerInterceptor) client {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -95,7 +93,7 @@ func clientServer(t *testing.T, p idem.RetryPolicy, h ledgerHandler, chain func(
 	}
 	l := &cutter{Listener: ln}
 	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(chain(l)...))
-	srv.RegisterService(serviceDesc(h), nil)
+	srv.RegisterService(serviceDesc(rpctest.Transfer, h), nil)
 	go func() { _ = srv.Serve(l) }()
 	t.Cleanup(srv.Stop)
 	conn, err := grpc.NewClient(ln.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()),
@@ -104,7 +102,7 @@ func clientServer(t *testing.T, p idem.RetryPolicy, h ledgerHandler, chain func(
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { _ = conn.Close() })
-	return conn
+	return client{conn: conn, procedure: rpctest.Transfer}
 }
 
 // The first reply is lost with its connection after the server committed:
@@ -112,12 +110,12 @@ func clientServer(t *testing.T, p idem.RetryPolicy, h ledgerHandler, chain func(
 // key, whether the key was minted, from the context or the call's own.
 func TestClientInterceptorHealsDroppedReply(t *testing.T) {
 	t.Parallel()
-	pool := pgtest.Pool(t, migrate)
+	pool := pgtest.Pool(t, rpctest.Migrate)
 	var runs atomic.Int64
 	seen := &seenKeys{}
 	dropped := map[string]bool{}
 	var mu sync.Mutex
-	conn := clientServer(t, quickPolicy, insertHandler(&runs), func(l *cutter) []grpc.UnaryServerInterceptor {
+	conn := clientServer(t, quickPolicy, rpctest.Insert(&runs), func(l *cutter) []grpc.UnaryServerInterceptor {
 		return []grpc.UnaryServerInterceptor{
 			seen.record(l, func(n int) bool { // the first attempt of each key
 				mu.Lock()
@@ -135,18 +133,18 @@ func TestClientInterceptorHealsDroppedReply(t *testing.T) {
 	for i, c := range []struct {
 		name string
 		ctx  context.Context
-		md   metadata.MD
+		keys []string
 		key  string
 	}{
-		{"minted", ctx, metadata.Pairs("user", "alice"), ""},
-		{"context", idem.WithCallKey(ctx, "ctx-"+idem.NewCallKey()), metadata.Pairs("user", "alice"), ""},
-		{"own", ctx, metadata.Pairs("user", "alice", idemgrpc.MetadataKey, own), own},
+		{"minted", ctx, nil, ""},
+		{"context", idem.WithCallKey(ctx, "ctx-"+idem.NewCallKey()), nil, ""},
+		{"own", ctx, []string{own}, own},
 	} {
 		before := len(seen.all())
-		a := callMD(c.ctx, conn, c.md, request(c.name, int64(i)))
+		a := conn.Call(c.ctx, "alice", c.keys, rpctest.Request(c.name, int64(i)))
 		keys := seen.all()[before:]
-		if a.err != nil || !a.replayed() || a.decode(t).Description != c.name {
-			t.Fatalf("%s: %v, replayed %t", c.name, a.err, a.replayed())
+		if a.Err != nil || !a.Replayed() || a.Decode(t).Description != c.name {
+			t.Fatalf("%s: %v, replayed %t", c.name, a.Err, a.Replayed())
 		}
 		if len(keys) != 2 || keys[0] != keys[1] || keys[0] == "" || (c.key != "" && keys[0] != c.key) {
 			t.Errorf("%s: keys %q", c.name, keys)
@@ -155,8 +153,9 @@ func TestClientInterceptorHealsDroppedReply(t *testing.T) {
 			t.Errorf("%s: sent %q, not the context's %q", c.name, keys[0], ck)
 		}
 	}
-	if runs.Load() != 3 || countRows(t, pool) != 3 {
-		t.Fatalf("%d runs, %d rows for 3 calls", runs.Load(), countRows(t, pool))
+	var rows int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM transfers`).Scan(&rows); err != nil || runs.Load() != 3 || rows != 3 {
+		t.Fatalf("%d runs, %d rows for 3 calls (%v)", runs.Load(), rows, err)
 	}
 }
 
@@ -165,48 +164,24 @@ func TestClientInterceptorHealsDroppedReply(t *testing.T) {
 // that never got an answer gives up with idem.ErrOutcomeUnknown.
 func TestClientInterceptorRetriesByCode(t *testing.T) {
 	t.Parallel()
-	aborted := status.New(codes.Aborted, "a call with this key is in progress")
-	aborted, _ = aborted.WithDetails(&errdetails.RetryInfo{RetryDelay: durationpb.New(time.Millisecond)})
-	scripts := map[string][]error{
-		"unavailable":         {status.Error(codes.Unavailable, "store down"), nil},
-		"aborted":             {aborted.Err(), aborted.Err(), nil},
-		"failed-precondition": {status.Error(codes.FailedPrecondition, "key reused"), nil},
-		"invalid-argument":    {status.Error(codes.InvalidArgument, "bad key"), nil},
-		"not-found":           {status.Error(codes.NotFound, "no"), nil},
-		"aborted-forever":     {aborted.Err()},
-		"ok":                  {nil},
-	}
+	cases := rpctest.RetryCases(quickPolicy.MaxAttempts)
 	var mu sync.Mutex
 	attempts := map[string]int{}
 	seen := &seenKeys{}
-	conn := clientServer(t, quickPolicy, func(ctx context.Context, req *dynamicpb.Message) (proto.Message, error) {
-		note := getString(req, "note")
+	conn := clientServer(t, quickPolicy, rpctest.Scripted(cases, func(_ context.Context, note string) {
 		mu.Lock()
-		n := attempts[note]
+		defer mu.Unlock()
 		attempts[note]++
-		mu.Unlock()
-		script := scripts[note]
-		if err := script[min(n, len(script)-1)]; err != nil {
-			return nil, err
-		}
-		return reply(1, note), nil
-	}, func(l *cutter) []grpc.UnaryServerInterceptor {
+	}), func(l *cutter) []grpc.UnaryServerInterceptor {
 		return []grpc.UnaryServerInterceptor{seen.record(l, func(int) bool { return false })}
 	})
-	for note, want := range map[string]struct {
-		attempts int
-		code     codes.Code
-	}{
-		"unavailable": {2, codes.OK}, "aborted": {3, codes.OK}, "failed-precondition": {1, codes.FailedPrecondition},
-		"invalid-argument": {1, codes.InvalidArgument}, "not-found": {1, codes.NotFound},
-		"aborted-forever": {quickPolicy.MaxAttempts, codes.Aborted}, "ok": {1, codes.OK},
-	} {
-		a := call(t.Context(), conn, "alice", "", request(note, 1))
+	for note, want := range cases {
+		a := conn.Call(t.Context(), "alice", nil, rpctest.Request(note, 1))
 		mu.Lock()
 		n := attempts[note]
 		mu.Unlock()
-		if n != want.attempts || status.Code(a.err) != want.code || errors.Is(a.err, idem.ErrOutcomeUnknown) {
-			t.Errorf("%s: %d attempts, %v; want %d, %s", note, n, a.err, want.attempts, want.code)
+		if n != want.Attempts || a.Code() != want.Code || errors.Is(a.Err, idem.ErrOutcomeUnknown) {
+			t.Errorf("%s: %d attempts, %v; want %d, %s", note, n, a.Err, want.Attempts, codes.Code(want.Code))
 		}
 	}
 
@@ -214,22 +189,22 @@ func TestClientInterceptorRetriesByCode(t *testing.T) {
 	var runs atomic.Int64
 	lost := &seenKeys{}
 	conn = clientServer(t, idem.RetryPolicy{MaxAttempts: 3, BaseDelay: time.Millisecond, MaxDelay: time.Millisecond},
-		func(context.Context, *dynamicpb.Message) (proto.Message, error) {
+		func(context.Context, rpctest.Tx, *dynamicpb.Message) rpctest.Outcome {
 			runs.Add(1)
-			return reply(1, "x"), nil
+			return rpctest.Outcome{Reply: rpctest.Reply(1, "x")}
 		},
 		func(l *cutter) []grpc.UnaryServerInterceptor {
 			return []grpc.UnaryServerInterceptor{lost.record(l, func(int) bool { return true })}
 		})
-	a := call(t.Context(), conn, "alice", "", request("lost", 1))
+	a := conn.Call(t.Context(), "alice", nil, rpctest.Request("lost", 1))
 	var ce *idem.CallError
 	keys := lost.all()
-	if !errors.Is(a.err, idem.ErrOutcomeUnknown) || !errors.As(a.err, &ce) || status.Code(a.err) != codes.Unavailable ||
+	if !errors.Is(a.Err, idem.ErrOutcomeUnknown) || !errors.As(a.Err, &ce) || status.Code(a.Err) != codes.Unavailable ||
 		ce.Attempts != 3 || len(keys) != 3 || keys[0] != ce.Key || keys[2] != ce.Key || runs.Load() != 3 {
-		t.Fatalf("lost replies: %v, keys %q, %d runs", a.err, keys, runs.Load())
+		t.Fatalf("lost replies: %v, keys %q, %d runs", a.Err, keys, runs.Load())
 	}
-	if !strings.Contains(a.err.Error(), "may have been processed") {
-		t.Errorf("message: %v", a.err)
+	if !strings.Contains(a.Err.Error(), "may have been processed") {
+		t.Errorf("message: %v", a.Err)
 	}
 }
 
@@ -252,17 +227,17 @@ func TestClientInterceptorRefusesBadInput(t *testing.T) {
 	}
 	for _, c := range cases {
 		var runs atomic.Int64
-		conn := clientServer(t, c.policy, func(context.Context, *dynamicpb.Message) (proto.Message, error) {
+		conn := clientServer(t, c.policy, func(context.Context, rpctest.Tx, *dynamicpb.Message) rpctest.Outcome {
 			runs.Add(1)
-			return reply(1, "x"), nil
+			return rpctest.Outcome{Reply: rpctest.Reply(1, "x")}
 		}, func(*cutter) []grpc.UnaryServerInterceptor { return nil })
-		md := metadata.Pairs("user", "alice")
+		var keys []string
 		if strings.HasPrefix(c.name, "own") {
-			md.Set(idemgrpc.MetadataKey, "a b")
+			keys = []string{"a b"}
 		}
-		a := callMD(c.ctx, conn, md, request("x", 1))
-		if !errors.Is(a.err, c.want) || runs.Load() != 0 {
-			t.Errorf("%s: %v, %d runs", c.name, a.err, runs.Load())
+		a := conn.Call(c.ctx, "alice", keys, rpctest.Request("x", 1))
+		if !errors.Is(a.Err, c.want) || runs.Load() != 0 {
+			t.Errorf("%s: %v, %d runs", c.name, a.Err, runs.Load())
 		}
 	}
 }

@@ -7,6 +7,7 @@ package snippets
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"net/http"
 
@@ -22,6 +23,7 @@ var (
 	pool *pgxpool.Pool // the service's pool, from pgxpool.New
 	mux  = http.NewServeMux()
 	svc  = &orderService{}
+	db   *sql.DB // the service's *sql.DB, from sql.Open("pgx", url) or lib/pq's "postgres"
 )
 
 // auth is the service's authentication interceptor: it verifies the call's

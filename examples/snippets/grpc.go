@@ -7,6 +7,7 @@ package snippets
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"log"
 	"net"
@@ -25,6 +26,7 @@ import (
 var (
 	pool *pgxpool.Pool // the service's pool, from pgxpool.New
 	lis  net.Listener  // from net.Listen("tcp", addr)
+	db   *sql.DB       // the service's *sql.DB, from sql.Open("pgx", url) or lib/pq's "postgres"
 )
 
 // auth is the service's authentication interceptor: it verifies the call's
