@@ -125,7 +125,8 @@ func serve(ctx context.Context, out io.Writer, cfg serveConfig) error {
 		"    -H 'Idempotency-Key: %s' -H 'Content-Type: application/json' \\\n"+
 		"    -d '{\"customerId\":\"cus-1\",\"amountCents\":12000,\"currency\":\"KRW\"}'\n", base, newKey())
 	fmt.Fprintf(out, "Reconcile unknown payments (operator):\n  curl -s %s/v1/admin/unknown -H 'Authorization: Bearer operator'\n"+
-		"  curl -s %s/v1/admin/resolve -H 'Authorization: Bearer operator' -d '{\"actor\":\"alice\",\"key\":\"<key>\"}'\n\n", base, base)
+		"  curl -s %s/v1/admin/resolve -H 'Authorization: Bearer operator' -d '{\"actor\":\"alice\",\"key\":\"<key>\"}'\n"+
+		"  or in a browser, the operator's console: %s%s/ (any user name, the password operator)\n\n", base, base, base, consolePrefix)
 
 	select {
 	case err := <-served:
@@ -210,7 +211,8 @@ const (
 //	GET  /v1/idempotency     ?key=K&operation=O: idemhttp's status URL
 //	GET  /v1/wallets/{user}  the user's points and prizes (own wallet only)
 //
-// and the payment routes of registerPayments. Every error is
+// the payment routes of registerPayments, and the operator's console under
+// /idem/ (newConsole). Every error but the console's is
 // application/problem+json, including the 404 and 405 of requests that match
 // no route.
 func newAPI(pool *pgxpool.Pool, intn func(int) int, log *slog.Logger) http.Handler {
@@ -278,6 +280,7 @@ func newAPI(pool *pgxpool.Pool, intn func(int) int, log *slog.Logger) http.Handl
 		_, _ = w.Write(body)
 	})
 	registerPayments(mux, newPayments(pool, newGateway()), log)
+	mux.Handle(consolePrefix+"/", newConsole(pool))
 	return unroutedProblems(mux)
 }
 

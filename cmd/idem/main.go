@@ -84,15 +84,18 @@ Commands:
   prune [--dry-run]             delete expired finished keys in batches
   inspect <actor> <operation> <key>
                                 show a key's record and stored response
-  forget <actor> <operation> <key>
+  forget <actor> <operation> <key> [--operator NAME]
                                 delete a finished key's record: the key is free again
   stats                         keys by status, oldest in flight, table and index size
   expire-leases [--batch N]     turn reservations whose lease ran out unknown, so that
                                 unknown list shows them
   unknown list                  list the records whose outcome is unknown, oldest first
                                 (read-only; leases that ran out: run expire-leases first)
-  resolve <actor> <operation> <key> --token T (--succeeded [--status N] [--body B | --body-file F] | --retryable) --reason R
+  resolve <actor> <operation> <key> --token T (--succeeded [--status N] [--body B | --body-file F] | --retryable) --reason R [--operator NAME]
                                 reconcile an unknown outcome
+  audit list                    the operators' trail of resolve, forget and the console, newest first
+  ui [--listen 127.0.0.1:8081]  serve the operator's console (credentials from IDEM_UI_TOKEN,
+                                or IDEM_UI_USER and IDEM_UI_PASSWORD)
 
 The database is DATABASE_URL unless --database-url is given. Every command
 takes --help and --json (print the result as JSON).
@@ -276,9 +279,13 @@ var commands = map[string]command{
 		flags: func(*flag.FlagSet) func(context.Context, *env, []string) error { return inspect },
 	},
 	"forget": {
-		usage: "forget <actor> <operation> <key>",
-		help:  "Deletes the record of a finished key (succeeded, rejected, failed_retryable), so that the next\nrequest with it runs as a new one: for a client stuck on a key it reused. A key in flight, or whose\noutcome is unknown (resolve it first), is refused with exit code 4.",
-		flags: func(*flag.FlagSet) func(context.Context, *env, []string) error { return forget },
+		usage: "forget <actor> <operation> <key> [--operator NAME]",
+		help:  "Deletes the record of a finished key (succeeded, rejected, failed_retryable), so that the next\nrequest with it runs as a new one: for a client stuck on a key it reused. A key in flight, or whose\noutcome is unknown (resolve it first), is refused with exit code 4. It writes a row of the audit\ntrail (idem audit list) in the same transaction, naming --operator.",
+		flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
+			var operator string
+			operatorFlag(fs, &operator)
+			return func(ctx context.Context, e *env, args []string) error { return forget(ctx, e, args, operator) }
+		},
 	},
 	"stats": {
 		usage: "stats",
@@ -305,8 +312,8 @@ var commands = map[string]command{
 		},
 	},
 	"resolve": {
-		usage: "resolve <actor> <operation> <key> --token T (--succeeded [--status N] [--body B | --body-file F] | --retryable) --reason R",
-		help:  "Reconciles a record whose outcome is unknown (or whose lease ran out): --succeeded stores the\nresponse found at the outside system, to be replayed; --retryable says the work certainly did not\nhappen, so the next request with the key runs it. The reservation that held the key is fenced.\n--token names the attempt the verdict is about (as unknown list and inspect show it); when the record\nholds another token now, nothing changes and resolve fails: inspect the record again.",
+		usage: "resolve <actor> <operation> <key> --token T (--succeeded [--status N] [--body B | --body-file F] | --retryable) --reason R [--operator NAME]",
+		help:  "Reconciles a record whose outcome is unknown (or whose lease ran out): --succeeded stores the\nresponse found at the outside system, to be replayed; --retryable says the work certainly did not\nhappen, so the next request with the key runs it. The reservation that held the key is fenced.\n--token names the attempt the verdict is about (as unknown list and inspect show it); when the record\nholds another token now, nothing changes and resolve fails: inspect the record again. It writes a\nrow of the audit trail (idem audit list) in the same transaction, naming --operator.",
 		flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			var o resolveFlags
 			fs.Int64Var(&o.token, "token", 0, "the token `T` of the attempt being resolved, as unknown list and inspect show it (required)")
@@ -317,9 +324,12 @@ var commands = map[string]command{
 			fs.StringVar(&o.bodyFile, "body-file", "", "with --succeeded: read the body from the file `F`")
 			fs.StringVar(&o.contentType, "content-type", "application/json", "with --succeeded and a body: the body's media `type` (its Content-Type header)")
 			fs.StringVar(&o.reason, "reason", "", "the reason `R` for the verdict, stored with the record for the audit trail (required)")
+			operatorFlag(fs, &o.operator)
 			return func(ctx context.Context, e *env, args []string) error { return resolve(ctx, e, args, o) }
 		},
 	},
+	"audit": auditCommand,
+	"ui":    uiCommand,
 }
 
 // env is what a command runs with.
@@ -555,9 +565,12 @@ func inspect(ctx context.Context, e *env, args []string) error {
 	return nil
 }
 
-func forget(ctx context.Context, e *env, args []string) error {
+func forget(ctx context.Context, e *env, args []string, operator string) error {
 	scope, key, err := keyArgs(args)
 	if err != nil {
+		return err
+	}
+	if err := checkOperator(operator); err != nil {
 		return err
 	}
 	pool, err := e.pool(ctx)
@@ -565,7 +578,7 @@ func forget(ctx context.Context, e *env, args []string) error {
 		return err
 	}
 	defer pool.Close()
-	if err := idem.Forget(ctx, pool, scope, key); err != nil {
+	if err := auditedForget(ctx, pool, operator, scope, key); err != nil {
 		return err
 	}
 	e.print(map[string]any{"forgotten": true}, "forgotten: the key is free again\n")
@@ -703,6 +716,7 @@ type resolveFlags struct {
 	contentType          string
 	reason               string
 	token                int64
+	operator             string
 }
 
 func resolve(ctx context.Context, e *env, args []string, o resolveFlags) error {
@@ -718,6 +732,9 @@ func resolve(ctx context.Context, e *env, args []string, o resolveFlags) error {
 	}
 	if strings.TrimSpace(o.reason) == "" {
 		return usagef("--reason is required: it is stored with the record for the audit trail")
+	}
+	if err := checkOperator(o.operator); err != nil {
+		return err
 	}
 	res := idem.Resolution{Token: o.token, Retryable: o.retryable, Reason: o.reason}
 	if o.succeeded {
@@ -744,7 +761,7 @@ func resolve(ctx context.Context, e *env, args []string, o resolveFlags) error {
 		return err
 	}
 	defer pool.Close()
-	if err := idem.Resolve(ctx, pool, scope, key, res); err != nil {
+	if err := auditedResolve(ctx, pool, o.operator, scope, key, res); err != nil {
 		return err
 	}
 	verdict := "succeeded: the stored response is replayed from now on"

@@ -456,7 +456,8 @@ func TestCLIOperatorCoherence(t *testing.T) {
 		t.Fatalf("resolve with a text body: exit %d: %s", code, errOut)
 	}
 
-	// migrate down: the migrations after 2 keep every record; 2 would delete unknown,
+	// migrate down: the migrations after 2 keep every record (5 refuses to
+	// drop the audit trail unless --force); 2 would delete unknown,
 	// in-flight and failed_retryable records: refused unless --force.
 	if _, err := idem.Reserve(ctx, pool, scope, "in-flight", idem.FingerprintParts([]byte("p")), time.Hour); err != nil {
 		t.Fatal(err)
@@ -468,6 +469,15 @@ func TestCLIOperatorCoherence(t *testing.T) {
 		}
 		if v <= 2 {
 			break
+		}
+		if v == 5 { // the audit trail (resolve wrote a row): refused unless --force
+			if _, errOut, code := runCLI(t, url, "migrate", "down"); code != exitRefused || !strings.Contains(errOut, "audit trail") {
+				t.Fatalf("migrate down deleting the audit trail: exit %d: %s", code, errOut)
+			}
+			if _, errOut, code := runCLI(t, url, "migrate", "down", "--force"); code != exitOK {
+				t.Fatalf("migrate down --force from 5: exit %d: %s", code, errOut)
+			}
+			continue
 		}
 		if _, errOut, code := runCLI(t, url, "migrate", "down"); code != exitOK {
 			t.Fatalf("migrate down from %d: exit %d: %s", v, code, errOut)
