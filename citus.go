@@ -35,8 +35,12 @@ const DistributionColumn = "actor"
 
 // Distribute makes idem_keys a Citus distributed table, sharded by actor
 // (DistributionColumn), in the database of pool, which must be the Citus
-// coordinator's. Run it once after Migrate, before the table holds keys;
-// it does nothing when idem_keys is distributed by actor already.
+// coordinator's. Run it once after Migrate; it does nothing when idem_keys
+// is distributed by actor already. Keys the table holds already are copied
+// into the shards (create_distributed_table copies a local table's rows;
+// writes to idem_keys wait until the copy is done), and the coordinator's
+// original rows stay on disk until truncate_local_data_after_distributing_table
+// removes them (docs/citus.md).
 //
 // A database without the citus extension, a Citus worker, a session whose
 // citus.propagate_set_commands is not 'local' (SET LOCAL statements must

@@ -75,7 +75,7 @@ func Migrations() fs.FS {
 // MigrationLockTable) and does nothing when everything is applied. It uses
 // its own version table (MigrationTable), so an application's goose
 // migrations are untouched. It works through a transaction pooler when the
-// pool's exec mode does (see the README, Behind a connection pooler). On
+// pool's exec mode does (see docs/poolers.md). On
 // Citus, run it on the coordinator (then Distribute): a worker is refused
 // with ErrUnsupported.
 func Migrate(ctx context.Context, pool *pgxpool.Pool) error {

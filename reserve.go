@@ -47,7 +47,9 @@ import (
 // FailRetryable, MarkUnknown and Heartbeat succeed only while the record
 // still holds it; LeaseExpiresAt is when the lease runs out, by the
 // database clock (after it, Reserve and ExpireLeases turn the record
-// unknown).
+// unknown). Its method CallKey(step) returns the idempotency key of the
+// outgoing call step of the reservation's request, the same for every
+// attempt (see WithCallKey).
 type Reservation = core.Reservation
 
 // MaxReasonLength is the longest reason, in bytes, that FailRetryable,

@@ -6,6 +6,7 @@ require (
 	connectrpc.com/connect v1.21.1
 	github.com/jackc/pgx/v5 v5.12.0
 	github.com/pgidem/idem v0.0.0-00010101000000-000000000000
+	github.com/pgidem/idem/internal/rpcproto v0.0.0-00010101000000-000000000000
 	google.golang.org/genproto/googleapis/rpc v0.0.0-20261110000943-09e21b237f2c
 	google.golang.org/protobuf v1.36.12
 )

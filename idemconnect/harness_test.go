@@ -1,10 +1,9 @@
 package idemconnect_test
 
-// The test service, without protoc: a file descriptor built in Go
-// (idemtest.v1.Ledger/Transfer), the request as dynamicpb, served by
-// connect-go's NewUnaryHandler over httptest (HTTP/2 with TLS, so that the
-// Connect, gRPC and gRPC-Web protocols all work) and called by connect-go
-// clients.
+// The test service (rpctest's idemtest.v1.Ledger/Transfer, without protoc)
+// served by connect-go's NewUnaryHandler over httptest (HTTP/2 with TLS, so
+// that the Connect, gRPC and gRPC-Web protocols all work) and called by
+// connect-go clients, as rpctest's suite asks.
 
 import (
 	"context"
@@ -13,177 +12,56 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"os"
-	"sync/atomic"
 	"testing"
 
 	"connectrpc.com/connect"
-	"github.com/jackc/pgx/v5/pgxpool"
-	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	spb "google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/protobuf/proto"
-	"google.golang.org/protobuf/reflect/protodesc"
-	"google.golang.org/protobuf/reflect/protoreflect"
-	"google.golang.org/protobuf/reflect/protoregistry"
-	"google.golang.org/protobuf/types/descriptorpb"
 	"google.golang.org/protobuf/types/dynamicpb"
+	"google.golang.org/protobuf/types/known/anypb"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemconnect"
 	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/rpcproto/rpctest"
 )
 
 func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }
 
-const transferProcedure = "/idemtest.v1.Ledger/Transfer"
+// transport is idemconnect as rpctest's suite runs it.
+type transport struct{}
 
-// ledgerFile is idemtest/v1/ledger.proto:
-//
-//	message TransferRequest { string request_id = 1; string note = 2; int64 amount = 3; }
-//	service Ledger { rpc Transfer(TransferRequest) returns (google.rpc.ResourceInfo); }
-//
-// The reply is a generated type (errdetails.ResourceInfo: resource_type
-// "transfer", resource_name "transfers/<id>", owner, description the
-// note), as a service's replies are: protobuf-go marshals those in field
-// number order, so a decoded reply goes out with the same bytes. (A
-// dynamicpb message goes out with its fields in a random order.)
-var ledgerFile = func() protoreflect.FileDescriptor {
-	field := func(name string, n int32, typ descriptorpb.FieldDescriptorProto_Type, label descriptorpb.FieldDescriptorProto_Label) *descriptorpb.FieldDescriptorProto {
-		return &descriptorpb.FieldDescriptorProto{Name: proto.String(name), Number: proto.Int32(n), Type: typ.Enum(),
-			Label: label.Enum(), JsonName: proto.String(name)}
-	}
-	opt := descriptorpb.FieldDescriptorProto_LABEL_OPTIONAL
-	fdp := &descriptorpb.FileDescriptorProto{
-		Name:       proto.String("idemtest/v1/ledger.proto"),
-		Package:    proto.String("idemtest.v1"),
-		Syntax:     proto.String("proto3"),
-		Dependency: []string{"google/rpc/error_details.proto"},
-		MessageType: []*descriptorpb.DescriptorProto{
-			{Name: proto.String("TransferRequest"), Field: []*descriptorpb.FieldDescriptorProto{
-				field("request_id", 1, descriptorpb.FieldDescriptorProto_TYPE_STRING, opt),
-				field("note", 2, descriptorpb.FieldDescriptorProto_TYPE_STRING, opt),
-				field("amount", 3, descriptorpb.FieldDescriptorProto_TYPE_INT64, opt),
-			}},
-		},
-		Service: []*descriptorpb.ServiceDescriptorProto{{
-			Name: proto.String("Ledger"),
-			Method: []*descriptorpb.MethodDescriptorProto{{
-				Name: proto.String("Transfer"), InputType: proto.String(".idemtest.v1.TransferRequest"),
-				OutputType: proto.String(".google.rpc.ResourceInfo"),
-			}},
-		}},
-	}
-	fd, err := protodesc.NewFile(fdp, protoregistry.GlobalFiles)
-	if err != nil {
-		panic(err)
-	}
-	// Registered as generated code registers it: the interceptor finds the
-	// reply type there.
-	if err := protoregistry.GlobalFiles.RegisterFile(fd); err != nil {
-		panic(err)
-	}
-	return fd
-}()
+func (transport) Name() string { return "idemconnect" }
 
-var requestDesc = ledgerFile.Messages().ByName("TransferRequest")
+func (transport) BadKeys() [][]string { return [][]string{{""}, {"caf\u00e9"}} }
 
-// request returns a TransferRequest.
-func request(note string, amount int64) *dynamicpb.Message {
-	m := dynamicpb.NewMessage(requestDesc)
-	m.Set(requestDesc.Fields().ByName("note"), protoreflect.ValueOfString(note))
-	m.Set(requestDesc.Fields().ByName("amount"), protoreflect.ValueOfInt64(amount))
-	return m
+func (transport) Binary(raw string) string { return connect.EncodeBinaryHeader([]byte(raw)) }
+
+func (transport) Build(db rpctest.DB, o rpctest.Options) { interceptor(db, o) }
+
+func (transport) Serve(t testing.TB, db rpctest.DB, o rpctest.Options, h rpctest.Handler) rpctest.Server {
+	return serve(t, db, o, nil, h)
 }
 
-// reply returns the reply for transfer id.
-func reply(id int64, note string) *errdetails.ResourceInfo {
-	return &errdetails.ResourceInfo{ResourceType: "transfer", ResourceName: fmt.Sprintf("transfers/%d", id),
-		Owner: "ledger", Description: note}
-}
-
-var transferMethod = ledgerFile.Services().ByName("Ledger").Methods().ByName("Transfer")
-
-// getString and getInt read a field of a dynamic message.
-func getString(m proto.Message, name string) string {
-	r := m.ProtoReflect()
-	return r.Get(r.Descriptor().Fields().ByName(protoreflect.Name(name))).String()
-}
-
-func getInt(m proto.Message, name string) int64 {
-	r := m.ProtoReflect()
-	return r.Get(r.Descriptor().Fields().ByName(protoreflect.Name(name))).Int()
-}
-
-// ledgerHandler is the Transfer procedure.
-type ledgerHandler func(ctx context.Context, req *connect.Request[dynamicpb.Message]) (*connect.Response[errdetails.ResourceInfo], error)
-
-// migrate installs idem's table and the transfers the handlers write.
-func migrate(ctx context.Context, pool *pgxpool.Pool) error {
-	if err := idem.Migrate(ctx, pool); err != nil {
-		return err
+// interceptor is the interceptor on db with o.
+func interceptor(db rpctest.DB, o rpctest.Options) connect.Interceptor {
+	opts := idemconnect.Options{Scope: scopeFromHeader, StoredHeaders: o.StoredHeaders, StoredTrailers: o.StoredTrailers,
+		RequireKey: o.RequireKey, KeyField: o.KeyField, Procedures: o.Covered, Config: o.Config, Logger: o.Logger}
+	for _, c := range o.RefusalCodes {
+		opts.RefusalCodes = append(opts.RefusalCodes, connect.Code(c))
 	}
-	_, err := pool.Exec(ctx, `CREATE TABLE transfers (id bigserial PRIMARY KEY, note text NOT NULL, amount bigint NOT NULL)`)
-	return err
-}
-
-// countRows returns the number of transfers.
-func countRows(t *testing.T, pool *pgxpool.Pool) int {
-	t.Helper()
-	var n int
-	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM transfers`).Scan(&n); err != nil {
-		t.Fatal(err)
-	}
-	return n
-}
-
-// insertHandler writes a transfer in the call's transaction and answers its
-// id; it counts its runs.
-func insertHandler(runs *atomic.Int64) ledgerHandler {
-	return func(ctx context.Context, req *connect.Request[dynamicpb.Message]) (*connect.Response[errdetails.ResourceInfo], error) {
-		runs.Add(1)
-		tx := idemconnect.Tx(ctx)
-		if tx == nil {
-			return connect.NewResponse(reply(0, "no transaction")), nil
+	switch {
+	case o.NoScope:
+		opts.Scope = nil
+	case o.Deny:
+		opts.Scope = func(context.Context, string) (idem.Scope, error) {
+			return idem.Scope{}, connect.NewError(connect.CodePermissionDenied, errors.New("not yours"))
 		}
-		var id int64
-		err := tx.QueryRow(ctx, `INSERT INTO transfers (note, amount) VALUES ($1, $2) RETURNING id`,
-			getString(req.Msg, "note"), getInt(req.Msg, "amount")).Scan(&id)
-		if err != nil {
-			return nil, err
-		}
-		return connect.NewResponse(reply(id, getString(req.Msg, "note"))), nil
 	}
-}
-
-// initRequest makes the handler's request a dynamicpb TransferRequest.
-func initRequest(spec connect.Spec, msg any) error {
-	if m, ok := msg.(*dynamicpb.Message); ok {
-		*m = *dynamicpb.NewMessage(spec.Schema.(protoreflect.MethodDescriptor).Input())
+	if db.UsesSQL() {
+		return idemconnect.NewInterceptorSQL(db.SQL, opts)
 	}
-	return nil
-}
-
-// serve mounts h with the interceptor on an httptest server (HTTP/2, TLS),
-// as generated code mounts a handler (WithSchema), and returns its URL and
-// client; both end with the test.
-func serve(t *testing.T, db idem.Beginner, opts idemconnect.Options, h ledgerHandler) (string, *http.Client) {
-	t.Helper()
-	return serveWith(t, db, opts, nil, h)
-}
-
-// serveWith is serve with the interceptors outer before idemconnect's.
-func serveWith(t *testing.T, db idem.Beginner, opts idemconnect.Options, outer []connect.Interceptor, h ledgerHandler) (string, *http.Client) {
-	t.Helper()
-	if opts.Scope == nil {
-		opts.Scope = scopeFromHeader
-	}
-	mux := http.NewServeMux()
-	mux.Handle(transferProcedure, connect.NewUnaryHandler(transferProcedure, h,
-		connect.WithSchema(transferMethod), connect.WithRequestInitializer(initRequest),
-		connect.WithInterceptors(append(outer, idemconnect.NewInterceptor(db, opts))...)))
-	srv := httptest.NewUnstartedServer(mux)
-	srv.EnableHTTP2 = true
-	srv.StartTLS()
-	t.Cleanup(srv.Close)
-	return srv.URL, srv.Client()
+	return idemconnect.NewInterceptor(db.Pgx, opts)
 }
 
 // scopeFromHeader is the tests' authentication: the actor is the header
@@ -196,8 +74,109 @@ func scopeFromHeader(ctx context.Context, procedure string) (idem.Scope, error) 
 	return idem.Scope{Actor: info.RequestHeader().Get("User"), Operation: procedure}, nil
 }
 
+// reply is the handler's response message: any message (the interceptor
+// stores the one it embeds, and the codec encodes that).
+type reply struct{ proto.Message }
+
+// serve mounts h as o.Procedure (with its schema, WithSchema, as generated
+// code mounts a handler, when it is Transfer), with the interceptors outer
+// before idemconnect's, on an httptest server (HTTP/2, TLS), and returns a
+// client of it; both end with the test.
+func serve(t testing.TB, db rpctest.DB, o rpctest.Options, outer []connect.Interceptor, h rpctest.Handler) *server {
+	t.Helper()
+	procedure := o.Procedure
+	if procedure == "" {
+		procedure = rpctest.Transfer
+	}
+	opts := []connect.HandlerOption{connect.WithRequestInitializer(initRequest),
+		connect.WithInterceptors(append(outer, interceptor(db, o))...)}
+	if procedure == rpctest.Transfer {
+		opts = append(opts, connect.WithSchema(rpctest.Method))
+	}
+	mux := http.NewServeMux()
+	mux.Handle(procedure, connect.NewUnaryHandler(procedure, handler(h), opts...))
+	srv := httptest.NewUnstartedServer(mux)
+	srv.EnableHTTP2 = true
+	srv.StartTLS()
+	t.Cleanup(srv.Close)
+	return &server{url: srv.URL + procedure, hc: srv.Client()}
+}
+
+// initRequest makes the handler's request a dynamicpb TransferRequest.
+func initRequest(_ connect.Spec, msg any) error {
+	if m, ok := msg.(*dynamicpb.Message); ok {
+		*m = *dynamicpb.NewMessage(rpctest.RequestDesc)
+	}
+	return nil
+}
+
+// handler is h as a connect-go unary handler.
+func handler(h rpctest.Handler) func(context.Context, *connect.Request[dynamicpb.Message]) (*connect.Response[reply], error) {
+	return func(ctx context.Context, req *connect.Request[dynamicpb.Message]) (*connect.Response[reply], error) {
+		out := h(ctx, rpctest.TxOf(idemconnect.Tx(ctx), idemconnect.TxSQL(ctx)), req.Msg)
+		if out.Status != nil {
+			ce := connect.NewError(connect.Code(out.Status.Code), errors.New(out.Status.Message))
+			for _, d := range out.Status.Details {
+				if detail, err := connect.NewErrorDetail(d); err == nil {
+					ce.AddDetail(detail)
+				}
+			}
+			for name, v := range out.Header {
+				ce.Meta().Set(name, v)
+			}
+			return nil, ce
+		}
+		resp := connect.NewResponse(&reply{out.Reply})
+		for name, v := range out.Header {
+			resp.Header().Set(name, v)
+		}
+		for name, v := range out.Trailer {
+			resp.Trailer().Set(name, v)
+		}
+		return resp, nil
+	}
+}
+
+// server is a client of one procedure.
+type server struct {
+	url string
+	hc  *http.Client
+}
+
+// Call calls the procedure over the Connect protocol.
+func (s *server) Call(ctx context.Context, user string, keys []string, req proto.Message) rpctest.Answer {
+	return s.call(ctx, user, keys, req)
+}
+
 // rawReply is a reply as the bytes that came over the wire.
 type rawReply []byte
+
+// call calls the procedure as user (none: "") with keys in the header
+// (none: nil), over the Connect protocol unless options say otherwise.
+func (s *server) call(ctx context.Context, user string, keys []string, req proto.Message, options ...connect.ClientOption) rpctest.Answer {
+	client := connect.NewClient[dynamicpb.Message, rawReply](s.hc, s.url,
+		append([]connect.ClientOption{connect.WithCodec(rawCodec{})}, options...)...)
+	r := connect.NewRequest(req.(*dynamicpb.Message))
+	if user != "" {
+		r.Header().Set("User", user)
+	}
+	for _, k := range keys {
+		r.Header().Add(idemconnect.HeaderKey, k)
+	}
+	resp, err := client.CallUnary(ctx, r)
+	if err != nil {
+		a := rpctest.Answer{Err: err, Header: http.Header{}.Values, Trailer: http.Header{}.Values}
+		a.Status = &spb.Status{Code: int32(connect.CodeOf(err)), Message: err.Error()}
+		if ce := (*connect.Error)(nil); errors.As(err, &ce) {
+			a.Status.Message, a.Header = ce.Message(), ce.Meta().Values
+			for _, d := range ce.Details() {
+				a.Status.Details = append(a.Status.Details, &anypb.Any{TypeUrl: "type.googleapis.com/" + d.Type(), Value: d.Bytes()})
+			}
+		}
+		return a
+	}
+	return rpctest.Answer{Body: *resp.Msg, Header: resp.Header().Values, Trailer: resp.Trailer().Values}
+}
 
 // rawCodec sends messages as connect's proto codec does and hands replies
 // over as their raw bytes.
@@ -214,48 +193,3 @@ func (rawCodec) Unmarshal(data []byte, v any) error {
 	}
 	return proto.Unmarshal(data, v.(proto.Message)) // a gRPC status, say
 }
-
-// answer is what a client got from one call.
-type answer struct {
-	body    []byte // the reply's bytes as they came over the wire
-	err     error
-	header  http.Header
-	trailer http.Header
-}
-
-func (a answer) replayed() bool { return a.header.Get(idemconnect.HeaderReplayed) == "true" }
-
-// decode returns the reply.
-func (a answer) decode(t *testing.T) *errdetails.ResourceInfo {
-	t.Helper()
-	m := &errdetails.ResourceInfo{}
-	if err := proto.Unmarshal(a.body, m); err != nil {
-		t.Fatal(err)
-	}
-	return m
-}
-
-// call calls Transfer as user with key in the header (none when key is ""),
-// over the Connect protocol unless options say otherwise.
-func call(ctx context.Context, url string, hc *http.Client, user string, keys []string, req proto.Message, options ...connect.ClientOption) answer {
-	client := connect.NewClient[dynamicpb.Message, rawReply](hc, url+transferProcedure,
-		append([]connect.ClientOption{connect.WithCodec(rawCodec{})}, options...)...)
-	r := connect.NewRequest(req.(*dynamicpb.Message))
-	r.Header().Set("User", user)
-	for _, k := range keys {
-		r.Header().Add(idemconnect.HeaderKey, k)
-	}
-	resp, err := client.CallUnary(ctx, r)
-	if err != nil {
-		h := http.Header{}
-		var ce *connect.Error
-		if errors.As(err, &ce) {
-			h = ce.Meta()
-		}
-		return answer{err: err, header: h}
-	}
-	return answer{body: *resp.Msg, header: resp.Header(), trailer: resp.Trailer()}
-}
-
-// key is a one-key list for call.
-func key(k string) []string { return []string{k} }

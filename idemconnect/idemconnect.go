@@ -1,51 +1,24 @@
-// Package idemconnect is a connect-go interceptor that makes unary calls
-// idempotent by their Idempotency-Key header, with the handler's own
-// database writes in the same PostgreSQL transaction as the key and the
-// stored reply.
-//
-//	interceptor := idemconnect.NewInterceptor(pool, idemconnect.Options{Scope: scopeOf})
-//	mux.Handle(ordersv1connect.NewOrderServiceHandler(svc, connect.WithInterceptors(auth, interceptor)))
-//
-//	func (s *orders) PlaceOrder(ctx context.Context, req *connect.Request[pb.PlaceOrderRequest]) (*connect.Response[pb.Order], error) {
-//		tx := idemconnect.Tx(ctx) // writes here commit with the key and the reply; nil without a key
-//		...
-//	}
-//
-// It serves the Connect, gRPC and gRPC-Web protocols alike: a client sends
-// a new key (a UUID, say) in the Idempotency-Key header with each new
-// intent, and the same key with every retry of it (or in a request field,
-// AIP-155's request_id: Options.KeyField). The first call runs the handler
-// in a transaction; its reply, or its refusal, commits with the key. A retry
-// gets the same reply with Idempotent-Replayed: true and the handler does
-// not run. See NewInterceptor for the whole contract, and the README section
-// "gRPC and Connect".
-//
-// Run idem.Migrate once before use.
 package idemconnect
 
 import (
 	"context"
 	"errors"
-	"fmt"
 	"log/slog"
 	"net/http"
 	"slices"
 	"strings"
-	"sync"
 
 	"connectrpc.com/connect"
 	"github.com/jackc/pgx/v5"
-	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	spb "google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/reflect/protoreflect"
-	"google.golang.org/protobuf/reflect/protoregistry"
-	"google.golang.org/protobuf/types/dynamicpb"
 	"google.golang.org/protobuf/types/known/anypb"
-	"google.golang.org/protobuf/types/known/durationpb"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/front"
 	"github.com/pgidem/idem/internal/rpcidem"
+	"github.com/pgidem/idem/internal/rpcproto"
 )
 
 // HeaderKey is the request header that carries the idempotency key: a bare
@@ -120,9 +93,9 @@ type Options struct {
 	// *connect.Error's Meta (stored as headers). The first call sends
 	// everything the handler set; a replay only these, plus
 	// Idempotent-Replayed: true. Keep secrets out. Each must be an HTTP
-	// token (RFC 9110: letters, digits and !#$%&'*+-.^_`|~) that does not
-	// start with "connect-" or "grpc-"; NewInterceptor panics otherwise.
-	// Default: none.
+	// token (RFC 9110: letters, digits and !#$%&'*+-.^_`|) without '~'
+	// (idem marks its own stored entries with it) that does not start with
+	// "connect-" or "grpc-"; NewInterceptor panics otherwise. Default: none.
 	StoredHeaders  []string
 	StoredTrailers []string
 
@@ -141,8 +114,9 @@ type Options struct {
 	Config idem.Config
 }
 
-// txKey is the context key of the call's transaction.
-type txKey struct{}
+// txs holds the call's transaction in the handler's context: a pgx.Tx or
+// a *sql.Tx.
+var txs front.Txs
 
 // Tx returns the transaction of the covered call with a key that ctx
 // belongs to (the handler's context), or nil for a call without a key or a
@@ -158,10 +132,7 @@ type txKey struct{}
 // set through connect.CallInfoForHandlerContext are dropped: the client gets
 // those of the last run only (or, when that run finds the key's outcome
 // stored by another call, the stored ones).
-func Tx(ctx context.Context) pgx.Tx {
-	tx, _ := ctx.Value(txKey{}).(pgx.Tx)
-	return tx
-}
+func Tx(ctx context.Context) pgx.Tx { return txs.PgxTx(ctx) }
 
 // NewInterceptor returns an interceptor that makes covered unary calls
 // (Options.Procedures) that carry a key idempotent, with the handler's
@@ -178,8 +149,8 @@ func Tx(ctx context.Context) pgx.Tx {
 // then runs in idem.DoInTx on db, and its outcome decides what is stored:
 //
 //   - a response: the handler's writes, the key and the reply (its message,
-//     and the chosen headers and trailers) commit together; the client gets
-//     the response after the commit.
+//     the full name of its type, and the chosen headers and trailers)
+//     commit together; the client gets the response after the commit.
 //   - an error whose code Options.RefusalCodes holds: a deterministic
 //     refusal. The handler's writes are rolled back; the error (code,
 //     message, details) is stored and returned to every retry.
@@ -188,16 +159,20 @@ func Tx(ctx context.Context) pgx.Tx {
 //
 // A later call with the same scope, key and request gets the stored outcome
 // and the handler does not run: a response whose message is the stored
-// bytes decoded into the procedure's reply type, which the codec of the
-// retry encodes (in the binary codec byte for byte the first reply's
-// bytes, except that map entries go in the codec's order), or the stored
-// error; with the stored headers and trailers and Idempotent-Replayed: true.
-// The reply type comes from the handler's Spec().Schema (generated code sets
-// it) or else protoregistry.GlobalFiles, and is the registered Go type (a
-// dynamicpb message when it is not registered); a procedure that is in
-// neither is refused with internal before anything runs. A replayed
-// response is not a *connect.Response of the handler's type: interceptors
-// outside this one that read it should use Any() and proto.Message.
+// bytes decoded into the stored type, which the codec of the retry encodes
+// (in the binary codec byte for byte the first reply's bytes, except that
+// map entries go in the codec's order), or the stored error; with the
+// stored headers and trailers and Idempotent-Replayed: true. The type is
+// the one registered under the stored name in protoregistry.GlobalTypes
+// (generated code registers every message), so a handler built without
+// connect.WithSchema replays too; or else, for a reply of the procedure's
+// own reply type that is not registered there, a dynamicpb message of the
+// type that the handler's Spec().Schema (or protoregistry.GlobalFiles)
+// gives the procedure. A reply that is neither could not be replayed: the
+// call that returns it fails with internal, saying so, and nothing of it
+// commits. A replayed response is not a *connect.Response of the handler's
+// type: interceptors outside this one that read it should use Any() and
+// proto.Message.
 //
 // The interceptor's own errors change nothing, and carry an ErrorInfo
 // detail (ErrorDomain, a Reason constant):
@@ -216,71 +191,42 @@ func Tx(ctx context.Context) pgx.Tx {
 // key, and the retry replays if the commit happened and runs otherwise. A
 // call whose context ends first gets canceled or deadline_exceeded. An
 // outcome that cannot be stored (over Config.MaxResponseBytes, a message
-// that is not protobuf) is internal, with the handler's writes rolled back.
+// that is not protobuf or whose type a replay could not find) is internal,
+// with the handler's writes rolled back.
 //
 // NewInterceptor panics if db is nil (a typed nil *pgxpool.Pool too) or
 // opts is invalid (nil Scope, a stored name that is not a token, a Config
 // that idem.New refuses): a programming error to find at start-up.
 func NewInterceptor(db idem.Beginner, opts Options) connect.Interceptor {
-	in, err := newInterceptor(db, opts)
-	if err != nil {
-		panic(err)
-	}
-	return in
+	return mustInterceptor(opts, txs.Pgx(db))
 }
 
-// interceptor is the configured interceptor.
-type interceptor struct {
-	core       *rpcidem.Core
-	scope      func(ctx context.Context, procedure string) (idem.Scope, error)
-	procedures []string
-	keyField   protoreflect.Name
-	headers    []string // canonical
-	trailers   []string // canonical
-	replies    sync.Map // procedure -> protoreflect.MessageType
-}
+// connectTransport is what the interceptor's core knows of Connect.
+var connectTransport = rpcidem.Transport{Name: "idemconnect", ProcedureAttr: "procedure",
+	KeySource: "Idempotency-Key header", KeyMissing: "this procedure requires an Idempotency-Key header",
+	Reserved: []string{"connect-", "grpc-"}, NameKind: "header name"}
 
-func newInterceptor(db idem.Beginner, opts Options) (*interceptor, error) {
+// mustInterceptor returns the interceptor with opts on the store open
+// returns, and panics on invalid options.
+func mustInterceptor(opts Options, open front.Open) *interceptor {
 	refusals := opts.RefusalCodes
 	if refusals == nil {
 		refusals = DefaultRefusalCodes
 	}
-	core, err := rpcidem.New(db, rpcidem.Options{
-		Name:          "idemconnect",
-		ProcedureAttr: "procedure",
-		KeySource:     "Idempotency-Key header",
-		KeyMissing:    "this procedure requires an Idempotency-Key header",
-		ScopeSet:      opts.Scope != nil,
-		RequireKey:    opts.RequireKey,
-		KeyField:      opts.KeyField,
-		RefusalCodes:  rpcidem.Codes(refusals),
-		Logger:        opts.Logger,
-		Config:        opts.Config,
-	})
+	srv, err := rpcproto.New(rpcidem.Options{Transport: connectTransport, ScopeSet: opts.Scope != nil,
+		RequireKey: opts.RequireKey, KeyField: opts.KeyField, RefusalCodes: rpcidem.Codes(refusals),
+		StoredHeaders: opts.StoredHeaders, StoredTrailers: opts.StoredTrailers, Logger: opts.Logger, Config: opts.Config}, open)
 	if err != nil {
-		return nil, err
+		panic(err)
 	}
-	in := &interceptor{
-		core:       core,
-		scope:      opts.Scope,
-		procedures: slices.Clone(opts.Procedures),
-		keyField:   protoreflect.Name(opts.KeyField),
-	}
-	if in.keyField != "" && !in.keyField.IsValid() {
-		return nil, fmt.Errorf("idemconnect: Options.KeyField: %q is not a field name", opts.KeyField)
-	}
-	for _, list := range []struct {
-		in  []string
-		out *[]string
-	}{{opts.StoredHeaders, &in.headers}, {opts.StoredTrailers, &in.trailers}} {
-		for _, name := range list.in {
-			if !rpcidem.HeaderName(name, "connect-", "grpc-") {
-				return nil, fmt.Errorf("idemconnect: Options.StoredHeaders, StoredTrailers: invalid header name %q", name)
-			}
-			*list.out = append(*list.out, http.CanonicalHeaderKey(name))
-		}
-	}
-	return in, nil
+	return &interceptor{srv: srv, scope: opts.Scope, procedures: slices.Clone(opts.Procedures)}
+}
+
+// interceptor is the configured interceptor.
+type interceptor struct {
+	srv        *rpcproto.Server
+	scope      func(ctx context.Context, procedure string) (idem.Scope, error)
+	procedures []string
 }
 
 // WrapStreamingClient passes streaming clients through.
@@ -300,88 +246,17 @@ func (in *interceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
 		if spec.IsClient || len(in.procedures) > 0 && !slices.Contains(in.procedures, spec.Procedure) {
 			return next(ctx, req)
 		}
-		msg, isProto := req.Any().(proto.Message)
-		key, f := in.core.Key(req.Header().Values(HeaderKey), keyField(msg, in.keyField))
-		if f != nil {
-			return nil, errorOf(f)
-		}
-		if key == "" {
-			return next(ctx, req)
-		}
-		if !isProto {
-			return nil, connect.NewError(connect.CodeInternal,
-				fmt.Errorf("idemconnect: the request of %s is a %T, not a protobuf message", spec.Procedure, req.Any()))
-		}
-		scope, err := in.scope(ctx, spec.Procedure)
-		if ce := (*connect.Error)(nil); errors.As(err, &ce) {
-			return nil, ce
-		}
-		if f := in.core.Scope(scope, err); f != nil {
-			return nil, errorOf(f)
-		}
-		replyType, err := in.replyType(spec)
-		if err != nil {
-			return nil, connect.NewError(connect.CodeInternal, err)
-		}
-		b, err := proto.MarshalOptions{Deterministic: true}.Marshal(msg)
-		if err != nil {
-			return nil, connect.NewError(connect.CodeInternal, fmt.Errorf("idemconnect: marshal the request: %w", err))
-		}
 		c := &call{in: in, req: req, next: next}
-		if info, ok := connect.CallInfoForHandlerContext(ctx); ok {
-			// What is set before the handler runs (by interceptors before
-			// this one): each run starts from it, and a replay or a failure
-			// goes out with it only.
-			c.info, c.header, c.trailer = info, info.ResponseHeader().Clone(), info.ResponseTrailer().Clone()
-		}
-		stored, replayed, f := in.core.Do(ctx, spec.Procedure, scope, key, rpcidem.Fingerprint(spec.Procedure, b), c)
-		switch {
-		case f != nil:
-			c.restore()
-			return nil, errorOf(f)
-		case replayed:
-			c.restore()
-			return in.replay(stored, replyType)
-		}
-		return c.resp, c.err // the handler's own answer, with what its last run set
+		// What interceptors before this one set goes out with every run, a
+		// replay and a failure (see call.restore).
+		c.info, _ = connect.CallInfoForHandlerContext(ctx)
+		schema, _ := spec.Schema.(protoreflect.MethodDescriptor)
+		return rpcproto.Serve(ctx, in.srv, c, rpcproto.Request{Procedure: spec.Procedure,
+			Keys: req.Header().Values(HeaderKey), Message: req.Any(), Schema: schema})
 	}
 }
 
-// keyField returns the value of msg's string field name, or "" (no
-// name, no such field, or not set).
-func keyField(msg proto.Message, name protoreflect.Name) string {
-	if name == "" || msg == nil {
-		return ""
-	}
-	m := msg.ProtoReflect()
-	if fd := m.Descriptor().Fields().ByName(name); fd != nil && fd.Kind() == protoreflect.StringKind && !fd.IsList() {
-		return m.Get(fd).String()
-	}
-	return ""
-}
-
-// replyType returns the reply message type of the procedure of spec.
-func (in *interceptor) replyType(spec connect.Spec) (protoreflect.MessageType, error) {
-	if t, ok := in.replies.Load(spec.Procedure); ok {
-		return t.(protoreflect.MessageType), nil
-	}
-	md, ok := spec.Schema.(protoreflect.MethodDescriptor)
-	if !ok {
-		name := protoreflect.FullName(strings.ReplaceAll(strings.TrimPrefix(spec.Procedure, "/"), "/", "."))
-		d, err := protoregistry.GlobalFiles.FindDescriptorByName(name)
-		if md, ok = d.(protoreflect.MethodDescriptor); err != nil || !ok {
-			return nil, fmt.Errorf("idemconnect: procedure %s has no schema and is not in protoregistry.GlobalFiles: its reply type is needed to replay", spec.Procedure)
-		}
-	}
-	t, err := protoregistry.GlobalTypes.FindMessageByName(md.Output().FullName())
-	if err != nil {
-		t = dynamicpb.NewMessageType(md.Output())
-	}
-	in.replies.Store(spec.Procedure, t)
-	return t, nil
-}
-
-// call is one call with a key, as rpcidem.Core.Do runs it.
+// call is one covered call, as rpcproto.Serve runs it.
 type call struct {
 	in   *interceptor
 	req  connect.AnyRequest
@@ -389,23 +264,55 @@ type call struct {
 	info connect.CallInfo // nil outside a handler
 
 	// header and trailer are info's response header and trailer before
-	// the first run: a run that is rolled back leaves nothing it set there.
+	// the first run (ran): a run that is rolled back leaves nothing it set
+	// there.
+	ran             bool
 	header, trailer http.Header
 
 	resp connect.AnyResponse // of the last run of the handler
 	err  error
 }
 
-func (c *call) Handle(ctx context.Context, tx pgx.Tx) error {
+func (c *call) Pass(ctx context.Context) (connect.AnyResponse, error) { return c.next(ctx, c.req) }
+
+func (c *call) Scope(ctx context.Context) (idem.Scope, error) {
+	return c.in.scope(ctx, c.req.Spec().Procedure)
+}
+
+// AsIs passes on an error of Options.Scope that is a *connect.Error.
+func (c *call) AsIs(err error) error {
+	if ce := (*connect.Error)(nil); errors.As(err, &ce) {
+		return ce
+	}
+	return nil
+}
+
+func (c *call) Fail(f *rpcidem.Failure) error {
 	c.restore()
-	c.resp, c.err = c.next(context.WithValue(ctx, txKey{}, tx), c.req)
+	if f.Reason == "" {
+		cause := f.Cause
+		if cause == nil {
+			cause = errors.New(f.Message)
+		}
+		return connect.NewError(connect.Code(f.Code), cause)
+	}
+	return statusError(rpcproto.Status(f))
+}
+
+func (c *call) Handle(ctx context.Context) error {
+	if !c.ran && c.info != nil {
+		c.header, c.trailer = c.info.ResponseHeader().Clone(), c.info.ResponseTrailer().Clone()
+	}
+	c.ran = true
+	c.restore()
+	c.resp, c.err = c.next(ctx, c.req)
 	return c.err
 }
 
 // restore sets info's response header and trailer back to what they were
 // before the first run.
 func (c *call) restore() {
-	if c.info == nil {
+	if c.info == nil || !c.ran {
 		return
 	}
 	for _, h := range []struct{ now, was http.Header }{{c.info.ResponseHeader(), c.header}, {c.info.ResponseTrailer(), c.trailer}} {
@@ -418,24 +325,17 @@ func (c *call) restore() {
 
 func (c *call) Code(err error) uint32 { return uint32(connect.CodeOf(err)) }
 
-func (c *call) Reply() (map[string][]string, []byte, error) {
-	msg, ok := c.resp.Any().(proto.Message)
-	if !ok {
-		return nil, nil, fmt.Errorf("idemconnect: the reply of %s is a %T, not a protobuf message", c.req.Spec().Procedure, c.resp.Any())
-	}
-	body, err := proto.MarshalOptions{Deterministic: true}.Marshal(msg)
-	if err != nil {
-		return nil, nil, fmt.Errorf("idemconnect: marshal the reply: %w", err)
-	}
+func (c *call) Reply() (any, map[string][]string) {
 	header, trailer := c.resp.Header(), c.resp.Trailer()
 	if c.info != nil {
 		header, trailer = merged(header, c.info.ResponseHeader()), merged(trailer, c.info.ResponseTrailer())
 	}
-	return c.in.stored(header, trailer), body, nil
+	return c.resp.Any(), c.in.srv.Core().Stored(header.Values, trailer.Values)
 }
 
-// Refusal is the stored form of herr, the handler's error, a refusal.
-func (c *call) Refusal(herr error) (map[string][]string, []byte, error) {
+// Refusal is the status of herr, the handler's error, a refusal, and its
+// stored metadata.
+func (c *call) Refusal(herr error) (*spb.Status, map[string][]string) {
 	code := connect.CodeOf(herr)
 	st := &spb.Status{Code: int32(code), Message: herr.Error()}
 	var meta http.Header
@@ -449,23 +349,22 @@ func (c *call) Refusal(herr error) (map[string][]string, []byte, error) {
 	if c.info != nil {
 		meta = merged(merged(meta, c.info.ResponseHeader()), c.info.ResponseTrailer())
 	}
-	body, err := proto.MarshalOptions{Deterministic: true}.Marshal(st)
-	if err != nil {
-		return nil, nil, fmt.Errorf("idemconnect: marshal the error: %w", err)
-	}
 	// An error's metadata travels as one set (headers or trailers,
-	// depending on the protocol): it is stored as headers.
-	stored := c.in.stored(meta, nil)
-	for name, values := range c.in.stored(nil, meta) {
-		name = strings.TrimPrefix(name, rpcidem.TrailerPrefix)
-		if _, dup := stored[name]; !dup {
-			if stored == nil {
-				stored = map[string][]string{}
-			}
-			stored[name] = values
+	// depending on the protocol): the chosen headers and trailers in it are
+	// stored as headers.
+	all := c.in.srv.Core().Stored(meta.Values, meta.Values)
+	var stored map[string][]string
+	for name, values := range all {
+		n, isTrailer := strings.CutPrefix(name, rpcidem.TrailerPrefix)
+		if _, dup := all[n]; isTrailer && dup {
+			continue
 		}
+		if stored == nil {
+			stored = map[string][]string{}
+		}
+		stored[n] = values
 	}
-	return stored, body, nil
+	return st, stored
 }
 
 // merged returns a and b together (either may be nil; neither changes).
@@ -483,57 +382,30 @@ func merged(a, b http.Header) http.Header {
 	return out
 }
 
-// stored returns the chosen headers and trailers, or nil.
-func (in *interceptor) stored(header, trailer http.Header) map[string][]string {
-	var out map[string][]string
-	add := func(prefix string, names []string, h http.Header) {
-		for _, name := range names {
-			values := h.Values(name)
-			if len(values) == 0 {
-				continue
-			}
-			if out == nil {
-				out = map[string][]string{}
-			}
-			out[prefix+strings.ToLower(name)] = slices.Clone(values)
-		}
-	}
-	add("", in.headers, header)
-	add(rpcidem.TrailerPrefix, in.trailers, trailer)
-	return out
-}
-
-// replayed is the response message of a replay: the stored reply, as the
-// procedure's reply type. It is a proto.Message through the one it embeds,
-// so every codec encodes it as that message.
+// replayed is the response message of a replay: the stored reply, as its
+// stored type. It is a proto.Message through the one it embeds, so every
+// codec encodes it as that message.
 type replayed struct{ proto.Message }
 
-// replay answers with a stored outcome.
-func (in *interceptor) replay(resp idem.Response, replyType protoreflect.MessageType) (connect.AnyResponse, error) {
+// Replay answers with a stored outcome. Binary ("-bin") values are stored
+// as they travel, base64 (connect.DecodeBinaryHeader reads them padded or
+// not).
+func (c *call) Replay(_ context.Context, r rpcproto.Replay) (connect.AnyResponse, error) {
+	c.restore()
 	header, trailer := http.Header{}, http.Header{}
-	for name, values := range resp.Header {
-		h := header
-		if n, ok := strings.CutPrefix(name, rpcidem.TrailerPrefix); ok {
-			name, h = n, trailer
-		}
-		// Binary ("-bin") values are stored as they travel, base64
-		// (connect.DecodeBinaryHeader reads them padded or not).
-		for _, v := range values {
-			h.Add(name, v)
+	for _, set := range []struct {
+		stored map[string][]string
+		h      http.Header
+	}{{r.Header, header}, {r.Trailer, trailer}} {
+		for name, values := range set.stored {
+			for _, v := range values {
+				set.h.Add(name, v)
+			}
 		}
 	}
 	header.Set(HeaderReplayed, "true")
-	if resp.Status != rpcidem.StatusReply {
-		var st spb.Status
-		if err := proto.Unmarshal(resp.Body, &st); err != nil {
-			return nil, connect.NewError(connect.CodeInternal, fmt.Errorf("idemconnect: stored status: %w", err))
-		}
-		ce := connect.NewError(connect.Code(st.Code), errors.New(st.Message))
-		for _, d := range st.Details {
-			if detail, err := connect.NewErrorDetail(d); err == nil {
-				ce.AddDetail(detail)
-			}
-		}
+	if r.Status != nil {
+		ce := statusError(r.Status)
 		for _, h := range []http.Header{header, trailer} {
 			for name, values := range h {
 				ce.Meta()[name] = append(ce.Meta()[name], values...)
@@ -541,40 +413,23 @@ func (in *interceptor) replay(resp idem.Response, replyType protoreflect.Message
 		}
 		return nil, ce
 	}
-	msg := replyType.New().Interface()
-	if err := proto.Unmarshal(resp.Body, msg); err != nil {
-		return nil, connect.NewError(connect.CodeInternal, fmt.Errorf("idemconnect: stored reply: %w", err))
-	}
-	r := connect.NewResponse(&replayed{msg})
+	resp := connect.NewResponse(&replayed{r.Reply})
 	for name, values := range header {
-		r.Header()[name] = values
+		resp.Header()[name] = values
 	}
 	for name, values := range trailer {
-		r.Trailer()[name] = values
+		resp.Trailer()[name] = values
 	}
-	return r, nil
+	return resp, nil
 }
 
-// errorOf is the error to answer for f.
-func errorOf(f *rpcidem.Failure) error {
-	if f.Reason == "" {
-		cause := f.Cause
-		if cause == nil {
-			cause = errors.New(f.Message)
-		}
-		return connect.NewError(connect.Code(f.Code), cause)
-	}
-	var more []proto.Message
-	if f.Retry {
-		more = append(more, &errdetails.RetryInfo{RetryDelay: durationpb.New(f.RetryDelay)})
-	}
-	return withInfo(connect.Code(f.Code), f.Reason, f.Message, more...)
-}
+// Own is the handler's own answer, with what its last run set.
+func (c *call) Own() (connect.AnyResponse, error) { return c.resp, c.err }
 
-// withInfo is a *connect.Error with an ErrorInfo detail, and more.
-func withInfo(code connect.Code, reason, msg string, more ...proto.Message) *connect.Error {
-	ce := connect.NewError(code, errors.New(msg))
-	for _, d := range append([]proto.Message{&errdetails.ErrorInfo{Reason: reason, Domain: ErrorDomain}}, more...) {
+// statusError is the *connect.Error of st.
+func statusError(st *spb.Status) *connect.Error {
+	ce := connect.NewError(connect.Code(st.Code), errors.New(st.Message))
+	for _, d := range st.Details {
 		if detail, err := connect.NewErrorDetail(d); err == nil {
 			ce.AddDetail(detail)
 		}

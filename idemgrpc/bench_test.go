@@ -7,11 +7,10 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5"
-	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/dynamicpb"
 
-	"github.com/pgidem/idem/idemgrpc"
 	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/rpcproto/rpctest"
 )
 
 // BenchmarkCall measures a call over a real connection on 127.0.0.1 whose
@@ -23,25 +22,29 @@ import (
 //	go test -run '^$' -bench Call -benchtime 2000x ./idemgrpc/
 func BenchmarkCall(b *testing.B) {
 	ctx := context.Background()
-	pool := pgtest.Pool(b, migrate)
+	pool := pgtest.Pool(b, rpctest.Migrate)
 	var runs atomic.Int64
-	insert := insertHandler(&runs)
-	conn := serve(b, pool, idemgrpc.Options{}, func(ctx context.Context, req *dynamicpb.Message) (proto.Message, error) {
-		if idemgrpc.Tx(ctx) != nil {
-			return insert(ctx, req)
-		}
-		var id int64
-		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
-			return tx.QueryRow(ctx, `INSERT INTO transfers (note, amount) VALUES ($1, $2) RETURNING id`,
-				getString(req, "note"), getInt(req, "amount")).Scan(&id)
+	insert := rpctest.Insert(&runs)
+	srv := transport{}.Serve(b, rpctest.DB{Driver: rpctest.Drivers[0], Pgx: pool}, rpctest.Options{},
+		func(ctx context.Context, tx rpctest.Tx, req *dynamicpb.Message) rpctest.Outcome {
+			if tx != nil {
+				return insert(ctx, tx, req)
+			}
+			var id int64
+			err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+				return tx.QueryRow(ctx, `INSERT INTO transfers (note, amount) VALUES ($1, $2) RETURNING id`,
+					rpctest.Note(req), rpctest.Amount(req)).Scan(&id)
+			})
+			if err != nil {
+				return rpctest.Fail(13, err.Error())
+			}
+			return rpctest.Outcome{Reply: rpctest.Reply(id, "bare")}
 		})
-		return reply(id, "bare"), err
-	})
-	req := request("bench", 1)
+	req := rpctest.Request("bench", 1)
 	b.Run("bare", func(b *testing.B) {
 		for b.Loop() {
-			if a := call(ctx, conn, "alice", "", req); a.err != nil {
-				b.Fatal(a.err)
+			if a := srv.Call(ctx, "alice", nil, req); a.Err != nil {
+				b.Fatal(a.Err)
 			}
 		}
 	})
@@ -49,15 +52,15 @@ func BenchmarkCall(b *testing.B) {
 		i := 0
 		for b.Loop() {
 			i++
-			if a := call(ctx, conn, "alice", fmt.Sprintf("bench-%d", i), req); a.err != nil {
-				b.Fatal(a.err)
+			if a := srv.Call(ctx, "alice", []string{fmt.Sprintf("bench-%d", i)}, req); a.Err != nil {
+				b.Fatal(a.Err)
 			}
 		}
 	})
 	b.Run("replay", func(b *testing.B) {
 		for b.Loop() {
-			if a := call(ctx, conn, "alice", "bench-1", req); a.err != nil || !a.replayed() {
-				b.Fatal(a.err)
+			if a := srv.Call(ctx, "alice", []string{"bench-1"}, req); a.Err != nil || !a.Replayed() {
+				b.Fatal(a.Err)
 			}
 		}
 	})

@@ -1,199 +1,62 @@
 package idemgrpc_test
 
-// The test service, without protoc: a file descriptor built in Go
-// (idemtest.v1.Ledger/Transfer), its messages as dynamicpb, served by a real
-// grpc-go server on 127.0.0.1 and called by a real client.
+// The test service (rpctest's idemtest.v1.Ledger/Transfer, without protoc)
+// served by a real grpc-go server on 127.0.0.1 and called by a real client,
+// as rpctest's suite asks.
 
 import (
 	"context"
-	"fmt"
 	"net"
 	"os"
-	"sync/atomic"
+	"strings"
 	"testing"
 
-	"github.com/jackc/pgx/v5/pgxpool"
-	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
-	"google.golang.org/protobuf/reflect/protodesc"
-	"google.golang.org/protobuf/reflect/protoreflect"
-	"google.golang.org/protobuf/reflect/protoregistry"
-	"google.golang.org/protobuf/types/descriptorpb"
 	"google.golang.org/protobuf/types/dynamicpb"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemgrpc"
 	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/rpcproto/rpctest"
 )
 
 func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }
 
-const transferMethod = "/idemtest.v1.Ledger/Transfer"
+// transport is idemgrpc as rpctest's suite runs it.
+type transport struct{}
 
-// ledgerFile is idemtest/v1/ledger.proto:
-//
-//	message TransferRequest { string request_id = 1; string note = 2; int64 amount = 3; }
-//	service Ledger { rpc Transfer(TransferRequest) returns (google.rpc.ResourceInfo); }
-//
-// The reply is a generated type (errdetails.ResourceInfo: resource_type
-// "transfer", resource_name "transfers/<id>", owner, description the
-// note), as a service's replies are: protobuf-go marshals those in field
-// number order, so a decoded reply goes out with the same bytes. (A
-// dynamicpb message goes out with its fields in a random order.)
-var ledgerFile = func() protoreflect.FileDescriptor {
-	field := func(name string, n int32, typ descriptorpb.FieldDescriptorProto_Type, label descriptorpb.FieldDescriptorProto_Label) *descriptorpb.FieldDescriptorProto {
-		return &descriptorpb.FieldDescriptorProto{Name: proto.String(name), Number: proto.Int32(n), Type: typ.Enum(),
-			Label: label.Enum(), JsonName: proto.String(name)}
+func (transport) Name() string { return "idemgrpc" }
+
+func (transport) BadKeys() [][]string { return nil }
+
+func (transport) Binary(raw string) string { return raw }
+
+func (transport) Build(db rpctest.DB, o rpctest.Options) { interceptor(db, o) }
+
+// interceptor is the interceptor on db with o.
+func interceptor(db rpctest.DB, o rpctest.Options) grpc.UnaryServerInterceptor {
+	opts := idemgrpc.Options{Scope: scopeFromMetadata, StoredHeaders: o.StoredHeaders, StoredTrailers: o.StoredTrailers,
+		RequireKey: o.RequireKey, KeyField: o.KeyField, Methods: o.Covered, Config: o.Config, Logger: o.Logger}
+	for _, c := range o.RefusalCodes {
+		opts.RefusalCodes = append(opts.RefusalCodes, codes.Code(c))
 	}
-	opt := descriptorpb.FieldDescriptorProto_LABEL_OPTIONAL
-	fdp := &descriptorpb.FileDescriptorProto{
-		Name:       proto.String("idemtest/v1/ledger.proto"),
-		Package:    proto.String("idemtest.v1"),
-		Syntax:     proto.String("proto3"),
-		Dependency: []string{"google/rpc/error_details.proto"},
-		MessageType: []*descriptorpb.DescriptorProto{
-			{Name: proto.String("TransferRequest"), Field: []*descriptorpb.FieldDescriptorProto{
-				field("request_id", 1, descriptorpb.FieldDescriptorProto_TYPE_STRING, opt),
-				field("note", 2, descriptorpb.FieldDescriptorProto_TYPE_STRING, opt),
-				field("amount", 3, descriptorpb.FieldDescriptorProto_TYPE_INT64, opt),
-			}},
-		},
-		Service: []*descriptorpb.ServiceDescriptorProto{{
-			Name: proto.String("Ledger"),
-			Method: []*descriptorpb.MethodDescriptorProto{{
-				Name: proto.String("Transfer"), InputType: proto.String(".idemtest.v1.TransferRequest"),
-				OutputType: proto.String(".google.rpc.ResourceInfo"),
-			}},
-		}},
-	}
-	fd, err := protodesc.NewFile(fdp, protoregistry.GlobalFiles)
-	if err != nil {
-		panic(err)
-	}
-	// Registered as generated code registers it: the interceptor finds the
-	// reply type there.
-	if err := protoregistry.GlobalFiles.RegisterFile(fd); err != nil {
-		panic(err)
-	}
-	return fd
-}()
-
-var requestDesc = ledgerFile.Messages().ByName("TransferRequest")
-
-// request returns a TransferRequest.
-func request(note string, amount int64) *dynamicpb.Message {
-	m := dynamicpb.NewMessage(requestDesc)
-	m.Set(requestDesc.Fields().ByName("note"), protoreflect.ValueOfString(note))
-	m.Set(requestDesc.Fields().ByName("amount"), protoreflect.ValueOfInt64(amount))
-	return m
-}
-
-// reply returns the reply for transfer id.
-func reply(id int64, note string) *errdetails.ResourceInfo {
-	return &errdetails.ResourceInfo{ResourceType: "transfer", ResourceName: fmt.Sprintf("transfers/%d", id),
-		Owner: "ledger", Description: note}
-}
-
-// getString and getInt read a field of a dynamic message.
-func getString(m proto.Message, name string) string {
-	r := m.ProtoReflect()
-	return r.Get(r.Descriptor().Fields().ByName(protoreflect.Name(name))).String()
-}
-
-func getInt(m proto.Message, name string) int64 {
-	r := m.ProtoReflect()
-	return r.Get(r.Descriptor().Fields().ByName(protoreflect.Name(name))).Int()
-}
-
-// ledgerHandler is the Transfer method: it runs with the request's
-// TransferRequest and answers a TransferReply or an error.
-type ledgerHandler func(ctx context.Context, req *dynamicpb.Message) (proto.Message, error)
-
-// serviceDesc serves h as idemtest.v1.Ledger, as generated code would.
-func serviceDesc(h ledgerHandler) *grpc.ServiceDesc {
-	return &grpc.ServiceDesc{
-		ServiceName: "idemtest.v1.Ledger",
-		HandlerType: (*any)(nil),
-		Methods: []grpc.MethodDesc{{
-			MethodName: "Transfer",
-			Handler: func(srv any, ctx context.Context, dec func(any) error, interceptor grpc.UnaryServerInterceptor) (any, error) {
-				in := dynamicpb.NewMessage(requestDesc)
-				if err := dec(in); err != nil {
-					return nil, err
-				}
-				run := func(ctx context.Context, req any) (any, error) { return h(ctx, req.(*dynamicpb.Message)) }
-				if interceptor == nil {
-					return run(ctx, in)
-				}
-				return interceptor(ctx, in, &grpc.UnaryServerInfo{Server: srv, FullMethod: transferMethod}, run)
-			},
-		}},
-		Metadata: "idemtest/v1/ledger.proto",
-	}
-}
-
-// migrate installs idem's table and the transfers the handlers write.
-func migrate(ctx context.Context, pool *pgxpool.Pool) error {
-	if err := idem.Migrate(ctx, pool); err != nil {
-		return err
-	}
-	_, err := pool.Exec(ctx, `CREATE TABLE transfers (id bigserial PRIMARY KEY, note text NOT NULL, amount bigint NOT NULL)`)
-	return err
-}
-
-// countRows returns the number of transfers.
-func countRows(t *testing.T, pool *pgxpool.Pool) int {
-	t.Helper()
-	var n int
-	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM transfers`).Scan(&n); err != nil {
-		t.Fatal(err)
-	}
-	return n
-}
-
-// insertHandler writes a transfer in the call's transaction and answers its
-// id; it counts its runs.
-func insertHandler(runs *atomic.Int64) ledgerHandler {
-	return func(ctx context.Context, req *dynamicpb.Message) (proto.Message, error) {
-		runs.Add(1)
-		var id int64
-		tx := idemgrpc.Tx(ctx)
-		if tx == nil {
-			return reply(0, "no transaction"), nil
+	switch {
+	case o.NoScope:
+		opts.Scope = nil
+	case o.Deny:
+		opts.Scope = func(context.Context, string) (idem.Scope, error) {
+			return idem.Scope{}, status.Error(codes.PermissionDenied, "not yours")
 		}
-		err := tx.QueryRow(ctx, `INSERT INTO transfers (note, amount) VALUES ($1, $2) RETURNING id`,
-			getString(req, "note"), getInt(req, "amount")).Scan(&id)
-		if err != nil {
-			return nil, err
-		}
-		return reply(id, getString(req, "note")), nil
 	}
-}
-
-// serve starts a grpc-go server on 127.0.0.1 with the interceptor and h, and
-// returns a client connection to it; both end with the test.
-func serve(t testing.TB, db idem.Beginner, opts idemgrpc.Options, h ledgerHandler) *grpc.ClientConn {
-	t.Helper()
-	if opts.Scope == nil {
-		opts.Scope = scopeFromMetadata
+	if db.UsesSQL() {
+		return idemgrpc.UnaryServerInterceptorSQL(db.SQL, opts)
 	}
-	srv := grpc.NewServer(grpc.UnaryInterceptor(idemgrpc.UnaryServerInterceptor(db, opts)))
-	srv.RegisterService(serviceDesc(h), nil)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	go func() { _ = srv.Serve(ln) }()
-	t.Cleanup(srv.Stop)
-	conn, err := grpc.NewClient(ln.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = conn.Close() })
-	return conn
+	return idemgrpc.UnaryServerInterceptor(db.Pgx, opts)
 }
 
 // scopeFromMetadata is the tests' authentication: the actor is the metadata
@@ -212,6 +75,89 @@ var errNoUser = errorString("no user")
 type errorString string
 
 func (e errorString) Error() string { return string(e) }
+
+// Serve starts a grpc-go server on 127.0.0.1 with the interceptor and h,
+// and returns a client of it; both end with the test.
+func (transport) Serve(t testing.TB, db rpctest.DB, o rpctest.Options, h rpctest.Handler) rpctest.Server {
+	t.Helper()
+	procedure := o.Procedure
+	if procedure == "" {
+		procedure = rpctest.Transfer
+	}
+	srv := grpc.NewServer(grpc.UnaryInterceptor(interceptor(db, o)))
+	srv.RegisterService(serviceDesc(procedure, h), nil)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() { _ = srv.Serve(ln) }()
+	t.Cleanup(srv.Stop)
+	conn, err := grpc.NewClient(ln.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	return client{conn: conn, procedure: procedure}
+}
+
+// serviceDesc serves h as procedure, as generated code would.
+func serviceDesc(procedure string, h rpctest.Handler) *grpc.ServiceDesc {
+	service, method, _ := strings.Cut(strings.TrimPrefix(procedure, "/"), "/")
+	run := func(ctx context.Context, req any) (any, error) {
+		out := h(ctx, rpctest.TxOf(idemgrpc.Tx(ctx), idemgrpc.TxSQL(ctx)), req.(*dynamicpb.Message))
+		if len(out.Header) > 0 {
+			_ = grpc.SetHeader(ctx, metadata.New(out.Header))
+		}
+		if len(out.Trailer) > 0 {
+			_ = grpc.SetTrailer(ctx, metadata.New(out.Trailer))
+		}
+		if out.Status != nil {
+			return nil, status.ErrorProto(out.Status)
+		}
+		return out.Reply, nil
+	}
+	return &grpc.ServiceDesc{
+		ServiceName: service,
+		HandlerType: (*any)(nil),
+		Methods: []grpc.MethodDesc{{
+			MethodName: method,
+			Handler: func(srv any, ctx context.Context, dec func(any) error, interceptor grpc.UnaryServerInterceptor) (any, error) {
+				in := dynamicpb.NewMessage(rpctest.RequestDesc)
+				if err := dec(in); err != nil {
+					return nil, err
+				}
+				if interceptor == nil {
+					return run(ctx, in)
+				}
+				return interceptor(ctx, in, &grpc.UnaryServerInfo{Server: srv, FullMethod: procedure}, run)
+			},
+		}},
+	}
+}
+
+// client calls one procedure.
+type client struct {
+	conn      *grpc.ClientConn
+	procedure string
+}
+
+// Call calls the procedure as user (none: "") with keys in the metadata.
+func (c client) Call(ctx context.Context, user string, keys []string, req proto.Message) rpctest.Answer {
+	md := metadata.MD{}
+	if user != "" {
+		md.Set("user", user)
+	}
+	md.Append(idemgrpc.MetadataKey, keys...)
+	var header, trailer metadata.MD
+	a := rpctest.Answer{Header: header.Get, Trailer: trailer.Get}
+	a.Err = c.conn.Invoke(metadata.NewOutgoingContext(ctx, md), c.procedure, req, &a.Body,
+		grpc.ForceCodec(rawCodec{}), grpc.Header(&header), grpc.Trailer(&trailer))
+	a.Header, a.Trailer = header.Get, trailer.Get
+	if a.Err != nil {
+		a.Status = status.Convert(a.Err).Proto()
+	}
+	return a
+}
 
 // rawCodec sends messages as the proto codec does and hands replies over as
 // their raw bytes when the reply is a *[]byte, so that tests compare what
@@ -233,44 +179,4 @@ func (rawCodec) Unmarshal(data []byte, v any) error {
 		return nil
 	}
 	return proto.Unmarshal(data, v.(proto.Message))
-}
-
-// answer is what a client got from one call.
-type answer struct {
-	body    []byte // the reply's bytes as they came over the wire
-	err     error
-	header  metadata.MD
-	trailer metadata.MD
-}
-
-func (a answer) replayed() bool {
-	v := a.header.Get(idemgrpc.MetadataReplayed)
-	return len(v) == 1 && v[0] == "true"
-}
-
-// decode returns the reply.
-func (a answer) decode(t *testing.T) *errdetails.ResourceInfo {
-	t.Helper()
-	m := &errdetails.ResourceInfo{}
-	if err := proto.Unmarshal(a.body, m); err != nil {
-		t.Fatal(err)
-	}
-	return m
-}
-
-// call calls Transfer as user with key in the metadata (none when key is
-// "").
-func call(ctx context.Context, conn *grpc.ClientConn, user, key string, req proto.Message) answer {
-	md := metadata.Pairs("user", user)
-	if key != "" {
-		md.Set(idemgrpc.MetadataKey, key)
-	}
-	return callMD(ctx, conn, md, req)
-}
-
-func callMD(ctx context.Context, conn *grpc.ClientConn, md metadata.MD, req proto.Message) answer {
-	var a answer
-	a.err = conn.Invoke(metadata.NewOutgoingContext(ctx, md), transferMethod, req, &a.body,
-		grpc.ForceCodec(rawCodec{}), grpc.Header(&a.header), grpc.Trailer(&a.trailer))
-	return a
 }

@@ -1,54 +1,22 @@
-// Package idemgrpc is a grpc-go unary server interceptor that makes calls
-// idempotent by their idempotency key, with the handler's own database
-// writes in the same PostgreSQL transaction as the key and the stored reply.
-//
-//	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(
-//		auth, // puts the authenticated user in the context
-//		idemgrpc.UnaryServerInterceptor(pool, idemgrpc.Options{Scope: scopeOf}),
-//	))
-//
-//	func (s *orders) PlaceOrder(ctx context.Context, req *pb.PlaceOrderRequest) (*pb.Order, error) {
-//		tx := idemgrpc.Tx(ctx) // writes here commit with the key and the reply; nil without a key
-//		...
-//	}
-//
-// A client sends a new key (a UUID, say) in the metadata entry
-// idempotency-key with each new intent, and the same key with every retry of
-// it (or in a request field, AIP-155's request_id: Options.KeyField). The
-// first call runs the handler in a transaction; its reply, or its refusal,
-// commits with the key. A retry gets the same reply (the same message bytes,
-// with the metadata idempotent-replayed: true) and the handler does not run.
-// See UnaryServerInterceptor for the whole contract, and the module's README
-// section "gRPC and Connect".
-//
-// Run idem.Migrate once before use.
 package idemgrpc
 
 import (
 	"context"
 	"errors"
-	"fmt"
 	"log/slog"
 	"slices"
-	"strings"
-	"sync"
 
 	"github.com/jackc/pgx/v5"
-	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	spb "google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/proto"
-	"google.golang.org/protobuf/reflect/protoreflect"
-	"google.golang.org/protobuf/reflect/protoregistry"
-	"google.golang.org/protobuf/types/dynamicpb"
-	"google.golang.org/protobuf/types/known/anypb"
-	"google.golang.org/protobuf/types/known/durationpb"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/front"
 	"github.com/pgidem/idem/internal/rpcidem"
+	"github.com/pgidem/idem/internal/rpcproto"
 )
 
 // MetadataKey is the request metadata entry that carries the idempotency
@@ -121,9 +89,10 @@ type Options struct {
 	// handler with grpc.SetHeader, grpc.SendHeader and grpc.SetTrailer). The
 	// first call sends everything the handler set; a replay only these, plus
 	// idempotent-replayed: true. Keep secrets out. Each must be an HTTP
-	// token (RFC 9110: letters, digits and !#$%&'*+-.^_`|~) that does not
-	// start with "grpc-"; UnaryServerInterceptor panics otherwise.
-	// Default: none.
+	// token (RFC 9110: letters, digits and !#$%&'*+-.^_`|) without '~' (as
+	// gRPC metadata keys are; idem marks its own stored entries with it)
+	// that does not start with "grpc-"; UnaryServerInterceptor panics
+	// otherwise. Default: none.
 	StoredHeaders  []string
 	StoredTrailers []string
 
@@ -142,8 +111,9 @@ type Options struct {
 	Config idem.Config
 }
 
-// txKey is the context key of the call's transaction.
-type txKey struct{}
+// txs holds the call's transaction in the handler's context: a pgx.Tx or
+// a *sql.Tx.
+var txs front.Txs
 
 // Tx returns the transaction of the covered call with a key that ctx
 // belongs to (the handler's context), or nil for a call without a key or a
@@ -156,10 +126,7 @@ type txKey struct{}
 // handler's statements or at COMMIT, the handler runs again in a new
 // transaction (Config.MaxRetries), so it must not have effects outside the
 // transaction.
-func Tx(ctx context.Context) pgx.Tx {
-	tx, _ := ctx.Value(txKey{}).(pgx.Tx)
-	return tx
-}
+func Tx(ctx context.Context) pgx.Tx { return txs.PgxTx(ctx) }
 
 // UnaryServerInterceptor returns an interceptor that makes covered unary
 // calls (Options.Methods) that carry a key idempotent, with the handler's
@@ -173,9 +140,9 @@ func Tx(ctx context.Context) pgx.Tx {
 // Deterministic option), versioned ("idemrpc/1"). The handler then runs in
 // idem.DoInTx on db, and its outcome decides what is stored:
 //
-//   - a reply: the handler's writes, the key and the reply (its bytes, and
-//     the chosen headers and trailers) commit together; the client gets the
-//     reply after the commit.
+//   - a reply: the handler's writes, the key and the reply (its bytes, the
+//     full name of its message type, and the chosen headers and trailers)
+//     commit together; the client gets the reply after the commit.
 //   - an error whose code Options.RefusalCodes holds: a deterministic
 //     refusal. The handler's writes are rolled back; the status (code,
 //     message, details) is stored and returned to every retry.
@@ -185,14 +152,16 @@ func Tx(ctx context.Context) pgx.Tx {
 //
 // A later call with the same scope, key and request gets the stored outcome
 // and the handler does not run: the reply is the stored bytes decoded into a
-// new message of the method's reply type, which the server's codec encodes
-// again (byte for byte the first reply's bytes, except that map entries go in
-// the codec's order), or the stored status; with the stored headers and
-// trailers and idempotent-replayed: true. The reply type is looked up once
-// per method in protoregistry.GlobalFiles (where generated code registers
-// every service) and protoregistry.GlobalTypes (a dynamicpb message when
-// the Go type is not registered); a method that is not there is refused
-// with INTERNAL before anything runs.
+// new message of the stored type, which the server's codec encodes again
+// (byte for byte the first reply's bytes, except that map entries go in the
+// codec's order), or the stored status; with the stored headers and
+// trailers and idempotent-replayed: true. The type is the one registered
+// under the stored name in protoregistry.GlobalTypes (generated code
+// registers every message), or else, for a reply of the method's own reply
+// type that is not registered there, a dynamicpb message of the type that
+// protoregistry.GlobalFiles gives the method. A reply that is neither could
+// not be replayed: the call that returns it fails with INTERNAL, saying so,
+// and nothing of it commits.
 //
 // The interceptor's own errors change nothing, and carry an ErrorInfo
 // detail (ErrorDomain, a Reason constant):
@@ -212,283 +181,127 @@ func Tx(ctx context.Context) pgx.Tx {
 // context ends first gets CANCELLED or DEADLINE_EXCEEDED; nothing of it
 // commits unless the commit went through, and the retry tells. An outcome
 // that cannot be stored (a reply over Config.MaxResponseBytes, a reply that
-// is not a protobuf message) is INTERNAL, with the handler's writes rolled
-// back.
+// is not a protobuf message or whose type a replay could not find) is
+// INTERNAL, with the handler's writes rolled back.
 //
 // UnaryServerInterceptor panics if db is nil (a typed nil *pgxpool.Pool
 // too) or opts is invalid (nil Scope, a stored name that is not a token,
 // a Config that idem.New refuses): a programming error to find at start-up.
 func UnaryServerInterceptor(db idem.Beginner, opts Options) grpc.UnaryServerInterceptor {
-	in, err := newInterceptor(db, opts)
-	if err != nil {
-		panic(err)
-	}
-	return in.intercept
+	return mustIntercept(opts, txs.Pgx(db))
 }
 
-// interceptor is the configured interceptor.
-type interceptor struct {
-	core     *rpcidem.Core
-	scope    func(ctx context.Context, fullMethod string) (idem.Scope, error)
-	methods  []string
-	keyField protoreflect.Name
-	headers  []string
-	trailers []string
-	replies  sync.Map // full method -> replyType
-}
+// grpcTransport is what the interceptor's core knows of gRPC.
+var grpcTransport = rpcidem.Transport{Name: "idemgrpc", ProcedureAttr: "method", KeySource: "idempotency-key metadata",
+	KeyMissing: "this method requires an idempotency key", Reserved: []string{"grpc-"}, NameKind: "metadata key",
+	RawBinary: true}
 
-func newInterceptor(db idem.Beginner, opts Options) (*interceptor, error) {
+// mustIntercept returns the interceptor with opts on the store open
+// returns, and panics on invalid options.
+func mustIntercept(opts Options, open front.Open) grpc.UnaryServerInterceptor {
 	refusals := opts.RefusalCodes
 	if refusals == nil {
 		refusals = DefaultRefusalCodes
 	}
-	core, err := rpcidem.New(db, rpcidem.Options{
-		Name:          "idemgrpc",
-		ProcedureAttr: "method",
-		KeySource:     "idempotency-key metadata",
-		KeyMissing:    "this method requires an idempotency key",
-		ScopeSet:      opts.Scope != nil,
-		RequireKey:    opts.RequireKey,
-		KeyField:      opts.KeyField,
-		RefusalCodes:  rpcidem.Codes(refusals),
-		Logger:        opts.Logger,
-		Config:        opts.Config,
-	})
-	if err != nil {
-		return nil, err
-	}
-	in := &interceptor{
-		core:     core,
-		scope:    opts.Scope,
-		methods:  slices.Clone(opts.Methods),
-		keyField: protoreflect.Name(opts.KeyField),
-	}
 	if slices.Contains(refusals, codes.OK) {
-		return nil, errors.New("idemgrpc: Options.RefusalCodes: OK is not a refusal")
+		panic(errors.New("idemgrpc: Options.RefusalCodes: OK is not a refusal"))
 	}
-	if in.keyField != "" && !in.keyField.IsValid() {
-		return nil, fmt.Errorf("idemgrpc: Options.KeyField: %q is not a field name", opts.KeyField)
+	srv, err := rpcproto.New(rpcidem.Options{Transport: grpcTransport, ScopeSet: opts.Scope != nil,
+		RequireKey: opts.RequireKey, KeyField: opts.KeyField, RefusalCodes: rpcidem.Codes(refusals),
+		StoredHeaders: opts.StoredHeaders, StoredTrailers: opts.StoredTrailers, Logger: opts.Logger, Config: opts.Config}, open)
+	if err != nil {
+		panic(err)
 	}
-	for _, list := range []struct {
-		in  []string
-		out *[]string
-	}{{opts.StoredHeaders, &in.headers}, {opts.StoredTrailers, &in.trailers}} {
-		for _, name := range list.in {
-			name = strings.ToLower(name)
-			if !rpcidem.HeaderName(name, "grpc-") {
-				return nil, fmt.Errorf("idemgrpc: Options.StoredHeaders, StoredTrailers: invalid metadata key %q", name)
-			}
-			*list.out = append(*list.out, name)
+	methods := slices.Clone(opts.Methods)
+	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+		if len(methods) > 0 && !slices.Contains(methods, info.FullMethod) {
+			return handler(ctx, req)
 		}
+		md, _ := metadata.FromIncomingContext(ctx)
+		c := &call{srv: srv, scope: opts.Scope, req: req, info: info, handler: handler,
+			stream: grpc.ServerTransportStreamFromContext(ctx)}
+		return rpcproto.Serve(ctx, srv, c, rpcproto.Request{Procedure: info.FullMethod, Keys: md.Get(MetadataKey), Message: req})
 	}
-	return in, nil
 }
 
-func (in *interceptor) intercept(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
-	if len(in.methods) > 0 && !slices.Contains(in.methods, info.FullMethod) {
-		return handler(ctx, req)
-	}
-	msg, isProto := req.(proto.Message)
-	md, _ := metadata.FromIncomingContext(ctx)
-	key, f := in.core.Key(md.Get(MetadataKey), keyField(msg, in.keyField))
-	if f != nil {
-		return nil, statusOf(f)
-	}
-	if key == "" {
-		return handler(ctx, req)
-	}
-	if !isProto {
-		return nil, status.Errorf(codes.Internal, "idemgrpc: the request of %s is a %T, not a protobuf message", info.FullMethod, req)
-	}
-	scope, err := in.scope(ctx, info.FullMethod)
-	if st, ok := status.FromError(err); err != nil && ok {
-		return nil, st.Err()
-	}
-	if f := in.core.Scope(scope, err); f != nil {
-		return nil, statusOf(f)
-	}
-	reply, err := in.replyType(info.FullMethod)
-	if err != nil {
-		return nil, status.Error(codes.Internal, err.Error())
-	}
-	b, err := proto.MarshalOptions{Deterministic: true}.Marshal(msg)
-	if err != nil {
-		return nil, status.Errorf(codes.Internal, "idemgrpc: marshal the request: %v", err)
-	}
-	stream := grpc.ServerTransportStreamFromContext(ctx)
-	c := &call{in: in, req: req, info: info, handler: handler}
-	stored, replayed, f := in.core.Do(ctx, info.FullMethod, scope, key, rpcidem.Fingerprint(info.FullMethod, b), c)
-	switch {
-	case f != nil:
-		return nil, statusOf(f)
-	case replayed:
-		return in.replay(ctx, stored, reply)
-	}
-	// The handler's own answer, with everything it set.
-	c.last.forward(stream)
-	if c.err != nil {
-		return nil, c.err
-	}
-	return c.reply, nil
-}
-
-// keyField returns the value of msg's string field name, or "" (no
-// name, no such field, or not set).
-func keyField(msg proto.Message, name protoreflect.Name) string {
-	if name == "" || msg == nil {
-		return ""
-	}
-	m := msg.ProtoReflect()
-	if fd := m.Descriptor().Fields().ByName(name); fd != nil && fd.Kind() == protoreflect.StringKind && !fd.IsList() {
-		return m.Get(fd).String()
-	}
-	return ""
-}
-
-// replyType returns the reply message type of fullMethod, from the global
-// registries.
-func (in *interceptor) replyType(fullMethod string) (protoreflect.MessageType, error) {
-	if t, ok := in.replies.Load(fullMethod); ok {
-		return t.(protoreflect.MessageType), nil
-	}
-	name := protoreflect.FullName(strings.ReplaceAll(strings.TrimPrefix(fullMethod, "/"), "/", "."))
-	d, err := protoregistry.GlobalFiles.FindDescriptorByName(name)
-	md, ok := d.(protoreflect.MethodDescriptor)
-	if err != nil || !ok {
-		return nil, fmt.Errorf("idemgrpc: method %s is not in protoregistry.GlobalFiles: its reply type is needed to replay (register the service's file descriptor)", fullMethod)
-	}
-	var t protoreflect.MessageType
-	if t, err = protoregistry.GlobalTypes.FindMessageByName(md.Output().FullName()); err != nil {
-		t = dynamicpb.NewMessageType(md.Output())
-	}
-	in.replies.Store(fullMethod, t)
-	return t, nil
-}
-
-// call is one call with a key, as rpcidem.Core.Do runs it.
+// call is one covered call, as rpcproto.Serve runs it.
 type call struct {
-	in      *interceptor
+	srv     *rpcproto.Server
+	scope   func(ctx context.Context, fullMethod string) (idem.Scope, error)
 	req     any
 	info    *grpc.UnaryServerInfo
 	handler grpc.UnaryHandler
+	stream  grpc.ServerTransportStream // the call's own, nil outside a server
 
 	last  *recorder // of the last run of the handler
 	reply any
 	err   error
 }
 
-func (c *call) Handle(ctx context.Context, tx pgx.Tx) error {
+func (c *call) Pass(ctx context.Context) (any, error) { return c.handler(ctx, c.req) }
+
+func (c *call) Scope(ctx context.Context) (idem.Scope, error) { return c.scope(ctx, c.info.FullMethod) }
+
+// AsIs passes on an error of Options.Scope that carries a status.
+func (c *call) AsIs(err error) error {
+	if st, ok := status.FromError(err); ok {
+		return st.Err()
+	}
+	return nil
+}
+
+func (c *call) Fail(f *rpcidem.Failure) error { return status.ErrorProto(rpcproto.Status(f)) }
+
+func (c *call) Handle(ctx context.Context) error {
 	c.last = &recorder{method: c.info.FullMethod}
-	hctx := grpc.NewContextWithServerTransportStream(context.WithValue(ctx, txKey{}, tx), c.last)
-	c.reply, c.err = c.handler(hctx, c.req)
+	c.reply, c.err = c.handler(grpc.NewContextWithServerTransportStream(ctx, c.last), c.req)
 	return c.err
 }
 
 func (c *call) Code(err error) uint32 { return uint32(status.Convert(err).Code()) }
 
-func (c *call) Refusal(err error) (map[string][]string, []byte, error) {
-	body, err := proto.MarshalOptions{Deterministic: true}.Marshal(status.Convert(err).Proto())
-	if err != nil {
-		return nil, nil, fmt.Errorf("idemgrpc: marshal the status: %w", err)
-	}
-	return c.in.stored(c.last), body, nil
+func (c *call) Reply() (any, map[string][]string) { return c.reply, c.stored() }
+
+func (c *call) Refusal(err error) (*spb.Status, map[string][]string) {
+	return status.Convert(err).Proto(), c.stored()
 }
 
-func (c *call) Reply() (map[string][]string, []byte, error) {
-	msg, ok := c.reply.(proto.Message)
-	if !ok {
-		return nil, nil, fmt.Errorf("idemgrpc: the reply of %s is a %T, not a protobuf message", c.info.FullMethod, c.reply)
-	}
-	body, err := proto.MarshalOptions{Deterministic: true}.Marshal(msg)
-	if err != nil {
-		return nil, nil, fmt.Errorf("idemgrpc: marshal the reply: %w", err)
-	}
-	return c.in.stored(c.last), body, nil
+// stored is the stored form of the metadata the last run set.
+func (c *call) stored() map[string][]string {
+	return c.srv.Core().Stored(c.last.header.Get, c.last.trailer.Get)
 }
 
-// replay answers with a stored outcome.
-func (in *interceptor) replay(ctx context.Context, resp idem.Response, replyType protoreflect.MessageType) (any, error) {
-	header := metadata.Pairs(MetadataReplayed, "true")
-	trailer := metadata.MD{}
-	for name, values := range resp.Header {
-		md := header
-		if n, ok := strings.CutPrefix(name, rpcidem.TrailerPrefix); ok {
-			name, md = n, trailer
-		}
-		for _, v := range values {
-			if rpcidem.IsBinary(name) {
-				raw, err := rpcidem.DecodeBinary(v)
-				if err != nil {
-					return nil, status.Errorf(codes.Internal, "idemgrpc: stored metadata %s: %v", name, err)
+func (c *call) Replay(ctx context.Context, r rpcproto.Replay) (any, error) {
+	header, trailer := metadata.Pairs(MetadataReplayed, "true"), metadata.MD{}
+	for _, set := range []struct {
+		stored map[string][]string
+		md     metadata.MD
+	}{{r.Header, header}, {r.Trailer, trailer}} {
+		for name, values := range set.stored {
+			for _, v := range values {
+				if rpcidem.IsBinary(name) {
+					raw, err := rpcidem.DecodeBinary(v)
+					if err != nil {
+						return nil, status.Errorf(codes.Internal, "idemgrpc: stored metadata %s: %v", name, err)
+					}
+					v = raw
 				}
-				v = raw
+				set.md.Append(name, v)
 			}
-			md.Append(name, v)
 		}
 	}
 	_ = grpc.SetHeader(ctx, header) // fails only outside a server, or after headers went out
 	if len(trailer) > 0 {
 		_ = grpc.SetTrailer(ctx, trailer)
 	}
-	if resp.Status != rpcidem.StatusReply {
-		var st spb.Status
-		if err := proto.Unmarshal(resp.Body, &st); err != nil {
-			return nil, status.Errorf(codes.Internal, "idemgrpc: stored status: %v", err)
-		}
-		return nil, status.ErrorProto(&st)
+	if r.Status != nil {
+		return nil, status.ErrorProto(r.Status)
 	}
-	reply := replyType.New().Interface()
-	if err := proto.Unmarshal(resp.Body, reply); err != nil {
-		return nil, status.Errorf(codes.Internal, "idemgrpc: stored reply: %v", err)
-	}
-	return reply, nil
+	return r.Reply, nil
 }
 
-// stored returns the metadata of r that is stored, or nil.
-func (in *interceptor) stored(r *recorder) map[string][]string {
-	var out map[string][]string
-	add := func(prefix string, names []string, md metadata.MD) {
-		for _, name := range names {
-			values := md.Get(name)
-			if len(values) == 0 || out[prefix+name] != nil {
-				continue // absent, or listed twice
-			}
-			if out == nil {
-				out = map[string][]string{}
-			}
-			for _, v := range values {
-				if rpcidem.IsBinary(name) {
-					v = rpcidem.EncodeBinary(v)
-				}
-				out[prefix+name] = append(out[prefix+name], v)
-			}
-		}
-	}
-	add("", in.headers, r.header)
-	add(rpcidem.TrailerPrefix, in.trailers, r.trailer)
-	return out
-}
-
-// statusOf is the status of f.
-func statusOf(f *rpcidem.Failure) error {
-	if f.Reason == "" {
-		return status.Error(codes.Code(f.Code), f.Message)
-	}
-	var more []proto.Message
-	if f.Retry {
-		more = append(more, &errdetails.RetryInfo{RetryDelay: durationpb.New(f.RetryDelay)})
-	}
-	return withDetails(codes.Code(f.Code), f.Reason, f.Message, more...)
-}
-
-// withDetails is a status with an ErrorInfo detail, and more details.
-func withDetails(code codes.Code, reason, msg string, more ...proto.Message) error {
-	details := append([]proto.Message{&errdetails.ErrorInfo{Reason: reason, Domain: ErrorDomain}}, more...)
-	p := &spb.Status{Code: int32(code), Message: msg}
-	for _, d := range details {
-		if a, err := anypb.New(d); err == nil {
-			p.Details = append(p.Details, a)
-		}
-	}
-	return status.ErrorProto(p)
+// Own is the handler's own answer, with everything it set.
+func (c *call) Own() (any, error) {
+	c.last.forward(c.stream)
+	return c.reply, c.err
 }

@@ -52,5 +52,15 @@
 //		...
 //	})))
 //
+// The layers a request goes through:
+//
+//	idemhttp               this package: keys, bodies, answers (an adapter)
+//	idem, idemsql          the public fronts: DoInTx on a pgx pool or a *sql.DB
+//	the core               the protocol (claim, store, replay) and its drivers
+//
+// The middleware asks the front, never the database, and never holds the
+// handler's transaction: the front puts it in the request's context, where
+// only Tx or TxSQL read it.
+//
 // Run idem.Migrate (or idemsql.Migrate) once before use.
 package idemhttp

@@ -3,7 +3,6 @@ package idemhttp
 import (
 	"bytes"
 	"context"
-	"database/sql"
 	"errors"
 	"fmt"
 	"io"
@@ -18,9 +17,9 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/front"
 	"github.com/pgidem/idem/internal/keyhdr"
 	"github.com/pgidem/idem/internal/loghash"
-	"github.com/pgidem/idem/internal/watchtx"
 )
 
 // Options configures Middleware. Actor is required; every other field's
@@ -131,9 +130,6 @@ var (
 	defaultStoredHeaders = []string{"Content-Type", "Content-Encoding", "Location"}
 )
 
-// txKey is the context key of the request's transaction.
-type txKey struct{}
-
 // runKey is the context key of the buffer of the handler's current run,
 // which Invalid marks.
 type runKey struct{}
@@ -150,10 +146,11 @@ type runKey struct{}
 // last run's answer, so the handler must not have effects outside the
 // transaction. (The pgx.Tx returned watches the handler's statements for
 // such failures; use it, not its Conn, for the handler's writes.)
-func Tx(ctx context.Context) pgx.Tx {
-	tx, _ := ctx.Value(txKey{}).(pgx.Tx)
-	return tx
-}
+func Tx(ctx context.Context) pgx.Tx { return txs.PgxTx(ctx) }
+
+// txs holds the request's transaction in the handler's context: a pgx.Tx
+// (Middleware) or a *sql.Tx (MiddlewareSQL).
+var txs front.Txs
 
 // Invalid tells the middleware that the handler refuses the covered request
 // that ctx belongs to (the handler's r.Context()) as invalid, before acting
@@ -224,7 +221,7 @@ func Invalid(ctx context.Context) {
 // like an invalid ServeMux pattern, that is a programming error to find at
 // start-up.
 func Middleware(db idem.Beginner, opts Options) func(http.Handler) http.Handler {
-	m, err := newMiddleware(db, opts)
+	m, err := newMiddleware(opts, txs.Pgx(db))
 	if err != nil {
 		panic(err)
 	}
@@ -243,7 +240,7 @@ func (m *middleware) wrap(next http.Handler) http.Handler {
 
 // middleware is the configured middleware around one handler.
 type middleware struct {
-	store       store
+	store       front.Store
 	client      *idem.Client
 	actor       func(*http.Request) (string, error)
 	operation   func(*http.Request) string
@@ -261,12 +258,9 @@ type middleware struct {
 	next        http.Handler
 }
 
-// newMiddleware configures the middleware on db: an idem.Beginner or a
-// *sql.DB (see store).
-func newMiddleware(db any, opts Options) (*middleware, error) {
-	if nilHandle(db) {
-		return nil, errors.New("idemhttp: nil database handle")
-	}
+// newMiddleware configures the middleware on the store that open returns
+// for its client (front.Pgx or front.SQL on the application's handle).
+func newMiddleware(opts Options, open front.Open) (*middleware, error) {
 	if opts.Actor == nil {
 		return nil, errors.New("idemhttp: Options.Actor is required")
 	}
@@ -299,9 +293,9 @@ func newMiddleware(db any, opts Options) (*middleware, error) {
 			return nil, fmt.Errorf("idemhttp: Options.Config: %w", err)
 		}
 	}
-	st, err := newStore(db, client)
+	st, err := open(client)
 	if err != nil {
-		return nil, fmt.Errorf("idemhttp: Options.Config: %w", err)
+		return nil, fmt.Errorf("idemhttp: %w", err)
 	}
 	m := &middleware{
 		store:       st,
@@ -485,31 +479,18 @@ func (m *middleware) readBody(w http.ResponseWriter, r *http.Request) (body []by
 	return body, 0, ""
 }
 
-// run runs the handler once in tx with a fresh buffer and request body, and
-// returns the buffer, and the serialization failure or deadlock one of the
-// handler's statements met (nil if none): the transaction is then lost
-// whatever the handler answered, and returning that error makes InTx and
-// DoInTx run the handler again in a new one. A panic of the handler goes on
-// to the caller.
-func (m *middleware) run(ctx context.Context, tx any, r *http.Request, base http.Header, body []byte) (*bufferWriter, error) {
+// run runs the handler once with a fresh buffer and request body, in the
+// transaction that ctx carries (the store put it there), and returns the
+// buffer. A panic of the handler goes on to the caller. (A serialization
+// failure or deadlock met by the handler's statements is the store's to
+// see: it runs the handler again in a new transaction.)
+func (m *middleware) run(ctx context.Context, r *http.Request, base http.Header, body []byte) *bufferWriter {
 	buf := newBufferWriter(base, m.maxResponse)
-	var wt *watchtx.Tx
-	switch tx := tx.(type) {
-	case pgx.Tx:
-		wt = watchtx.New(tx)
-		ctx = context.WithValue(ctx, txKey{}, pgx.Tx(wt))
-	case *sql.Tx:
-		ctx = context.WithValue(ctx, sqlTxKey{}, tx)
-	}
-	ctx = context.WithValue(ctx, runKey{}, buf)
-	req := r.WithContext(ctx)
+	req := r.WithContext(context.WithValue(ctx, runKey{}, buf))
 	req.Body = io.NopCloser(bytes.NewReader(body))
 	req.ContentLength = int64(len(body))
 	m.next.ServeHTTP(buf, req)
-	if wt == nil {
-		return buf, nil
-	}
-	return buf, wt.Retryable()
+	return buf
 }
 
 // serveKeyed runs the handler under idem for a request with a key.
@@ -520,11 +501,8 @@ func (m *middleware) serveKeyed(ctx context.Context, w http.ResponseWriter, r *h
 	var res idem.Result
 	err := m.guard(ctx, w, r, key, func() error {
 		var err error
-		res, err = m.store.doInTx(ctx, scope, key, fp, func(ctx context.Context, tx any) (idem.Response, error) {
-			var retry error
-			if buf, retry = m.run(ctx, tx, r, base, body); retry != nil {
-				return idem.Response{}, retry
-			}
+		res, err = m.store.DoInTx(ctx, scope, key, fp, func(ctx context.Context) (idem.Response, error) {
+			buf = m.run(ctx, r, base, body)
 			if buf.tooBig {
 				return idem.Response{}, fmt.Errorf("%w: the handler wrote more than %d bytes", idem.ErrResponseTooLarge, m.maxResponse)
 			}
@@ -576,11 +554,8 @@ func (m *middleware) serveUnkeyed(ctx context.Context, w http.ResponseWriter, r 
 	base := w.Header().Clone()
 	var buf *bufferWriter
 	err := m.guard(ctx, w, r, "", func() error {
-		return m.store.inTx(ctx, func(ctx context.Context, tx any) error {
-			var retry error
-			if buf, retry = m.run(ctx, tx, r, base, body); retry != nil {
-				return retry
-			}
+		return m.store.InTx(ctx, func(ctx context.Context) error {
+			buf = m.run(ctx, r, base, body)
 			if buf.tooBig {
 				return fmt.Errorf("%w: the handler wrote more than %d bytes", idem.ErrResponseTooLarge, m.maxResponse)
 			}

@@ -14,6 +14,7 @@ import (
 	"go.opentelemetry.io/otel/metric/noop"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/front"
 	"github.com/pgidem/idem/internal/loghash"
 )
 
@@ -197,7 +198,7 @@ type StatusOptions struct {
 // StatusHandler panics if db is nil or opts is invalid (nil Actor, a
 // Config that idem.New refuses).
 func StatusHandler(db idem.Beginner, opts StatusOptions) http.Handler {
-	h, err := newStatusHandler(db, opts)
+	h, err := newStatusHandler(opts, txs.Pgx(db))
 	if err != nil {
 		panic(err)
 	}
@@ -206,7 +207,7 @@ func StatusHandler(db idem.Beginner, opts StatusOptions) http.Handler {
 
 // statusHandler is the handler StatusHandler returns.
 type statusHandler struct {
-	store     store        // of probe
+	store     front.Store  // of probe
 	probe     *idem.Client // key bounds; claims that wait for nothing and count nowhere
 	actor     func(*http.Request) (string, error)
 	challenge string
@@ -215,12 +216,10 @@ type statusHandler struct {
 	stored    []string        // canonical names of the headers a replay carries
 }
 
-// newStatusHandler configures the handler on db: an idem.Beginner or a
-// *sql.DB (see store).
-func newStatusHandler(db any, opts StatusOptions) (*statusHandler, error) {
-	if nilHandle(db) {
-		return nil, errors.New("idemhttp: nil database handle")
-	}
+// newStatusHandler configures the handler on the store that open returns
+// for its probe client (front.Pgx or front.SQL on the application's
+// handle).
+func newStatusHandler(opts StatusOptions, open front.Open) (*statusHandler, error) {
 	if opts.Actor == nil {
 		return nil, errors.New("idemhttp: StatusOptions.Actor is required")
 	}
@@ -241,9 +240,9 @@ func newStatusHandler(db any, opts StatusOptions) (*statusHandler, error) {
 	if err != nil {
 		return nil, fmt.Errorf("idemhttp: StatusOptions.StoredHeaders: %w", err)
 	}
-	st, err := newStore(db, probe)
+	st, err := open(probe)
 	if err != nil {
-		return nil, fmt.Errorf("idemhttp: StatusOptions.Config: %w", err)
+		return nil, fmt.Errorf("idemhttp: %w", err)
 	}
 	h := &statusHandler{store: st, probe: probe, actor: opts.Actor, challenge: opts.Challenge, log: opts.Logger,
 		hash: loghash.New(opts.Config.LogHashKey), stored: stored}
@@ -288,7 +287,7 @@ func (h *statusHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	// At most: a lookup, a probe, and a second lookup when the request
 	// committed between the first two.
 	for range 2 {
-		rec, err := h.store.lookup(ctx, scope, key)
+		rec, err := h.store.Lookup(ctx, scope, key)
 		if err == nil {
 			h.answer(w, r, key, rec)
 			return
@@ -297,8 +296,8 @@ func (h *statusHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			h.fail(ctx, w, r, key, err)
 			return
 		}
-		_, err = h.store.doInTx(ctx, scope, key, probeFingerprint,
-			func(context.Context, any) (idem.Response, error) { return idem.Response{}, errProbe })
+		_, err = h.store.DoInTx(ctx, scope, key, probeFingerprint,
+			func(context.Context) (idem.Response, error) { return idem.Response{}, errProbe })
 		var inProgress *idem.InProgressError
 		switch {
 		case errors.Is(err, errProbe):

@@ -51,8 +51,8 @@
 // caller's transaction four (its savepoint, the claim, the stored response,
 // the release) where idem.Do costs two. lib/pq adds a round trip to every
 // statement with arguments unless the connection sets
-// binary_parameters=yes. BenchmarkRoundTrips measures them; the README's
-// database/sql section has the figures.
+// binary_parameters=yes. BenchmarkRoundTrips measures them; docs/sql.md has
+// the figures.
 //
 // Concurrent DoInTx calls with the same key in one process are not
 // coalesced (idem.DoInTx coalesces them on one pgx pool); they meet at the

@@ -2,25 +2,37 @@
 //
 // Usage:
 //
-//	idem-demo [run]
+//	idem-demo [run] [-db idem_demo]
 //	idem-demo serve [-addr 127.0.0.1:8080] [-seed N] [-db idem_demo]
 //
 // run (the default) finds a server (DATABASE_URL, localhost:5432, Docker, or
-// a temporary initdb cluster), recreates the database idem_demo on it,
-// installs idem's table and the Goose Kuzi draw tables, and puts the draw
-// API through the failure scenarios of the design: a retry after a lost
-// response, a reused key, concurrent duplicates, a failure before commit and
-// a stored refusal; then payments through a fake card gateway with
-// idem.Reserve: a retry, a timeout after the charge that becomes an unknown
-// outcome, an operator resolving it, a worker paused past its lease, and a
-// gateway that refused. It prints a table of what happened and of the numbers
-// read back from the database, and exits with status 1 if any invariant
-// fails. The database is left in place for inspection.
+// a temporary initdb cluster), creates the database idem_demo on it if it is
+// missing (-db names another), resets the demo's tables in it, installs
+// idem's table and the Goose Kuzi draw tables, and puts the draw API through
+// the failure scenarios of the design: a retry after a lost response, a
+// reused key, concurrent duplicates, a failure before commit and a stored
+// refusal; then payments through a fake card gateway with idem.Reserve: a
+// retry, a timeout after the charge that becomes an unknown outcome, an
+// operator resolving it, a worker paused past its lease, and a gateway that
+// refused. It prints a table of what happened and of the numbers read back
+// from the database, and exits with status 1 if any invariant fails. The
+// database is left in place for inspection.
 //
-// serve recreates the same database and serves the draw API over HTTP on a
+// The demo only ever changes a database of its own: one it created, found
+// empty, or found holding only an older demo's tables. It marks it with its
+// table idem_demo and resets it (every table in it dropped and created
+// again) at the start of each run. It refuses a database that holds tables
+// it did not create, never drops a database, and never ends another
+// session. Runs on one database take turns: a run
+// waits (and says so) while another run or serve holds it, so concurrent
+// runs on one server all pass.
+//
+// serve prepares the same database and serves the draw API over HTTP on a
 // loopback address, with idemhttp in front of it, until SIGINT or SIGTERM:
 //
 //	POST /v1/draws           {"box_id":1,"quantity":2}, with an Idempotency-Key header
+//	                         (X-Demo-Delay: 6s holds the key that long, to try a duplicate in flight)
+//	GET  /v1/idempotency     ?key=K&operation=O: the status URL of a draw (202 Accepted while it runs)
 //	GET  /v1/wallets/{user}  points and prizes of the caller
 //	POST /v1/payments        {"customerId":"cus-1","amountCents":12000,"currency":"KRW"},
 //	                         with an Idempotency-Key header (X-Demo-Gateway: timeout-after-charge
@@ -31,6 +43,10 @@
 //
 // The bearer token is the user name (alice or bob). -seed makes the prize
 // picks repeatable.
+//
+// A connection string that goes through a transaction pooler in pgx's
+// default exec mode fails at the start with idem's diagnosis
+// (idem.ErrPreparedStatements) and the setting that fixes it.
 package main
 
 import (
@@ -43,42 +59,37 @@ import (
 	"os/signal"
 	"syscall"
 
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
-
-	"github.com/pgidem/idem"
 	_ "github.com/pgidem/idem/cmd/internal/pgcontainer" // Resolve may start a Docker container
-	"github.com/pgidem/idem/internal/draw"
 	"github.com/pgidem/idem/internal/pgserver"
 )
-
-// database is the database the demo recreates on every run.
-const database = "idem_demo"
 
 func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 
-	cmd := "run"
-	if len(os.Args) > 1 {
-		cmd = os.Args[1]
+	cmd, args := "run", os.Args[1:]
+	switch {
+	case len(args) == 0:
+	case args[0] == "-h" || args[0] == "-help" || args[0] == "--help":
+		cmd = "help"
+	case !isFlag(args[0]): // "idem-demo -db x" runs
+		cmd, args = args[0], args[1:]
 	}
 	var err error
 	switch cmd {
 	case "run":
-		err = run(ctx, os.Stdout)
+		var name string
+		name, err = parseRunFlags(args, os.Stderr)
+		if err == nil {
+			err = run(ctx, os.Stdout, name)
+		}
 	case "serve":
 		var cfg serveConfig
-		cfg, err = parseServeFlags(os.Args[2:], os.Stderr)
-		if errors.Is(err, flag.ErrHelp) {
-			return
+		cfg, err = parseServeFlags(args, os.Stderr)
+		if err == nil {
+			err = serve(ctx, os.Stdout, cfg)
 		}
-		if err != nil {
-			fmt.Fprintln(os.Stderr, "idem-demo:", err)
-			os.Exit(2)
-		}
-		err = serve(ctx, os.Stdout, cfg)
-	case "help", "-h", "-help", "--help":
+	case "help":
 		usage(os.Stdout)
 		return
 	default:
@@ -86,80 +97,80 @@ func main() {
 		usage(os.Stderr)
 		os.Exit(2)
 	}
-	if err != nil {
+	switch {
+	case errors.Is(err, flag.ErrHelp):
+	case errors.As(err, new(usageError)):
+		fmt.Fprintln(os.Stderr, "idem-demo:", err)
+		os.Exit(2)
+	case err != nil:
 		fmt.Fprintln(os.Stderr, "idem-demo:", err)
 		os.Exit(1)
 	}
 }
 
+// isFlag reports whether arg is a flag ("-db", "--help") rather than a
+// command.
+func isFlag(arg string) bool { return len(arg) > 1 && arg[0] == '-' }
+
 func usage(w io.Writer) {
-	fmt.Fprintln(w, `usage: idem-demo [run]
+	fmt.Fprintln(w, `usage: idem-demo [run] [-db idem_demo]
        idem-demo serve [-addr 127.0.0.1:8080] [-seed N] [-db idem_demo]
 
-  run     recreate the database idem_demo and run the draw scenarios (default)
-  serve   recreate the database and serve the draw API over HTTP on a loopback
-          address until interrupted (serve -h lists the flags)`)
+  run     run the draw and payment scenarios in the database idem_demo (default)
+  serve   serve the draw API over HTTP on a loopback address until interrupted
+
+Both create the database if it is missing and reset the demo's tables in it;
+they refuse a database that holds tables the demo did not create. run -h and
+serve -h list the flags.`)
 }
 
-// run prepares the database and runs the scenarios. It returns an error if
-// the database cannot be prepared or any scenario fails.
-func run(ctx context.Context, out io.Writer) error {
+// usageError is a mistake on the command line: exit status 2.
+type usageError struct{ msg string }
+
+func (e usageError) Error() string { return e.msg }
+
+// parseRunFlags parses the flags of run and returns the database name.
+func parseRunFlags(args []string, errOut io.Writer) (string, error) {
+	fs := flag.NewFlagSet("run", flag.ContinueOnError)
+	fs.SetOutput(errOut)
+	name := fs.String("db", defaultDatabase, "`name` of the demo's database: created if missing, its tables reset (idem, then [a-z0-9_])")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return "", err
+		}
+		return "", usageError{"run: " + err.Error()}
+	}
+	if fs.NArg() > 0 {
+		return "", usageError{fmt.Sprintf("run: unexpected argument %q", fs.Arg(0))}
+	}
+	return *name, checkDatabaseName(*name)
+}
+
+// run resolves a server, prepares the database called name on it and runs
+// the scenarios. It returns an error if the database cannot be prepared or
+// any scenario fails.
+func run(ctx context.Context, out io.Writer, name string) error {
 	srv, err := pgserver.Resolve(ctx)
 	if err != nil {
 		return err
 	}
 	defer srv.Close()
-	fmt.Fprintf(out, "PostgreSQL from %s; database %s\n\n", srv.Source, database)
+	return runOn(ctx, out, srv, name)
+}
 
-	pool, err := openDatabase(ctx, srv, database)
+// runOn is run on srv.
+func runOn(ctx context.Context, out io.Writer, srv *pgserver.Server, name string) error {
+	fmt.Fprintf(out, "PostgreSQL from %s; database %s\n\n", srv.Source, name)
+	db, err := openDatabase(ctx, srv, name, out)
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
+	defer db.Close()
 
-	failed := runScenarios(ctx, out, pool)
+	failed := runScenarios(ctx, out, db.pool)
 	if failed > 0 {
 		return fmt.Errorf("%d scenario(s) failed", failed)
 	}
 	fmt.Fprintln(out, "\nAll scenarios ok: every draw was charged and stocked exactly once, and every payment charged at most once.")
 	return nil
-}
-
-// openDatabase drops and recreates the database called name, installs
-// idem's migrations and the draw tables and seeds, and returns a pool with
-// enough connections for the concurrent scenario.
-func openDatabase(ctx context.Context, srv *pgserver.Server, name string) (*pgxpool.Pool, error) {
-	admin, err := pgx.Connect(ctx, srv.URL)
-	if err != nil {
-		return nil, fmt.Errorf("connect to %s: %w", srv.Source, err)
-	}
-	defer admin.Close(context.Background())
-	ident := pgx.Identifier{name}.Sanitize()
-	for _, sql := range []string{
-		"DROP DATABASE IF EXISTS " + ident + " WITH (FORCE)",
-		"CREATE DATABASE " + ident,
-	} {
-		if _, err := admin.Exec(ctx, sql); err != nil {
-			return nil, fmt.Errorf("%s: %w", sql, err)
-		}
-	}
-
-	cfg, err := pgxpool.ParseConfig(srv.DatabaseURL(name))
-	if err != nil {
-		return nil, err
-	}
-	cfg.MaxConns = duplicates + 2
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		return nil, err
-	}
-	if err := idem.Migrate(ctx, pool); err != nil {
-		pool.Close()
-		return nil, fmt.Errorf("migrate: %w", err)
-	}
-	if err := draw.Setup(ctx, pool); err != nil {
-		pool.Close()
-		return nil, err
-	}
-	return pool, nil
 }

@@ -5,10 +5,12 @@ package main
 // mode instead of the idemhttp middleware:
 //
 //	Reserve (commits processing + lease + token)
-//	-> charge the card at the gateway, passing the idempotency key on
+//	-> charge the card at the gateway (gateway.go, over HTTP through
+//	   idemhttp.Transport), with the reservation's call key r.CallKey("charge"):
+//	   a lost answer is retried with the same key, and the gateway replays it
 //	-> Complete in the transaction that records the payment, or
 //	   FailRetryable (the gateway certainly charged nothing), or
-//	   MarkUnknown (it may have charged: a timeout)
+//	   MarkUnknown (it may have charged: no answer to any attempt)
 //
 // An unknown payment is never charged again by a retry; an operator
 // reconciles it (POST /v1/admin/resolve) after looking at the gateway.
@@ -40,21 +42,6 @@ const paymentOperation = "payment.create"
 
 // demoOperator is the bearer token of the operator routes; it is not a user.
 const demoOperator = "operator"
-
-// headerGatewayMode tells the demo's fake gateway how to misbehave for one
-// request. It is not part of the payment's fingerprint.
-const headerGatewayMode = "X-Demo-Gateway"
-
-// Gateway modes.
-const (
-	// modeTimeoutAfterCharge: the gateway charges, then never answers.
-	modeTimeoutAfterCharge = "timeout-after-charge"
-	// modeUnavailable: the gateway refuses the request and charges nothing.
-	modeUnavailable = "unavailable"
-)
-
-// declineAboveCents is the amount above which the gateway declines a card.
-const declineAboveCents = 1_000_000
 
 // setupPayments creates the table payments are recorded in.
 func setupPayments(ctx context.Context, pool *pgxpool.Pool) error {
@@ -102,23 +89,14 @@ func parsePayment(body []byte) (paymentRequest, error) {
 	return p, nil
 }
 
-// gateway is the demo's in-process card gateway. Like providers that take an
-// idempotency key, it charges at most once per key and answers a repeated
-// key with the charge it made.
-type gateway struct {
-	mu       sync.Mutex
-	charges  map[string]gatewayCharge // by idempotency key
-	order    []string                 // keys, in the order of their charges
-	requests map[string]int
-}
+// chargeStep names the payment's one call to the gateway: its call key is
+// the reservation's CallKey(chargeStep).
+const chargeStep = "charge"
 
-type gatewayCharge struct {
-	ID          string `json:"chargeId"`
-	Key         string `json:"key"`
-	CustomerID  string `json:"customerId"`
-	AmountCents int64  `json:"amountCents"`
-	Currency    string `json:"currency"`
-	Requests    int    `json:"requests"`
+// chargeKey is the idempotency key the gateway knows the charge of the
+// payment (actor, key) by.
+func chargeKey(actor, key string) string {
+	return idem.Reservation{Scope: idem.Scope{Actor: actor, Operation: paymentOperation}, Key: key}.CallKey(chargeStep)
 }
 
 var (
@@ -128,71 +106,87 @@ var (
 	errDeclined = errors.New("card declined")
 )
 
-func newGateway() *gateway {
-	return &gateway{charges: map[string]gatewayCharge{}, requests: map[string]int{}}
-}
-
-// charge charges p under key. In modeTimeoutAfterCharge it charges and then
-// waits until ctx is done, as a gateway whose answer is lost would.
-func (g *gateway) charge(ctx context.Context, key string, p paymentRequest, mode string) (gatewayCharge, error) {
-	g.mu.Lock()
-	g.requests[key]++
-	if mode == modeUnavailable {
-		g.mu.Unlock()
-		return gatewayCharge{}, errGatewayUnavailable
-	}
-	if p.AmountCents > declineAboveCents {
-		g.mu.Unlock()
-		return gatewayCharge{}, errDeclined
-	}
-	c, ok := g.charges[key]
-	if !ok {
-		c = gatewayCharge{ID: fmt.Sprintf("ch_%d", len(g.charges)+1), Key: key,
-			CustomerID: p.CustomerID, AmountCents: p.AmountCents, Currency: p.Currency}
-		g.charges[key] = c
-		g.order = append(g.order, key)
-	}
-	g.mu.Unlock()
-	if mode == modeTimeoutAfterCharge {
-		<-ctx.Done()
-		return gatewayCharge{}, fmt.Errorf("gateway: no answer: %w", ctx.Err())
-	}
-	return c, nil
-}
-
-// lookup returns the charge made under key, as an operator finds it in the
-// gateway's dashboard.
-func (g *gateway) lookup(key string) (gatewayCharge, bool) {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	c, ok := g.charges[key]
-	c.Requests = g.requests[key]
-	return c, ok
-}
-
-// list returns every charge, oldest first.
-func (g *gateway) list() []gatewayCharge {
-	g.mu.Lock()
-	defer g.mu.Unlock()
-	out := make([]gatewayCharge, 0, len(g.order))
-	for _, key := range g.order {
-		c := g.charges[key]
-		c.Requests = g.requests[key]
-		out = append(out, c)
-	}
-	return out
-}
-
 // payments runs payments through the reservation mode.
 type payments struct {
-	pool           *pgxpool.Pool
-	gw             *gateway
-	lease          time.Duration // how long a payment may take before it counts as stuck
+	pool  *pgxpool.Pool
+	gw    *gateway
+	lease time.Duration // how long a payment may take before it counts as stuck
+	// gatewayTimeout bounds one attempt of a charge (the wait for the
+	// gateway's answer); gatewayPolicy bounds the attempts.
 	gatewayTimeout time.Duration
+	gatewayPolicy  idem.RetryPolicy
+	// gatewayURL, when set, is where the gateway is reached (a relay in
+	// front of it, in tests); default: the gateway's own URL.
+	gatewayURL string
+
+	clientOnce sync.Once
+	client     *http.Client
 }
 
 func newPayments(pool *pgxpool.Pool, gw *gateway) *payments {
-	return &payments{pool: pool, gw: gw, lease: 30 * time.Second, gatewayTimeout: 2 * time.Second}
+	return &payments{pool: pool, gw: gw, lease: 30 * time.Second, gatewayTimeout: 2 * time.Second,
+		gatewayPolicy: idem.RetryPolicy{MaxAttempts: 3, BaseDelay: 20 * time.Millisecond, MaxDelay: 200 * time.Millisecond}}
+}
+
+// gatewayClient is the payments' HTTP client for the gateway: every
+// attempt of a charge carries the same Idempotency-Key, and a lost answer
+// or a refusal is retried (idemhttp.Transport).
+func (s *payments) gatewayClient() *http.Client {
+	s.clientOnce.Do(func() {
+		s.client = &http.Client{Transport: &idemhttp.Transport{
+			Base:   &http.Transport{ResponseHeaderTimeout: s.gatewayTimeout},
+			Policy: s.gatewayPolicy,
+		}}
+	})
+	return s.client
+}
+
+// charge asks the gateway to charge p for the reservation r, with r's call
+// key. Its errors: errDeclined (a decision of the gateway),
+// errGatewayUnavailable (the gateway refused every attempt, or could not be
+// reached: certainly nothing charged), or any other error when the card may
+// have been charged (no answer after an attempt that may have reached the
+// gateway, or an answer that does not say).
+func (s *payments) charge(ctx context.Context, r idem.Reservation, p paymentRequest, mode string) (gatewayCharge, error) {
+	url, err := s.gw.baseURL()
+	if s.gatewayURL != "" {
+		url = s.gatewayURL
+	}
+	if err != nil {
+		return gatewayCharge{}, fmt.Errorf("%w: %w", errGatewayUnavailable, err)
+	}
+	body, _ := json.Marshal(p)
+	ctx = idem.WithCallKey(ctx, r.CallKey(chargeStep))
+	req, err := http.NewRequestWithContext(ctx, "POST", url+"/v1/charges", bytes.NewReader(body))
+	if err != nil {
+		return gatewayCharge{}, err
+	}
+	req.Header.Set("Content-Type", "application/json")
+	if mode != "" {
+		req.Header.Set(headerGatewayMode, mode)
+	}
+	resp, err := s.gatewayClient().Do(req)
+	var callErr *idem.CallError
+	switch {
+	case errors.As(err, &callErr):
+		return gatewayCharge{}, fmt.Errorf("gateway: no answer to %d attempts, the card may have been charged: %w", callErr.Attempts, callErr.Err)
+	case err != nil: // nothing reached the gateway
+		return gatewayCharge{}, fmt.Errorf("%w: %w", errGatewayUnavailable, err)
+	}
+	defer resp.Body.Close()
+	answer, err := io.ReadAll(io.LimitReader(resp.Body, 64<<10))
+	var c gatewayCharge
+	switch {
+	case err != nil:
+		return c, fmt.Errorf("gateway: the answer was cut, the card may have been charged: %w", err)
+	case resp.StatusCode == http.StatusCreated && json.Unmarshal(answer, &c) == nil && c.ID != "":
+		return c, nil
+	case resp.StatusCode == http.StatusPaymentRequired:
+		return c, errDeclined
+	case resp.StatusCode == http.StatusServiceUnavailable:
+		return c, errGatewayUnavailable
+	}
+	return c, fmt.Errorf("gateway: answered %d %s; the card may have been charged", resp.StatusCode, answer)
 }
 
 var (
@@ -221,9 +215,7 @@ func (s *payments) pay(ctx context.Context, user, key string, p paymentRequest, 
 		return r.Response, true, nil
 	}
 
-	chargeCtx, cancel := context.WithTimeout(ctx, s.gatewayTimeout)
-	charge, err := s.gw.charge(chargeCtx, key, p, mode)
-	cancel()
+	charge, err := s.charge(ctx, r, p, mode)
 	switch {
 	case errors.Is(err, errDeclined):
 		// A decision of the gateway: stored and replayed like a success.
@@ -233,7 +225,7 @@ func (s *payments) pay(ctx context.Context, user, key string, p paymentRequest, 
 		})
 		return resp, false, err
 	case errors.Is(err, errGatewayUnavailable):
-		if err := idem.FailRetryable(ctx, s.pool, r, "gateway: unavailable, nothing charged"); err != nil {
+		if err := idem.FailRetryable(ctx, s.pool, r, err.Error()); err != nil {
 			return idem.Response{}, false, err
 		}
 		return idem.Response{}, false, errNotCharged
@@ -299,7 +291,7 @@ func (s *payments) resolve(ctx context.Context, actor, key string) (charge gatew
 	if err != nil {
 		return charge, false, err
 	}
-	charge, found = s.gw.lookup(key)
+	charge, found = s.gw.lookup(chargeKey(actor, key))
 	if !found {
 		err = idem.Resolve(ctx, s.pool, scope, key, idem.Resolution{Token: rec.Token, Retryable: true, Reason: "operator: no charge at the gateway"})
 		return charge, false, err
@@ -489,8 +481,8 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 // and leave the draws alone.
 
 // payments returns the demo's payment service, creating its table and a
-// fresh gateway on first use. The gateway gives up on a charge after 200 ms
-// here, so the timeout scenario is quick.
+// fresh gateway on first use. The payments give up on an attempt after 200
+// ms here, so the timeout scenario is quick.
 func (d *demo) payments(ctx context.Context) (*payments, error) {
 	if d.pay == nil {
 		if err := setupPayments(ctx, d.pool); err != nil {
@@ -525,7 +517,7 @@ func (d *demo) paymentRetried(ctx context.Context) (string, bool, error) {
 	if err != nil {
 		return "", false, err
 	}
-	charge, _ := s.gw.lookup("demo-pay-1")
+	charge, _ := s.gw.lookup(chargeKey(user, "demo-pay-1"))
 	rows, err := d.paymentRows(ctx, "demo-pay-1")
 	if err != nil {
 		return "", false, err
@@ -536,8 +528,44 @@ func (d *demo) paymentRetried(ctx context.Context) (string, bool, error) {
 	return what, first.Status == http.StatusCreated && replayed && same && charge.Requests == 1 && rows == 1, nil
 }
 
-// paymentTimedOut: the gateway charges, then its answer is lost. The
-// payment is unknown; retries are refused and never reach the gateway.
+// paymentReplyLost: the gateway charges, and its answer to the first
+// attempt is lost with the connection. The transport's retry carries the
+// same call key; the gateway replays the charge; the payment succeeds, with
+// one charge and nothing for an operator.
+func (d *demo) paymentReplyLost(ctx context.Context) (string, bool, error) {
+	s, err := d.payments(ctx)
+	if err != nil {
+		return "", false, err
+	}
+	const key = "demo-pay-5"
+	paid, _, err := s.pay(ctx, user, key, demoPayment, modeReplyLost)
+	if err != nil {
+		return "", false, err
+	}
+	charge, _ := s.gw.lookup(chargeKey(user, key))
+	rows, err := d.paymentRows(ctx, key)
+	if err != nil {
+		return "", false, err
+	}
+	rec, err := idem.Lookup(ctx, d.pool, idem.Scope{Actor: user, Operation: paymentOperation}, key)
+	if err != nil {
+		return "", false, err
+	}
+	charges := 0
+	for _, c := range s.gw.list() {
+		if c.Key == chargeKey(user, key) {
+			charges++
+		}
+	}
+	what := fmt.Sprintf("gateway charged %s, answer lost; retried with the same key: replayed; paid %d (%s); gateway: %d charge for %d requests, payments: %d",
+		charge.ID, paid.Status, rec.Status, charges, charge.Requests, rows)
+	ok := paid.Status == http.StatusCreated && bytes.Contains(paid.Body, []byte(charge.ID)) &&
+		rec.Status == idem.StatusSucceeded && charges == 1 && charge.Requests == 2 && rows == 1
+	return what, ok, nil
+}
+
+// paymentTimedOut: the gateway charges, then answers none of the attempts.
+// The payment is unknown; retries are refused and never reach the gateway.
 func (d *demo) paymentTimedOut(ctx context.Context) (string, bool, error) {
 	s, err := d.payments(ctx)
 	if err != nil {
@@ -553,10 +581,10 @@ func (d *demo) paymentTimedOut(ctx context.Context) (string, bool, error) {
 			refused++
 		}
 	}
-	charge, _ := s.gw.lookup("demo-pay-2")
-	what := fmt.Sprintf("gateway charged %s, answer lost: 504; %d retries: 409 outcome unknown; gateway: %d request",
-		charge.ID, refused, charge.Requests)
-	return what, refused == 2 && charge.Requests == 1, nil
+	charge, _ := s.gw.lookup(chargeKey(user, "demo-pay-2"))
+	what := fmt.Sprintf("gateway charged %s, no answer to %d attempts: 504; %d retries: 409 outcome unknown; gateway: %d requests",
+		charge.ID, s.gatewayPolicy.MaxAttempts, refused, charge.Requests)
+	return what, refused == 2 && charge.Requests == s.gatewayPolicy.MaxAttempts, nil
 }
 
 // paymentResolved: an operator finds the unknown payment's charge at the
@@ -582,11 +610,11 @@ func (d *demo) paymentResolved(ctx context.Context) (string, bool, error) {
 	if err != nil {
 		return "", false, err
 	}
-	after, _ := s.gw.lookup("demo-pay-2")
-	what := fmt.Sprintf("%d unknown listed; resolved with %s; retry: %d replayed=%t; gateway: %d request, payments: %d",
+	after, _ := s.gw.lookup(chargeKey(user, "demo-pay-2"))
+	what := fmt.Sprintf("%d unknown listed; resolved with %s; retry: %d replayed=%t; gateway: %d requests, payments: %d",
 		len(unknown), charge.ID, retry.Status, replayed, after.Requests, rows)
 	ok := len(unknown) == 1 && found && retry.Status == http.StatusCreated && replayed &&
-		bytes.Contains(retry.Body, []byte(charge.ID)) && after.Requests == 1 && rows == 1
+		bytes.Contains(retry.Body, []byte(charge.ID)) && after.Requests == s.gatewayPolicy.MaxAttempts && rows == 1
 	return what, ok, nil
 }
 
@@ -630,7 +658,7 @@ func (d *demo) paymentStaleWorker(ctx context.Context) (string, bool, error) {
 		return "", false, err
 	}
 	// The stale worker wakes up and carries on.
-	charge, err := s.gw.charge(ctx, key, demoPayment, "")
+	charge, err := s.charge(ctx, stale, demoPayment, "")
 	if err != nil {
 		return "", false, err
 	}
@@ -645,7 +673,7 @@ func (d *demo) paymentStaleWorker(ctx context.Context) (string, bool, error) {
 	if err != nil {
 		return "", false, err
 	}
-	after, _ := s.gw.lookup(key)
+	after, _ := s.gw.lookup(chargeKey(user, key))
 	what := fmt.Sprintf("lease ran out: %d expired; resolved retryable; retry paid %d; stale Complete fenced=%t; gateway: %s for %d requests, payments: %d",
 		expired, paid.Status, fenced, after.ID, after.Requests, rows)
 	ok := expired == 1 && paid.Status == http.StatusCreated && fenced && after.Requests == 2 && rows == 1
@@ -667,12 +695,13 @@ func (d *demo) paymentUnavailable(ctx context.Context) (string, bool, error) {
 	if err != nil {
 		return "", false, err
 	}
-	charge, _ := s.gw.lookup("demo-pay-4")
+	charge, _ := s.gw.lookup(chargeKey(user, "demo-pay-4"))
 	rows, err := d.paymentRows(ctx, "demo-pay-4")
 	if err != nil {
 		return "", false, err
 	}
-	what := fmt.Sprintf("gateway refused, nothing charged: 503; retry: %d replayed=%t; gateway: %s for %d requests, payments: %d",
-		retry.Status, replayed, charge.ID, charge.Requests, rows)
-	return what, retry.Status == http.StatusCreated && !replayed && charge.ID != "" && charge.Requests == 2 && rows == 1, nil
+	what := fmt.Sprintf("gateway refused %d attempts, nothing charged: 503; retry: %d replayed=%t; gateway: %s for %d requests, payments: %d",
+		s.gatewayPolicy.MaxAttempts, retry.Status, replayed, charge.ID, charge.Requests, rows)
+	return what, retry.Status == http.StatusCreated && !replayed && charge.ID != "" &&
+		charge.Requests == s.gatewayPolicy.MaxAttempts+1 && rows == 1, nil
 }

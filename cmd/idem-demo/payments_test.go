@@ -25,10 +25,11 @@ func migratePayments(ctx context.Context, pool *pgxpool.Pool) error {
 }
 
 // paymentsServer serves the payment routes with a gateway the test can
-// look into, which gives up on a charge after 100 ms.
+// look into; the payments give up on an attempt to charge after 100 ms.
 func paymentsServer(t *testing.T) (base string, gw *gateway, pool *pgxpool.Pool) {
 	pool = pgtest.Pool(t, migratePayments)
 	gw = newGateway()
+	t.Cleanup(gw.close)
 	s := newPayments(pool, gw)
 	s.gatewayTimeout = 100 * time.Millisecond
 	mux := http.NewServeMux()
@@ -92,7 +93,7 @@ func TestPaymentsAPI(t *testing.T) {
 	if r := payCall(t, base, "alice", "p1", `{"customerId":"cus-1","amountCents":99,"currency":"KRW"}`, ""); r.status != http.StatusUnprocessableEntity || problemCode(t, r) != idemhttp.CodeKeyReused {
 		t.Fatalf("reused key: %d %s", r.status, r.body)
 	}
-	if c, _ := gw.lookup("p1"); c.Requests != 1 || c.ID != chargeID(t, first) {
+	if c, _ := gw.lookup(chargeKey("alice", "p1")); c.Requests != 1 || c.ID != chargeID(t, first) {
 		t.Fatalf("gateway: %+v", c)
 	}
 
@@ -153,7 +154,7 @@ func TestPaymentsAPI(t *testing.T) {
 		t.Fatalf("unknown list: %d %s", r.status, r.body)
 	}
 	r := admin("POST", "/v1/admin/resolve", demoOperator, `{"actor":"alice","key":"p5"}`)
-	charge, _ := gw.lookup("p5")
+	charge, _ := gw.lookup(chargeKey("alice", "p5"))
 	if r.status != http.StatusOK || !bytes.Contains(r.body, []byte(charge.ID)) {
 		t.Fatalf("resolve: %d %s", r.status, r.body)
 	}
@@ -161,7 +162,8 @@ func TestPaymentsAPI(t *testing.T) {
 	if resolved.status != http.StatusCreated || !resolved.replayed || chargeID(t, resolved) != charge.ID {
 		t.Fatalf("retry after resolve: %d %t %s", resolved.status, resolved.replayed, resolved.body)
 	}
-	if c, _ := gw.lookup("p5"); c.Requests != 1 {
+	// Only the first call's attempts reached the gateway.
+	if c, _ := gw.lookup(chargeKey("alice", "p5")); c.Requests != newPayments(nil, nil).gatewayPolicy.MaxAttempts {
 		t.Fatalf("the unknown payment reached the gateway %d times", c.Requests)
 	}
 	for _, c := range []struct {

@@ -104,7 +104,9 @@ func TestRetryingClientUnderDroppedConnections(t *testing.T) {
 		if err != nil {
 			return true, nil // dropped connection: retry with the same key
 		}
-		return resp.StatusCode == http.StatusConflict || resp.StatusCode >= 500, nil
+		// 202 (the status URL's Accepted: still running) and 409: the
+		// same key again later; the retry replays once the first finishes.
+		return resp.StatusCode == http.StatusAccepted || resp.StatusCode == http.StatusConflict || resp.StatusCode >= 500, nil
 	}
 
 	ctx, cancel := context.WithTimeout(t.Context(), 2*time.Minute)

@@ -15,6 +15,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/cmd/internal/pgadvice"
 	"github.com/pgidem/idem/internal/draw"
 )
 
@@ -48,6 +49,7 @@ var scenarios = []scenario{
 	{"insufficient points", (*demo).insufficientPoints, 4, 3},
 	// Payments through a card gateway (payments.go): the draws stay as they are.
 	{"payment, then its retry", (*demo).paymentRetried, 4, 3},
+	{"gateway's answer lost, the client retries", (*demo).paymentReplyLost, 4, 3},
 	{"gateway times out after charging", (*demo).paymentTimedOut, 4, 3},
 	{"operator resolves the unknown payment", (*demo).paymentResolved, 4, 3},
 	{"worker paused past its lease", (*demo).paymentStaleWorker, 4, 3},
@@ -83,10 +85,14 @@ func runScenarios(ctx context.Context, out io.Writer, pool *pgxpool.Pool) (faile
 	}
 	row("start", "seeded: alice's wallet and box 1", start, start.Check(draw.SeedPoints, draw.SeedStock) == nil)
 
+	var pooled error // a scenario's error that a setting fixes: said after the table
 	for i, sc := range scenarios {
 		what, ok, err := sc.run(d, ctx)
 		if err != nil {
 			what, ok = "error: "+err.Error(), false
+			if explained := pgadvice.Explain(err, setting); explained != err && pooled == nil {
+				pooled = explained
+			}
 		}
 		s, err := d.read(ctx)
 		if err != nil {
@@ -120,6 +126,9 @@ func runScenarios(ctx context.Context, out io.Writer, pool *pgxpool.Pool) (faile
 	tw.Flush()
 	if err != nil {
 		fmt.Fprintln(out, "invariants:", err)
+	}
+	if pooled != nil {
+		fmt.Fprintln(out, "\n"+pooled.Error())
 	}
 	return failed
 }

@@ -42,22 +42,21 @@ func parseServeFlags(args []string, errOut io.Writer) (serveConfig, error) {
 	fs := flag.NewFlagSet("serve", flag.ContinueOnError)
 	fs.SetOutput(errOut)
 	fs.StringVar(&cfg.addr, "addr", "127.0.0.1:8080", "loopback `address` to listen on (port 0 picks a free one)")
-	fs.StringVar(&cfg.database, "db", database, "`name` of the database to recreate and serve (idem, then [a-z0-9_])")
+	fs.StringVar(&cfg.database, "db", defaultDatabase, "`name` of the demo's database: created if missing, its tables reset (idem, then [a-z0-9_])")
 	fs.Uint64Var(&cfg.seed, "seed", 0, "seed for the prize picks, for repeatable sessions (0: random)")
 	if err := fs.Parse(args); err != nil {
-		return cfg, err
+		if errors.Is(err, flag.ErrHelp) {
+			return cfg, err
+		}
+		return cfg, usageError{"serve: " + err.Error()}
 	}
 	if fs.NArg() > 0 {
-		return cfg, fmt.Errorf("serve: unexpected argument %q", fs.Arg(0))
+		return cfg, usageError{fmt.Sprintf("serve: unexpected argument %q", fs.Arg(0))}
 	}
 	if err := checkLoopback(cfg.addr); err != nil {
-		return cfg, err
+		return cfg, usageError{err.Error()}
 	}
-	// serve drops the database first: keep it to names that are the demo's.
-	if !strings.HasPrefix(cfg.database, "idem") || strings.Trim(cfg.database, "abcdefghijklmnopqrstuvwxyz0123456789_") != "" {
-		return cfg, fmt.Errorf("serve: -db %q: the name must start with idem and hold only a-z, 0-9 and _", cfg.database)
-	}
-	return cfg, nil
+	return cfg, checkDatabaseName(cfg.database)
 }
 
 // checkLoopback refuses addresses other than loopback ones: the demo's
@@ -76,19 +75,21 @@ func checkLoopback(addr string) error {
 	return nil
 }
 
-// serve recreates the demo database, seeds it, and runs the draw API over
-// HTTP until ctx is done; then it shuts the server down and returns nil.
+// serve prepares the demo database (see openDatabase), seeds it, and runs
+// the draw API over HTTP until ctx is done; then it shuts the server down
+// and returns nil.
 func serve(ctx context.Context, out io.Writer, cfg serveConfig) error {
 	srv, err := pgserver.Resolve(ctx)
 	if err != nil {
 		return err
 	}
 	defer srv.Close()
-	pool, err := openDatabase(ctx, srv, cfg.database)
+	db, err := openDatabase(ctx, srv, cfg.database, out)
 	if err != nil {
 		return err
 	}
-	defer pool.Close()
+	defer db.Close()
+	pool := db.pool
 	for _, u := range demoUsers[1:] {
 		if err := draw.AddWallet(ctx, pool, u.name, u.points); err != nil {
 			return err
@@ -108,7 +109,7 @@ func serve(ctx context.Context, out io.Writer, cfg serveConfig) error {
 	go func() { served <- httpSrv.Serve(ln) }()
 
 	base := "http://" + ln.Addr().String()
-	fmt.Fprintf(out, "PostgreSQL from %s; database %s (recreated)\n", srv.Source, cfg.database)
+	fmt.Fprintf(out, "PostgreSQL from %s; database %s (its tables reset)\n", srv.Source, cfg.database)
 	fmt.Fprintf(out, "Serving the draw API on %s (Ctrl-C to stop)\n\n", base)
 	fmt.Fprintf(out, "Users (the bearer token is the name): %s; box %d costs %d points a draw.\n\n",
 		userList(), draw.SeedBoxID, draw.SeedPrice)
@@ -116,13 +117,16 @@ func serve(ctx context.Context, out io.Writer, cfg serveConfig) error {
 		"  curl -si %s/v1/draws -H 'Authorization: Bearer alice' \\\n"+
 		"    -H 'Idempotency-Key: %s' -H 'Content-Type: application/json' \\\n"+
 		"    -d '{\"box_id\":1,\"quantity\":2}'\n", base, newKey())
+	fmt.Fprintf(out, "A duplicate of a draw still running (add -H '%s: 6s' to the first) gets 202 Accepted and a %s URL to poll.\n",
+		headerDelay, statusPath)
 	fmt.Fprintf(out, "See the wallet:\n  curl -s %s/v1/wallets/alice -H 'Authorization: Bearer alice'\n\n", base)
 	fmt.Fprintf(out, "Pay through the card gateway (add -H 'X-Demo-Gateway: timeout-after-charge' for a lost answer):\n"+
 		"  curl -si %s/v1/payments -H 'Authorization: Bearer alice' \\\n"+
 		"    -H 'Idempotency-Key: %s' -H 'Content-Type: application/json' \\\n"+
 		"    -d '{\"customerId\":\"cus-1\",\"amountCents\":12000,\"currency\":\"KRW\"}'\n", base, newKey())
 	fmt.Fprintf(out, "Reconcile unknown payments (operator):\n  curl -s %s/v1/admin/unknown -H 'Authorization: Bearer operator'\n"+
-		"  curl -s %s/v1/admin/resolve -H 'Authorization: Bearer operator' -d '{\"actor\":\"alice\",\"key\":\"<key>\"}'\n\n", base, base)
+		"  curl -s %s/v1/admin/resolve -H 'Authorization: Bearer operator' -d '{\"actor\":\"alice\",\"key\":\"<key>\"}'\n"+
+		"  or in a browser, the operator's console: %s%s/ (any user name, the password operator)\n\n", base, base, base, consolePrefix)
 
 	select {
 	case err := <-served:
@@ -188,19 +192,42 @@ func bearerUser(r *http.Request) (string, error) {
 	return "", errors.New("unknown token")
 }
 
+// statusPath is the status URL of the draws: a duplicate of a draw still
+// running gets 202 Accepted with its Location.
+const statusPath = "/v1/idempotency"
+
+// headerDelay names the request header that makes a draw hold its key
+// before it answers (a Go duration up to maxDelay): time to send a
+// duplicate and see 202 Accepted.
+const (
+	headerDelay = "X-Demo-Delay"
+	maxDelay    = 10 * time.Second
+)
+
 // newAPI returns the draw API:
 //
 //	POST /v1/draws           {"box_id":1,"quantity":2}, with Idempotency-Key
+//	                         (and X-Demo-Delay: a duration, to keep it running)
+//	GET  /v1/idempotency     ?key=K&operation=O: idemhttp's status URL
 //	GET  /v1/wallets/{user}  the user's points and prizes (own wallet only)
 //
-// and the payment routes of registerPayments. Every error is
+// the payment routes of registerPayments, and the operator's console under
+// /idem/ (newConsole). Every error but the console's is
 // application/problem+json, including the 404 and 405 of requests that match
 // no route.
 func newAPI(pool *pgxpool.Pool, intn func(int) int, log *slog.Logger) http.Handler {
-	idempotent := idemhttp.Middleware(pool, idemhttp.Options{Actor: bearerUser, Logger: log})
+	idempotent := idemhttp.Middleware(pool, idemhttp.Options{Actor: bearerUser, Logger: log, StatusURL: statusPath})
 	mux := http.NewServeMux()
+	mux.Handle("GET "+statusPath, idemhttp.StatusHandler(pool, idemhttp.StatusOptions{Actor: bearerUser, Logger: log}))
 	mux.Handle("POST /v1/draws", idempotent(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		user, _ := bearerUser(r) // the middleware has authenticated the request
+		delay, ok := demoDelay(r.Header)
+		if !ok {
+			idemhttp.Invalid(r.Context())
+			writeResponse(w, draw.Problem(http.StatusBadRequest, draw.CodeInvalidRequest,
+				fmt.Sprintf("%s must be a duration from 1ms to %s, such as 6s.", headerDelay, maxDelay)))
+			return
+		}
 		body, _ := io.ReadAll(r.Body)
 		req, err := draw.ParseRequest(body)
 		if err != nil {
@@ -217,6 +244,14 @@ func newAPI(pool *pgxpool.Pool, intn func(int) int, log *slog.Logger) http.Handl
 		// A refusal comes back as its 4xx response; the middleware then
 		// rolls back what Attempt wrote and stores the refusal.
 		resp, err := draw.Attempt(r.Context(), idemhttp.Tx(r.Context()), user, req, intn)
+		if err == nil && delay > 0 {
+			// The key stays claimed, uncommitted, meanwhile.
+			select {
+			case <-time.After(delay):
+			case <-r.Context().Done():
+				err = r.Context().Err()
+			}
+		}
 		if err != nil {
 			log.Error("draw failed", "error", err)
 			writeResponse(w, draw.Problem(http.StatusInternalServerError, "INTERNAL_ERROR", "The draw failed; nothing was charged."))
@@ -245,7 +280,19 @@ func newAPI(pool *pgxpool.Pool, intn func(int) int, log *slog.Logger) http.Handl
 		_, _ = w.Write(body)
 	})
 	registerPayments(mux, newPayments(pool, newGateway()), log)
+	mux.Handle(consolePrefix+"/", newConsole(pool))
 	return unroutedProblems(mux)
+}
+
+// demoDelay reads the X-Demo-Delay header: 0 when it is absent, false
+// when it is not a duration from 1ms to maxDelay.
+func demoDelay(h http.Header) (time.Duration, bool) {
+	v := h.Get(headerDelay)
+	if v == "" {
+		return 0, true
+	}
+	d, err := time.ParseDuration(v)
+	return d, err == nil && d >= time.Millisecond && d <= maxDelay
 }
 
 // unroutedProblems answers the requests that match no route of mux with a

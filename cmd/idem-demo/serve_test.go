@@ -6,6 +6,7 @@ import (
 	"crypto/rand"
 	"encoding/hex"
 	"encoding/json"
+	"errors"
 	"io"
 	"log/slog"
 	"net/http"
@@ -22,6 +23,7 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/draw"
+	"github.com/pgidem/idem/internal/pgserver"
 	"github.com/pgidem/idem/internal/pgtest"
 )
 
@@ -189,6 +191,31 @@ func TestInvalidDrawIsNotStored(t *testing.T) {
 	if w := wallet(t, srv.URL, "alice"); w.Points != draw.SeedPoints-4*draw.SeedPrice || w.Draws != 4 {
 		t.Errorf("alice after 4 corrected draws: %+v", w)
 	}
+
+	// An X-Demo-Delay that is not a duration up to 10s: 400, not stored.
+	key := "delay-" + newKey()
+	for _, delay := range []string{"forever", "11s", "-1s", "0s"} {
+		req, err := http.NewRequestWithContext(t.Context(), "POST", srv.URL+"/v1/draws", strings.NewReader(`{"box_id":1,"quantity":1}`))
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header.Set("Authorization", "Bearer alice")
+		req.Header.Set("Idempotency-Key", key)
+		req.Header.Set("Content-Type", "application/json")
+		req.Header.Set(headerDelay, delay)
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		body, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if resp.StatusCode != http.StatusBadRequest || !strings.Contains(string(body), "X-Demo-Delay must be a duration") {
+			t.Errorf("%s: %s: %d %s", headerDelay, delay, resp.StatusCode, body)
+		}
+	}
+	if r := apiCall(t, srv.URL, "POST", "/v1/draws", "alice", key, `{"box_id":1,"quantity":1}`); r.status != http.StatusCreated || r.replayed {
+		t.Errorf("after refused delays, the same key: %d replayed=%t %s", r.status, r.replayed, r.body)
+	}
 }
 
 // Requests that match no route get problems too, not the mux's text/plain.
@@ -255,14 +282,8 @@ func (w *lineWriter) String() string {
 	return w.buf.String()
 }
 
-// serve prints its address and example requests, serves, and returns nil
-// once its context ends.
-func TestServeCommand(t *testing.T) {
-	t.Parallel()
-	srv := pgtest.Server(t)
-	var b [8]byte
-	_, _ = rand.Read(b[:])
-	name := "idemtest_serve_" + hex.EncodeToString(b[:])
+// dropAtEnd drops the database called name on srv when the test ends.
+func dropAtEnd(t *testing.T, srv *pgserver.Server, name string) {
 	t.Cleanup(func() {
 		conn, err := pgx.Connect(context.Background(), srv.URL)
 		if err != nil {
@@ -274,38 +295,73 @@ func TestServeCommand(t *testing.T) {
 			t.Error(err)
 		}
 	})
+}
 
-	cfg, err := parseServeFlags([]string{"-addr", "127.0.0.1:0", "-db", name, "-seed", "1"}, io.Discard)
+// startServe runs serve with args on a fresh database of its own, listening
+// on a free loopback port, and returns its address. When the test ends
+// serve is stopped (it must return nil) and its database dropped; output
+// returns what serve printed so far.
+func startServe(t *testing.T, args ...string) (base string) {
+	base, _ = startServeOutput(t, args...)
+	return base
+}
+
+func startServeOutput(t *testing.T, args ...string) (base string, output func() string) {
+	t.Helper()
+	srv := pgtest.Server(t)
+	var b [8]byte
+	_, _ = rand.Read(b[:])
+	name := "idemtest_serve_" + hex.EncodeToString(b[:])
+	dropAtEnd(t, srv, name)
+
+	cfg, err := parseServeFlags(append([]string{"-addr", "127.0.0.1:0", "-db", name}, args...), io.Discard)
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithCancel(t.Context())
+	ctx, cancel := context.WithCancel(context.Background())
 	out := &lineWriter{addr: make(chan string, 1)}
 	done := make(chan error, 1)
 	go func() { done <- serve(ctx, out, cfg) }()
-	var base string
+	t.Cleanup(func() {
+		cancel()
+		if err := <-done; err != nil {
+			t.Errorf("serve: %v", err)
+		}
+	})
 	select {
 	case base = <-out.addr:
 	case err := <-done:
+		done <- err
 		t.Fatalf("serve returned early: %v\n%s", err, out)
 	case <-time.After(2 * time.Minute):
-		cancel()
 		t.Fatalf("serve printed no address:\n%s", out)
 	}
-	if r := apiCall(t, base, "POST", "/v1/draws", "alice", "k1", `{"box_id":1,"quantity":1}`); r.status != http.StatusCreated {
-		t.Errorf("draw: %d %s", r.status, r.body)
-	}
-	if w := wallet(t, base, "alice"); w.Points != draw.SeedPoints-draw.SeedPrice {
-		t.Errorf("wallet: %+v", w)
-	}
-	cancel()
-	if err := <-done; err != nil {
-		t.Errorf("serve: %v", err)
-	}
-	for _, want := range []string{"curl -si " + base + "/v1/draws", "Idempotency-Key: ", "Shutting down."} {
-		if !strings.Contains(out.String(), want) {
-			t.Errorf("output lacks %q:\n%s", want, out)
+	return base, out.String
+}
+
+// serve prints its address and example requests, serves, and returns nil
+// once its context ends.
+func TestServeCommand(t *testing.T) {
+	t.Parallel()
+	var output func() string
+	t.Run("serve", func(t *testing.T) {
+		var base string
+		base, output = startServeOutput(t, "-seed", "1")
+		if r := apiCall(t, base, "POST", "/v1/draws", "alice", "k1", `{"box_id":1,"quantity":1}`); r.status != http.StatusCreated {
+			t.Errorf("draw: %d %s", r.status, r.body)
 		}
+		if w := wallet(t, base, "alice"); w.Points != draw.SeedPoints-draw.SeedPrice {
+			t.Errorf("wallet: %+v", w)
+		}
+		for _, want := range []string{"curl -si " + base + "/v1/draws", "Idempotency-Key: ", "X-Demo-Delay: 6s"} {
+			if !strings.Contains(output(), want) {
+				t.Errorf("output lacks %q:\n%s", want, output())
+			}
+		}
+	})
+	// The subtest's cleanup stopped serve.
+	if !strings.HasSuffix(output(), "Shutting down.\n") {
+		t.Errorf("serve did not say it stopped:\n%s", output())
 	}
 }
 
@@ -322,8 +378,22 @@ func TestServeFlags(t *testing.T) {
 		{"-addr", "0.0.0.0:8080"}, {"-addr", ":8080"}, {"-addr", "example.com:80"}, {"-addr", "nonsense"},
 		{"-db", "postgres"}, {"-db", "idem-x"}, {"-db", "idem;DROP"}, {"extra"}, {"-seed", "x"},
 	} {
-		if _, err := parseServeFlags(args, io.Discard); err == nil {
-			t.Errorf("%q: accepted", args)
+		if _, err := parseServeFlags(args, io.Discard); !errors.As(err, new(usageError)) {
+			t.Errorf("%q: %v, want a usage error", args, err)
+		}
+	}
+}
+
+func TestRunFlags(t *testing.T) {
+	t.Parallel()
+	for args, want := range map[string]string{"": defaultDatabase, "-db idem_x1": "idem_x1"} {
+		if got, err := parseRunFlags(strings.Fields(args), io.Discard); err != nil || got != want {
+			t.Errorf("%q: %q, %v; want %q", args, got, err, want)
+		}
+	}
+	for _, args := range []string{"-db postgres", "-db idem-x", "-db " + strings.Repeat("idem", 16), "-addr :1", "extra"} {
+		if _, err := parseRunFlags(strings.Fields(args), io.Discard); !errors.As(err, new(usageError)) {
+			t.Errorf("%q: %v, want a usage error", args, err)
 		}
 	}
 }

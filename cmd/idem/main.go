@@ -29,11 +29,16 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"maps"
 	"mime"
 	"os"
 	"os/signal"
+	"regexp"
+	"slices"
+	"strconv"
 	"strings"
 	"time"
+	"unicode"
 
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -42,6 +47,7 @@ import (
 	"github.com/pressly/goose/v3"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/cmd/internal/pgadvice"
 )
 
 // Exit codes.
@@ -78,15 +84,18 @@ Commands:
   prune [--dry-run]             delete expired finished keys in batches
   inspect <actor> <operation> <key>
                                 show a key's record and stored response
-  forget <actor> <operation> <key>
+  forget <actor> <operation> <key> [--operator NAME]
                                 delete a finished key's record: the key is free again
   stats                         keys by status, oldest in flight, table and index size
   expire-leases [--batch N]     turn reservations whose lease ran out unknown, so that
                                 unknown list shows them
   unknown list                  list the records whose outcome is unknown, oldest first
                                 (read-only; leases that ran out: run expire-leases first)
-  resolve <actor> <operation> <key> --token T (--succeeded [--status N] [--body B | --body-file F] | --retryable) --reason R
+  resolve <actor> <operation> <key> --token T (--succeeded [--status N] [--body B | --body-file F] | --retryable) --reason R [--operator NAME]
                                 reconcile an unknown outcome
+  audit list                    the operators' trail of resolve, forget and the console, newest first
+  ui [--listen 127.0.0.1:8081]  serve the operator's console (credentials from IDEM_UI_TOKEN,
+                                or IDEM_UI_USER and IDEM_UI_PASSWORD)
 
 The database is DATABASE_URL unless --database-url is given. Every command
 takes --help and --json (print the result as JSON).
@@ -114,7 +123,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			return exitOK
 		}
 		e.json = *jsonOut
-		return e.exit(usageError{err.Error()})
+		return e.exit(flagError(err))
 	}
 	e.json = *jsonOut
 	if top.NArg() == 0 {
@@ -144,7 +153,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			fmt.Fprint(stdout, cmd.usageText(fs))
 			return exitOK
 		}
-		return e.exit(usageError{err.Error()})
+		return e.exit(flagError(err))
 	}
 	e.url = *dbURL
 	if e.url == "" {
@@ -209,11 +218,38 @@ type command struct {
 func (c command) usageText(fs *flag.FlagSet) string {
 	var sb strings.Builder
 	fmt.Fprintf(&sb, "Usage: idem %s\n\n%s\n\nFlags:\n", c.usage, c.help)
-	out := fs.Output()
-	fs.SetOutput(&sb)
-	fs.PrintDefaults()
-	fs.SetOutput(out)
+	writeFlags(&sb, fs)
 	return sb.String()
+}
+
+// writeFlags lists fs's flags as the usage and the README spell them,
+// --name (the flag package's own listing writes -name).
+func writeFlags(w io.Writer, fs *flag.FlagSet) {
+	fs.VisitAll(func(f *flag.Flag) {
+		arg, usage := flag.UnquoteUsage(f)
+		if arg != "" {
+			arg = " " + arg
+		}
+		fmt.Fprintf(w, "  --%s%s\n    \t%s", f.Name, arg, strings.ReplaceAll(usage, "\n", "\n    \t"))
+		if f.DefValue != "" && f.DefValue != "0" && f.DefValue != "false" {
+			if _, isString := f.Value.(flag.Getter).Get().(string); isString {
+				fmt.Fprintf(w, " (default %q)", f.DefValue)
+			} else {
+				fmt.Fprintf(w, " (default %s)", f.DefValue)
+			}
+		}
+		fmt.Fprintln(w)
+	})
+}
+
+// flagSpelling matches a flag's name in the flag package's error messages
+// ("flag provided but not defined: -bogus", "invalid value "x" for flag
+// -limit: ...").
+var flagSpelling = regexp.MustCompile(`(: |flag |for )-{1,2}([A-Za-z][A-Za-z0-9-]*)`)
+
+// flagError is a flag parse error as a usage error, flags spelled --name.
+func flagError(err error) error {
+	return usageError{flagSpelling.ReplaceAllString(err.Error(), "$1--$2")}
 }
 
 var commands = map[string]command{
@@ -232,8 +268,8 @@ var commands = map[string]command{
 		flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			var opts idem.PruneOptions
 			fs.BoolVar(&opts.DryRun, "dry-run", false, "count the keys that would be deleted, delete nothing")
-			fs.IntVar(&opts.BatchSize, "batch-size", idem.DefaultPruneBatchSize, "keys per batch (transaction)")
-			fs.IntVar(&opts.MaxBatches, "max-batches", 0, "stop after this many batches (0: until none is left)")
+			fs.IntVar(&opts.BatchSize, "batch-size", idem.DefaultPruneBatchSize, "`N` keys per batch (one transaction each)")
+			fs.IntVar(&opts.MaxBatches, "max-batches", 0, "stop after `N` batches (0: until none is left)")
 			return func(ctx context.Context, e *env, args []string) error { return prune(ctx, e, args, opts) }
 		},
 	},
@@ -243,9 +279,13 @@ var commands = map[string]command{
 		flags: func(*flag.FlagSet) func(context.Context, *env, []string) error { return inspect },
 	},
 	"forget": {
-		usage: "forget <actor> <operation> <key>",
-		help:  "Deletes the record of a finished key (succeeded, rejected, failed_retryable), so that the next\nrequest with it runs as a new one: for a client stuck on a key it reused. A key in flight, or whose\noutcome is unknown (resolve it first), is refused with exit code 4.",
-		flags: func(*flag.FlagSet) func(context.Context, *env, []string) error { return forget },
+		usage: "forget <actor> <operation> <key> [--operator NAME]",
+		help:  "Deletes the record of a finished key (succeeded, rejected, failed_retryable), so that the next\nrequest with it runs as a new one: for a client stuck on a key it reused. A key in flight, or whose\noutcome is unknown (resolve it first), is refused with exit code 4. It writes a row of the audit\ntrail (idem audit list) in the same transaction, naming --operator.",
+		flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
+			var operator string
+			operatorFlag(fs, &operator)
+			return func(ctx context.Context, e *env, args []string) error { return forget(ctx, e, args, operator) }
+		},
 	},
 	"stats": {
 		usage: "stats",
@@ -258,7 +298,7 @@ var commands = map[string]command{
 			"short transaction each, until none is left, and prints how many. unknown list then shows them.\n" +
 			"Their workers are fenced: a Complete that comes late is refused (ErrFenced) and the record\nwaits for resolve.",
 		flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
-			batch := fs.Int("batch", 1000, "reservations per batch (transaction)")
+			batch := fs.Int("batch", 1000, "`N` reservations per batch (one transaction each)")
 			return func(ctx context.Context, e *env, args []string) error { return expireLeases(ctx, e, args, *batch) }
 		},
 	},
@@ -267,26 +307,29 @@ var commands = map[string]command{
 		help: "Lists the records whose outcome is unknown (a reservation may or may not have done its work),\noldest first. Reconcile each with resolve after checking the outside system. It only reads:\n" +
 			"a reservation whose lease ran out but that is still processing is not listed (its worker may\nstill complete it); run idem expire-leases first to turn such reservations unknown.",
 		flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
-			limit := fs.Int("limit", 100, "list at most this many records")
+			limit := fs.Int("limit", 100, "list at most `N` records")
 			return func(ctx context.Context, e *env, args []string) error { return unknownList(ctx, e, args, *limit) }
 		},
 	},
 	"resolve": {
-		usage: "resolve <actor> <operation> <key> --token T (--succeeded [--status N] [--body B | --body-file F] | --retryable) --reason R",
-		help:  "Reconciles a record whose outcome is unknown (or whose lease ran out): --succeeded stores the\nresponse found at the outside system, to be replayed; --retryable says the work certainly did not\nhappen, so the next request with the key runs it. The reservation that held the key is fenced.\n--token names the attempt the verdict is about (as unknown list and inspect show it); when the record\nholds another token now, nothing changes and resolve fails: inspect the record again.",
+		usage: "resolve <actor> <operation> <key> --token T (--succeeded [--status N] [--body B | --body-file F] | --retryable) --reason R [--operator NAME]",
+		help:  "Reconciles a record whose outcome is unknown (or whose lease ran out): --succeeded stores the\nresponse found at the outside system, to be replayed; --retryable says the work certainly did not\nhappen, so the next request with the key runs it. The reservation that held the key is fenced.\n--token names the attempt the verdict is about (as unknown list and inspect show it); when the record\nholds another token now, nothing changes and resolve fails: inspect the record again. It writes a\nrow of the audit trail (idem audit list) in the same transaction, naming --operator.",
 		flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			var o resolveFlags
-			fs.Int64Var(&o.token, "token", 0, "the token of the attempt being resolved, as unknown list and inspect show it (required)")
+			fs.Int64Var(&o.token, "token", 0, "the token `T` of the attempt being resolved, as unknown list and inspect show it (required)")
 			fs.BoolVar(&o.succeeded, "succeeded", false, "the work happened: store a response")
 			fs.BoolVar(&o.retryable, "retryable", false, "the work certainly did not happen: let it run again")
-			fs.IntVar(&o.status, "status", 200, "with --succeeded: the stored response's status")
-			fs.StringVar(&o.body, "body", "", "with --succeeded: the stored response's body")
-			fs.StringVar(&o.bodyFile, "body-file", "", "with --succeeded: read the body from this file")
-			fs.StringVar(&o.contentType, "content-type", "application/json", "with --succeeded and a body: its Content-Type header")
-			fs.StringVar(&o.reason, "reason", "", "why: stored with the record for the audit trail (required)")
+			fs.IntVar(&o.status, "status", 200, "with --succeeded: the stored response's status `N`")
+			fs.StringVar(&o.body, "body", "", "with --succeeded: the stored response's body `B`")
+			fs.StringVar(&o.bodyFile, "body-file", "", "with --succeeded: read the body from the file `F`")
+			fs.StringVar(&o.contentType, "content-type", "application/json", "with --succeeded and a body: the body's media `type` (its Content-Type header)")
+			fs.StringVar(&o.reason, "reason", "", "the reason `R` for the verdict, stored with the record for the audit trail (required)")
+			operatorFlag(fs, &o.operator)
 			return func(ctx context.Context, e *env, args []string) error { return resolve(ctx, e, args, o) }
 		},
 	},
+	"audit": auditCommand,
+	"ui":    uiCommand,
 }
 
 // env is what a command runs with.
@@ -364,11 +407,15 @@ func (e *env) exit(err error) int {
 }
 
 // message is err's text for the one line exit prints after the command's
-// name: the library's own "idem: " prefix is dropped (the line has one
-// already), and an error saying that a table or column is missing (idem's
-// migrations have not run) says how to create them.
+// name: on one line (pgadvice.OneLine: pgx lists each address it tried on a
+// line of its own), without the library's "idem: " prefixes (the line has
+// one already); pgx's prepared statements lost behind a transaction pooler
+// name the setting that fixes it (pgadvice.Explain), and an error saying
+// that a table or column is missing (idem's migrations have not run) says
+// how to create them.
 func message(err error) string {
-	msg := strings.TrimPrefix(err.Error(), "idem: ")
+	err = pgadvice.Explain(err, "DATABASE_URL or --database-url")
+	msg := strings.TrimPrefix(strings.ReplaceAll(pgadvice.OneLine(err.Error()), ": idem: ", ": "), "idem: ")
 	var pgErr *pgconn.PgError
 	if errors.As(err, &pgErr) && (pgErr.Code == pgerrcode.UndefinedTable || pgErr.Code == pgerrcode.UndefinedColumn) {
 		msg = "idem's table is missing or not up to date in this database: run `idem migrate up` (" + msg + ")"
@@ -429,27 +476,43 @@ func migrate(ctx context.Context, e *env, args []string, force bool) error {
 	if err != nil {
 		return err
 	}
-	type row struct {
-		Version   int64      `json:"version"`
-		Source    string     `json:"source"`
-		Applied   bool       `json:"applied"`
-		AppliedAt *time.Time `json:"applied_at,omitempty"`
-	}
-	var rows []row
-	var sb strings.Builder
+	var rows []migrationRow
 	for _, s := range statuses {
-		r := row{Version: s.Source.Version, Source: s.Source.Path, Applied: s.State == goose.StateApplied}
-		when := "pending"
+		r := migrationRow{Version: s.Source.Version, Source: s.Source.Path, Applied: s.State == goose.StateApplied}
 		if r.Applied {
 			t := s.AppliedAt
 			r.AppliedAt = &t
-			when = "applied " + t.UTC().Format(time.RFC3339)
 		}
 		rows = append(rows, r)
-		fmt.Fprintf(&sb, "%5d  %-32s %s\n", r.Version, r.Source, when)
+	}
+	printMigrations(e, rows)
+	return nil
+}
+
+// migrationRow is one migration as migrate prints it.
+type migrationRow struct {
+	Version   int64      `json:"version"`
+	Source    string     `json:"source"`
+	Applied   bool       `json:"applied"`
+	AppliedAt *time.Time `json:"applied_at,omitempty"`
+}
+
+// printMigrations prints rows as JSON, or as text with the file names
+// padded to the longest.
+func printMigrations(e *env, rows []migrationRow) {
+	width := 0
+	for _, r := range rows {
+		width = max(width, len(r.Source))
+	}
+	var sb strings.Builder
+	for _, r := range rows {
+		when := "pending"
+		if r.Applied {
+			when = "applied " + r.AppliedAt.UTC().Format(time.RFC3339)
+		}
+		fmt.Fprintf(&sb, "%5d  %-*s  %s\n", r.Version, width, r.Source, when)
 	}
 	e.print(rows, sb.String())
-	return nil
 }
 
 func prune(ctx context.Context, e *env, args []string, opts idem.PruneOptions) error {
@@ -502,9 +565,12 @@ func inspect(ctx context.Context, e *env, args []string) error {
 	return nil
 }
 
-func forget(ctx context.Context, e *env, args []string) error {
+func forget(ctx context.Context, e *env, args []string, operator string) error {
 	scope, key, err := keyArgs(args)
 	if err != nil {
+		return err
+	}
+	if err := checkOperator(operator); err != nil {
 		return err
 	}
 	pool, err := e.pool(ctx)
@@ -512,7 +578,7 @@ func forget(ctx context.Context, e *env, args []string) error {
 		return err
 	}
 	defer pool.Close()
-	if err := idem.Forget(ctx, pool, scope, key); err != nil {
+	if err := auditedForget(ctx, pool, operator, scope, key); err != nil {
 		return err
 	}
 	e.print(map[string]any{"forgotten": true}, "forgotten: the key is free again\n")
@@ -532,11 +598,20 @@ func stats(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return err
 	}
+	// Every status, those with no keys too, in both forms.
+	statuses := []idem.Status{idem.StatusProcessing, idem.StatusSucceeded, idem.StatusRejected,
+		idem.StatusFailedRetryable, idem.StatusUnknown}
+	for s := range st.Keys {
+		if !slices.Contains(statuses, s) {
+			statuses = append(statuses, s)
+		}
+	}
 	var sb strings.Builder
 	var total int64
-	for _, s := range []idem.Status{idem.StatusProcessing, idem.StatusSucceeded, idem.StatusRejected,
-		idem.StatusFailedRetryable, idem.StatusUnknown} {
+	keys := make(map[idem.Status]int64, len(statuses))
+	for _, s := range statuses {
 		fmt.Fprintf(&sb, "%-17s %d\n", s, st.Keys[s])
+		keys[s] = st.Keys[s]
 		total += st.Keys[s]
 	}
 	fmt.Fprintf(&sb, "%-17s %d\n", "total", total)
@@ -547,7 +622,7 @@ func stats(ctx context.Context, e *env, args []string) error {
 		fmt.Fprintf(&sb, "oldest unknown    %s (%s ago)\n", st.OldestUnknown.UTC().Format(time.RFC3339), time.Since(st.OldestUnknown).Round(time.Second))
 	}
 	fmt.Fprintf(&sb, "table size        %d bytes\nindex size        %d bytes\n", st.TableBytes, st.IndexBytes)
-	out := map[string]any{"keys": st.Keys, "total": total, "table_bytes": st.TableBytes, "index_bytes": st.IndexBytes}
+	out := map[string]any{"keys": keys, "total": total, "table_bytes": st.TableBytes, "index_bytes": st.IndexBytes}
 	if !st.OldestProcessing.IsZero() {
 		out["oldest_processing"] = st.OldestProcessing
 	}
@@ -641,6 +716,7 @@ type resolveFlags struct {
 	contentType          string
 	reason               string
 	token                int64
+	operator             string
 }
 
 func resolve(ctx context.Context, e *env, args []string, o resolveFlags) error {
@@ -656,6 +732,9 @@ func resolve(ctx context.Context, e *env, args []string, o resolveFlags) error {
 	}
 	if strings.TrimSpace(o.reason) == "" {
 		return usagef("--reason is required: it is stored with the record for the audit trail")
+	}
+	if err := checkOperator(o.operator); err != nil {
+		return err
 	}
 	res := idem.Resolution{Token: o.token, Retryable: o.retryable, Reason: o.reason}
 	if o.succeeded {
@@ -682,7 +761,7 @@ func resolve(ctx context.Context, e *env, args []string, o resolveFlags) error {
 		return err
 	}
 	defer pool.Close()
-	if err := idem.Resolve(ctx, pool, scope, key, res); err != nil {
+	if err := auditedResolve(ctx, pool, o.operator, scope, key, res); err != nil {
 		return err
 	}
 	verdict := "succeeded: the stored response is replayed from now on"
@@ -703,65 +782,78 @@ func isJSONType(ct string) bool {
 	return mt == "application/json" || strings.HasSuffix(mt, "+json")
 }
 
-// recordJSON is a Record as --json prints it.
-func recordJSON(r idem.Record) map[string]any {
-	out := map[string]any{
-		"actor": r.Scope.Actor, "operation": r.Scope.Operation, "key": r.Key,
-		"status": r.Status, "fingerprint": r.Fingerprint.String(), "token": r.Token,
-		"created_at": r.CreatedAt, "expires_at": r.ExpiresAt,
-	}
-	if r.LastError != "" {
-		out["last_error"] = r.LastError
-	}
-	if r.ResolveReason != "" {
-		out["resolve_reason"] = r.ResolveReason
+// field is one field of a record as inspect and unknown list print it.
+type field struct {
+	name  string
+	value any
+}
+
+// recordFields are the fields of r that both forms print, in the text
+// form's order: a field the record does not have (a token and a lease,
+// which Do's records never hold; completed_at before completion; a
+// response, an error or a reason) is left out of both.
+func recordFields(r idem.Record) []field {
+	f := []field{
+		{"actor", r.Scope.Actor}, {"operation", r.Scope.Operation}, {"key", r.Key},
+		{"status", string(r.Status)}, {"fingerprint", r.Fingerprint.String()}, {"created_at", r.CreatedAt},
 	}
 	if !r.CompletedAt.IsZero() {
-		out["completed_at"] = r.CompletedAt
+		f = append(f, field{"completed_at", r.CompletedAt})
+	}
+	f = append(f, field{"expires_at", r.ExpiresAt})
+	if r.Token != 0 {
+		f = append(f, field{"token", r.Token})
 	}
 	if !r.LeaseExpiresAt.IsZero() {
-		out["lease_expires_at"] = r.LeaseExpiresAt
+		f = append(f, field{"lease_expires_at", r.LeaseExpiresAt})
+	}
+	if r.LastError != "" {
+		f = append(f, field{"last_error", r.LastError})
+	}
+	if r.ResolveReason != "" {
+		f = append(f, field{"resolve_reason", r.ResolveReason})
 	}
 	if r.Response != nil {
-		out["response"] = map[string]any{"status": r.Response.Status, "header": r.Response.Header, "body": string(r.Response.Body)}
+		f = append(f, field{"response", map[string]any{
+			"status": r.Response.Status, "header": r.Response.Header, "body": string(r.Response.Body),
+		}})
+	}
+	return f
+}
+
+// recordJSON is a Record as --json prints it.
+func recordJSON(r idem.Record) map[string]any {
+	out := map[string]any{}
+	for _, f := range recordFields(r) {
+		out[f.name] = f.value
 	}
 	return out
 }
 
-// recordText is a Record as inspect prints it.
+// recordText is a Record as inspect prints it: the fields of recordJSON,
+// one a line (the response's status, each header and the body each on a
+// line of its own), a value with a control character quoted.
 func recordText(r idem.Record) string {
 	var sb strings.Builder
-	line := func(name, value string) { fmt.Fprintf(&sb, "%-16s %s\n", name, value) }
-	ts := func(t time.Time) string {
-		if t.IsZero() {
-			return "-"
+	line := func(name, value string) {
+		if strings.ContainsFunc(value, unicode.IsControl) {
+			value = strconv.Quote(value)
 		}
-		return t.UTC().Format(time.RFC3339Nano)
+		fmt.Fprintf(&sb, "%-16s %s\n", name, value)
 	}
-	line("actor", r.Scope.Actor)
-	line("operation", r.Scope.Operation)
-	line("key", r.Key)
-	line("status", string(r.Status))
-	line("fingerprint", r.Fingerprint.String())
-	line("created_at", ts(r.CreatedAt))
-	line("completed_at", ts(r.CompletedAt))
-	line("expires_at", ts(r.ExpiresAt))
-	if r.Token != 0 || !r.LeaseExpiresAt.IsZero() {
-		line("token", fmt.Sprint(r.Token))
-		line("lease_expires_at", ts(r.LeaseExpiresAt))
-	}
-	if r.LastError != "" {
-		line("last_error", r.LastError)
-	}
-	if r.ResolveReason != "" {
-		line("resolve_reason", r.ResolveReason)
-	}
-	if r.Response != nil {
-		line("response_status", fmt.Sprint(r.Response.Status))
-		for name, values := range r.Response.Header {
-			line("response_header", name+": "+strings.Join(values, ", "))
+	for _, f := range recordFields(r) {
+		switch v := f.value.(type) {
+		case time.Time:
+			line(f.name, v.UTC().Format(time.RFC3339Nano))
+		case map[string]any: // the response
+			line("response_status", fmt.Sprint(r.Response.Status))
+			for _, name := range slices.Sorted(maps.Keys(r.Response.Header)) {
+				line("response_header", name+": "+strings.Join(r.Response.Header[name], ", "))
+			}
+			line("response_body", strconv.Quote(string(r.Response.Body)))
+		default:
+			line(f.name, fmt.Sprint(v))
 		}
-		line("response_body", fmt.Sprintf("%q", r.Response.Body))
 	}
 	return sb.String()
 }

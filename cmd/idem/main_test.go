@@ -6,10 +6,15 @@ import (
 	"encoding/json"
 	"errors"
 	"flag"
+	"fmt"
 	"io/fs"
+	"maps"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"regexp"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -17,6 +22,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
@@ -309,11 +315,11 @@ func TestCLIUsageErrors(t *testing.T) {
 	}{
 		{nil, "idem: no command"},
 		{[]string{"frobnicate"}, `idem: unknown command "frobnicate"`},
-		{[]string{"--bogus"}, "idem: flag provided but not defined: -bogus"},
+		{[]string{"--bogus"}, "idem: flag provided but not defined: --bogus"},
 		{[]string{"help", "frobnicate"}, `idem: help takes one command name at most, got "frobnicate"`},
 		{[]string{"inspect", "a"}, "idem inspect: want <actor> <operation> <key>, got 1 argument(s)"},
-		{[]string{"inspect", "--bogus", "a", "b", "c"}, "idem inspect: flag provided but not defined: -bogus"},
-		{[]string{"prune", "--batch-size", "x"}, `idem prune: invalid value "x" for flag -batch-size: parse error`},
+		{[]string{"inspect", "--bogus", "a", "b", "c"}, "idem inspect: flag provided but not defined: --bogus"},
+		{[]string{"prune", "--batch-size", "x"}, `idem prune: invalid value "x" for flag --batch-size: parse error`},
 		{[]string{"migrate", "sideways"}, `idem migrate: want up, down or status, got "sideways"`},
 		{[]string{"stats"}, "idem stats: no database: set DATABASE_URL or pass --database-url"},
 		{[]string{"resolve", "a", "b", "c", "--token", "1", "--succeeded"}, "idem resolve: --reason is required: it is stored with the record for the audit trail"},
@@ -450,7 +456,8 @@ func TestCLIOperatorCoherence(t *testing.T) {
 		t.Fatalf("resolve with a text body: exit %d: %s", code, errOut)
 	}
 
-	// migrate down: the migrations after 2 keep every record; 2 would delete unknown,
+	// migrate down: the migrations after 2 keep every record (5 refuses to
+	// drop the audit trail unless --force); 2 would delete unknown,
 	// in-flight and failed_retryable records: refused unless --force.
 	if _, err := idem.Reserve(ctx, pool, scope, "in-flight", idem.FingerprintParts([]byte("p")), time.Hour); err != nil {
 		t.Fatal(err)
@@ -462,6 +469,15 @@ func TestCLIOperatorCoherence(t *testing.T) {
 		}
 		if v <= 2 {
 			break
+		}
+		if v == 5 { // the audit trail (resolve wrote a row): refused unless --force
+			if _, errOut, code := runCLI(t, url, "migrate", "down"); code != exitRefused || !strings.Contains(errOut, "audit trail") {
+				t.Fatalf("migrate down deleting the audit trail: exit %d: %s", code, errOut)
+			}
+			if _, errOut, code := runCLI(t, url, "migrate", "down", "--force"); code != exitOK {
+				t.Fatalf("migrate down --force from 5: exit %d: %s", code, errOut)
+			}
+			continue
 		}
 		if _, errOut, code := runCLI(t, url, "migrate", "down"); code != exitOK {
 			t.Fatalf("migrate down from %d: exit %d: %s", v, code, errOut)
@@ -564,5 +580,234 @@ func TestCLIUnknownListReadOnly(t *testing.T) {
 	}
 	if rec, err := idem.Lookup(ctx, pool, scope, "late"); err != nil || rec.Status != idem.StatusSucceeded {
 		t.Fatalf("late: %+v, %v", rec, err)
+	}
+}
+
+// freeAddr returns a loopback port nobody listens on.
+func freeAddr(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, port, _ := net.SplitHostPort(ln.Addr().String())
+	ln.Close()
+	return port
+}
+
+// A database that cannot be reached is one line, with idem named once,
+// though pgx lists every address it tried on a line of its own; the JSON
+// error holds no control character.
+func TestCLIErrorOneLine(t *testing.T) {
+	url := "postgres://postgres@localhost:" + freeAddr(t) + "/x?connect_timeout=5"
+	out, errOut, code := runCLI(t, url, "stats")
+	if code != exitFailure || out != "" || strings.Count(errOut, "\n") != 1 || strings.ContainsAny(errOut, "\t\r") ||
+		!strings.HasPrefix(errOut, "idem stats: cannot reach the database: failed to connect to `user=postgres database=x`: ") ||
+		strings.Count(errOut, "idem") != 1 {
+		t.Errorf("exit %d\nstdout:\n%s\nstderr:\n%s", code, out, errOut)
+	}
+	out, errOut, code = runCLI(t, url, "stats", "--json")
+	wantJSON(t, []string{"stats", "--json"}, out, errOut, code, exitFailure, "cannot reach the database")
+	if strings.Count(out, "\n") != 1 || strings.Contains(out, `\n`) || strings.Contains(out, `\t`) {
+		t.Errorf("--json error with control characters: %s", out)
+	}
+}
+
+// The library's errors, nested ones included, and pgx's prepared
+// statements lost behind a pooler (26000, 42P05), as exit reports them: one
+// line, idem named once, the fix named.
+func TestCLIErrorMessages(t *testing.T) {
+	lost := func(code, verb string) error {
+		return &pgconn.PgError{Severity: "ERROR", Code: code,
+			Message: `prepared statement "stmtcache_0123abcd" ` + verb}
+	}
+	for _, c := range []struct {
+		err  error
+		want string
+	}{
+		{fmt.Errorf("%w: %w", idem.ErrUnavailable, errors.New("idem: commit: conn closed")),
+			"store unavailable: commit: conn closed"},
+		{lost("42P05", "already exists"), "prepared statements lost behind a connection pooler (a transaction pooler such as PgBouncer in transaction mode?): " +
+			"add default_query_exec_mode=exec (or cache_describe, or simple_protocol) to the connection string in DATABASE_URL or --database-url, " +
+			`or run PgBouncer 1.21 or newer with max_prepared_statements > 0: ERROR: prepared statement "stmtcache_0123abcd" already exists (SQLSTATE 42P05)`},
+		{fmt.Errorf("%w: %w", idem.ErrPreparedStatements, lost("26000", "does not exist")), "prepared statements lost behind a connection pooler"},
+		{errors.New("first\n\tsecond\n\tsecond\n"), "first; second"},
+	} {
+		var stdout, stderr bytes.Buffer
+		e := &env{stdout: &stdout, stderr: &stderr, name: "idem stats"}
+		if code := e.exit(c.err); code != exitFailure {
+			t.Errorf("%v: exit %d", c.err, code)
+		}
+		line := stderr.String()
+		if !strings.HasPrefix(line, "idem stats: "+c.want) || strings.Count(line, "\n") != 1 || strings.Count(line, "idem") != 1 {
+			t.Errorf("%v:\n%s", c.err, line)
+		}
+		if errors.Is(c.err, idem.ErrPreparedStatements) || strings.Contains(c.err.Error(), "stmtcache_") {
+			if !strings.Contains(line, "default_query_exec_mode=exec") || !strings.Contains(line, "(SQLSTATE ") {
+				t.Errorf("%v: the fix is not named:\n%s", c.err, line)
+			}
+		}
+	}
+}
+
+// Behind PgBouncer in transaction mode, pgx's default exec mode loses its
+// prepared statements: the command fails with the fix on one line.
+func TestCLIBehindPooler(t *testing.T) {
+	url := pgtest.BehindPooler(t, idem.Migrate)
+	failed := 0
+	for range 4 {
+		out, errOut, code := runCLI(t, url, "stats")
+		if code == exitOK {
+			continue
+		}
+		failed++
+		if code != exitFailure || out != "" || strings.Count(errOut, "\n") != 1 ||
+			!strings.HasPrefix(errOut, "idem stats: prepared statements lost behind a connection pooler") ||
+			!strings.Contains(errOut, "add default_query_exec_mode=exec") {
+			t.Errorf("exit %d\nstdout:\n%s\nstderr:\n%s", code, out, errOut)
+		}
+	}
+	if failed == 0 {
+		t.Errorf("pgx's default exec mode never failed behind PgBouncer")
+	}
+	if out, errOut, code := runCLI(t, url+"&default_query_exec_mode=exec", "stats"); code != exitOK {
+		t.Errorf("exec mode: exit %d\nstdout:\n%s\nstderr:\n%s", code, out, errOut)
+	}
+}
+
+// stats prints every status, those without keys too, in both forms.
+func TestCLIStatsZeroCounts(t *testing.T) {
+	url := pgtest.URL(t, idem.Migrate)
+	out, _, code := runCLI(t, url, "stats", "--json")
+	var st struct {
+		Keys  map[string]int64
+		Total *int64
+	}
+	if code != exitOK || json.Unmarshal([]byte(out), &st) != nil || st.Total == nil || *st.Total != 0 {
+		t.Fatalf("stats --json: exit %d\n%s", code, out)
+	}
+	text, _, code := runCLI(t, url, "stats")
+	if code != exitOK {
+		t.Fatalf("stats: exit %d", code)
+	}
+	for _, s := range []idem.Status{idem.StatusProcessing, idem.StatusSucceeded, idem.StatusRejected,
+		idem.StatusFailedRetryable, idem.StatusUnknown} {
+		if n, ok := st.Keys[string(s)]; !ok || n != 0 {
+			t.Errorf("stats --json: %s: %d, %t\n%s", s, n, ok, out)
+		}
+		if !regexp.MustCompile(`(?m)^` + string(s) + ` +0$`).MatchString(text) {
+			t.Errorf("stats: no line %s 0:\n%s", s, text)
+		}
+	}
+	if len(st.Keys) != 5 {
+		t.Errorf("stats --json: %d statuses\n%s", len(st.Keys), out)
+	}
+}
+
+// inspect prints the same fields in text and JSON: no token or lease for
+// Do's records, which have none; a reservation's token in both.
+func TestCLIInspectFieldsAgree(t *testing.T) {
+	ctx := t.Context()
+	pool := pgtest.Pool(t, idem.Migrate)
+	url := pool.Config().ConnString()
+	scope := idem.Scope{Actor: "alice", Operation: "draw"}
+	ok := func(context.Context, pgx.Tx) (idem.Response, error) {
+		return idem.Response{Status: 201, Body: []byte("{\"id\":1}\n")}, nil
+	}
+	if _, err := idem.DoInTx(ctx, pool, scope, "do-1", idem.FingerprintParts([]byte("a")), ok); err != nil {
+		t.Fatal(err)
+	}
+	r, err := idem.Reserve(ctx, pool, scope, "res-1", idem.FingerprintParts([]byte("a")), time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := idem.MarkUnknown(ctx, pool, r, "gateway timed out\nafter 30s"); err != nil {
+		t.Fatal(err)
+	}
+	for key, token := range map[string]bool{"do-1": false, "res-1": true} {
+		out, _, code := runCLI(t, url, "inspect", "--json", "alice", "draw", key)
+		var fields map[string]any
+		if code != exitOK || json.Unmarshal([]byte(out), &fields) != nil {
+			t.Fatalf("%s: inspect --json: exit %d\n%s", key, code, out)
+		}
+		text, _, code := runCLI(t, url, "inspect", "alice", "draw", key)
+		if code != exitOK {
+			t.Fatalf("%s: inspect: exit %d", key, code)
+		}
+		var textFields []string
+		for line := range strings.Lines(text) {
+			name, _, _ := strings.Cut(line, " ")
+			if strings.HasPrefix(name, "response_") {
+				name = "response"
+			}
+			if !slices.Contains(textFields, name) {
+				textFields = append(textFields, name)
+			}
+		}
+		slices.Sort(textFields)
+		if got := slices.Sorted(maps.Keys(fields)); !slices.Equal(got, textFields) {
+			t.Errorf("%s: JSON fields %q, text fields %q\n%s\n%s", key, got, textFields, out, text)
+		}
+		if _, has := fields["token"]; has != token {
+			t.Errorf("%s: token in the output: %t, want %t\n%s", key, has, token, out)
+		}
+		if strings.Count(text, "\n") != len(strings.Split(strings.TrimSpace(text), "\n")) {
+			t.Errorf("%s: a value broke its line:\n%s", key, text)
+		}
+	}
+}
+
+// migrate status aligns its columns whatever the length of the names.
+func TestCLIMigrateStatusAligned(t *testing.T) {
+	url := pgtest.URL(t, idem.Migrate)
+	out, _, code := runCLI(t, url, "migrate", "status")
+	if code != exitOK {
+		t.Fatalf("exit %d\n%s", code, out)
+	}
+	lines := strings.Split(strings.TrimSuffix(out, "\n"), "\n")
+	files, err := fs.ReadDir(idem.Migrations(), ".")
+	if err != nil || len(lines) != len(files) {
+		t.Fatalf("%d lines for %d migrations (%v):\n%s", len(lines), len(files), err, out)
+	}
+	col := strings.Index(lines[0], " applied ")
+	for _, line := range lines {
+		if strings.Index(line, " applied ") != col || col < 0 {
+			t.Errorf("not aligned:\n%s", out)
+			break
+		}
+	}
+	// Longer names than idem's: the column follows.
+	var sb strings.Builder
+	e := &env{stdout: &sb}
+	printMigrations(e, []migrationRow{{Version: 1, Source: "00001_a.sql"}, {Version: 12, Source: strings.Repeat("x", 60) + ".sql"}})
+	lines = strings.Split(strings.TrimSuffix(sb.String(), "\n"), "\n")
+	if len(lines) != 2 || strings.Index(lines[0], "pending") != strings.Index(lines[1], "pending") {
+		t.Errorf("not aligned:\n%s", sb.String())
+	}
+}
+
+// Every usage spells flags as the README does: --name, never -name.
+func TestCLIHelpSpellsFlags(t *testing.T) {
+	single := regexp.MustCompile(`(^|[\s\[(|])-[a-z]`)
+	out, _, _ := runCLI(t, "", "--help")
+	if single.MatchString(out) || !strings.Contains(out, "--json") || !strings.Contains(out, "--database-url") {
+		t.Errorf("idem --help:\n%s", out)
+	}
+	for name := range commands {
+		out, _, code := runCLI(t, "", name, "--help")
+		if code != exitOK || single.MatchString(out) || !strings.Contains(out, "  --json\n") {
+			t.Errorf("idem %s --help:\n%s", name, out)
+		}
+		fs := flag.NewFlagSet(name, flag.ContinueOnError)
+		commands[name].flags(fs)
+		fs.VisitAll(func(f *flag.Flag) {
+			if !strings.Contains(out, "  --"+f.Name) {
+				t.Errorf("idem %s --help lacks --%s:\n%s", name, f.Name, out)
+			}
+		})
+	}
+	_, errOut, _ := runCLI(t, "", "prune", "--batch-size", "x")
+	if !strings.HasPrefix(errOut, `idem prune: invalid value "x" for flag --batch-size: `) {
+		t.Errorf("a flag error spells the flag -name:\n%s", errOut)
 	}
 }

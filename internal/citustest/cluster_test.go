@@ -196,8 +196,7 @@ func TestTwoActorsOneTransaction(t *testing.T) {
 // order), the same transaction with a second key and order (Do inside fn)
 // for the same actor, and for an actor on the other worker (two-phase
 // commit). The three run in turn, so each gets the machine's same mood;
-// each reports its mean as ms/<name>. The figures are in the README
-// ("Scaling out with Citus"):
+// each reports its mean as ms/<name>. The figures are in docs/citus.md:
 //
 //	go test -run '^$' -bench Citus -benchtime 600x ./internal/citustest
 func BenchmarkCitus(b *testing.B) {

@@ -8,6 +8,24 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
+type IdemAudit struct {
+	Actor        string
+	ID           int64
+	ActedAt      pgtype.Timestamptz
+	Operator     string
+	Action       string
+	Operation    string
+	IdemKey      string
+	TokenBefore  pgtype.Int8
+	TokenAfter   pgtype.Int8
+	StatusBefore pgtype.Text
+	StatusAfter  pgtype.Text
+	Verdict      pgtype.Text
+	Reason       string
+	Changed      int64
+	Detail       []byte
+}
+
 type IdemKey struct {
 	Actor           string
 	Operation       string

@@ -11,6 +11,24 @@ import (
 	"github.com/pgidem/idem/internal/nulljson"
 )
 
+type IdemAudit struct {
+	Actor        string
+	ID           int64
+	ActedAt      time.Time
+	Operator     string
+	Action       string
+	Operation    string
+	IdemKey      string
+	TokenBefore  sql.NullInt64
+	TokenAfter   sql.NullInt64
+	StatusBefore sql.NullString
+	StatusAfter  sql.NullString
+	Verdict      sql.NullString
+	Reason       string
+	Changed      int64
+	Detail       nulljson.JSON
+}
+
 type IdemKey struct {
 	Actor           string
 	Operation       string

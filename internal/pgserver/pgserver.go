@@ -273,13 +273,18 @@ func pingCreateDB(ctx context.Context, connString string) error {
 }
 
 // withConn opens one connection (bounded by connectTimeout), runs fn and
-// closes the connection.
+// closes the connection. The connection runs its statements with the simple
+// protocol, whatever connString's default_query_exec_mode: a probe checks
+// that the server answers, not that its exec mode suits the way to the
+// server (a transaction pooler loses the statements pgx's default mode
+// prepares; the programs name that fix themselves).
 func withConn(ctx context.Context, connString string, fn func(context.Context, *pgx.Conn) error) error {
 	cfg, err := pgx.ParseConfig(connString)
 	if err != nil {
 		return err
 	}
 	cfg.ConnectTimeout = connectTimeout
+	cfg.DefaultQueryExecMode = pgx.QueryExecModeSimpleProtocol
 	ctx, cancel := context.WithTimeout(ctx, 2*connectTimeout)
 	defer cancel()
 	conn, err := pgx.ConnectConfig(ctx, cfg)

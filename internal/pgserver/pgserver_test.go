@@ -268,3 +268,21 @@ func TestVersionOf(t *testing.T) {
 		}
 	}
 }
+
+// Behind PgBouncer in transaction mode, a DATABASE_URL in pgx's default exec
+// mode connects: the probes do not prepare statements, which the pooler
+// would lose (42P05 from the second probe on), so the connection string's
+// exec mode is left to the program to judge.
+func TestFromURLBehindPooler(t *testing.T) {
+	pooler := os.Getenv("IDEM_PGBOUNCER_URL")
+	if pooler == "" {
+		t.Skip("IDEM_PGBOUNCER_URL is unset: no PgBouncer to test behind (eval \"$(.ci/pgbouncer)\" starts one)")
+	}
+	for range 4 {
+		srv, err := FromURL(t.Context(), pooler, SourceDatabaseURL)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = srv.Close()
+	}
+}

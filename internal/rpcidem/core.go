@@ -5,17 +5,14 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"reflect"
 	"slices"
 	"strings"
 	"time"
 
-	"github.com/jackc/pgx/v5"
-
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/front"
 	"github.com/pgidem/idem/internal/keyhdr"
 	"github.com/pgidem/idem/internal/loghash"
-	"github.com/pgidem/idem/internal/watchtx"
 )
 
 // The gRPC status codes (Connect's codes are the same numbers) that the
@@ -50,8 +47,9 @@ type Failure struct {
 	Cause error
 }
 
-// Options are what Core needs of an interceptor's options.
-type Options struct {
+// Transport is what Core knows of an interceptor's transport: the same for
+// every interceptor of a package.
+type Transport struct {
 	// Name is the interceptor's package name ("idemgrpc"): the prefix of
 	// its errors and log messages.
 	Name string
@@ -65,36 +63,52 @@ type Options struct {
 	KeySource  string
 	KeyMissing string
 
-	// ScopeSet, RequireKey, KeyField, RefusalCodes, Logger and Config are
-	// the interceptor's options of the same names (ScopeSet: Scope is not
-	// nil; RefusalCodes: the codes, not nil).
-	ScopeSet     bool
-	RequireKey   bool
-	KeyField     string
-	RefusalCodes []uint32
-	Logger       *slog.Logger
-	Config       idem.Config
+	// Reserved are the prefixes no stored name may start with (the
+	// transport's own: "grpc-"), and NameKind what a stored name is
+	// called in errors ("metadata key").
+	Reserved []string
+	NameKind string
+
+	// RawBinary says that the transport hands binary ("-bin") values over
+	// raw (gRPC's metadata): Stored encodes them in base64.
+	RawBinary bool
 }
 
-// Core is the transport-neutral part of an interceptor: its options, the
-// rules of the key and the scope, the run of the handler in idem.DoInTx
-// and the mapping of idem's errors to statuses.
+// Options are what Core needs of an interceptor's options: its
+// transport's, and the user's options of the same names (ScopeSet: Scope
+// is not nil; RefusalCodes: the codes, not nil).
+type Options struct {
+	Transport
+	ScopeSet       bool
+	RequireKey     bool
+	KeyField       string
+	RefusalCodes   []uint32
+	StoredHeaders  []string
+	StoredTrailers []string
+	Logger         *slog.Logger
+	Config         idem.Config
+}
+
+// Core is the part of an interceptor that depends on no transport: its
+// options, the rules of the key, the scope and the stored names, the run
+// of the handler in the store's DoInTx and the mapping of idem's errors to
+// statuses.
 type Core struct {
 	opts      Options
-	db        idem.Beginner
+	store     front.Store
 	client    *idem.Client
+	headers   []string // stored names, lower case, each once
+	trailers  []string
 	log       *slog.Logger
 	hash      *loghash.Hasher // of keys in log records
 	notStored error
 }
 
-// New returns the Core of an interceptor on db, or the error of invalid
-// options (a nil db, a typed nil pointer too, no Scope, a Config that
-// idem.New refuses).
-func New(db idem.Beginner, opts Options) (*Core, error) {
-	if db == nil || reflect.ValueOf(db).Kind() == reflect.Pointer && reflect.ValueOf(db).IsNil() {
-		return nil, errors.New(opts.Name + ": nil database handle")
-	}
+// New returns the Core of an interceptor whose store open returns for the
+// configured client (front.Pgx or front.SQL on the application's handle),
+// or the error of invalid options (no Scope, a stored name that HeaderName
+// refuses, a Config that idem.New refuses) or of open (a nil handle).
+func New(opts Options, open front.Open) (*Core, error) {
 	if !opts.ScopeSet {
 		return nil, errors.New(opts.Name + ": Options.Scope is required")
 	}
@@ -107,9 +121,13 @@ func New(db idem.Beginner, opts Options) (*Core, error) {
 	if err != nil {
 		return nil, fmt.Errorf("%s: Options.Config: %w", opts.Name, err)
 	}
+	store, err := open(client)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", opts.Name, err)
+	}
 	c := &Core{
 		opts:      opts,
-		db:        db,
+		store:     store,
 		client:    client,
 		log:       opts.Logger,
 		hash:      loghash.New(opts.Config.LogHashKey),
@@ -119,19 +137,36 @@ func New(db idem.Beginner, opts Options) (*Core, error) {
 	if c.log == nil {
 		c.log = slog.Default()
 	}
+	for _, list := range []struct {
+		in  []string
+		out *[]string
+	}{{opts.StoredHeaders, &c.headers}, {opts.StoredTrailers, &c.trailers}} {
+		for _, name := range list.in {
+			if !HeaderName(name, opts.Reserved...) {
+				return nil, fmt.Errorf("%s: Options.StoredHeaders, StoredTrailers: invalid %s %q", opts.Name, opts.NameKind, name)
+			}
+			if name = strings.ToLower(name); !slices.Contains(*list.out, name) {
+				*list.out = append(*list.out, name)
+			}
+		}
+	}
 	return c, nil
 }
 
+// Name is the interceptor's package name, the prefix of its errors.
+func (c *Core) Name() string { return c.opts.Name }
+
 // HeaderName reports whether name can be stored as the name of a header or
 // trailer: an RFC 9110 token, as idemhttp's stored header names (idem
-// refuses to store any other name), that starts with none of reserved, the
-// transport's own prefixes ("grpc-"), compared without case.
+// refuses to store any other name), without '~' (which marks idem's own
+// entries, TrailerPrefix and ReplyType), that starts with none of reserved,
+// the transport's own prefixes ("grpc-"), compared without case.
 func HeaderName(name string, reserved ...string) bool {
 	if name == "" {
 		return false
 	}
 	for i := 0; i < len(name); i++ {
-		if !keyhdr.IsTchar(name[i]) {
+		if !keyhdr.IsTchar(name[i]) || name[i] == '~' {
 			return false
 		}
 	}
@@ -201,11 +236,41 @@ func (c *Core) Scope(scope idem.Scope, err error) *Failure {
 	return nil
 }
 
+// Stored returns the stored form of the chosen headers and trailers (see
+// the package doc), or nil for none; header and trailer return the values
+// of a name (in lower case) that the handler set.
+func (c *Core) Stored(header, trailer func(name string) []string) map[string][]string {
+	var out map[string][]string
+	add := func(prefix string, names []string, get func(string) []string) {
+		for _, name := range names {
+			values := get(name)
+			if len(values) == 0 {
+				continue
+			}
+			if out == nil {
+				out = map[string][]string{}
+			}
+			stored := make([]string, len(values))
+			for i, v := range values {
+				if c.opts.RawBinary && IsBinary(name) {
+					v = EncodeBinary(v)
+				}
+				stored[i] = v
+			}
+			out[prefix+name] = stored
+		}
+	}
+	add("", c.headers, header)
+	add(TrailerPrefix, c.trailers, trailer)
+	return out
+}
+
 // Call is the transport's side of one call with a key, as Core.Do runs it.
 type Call interface {
-	// Handle runs the handler once, with tx as the call's transaction
-	// (the one its Tx returns), keeps its answer and returns its error.
-	Handle(ctx context.Context, tx pgx.Tx) error
+	// Handle runs the handler once, in the transaction that ctx carries
+	// (which the interceptor's Tx or TxSQL returns), keeps its answer and
+	// returns its error.
+	Handle(ctx context.Context) error
 
 	// Code is the status code of err, an error Handle returned.
 	Code(err error) uint32
@@ -218,23 +283,18 @@ type Call interface {
 	Refusal(err error) (header map[string][]string, body []byte, err2 error)
 }
 
-// Do runs the call of procedure with scope, key and fp in idem.DoInTx and
-// decides its outcome: a reply commits with the key; an error whose code
-// Options.RefusalCodes holds is a refusal, stored, the handler's writes
-// rolled back; any other error stores nothing. A transaction lost under
-// the handler runs it again.
+// Do runs the call of procedure with scope, key and fp in the store's
+// DoInTx and decides its outcome: a reply commits with the key; an error
+// whose code Options.RefusalCodes holds is a refusal, stored, the handler's
+// writes rolled back; any other error stores nothing. A transaction lost
+// under the handler runs it again (the store sees it).
 //
 // It returns the stored outcome to replay (replayed true), or the failure
 // to answer, or neither: then the last Handle's own answer goes to the
 // client.
 func (c *Core) Do(ctx context.Context, procedure string, scope idem.Scope, key string, fp idem.Fingerprint, call Call) (stored idem.Response, replayed bool, f *Failure) {
-	res, err := c.client.DoInTx(ctx, c.db, scope, key, fp, func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
-		wt := watchtx.New(tx)
-		herr := call.Handle(ctx, wt)
-		if err := wt.Retryable(); err != nil {
-			return idem.Response{}, err // the transaction is lost: DoInTx runs the handler again
-		}
-		if herr != nil {
+	res, err := c.store.DoInTx(ctx, scope, key, fp, func(ctx context.Context) (idem.Response, error) {
+		if herr := call.Handle(ctx); herr != nil {
 			code := call.Code(herr)
 			if !slices.Contains(c.opts.RefusalCodes, code) {
 				return idem.Response{}, c.notStored

@@ -8,6 +8,7 @@ import (
 	"io"
 	"log/slog"
 	"os"
+	"reflect"
 	"strings"
 	"testing"
 	"time"
@@ -16,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/front"
 	"github.com/pgidem/idem/internal/pgtest"
 )
 
@@ -27,14 +29,17 @@ type noDB struct{}
 func (noDB) Begin(context.Context) (pgx.Tx, error) { return nil, errors.New("no database") }
 
 func testOptions() Options {
-	return Options{Name: "idemtest", ProcedureAttr: "method", KeySource: "idempotency-key metadata",
-		KeyMissing: "this method requires an idempotency key", ScopeSet: true, KeyField: "request_id",
-		RefusalCodes: []uint32{CodeFailedPrecondition}}
+	return Options{Transport: Transport{Name: "idemtest", ProcedureAttr: "method", KeySource: "idempotency-key metadata",
+		KeyMissing: "this method requires an idempotency key", Reserved: []string{"grpc-"}, NameKind: "metadata key"},
+		ScopeSet: true, KeyField: "request_id", RefusalCodes: []uint32{CodeFailedPrecondition}}
 }
+
+// txs holds the test handlers' transaction.
+var txs front.Txs
 
 func newCore(t *testing.T, db idem.Beginner, opts Options) *Core {
 	t.Helper()
-	c, err := New(db, opts)
+	c, err := New(opts, txs.Pgx(db))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -47,6 +52,8 @@ func TestNewRefuses(t *testing.T) {
 	noScope.ScopeSet = false
 	badConfig := testOptions()
 	badConfig.Config.TTL = -time.Second
+	badName := testOptions()
+	badName.StoredTrailers = []string{"x~y"}
 	for _, tc := range []struct {
 		name string
 		db   idem.Beginner
@@ -57,8 +64,9 @@ func TestNewRefuses(t *testing.T) {
 		{"typed nil pool", (*pgxpool.Pool)(nil), testOptions(), "idemtest: nil database handle"},
 		{"no scope", noDB{}, noScope, "idemtest: Options.Scope is required"},
 		{"bad config", noDB{}, badConfig, "idemtest: Options.Config: "},
+		{"bad name", noDB{}, badName, `idemtest: Options.StoredHeaders, StoredTrailers: invalid metadata key "x~y"`},
 	} {
-		if _, err := New(tc.db, tc.opts); err == nil || !strings.HasPrefix(err.Error(), tc.want) {
+		if _, err := New(tc.opts, txs.Pgx(tc.db)); err == nil || !strings.HasPrefix(err.Error(), tc.want) {
 			t.Errorf("%s: New = %v, want %q", tc.name, err, tc.want)
 		}
 	}
@@ -188,9 +196,9 @@ type fakeCall struct {
 	reply []byte
 }
 
-func (c *fakeCall) Handle(ctx context.Context, tx pgx.Tx) error {
+func (c *fakeCall) Handle(ctx context.Context) error {
 	c.runs++
-	if _, err := tx.Exec(ctx, `INSERT INTO notes (note) VALUES ($1)`, c.note); err != nil {
+	if _, err := txs.PgxTx(ctx).Exec(ctx, `INSERT INTO notes (note) VALUES ($1)`, c.note); err != nil {
 		return err
 	}
 	return c.err
@@ -275,12 +283,43 @@ func TestDo(t *testing.T) {
 // Stored header names are HTTP tokens outside the reserved prefixes.
 func TestHeaderName(t *testing.T) {
 	for name, want := range map[string]bool{
-		"x-order": true, "X-Order": true, "x-trace-bin": true, "x_a.b~c!": true,
-		"": false, "x@id": false, "x id": false, ":authority": false, "x:y": false,
+		"x-order": true, "X-Order": true, "x-trace-bin": true, "x_a.b|c!": true,
+		"x~y": false, "trailer~x": false, "reply~type": false, "": false, "x@id": false, "x id": false, ":authority": false, "x:y": false,
 		"x\r\n": false, "x\"y": false, "grpc-status": false, "Grpc-Status": false, "é": false,
 	} {
 		if got := HeaderName(name, "grpc-"); got != want {
 			t.Errorf("HeaderName(%q) = %v, want %v", name, got, want)
 		}
+	}
+}
+
+// Stored keeps the chosen names only, in lower case, trailers under
+// TrailerPrefix, raw binary values in base64 when the transport hands them
+// over raw; Entries splits the stored form back, the reply's type apart.
+func TestStoredAndEntries(t *testing.T) {
+	opts := testOptions()
+	opts.StoredHeaders = []string{"X-Order", "x-order", "x-id-bin"}
+	opts.StoredTrailers = []string{"X-Trace-Bin", "x-missing"}
+	set := map[string][]string{"x-order": {"42", "43"}, "x-other": {"no"}, "x-id-bin": {"\x00\xff"}, "x-trace-bin": {"\x01"}}
+	get := func(name string) []string { return set[name] }
+	for _, raw := range []bool{false, true} {
+		opts.RawBinary = raw
+		c := newCore(t, noDB{}, opts)
+		got := c.Stored(get, get)
+		want := map[string][]string{"x-order": {"42", "43"}, "x-id-bin": {"\x00\xff"}, "trailer~x-trace-bin": {"\x01"}}
+		if raw {
+			want["x-id-bin"], want["trailer~x-trace-bin"] = []string{"AP8="}, []string{"AQ=="}
+		}
+		if !reflect.DeepEqual(got, want) {
+			t.Errorf("raw %v: Stored = %v, want %v", raw, got, want)
+		}
+		got[ReplyType] = []string{"pkg.Reply"}
+		header, trailer, typ := Entries(got)
+		if typ != "pkg.Reply" || len(header) != 2 || header["x-order"][1] != "43" || len(trailer) != 1 || trailer["x-trace-bin"] == nil {
+			t.Errorf("raw %v: Entries = %v, %v, %q", raw, header, trailer, typ)
+		}
+	}
+	if c := newCore(t, noDB{}, testOptions()); c.Stored(get, get) != nil {
+		t.Error("Stored without chosen names is not nil")
 	}
 }

@@ -1,24 +1,34 @@
-// Package rpcidem is what idemgrpc and idemconnect share, without protobuf,
+// Package rpcidem is what idemgrpc and idemconnect share without protobuf,
 // grpc or connect: the fingerprint of a call, the stored form of its
 // outcome, the reasons of their ErrorInfo details, and Core, the part of an
-// interceptor that does not depend on its transport (options, the rules of
-// the key and the scope, the run of the handler in idem.DoInTx, the status
-// of idem's errors and their logs). Each module keeps its transport's glue:
-// reading the key, running the handler, protobuf (un)marshalling, and
-// turning a Failure into its own error. Both store a call's outcome alike,
-// so a key used through one and retried through the other (the same
-// procedure served by grpc-go and by connect-go) replays.
+// interceptor that depends on no transport and no message format (options,
+// the rules of the key, the scope and the stored names, the run of the
+// handler in the store's DoInTx, the status of idem's errors and their
+// logs). The protobuf half (the request's key field, deterministic
+// marshalling, reply types, google.rpc.Status) is internal/rpcproto, a module
+// of its own so that the library's module needs no protobuf; each of
+// idemgrpc and idemconnect keeps only its transport's glue. Both store a
+// call's outcome alike, so a key used through one and retried through the
+// other (the same procedure served by grpc-go and by connect-go) replays.
+//
+//	idemgrpc, idemconnect   transport glue (metadata, status errors)
+//	internal/rpcproto        protobuf: key field, reply types, google.rpc.Status
+//	internal/rpcidem         this package: keys, scope, outcome, stored form
+//	internal/front           the public fronts: idem (pgx) or idemsql (database/sql)
 //
 // The stored form, in an idem.Response:
 //   - a reply: Status 200, Body the reply message, marshalled by
-//     protobuf's deterministic marshal;
+//     protobuf's deterministic marshal, and the entry ReplyType (the
+//     message's full name) among the headers;
 //   - a refusal (a status the handler returned that the interceptor's
 //     refusal codes hold): Status the HTTP status of the code (HTTPStatus),
 //     Body a google.rpc.Status (code, message, details), marshalled the same
 //     way;
 //   - Header: the chosen response headers under their lower-case names, the
 //     chosen trailers under TrailerPrefix and their name. Values of binary
-//     ("-bin") entries are stored base64-encoded, as they travel.
+//     ("-bin") entries are stored base64-encoded, as they travel. Stored
+//     names never hold '~' (HeaderName refuses it), which marks idem's own
+//     entries: TrailerPrefix and ReplyType.
 package rpcidem
 
 import (
@@ -44,8 +54,40 @@ const StatusReply = 200
 
 // TrailerPrefix is put before the name of a stored trailer. The stored
 // name stays an HTTP token (idem refuses other header names), and no header
-// can carry it: '~' is not allowed in gRPC metadata keys.
+// can carry it: HeaderName refuses '~' (as gRPC refuses it in metadata
+// keys).
 const TrailerPrefix = "trailer~"
+
+// ReplyType is the stored entry that holds the full name of a stored
+// reply's message type ("google.rpc.ResourceInfo"), so that a replay
+// decodes it without the procedure's schema. A record stored without it
+// (by an earlier version) is decoded as the procedure's reply type.
+const ReplyType = "reply~type"
+
+// Entries splits stored, the Header of a stored outcome, into the headers
+// and the trailers to send again (names as stored, lower case; nil for
+// none) and the reply's type ("" for none).
+func Entries(stored map[string][]string) (header, trailer map[string][]string, replyType string) {
+	add := func(m *map[string][]string, name string, values []string) {
+		if *m == nil {
+			*m = make(map[string][]string, len(stored))
+		}
+		(*m)[name] = values
+	}
+	for name, values := range stored {
+		switch n, isTrailer := strings.CutPrefix(name, TrailerPrefix); {
+		case name == ReplyType:
+			if len(values) == 1 {
+				replyType = values[0]
+			}
+		case isTrailer:
+			add(&trailer, n, values)
+		default:
+			add(&header, name, values)
+		}
+	}
+	return header, trailer, replyType
+}
 
 // HTTPStatus is the stored Status of a refusal with the gRPC status code
 // code: the HTTP status that google.rpc.Code documents for it (400 for

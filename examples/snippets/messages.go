@@ -1,0 +1,49 @@
+//go:build ignore
+
+// What the blocks of docs/messages.md use: a service's pool, its types, and
+// a message from a broker. Compiled only with those blocks, by
+// TestDocsCompile.
+package snippets
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/idem"
+)
+
+var (
+	ctx        = context.Background()
+	pool       *pgxpool.Pool    // the service's pool, from pgxpool.New
+	user       string           // the authenticated user: the key's actor
+	key        string           // the caller's idempotency key
+	fp         idem.Fingerprint // idem.FingerprintJSON of the request
+	item       string
+	id         int64
+	outOfStock bool
+	msg        message
+)
+
+// Order is what placing an order returns.
+type Order struct {
+	ID   int64  `json:"id"`
+	Item string `json:"item"`
+}
+
+// OutOfStock is the refusal of an order for an item out of stock.
+type OutOfStock struct {
+	Item string `json:"item"`
+}
+
+// message is a delivery from a broker or a webhook sender.
+type message struct {
+	ID      string
+	Payload []byte
+}
+
+// Ack acknowledges the delivery: the broker will not redeliver it.
+func (m message) Ack() {}

@@ -1,0 +1,129 @@
+package idemconnect
+
+import (
+	"context"
+	"errors"
+
+	"connectrpc.com/connect"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/callretry"
+)
+
+// NewClientInterceptor returns a client interceptor for calls to servers
+// that deduplicate by idempotency key (NewInterceptor, idemgrpc's server,
+// AIP-155's request_id practice). It sends each unary call with a key and
+// retries it, with the same key, while another attempt may succeed, so that
+// a lost reply costs a retry and never a second execution.
+//
+//	client := ordersv1connect.NewOrderServiceClient(http.DefaultClient, url,
+//		connect.WithInterceptors(idemconnect.NewClientInterceptor(idem.RetryPolicy{})))
+//	ctx := idem.WithCallKey(ctx, r.CallKey("order")) // r from idem.Reserve
+//	resp, err := client.PlaceOrder(ctx, connect.NewRequest(msg)) // errors.Is(err, idem.ErrOutcomeUnknown): it may have happened
+//
+// Every attempt of one call carries the same Idempotency-Key header: the
+// request's own (sent as it is); else the context's call key
+// (idem.WithCallKey); else one minted for this call (idem.NewCallKey). A
+// header the interceptor adds is removed from the request when the call
+// returns, so a request sent again is a new call with a new key. A key that
+// idem would refuse (idem.ValidateKey; an empty context key, as
+// Reservation.CallKey returns for an invalid step), or a policy with a
+// negative field, fails the call before anything is sent, with an error
+// wrapping idem.ErrInvalidKey or idem.ErrInvalidArgument.
+//
+// unavailable (the connection failed or broke, or the server could not
+// serve) and aborted (the server's "a call with this key is in progress")
+// are retried, after the wait the error's google.rpc.RetryInfo detail asks
+// for, capped by p.MaxDelay, or else p's backoff. Every other code is
+// returned at once: failed_precondition (the key was used for another
+// request, or an outcome to reconcile) and invalid_argument are bugs or
+// decisions, not accidents. The retries stop at p's bounds and when the
+// call's context ends.
+//
+// When the call ends without an answer (unavailable after the last attempt,
+// or deadline_exceeded or canceled while an attempt was under way) after an
+// attempt that may have reached the server, the error is an
+// *idem.CallError that wraps the last error (or the context's, when it
+// ended during a wait): errors.Is(err, idem.ErrOutcomeUnknown) is true,
+// connect.CodeOf(err) is the last error's code, its message says that the
+// call may have been processed and to retry later with the same key, and
+// its Key field holds that key. When no attempt can have reached the
+// server (every dial failed), the last error is returned as it is; so is
+// an answer (aborted too, when the retries run out on it).
+//
+// Streaming calls, and handlers, are not intercepted. Do not combine it
+// with an idemhttp.Transport under the same client: each would retry the
+// other's attempts. The interceptor is safe for concurrent use.
+func NewClientInterceptor(p idem.RetryPolicy) connect.Interceptor {
+	policy, err := callretry.New(p)
+	return &clientInterceptor{policy: policy, err: err}
+}
+
+// clientInterceptor is NewClientInterceptor's interceptor.
+type clientInterceptor struct {
+	policy callretry.Policy
+	err    error // of the policy
+}
+
+func (c *clientInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc {
+	return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
+		if !req.Spec().IsClient {
+			return next(ctx, req)
+		}
+		if c.err != nil {
+			return nil, c.err
+		}
+		key, err := callretry.Own(req.Header().Values(HeaderKey), HeaderKey+" header")
+		if err != nil {
+			return nil, err
+		}
+		if key == "" {
+			if key, err = callretry.Key(ctx, true); err != nil {
+				return nil, err
+			}
+			req.Header().Set(HeaderKey, key)
+			defer req.Header().Del(HeaderKey)
+		}
+		return callretry.Run(ctx, c.policy, key, func() (connect.AnyResponse, error) {
+			return next(ctx, req)
+		}, judgeError, func(connect.AnyResponse) {})
+	}
+}
+
+func (c *clientInterceptor) WrapStreamingClient(next connect.StreamingClientFunc) connect.StreamingClientFunc {
+	return next
+}
+
+func (c *clientInterceptor) WrapStreamingHandler(next connect.StreamingHandlerFunc) connect.StreamingHandlerFunc {
+	return next
+}
+
+// judgeError says what one attempt's error means (see
+// NewClientInterceptor).
+func judgeError(_ connect.AnyResponse, err error) callretry.Verdict {
+	var v callretry.Verdict
+	switch connect.CodeOf(err) {
+	case connect.CodeUnavailable:
+		if v = callretry.Network(err); !v.Retry {
+			return v
+		}
+	case connect.CodeAborted:
+		v = callretry.Verdict{Retry: true, Answered: true, MaybeDone: true}
+	case connect.CodeDeadlineExceeded, connect.CodeCanceled:
+		return callretry.Verdict{MaybeDone: true}
+	default: // an answer, nil included
+		return callretry.Verdict{Answered: true}
+	}
+	var ce *connect.Error
+	if errors.As(err, &ce) {
+		for _, d := range ce.Details() {
+			if msg, err := d.Value(); err == nil {
+				if info, ok := msg.(*errdetails.RetryInfo); ok && info.GetRetryDelay() != nil {
+					v.After, v.HasAfter = info.GetRetryDelay().AsDuration(), true
+				}
+			}
+		}
+	}
+	return v
+}

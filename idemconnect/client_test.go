@@ -1,0 +1,182 @@
+package idemconnect_test
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"connectrpc.com/connect"
+	"google.golang.org/protobuf/types/dynamicpb"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idemconnect"
+	"github.com/pgidem/idem/internal/httprelay"
+	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/rpcproto/rpctest"
+)
+
+// quickPolicy retries quickly, so that the tests do not wait.
+var quickPolicy = idem.RetryPolicy{MaxAttempts: 4, BaseDelay: time.Millisecond, MaxDelay: 20 * time.Millisecond}
+
+// plainServer mounts h behind interceptors on an HTTP/1.1 server on
+// 127.0.0.1, which httprelay can stand in front of, and returns its URL.
+func plainServer(t *testing.T, h rpctest.Handler, interceptors ...connect.Interceptor) string {
+	t.Helper()
+	mux := http.NewServeMux()
+	mux.Handle(rpctest.Transfer, connect.NewUnaryHandler(rpctest.Transfer, handler(h),
+		connect.WithSchema(rpctest.Method), connect.WithRequestInitializer(initRequest),
+		connect.WithInterceptors(interceptors...)))
+	srv := httptest.NewServer(mux)
+	t.Cleanup(srv.Close)
+	return srv.URL
+}
+
+// call calls Transfer at url (a server's root) with hc, as server.call.
+func call(ctx context.Context, url string, hc *http.Client, user string, keys []string, req *dynamicpb.Message,
+	options ...connect.ClientOption) rpctest.Answer {
+	return (&server{url: url + rpctest.Transfer, hc: hc}).call(ctx, user, keys, req, options...)
+}
+
+// withRetries is the client option of the interceptor under test.
+func withRetries(p idem.RetryPolicy) connect.ClientOption {
+	return connect.WithInterceptors(idemconnect.NewClientInterceptor(p))
+}
+
+// The first reply is lost after the server committed: the client's retry,
+// with the same key, replays it. One execution, one key, whether the key
+// was minted, from the context or the request's own.
+func TestClientInterceptorHealsDroppedReply(t *testing.T) {
+	t.Parallel()
+	pool := pgtest.Pool(t, rpctest.Migrate)
+	var runs atomic.Int64
+	url := plainServer(t, rpctest.Insert(&runs), idemconnect.NewInterceptor(pool, idemconnect.Options{Scope: scopeFromHeader}))
+	relay := httprelay.New(t, url, func(_ *http.Request, attempt int) httprelay.Action {
+		if attempt == 1 {
+			return httprelay.Action{Fault: httprelay.DropReply}
+		}
+		return httprelay.Action{}
+	})
+	hc := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
+	ctx := t.Context()
+	own := "own-" + idem.NewCallKey()
+	for i, c := range []struct {
+		name string
+		ctx  context.Context
+		keys []string
+	}{
+		{"minted", ctx, nil},
+		{"context", idem.WithCallKey(ctx, "ctx-"+idem.NewCallKey()), nil},
+		{"own", ctx, []string{own}},
+	} {
+		before := len(relay.Keys())
+		a := call(c.ctx, relay.URL, hc, "alice", c.keys, rpctest.Request(c.name, int64(i)), withRetries(quickPolicy))
+		keys := relay.Keys()[before:]
+		if a.Err != nil || !a.Replayed() || a.Decode(t).Description != c.name {
+			t.Fatalf("%s: %v, replayed %t", c.name, a.Err, a.Replayed())
+		}
+		if len(keys) != 2 || keys[0] != keys[1] || keys[0] == "" || (c.keys != nil && keys[0] != own) {
+			t.Errorf("%s: keys %q", c.name, keys)
+		}
+		if ck, ok := idem.CallKeyFrom(c.ctx); ok && keys[0] != ck {
+			t.Errorf("%s: sent %q, not the context's %q", c.name, keys[0], ck)
+		}
+	}
+	if runs.Load() != 3 || transfers(t, pool) != 3 {
+		t.Fatalf("%d runs, %d rows for 3 calls", runs.Load(), transfers(t, pool))
+	}
+}
+
+// unavailable and aborted (after RetryInfo's delay) are retried;
+// failed_precondition, invalid_argument and other codes are not. A call
+// whose every reply is lost gives up with idem.ErrOutcomeUnknown, and a
+// request sent again after the call is a new call with a new key.
+func TestClientInterceptorRetriesByCode(t *testing.T) {
+	t.Parallel()
+	cases := rpctest.RetryCases(quickPolicy.MaxAttempts)
+	var mu sync.Mutex
+	attempts := map[string][]string{} // keys, by note
+	url := plainServer(t, rpctest.Scripted(cases, func(ctx context.Context, note string) {
+		info, _ := connect.CallInfoForHandlerContext(ctx)
+		mu.Lock()
+		defer mu.Unlock()
+		attempts[note] = append(attempts[note], info.RequestHeader().Get(idemconnect.HeaderKey))
+	}))
+	for note, want := range cases {
+		a := call(t.Context(), url, http.DefaultClient, "alice", nil, rpctest.Request(note, 1), withRetries(quickPolicy))
+		mu.Lock()
+		keys := attempts[note]
+		mu.Unlock()
+		if len(keys) != want.Attempts || a.Code() != want.Code || errors.Is(a.Err, idem.ErrOutcomeUnknown) {
+			t.Errorf("%s: %d attempts, %v; want %d, %v", note, len(keys), a.Err, want.Attempts, connect.Code(want.Code))
+		}
+		for _, k := range keys {
+			if k != keys[0] || k == "" {
+				t.Errorf("%s: keys %q", note, keys)
+			}
+		}
+	}
+
+	// Every reply is lost: the call may have happened.
+	relay := httprelay.New(t, url, func(*http.Request, int) httprelay.Action { return httprelay.Action{Fault: httprelay.DropReply} })
+	hc := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
+	client := connect.NewClient[dynamicpb.Message, rawReply](hc, relay.URL+rpctest.Transfer, connect.WithCodec(rawCodec{}),
+		withRetries(idem.RetryPolicy{MaxAttempts: 3, BaseDelay: time.Millisecond, MaxDelay: time.Millisecond}))
+	req := connect.NewRequest(rpctest.Request("ok", 1))
+	req.Header().Set("User", "alice")
+	_, err := client.CallUnary(t.Context(), req)
+	var ce *idem.CallError
+	keys := relay.Keys()
+	if !errors.Is(err, idem.ErrOutcomeUnknown) || !errors.As(err, &ce) || connect.CodeOf(err) != connect.CodeUnavailable ||
+		ce.Attempts != 3 || len(keys) != 3 || keys[0] != ce.Key || keys[2] != ce.Key {
+		t.Fatalf("lost replies: %v, keys %q", err, keys)
+	}
+	if !strings.Contains(err.Error(), "may have been processed") {
+		t.Errorf("message: %v", err)
+	}
+	if req.Header().Get(idemconnect.HeaderKey) != "" {
+		t.Errorf("the minted key stayed on the request")
+	}
+	_, _ = client.CallUnary(t.Context(), req)
+	if again := relay.Keys(); len(again) < 4 || again[3] == ce.Key {
+		t.Errorf("the request sent again kept the key: %q", again)
+	}
+}
+
+// Bad input fails the call before anything is sent.
+func TestClientInterceptorRefusesBadInput(t *testing.T) {
+	t.Parallel()
+	var runs atomic.Int64
+	url := plainServer(t, func(context.Context, rpctest.Tx, *dynamicpb.Message) rpctest.Outcome {
+		runs.Add(1)
+		return rpctest.Outcome{Reply: rpctest.Reply(1, "x")}
+	})
+	r := idem.Reservation{Scope: idem.Scope{Actor: "alice", Operation: "transfer"}, Key: "k1"}
+	ctx := t.Context()
+	for _, c := range []struct {
+		name   string
+		ctx    context.Context
+		keys   []string
+		policy idem.RetryPolicy
+		want   error
+	}{
+		{"step with a control character", idem.WithCallKey(ctx, r.CallKey("transfer\x1b")), nil, idem.RetryPolicy{}, idem.ErrInvalidKey},
+		{"context key too long", idem.WithCallKey(ctx, strings.Repeat("k", 256)), nil, idem.RetryPolicy{}, idem.ErrInvalidKey},
+		{"own key with a space", ctx, []string{"a b"}, idem.RetryPolicy{}, idem.ErrInvalidKey},
+		{"negative MaxElapsed", ctx, nil, idem.RetryPolicy{MaxElapsed: -1}, idem.ErrInvalidArgument},
+		{"negative BaseDelay", ctx, nil, idem.RetryPolicy{BaseDelay: -1}, idem.ErrInvalidArgument},
+	} {
+		a := call(c.ctx, url, http.DefaultClient, "alice", c.keys, rpctest.Request("x", 1), withRetries(c.policy))
+		if !errors.Is(a.Err, c.want) {
+			t.Errorf("%s: %v", c.name, a.Err)
+		}
+	}
+	if runs.Load() != 0 {
+		t.Fatalf("%d calls reached the server", runs.Load())
+	}
+}

@@ -1,0 +1,104 @@
+package idemgrpc
+
+import (
+	"context"
+
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/callretry"
+)
+
+// UnaryClientInterceptor returns a client interceptor for calls to servers
+// that deduplicate by idempotency key (UnaryServerInterceptor, AIP-155's
+// request_id practice). It sends each unary call with a key and retries it,
+// with the same key, while another attempt may succeed, so that a lost
+// reply costs a retry and never a second execution.
+//
+//	conn, err := grpc.NewClient(target, grpc.WithUnaryInterceptor(idemgrpc.UnaryClientInterceptor(idem.RetryPolicy{})), ...)
+//	ctx := idem.WithCallKey(ctx, r.CallKey("transfer")) // r from idem.Reserve
+//	reply, err := client.Transfer(ctx, req)            // errors.Is(err, idem.ErrOutcomeUnknown): it may have happened
+//
+// Every attempt of one call carries the same idempotency-key metadata: the
+// call's own (in the outgoing metadata, sent as it is); else the context's
+// call key (idem.WithCallKey); else one minted for this call
+// (idem.NewCallKey). A key that idem would refuse (idem.ValidateKey; an
+// empty context key, as Reservation.CallKey returns for an invalid step),
+// or a policy with a negative field, fails the call before anything is
+// sent, with an error wrapping idem.ErrInvalidKey or
+// idem.ErrInvalidArgument.
+//
+// UNAVAILABLE (the connection failed or broke, or the server could not
+// serve) and ABORTED (the server's "a call with this key is in progress")
+// are retried, after the wait the status's google.rpc.RetryInfo asks for,
+// capped by p.MaxDelay, or else p's backoff. Every other status is
+// returned at once: FAILED_PRECONDITION (the key was used for another
+// request, or an outcome to reconcile) and INVALID_ARGUMENT are bugs or
+// decisions, not accidents. The retries stop at p's bounds and when the
+// call's context ends.
+//
+// When the call ends without an answer (UNAVAILABLE after the last attempt,
+// or DEADLINE_EXCEEDED or CANCELLED while an attempt was under way), the
+// error is an *idem.CallError that wraps the last status (or the
+// context's error, when it ended during a wait):
+// errors.Is(err, idem.ErrOutcomeUnknown) is true, status.Code(err) is the
+// last status's code, its message says that the call may have been
+// processed and to retry later with the same key, and its Key field holds
+// that key. An answer (ABORTED too, when the retries run out on it) is
+// returned as it is.
+//
+// Streaming calls are not intercepted. The interceptor is safe for
+// concurrent use.
+func UnaryClientInterceptor(p idem.RetryPolicy) grpc.UnaryClientInterceptor {
+	policy, policyErr := callretry.New(p)
+	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		if policyErr != nil {
+			return policyErr
+		}
+		md, _ := metadata.FromOutgoingContext(ctx)
+		key, err := callretry.Own(md.Get(MetadataKey), MetadataKey+" metadata")
+		if err != nil {
+			return err
+		}
+		if key == "" {
+			if key, err = callretry.Key(ctx, true); err != nil {
+				return err
+			}
+			ctx = metadata.AppendToOutgoingContext(ctx, MetadataKey, key)
+		}
+		_, err = callretry.Run(ctx, policy, key, func() (struct{}, error) {
+			return struct{}{}, invoker(ctx, method, req, reply, cc, opts...)
+		}, judgeStatus, func(struct{}) {})
+		return err
+	}
+}
+
+// judgeStatus says what one attempt's status means (see
+// UnaryClientInterceptor).
+func judgeStatus(_ struct{}, err error) callretry.Verdict {
+	if err == nil {
+		return callretry.Verdict{Answered: true}
+	}
+	st := status.Convert(err)
+	var v callretry.Verdict
+	switch st.Code() {
+	case codes.Unavailable:
+		v = callretry.Verdict{Retry: true, MaybeDone: true}
+	case codes.Aborted:
+		v = callretry.Verdict{Retry: true, Answered: true, MaybeDone: true}
+	case codes.DeadlineExceeded, codes.Canceled:
+		return callretry.Verdict{MaybeDone: true}
+	default:
+		return callretry.Verdict{Answered: true}
+	}
+	for _, d := range st.Details() {
+		if info, ok := d.(*errdetails.RetryInfo); ok && info.GetRetryDelay() != nil {
+			v.After, v.HasAfter = info.GetRetryDelay().AsDuration(), true
+		}
+	}
+	return v
+}

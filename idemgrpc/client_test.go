@@ -1,0 +1,243 @@
+package idemgrpc_test
+
+import (
+	"context"
+	"errors"
+	"net"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/dynamicpb"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idemgrpc"
+	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/rpcproto/rpctest"
+)
+
+// quickPolicy retries quickly, so that the tests do not wait.
+var quickPolicy = idem.RetryPolicy{MaxAttempts: 4, BaseDelay: time.Millisecond, MaxDelay: 20 * time.Millisecond}
+
+// cutter is a listener that can cut every connection it accepted.
+type cutter struct {
+	net.Listener
+	mu    sync.Mutex
+	conns []net.Conn
+}
+
+func (l *cutter) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err == nil {
+		l.mu.Lock()
+		l.conns = append(l.conns, c)
+		l.mu.Unlock()
+	}
+	return c, err
+}
+
+// cut closes every connection accepted so far.
+func (l *cutter) cut() {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, c := range l.conns {
+		_ = c.Close()
+	}
+	l.conns = nil
+}
+
+// seenKeys records the idempotency keys of the attempts a server received.
+type seenKeys struct {
+	mu   sync.Mutex
+	keys []string
+}
+
+func (s *seenKeys) all() []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return append([]string(nil), s.keys...)
+}
+
+// record is a server interceptor that records each call's key, runs the
+// rest of the chain, and then, while drop says so, cuts the connection
+// instead of replying: the call ran (and committed), its reply is lost.
+func (s *seenKeys) record(l *cutter, drop func(attempt int) bool) grpc.UnaryServerInterceptor {
+	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+		md, _ := metadata.FromIncomingContext(ctx)
+		s.mu.Lock()
+		s.keys = append(s.keys, strings.Join(md.Get(idemgrpc.MetadataKey), ","))
+		n := len(s.keys)
+		s.mu.Unlock()
+		resp, err := handler(ctx, req)
+		if drop(n) {
+			l.cut()
+		}
+		return resp, err
+	}
+}
+
+// clientServer serves h behind the server interceptors on 127.0.0.1 and
+// returns a client connection through UnaryClientInterceptor(p).
+func clientServer(t *testing.T, p idem.RetryPolicy, h rpctest.Handler, chain func(l *cutter) []grpc.UnaryServerInterceptor) client {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	l := &cutter{Listener: ln}
+	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(chain(l)...))
+	srv.RegisterService(serviceDesc(rpctest.Transfer, h), nil)
+	go func() { _ = srv.Serve(l) }()
+	t.Cleanup(srv.Stop)
+	conn, err := grpc.NewClient(ln.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithUnaryInterceptor(idemgrpc.UnaryClientInterceptor(p)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	return client{conn: conn, procedure: rpctest.Transfer}
+}
+
+// The first reply is lost with its connection after the server committed:
+// the client's retry, with the same key, replays it. One execution, one
+// key, whether the key was minted, from the context or the call's own.
+func TestClientInterceptorHealsDroppedReply(t *testing.T) {
+	t.Parallel()
+	pool := pgtest.Pool(t, rpctest.Migrate)
+	var runs atomic.Int64
+	seen := &seenKeys{}
+	dropped := map[string]bool{}
+	var mu sync.Mutex
+	conn := clientServer(t, quickPolicy, rpctest.Insert(&runs), func(l *cutter) []grpc.UnaryServerInterceptor {
+		return []grpc.UnaryServerInterceptor{
+			seen.record(l, func(n int) bool { // the first attempt of each key
+				mu.Lock()
+				defer mu.Unlock()
+				k := seen.all()[n-1]
+				first := !dropped[k]
+				dropped[k] = true
+				return first
+			}),
+			idemgrpc.UnaryServerInterceptor(pool, idemgrpc.Options{Scope: scopeFromMetadata}),
+		}
+	})
+	ctx := t.Context()
+	own := "own-" + idem.NewCallKey()
+	for i, c := range []struct {
+		name string
+		ctx  context.Context
+		keys []string
+		key  string
+	}{
+		{"minted", ctx, nil, ""},
+		{"context", idem.WithCallKey(ctx, "ctx-"+idem.NewCallKey()), nil, ""},
+		{"own", ctx, []string{own}, own},
+	} {
+		before := len(seen.all())
+		a := conn.Call(c.ctx, "alice", c.keys, rpctest.Request(c.name, int64(i)))
+		keys := seen.all()[before:]
+		if a.Err != nil || !a.Replayed() || a.Decode(t).Description != c.name {
+			t.Fatalf("%s: %v, replayed %t", c.name, a.Err, a.Replayed())
+		}
+		if len(keys) != 2 || keys[0] != keys[1] || keys[0] == "" || (c.key != "" && keys[0] != c.key) {
+			t.Errorf("%s: keys %q", c.name, keys)
+		}
+		if ck, ok := idem.CallKeyFrom(c.ctx); ok && keys[0] != ck {
+			t.Errorf("%s: sent %q, not the context's %q", c.name, keys[0], ck)
+		}
+	}
+	var rows int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM transfers`).Scan(&rows); err != nil || runs.Load() != 3 || rows != 3 {
+		t.Fatalf("%d runs, %d rows for 3 calls (%v)", runs.Load(), rows, err)
+	}
+}
+
+// UNAVAILABLE and ABORTED (after RetryInfo's delay) are retried;
+// FAILED_PRECONDITION, INVALID_ARGUMENT and other codes are not. A call
+// that never got an answer gives up with idem.ErrOutcomeUnknown.
+func TestClientInterceptorRetriesByCode(t *testing.T) {
+	t.Parallel()
+	cases := rpctest.RetryCases(quickPolicy.MaxAttempts)
+	var mu sync.Mutex
+	attempts := map[string]int{}
+	seen := &seenKeys{}
+	conn := clientServer(t, quickPolicy, rpctest.Scripted(cases, func(_ context.Context, note string) {
+		mu.Lock()
+		defer mu.Unlock()
+		attempts[note]++
+	}), func(l *cutter) []grpc.UnaryServerInterceptor {
+		return []grpc.UnaryServerInterceptor{seen.record(l, func(int) bool { return false })}
+	})
+	for note, want := range cases {
+		a := conn.Call(t.Context(), "alice", nil, rpctest.Request(note, 1))
+		mu.Lock()
+		n := attempts[note]
+		mu.Unlock()
+		if n != want.Attempts || a.Code() != want.Code || errors.Is(a.Err, idem.ErrOutcomeUnknown) {
+			t.Errorf("%s: %d attempts, %v; want %d, %s", note, n, a.Err, want.Attempts, codes.Code(want.Code))
+		}
+	}
+
+	// Every attempt's reply is lost: the call may have happened.
+	var runs atomic.Int64
+	lost := &seenKeys{}
+	conn = clientServer(t, idem.RetryPolicy{MaxAttempts: 3, BaseDelay: time.Millisecond, MaxDelay: time.Millisecond},
+		func(context.Context, rpctest.Tx, *dynamicpb.Message) rpctest.Outcome {
+			runs.Add(1)
+			return rpctest.Outcome{Reply: rpctest.Reply(1, "x")}
+		},
+		func(l *cutter) []grpc.UnaryServerInterceptor {
+			return []grpc.UnaryServerInterceptor{lost.record(l, func(int) bool { return true })}
+		})
+	a := conn.Call(t.Context(), "alice", nil, rpctest.Request("lost", 1))
+	var ce *idem.CallError
+	keys := lost.all()
+	if !errors.Is(a.Err, idem.ErrOutcomeUnknown) || !errors.As(a.Err, &ce) || status.Code(a.Err) != codes.Unavailable ||
+		ce.Attempts != 3 || len(keys) != 3 || keys[0] != ce.Key || keys[2] != ce.Key || runs.Load() != 3 {
+		t.Fatalf("lost replies: %v, keys %q, %d runs", a.Err, keys, runs.Load())
+	}
+	if !strings.Contains(a.Err.Error(), "may have been processed") {
+		t.Errorf("message: %v", a.Err)
+	}
+}
+
+// Bad input fails the call before anything is sent.
+func TestClientInterceptorRefusesBadInput(t *testing.T) {
+	t.Parallel()
+	r := idem.Reservation{Scope: idem.Scope{Actor: "alice", Operation: "transfer"}, Key: "k1"}
+	ctx := t.Context()
+	cases := []struct {
+		name   string
+		ctx    context.Context
+		policy idem.RetryPolicy
+		want   error
+	}{
+		{"step with a control character", idem.WithCallKey(ctx, r.CallKey("transfer\x01")), idem.RetryPolicy{}, idem.ErrInvalidKey},
+		{"context key with a space", idem.WithCallKey(ctx, "a b"), idem.RetryPolicy{}, idem.ErrInvalidKey},
+		{"own key with a space", ctx, idem.RetryPolicy{}, idem.ErrInvalidKey},
+		{"negative MaxAttempts", ctx, idem.RetryPolicy{MaxAttempts: -1}, idem.ErrInvalidArgument},
+		{"negative MaxDelay", ctx, idem.RetryPolicy{MaxDelay: -time.Second}, idem.ErrInvalidArgument},
+	}
+	for _, c := range cases {
+		var runs atomic.Int64
+		conn := clientServer(t, c.policy, func(context.Context, rpctest.Tx, *dynamicpb.Message) rpctest.Outcome {
+			runs.Add(1)
+			return rpctest.Outcome{Reply: rpctest.Reply(1, "x")}
+		}, func(*cutter) []grpc.UnaryServerInterceptor { return nil })
+		var keys []string
+		if strings.HasPrefix(c.name, "own") {
+			keys = []string{"a b"}
+		}
+		a := conn.Call(c.ctx, "alice", keys, rpctest.Request("x", 1))
+		if !errors.Is(a.Err, c.want) || runs.Load() != 0 {
+			t.Errorf("%s: %v, %d runs", c.name, a.Err, runs.Load())
+		}
+	}
+}

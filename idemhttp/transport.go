@@ -1,0 +1,277 @@
+package idemhttp
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"math"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/callretry"
+)
+
+// MaxBufferedBody is the largest request body, in bytes, that Transport
+// buffers so that it can send it again, when the request has no GetBody. A
+// longer body without GetBody is sent once, without retries.
+// (http.NewRequest sets GetBody for a *bytes.Buffer, *bytes.Reader or
+// *strings.Reader body; those are never buffered.)
+const MaxBufferedBody = 1 << 20
+
+// Transport is an http.RoundTripper for calls to services that deduplicate
+// by Idempotency-Key (idemhttp's Middleware, Stripe and the IETF draft's
+// other followers). It sends a request with a key and retries it, with the
+// same key, while another attempt may succeed, so that a lost reply or a
+// receiver's transient failure costs a retry and never a second execution.
+//
+//	client := &http.Client{Transport: &idemhttp.Transport{}}
+//	ctx := idem.WithCallKey(ctx, r.CallKey("charge")) // r from idem.Reserve
+//	req, _ := http.NewRequestWithContext(ctx, "POST", gatewayURL, bytes.NewReader(body))
+//	resp, err := client.Do(req) // errors.Is(err, idem.ErrOutcomeUnknown): it may have been charged
+//
+// Every attempt of one RoundTrip carries the same Idempotency-Key: the
+// request's own header (sent as it is); else the context's call key
+// (idem.WithCallKey); else, for POST and PATCH, a key minted once for this
+// RoundTrip (idem.NewCallKey). Other methods without a key are sent without
+// one. A key that idem would refuse (idem.ValidateKey; an empty context key,
+// as Reservation.CallKey returns for an invalid step), or a Policy with a
+// negative field, is refused before anything is sent, with an error
+// wrapping idem.ErrInvalidKey or idem.ErrInvalidArgument.
+//
+// An attempt is retried, within Policy, when:
+//
+//   - it failed without an answer: the connection could not be made, or
+//     broke, or timed out (a Base timeout such as ResponseHeaderTimeout);
+//     not a TLS certificate the client refuses;
+//   - the answer is 5xx other than 501 Not Implemented;
+//   - the answer is 429 Too Many Requests;
+//   - the answer is 409 Conflict with a Retry-After header: the receiver's
+//     "a request with this key is in progress" (idemhttp's, the IETF
+//     draft's). A 409 without Retry-After is another kind of conflict (such
+//     as idemhttp's IDEMPOTENCY_OUTCOME_UNKNOWN) and is returned as it is.
+//
+// Any other answer is returned at once: 2xx, 3xx, 422 (the key was used
+// for another request: a bug to fix, not to retry), 400 and every other
+// 4xx. The wait before a retry is the answer's Retry-After (seconds or an
+// HTTP date), capped by Policy.MaxDelay, or else Policy's backoff. Only a
+// request that carries a key, or whose method is idempotent (GET, HEAD,
+// OPTIONS, TRACE, PUT, DELETE), is retried; any other is sent once.
+//
+// The body is sent again through the request's GetBody. A body without
+// GetBody is read into memory first, up to MaxBufferedBody bytes; a longer
+// one is sent once, without retries.
+//
+// When the retries run out on an answer, that answer is returned, as a
+// plain http.Transport would return it. When they run out without one (or
+// the context ends while an attempt is under way or during a wait) after an
+// attempt that may have reached the receiver (no answer, a 5xx, or a 409
+// in progress), the error is an *idem.CallError: errors.Is(err,
+// idem.ErrOutcomeUnknown) is true, its message says that the request may
+// have been processed and to retry later with the same key, and its Key
+// field holds that key (the message does not: messages end up in logs).
+// Keep the operation pending with its key and retry or reconcile it later;
+// never start over with a new key. When no attempt can have reached the
+// receiver (every dial failed), the last error is returned as it is.
+//
+// http.Client.Timeout bounds the whole RoundTrip, retries included. Bound
+// one attempt with Base's timeouts (a dialer's, ResponseHeaderTimeout) or a
+// context per call. Transport never changes the caller's request: each
+// attempt sends a clone. The bodies of answers it retries are read (up to a
+// few KiB, so the connection can be reused) and closed.
+//
+// Use it for calls whose receiver deduplicates by key, or whose method is
+// idempotent. A Transport is safe for concurrent use.
+type Transport struct {
+	// Base sends each attempt. Default http.DefaultTransport.
+	Base http.RoundTripper
+	// Policy bounds the retries (see idem.RetryPolicy). Zero fields mean
+	// their defaults.
+	Policy idem.RetryPolicy
+}
+
+// Replayed reports whether resp is a replay of a stored response: its
+// Idempotent-Replayed header is "true" (idemhttp's Middleware and Stripe
+// set it on the answer to a retry of a request they already processed).
+func Replayed(resp *http.Response) bool {
+	return resp != nil && strings.EqualFold(strings.TrimSpace(resp.Header.Get(HeaderReplayed)), "true")
+}
+
+// discardLimit is how much of a retried answer's body is read before it is
+// closed, so that its connection can be used again.
+const discardLimit = 4 << 10
+
+// RoundTrip sends req, and again with the same key while another attempt
+// may succeed (see Transport). It closes req's body, also on errors.
+func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
+	b := &attempts{req: req, base: t.Base}
+	if b.base == nil {
+		b.base = http.DefaultTransport
+	}
+	policy, key, err := b.prepare(t.Policy)
+	if err != nil {
+		b.closeBody()
+		return nil, err
+	}
+	resp, err := callretry.Run(req.Context(), policy, key, b.send, judge, discard)
+	if b.sent == 0 {
+		b.closeBody()
+	}
+	return resp, err
+}
+
+// attempts are the attempts of one RoundTrip.
+type attempts struct {
+	req     *http.Request
+	base    http.RoundTripper
+	header  string                        // the key to set on each attempt, "" to send the header as it is
+	body    io.ReadCloser                 // the first attempt's body
+	getBody func() (io.ReadCloser, error) // the next attempts' bodies
+	length  int64                         // the body's length, when it was buffered
+	closed  bool                          // the request's body, once buffered
+	sent    int
+}
+
+// prepare checks the policy and the key and makes the body re-readable. It
+// returns the policy of this RoundTrip and its key.
+func (b *attempts) prepare(p idem.RetryPolicy) (callretry.Policy, string, error) {
+	policy, err := callretry.New(p)
+	if err != nil {
+		return policy, "", err
+	}
+	key, err := callretry.Own(b.req.Header.Values(HeaderKey), HeaderKey+" header")
+	if err != nil {
+		return policy, "", err
+	}
+	if key == "" {
+		mint := b.req.Method == http.MethodPost || b.req.Method == http.MethodPatch
+		if key, err = callretry.Key(b.req.Context(), mint); err != nil {
+			return policy, "", err
+		}
+		b.header = key
+	}
+	if key == "" && !idempotent(b.req.Method) {
+		policy = policy.Once()
+	}
+	b.body, b.getBody, b.length = b.req.Body, b.req.GetBody, b.req.ContentLength
+	if b.body == nil || b.body == http.NoBody || b.getBody != nil {
+		return policy, key, nil
+	}
+	// No GetBody: buffer the body to send it again, up to MaxBufferedBody.
+	buf, err := io.ReadAll(io.LimitReader(b.body, MaxBufferedBody+1))
+	if err != nil {
+		return policy, "", fmt.Errorf("idemhttp: read the request body: %w", err)
+	}
+	if len(buf) > MaxBufferedBody {
+		b.body = struct {
+			io.Reader
+			io.Closer
+		}{io.MultiReader(bytes.NewReader(buf), b.body), b.body}
+		return policy.Once(), key, nil
+	}
+	b.closeBody()
+	b.closed = true
+	b.body = io.NopCloser(bytes.NewReader(buf))
+	b.getBody = func() (io.ReadCloser, error) { return io.NopCloser(bytes.NewReader(buf)), nil }
+	b.length = int64(len(buf))
+	return policy, key, nil
+}
+
+// closeBody closes the request's body, as a RoundTripper must.
+func (b *attempts) closeBody() {
+	if b.req.Body != nil && !b.closed {
+		_ = b.req.Body.Close()
+	}
+}
+
+// errBody marks a body that GetBody could not give again: not retried.
+type errBody struct{ err error }
+
+func (e *errBody) Error() string { return "idemhttp: get the request body again: " + e.err.Error() }
+func (e *errBody) Unwrap() error { return e.err }
+
+// send makes one attempt.
+func (b *attempts) send() (*http.Response, error) {
+	b.sent++
+	body := b.body
+	if b.sent > 1 {
+		var err error
+		if body, err = b.getBody(); err != nil {
+			return nil, &errBody{err}
+		}
+	}
+	r := b.req.Clone(b.req.Context())
+	r.Body, r.GetBody, r.ContentLength = body, b.getBody, b.length
+	if b.header != "" {
+		if r.Header == nil {
+			r.Header = http.Header{}
+		}
+		r.Header.Set(HeaderKey, b.header)
+	}
+	resp, err := b.base.RoundTrip(r)
+	if err == nil && resp == nil {
+		err = errors.New("idemhttp: Base returned neither a response nor an error")
+	}
+	return resp, err
+}
+
+// judge says what one attempt's outcome means (see Transport).
+func judge(resp *http.Response, err error) callretry.Verdict {
+	var bodyErr *errBody
+	switch {
+	case errors.As(err, &bodyErr):
+		return callretry.Verdict{}
+	case err != nil:
+		return callretry.Network(err)
+	}
+	v := callretry.Verdict{Answered: true}
+	switch code := resp.StatusCode; {
+	case code >= 500 && code != http.StatusNotImplemented:
+		v.Retry, v.MaybeDone = true, true
+	case code == http.StatusTooManyRequests:
+		v.Retry = true
+	case code == http.StatusConflict && resp.Header.Get("Retry-After") != "":
+		v.Retry, v.MaybeDone = true, true
+	default:
+		return v
+	}
+	v.After, v.HasAfter = retryAfter(resp.Header.Get("Retry-After"))
+	return v
+}
+
+// discard reads a little of a retried answer's body and closes it.
+func discard(resp *http.Response) {
+	_, _ = io.CopyN(io.Discard, resp.Body, discardLimit)
+	_ = resp.Body.Close()
+}
+
+// retryAfter reads a Retry-After value: a number of seconds or an HTTP
+// date (RFC 9110 section 10.2.3). A date in the past is a zero wait.
+func retryAfter(v string) (time.Duration, bool) {
+	v = strings.TrimSpace(v)
+	if v == "" {
+		return 0, false
+	}
+	if secs, err := strconv.ParseUint(v, 10, 64); err == nil {
+		if secs > math.MaxInt64/uint64(time.Second) {
+			return math.MaxInt64, true
+		}
+		return time.Duration(secs) * time.Second, true
+	}
+	if at, err := http.ParseTime(v); err == nil {
+		return max(time.Until(at), 0), true
+	}
+	return 0, false
+}
+
+// idempotent reports whether method is idempotent (RFC 9110 section 9.2.2).
+func idempotent(method string) bool {
+	switch method {
+	case "", http.MethodGet, http.MethodHead, http.MethodOptions, http.MethodTrace, http.MethodPut, http.MethodDelete:
+		return true
+	}
+	return false
+}

@@ -1,0 +1,807 @@
+package idemui_test
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"html"
+	"net/http"
+	"net/url"
+	"regexp"
+	"slices"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idemui"
+)
+
+var pay = idem.Scope{Actor: "acme", Operation: "charge"}
+
+func TestNewRefusesBadOptions(t *testing.T) {
+	t.Parallel()
+	auth := func(*http.Request, idemui.Action) (string, error) { return "a", nil }
+	db := &fakeBeginner{}
+	for name, opts := range map[string]idemui.Options{
+		"no DB":             {Authorize: auth},
+		"no Authorize":      {DB: db},
+		"trailing slash":    {DB: db, Authorize: auth, Prefix: "/idem/"},
+		"no leading slash":  {DB: db, Authorize: auth, Prefix: "idem"},
+		"dot segment":       {DB: db, Authorize: auth, Prefix: "/a/../b"},
+		"space":             {DB: db, Authorize: auth, Prefix: "/a b"},
+		"double slash":      {DB: db, Authorize: auth, Prefix: "//idem"},
+		"query in prefix":   {DB: db, Authorize: auth, Prefix: "/idem?x"},
+		"escape in prefix":  {DB: db, Authorize: auth, Prefix: "/id%2Fem"},
+		"only a dot":        {DB: db, Authorize: auth, Prefix: "/."},
+		"trailing dot-dot":  {DB: db, Authorize: auth, Prefix: "/a/.."},
+		"script in prefix":  {DB: db, Authorize: auth, Prefix: `/"><script>`},
+		"unicode in prefix": {DB: db, Authorize: auth, Prefix: "/관리"},
+	} {
+		if h, err := idemui.New(opts); !errors.Is(err, idemui.ErrInvalidOptions) || h != nil {
+			t.Errorf("%s: New = %v, %v; want ErrInvalidOptions", name, h, err)
+		}
+	}
+	for _, prefix := range []string{"", "/idem", "/ops/idem-console", "/v1.2/x_y~z"} {
+		if _, err := idemui.New(idemui.Options{DB: db, Authorize: auth, Prefix: prefix}); err != nil {
+			t.Errorf("prefix %q: %v", prefix, err)
+		}
+	}
+}
+
+// Every route asks Authorize once, with the action of its method: view for
+// a GET, the route's action for a POST; every response carries the
+// security headers.
+func TestEveryRouteAskedWithItsAction(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	u := e.unknown(pay, "u1", "gateway timeout")
+	done := e.succeeded(pay, "done", idem.Response{Status: 201, Body: []byte(`{"id":1}`)})
+	rec := e.lookup(pay, "done")
+	created := rec.CreatedAt.UTC().Format(time.RFC3339Nano)
+	form := "application/x-www-form-urlencoded"
+	for _, tc := range []struct {
+		method, path, ctype, body string
+		want                      idemui.Action
+		status                    int
+	}{
+		{"GET", "/idem/", "", "", idemui.ActionView, 200},
+		{"HEAD", "/idem/", "", "", idemui.ActionView, 200},
+		{"GET", "/idem/unknown", "", "", idemui.ActionView, 200},
+		{"GET", "/idem/unknown?actor=acme&older_than=1h&error=timeout", "", "", idemui.ActionView, 200},
+		{"GET", "/idem/expire-leases", "", "", idemui.ActionView, 200},
+		{"GET", keyPath(pay, "u1"), "", "", idemui.ActionView, 200},
+		{"GET", keyPath(pay, "nope"), "", "", idemui.ActionView, 404},
+		{"GET", "/idem/search", "", "", idemui.ActionView, 200},
+		{"GET", "/idem/search?actor=acme", "", "", idemui.ActionView, 200},
+		{"GET", "/idem/search?actor=acme&operation=charge&key=u1", "", "", idemui.ActionView, 303},
+		{"GET", "/idem/audit", "", "", idemui.ActionView, 200},
+		{"GET", "/idem/static/console.css", "", "", idemui.ActionView, 200},
+		{"GET", "/idem/nowhere", "", "", idemui.ActionView, 404},
+		{"GET", "/idem/api/overview", "", "", idemui.ActionView, 200},
+		{"GET", "/idem/api/unknown", "", "", idemui.ActionView, 200},
+		{"GET", "/idem/api/expire-leases", "", "", idemui.ActionView, 200},
+		{"GET", "/idem/api" + strings.TrimPrefix(keyPath(pay, "u1"), "/idem"), "", "", idemui.ActionView, 200},
+		{"GET", "/idem/api/search?actor=acme", "", "", idemui.ActionView, 200},
+		{"GET", "/idem/api/audit", "", "", idemui.ActionView, 200},
+		{"GET", keyPath(pay, "u1") + "/resolve", "", "", idemui.ActionView, 405},
+		{"POST", "/idem/", form, "", idemui.ActionView, 405},
+		{"POST", "/idem/prune", form, "max_batches=1", idemui.ActionPrune, 303},
+		{"POST", "/idem/expire-leases", form, "cutoff=" + url.QueryEscape(time.Now().UTC().Format(time.RFC3339Nano)), idemui.ActionExpireLeases, 303},
+		{"POST", "/idem/api/expire-leases", "application/json", `{"cutoff":"2020-01-01T00:00:00Z"}`, idemui.ActionExpireLeases, 200},
+		{"POST", "/idem/api/prune", "application/json", `{"max_batches":1}`, idemui.ActionPrune, 200},
+		{"POST", keyPath(pay, "u1") + "/resolve", form,
+			fmt.Sprintf("token=%d&verdict=retryable&reason=no+charge+at+the+provider", u.Token), idemui.ActionResolve, 303},
+		{"POST", keyPath(pay, "done") + "/forget", form,
+			fmt.Sprintf("token=%d&created_at=%s", done.Token, url.QueryEscape(created)), idemui.ActionForget, 303},
+	} {
+		e.takeAsked()
+		res := e.do(tc.method, tc.path, tc.ctype, tc.body)
+		if res.status != tc.status {
+			t.Errorf("%s %s: status %d, want %d\n%s", tc.method, tc.path, res.status, tc.status, res.body)
+		}
+		if asked := e.takeAsked(); !slices.Equal(asked, []idemui.Action{tc.want}) {
+			t.Errorf("%s %s: Authorize asked %v, want [%s]", tc.method, tc.path, asked, tc.want)
+		}
+		checkSecurityHeaders(t, tc.method+" "+tc.path, res)
+	}
+}
+
+func checkSecurityHeaders(t *testing.T, what string, res response) {
+	t.Helper()
+	csp := res.header.Get("Content-Security-Policy")
+	for _, want := range []string{"default-src 'none'", "style-src 'self'", "frame-ancestors 'none'", "form-action 'self'"} {
+		if !strings.Contains(csp, want) {
+			t.Errorf("%s: Content-Security-Policy %q lacks %q", what, csp, want)
+		}
+	}
+	if strings.Contains(csp, "unsafe-inline") || strings.Contains(csp, "script-src") {
+		t.Errorf("%s: Content-Security-Policy %q allows script", what, csp)
+	}
+	for name, want := range map[string]string{"X-Frame-Options": "DENY", "X-Content-Type-Options": "nosniff",
+		"Referrer-Policy": "no-referrer"} {
+		if got := res.header.Get(name); got != want {
+			t.Errorf("%s: %s %q, want %q", what, name, got, want)
+		}
+	}
+}
+
+// Authorize's error is a 403 that shows nothing of it, on pages and on
+// the API, and nothing is read or changed.
+func TestAuthorizeRefusalLeaksNothing(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	u := e.unknown(pay, "u1", "gateway timeout")
+	before := e.state()
+	e.deny = true
+	for _, tc := range []struct{ method, path, body string }{
+		{"GET", "/idem/", ""},
+		{"GET", keyPath(pay, "u1"), ""},
+		{"GET", "/idem/api/unknown", ""},
+		{"POST", keyPath(pay, "u1") + "/resolve", fmt.Sprintf("token=%d&verdict=retryable&reason=x", u.Token)},
+		{"GET", "/idem/nowhere", ""},
+		{"GET", "/idem/keys/a/b", ""},
+	} {
+		res := e.do(tc.method, tc.path, "application/x-www-form-urlencoded", tc.body)
+		if res.status != http.StatusForbidden {
+			t.Errorf("%s %s: status %d, want 403", tc.method, tc.path, res.status)
+		}
+		for _, leak := range []string{"7f3a", "mallory", "session", "gateway timeout", "u1"} {
+			if strings.Contains(res.body, leak) {
+				t.Errorf("%s %s: the 403 shows %q:\n%s", tc.method, tc.path, leak, res.body)
+			}
+		}
+	}
+	if after := e.state(); after != before {
+		t.Fatalf("a refused request changed something:\n%s\n%s", before, after)
+	}
+}
+
+// The whole path of a verdict from a form: the list links to the record,
+// the record shows its evidence and the form, the verdict is recorded with
+// its audit row in one transaction, and the pages show both.
+func TestVerdictFromTheForm(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	u := e.unknown(pay, "order-1", "gateway timeout after 30s")
+
+	list := e.get("/idem/unknown")
+	link := html.EscapeString(keyPath(pay, "order-1"))
+	if list.status != 200 || !strings.Contains(list.body, `href="`+link+`"`) {
+		t.Fatalf("the list does not link to the record %s:\n%s", link, list.body)
+	}
+	page := e.get(keyPath(pay, "order-1"))
+	for _, want := range []string{"Unknown outcome", "gateway timeout after 30s", fmt.Sprintf("#%d", u.Token),
+		`name="verdict" value="succeeded"`, fmt.Sprintf(`name="token" value="%d"`, u.Token)} {
+		if !strings.Contains(page.body, want) {
+			t.Errorf("the record page lacks %q", want)
+		}
+	}
+
+	res := e.postForm(keyPath(pay, "order-1")+"/resolve", url.Values{
+		"token": {strconv.FormatInt(u.Token, 10)}, "verdict": {"succeeded"}, "status": {"201"},
+		"content_type": {"application/json"}, "body": {"{\"charge\":\"ch_1\"}\r\n"}, "reason": {"  charge ch_1 captured (provider dashboard)  "},
+	})
+	if res.status != http.StatusSeeOther || res.header.Get("Location") != keyPath(pay, "order-1")+"?done=resolved" {
+		t.Fatalf("resolve: %d %s\n%s", res.status, res.header.Get("Location"), res.body)
+	}
+	rec := e.lookup(pay, "order-1")
+	if rec.Status != idem.StatusSucceeded || rec.Response == nil || rec.Response.Status != 201 ||
+		string(rec.Response.Body) != "{\"charge\":\"ch_1\"}\n" || rec.ResolveReason != "charge ch_1 captured (provider dashboard)" ||
+		rec.LastError != "gateway timeout after 30s" || rec.Token == u.Token {
+		t.Fatalf("record after the verdict: %+v (%v)", rec, rec.Response)
+	}
+	var row struct {
+		Operator, Action, Actor, Operation, Key, Verdict, Reason, Before, After string
+		TokenBefore, TokenAfter, Changed                                        int64
+		At, Completed                                                           time.Time
+	}
+	err := e.pool.QueryRow(context.Background(), `SELECT operator, action, a.actor, a.operation, a.idem_key, verdict, reason,
+		status_before, status_after, token_before, token_after, changed, acted_at, k.completed_at
+		FROM idem_audit a JOIN idem_keys k USING (actor, operation, idem_key)`).Scan(&row.Operator, &row.Action, &row.Actor,
+		&row.Operation, &row.Key, &row.Verdict, &row.Reason, &row.Before, &row.After, &row.TokenBefore, &row.TokenAfter,
+		&row.Changed, &row.At, &row.Completed)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if row.Operator != "alice" || row.Action != "resolve" || row.Actor != "acme" || row.Operation != "charge" || row.Key != "order-1" ||
+		row.Verdict != "succeeded" || row.Reason != rec.ResolveReason || row.Before != "unknown" || row.After != "succeeded" ||
+		row.TokenBefore != u.Token || row.TokenAfter != rec.Token || row.Changed != 1 || !row.At.Equal(row.Completed) {
+		t.Fatalf("audit row: %+v", row)
+	}
+	page = e.get(keyPath(pay, "order-1") + "?done=resolved")
+	for _, want := range []string{"Verdict recorded", "Succeeded", "verdict: it happened (succeeded)", "<b>alice</b>",
+		html.EscapeString(`"charge": "ch_1"`)} {
+		if !strings.Contains(page.body, want) {
+			t.Errorf("the record page after the verdict lacks %q", want)
+		}
+	}
+	if strings.Contains(page.body, `name="verdict"`) {
+		t.Error("the record page still offers a verdict on a decided record")
+	}
+}
+
+// A verdict about an attempt that is no longer the record's is refused and
+// says why; nothing changes, and no audit row is written.
+func TestStaleTokenRefused(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	u := e.unknown(pay, "order-2", "timeout")
+	// Another operator decided first (through the API).
+	res := e.postJSON("/idem/api"+strings.TrimPrefix(keyPath(pay, "order-2"), "/idem")+"/resolve",
+		map[string]any{"token": u.Token, "verdict": "retryable", "reason": "declined at the provider"})
+	if res.status != 200 {
+		t.Fatalf("first verdict: %d %s", res.status, res.body)
+	}
+	before := e.state()
+	res = e.postForm(keyPath(pay, "order-2")+"/resolve", url.Values{
+		"token": {strconv.FormatInt(u.Token, 10)}, "verdict": {"succeeded"}, "body": {`{}`}, "reason": {"captured"},
+	})
+	if res.status != http.StatusConflict || !strings.Contains(res.body, "Refused:") ||
+		!strings.Contains(res.body, fmt.Sprintf("token %d was resolved or replaced", u.Token)) {
+		t.Fatalf("stale verdict: %d\n%s", res.status, res.body)
+	}
+	if !strings.Contains(res.body, `<q>captured</q>`) {
+		t.Error("the refused form lost the operator's reason")
+	}
+	if after := e.state(); after != before {
+		t.Fatalf("a refused verdict changed something:\n%s\n%s", before, after)
+	}
+	res = e.postJSON("/idem/api"+strings.TrimPrefix(keyPath(pay, "order-2"), "/idem")+"/resolve",
+		map[string]any{"token": u.Token, "verdict": "retryable", "reason": "again"})
+	if res.status != http.StatusConflict || res.code() != "fenced" {
+		t.Fatalf("stale verdict through the API: %d %s", res.status, res.body)
+	}
+}
+
+// Bad input is a typed 400, and nothing changes.
+func TestBadInputChangesNothing(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	u := e.unknown(pay, "order-3", "timeout")
+	done := e.succeeded(pay, "done", idem.Response{Status: 200, Body: []byte(`{}`)})
+	tok := strconv.FormatInt(u.Token, 10)
+	resolve := keyPath(pay, "order-3") + "/resolve"
+	apiResolve := "/idem/api" + strings.TrimPrefix(resolve, "/idem")
+	form := "application/x-www-form-urlencoded"
+	good := url.Values{"token": {tok}, "verdict": {"retryable"}, "reason": {"checked"}}
+	with := func(k, v string) string {
+		vs := url.Values{}
+		for name, v := range good {
+			vs[name] = v
+		}
+		vs.Set(k, v)
+		return vs.Encode()
+	}
+	before := e.state()
+	for _, tc := range []struct {
+		name, method, path, ctype, body, code string
+	}{
+		{"unescaped key path", "GET", "/idem/keys/acme/charge/a/b/c", "", "", "invalid_path"},
+		{"unescaped key path POST", "POST", "/idem/keys/acme/charge/a/b/resolve", form, good.Encode(), "invalid_path"},
+		{"too short a path", "GET", "/idem/keys/acme/charge", "", "", "invalid_path"},
+		{"operation too long", "GET", "/idem/api/keys/acme/" + strings.Repeat("o", 256) + "/x", "", "", "invalid_scope"},
+		{"invalid key", "GET", "/idem/api/keys/acme/charge/has%20space", "", "", "invalid_key"},
+		{"invalid UTF-8 actor", "GET", "/idem/api/keys/%FF/charge/x", "", "", "invalid_scope"},
+		{"bad token", "POST", resolve, form, with("token", "abc"), "invalid_token"},
+		{"zero token", "POST", resolve, form, with("token", "0"), "invalid_token"},
+		{"negative token", "POST", resolve, form, with("token", "-4"), "invalid_token"},
+		{"token overflow", "POST", resolve, form, with("token", "99999999999999999999"), "invalid_token"},
+		{"unknown verdict", "POST", resolve, form, with("verdict", "maybe"), "invalid_verdict"},
+		{"no verdict", "POST", resolve, form, with("verdict", ""), "invalid_verdict"},
+		{"no reason", "POST", resolve, form, with("reason", "   "), "invalid_reason"},
+		{"reason too long", "POST", resolve, form, with("reason", strings.Repeat("x", idem.MaxReasonLength+1)), "invalid_reason"},
+		{"token twice", "POST", resolve, form, good.Encode() + "&token=" + tok, "invalid_form"},
+		{"not a form", "POST", resolve, "text/plain", good.Encode(), "invalid_form"},
+		{"oversized body", "POST", resolve, form, with("body", strings.Repeat("x", 5<<20)), "body_too_large"},
+		{"bad status", "POST", apiResolve, "application/json", `{"token":` + tok + `,"verdict":"succeeded","status":42,"reason":"r"}`, "invalid_status"},
+		{"body not JSON", "POST", apiResolve, "application/json", `{"token":` + tok + `,"verdict":"succeeded","body":"{","content_type":"application/json","reason":"r"}`, "invalid_body"},
+		{"bad content type", "POST", apiResolve, "application/json", `{"token":` + tok + `,"verdict":"succeeded","body":"x","content_type":"a b","reason":"r"}`, "invalid_response"},
+		{"unknown JSON field", "POST", apiResolve, "application/json", `{"token":` + tok + `,"verdict":"retryable","reason":"r","force":true}`, "invalid_json"},
+		{"two JSON values", "POST", apiResolve, "application/json", `{"token":` + tok + `,"verdict":"retryable","reason":"r"} {}`, "invalid_json"},
+		{"oversized JSON", "POST", apiResolve, "application/json", `{"token":` + tok + `,"verdict":"succeeded","reason":"r","body":"` + strings.Repeat("x", 5<<20) + `"}`, "body_too_large"},
+		{"forget without attempt", "POST", keyPath(pay, "done") + "/forget", form, "token=" + strconv.FormatInt(done.Token, 10), "invalid_attempt"},
+		{"forget bad token", "POST", keyPath(pay, "done") + "/forget", form, "token=x&created_at=2026-01-01T00:00:00Z", "invalid_token"},
+		{"expire without cutoff", "POST", "/idem/expire-leases", form, "actor=acme", "invalid_cutoff"},
+		{"expire bad age", "POST", "/idem/api/expire-leases", "application/json", `{"older_than":"-1h","cutoff":"2026-01-01T00:00:00Z"}`, "invalid_filter"},
+		{"expire NUL actor", "POST", "/idem/api/expire-leases", "application/json", `{"actor":"a\u0000b","cutoff":"2026-01-01T00:00:00Z"}`, "invalid_filter"},
+		{"list bad age", "GET", "/idem/api/unknown?older_than=soon", "", "", "invalid_filter"},
+		{"list bad cursor", "GET", "/idem/api/unknown?after=%25%25", "", "", "invalid_cursor"},
+		{"list bad limit", "GET", "/idem/api/unknown?limit=0", "", "", "invalid_limit"},
+		{"audit bad action", "GET", "/idem/api/audit?action=drop", "", "", "invalid_filter"},
+		{"audit bad cursor", "GET", "/idem/api/audit?before=bm9wZQ", "", "", "invalid_cursor"},
+		{"prune too many", "POST", "/idem/api/prune", "application/json", `{"max_batches":1000}`, "invalid_prune"},
+		{"search key alone", "GET", "/idem/api/search?key=x", "", "", "invalid_search"},
+	} {
+		res := e.do(tc.method, tc.path, tc.ctype, tc.body)
+		if res.status != http.StatusBadRequest {
+			t.Errorf("%s: status %d, want 400\n%.400s", tc.name, res.status, res.body)
+			continue
+		}
+		if strings.Contains(tc.path, "/api/") {
+			if got := res.code(); got != tc.code {
+				t.Errorf("%s: code %q, want %q (%s)", tc.name, got, tc.code, res.body)
+			}
+		} else if !strings.Contains(res.body, "<code>"+tc.code+"</code>") && !strings.Contains(res.body, `data-code="`+tc.code+`"`) {
+			t.Errorf("%s: the page names neither the problem nor %q:\n%.600s", tc.name, tc.code, res.body)
+		}
+	}
+	if after := e.state(); after != before {
+		t.Fatalf("bad input changed something:\n%s\n%s", before, after)
+	}
+}
+
+// With ReadOnly the pages offer no form and every POST is refused with 405.
+func TestReadOnly(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, func(o *idemui.Options) { o.ReadOnly = true })
+	u := e.unknown(pay, "order-4", "timeout")
+	e.succeeded(pay, "done", idem.Response{Status: 200})
+	for _, path := range []string{"/idem/", "/idem/unknown", keyPath(pay, "order-4"), keyPath(pay, "done")} {
+		res := e.get(path)
+		if res.status != 200 || strings.Contains(res.body, "<form method=\"post\"") || strings.Contains(res.body, "Count them") ||
+			!strings.Contains(res.body, "Read-only") {
+			t.Errorf("%s offers a form in read-only mode (or does not say read-only):\n%s", path, res.body)
+		}
+	}
+	before := e.state()
+	for _, tc := range []struct{ path, ctype, body string }{
+		{keyPath(pay, "order-4") + "/resolve", "application/x-www-form-urlencoded", fmt.Sprintf("token=%d&verdict=retryable&reason=x", u.Token)},
+		{"/idem/api" + strings.TrimPrefix(keyPath(pay, "order-4"), "/idem") + "/resolve", "application/json", fmt.Sprintf(`{"token":%d,"verdict":"retryable","reason":"x"}`, u.Token)},
+		{"/idem/prune", "application/x-www-form-urlencoded", ""},
+		{"/idem/expire-leases", "application/x-www-form-urlencoded", "cutoff=2030-01-01T00:00:00Z"},
+	} {
+		res := e.do("POST", tc.path, tc.ctype, tc.body)
+		if res.status != http.StatusMethodNotAllowed || res.header.Get("Allow") != "GET, HEAD" {
+			t.Errorf("POST %s in read-only mode: %d (Allow %q)", tc.path, res.status, res.header.Get("Allow"))
+		}
+	}
+	if after := e.state(); after != before {
+		t.Fatalf("read-only mode changed something:\n%s\n%s", before, after)
+	}
+}
+
+// A POST from another origin is refused, whatever it carries.
+func TestCrossOriginPostRefused(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	u := e.unknown(pay, "order-5", "timeout")
+	body := fmt.Sprintf("token=%d&verdict=retryable&reason=x", u.Token)
+	before := e.state()
+	for _, h := range [][]string{
+		{"Sec-Fetch-Site", "cross-site"},
+		{"Origin", "https://evil.example"},
+	} {
+		res := e.do("POST", keyPath(pay, "order-5")+"/resolve", "application/x-www-form-urlencoded", body, h...)
+		if res.status != http.StatusForbidden || !strings.Contains(res.body, "cross_origin") {
+			t.Errorf("cross-origin POST (%s): %d\n%s", h, res.status, res.body)
+		}
+	}
+	if after := e.state(); after != before {
+		t.Fatalf("a cross-origin POST changed something:\n%s\n%s", before, after)
+	}
+	res := e.do("POST", keyPath(pay, "order-5")+"/resolve", "application/x-www-form-urlencoded", body, "Sec-Fetch-Site", "same-origin")
+	if res.status != http.StatusSeeOther {
+		t.Fatalf("same-origin POST: %d\n%s", res.status, res.body)
+	}
+}
+
+// Every stored value is escaped: a body, an error, a header, a reason, a
+// key that hold markup show as text.
+func TestStoredValuesShownAsText(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	xss := []string{`<script>alert(1)</script>`, `"><img src=x onerror=alert(1)>`}
+	scope := idem.Scope{Actor: `<b>acme</b>`, Operation: `"><svg onload=alert(1)>`}
+	key := `"><img/src=x/onerror=alert(1)>`
+	e.succeeded(scope, key, idem.Response{Status: 200,
+		Header: map[string][]string{"Content-Type": {"text/html"}, "X-Note": {xss[1]}},
+		Body:   []byte(xss[0] + xss[1])})
+	u := e.unknown(scope, "k2", xss[0])
+	if _, err := e.pool.Exec(context.Background(), `UPDATE idem_keys SET last_error = $1 WHERE idem_key = 'k2'`, xss[1]); err != nil {
+		t.Fatal(err)
+	}
+	res := e.postJSON("/idem/api"+strings.TrimPrefix(keyPath(scope, "k2"), "/idem")+"/resolve",
+		map[string]any{"token": u.Token, "verdict": "succeeded", "body": xss[0], "content_type": "text/html", "reason": xss[1]})
+	if res.status != 200 {
+		t.Fatalf("resolve: %d %s", res.status, res.body)
+	}
+	e.name = `<script>alert("operator")</script>`
+	for _, path := range []string{keyPath(scope, key), keyPath(scope, "k2"), "/idem/audit", "/idem/unknown",
+		"/idem/search?actor=" + url.QueryEscape(scope.Actor)} {
+		res := e.get(path)
+		if res.status != 200 {
+			t.Fatalf("GET %s: %d\n%s", path, res.status, res.body)
+		}
+		if m := regexp.MustCompile(`(?i)<(script|img|svg)|<b>acme`).FindString(res.body); m != "" {
+			t.Errorf("GET %s renders stored markup %q:\n%s", path, m, res.body)
+		}
+	}
+	page := e.get(keyPath(scope, key))
+	if !strings.Contains(page.body, html.EscapeString(xss[0])) {
+		t.Errorf("the stored body is not shown as text:\n%s", page.body)
+	}
+}
+
+// An audit row that cannot be written rolls the change back.
+func TestAuditFailureRollsBack(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	u := e.unknown(pay, "order-6", "timeout")
+	done := e.succeeded(pay, "done", idem.Response{Status: 200})
+	e.lapsed(pay, "lapsed")
+	if _, err := e.pool.Exec(context.Background(), `
+		CREATE FUNCTION refuse() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'audit is down'; END $$;
+		CREATE TRIGGER refuse BEFORE INSERT ON idem_audit FOR EACH ROW EXECUTE FUNCTION refuse();`); err != nil {
+		t.Fatal(err)
+	}
+	before := e.state()
+	rec := e.lookup(pay, "done")
+	for _, tc := range []struct{ path, body string }{
+		{keyPath(pay, "order-6") + "/resolve", fmt.Sprintf("token=%d&verdict=retryable&reason=x", u.Token)},
+		{keyPath(pay, "done") + "/forget", fmt.Sprintf("token=%d&created_at=%s", done.Token, url.QueryEscape(rec.CreatedAt.Format(time.RFC3339Nano)))},
+		{"/idem/expire-leases", "cutoff=" + url.QueryEscape(time.Now().Add(time.Hour).UTC().Format(time.RFC3339Nano))},
+	} {
+		res := e.postForm(tc.path, mustParseQuery(t, tc.body))
+		if res.status != http.StatusInternalServerError || !strings.Contains(res.body, "audit is down") {
+			t.Errorf("POST %s with the audit failing: %d\n%s", tc.path, res.status, res.body)
+		}
+	}
+	if after := e.state(); after != before {
+		t.Fatalf("a change whose audit row failed committed:\n%s\n%s", before, after)
+	}
+}
+
+func mustParseQuery(t *testing.T, s string) url.Values {
+	t.Helper()
+	vs, err := url.ParseQuery(s)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return vs
+}
+
+// Forget names the attempt it is about: a record that changed since is
+// refused; a finished one is forgotten with its audit row.
+func TestForget(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	done := e.succeeded(pay, "done", idem.Response{Status: 200, Body: []byte(`{}`)})
+	rec := e.lookup(pay, "done")
+	u := e.unknown(pay, "order-7", "timeout")
+	forget := func(key string, token int64, created time.Time) response {
+		return e.postForm(keyPath(pay, key)+"/forget", url.Values{"token": {strconv.FormatInt(token, 10)},
+			"created_at": {created.UTC().Format(time.RFC3339Nano)}})
+	}
+	before := e.state()
+	if res := forget("done", done.Token+1, rec.CreatedAt); res.status != 409 || !strings.Contains(res.body, "changed since it was shown") {
+		t.Fatalf("forget of another attempt: %d\n%s", res.status, res.body)
+	}
+	if res := forget("done", done.Token, rec.CreatedAt.Add(time.Microsecond)); res.status != 409 {
+		t.Fatalf("forget of another start: %d\n%s", res.status, res.body)
+	}
+	if res := forget("order-7", u.Token, e.lookup(pay, "order-7").CreatedAt); res.status != 409 ||
+		!strings.Contains(res.body, "Record a verdict instead") {
+		t.Fatalf("forget of an unknown outcome: %d\n%s", res.status, res.body)
+	}
+	if after := e.state(); after != before {
+		t.Fatalf("a refused forget changed something:\n%s\n%s", before, after)
+	}
+	res := forget("done", done.Token, rec.CreatedAt)
+	if res.status != http.StatusSeeOther {
+		t.Fatalf("forget: %d\n%s", res.status, res.body)
+	}
+	if _, err := idem.Lookup(context.Background(), e.pool, pay, "done"); !errors.Is(err, idem.ErrNotFound) {
+		t.Fatalf("after forget: %v", err)
+	}
+	page := e.get(res.header.Get("Location"))
+	if !strings.Contains(page.body, "Key forgotten") || !strings.Contains(page.body, "forgot the key") ||
+		!strings.Contains(page.body, fmt.Sprintf("#%d", done.Token)) {
+		t.Fatalf("the audit page after forget:\n%s", page.body)
+	}
+	if res := forget("done", done.Token, rec.CreatedAt); res.status != 404 {
+		t.Fatalf("forget again: %d", res.status)
+	}
+}
+
+// The list of records that need a person: unknown outcomes and lapsed
+// leases, oldest first, filtered, paged by cursor.
+func TestNeedsPersonListFiltersAndPages(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	other := idem.Scope{Actor: "globex", Operation: "refund"}
+	e.unknown(pay, "a1", "gateway timeout")
+	e.lapsed(pay, "a2")
+	e.unknown(other, "b1", "connection reset by peer")
+	e.unknown(pay, "a3", "GATEWAY TIMEOUT (502)")
+	e.reserve(pay, "live", time.Hour)                    // in flight: nobody's yet
+	e.succeeded(pay, "done", idem.Response{Status: 200}) // finished
+	if _, err := e.pool.Exec(context.Background(), `UPDATE idem_keys SET created_at = created_at - interval '2 hours'
+		WHERE idem_key IN ('a1', 'b1')`); err != nil {
+		t.Fatal(err)
+	}
+	list := func(query string) (keys []string, next string, matched int64) {
+		t.Helper()
+		res := e.get("/idem/api/unknown?" + query)
+		if res.status != 200 {
+			t.Fatalf("list %s: %d %s", query, res.status, res.body)
+		}
+		var out struct {
+			Records []struct {
+				Key         string `json:"key"`
+				LeaseRanOut bool   `json:"lease_ran_out"`
+			}
+			Next    string
+			Matched struct{ N int64 }
+		}
+		if err := json.Unmarshal([]byte(res.body), &out); err != nil {
+			t.Fatal(err)
+		}
+		for _, r := range out.Records {
+			k := r.Key
+			if r.LeaseRanOut {
+				k += "(lapsed)"
+			}
+			keys = append(keys, k)
+		}
+		return keys, out.Next, out.Matched.N
+	}
+	for query, want := range map[string][]string{
+		"":                         {"a1", "b1", "a2(lapsed)", "a3"},
+		"actor=acme":               {"a1", "a2(lapsed)", "a3"},
+		"operation=refund":         {"b1"},
+		"older_than=1h":            {"a1", "b1"},
+		"error=gateway+timeout":    {"a1", "a3"},
+		"actor=acme&older_than=1h": {"a1"},
+		"actor=nobody":             nil,
+	} {
+		got, _, matched := list(query)
+		if !slices.Equal(got, want) || matched != int64(len(want)) {
+			t.Errorf("list %q: %v (matched %d), want %v", query, got, matched, want)
+		}
+	}
+	var all []string
+	for next, pages := "", 0; ; pages++ {
+		q := "limit=3"
+		if next != "" {
+			q += "&after=" + next
+		}
+		keys, n, _ := list(q)
+		all = append(all, keys...)
+		if n == "" {
+			if pages != 1 {
+				t.Errorf("%d pages of 3 for 4 records", pages+1)
+			}
+			break
+		}
+		next = n
+	}
+	if !slices.Equal(all, []string{"a1", "b1", "a2(lapsed)", "a3"}) {
+		t.Errorf("paged: %v", all)
+	}
+	page := e.get("/idem/unknown?actor=acme")
+	if !strings.Contains(page.body, "Lease ran out") || !strings.Contains(page.body, "3</b> records match") {
+		t.Errorf("the list page:\n%s", page.body)
+	}
+}
+
+// The console's "expire leases" makes exactly the transition of
+// idem.ExpireLeases, on what the filter matches and the count saw.
+func TestExpireLeasesAsTheLibraryDoes(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	lib, con := newEnv(t, nil), newEnv(t, nil)
+	for _, e := range []*env{lib, con} {
+		e.lapsed(pay, "l1")
+		e.lapsed(pay, "l2")
+		e.unknown(pay, "u1", "timeout")
+		e.reserve(pay, "live", time.Hour)
+	}
+	if n, err := idem.ExpireLeases(ctx, lib.pool, 100); err != nil || n != 2 {
+		t.Fatalf("ExpireLeases: %d, %v", n, err)
+	}
+	count := con.get("/idem/api/expire-leases")
+	var c struct {
+		Leases int64
+		Cutoff string
+	}
+	if err := json.Unmarshal([]byte(count.body), &c); err != nil || c.Leases != 2 {
+		t.Fatalf("count: %s (%v)", count.body, err)
+	}
+	// A lease that runs out after the count is not the count's.
+	con.lapsed(pay, "after-count")
+	page := con.get("/idem/expire-leases")
+	if !strings.Contains(page.body, "<b>3</b> reservations") || !strings.Contains(page.body, "Expire 3 leases") {
+		t.Errorf("the confirmation page:\n%s", page.body)
+	}
+	res := con.postJSON("/idem/api/expire-leases", map[string]any{"cutoff": c.Cutoff})
+	if res.status != 200 || !strings.Contains(res.body, `"expired": 2`) {
+		t.Fatalf("expire: %d %s", res.status, res.body)
+	}
+	// The rows as they are, apart from the times of their making.
+	rows := func(e *env) string {
+		var s string
+		if err := e.pool.QueryRow(ctx, `SELECT string_agg(format('%s %s %s %s token>0:%s lease:%s completed:%s',
+			idem_key, status, last_error, response_status, token > 0, lease_expires_at IS NOT NULL, completed_at IS NOT NULL),
+			E'\n' ORDER BY idem_key) FROM idem_keys WHERE idem_key <> 'after-count'`).Scan(&s); err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	if a, b := rows(lib), rows(con); a != b {
+		t.Fatalf("ExpireLeases:\n%s\nthe console:\n%s", a, b)
+	}
+	for _, k := range []string{"l1", "l2"} {
+		if l, c := lib.lookup(pay, k), con.lookup(pay, k); l.Status != idem.StatusUnknown || c.Status != idem.StatusUnknown ||
+			c.LastError != l.LastError {
+			t.Fatalf("%s: library %+v, console %+v", k, l, c)
+		}
+	}
+	if rec := con.lookup(pay, "after-count"); rec.Status != idem.StatusProcessing {
+		t.Fatalf("a lease that ran out after the count was expired: %+v", rec)
+	}
+	var detail string
+	if err := con.pool.QueryRow(ctx, `SELECT operator || ' ' || action || ' ' || changed || ' ' || detail::text FROM idem_audit`).Scan(&detail); err != nil ||
+		!strings.HasPrefix(detail, "alice expire_leases 2 ") || !strings.Contains(detail, c.Cutoff[:19]) {
+		t.Fatalf("audit row: %q, %v", detail, err)
+	}
+	// Filtered: only what the filter matches.
+	other := idem.Scope{Actor: "globex", Operation: "charge"}
+	con.lapsed(other, "g1")
+	res = con.postForm("/idem/expire-leases", url.Values{"actor": {"globex"},
+		"cutoff": {time.Now().Add(time.Minute).UTC().Format(time.RFC3339Nano)}})
+	if res.status != http.StatusSeeOther || !strings.Contains(res.header.Get("Location"), "done=expired&n=1") {
+		t.Fatalf("filtered expire: %d %s", res.status, res.header.Get("Location"))
+	}
+	if a, g := con.lookup(pay, "after-count"), con.lookup(other, "g1"); a.Status != idem.StatusProcessing || g.Status != idem.StatusUnknown {
+		t.Fatalf("filtered expire: acme %s, globex %s", a.Status, g.Status)
+	}
+	// Nothing left to expire under the filter: no change, no row.
+	rows0 := con.auditRows()
+	res = con.postForm("/idem/expire-leases", url.Values{"actor": {"globex"},
+		"cutoff": {time.Now().UTC().Format(time.RFC3339Nano)}})
+	if res.status != http.StatusSeeOther || !strings.Contains(res.header.Get("Location"), "done=expired-none") || con.auditRows() != rows0 {
+		t.Fatalf("expire with nothing to do: %d %s", res.status, res.header.Get("Location"))
+	}
+}
+
+func TestPrune(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	e.succeeded(pay, "old", idem.Response{Status: 200})
+	e.succeeded(pay, "fresh", idem.Response{Status: 200})
+	e.unknown(pay, "u", "timeout")
+	if _, err := e.pool.Exec(context.Background(), `UPDATE idem_keys SET expires_at = now() - interval '1 hour'
+		WHERE idem_key IN ('old', 'u')`); err != nil {
+		t.Fatal(err)
+	}
+	res := e.postForm("/idem/prune", url.Values{})
+	if res.status != http.StatusSeeOther || res.header.Get("Location") != "/idem/?done=pruned&n=1" {
+		t.Fatalf("prune: %d %s", res.status, res.header.Get("Location"))
+	}
+	if _, err := idem.Lookup(context.Background(), e.pool, pay, "old"); !errors.Is(err, idem.ErrNotFound) {
+		t.Fatal("the expired key was not pruned")
+	}
+	e.lookup(pay, "u")
+	res = e.postJSON("/idem/api/prune", map[string]any{})
+	if res.status != 200 || !strings.Contains(res.body, `"pruned": 0`) || e.auditRows() != 1 {
+		t.Fatalf("prune with nothing to prune: %d %s (%d audit rows)", res.status, res.body, e.auditRows())
+	}
+	if page := e.get("/idem/?done=pruned&n=1"); !strings.Contains(page.body, "1 expired key deleted") {
+		t.Errorf("the overview after prune:\n%s", page.body)
+	}
+}
+
+// Keys and scopes with any visible character, a / included, make
+// addresses that lead back to them.
+func TestKeyAddresses(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	scope := idem.Scope{Actor: "tenant/7", Operation: "pay?now#1"}
+	for _, key := range []string{"a/b/c", ".", "..", "%2F", "x?y#z", "ümlaut-free~key", "a%20b"} {
+		if err := idem.ValidateKey(key); err != nil {
+			continue // not a key (the ü)
+		}
+		e.unknown(scope, key, "timeout")
+		res := e.get(keyPath(scope, key))
+		if res.status != 200 || !strings.Contains(res.body, "<code>"+html.EscapeString(key)+"</code>") {
+			t.Errorf("key %q at %s: %d\n%.500s", key, keyPath(scope, key), res.status, res.body)
+		}
+	}
+	list := e.get("/idem/unknown")
+	for _, key := range []string{"a/b/c", ".", ".."} {
+		if link := html.EscapeString(keyPath(scope, key)); !strings.Contains(list.body, `href="`+link+`"`) {
+			t.Errorf("the list does not link %q as %s", key, link)
+		}
+	}
+}
+
+func TestOverview(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	e.unknown(pay, "u1", "timeout")
+	e.lapsed(pay, "l1")
+	e.reserve(pay, "live", time.Hour)
+	e.succeeded(pay, "s1", idem.Response{Status: 200})
+	e.succeeded(pay, "s2", idem.Response{Status: 200})
+	res := e.get("/idem/api/overview")
+	type count struct{ N int64 }
+	var o struct {
+		NeedsPerson   count `json:"needs_person"`
+		Unknown       count
+		LeaseRanOut   count `json:"lease_ran_out"`
+		InFlight      count `json:"in_flight"`
+		TotalKeys     count `json:"total_keys"`
+		Keys          map[string]count
+		SamplePercent float64 `json:"sample_percent"`
+		Hourly        map[string][24]int64
+	}
+	if err := json.Unmarshal([]byte(res.body), &o); err != nil {
+		t.Fatal(err, res.body)
+	}
+	if o.NeedsPerson.N != 2 || o.Unknown.N != 1 || o.LeaseRanOut.N != 1 || o.InFlight.N != 1 || o.TotalKeys.N != 5 ||
+		o.Keys["succeeded"].N != 2 || o.Keys["processing"].N != 2 || o.SamplePercent != 100 || o.Hourly["succeeded"][0] != 2 ||
+		o.Hourly["unknown"][0] != 1 {
+		t.Fatalf("overview: %s", res.body)
+	}
+	page := e.get("/idem/")
+	for _, want := range []string{`<meta http-equiv="refresh" content="30">`, "Pause", "Exact counts", "<svg", "Need a person"} {
+		if !strings.Contains(page.body, want) {
+			t.Errorf("the overview lacks %q", want)
+		}
+	}
+	if page := e.get("/idem/?refresh=off"); strings.Contains(page.body, `http-equiv="refresh"`) || !strings.Contains(page.body, "Resume") {
+		t.Error("a paused overview refreshes")
+	}
+}
+
+func TestSearchAndAudit(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	for i := range 7 {
+		e.succeeded(pay, fmt.Sprintf("k%d", i), idem.Response{Status: 200})
+	}
+	res := e.get("/idem/search?actor=acme&operation=charge&key=k3")
+	if res.status != http.StatusSeeOther || res.header.Get("Location") != keyPath(pay, "k3") {
+		t.Fatalf("search for a key: %d %s", res.status, res.header.Get("Location"))
+	}
+	if res := e.get("/idem/search?actor=acme&operation=charge&key=nope"); res.status != 404 || !strings.Contains(res.body, "No record holds this key") {
+		t.Fatalf("search for a missing key: %d", res.status)
+	}
+	res = e.get("/idem/search?actor=acme")
+	if res.status != 200 || strings.Count(res.body, `class="key"`) != 7 {
+		t.Fatalf("keys of an actor: %d\n%s", res.status, res.body)
+	}
+	for i := range 3 {
+		rec := e.lookup(pay, fmt.Sprintf("k%d", i))
+		e.name = fmt.Sprintf("op%d", i%2)
+		r := e.postForm(keyPath(pay, rec.Key)+"/forget", url.Values{"token": {strconv.FormatInt(rec.Token, 10)},
+			"created_at": {rec.CreatedAt.Format(time.RFC3339Nano)}})
+		if r.status != http.StatusSeeOther {
+			t.Fatalf("forget: %d %s", r.status, r.body)
+		}
+	}
+	var out struct {
+		Entries []struct{ Operator, Key string }
+		Next    string
+	}
+	res = e.get("/idem/api/audit?limit=2")
+	if err := json.Unmarshal([]byte(res.body), &out); err != nil || len(out.Entries) != 2 || out.Entries[0].Key != "k2" || out.Next == "" {
+		t.Fatalf("audit page 1: %s", res.body)
+	}
+	res = e.get("/idem/api/audit?limit=2&before=" + out.Next)
+	out.Entries, out.Next = nil, ""
+	if err := json.Unmarshal([]byte(res.body), &out); err != nil || len(out.Entries) != 1 || out.Entries[0].Key != "k0" || out.Next != "" {
+		t.Fatalf("audit page 2: %s", res.body)
+	}
+	res = e.get("/idem/api/audit?operator=op1")
+	out.Entries = nil
+	if err := json.Unmarshal([]byte(res.body), &out); err != nil || len(out.Entries) != 1 || out.Entries[0].Key != "k1" {
+		t.Fatalf("audit by operator: %s", res.body)
+	}
+}
+
+// A Beginner for New's checks, which never begin.
+type fakeBeginner struct{ idem.Beginner }

@@ -1,0 +1,707 @@
+package idemui
+
+import (
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"html/template"
+	"net/http"
+	"net/url"
+	"slices"
+	"sort"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/audit"
+)
+
+// page is what the layout renders around a page's content.
+type page struct {
+	Title    string
+	Nav      string // the navigation entry of the page
+	Prefix   string
+	Operator string
+	ReadOnly bool
+	Refresh  int // seconds until the page reloads itself; 0: never
+	Flash    *flash
+	Body     any
+}
+
+// flash is a message at the top of a page: what just happened.
+type flash struct {
+	Kind string // "ok" or "error"
+	Text string
+}
+
+// pageNames are the templates: each is templates/NAME.html with the layout.
+var pageNames = []string{"overview", "unknown", "expire", "key", "search", "audit", "error"}
+
+// parseTemplates parses every page with the layout.
+func parseTemplates() (map[string]*template.Template, error) {
+	out := make(map[string]*template.Template, len(pageNames))
+	for _, name := range pageNames {
+		t, err := template.New(name).Funcs(funcs).ParseFS(files, "templates/layout.html", "templates/"+name+".html")
+		if err != nil {
+			return nil, fmt.Errorf("idemui: template %s: %w", name, err)
+		}
+		out[name] = t
+	}
+	return out, nil
+}
+
+// render writes the page name with status.
+func (c *console) render(w http.ResponseWriter, _ *http.Request, status int, name string, p page) {
+	p.Prefix, p.ReadOnly = c.opts.Prefix, c.opts.ReadOnly
+	var buf bytes.Buffer
+	if err := c.pages[name].ExecuteTemplate(&buf, "layout", p); err != nil {
+		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
+		w.WriteHeader(http.StatusInternalServerError)
+		_, _ = fmt.Fprintln(w, "the console could not render this page")
+		return
+	}
+	w.Header().Set("Content-Type", "text/html; charset=utf-8")
+	w.WriteHeader(status)
+	_, _ = w.Write(buf.Bytes())
+}
+
+// page renders the page name for this request.
+func (q *request) page(status int, name, title, nav string, body any, fl *flash) {
+	q.c.render(q.w, q.r, status, name, page{Title: title, Nav: nav, Operator: q.operator, Flash: fl, Body: body})
+}
+
+// fail answers with the problem of err.
+func (q *request) fail(err error) {
+	p := problemOf(err)
+	if q.api {
+		q.c.fail(q.w, q.r, true, p)
+		return
+	}
+	q.c.render(q.w, q.r, p.Status, "error", page{Title: http.StatusText(p.Status), Operator: q.operator, Body: p})
+}
+
+// url is the address of path (after the prefix) with the query vs.
+func (q *request) url(path string, vs url.Values) string {
+	u := q.c.opts.Prefix + path
+	if len(vs) > 0 {
+		u += "?" + vs.Encode()
+	}
+	return u
+}
+
+// redirect answers a successful POST with 303 See Other to path.
+func (q *request) redirect(path string, vs url.Values) {
+	http.Redirect(q.w, q.r, q.url(path, vs), http.StatusSeeOther)
+}
+
+func (q *request) client() *idem.Client { return q.c.client }
+
+// done is the message a page shows after a redirect from an action: the
+// query names one of a fixed set of messages, with a number.
+func done(vs url.Values) *flash {
+	n, _ := strconv.ParseInt(vs.Get("n"), 10, 64)
+	switch vs.Get("done") {
+	case "resolved":
+		return &flash{"ok", "Verdict recorded. The record and the audit trail below show it."}
+	case "forgotten":
+		return &flash{"ok", "Key forgotten: the next request with it runs as a new one. The audit trail keeps the record of it."}
+	case "expired":
+		return &flash{"ok", fmt.Sprintf("%s turned unknown: their workers are fenced, and each waits for a verdict.", plural(n, "reservation"))}
+	case "expired-none":
+		return &flash{"ok", "No lease to expire: the reservations counted finished or were expired meanwhile. Nothing changed."}
+	case "pruned":
+		return &flash{"ok", fmt.Sprintf("%s deleted.", plural(n, "expired key"))}
+	case "pruned-none":
+		return &flash{"ok", "No expired key to delete. Nothing changed."}
+	}
+	return nil
+}
+
+func plural(n int64, what string) string {
+	if n == 1 {
+		return "1 " + what
+	}
+	return fmt.Sprintf("%s %ss", formatInt(n), what)
+}
+
+// The overview.
+
+type overviewView struct {
+	O          overview
+	Statuses   []statusRow
+	Charts     []chart
+	Paused     bool
+	PauseURL   string
+	ResumeURL  string
+	SampleNote string
+}
+
+type statusRow struct {
+	Status idem.Status
+	Count  count
+}
+
+// refreshSeconds is how often the overview reloads itself.
+const refreshSeconds = 30
+
+func (q *request) overviewPage() {
+	o, err := readOverview(q.r.Context(), q.c.opts.DB)
+	if err != nil {
+		q.fail(err)
+		return
+	}
+	v := overviewView{O: o, Charts: charts(o), Paused: q.r.URL.Query().Get("refresh") == "off",
+		PauseURL: q.url("/", url.Values{"refresh": {"off"}}), ResumeURL: q.url("/", nil)}
+	for _, s := range statuses {
+		if c, ok := o.Keys[s]; ok {
+			v.Statuses = append(v.Statuses, statusRow{s, c})
+		}
+	}
+	if o.SamplePercent < 100 {
+		v.SampleNote = fmt.Sprintf("%.2g%%", o.SamplePercent)
+	}
+	refresh := refreshSeconds
+	if v.Paused {
+		refresh = 0
+	}
+	q.c.render(q.w, q.r, http.StatusOK, "overview", page{Title: "Overview", Nav: "overview", Operator: q.operator,
+		Refresh: refresh, Flash: done(q.r.URL.Query()), Body: v})
+}
+
+// The records that need a person.
+
+type unknownView struct {
+	Filter    filterInput
+	Ages      []ageOption
+	Page      needsPersonPage
+	NextURL   string
+	FirstURL  string
+	ExpireURL string
+	Filtered  bool
+}
+
+type ageOption struct {
+	Value, Label string
+}
+
+// ages are the ages the filter offers (any other Go duration works in the
+// address).
+var ages = []ageOption{{"", "any age"}, {"5m", "5 minutes"}, {"1h", "1 hour"}, {"6h", "6 hours"}, {"24h", "1 day"}, {"168h", "7 days"}}
+
+func (q *request) unknownPage() {
+	vs := q.r.URL.Query()
+	in, f, after, err := needsPersonQuery(vs)
+	if err != nil {
+		q.fail(err)
+		return
+	}
+	p, err := readNeedsPerson(q.r.Context(), q.c.opts.DB, f, after, pageSize)
+	if err != nil {
+		q.fail(err)
+		return
+	}
+	v := unknownView{Filter: in, Ages: ages, Page: p, ExpireURL: q.url("/expire-leases", in.query()),
+		Filtered: f != (audit.Filter{})}
+	if p.Next != "" {
+		next := in.query()
+		next.Set("after", p.Next)
+		v.NextURL = q.url("/unknown", next)
+	}
+	if after != "" {
+		v.FirstURL = q.url("/unknown", in.query())
+	}
+	q.page(http.StatusOK, "unknown", "Needs a person", "unknown", v, done(vs))
+}
+
+// needsPersonQuery reads the filter and the page position of the list.
+func needsPersonQuery(vs url.Values) (filterInput, audit.Filter, string, error) {
+	in, err := filterFrom(vs)
+	if err != nil {
+		return in, audit.Filter{}, "", err
+	}
+	f, err := in.filter()
+	if err != nil {
+		return in, f, "", err
+	}
+	after, err := one(vs, "after")
+	return in, f, after, err
+}
+
+type expireView struct {
+	Filter   filterInput
+	Leases   int64
+	Cutoff   time.Time
+	CutoffIn string // as the form sends it back
+	BackURL  string
+}
+
+// expirable counts the reservations whose lease ran out that the query's
+// filter matches, with the database time of the count.
+func (q *request) expirable() (in filterInput, n int64, cutoff time.Time, err error) {
+	if in, err = filterFrom(q.r.URL.Query()); err != nil {
+		return in, 0, time.Time{}, err
+	}
+	f, err := in.filter()
+	if err != nil {
+		return in, 0, time.Time{}, err
+	}
+	err = audit.Read(q.r.Context(), q.c.opts.DB, func(ctx context.Context, db audit.Planned) error {
+		n, cutoff, err = audit.ExpirableCount(ctx, db, f)
+		return err
+	})
+	return in, n, cutoff, err
+}
+
+func (q *request) expireConfirmPage() {
+	in, n, cutoff, err := q.expirable()
+	if err != nil {
+		q.fail(err)
+		return
+	}
+	v := expireView{Leases: n, Cutoff: cutoff}
+	v.Filter, v.CutoffIn, v.BackURL = in, v.Cutoff.UTC().Format(time.RFC3339Nano), q.url("/unknown", in.query())
+	q.page(http.StatusOK, "expire", "Expire leases", "unknown", v, nil)
+}
+
+func (q *request) expirePage() {
+	in, err := expireFromForm(q.r)
+	if err != nil {
+		q.fail(err)
+		return
+	}
+	f, cutoff, err := in.check()
+	if err != nil {
+		q.fail(err)
+		return
+	}
+	e, err := audit.ExpireLeases(q.r.Context(), q.c.opts.DB, q.client(), q.operator, f, cutoff)
+	if err != nil {
+		q.fail(err)
+		return
+	}
+	vs := in.query()
+	if e.Changed == 0 {
+		vs.Set("done", "expired-none")
+	} else {
+		vs.Set("done", "expired")
+		vs.Set("n", strconv.FormatInt(e.Changed, 10))
+	}
+	q.redirect("/unknown", vs)
+}
+
+// A record.
+
+type keyView struct {
+	Scope       idem.Scope
+	Key         string
+	Found       bool
+	Rec         recordJSON
+	Label       string
+	Class       string
+	Meaning     string
+	Body        bodyView
+	Headers     []headerView
+	Timeline    []event
+	Audit       []audit.Entry
+	AuditURL    string
+	KeyURL      string
+	CanResolve  bool
+	CanForget   bool
+	CreatedAtIn string // the attempt's start as the forget form sends it
+	Resolved    bool   // an operator recorded the outcome: the token advanced past the attempt's
+	Attempt     int64  // the attempt's token when Resolved, from the trail; 0 when unknown
+	Form        resolveInput
+	Problem     *problem
+}
+
+// event is one line of a record's timeline.
+type event struct {
+	When   time.Time
+	What   string
+	Future bool
+}
+
+func (q *request) keyPage() {
+	q.showKey(http.StatusOK, nil, resolveInput{Verdict: "", Status: "200", ContentType: "application/json"}, done(q.r.URL.Query()))
+}
+
+// showKey renders the record page, with the problem of a refused action
+// and the verdict form as it was sent.
+func (q *request) showKey(status int, p *problem, form resolveInput, fl *flash) {
+	ctx := q.r.Context()
+	scope, key := q.params.scope, q.params.key
+	v := keyView{Scope: scope, Key: key, Form: form, Problem: p, KeyURL: q.url(keyPath(scope, key), nil),
+		AuditURL: q.url("/audit", url.Values{"actor": {scope.Actor}, "operation": {scope.Operation}, "key": {key}})}
+	rec, err := q.c.lookup(ctx, scope, key)
+	switch {
+	case errors.Is(err, idem.ErrNotFound):
+		if status == http.StatusOK {
+			status = http.StatusNotFound
+		}
+	case err != nil:
+		q.fail(err)
+		return
+	default:
+		v.Found = true
+	}
+	entries, _, err := readAudit(ctx, q.c.opts.DB, audit.ListFilter{Scope: scope, Key: key, Limit: 20}, "")
+	if err != nil {
+		q.fail(err)
+		return
+	}
+	v.Audit = entries
+	if v.Found {
+		now := time.Now()
+		v.Rec = newRecordJSON(rec, now)
+		v.Label, v.Class, v.Meaning = describe(rec, v.Rec.LeaseRanOut)
+		if rec.Response != nil {
+			v.Body = newBodyView(rec.Response.Header, rec.Response.Body)
+			v.Headers = headerViews(rec.Response.Header)
+		}
+		v.Resolved = rec.ResolveReason != ""
+		if v.Resolved {
+			v.Attempt = resolvedAttempt(entries)
+		}
+		v.Timeline = timeline(rec, entries, v.Attempt, now)
+		v.CanResolve = v.Rec.NeedsPerson && !q.c.opts.ReadOnly
+		v.CanForget = (rec.Status == idem.StatusSucceeded || rec.Status == idem.StatusRejected ||
+			rec.Status == idem.StatusFailedRetryable) && !q.c.opts.ReadOnly
+		v.CreatedAtIn = rec.CreatedAt.UTC().Format(time.RFC3339Nano)
+		if form.Token == "" {
+			v.Form.Token = json.Number(strconv.FormatInt(rec.Token, 10))
+		}
+	}
+	title := "Record " + key
+	q.page(status, "key", title, "", v, fl)
+}
+
+// describe is the label, style and meaning of a record's state.
+func describe(rec idem.Record, ranOut bool) (label, class, meaning string) {
+	switch {
+	case rec.Status == idem.StatusUnknown:
+		return "Unknown outcome", "unknown", "The work may or may not have happened, and nothing runs again until someone decides. " +
+			"Check the outside system (the provider's dashboard or statement) for this attempt, then record what you found below."
+	case ranOut:
+		return "Lease ran out", "lapsed", "The worker's lease ran out before it recorded an outcome: the work may or may not have happened. " +
+			"Check the outside system for this attempt, then record what you found below."
+	case rec.Status == idem.StatusProcessing:
+		return "In flight", "processing", "A worker holds this key right now. Nothing to decide unless its lease runs out."
+	case rec.Status == idem.StatusSucceeded:
+		return "Succeeded", "succeeded", "The outcome is stored: every retry with this key gets the stored response back."
+	case rec.Status == idem.StatusRejected:
+		return "Rejected", "rejected", "A refusal is stored: every retry with this key gets the same refusal back."
+	case rec.Status == idem.StatusFailedRetryable:
+		return "Failed, retryable", "retryable", "The work certainly did not happen: the next request with this key runs again."
+	}
+	return string(rec.Status), "other", ""
+}
+
+// timeline is what happened to a record, in time order: its attempt, its
+// lease, its outcome, what operators did, and when it expires.
+func timeline(rec idem.Record, entries []audit.Entry, attempt int64, now time.Time) []event {
+	var ev []event
+	add := func(t time.Time, what string) {
+		if !t.IsZero() {
+			ev = append(ev, event{When: t, What: what, Future: t.After(now)})
+		}
+	}
+	switch {
+	case rec.ResolveReason != "" && attempt != 0:
+		add(rec.CreatedAt, fmt.Sprintf("Attempt %d reserved the key", attempt))
+	case rec.ResolveReason != "":
+		add(rec.CreatedAt, "A reservation took the key")
+	case rec.Token != 0:
+		add(rec.CreatedAt, fmt.Sprintf("Attempt %d reserved the key", rec.Token))
+	default:
+		add(rec.CreatedAt, "The request claimed the key")
+	}
+	if !rec.LeaseExpiresAt.IsZero() && rec.Status == idem.StatusProcessing {
+		if rec.LeaseExpiresAt.After(now) {
+			add(rec.LeaseExpiresAt, "The lease runs out")
+		} else {
+			add(rec.LeaseExpiresAt, "The lease ran out")
+		}
+	}
+	audited := slices.ContainsFunc(entries, func(e audit.Entry) bool { return e.Action == audit.ActionResolve })
+	if !rec.CompletedAt.IsZero() && rec.Status != idem.StatusProcessing {
+		switch {
+		case rec.ResolveReason != "" && audited: // the audit row says who
+		case rec.ResolveReason != "":
+			add(rec.CompletedAt, "An operator recorded the outcome: "+string(rec.Status))
+		default:
+			add(rec.CompletedAt, "The outcome was recorded: "+string(rec.Status))
+		}
+	}
+	for _, e := range entries {
+		add(e.At, fmt.Sprintf("%s: %s", e.Operator, actionText(e)))
+	}
+	if rec.Status != idem.StatusProcessing && rec.Status != idem.StatusUnknown {
+		add(rec.ExpiresAt, "The key expires: a request with it then runs as a new one")
+	}
+	sort.SliceStable(ev, func(i, j int) bool { return ev[i].When.Before(ev[j].When) })
+	return ev
+}
+
+// resolvedAttempt is the token of the attempt that the latest verdict in
+// entries (newest first) was about; 0 when the trail has none.
+func resolvedAttempt(entries []audit.Entry) int64 {
+	for _, e := range entries {
+		if e.Action == audit.ActionResolve && e.HasBefore {
+			return e.TokenBefore
+		}
+	}
+	return 0
+}
+
+// actionText says what an audit row records, in a few words.
+func actionText(e audit.Entry) string {
+	switch e.Action {
+	case audit.ActionResolve:
+		if e.Verdict == audit.VerdictSucceeded {
+			return "verdict: it happened (succeeded)"
+		}
+		return "verdict: it did not happen (retryable)"
+	case audit.ActionForget:
+		return "forgot the key"
+	case audit.ActionExpireLeases:
+		return "expired " + plural(e.Changed, "lease")
+	case audit.ActionPrune:
+		return "pruned " + plural(e.Changed, "expired key")
+	}
+	return e.Action
+}
+
+func (q *request) resolvePage() {
+	in, err := resolveFromForm(q.r)
+	if err != nil {
+		q.refused(err, in)
+		return
+	}
+	res, err := in.resolution()
+	if err != nil {
+		q.refused(err, in)
+		return
+	}
+	if _, err := audit.Resolve(q.r.Context(), q.c.opts.DB, q.client(), q.operator, q.params.scope, q.params.key, res); err != nil {
+		q.refused(err, in)
+		return
+	}
+	q.redirect(keyPath(q.params.scope, q.params.key), url.Values{"done": {"resolved"}})
+}
+
+// refused shows the record again with why the action was refused.
+func (q *request) refused(err error, form resolveInput) {
+	p := problemOf(err)
+	if p.Status >= 500 {
+		q.fail(err)
+		return
+	}
+	q.showKey(p.Status, p, form, nil)
+}
+
+func (q *request) forgetPage() {
+	in, err := forgetFromForm(q.r)
+	if err != nil {
+		q.refused(err, resolveInput{})
+		return
+	}
+	want, err := in.attempt()
+	if err != nil {
+		q.refused(err, resolveInput{})
+		return
+	}
+	scope, key := q.params.scope, q.params.key
+	if _, err := audit.Forget(q.r.Context(), q.c.opts.DB, q.client(), q.operator, scope, key, &want); err != nil {
+		q.refused(err, resolveInput{})
+		return
+	}
+	q.redirect("/audit", url.Values{"actor": {scope.Actor}, "operation": {scope.Operation}, "key": {key}, "done": {"forgotten"}})
+}
+
+func (q *request) prunePage() {
+	in, err := pruneFromForm(q.r)
+	if err != nil {
+		q.fail(err)
+		return
+	}
+	opts, err := in.options()
+	if err != nil {
+		q.fail(err)
+		return
+	}
+	e, err := audit.Prune(q.r.Context(), q.c.opts.DB, q.client(), q.operator, opts)
+	if err != nil {
+		q.fail(err)
+		return
+	}
+	if e.Changed == 0 {
+		q.redirect("/", url.Values{"done": {"pruned-none"}})
+		return
+	}
+	q.redirect("/", url.Values{"done": {"pruned"}, "n": {strconv.FormatInt(e.Changed, 10)}})
+}
+
+// Looking a key up.
+
+type searchView struct {
+	Actor, Operation, Key string
+	Items                 []scopeItem
+	Next                  string // the position of the next page
+	NextURL               string
+	Problem               *problem // why the search found nothing, or cannot be made
+}
+
+func (q *request) searchPage() {
+	v, err := q.search(q.r.URL.Query())
+	if err != nil {
+		q.fail(err)
+		return
+	}
+	status := http.StatusOK
+	switch {
+	case v.Problem != nil:
+		status = v.Problem.Status
+	case v.Key != "":
+		q.redirect(keyPath(idem.Scope{Actor: v.Actor, Operation: v.Operation}, v.Key), nil)
+		return
+	}
+	q.page(status, "search", "Look up a key", "search", v, nil)
+}
+
+// search reads the search form: with actor, operation and key, whether the
+// record exists; with an actor (and an operation), a page of its keys.
+// What cannot be searched, or is not found, is v.Problem.
+func (q *request) search(vs url.Values) (searchView, error) {
+	var v searchView
+	var err error
+	for _, f := range []struct {
+		name string
+		v    *string
+	}{{"actor", &v.Actor}, {"operation", &v.Operation}, {"key", &v.Key}} {
+		if *f.v, err = one(vs, f.name); err != nil {
+			return v, err
+		}
+		*f.v = strings.TrimSpace(*f.v)
+	}
+	after, err := one(vs, "after")
+	if err != nil {
+		return v, err
+	}
+	switch {
+	case v.Actor == "" && v.Operation == "" && v.Key == "":
+		return v, nil
+	case v.Key != "" && (v.Actor == "" || v.Operation == ""):
+		v.Problem = badRequest("invalid_search", "Give the actor and the operation with the key: records are found by all three (looking for a key alone would read the whole table).")
+		return v, nil
+	case v.Actor == "":
+		v.Problem = badRequest("invalid_search", "Give the actor too: keys are listed by actor first.")
+		return v, nil
+	case v.Key != "":
+		_, err := q.c.lookup(q.r.Context(), idem.Scope{Actor: v.Actor, Operation: v.Operation}, v.Key)
+		if err != nil {
+			if p := problemOf(err); p.Status < 500 {
+				v.Problem = p
+				if p.Code == "no_record" {
+					p.Message += " The audit trail says whether an operator forgot it."
+				}
+				return v, nil
+			}
+		}
+		return v, err
+	}
+	scope := idem.Scope{Actor: v.Actor, Operation: v.Operation}
+	if !validText(v.Actor) || !validText(v.Operation) || len(v.Actor) > idem.MaxScopeLength || len(v.Operation) > idem.MaxScopeLength {
+		return v, badRequest("invalid_scope", "The actor or operation is not valid.")
+	}
+	items, next, err := readScope(q.r.Context(), q.c.opts.DB, scope, after, pageSize)
+	if err != nil {
+		return v, err
+	}
+	v.Items, v.Next = items, next
+	if next != "" {
+		nv := url.Values{"actor": {v.Actor}, "after": {next}}
+		if v.Operation != "" {
+			nv.Set("operation", v.Operation)
+		}
+		v.NextURL = q.url("/search", nv)
+	}
+	return v, nil
+}
+
+// The audit trail.
+
+type auditView struct {
+	Filter   audit.ListFilter
+	Actions  []string
+	Entries  []audit.Entry
+	NextURL  string
+	FirstURL string
+}
+
+func (q *request) auditPage() {
+	vs := q.r.URL.Query()
+	f, before, err := auditQuery(vs, pageSize)
+	if err != nil {
+		q.fail(err)
+		return
+	}
+	entries, next, err := readAudit(q.r.Context(), q.c.opts.DB, f, before)
+	if err != nil {
+		q.fail(err)
+		return
+	}
+	v := auditView{Filter: f, Entries: entries,
+		Actions: []string{audit.ActionResolve, audit.ActionForget, audit.ActionExpireLeases, audit.ActionPrune}}
+	base := auditValues(f)
+	if next != "" {
+		nv := auditValues(f)
+		nv.Set("before", next)
+		v.NextURL = q.url("/audit", nv)
+	}
+	if before != "" {
+		v.FirstURL = q.url("/audit", base)
+	}
+	q.page(http.StatusOK, "audit", "Audit trail", "audit", v, done(vs))
+}
+
+// auditQuery reads the trail's filter and page position.
+func auditQuery(vs url.Values, limit int) (audit.ListFilter, string, error) {
+	f := audit.ListFilter{Limit: limit}
+	var err error
+	for _, p := range []struct {
+		name string
+		v    *string
+	}{{"operator", &f.Operator}, {"action", &f.Action}, {"actor", &f.Scope.Actor}, {"operation", &f.Scope.Operation}, {"key", &f.Key}} {
+		if *p.v, err = one(vs, p.name); err != nil {
+			return f, "", err
+		}
+		*p.v = strings.TrimSpace(*p.v)
+	}
+	switch f.Action {
+	case "", audit.ActionResolve, audit.ActionForget, audit.ActionExpireLeases, audit.ActionPrune:
+	default:
+		return f, "", badRequest("invalid_filter", "The action %q is not one of resolve, forget, expire_leases, prune.", f.Action)
+	}
+	before, err := one(vs, "before")
+	return f, before, err
+}
+
+func auditValues(f audit.ListFilter) url.Values {
+	vs := url.Values{}
+	for _, kv := range [][2]string{{"operator", f.Operator}, {"action", f.Action}, {"actor", f.Scope.Actor},
+		{"operation", f.Scope.Operation}, {"key", f.Key}} {
+		if kv[1] != "" {
+			vs.Set(kv[0], kv[1])
+		}
+	}
+	return vs
+}
+
+func (q *request) stylesheet() {
+	q.w.Header().Set("Content-Type", "text/css; charset=utf-8")
+	q.w.Header().Set("Cache-Control", "no-cache")
+	_, _ = q.w.Write(q.c.css)
+}

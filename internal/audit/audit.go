@@ -1,0 +1,478 @@
+// Package audit changes idem's records on behalf of an operator and keeps
+// the trail of it (the idem_audit table): the console (package idemui) and
+// the idem CLI act through it. Each change runs in one transaction with
+// its audit row: the change calls idem's public functions (Resolve, Forget,
+// Prune) with that transaction, which run in savepoints of it, or runs the
+// console's own statement (ExpireLeases with a filter), and the row is
+// inserted before the commit. Either both commit or neither does. A refused
+// change (an error) writes no row; a change that changed nothing (no lease
+// to expire, no key to prune) writes none either.
+package audit
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"time"
+	"unicode/utf8"
+
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
+
+	"github.com/pgidem/idem"
+	store "github.com/pgidem/idem/internal/db"
+)
+
+// The actions of the trail (idem_audit.action). They are the names of
+// idemui's actions that change something.
+const (
+	ActionResolve      = "resolve"
+	ActionForget       = "forget"
+	ActionExpireLeases = "expire_leases"
+	ActionPrune        = "prune"
+)
+
+// The verdicts of a resolve (idem_audit.verdict).
+const (
+	VerdictSucceeded = "succeeded"
+	VerdictRetryable = "retryable"
+)
+
+// LeaseExpiredReason is the last_error that ExpireLeases writes, as
+// idem.ExpireLeases does (the test compares the two transitions).
+const LeaseExpiredReason = "lease expired before the outcome was recorded"
+
+// MaxOperatorLength bounds an operator's name in bytes.
+const MaxOperatorLength = 255
+
+// ErrChanged means the record is no longer the attempt the operator looked
+// at (Forget's Attempt: another token or another start): nothing changed.
+var ErrChanged = errors.New("idem: the record changed since it was read")
+
+// Entry is one row of the trail.
+type Entry struct {
+	ID       int64
+	At       time.Time
+	Operator string
+	Action   string
+	// Scope and Key name the record; empty for an action over many keys.
+	Scope idem.Scope
+	Key   string
+	// TokenBefore and TokenAfter are the record's fencing token before and
+	// after the change; HasBefore and HasAfter say whether there was a
+	// record (a forgotten key has none after).
+	TokenBefore, TokenAfter   int64
+	StatusBefore, StatusAfter idem.Status
+	HasBefore, HasAfter       bool
+	// Verdict is VerdictSucceeded or VerdictRetryable for a resolve.
+	Verdict string
+	Reason  string
+	// Changed is how many records changed.
+	Changed int64
+	// Detail is JSON: the filter of a bulk action, the stored response's
+	// status of a verdict; nil when there is nothing to add.
+	Detail json.RawMessage
+}
+
+// Filter selects records that need a person: an 'unknown' record, or a
+// 'processing' reservation whose lease ran out. The zero Filter matches
+// them all.
+type Filter struct {
+	// Actor and Operation match exactly; empty matches any.
+	Actor     string `json:"actor,omitempty"`
+	Operation string `json:"operation,omitempty"`
+	// MinAge keeps the records whose attempt started at least this long
+	// ago; 0 keeps all.
+	MinAge time.Duration `json:"min_age,omitempty"`
+	// ErrorText keeps the records whose last error holds it, ignoring
+	// case; empty keeps all.
+	ErrorText string `json:"error_text,omitempty"`
+}
+
+// Check validates f: names and error text that PostgreSQL can hold, an
+// age that is not negative.
+func (f Filter) Check() error {
+	for _, v := range [...]struct{ name, v string }{{"actor", f.Actor}, {"operation", f.Operation}, {"error text", f.ErrorText}} {
+		if err := checkText(v.v, idem.MaxScopeLength); err != nil {
+			return fmt.Errorf("%w: filter %s %v", idem.ErrInvalidArgument, v.name, err)
+		}
+	}
+	if f.MinAge < 0 {
+		return fmt.Errorf("%w: filter age %s is negative", idem.ErrInvalidArgument, f.MinAge)
+	}
+	return nil
+}
+
+// MinAgeMicros is f.MinAge in microseconds, for the statements.
+func (f Filter) MinAgeMicros() int64 { return f.MinAge.Microseconds() }
+
+// Attempt names the attempt an operator looked at: its token and when it
+// started (Record.Token, Record.CreatedAt). A record Do wrote has token 0,
+// and the start tells its attempts apart.
+type Attempt struct {
+	Token     int64
+	CreatedAt time.Time
+}
+
+// queries runs the generated statements.
+var queries = store.New()
+
+// Planned runs statements with pgx.QueryExecModeExec: each is planned for
+// its values when it runs, never with a generic plan a connection cached
+// while idem_keys was small (and a value such as an empty filter folds
+// away).
+type Planned struct{ DB store.DBTX }
+
+func (p Planned) Exec(ctx context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
+	return p.DB.Exec(ctx, sql, append([]any{pgx.QueryExecModeExec}, args...)...)
+}
+
+func (p Planned) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, error) {
+	return p.DB.Query(ctx, sql, append([]any{pgx.QueryExecModeExec}, args...)...)
+}
+
+func (p Planned) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
+	return p.DB.QueryRow(ctx, sql, append([]any{pgx.QueryExecModeExec}, args...)...)
+}
+
+// sqlIndexWalk makes the statements after it in its transaction walk
+// indexes in their order: no sequential scan, no bitmap scan of every
+// matching row, no sort of them, whatever the planner's statistics say
+// (gathered while the table was small, or not at all with autovacuum off).
+// The settings end with the transaction.
+const sqlIndexWalk = `SELECT set_config('enable_seqscan', 'off', true), set_config('enable_bitmapscan', 'off', true),
+	set_config('enable_sort', 'off', true)`
+
+// ReadTimeout bounds each statement of a Read transaction.
+const ReadTimeout = 10 * time.Second
+
+// Read runs fn in a transaction begun on db with the index-walk settings
+// and a statement timeout of ReadTimeout, and rolls it back: the console's
+// pages read through it.
+func Read(ctx context.Context, db idem.Beginner, fn func(ctx context.Context, q Planned) error) error {
+	tx, err := db.Begin(ctx)
+	if err != nil {
+		return err
+	}
+	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	if _, err := tx.Exec(ctx, sqlIndexWalk+fmt.Sprintf(", set_config('statement_timeout', '%dms', true)", ReadTimeout.Milliseconds())); err != nil {
+		return err
+	}
+	return fn(ctx, Planned{tx})
+}
+
+// write runs fn in a transaction of c begun on db, with the index-walk
+// settings, and commits it when fn returns nil.
+func write(ctx context.Context, c *idem.Client, db idem.Beginner, fn func(ctx context.Context, tx pgx.Tx) error) error {
+	return c.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, sqlIndexWalk); err != nil {
+			return err
+		}
+		return fn(ctx, tx)
+	})
+}
+
+// Resolve records an operator's verdict on the record of (scope, key) with
+// c.Resolve (nil c: the package-level functions' defaults), in one
+// transaction with its audit row, and returns the row. The errors are
+// Resolve's (ErrFenced when res.Token is not the record's token now,
+// ErrNotResolvable, ErrNotFound, ErrInvalidArgument, ...), and an operator
+// name that is empty, too long or not valid text is ErrInvalidArgument;
+// on any error nothing changed and no row was written.
+func Resolve(ctx context.Context, db idem.Beginner, c *idem.Client, operator string, scope idem.Scope, key string, res idem.Resolution) (Entry, error) {
+	c, err := check(c, db, operator)
+	if err != nil {
+		return Entry{}, err
+	}
+	e := Entry{Operator: operator, Action: ActionResolve, Scope: scope, Key: key, Reason: res.Reason, Changed: 1,
+		Verdict: VerdictRetryable}
+	if res.Succeeded != nil {
+		e.Verdict = VerdictSucceeded
+		e.Detail, _ = json.Marshal(map[string]int{"response_status": res.Succeeded.Status})
+	}
+	err = write(ctx, c, db, func(ctx context.Context, tx pgx.Tx) error {
+		// Lookup validates the scope and key with c's limits first.
+		if _, err := c.Lookup(ctx, tx, scope, key); err != nil {
+			return err
+		}
+		k := store.AuditLockKeyParams{Actor: scope.Actor, Operation: scope.Operation, IdemKey: key}
+		before, err := queries.AuditLockKey(ctx, Planned{tx}, k)
+		if err != nil {
+			return notFound(err)
+		}
+		if err := c.Resolve(ctx, tx, scope, key, res); err != nil {
+			return err
+		}
+		after, err := queries.AuditLockKey(ctx, Planned{tx}, k)
+		if err != nil {
+			return err
+		}
+		e.TokenBefore, e.StatusBefore, e.HasBefore = before.Token, idem.Status(before.Status), true
+		e.TokenAfter, e.StatusAfter, e.HasAfter = after.Token, idem.Status(after.Status), true
+		return insert(ctx, tx, &e)
+	})
+	if err != nil {
+		return Entry{}, err
+	}
+	return e, nil
+}
+
+// Forget deletes the record of a finished key with c.Forget, in one
+// transaction with its audit row, and returns the row. With want set, it
+// refuses with ErrChanged when the record is no longer that attempt. The
+// errors are Forget's (ErrInProgress, also when another transaction holds
+// the record right now; ErrOutcomeUnknown, ErrNotFound, ...) and
+// ErrInvalidArgument for an operator name that is empty, too long or not
+// valid text; on any error nothing changed and no row was written.
+func Forget(ctx context.Context, db idem.Beginner, c *idem.Client, operator string, scope idem.Scope, key string, want *Attempt) (Entry, error) {
+	c, err := check(c, db, operator)
+	if err != nil {
+		return Entry{}, err
+	}
+	e := Entry{Operator: operator, Action: ActionForget, Scope: scope, Key: key, Changed: 1}
+	err = write(ctx, c, db, func(ctx context.Context, tx pgx.Tx) error {
+		if _, err := c.Lookup(ctx, tx, scope, key); err != nil {
+			return err
+		}
+		before, err := queries.AuditLockKeyNowait(ctx, Planned{tx},
+			store.AuditLockKeyNowaitParams{Actor: scope.Actor, Operation: scope.Operation, IdemKey: key})
+		if pgCode(err) == pgerrcode.LockNotAvailable {
+			return fmt.Errorf("%w: a transaction holds the record right now", idem.ErrInProgress)
+		}
+		if err != nil {
+			return notFound(err)
+		}
+		if want != nil && (before.Token != want.Token || !before.CreatedAt.Time.Equal(want.CreatedAt)) {
+			return fmt.Errorf("%w: the record holds token %d, started %s, now (status %s)", ErrChanged,
+				before.Token, before.CreatedAt.Time.UTC().Format(time.RFC3339Nano), before.Status)
+		}
+		if err := c.Forget(ctx, tx, scope, key); err != nil {
+			return err
+		}
+		e.TokenBefore, e.StatusBefore, e.HasBefore = before.Token, idem.Status(before.Status), true
+		return insert(ctx, tx, &e)
+	})
+	if err != nil {
+		return Entry{}, err
+	}
+	return e, nil
+}
+
+// ExpireLeases turns the reservations whose lease ran out by cutoff (and by
+// the database clock) and that f matches into 'unknown', as idem's
+// ExpireLeases does (the token kept: their workers are fenced), in one
+// statement and one transaction with its audit row, and returns the row
+// (Changed: how many). Give it the cutoff of ExpirableCount to act on at
+// most the reservations it counted. When none matched, nothing changed and
+// no row is written (Changed 0, ID 0). A bad filter or operator name is
+// ErrInvalidArgument.
+func ExpireLeases(ctx context.Context, db idem.Beginner, c *idem.Client, operator string, f Filter, cutoff time.Time) (Entry, error) {
+	c, err := check(c, db, operator)
+	if err != nil {
+		return Entry{}, err
+	}
+	if err := f.Check(); err != nil {
+		return Entry{}, err
+	}
+	detail, _ := json.Marshal(struct {
+		Filter
+		Cutoff time.Time `json:"cutoff"`
+	}{f, cutoff.UTC()})
+	e := Entry{Operator: operator, Action: ActionExpireLeases, Detail: detail}
+	err = write(ctx, c, db, func(ctx context.Context, tx pgx.Tx) error {
+		n, err := queries.ConsoleExpireLeases(ctx, Planned{tx}, store.ConsoleExpireLeasesParams{
+			Reason: LeaseExpiredReason, Cutoff: pgtype.Timestamptz{Time: cutoff, Valid: true},
+			Actor: f.Actor, Operation: f.Operation, MinAgeMicros: f.MinAgeMicros(), ErrorText: f.ErrorText,
+		})
+		if err != nil || n == 0 {
+			return err
+		}
+		e.Changed = n
+		return insert(ctx, tx, &e)
+	})
+	if err != nil {
+		return Entry{}, fmt.Errorf("idem: expire leases: %w", err)
+	}
+	return e, nil
+}
+
+// ExpirableCount counts the reservations whose lease ran out that f
+// matches, and returns the database time of the count: ExpireLeases with
+// that cutoff acts on these and no others.
+func ExpirableCount(ctx context.Context, q Planned, f Filter) (int64, time.Time, error) {
+	if err := f.Check(); err != nil {
+		return 0, time.Time{}, err
+	}
+	row, err := queries.ConsoleExpirableCount(ctx, q, store.ConsoleExpirableCountParams{
+		Actor: f.Actor, Operation: f.Operation, MinAgeMicros: f.MinAgeMicros(), ErrorText: f.ErrorText,
+	})
+	return row.Leases, row.Cutoff.Time, err
+}
+
+// Prune deletes expired finished keys with c.Prune and opts, in one
+// transaction with its audit row (opts.MaxBatches bounds it; 0 is refused
+// here, since one transaction holds every batch), and returns the row
+// (Changed: how many). When none was expired, nothing changed and no row
+// is written (ID 0).
+func Prune(ctx context.Context, db idem.Beginner, c *idem.Client, operator string, opts idem.PruneOptions) (Entry, error) {
+	c, err := check(c, db, operator)
+	if err != nil {
+		return Entry{}, err
+	}
+	if opts.DryRun || opts.MaxBatches <= 0 || opts.BatchSize < 0 {
+		return Entry{}, fmt.Errorf("%w: an audited prune deletes (no DryRun) at most MaxBatches > 0 batches", idem.ErrInvalidArgument)
+	}
+	if opts.BatchSize == 0 {
+		opts.BatchSize = idem.DefaultPruneBatchSize
+	}
+	detail, _ := json.Marshal(map[string]int{"batch_size": opts.BatchSize, "max_batches": opts.MaxBatches})
+	e := Entry{Operator: operator, Action: ActionPrune, Detail: detail}
+	err = write(ctx, c, db, func(ctx context.Context, tx pgx.Tx) error {
+		n, err := c.Prune(ctx, tx, opts)
+		if err != nil || n == 0 {
+			return err
+		}
+		e.Changed = n
+		return insert(ctx, tx, &e)
+	})
+	if err != nil {
+		return Entry{}, err
+	}
+	return e, nil
+}
+
+// ListFilter selects rows of the trail: an empty field matches any row.
+type ListFilter struct {
+	Operator, Action string
+	Scope            idem.Scope
+	Key              string
+	BeforeAt         time.Time // with BeforeID: the position after which the page starts (zero: newest)
+	BeforeID         int64
+	Limit            int
+}
+
+// List returns at most f.Limit rows of the trail, newest first, after the
+// position f names (the last row of the previous page).
+func List(ctx context.Context, q Planned, f ListFilter) ([]Entry, error) {
+	for _, v := range []string{f.Operator, f.Action, f.Scope.Actor, f.Scope.Operation, f.Key} {
+		if err := checkText(v, 1024); err != nil {
+			return nil, fmt.Errorf("%w: audit filter %v", idem.ErrInvalidArgument, err)
+		}
+	}
+	if f.Limit <= 0 {
+		return nil, fmt.Errorf("%w: limit %d must be positive", idem.ErrInvalidArgument, f.Limit)
+	}
+	arg := store.AuditListParams{
+		Operator: f.Operator, Action: f.Action, Actor: f.Scope.Actor, Operation: f.Scope.Operation, IdemKey: f.Key,
+		BeforeActedAt: pgtype.Timestamptz{InfinityModifier: pgtype.Infinity, Valid: true}, BeforeID: 0,
+		MaxRows: int32(min(f.Limit, 10000)),
+	}
+	if !f.BeforeAt.IsZero() {
+		arg.BeforeActedAt = pgtype.Timestamptz{Time: f.BeforeAt, Valid: true}
+		arg.BeforeID = f.BeforeID
+	}
+	rows, err := queries.AuditList(ctx, q, arg)
+	if err != nil {
+		return nil, err
+	}
+	out := make([]Entry, 0, len(rows))
+	for _, r := range rows {
+		e := Entry{
+			ID: r.ID, At: r.ActedAt.Time, Operator: r.Operator, Action: r.Action,
+			Scope: idem.Scope{Actor: r.Actor, Operation: r.Operation}, Key: r.IdemKey,
+			TokenBefore: r.TokenBefore.Int64, TokenAfter: r.TokenAfter.Int64,
+			HasBefore: r.TokenBefore.Valid, HasAfter: r.TokenAfter.Valid,
+			StatusBefore: idem.Status(r.StatusBefore.String), StatusAfter: idem.Status(r.StatusAfter.String),
+			Verdict: r.Verdict.String, Reason: r.Reason, Changed: r.Changed,
+		}
+		if r.Detail != "" {
+			e.Detail = json.RawMessage(r.Detail)
+		}
+		out = append(out, e)
+	}
+	return out, nil
+}
+
+// insert writes e in tx and fills in its ID and time.
+func insert(ctx context.Context, tx pgx.Tx, e *Entry) error {
+	arg := store.AuditInsertParams{
+		Actor: e.Scope.Actor, Operator: e.Operator, Action: e.Action, Operation: e.Scope.Operation, IdemKey: e.Key,
+		TokenBefore:  pgtype.Int8{Int64: e.TokenBefore, Valid: e.HasBefore},
+		TokenAfter:   pgtype.Int8{Int64: e.TokenAfter, Valid: e.HasAfter},
+		StatusBefore: pgtype.Text{String: string(e.StatusBefore), Valid: e.HasBefore},
+		StatusAfter:  pgtype.Text{String: string(e.StatusAfter), Valid: e.HasAfter},
+		Verdict:      pgtype.Text{String: e.Verdict, Valid: e.Verdict != ""},
+		Reason:       e.Reason, Changed: e.Changed,
+		Detail: pgtype.Text{String: string(e.Detail), Valid: e.Detail != nil},
+	}
+	row, err := queries.AuditInsert(ctx, Planned{tx}, arg)
+	if err != nil {
+		return fmt.Errorf("idem: audit: %w", err)
+	}
+	e.ID, e.At = row.ID, row.ActedAt.Time
+	return nil
+}
+
+// defaultClient stands in for a nil *idem.Client: the package-level
+// functions' defaults.
+var defaultClient = func() *idem.Client {
+	c, err := idem.New(idem.Config{})
+	if err != nil {
+		panic(err) // the zero Config is valid
+	}
+	return c
+}()
+
+// check validates what every change needs and returns the client to use.
+func check(c *idem.Client, db idem.Beginner, operator string) (*idem.Client, error) {
+	if db == nil {
+		return nil, fmt.Errorf("%w: nil database handle", idem.ErrInvalidArgument)
+	}
+	if operator == "" {
+		return nil, fmt.Errorf("%w: no operator name: the audit trail records who acted", idem.ErrInvalidArgument)
+	}
+	if err := checkText(operator, MaxOperatorLength); err != nil {
+		return nil, fmt.Errorf("%w: operator name %v", idem.ErrInvalidArgument, err)
+	}
+	if c == nil {
+		c = defaultClient
+	}
+	return c, nil
+}
+
+// checkText refuses what PostgreSQL's text cannot hold (invalid UTF-8,
+// NUL) and what is longer than max bytes.
+func checkText(s string, max int) error {
+	switch {
+	case len(s) > max:
+		return fmt.Errorf("is longer than %d bytes", max)
+	case !utf8.ValidString(s):
+		return errors.New("is not valid UTF-8")
+	}
+	for _, r := range s {
+		if r == 0 {
+			return errors.New("holds NUL")
+		}
+	}
+	return nil
+}
+
+// notFound maps a lock that found no row to idem.ErrNotFound.
+func notFound(err error) error {
+	if errors.Is(err, pgx.ErrNoRows) {
+		return idem.ErrNotFound
+	}
+	return err
+}
+
+// pgCode is the SQLSTATE of err, or "".
+func pgCode(err error) string {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr.Code
+	}
+	return ""
+}

@@ -1,0 +1,213 @@
+package audit_test
+
+import (
+	"context"
+	"errors"
+	"os"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/audit"
+	"github.com/pgidem/idem/internal/pgtest"
+)
+
+func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }
+
+var (
+	scope = idem.Scope{Actor: "acme", Operation: "charge"}
+	fp    = idem.FingerprintParts([]byte("x"))
+)
+
+func rows(t *testing.T, pool *pgxpool.Pool) string {
+	t.Helper()
+	var s string
+	if err := pool.QueryRow(context.Background(), `SELECT
+		coalesce((SELECT string_agg(k::text, E'\n' ORDER BY idem_key) FROM idem_keys k), '') || E'\n--\n' ||
+		coalesce((SELECT string_agg(a::text, E'\n' ORDER BY id) FROM idem_audit a), '')`).Scan(&s); err != nil {
+		t.Fatal(err)
+	}
+	return s
+}
+
+// unknownRecord returns a pool on a fresh database that holds one unknown
+// outcome, of (scope, "k"), and its reservation.
+func unknownRecord(t *testing.T) (*pgxpool.Pool, idem.Reservation) {
+	t.Helper()
+	ctx := context.Background()
+	pool := pgtest.Pool(t, idem.Migrate)
+	r, err := idem.Reserve(ctx, pool, scope, "k", fp, time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := idem.MarkUnknown(ctx, pool, r, "timeout"); err != nil {
+		t.Fatal(err)
+	}
+	return pool, r
+}
+
+// An operator name the trail cannot hold is refused before anything runs.
+func TestOperatorChecked(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, r := unknownRecord(t)
+	before := rows(t, pool)
+	for _, op := range []string{"", "a\x00b", "\xff", strings.Repeat("o", audit.MaxOperatorLength+1)} {
+		_, err := audit.Resolve(ctx, pool, nil, op, scope, "k", idem.Resolution{Token: r.Token, Retryable: true})
+		if !errors.Is(err, idem.ErrInvalidArgument) {
+			t.Errorf("operator %q: %v", op, err)
+		}
+		if _, err := audit.ExpireLeases(ctx, pool, nil, op, audit.Filter{}, time.Now()); !errors.Is(err, idem.ErrInvalidArgument) {
+			t.Errorf("expire, operator %q: %v", op, err)
+		}
+	}
+	if _, err := audit.Prune(ctx, pool, nil, "op", idem.PruneOptions{}); !errors.Is(err, idem.ErrInvalidArgument) {
+		t.Errorf("an unbounded audited prune: %v", err)
+	}
+	if after := rows(t, pool); after != before {
+		t.Fatalf("a refused change changed something:\n%s\n%s", before, after)
+	}
+}
+
+// On a caller's transaction the change and its row are the caller's: they
+// go when it rolls back, and commit with it.
+func TestInTheCallersTransaction(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, r := unknownRecord(t)
+	before := rows(t, pool)
+	for _, commit := range []bool{false, true} {
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		e, err := audit.Resolve(ctx, tx, nil, "sam", scope, "k", idem.Resolution{Token: r.Token, Retryable: true, Reason: "no charge"})
+		if err != nil || e.ID == 0 || e.TokenBefore != r.Token || e.TokenAfter <= r.Token ||
+			e.StatusBefore != idem.StatusUnknown || e.StatusAfter != idem.StatusFailedRetryable {
+			t.Fatalf("resolve: %+v, %v", e, err)
+		}
+		if !commit {
+			if err := tx.Rollback(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if after := rows(t, pool); after != before {
+				t.Fatalf("a rolled-back change stayed:\n%s", after)
+			}
+			continue
+		}
+		if err := tx.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	list, err := listAll(ctx, pool)
+	if err != nil || len(list) != 1 || list[0].Operator != "sam" || list[0].Verdict != audit.VerdictRetryable {
+		t.Fatalf("the trail: %+v, %v", list, err)
+	}
+}
+
+func listAll(ctx context.Context, pool *pgxpool.Pool) ([]audit.Entry, error) {
+	var out []audit.Entry
+	err := audit.Read(ctx, pool, func(ctx context.Context, q audit.Planned) error {
+		var err error
+		out, err = audit.List(ctx, q, audit.ListFilter{Limit: 100})
+		return err
+	})
+	return out, err
+}
+
+// A reservation whose worker completes it while the console's expire waits
+// for its row stays completed, as with idem's ExpireLeases on Citus: the
+// conditions are checked again on the row as the worker left it.
+func TestExpireLeasesWaitsForTheWorker(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t, idem.Migrate)
+	r, err := idem.Reserve(ctx, pool, scope, "lapsed", fp, time.Microsecond)
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(2 * time.Millisecond)
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := idem.Complete(ctx, tx, r, idem.Response{Status: 200}); err != nil {
+		t.Fatal(err)
+	}
+	type result struct {
+		e   audit.Entry
+		err error
+	}
+	done := make(chan result, 1)
+	go func() {
+		e, err := audit.ExpireLeases(ctx, pool, nil, "sam", audit.Filter{}, time.Now().Add(time.Minute))
+		done <- result{e, err}
+	}()
+	select {
+	case res := <-done:
+		t.Fatalf("expire did not wait for the worker's transaction: %+v, %v", res.e, res.err)
+	case <-time.After(200 * time.Millisecond):
+	}
+	if err := tx.Commit(ctx); err != nil {
+		t.Fatal(err)
+	}
+	res := <-done
+	if res.err != nil || res.e.Changed != 0 || res.e.ID != 0 {
+		t.Fatalf("expire after the worker completed: %+v, %v", res.e, res.err)
+	}
+	rec, err := idem.Lookup(ctx, pool, scope, "lapsed")
+	if err != nil || rec.Status != idem.StatusSucceeded {
+		t.Fatalf("the completed reservation: %+v, %v", rec, err)
+	}
+	if list, err := listAll(ctx, pool); err != nil || len(list) != 0 {
+		t.Fatalf("a change that changed nothing left a row: %+v, %v", list, err)
+	}
+}
+
+// Migrating down from 5 drops the trail only when it is empty, or forced.
+func TestMigrateDownKeepsTheTrail(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t, idem.Migrate)
+	version := func() int64 {
+		var v int64
+		if err := pool.QueryRow(ctx, `SELECT max(version_id) FROM `+idem.MigrationTable+` WHERE is_applied`).Scan(&v); err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	downTo5 := func() { // past the migrations after 5, which keep everything
+		for version() > 5 {
+			if _, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{}); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	downTo5()
+	if _, err := idem.DoInTx(ctx, pool, scope, "done", fp, func(context.Context, pgx.Tx) (idem.Response, error) {
+		return idem.Response{Status: 200}, nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := audit.Forget(ctx, pool, nil, "sam", scope, "done", nil); err != nil {
+		t.Fatal(err)
+	}
+	_, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{})
+	if !errors.Is(err, idem.ErrDowngradeDeletesRecords) || !strings.Contains(err.Error(), "1 rows of the operators' audit trail") || version() != 5 {
+		t.Fatalf("MigrateDown with a trail: %v (version %d)", err, version())
+	}
+	if v, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{Force: true}); err != nil || v != 5 {
+		t.Fatalf("forced: %d, %v", v, err)
+	}
+	if err := idem.Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	downTo5()
+	if v, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{}); err != nil || v != 5 {
+		t.Fatalf("an empty trail goes without force: %d, %v", v, err)
+	}
+}

@@ -1,0 +1,225 @@
+// Package callretry is the retry loop that idem's clients share
+// (idemhttp.Transport and the client interceptors of idemgrpc and
+// idemconnect): the key of a call, an idem.RetryPolicy with its defaults,
+// the wait between attempts, and the error of a call given up without an
+// answer. Each client judges its own attempts (Verdict); Run decides
+// whether and when another one follows.
+package callretry
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"net"
+	"time"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/keyhdr"
+)
+
+// Policy is an idem.RetryPolicy with its defaults in place.
+type Policy struct {
+	maxAttempts int
+	maxElapsed  time.Duration
+	baseDelay   time.Duration
+	maxDelay    time.Duration
+}
+
+// New returns p with its zero fields replaced by their defaults, or p's
+// Validate error.
+func New(p idem.RetryPolicy) (Policy, error) {
+	if err := p.Validate(); err != nil {
+		return Policy{}, err
+	}
+	or := func(v, def time.Duration) time.Duration {
+		if v == 0 {
+			return def
+		}
+		return v
+	}
+	out := Policy{
+		maxAttempts: p.MaxAttempts,
+		maxElapsed:  or(p.MaxElapsed, idem.DefaultRetryMaxElapsed),
+		baseDelay:   or(p.BaseDelay, idem.DefaultRetryBaseDelay),
+		maxDelay:    or(p.MaxDelay, idem.DefaultRetryMaxDelay),
+	}
+	if out.maxAttempts == 0 {
+		out.maxAttempts = idem.DefaultRetryMaxAttempts
+	}
+	return out, nil
+}
+
+// Once is p with a single attempt.
+func (p Policy) Once() Policy {
+	p.maxAttempts = 1
+	return p
+}
+
+// Key returns the key of a call without a key of its own: the context's
+// call key (idem.WithCallKey), checked; else, when mint is true, a new one
+// (idem.NewCallKey); else "". An invalid context key is refused with an
+// error wrapping idem.ErrInvalidKey.
+func Key(ctx context.Context, mint bool) (string, error) {
+	if key, ok := idem.CallKeyFrom(ctx); ok {
+		if err := idem.ValidateKey(key); err != nil {
+			return "", fmt.Errorf("%w (the context's call key, from idem.WithCallKey; Reservation.CallKey returns \"\" for an invalid step)", err)
+		}
+		return key, nil
+	}
+	if mint {
+		return idem.NewCallKey(), nil
+	}
+	return "", nil
+}
+
+// Own returns the key a request carries itself, in values (the entries of
+// its Idempotency-Key header or idempotency-key metadata, where names
+// them), read as idem's servers read it (a bare key or an RFC 8941 string)
+// and checked by idem.ValidateKey. It returns "" for no entry. A key that
+// cannot be read or is invalid is refused with an error wrapping
+// idem.ErrInvalidKey.
+func Own(values []string, where string) (string, error) {
+	if len(values) == 0 {
+		return "", nil
+	}
+	key, err := keyhdr.Parse(values)
+	if err == nil {
+		err = idem.ValidateKey(key)
+	} else {
+		err = fmt.Errorf("%w: %v", idem.ErrInvalidKey, err)
+	}
+	if err != nil {
+		return "", fmt.Errorf("%w (the request's own %s)", err, where)
+	}
+	return key, nil
+}
+
+// Verdict is what a client makes of one attempt.
+type Verdict struct {
+	// Retry: another attempt with the same key may succeed where this one
+	// failed.
+	Retry bool
+	// Answered: the receiver answered. When no attempt follows, the answer
+	// is returned as it is; otherwise the call ends with an error.
+	Answered bool
+	// MaybeDone: the attempt may have taken effect at the receiver (it was
+	// sent and not answered, it was answered with a server error, or it
+	// found the request in progress).
+	MaybeDone bool
+	// After, when HasAfter, is the wait the receiver asked for before the
+	// next attempt (Retry-After, RetryInfo).
+	After    time.Duration
+	HasAfter bool
+}
+
+// Run makes the attempts of one call whose attempts all carry key ("" for
+// none), and returns the last answer, or the error of a call that ended
+// without one. After each attempt, judge says what it means; Run stops when
+// it is not worth retrying, at the policy's bounds, or when ctx ends, and
+// otherwise discards the attempt's result and waits before the next one.
+//
+// A call that ends without an answer, after an attempt that may have taken
+// effect, returns an *idem.CallError (idem.ErrOutcomeUnknown) wrapping the
+// last error; one that certainly had no effect returns the last error as
+// it is. A ctx that ended before the first attempt returns its error and
+// sends nothing.
+func Run[T any](ctx context.Context, p Policy, key string, attempt func() (T, error), judge func(T, error) Verdict, discard func(T)) (T, error) {
+	var zero T
+	if err := ctx.Err(); err != nil {
+		return zero, err
+	}
+	start := time.Now()
+	maybeDone := false
+	giveUp := func(n int, err error) error {
+		if maybeDone {
+			return &idem.CallError{Key: key, Attempts: n, Err: err}
+		}
+		return err
+	}
+	for n := 1; ; n++ {
+		res, err := attempt()
+		v := judge(res, err)
+		maybeDone = maybeDone || v.MaybeDone
+		wait, again := p.next(ctx, start, n, v)
+		if !again {
+			if v.Answered {
+				return res, err
+			}
+			return zero, giveUp(n, err)
+		}
+		if v.Answered {
+			discard(res)
+		}
+		t := time.NewTimer(wait)
+		select {
+		case <-t.C:
+		case <-ctx.Done():
+			t.Stop()
+			return zero, giveUp(n, ctx.Err())
+		}
+	}
+}
+
+// next reports whether attempt n+1 follows attempt n, judged v, and after
+// what wait.
+func (p Policy) next(ctx context.Context, start time.Time, n int, v Verdict) (time.Duration, bool) {
+	if !v.Retry || n >= p.maxAttempts || ctx.Err() != nil {
+		return 0, false
+	}
+	wait := p.wait(n, v)
+	at := time.Now().Add(wait)
+	if at.Sub(start) > p.maxElapsed {
+		return 0, false
+	}
+	if deadline, ok := ctx.Deadline(); ok && at.After(deadline) {
+		return 0, false
+	}
+	return wait, true
+}
+
+// wait is the wait after attempt n: the receiver's request capped by
+// maxDelay, or a random wait between zero and min(maxDelay,
+// baseDelay × 2^(n-1)) (full jitter).
+func (p Policy) wait(n int, v Verdict) time.Duration {
+	if v.HasAfter {
+		return min(max(v.After, 0), p.maxDelay)
+	}
+	bound := p.maxDelay
+	if n-1 < 62 && p.baseDelay <= p.maxDelay>>(n-1) {
+		bound = p.baseDelay << (n - 1)
+	}
+	if bound <= 0 {
+		return 0
+	}
+	return rand.N(bound + 1)
+}
+
+// Network judges an attempt that failed with err before an answer came
+// back: whether to retry it and whether it may have reached the receiver.
+// A failed TLS handshake (a certificate the client refuses, a server that
+// does not speak TLS) is not retried and did not reach it; a failed dial or
+// name lookup is retried and did not reach it; anything else (a connection
+// closed or reset, a timeout, an error of the transport) is retried and may
+// have.
+func Network(err error) Verdict {
+	var (
+		certErr   *tls.CertificateVerificationError
+		authErr   x509.UnknownAuthorityError
+		hostErr   x509.HostnameError
+		invalid   x509.CertificateInvalidError
+		recordErr tls.RecordHeaderError
+		dnsErr    *net.DNSError
+		opErr     *net.OpError
+	)
+	switch {
+	case errors.As(err, &certErr), errors.As(err, &authErr), errors.As(err, &hostErr),
+		errors.As(err, &invalid), errors.As(err, &recordErr):
+		return Verdict{}
+	case errors.As(err, &dnsErr), errors.As(err, &opErr) && opErr.Op == "dial":
+		return Verdict{Retry: true}
+	}
+	return Verdict{Retry: true, MaybeDone: true}
+}

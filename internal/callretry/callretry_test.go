@@ -1,0 +1,143 @@
+package callretry
+
+import (
+	"context"
+	"errors"
+	"net"
+	"testing"
+	"time"
+
+	"github.com/pgidem/idem"
+)
+
+func TestNewDefaults(t *testing.T) {
+	p, err := New(idem.RetryPolicy{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := Policy{idem.DefaultRetryMaxAttempts, idem.DefaultRetryMaxElapsed, idem.DefaultRetryBaseDelay, idem.DefaultRetryMaxDelay}
+	if p != want {
+		t.Fatalf("%+v, want %+v", p, want)
+	}
+	if _, err := New(idem.RetryPolicy{BaseDelay: -time.Second}); !errors.Is(err, idem.ErrInvalidArgument) {
+		t.Fatalf("negative BaseDelay: %v", err)
+	}
+}
+
+// The backoff's waits stay within full jitter's bounds; the receiver's
+// wait is taken as it is, capped by MaxDelay.
+func TestWait(t *testing.T) {
+	p := Policy{maxAttempts: 100, maxElapsed: time.Hour, baseDelay: 10 * time.Millisecond, maxDelay: time.Second}
+	for n := 1; n <= 80; n++ {
+		bound := min(p.maxDelay, p.baseDelay<<min(n-1, 20))
+		for range 50 {
+			if w := p.wait(n, Verdict{}); w < 0 || w > bound {
+				t.Fatalf("attempt %d: wait %s outside [0, %s]", n, w, bound)
+			}
+		}
+	}
+	for after, want := range map[time.Duration]time.Duration{
+		-time.Second: 0, 0: 0, 300 * time.Millisecond: 300 * time.Millisecond, time.Hour: time.Second,
+	} {
+		if w := p.wait(1, Verdict{After: after, HasAfter: true}); w != want {
+			t.Errorf("Retry-After %s: wait %s, want %s", after, w, want)
+		}
+	}
+	zero := Policy{maxAttempts: 2, maxElapsed: time.Hour, maxDelay: time.Second}
+	if w := zero.wait(3, Verdict{}); w != 0 {
+		t.Errorf("zero base: %s", w)
+	}
+}
+
+// next stops at MaxAttempts, at MaxElapsed, before the context's deadline,
+// after a verdict without Retry, and once the context ended.
+func TestNext(t *testing.T) {
+	ctx := context.Background()
+	retry := Verdict{Retry: true, HasAfter: true, After: time.Second}
+	p := Policy{maxAttempts: 3, maxElapsed: time.Minute, baseDelay: time.Millisecond, maxDelay: time.Minute}
+	now := time.Now()
+	if w, ok := p.next(ctx, now, 2, retry); !ok || w != time.Second {
+		t.Fatalf("attempt 2 of 3: %s %t", w, ok)
+	}
+	if _, ok := p.next(ctx, now, 3, retry); ok {
+		t.Fatal("retried past MaxAttempts")
+	}
+	if _, ok := p.next(ctx, now, 1, Verdict{Answered: true}); ok {
+		t.Fatal("retried a final answer")
+	}
+	if _, ok := p.next(ctx, now.Add(-59*time.Second-500*time.Millisecond), 1, retry); ok {
+		t.Fatal("retried past MaxElapsed")
+	}
+	short, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
+	defer cancel()
+	if _, ok := p.next(short, now, 1, retry); ok {
+		t.Fatal("waited past the context's deadline")
+	}
+	done, cancel2 := context.WithCancel(ctx)
+	cancel2()
+	if _, ok := p.next(done, now, 1, Verdict{Retry: true}); ok {
+		t.Fatal("retried after the context ended")
+	}
+}
+
+// Run: a call given up without an answer after an attempt that may have
+// reached the receiver is an idem.CallError; one that certainly did not is
+// the plain error; an answer is returned as it is; an ended context sends
+// nothing.
+func TestRun(t *testing.T) {
+	ctx := context.Background()
+	p := Policy{maxAttempts: 3, maxElapsed: time.Minute, baseDelay: time.Millisecond, maxDelay: time.Millisecond}
+	lost := errors.New("connection reset")
+	n := 0
+	_, err := Run(ctx, p, "k1", func() (int, error) { n++; return 0, lost }, func(int, error) Verdict {
+		return Verdict{Retry: true, MaybeDone: true}
+	}, func(int) {})
+	var ce *idem.CallError
+	if !errors.As(err, &ce) || ce.Key != "k1" || ce.Attempts != 3 || !errors.Is(err, lost) || n != 3 {
+		t.Fatalf("lost replies: %v (%d attempts)", err, n)
+	}
+	refused := &net.OpError{Op: "dial", Err: errors.New("connection refused")}
+	_, err = Run(ctx, p, "k2", func() (int, error) { return 0, refused }, func(_ int, err error) Verdict { return Network(err) }, func(int) {})
+	if err != refused {
+		t.Fatalf("refused dials: %v", err)
+	}
+	discarded := 0
+	res, err := Run(ctx, p, "k3", func() (int, error) { return 503, nil }, func(int, error) Verdict {
+		return Verdict{Retry: true, Answered: true, MaybeDone: true}
+	}, func(int) { discarded++ })
+	if res != 503 || err != nil || discarded != 2 {
+		t.Fatalf("answers: %d %v, %d discarded", res, err, discarded)
+	}
+	done, cancel := context.WithCancel(ctx)
+	cancel()
+	sent := false
+	if _, err := Run(done, p, "k4", func() (int, error) { sent = true; return 0, nil }, func(int, error) Verdict { return Verdict{} }, func(int) {}); !errors.Is(err, context.Canceled) || sent {
+		t.Fatalf("ended context: %v, sent %t", err, sent)
+	}
+}
+
+func TestKey(t *testing.T) {
+	ctx := context.Background()
+	if k, err := Key(ctx, false); k != "" || err != nil {
+		t.Fatalf("no key: %q %v", k, err)
+	}
+	if k, err := Key(ctx, true); idem.ValidateKey(k) != nil || err != nil {
+		t.Fatalf("minted: %q %v", k, err)
+	}
+	if k, err := Key(idem.WithCallKey(ctx, "ck-1"), true); k != "ck-1" || err != nil {
+		t.Fatalf("context: %q %v", k, err)
+	}
+	for _, bad := range []string{"", "a b", "é"} {
+		if _, err := Key(idem.WithCallKey(ctx, bad), true); !errors.Is(err, idem.ErrInvalidKey) {
+			t.Errorf("context key %q: %v", bad, err)
+		}
+	}
+	if k, err := Own([]string{`"quoted-1"`}, "header"); k != "quoted-1" || err != nil {
+		t.Fatalf("own quoted: %q %v", k, err)
+	}
+	for _, bad := range [][]string{{"a b"}, {"a", "b"}, {`"open`}, {"a,b"}} {
+		if _, err := Own(bad, "header"); !errors.Is(err, idem.ErrInvalidKey) {
+			t.Errorf("own %q: %v", bad, err)
+		}
+	}
+}

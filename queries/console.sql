@@ -1,0 +1,190 @@
+-- The operator's console (package idemui) and the audit trail
+-- (internal/audit). Every page's statement walks an index or a sample of
+-- idem_keys, never the whole table: the open reservations through
+-- idem_keys_open_created_idx and idem_keys_open_lease_idx (their WHERE
+-- repeats the indexes' predicate: a lease, no outcome), one scope through
+-- the primary key, the statuses and the last 24 hours through a
+-- TABLESAMPLE of a bounded number of pages. The console runs them with
+-- enable_seqscan off for its transaction and plans each with its values
+-- (no generic plan).
+--
+-- "Needs a person": an 'unknown' record, or a 'processing' reservation
+-- whose lease ran out before it recorded an outcome (not yet turned
+-- unknown). Issue 25 adds reservations made with ResumeWithin whose lease
+-- ran out inside their window: those are a recovery worker's, not a
+-- person's, and get an extra condition where the statements below say
+-- "needs a person".
+
+-- Pages through the records that need a person, oldest first (by
+-- created_at, then scope and key), after the given position ('-infinity'
+-- and empty names for the first page), filtered: an empty actor,
+-- operation or error text matches every record; min_age_micros 0 every
+-- age. The error text is matched as a substring of last_error, ignoring
+-- case (no pattern characters).
+-- name: ConsoleNeedsPerson :many
+SELECT actor, operation, idem_key, status, token, created_at, lease_expires_at, last_error,
+       (status = 'processing')::boolean AS lease_ran_out
+FROM idem_keys
+WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
+  -- needs a person
+  AND (status = 'unknown' OR (status = 'processing' AND lease_expires_at <= now()))
+  AND (sqlc.arg(actor)::text = '' OR actor = sqlc.arg(actor)::text)
+  AND (sqlc.arg(operation)::text = '' OR operation = sqlc.arg(operation)::text)
+  AND created_at <= now() - (sqlc.arg(min_age_micros)::bigint * interval '1 microsecond')
+  AND (sqlc.arg(error_text)::text = ''
+       OR strpos(lower(coalesce(last_error, '')), lower(sqlc.arg(error_text)::text)) > 0)
+  AND (created_at, actor, operation, idem_key)
+      > (sqlc.arg(after_created_at)::timestamptz, sqlc.arg(after_actor)::text,
+         sqlc.arg(after_operation)::text, sqlc.arg(after_key)::text)
+ORDER BY created_at, actor, operation, idem_key
+LIMIT sqlc.arg(max_rows)::integer;
+
+-- Counts the records that need a person under the same filter, up to
+-- @cap_rows (a count of @cap_rows means at least that many).
+-- name: ConsoleNeedsPersonCount :one
+SELECT count(*)::bigint FROM (
+    SELECT 1
+    FROM idem_keys
+    WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
+      -- needs a person
+      AND (status = 'unknown' OR (status = 'processing' AND lease_expires_at <= now()))
+      AND (sqlc.arg(actor)::text = '' OR actor = sqlc.arg(actor)::text)
+      AND (sqlc.arg(operation)::text = '' OR operation = sqlc.arg(operation)::text)
+      AND created_at <= now() - (sqlc.arg(min_age_micros)::bigint * interval '1 microsecond')
+      AND (sqlc.arg(error_text)::text = ''
+           OR strpos(lower(coalesce(last_error, '')), lower(sqlc.arg(error_text)::text)) > 0)
+    LIMIT sqlc.arg(cap_rows)::integer) AS matched;
+
+-- Counts the reservations whose lease ran out (still 'processing') that
+-- the filter matches, exactly, and returns the database time of the count:
+-- ConsoleExpireLeases with that cutoff acts on these and no others.
+-- name: ConsoleExpirableCount :one
+SELECT count(*)::bigint AS leases, now()::timestamptz AS cutoff
+FROM idem_keys
+WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
+  AND status = 'processing' AND lease_expires_at <= now()
+  -- needs a person
+  AND (sqlc.arg(actor)::text = '' OR actor = sqlc.arg(actor)::text)
+  AND (sqlc.arg(operation)::text = '' OR operation = sqlc.arg(operation)::text)
+  AND created_at <= now() - (sqlc.arg(min_age_micros)::bigint * interval '1 microsecond')
+  AND (sqlc.arg(error_text)::text = ''
+       OR strpos(lower(coalesce(last_error, '')), lower(sqlc.arg(error_text)::text)) > 0);
+
+-- Turns the reservations whose lease ran out by @cutoff (and by now) and
+-- that the filter matches into 'unknown': the transition of
+-- ReserveExpireLeases (the same SET, the token kept, so the worker that
+-- held the lease is fenced). Rows locked by another transaction are waited
+-- for, and the conditions are checked again on the row as it is then: a
+-- record completed, or a lease extended, meanwhile stays as it is. With
+-- the cutoff of ConsoleExpirableCount it acts on at most the rows counted
+-- (a lease that runs out later is past the cutoff; a lease that ran out
+-- cannot be extended).
+-- name: ConsoleExpireLeases :execrows
+UPDATE idem_keys
+SET status     = 'unknown',
+    last_error = sqlc.arg(reason)::text
+WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
+  AND status = 'processing'
+  AND lease_expires_at <= least(sqlc.arg(cutoff)::timestamptz, now())
+  -- needs a person
+  AND (sqlc.arg(actor)::text = '' OR actor = sqlc.arg(actor)::text)
+  AND (sqlc.arg(operation)::text = '' OR operation = sqlc.arg(operation)::text)
+  AND created_at <= now() - (sqlc.arg(min_age_micros)::bigint * interval '1 microsecond')
+  AND (sqlc.arg(error_text)::text = ''
+       OR strpos(lower(coalesce(last_error, '')), lower(sqlc.arg(error_text)::text)) > 0);
+
+-- The open reservations, oldest first, up to @cap_rows of them: counts by
+-- kind and the oldest of each. The oldest are exact whatever the cap (the
+-- walk starts with them); the counts are exact below the cap.
+-- name: ConsoleOpen :one
+SELECT count(*)::bigint AS scanned,
+       count(*) FILTER (WHERE status = 'processing' AND lease_expires_at > now())::bigint AS in_flight,
+       count(*) FILTER (WHERE status = 'processing' AND lease_expires_at <= now())::bigint AS lease_ran_out,
+       count(*) FILTER (WHERE status = 'unknown')::bigint AS unknown,
+       min(created_at) FILTER (WHERE status = 'processing' AND lease_expires_at > now())::timestamptz AS oldest_in_flight,
+       min(created_at) FILTER (WHERE status = 'unknown'
+                               OR (status = 'processing' AND lease_expires_at <= now()))::timestamptz AS oldest_needs_person,
+       now()::timestamptz AS now
+FROM (SELECT status, lease_expires_at, created_at
+      FROM idem_keys
+      WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
+      ORDER BY created_at
+      LIMIT sqlc.arg(cap_rows)::integer) AS open;
+
+-- The size of idem_keys on disk (the table with its TOAST data, and its
+-- indexes) and its pages now.
+-- name: ConsoleTableSize :one
+SELECT pg_table_size('idem_keys')::bigint AS table_bytes,
+       pg_indexes_size('idem_keys')::bigint AS index_bytes,
+       (pg_relation_size('idem_keys') / current_setting('block_size')::bigint)::bigint AS pages;
+
+-- Counts the rows of a sample of idem_keys (SYSTEM: whole pages, each with
+-- probability @percent / 100; REPEATABLE: the same pages each time while the
+-- table keeps them, so that the page stays in the cache and the counts do not
+-- jump between two views) by status and by the hour, counted back from
+-- now, of their outcome (completed_at; created_at for an unknown outcome,
+-- which records no time of its own): hours_ago 0 to 23, or -1 for older
+-- ones and records in flight.
+-- name: ConsoleSample :many
+SELECT status,
+       (CASE WHEN status <> 'processing'
+                  AND coalesce(completed_at, created_at) > now() - interval '24 hours'
+                  AND coalesce(completed_at, created_at) <= now()
+             THEN floor(date_part('epoch', now() - coalesce(completed_at, created_at)) / 3600)
+             ELSE -1 END)::integer AS hours_ago,
+       count(*)::bigint AS keys
+FROM idem_keys TABLESAMPLE SYSTEM (sqlc.arg(percent)::float8) REPEATABLE (0)
+GROUP BY 1, 2;
+
+-- Pages through the keys of one actor (and one operation when given), in
+-- key order, after the given position: a walk of the primary key.
+-- name: ConsoleScopeKeys :many
+SELECT actor, operation, idem_key, status, token, created_at, completed_at, expires_at,
+       lease_expires_at, last_error
+FROM idem_keys
+WHERE actor = sqlc.arg(actor)::text
+  AND (sqlc.arg(operation)::text = '' OR operation = sqlc.arg(operation)::text)
+  AND (operation, idem_key) > (sqlc.arg(after_operation)::text, sqlc.arg(after_key)::text)
+ORDER BY actor, operation, idem_key
+LIMIT sqlc.arg(max_rows)::integer;
+
+-- Locks the record of a key and reads its status and token, waiting for a
+-- transaction that holds it, as Resolve does.
+-- name: AuditLockKey :one
+SELECT status, token, created_at
+FROM idem_keys
+WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
+FOR UPDATE;
+
+-- Locks the record of a key and reads its status and token without
+-- waiting for a transaction that holds it (55P03), as Forget does.
+-- name: AuditLockKeyNowait :one
+SELECT status, token, created_at
+FROM idem_keys
+WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
+FOR UPDATE NOWAIT;
+
+-- Writes a row of the trail in the transaction of the change it records.
+-- name: AuditInsert :one
+INSERT INTO idem_audit (actor, operator, action, operation, idem_key, token_before, token_after,
+                        status_before, status_after, verdict, reason, changed, detail)
+VALUES (@actor, @operator, @action, @operation, @idem_key, sqlc.narg(token_before), sqlc.narg(token_after),
+        sqlc.narg(status_before), sqlc.narg(status_after), sqlc.narg(verdict), @reason, @changed,
+        sqlc.narg(detail)::text::jsonb)
+RETURNING id, acted_at;
+
+-- Pages through the trail, newest first, before the given position
+-- ('infinity' for the first page), filtered: an empty value matches every
+-- row.
+-- name: AuditList :many
+SELECT id, acted_at, operator, action, actor, operation, idem_key, token_before, token_after,
+       status_before, status_after, verdict, reason, changed, coalesce(detail::text, '')::text AS detail
+FROM idem_audit
+WHERE (sqlc.arg(operator)::text = '' OR operator = sqlc.arg(operator)::text)
+  AND (sqlc.arg(action)::text = '' OR action = sqlc.arg(action)::text)
+  AND (sqlc.arg(actor)::text = '' OR actor = sqlc.arg(actor)::text)
+  AND (sqlc.arg(operation)::text = '' OR operation = sqlc.arg(operation)::text)
+  AND (sqlc.arg(idem_key)::text = '' OR idem_key = sqlc.arg(idem_key)::text)
+  AND (acted_at, id) < (sqlc.arg(before_acted_at)::timestamptz, sqlc.arg(before_id)::bigint)
+ORDER BY acted_at DESC, id DESC
+LIMIT sqlc.arg(max_rows)::integer;
