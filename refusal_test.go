@@ -179,3 +179,54 @@ func TestCancelledDoNeverAbortsAfterARefusal(t *testing.T) {
 		t.Logf("%s: %d trials: %v", mode, trials, tally)
 	}
 }
+
+// A connection whose statement cache evicted the claim's statements after
+// Do ran there (a cache smaller than the statements the service runs
+// between two calls): pgx prepares them again before the batch, in the
+// caller's transaction, where a lock wait fails outside Do's savepoint. Do
+// then never answers with a refusal: its error says what failed, and the
+// caller's transaction is aborted as that error implies.
+func TestEvictedStatementsNeverGiveARefusal(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	cfg := pool.Config().ConnConfig.Copy()
+	cfg.StatementCacheCapacity = 3
+	conn, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	var calls atomic.Int64
+	for _, key := range []string{"warm-1", "warm-2"} { // the claim's statements cached, and known so
+		if err := pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
+			_, err := idem.Do(ctx, tx, scope, key, fpA, recordEffect(&calls, key))
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	for _, sql := range []string{`SET LOCAL lock_timeout = '100ms'`, `SELECT 1`, `SELECT 2`, `SELECT 3`} { // evicts them
+		if _, err := tx.Exec(ctx, sql); err != nil {
+			t.Fatal(err)
+		}
+	}
+	locker, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := locker.Exec(ctx, callertest.LockTable); err != nil {
+		t.Fatal(err)
+	}
+	_, err = idem.Do(ctx, tx, scope, "evicted", fpA, recordEffect(&calls, "evicted"))
+	_ = locker.Rollback(ctx)
+	if err == nil || callertest.IsRefusal(err) {
+		t.Fatalf("Do with its statements evicted and the table locked: %v; want an error that is no refusal", err)
+	}
+	t.Logf("Do: %v", err)
+}
