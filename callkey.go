@@ -2,12 +2,10 @@ package idem
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/binary"
-	"unicode"
-	"unicode/utf8"
 
 	"github.com/google/uuid"
+
+	"github.com/pgidem/idem/internal/core"
 )
 
 // Call keys are the idempotency keys of the calls a service makes to other
@@ -59,52 +57,4 @@ func NewCallKey() string { return uuid.NewString() }
 
 // MaxStepLength is the longest step, in bytes, that Reservation.CallKey
 // takes.
-const MaxStepLength = 255
-
-// callKeySpace is the UUID namespace of derived call keys. It is part of
-// the derivation: changing it changes every derived key.
-var callKeySpace = uuid.MustParse("249c946d-56e2-43ff-a5b0-cabd9168bf49")
-
-// callKeyLabel separates this derivation (its version) from any other
-// hash of the same parts.
-const callKeyLabel = "idem call key/1"
-
-// deriveCallKey is the call key of one outgoing call, step, of the request
-// (scope, key): a name-based UUID (version 8, RFC 9562) whose 122 bits come
-// from SHA-256 over a fixed namespace, a version label and the four parts,
-// each prefixed by its length, so that no two different tuples encode
-// alike. It depends on these parts only, never on a token, a time or the
-// process, so every attempt, worker and restart derives the same key. It
-// returns "" when step is empty, over MaxStepLength bytes, not valid UTF-8
-// or holds a control character, or when scope or key is not usable (an
-// empty key, a scope that ValidateScope refuses).
-func deriveCallKey(scope Scope, key, step string) string {
-	if !validStep(step) || key == "" || ValidateScope(scope) != nil {
-		return ""
-	}
-	parts := [...]string{callKeyLabel, scope.Actor, scope.Operation, key, step}
-	n := 0
-	for _, p := range parts {
-		n += binary.MaxVarintLen64 + len(p)
-	}
-	data := make([]byte, 0, n)
-	for _, p := range parts {
-		data = binary.AppendUvarint(data, uint64(len(p)))
-		data = append(data, p...)
-	}
-	return uuid.NewHash(sha256.New(), callKeySpace, data, 8).String()
-}
-
-// validStep reports whether step can name a call: 1 to MaxStepLength
-// bytes of valid UTF-8 without control characters.
-func validStep(step string) bool {
-	if step == "" || len(step) > MaxStepLength || !utf8.ValidString(step) {
-		return false
-	}
-	for _, r := range step {
-		if unicode.IsControl(r) {
-			return false
-		}
-	}
-	return true
-}
+const MaxStepLength = core.MaxStepLength

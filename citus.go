@@ -3,30 +3,21 @@ package idem
 import (
 	"context"
 	"errors"
-	"fmt"
-	"strings"
 
-	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/idem/internal/core"
+	"github.com/pgidem/idem/internal/driver/pgxdriver"
 )
 
 // Citus (a distributed PostgreSQL) shards idem_keys by actor: Distribute
 // makes it so, and every call then goes through the coordinator, which
-// routes each statement to the worker that holds the actor's shard.
-//
-// The statements are the same on both engines wherever Citus accepts them
-// at no cost to PostgreSQL. Where they differ, the call says so and picks
-// one with Client.isCitus, which asks each database once per Client:
-//   - Do and DoInTx's claim: Citus waits for a twin on the worker, which
-//     set_config never reaches; SET LOCAL lock_timeout statements around a
-//     plain claim bound the wait there (queueClaim, KeyClaimCitus,
-//     KeyTakeOverCitus). Reserve uses that statement on both engines;
-//   - Prune and ExpireLeases: Citus refuses FOR UPDATE SKIP LOCKED over a
-//     distributed table (KeyPruneCitus, ReserveExpireLeasesCitus);
-//   - ReadStats: the sizes come from citus_table_size (asked on every call:
-//     ReadStats is a package function and off the request path).
+// routes each statement to the worker that holds the actor's shard. Where
+// Citus needs statements of its own (the claim's bounded wait, Prune and
+// ExpireLeases without SKIP LOCKED, ReadStats's sizes), the driver picks
+// them per connection: a Client learns whether a database runs Citus on its
+// first call there.
 
 // ErrUnsupported means the database refused one of idem's statements as a
 // feature it does not support (SQLSTATE 0A000, as Citus answers statements
@@ -34,7 +25,7 @@ import (
 // needs: Distribute on a database without the citus extension, or a
 // connection to a Citus worker instead of the coordinator. Nothing was
 // stored. It is a deployment error, not a request's (HTTP 500).
-var ErrUnsupported = errors.New("idem: not supported by this database")
+var ErrUnsupported = core.ErrUnsupported
 
 // DistributionColumn is the column Distribute shards idem_keys by: the
 // tenant column. Co-locate the service's tables with idem_keys (distributed
@@ -65,7 +56,7 @@ const DistributionColumn = "actor"
 // functions use one Client for the life of the process).
 func Distribute(ctx context.Context, pool *pgxpool.Pool) error {
 	if pool == nil {
-		return fmt.Errorf("%w: nil pool", ErrInvalidArgument)
+		return core.Errorf("idem: %w: nil pool", ErrInvalidArgument)
 	}
 	err := pool.AcquireFunc(ctx, func(conn *pgxpool.Conn) error {
 		coordinator, err := onCoordinator(ctx, conn.Conn())
@@ -80,7 +71,7 @@ func Distribute(ctx context.Context, pool *pgxpool.Pool) error {
 			return err
 		}
 		if propagate != "local" {
-			return fmt.Errorf("%w: citus.propagate_set_commands is %q: set it to 'local' (postgresql.conf, "+
+			return core.Errorf("idem: %w: citus.propagate_set_commands is %q: set it to 'local' (postgresql.conf, "+
 				"ALTER DATABASE or ALTER ROLE), or Config.Wait cannot bound a wait on the workers", ErrUnsupported, propagate)
 		}
 		var column string
@@ -89,7 +80,7 @@ func Distribute(ctx context.Context, pool *pgxpool.Pool) error {
 		case err == nil && column == DistributionColumn:
 			return nil
 		case err == nil:
-			return fmt.Errorf("%w: idem_keys is a Citus table distributed by %q, not by %s",
+			return core.Errorf("idem: %w: idem_keys is a Citus table distributed by %q, not by %s",
 				ErrUnsupported, column, DistributionColumn)
 		case !errors.Is(err, pgx.ErrNoRows):
 			return err
@@ -98,16 +89,14 @@ func Distribute(ctx context.Context, pool *pgxpool.Pool) error {
 		return err
 	})
 	if err != nil {
-		return fmt.Errorf("idem: distribute: %w", unsupportedIf(err))
+		return core.Errorf("idem: distribute: %w", core.UnsupportedIf(err))
 	}
 	return nil
 }
 
-// Statements of Distribute and of the Citus side of ReadStats. They are not
-// sqlc queries: sqlc's catalog knows PostgreSQL's functions and views, not
-// the ones the citus extension adds.
+// Statements of Distribute. They are not sqlc queries: sqlc's catalog knows
+// PostgreSQL's functions and views, not the ones the citus extension adds.
 const (
-	sqlHasCitus   = "SELECT EXISTS (SELECT FROM pg_extension WHERE extname = 'citus')"
 	sqlIsCoordntr = "SELECT citus_is_coordinator()"
 	// Whether SET LOCAL reaches the workers (Config.Wait needs it).
 	sqlPropagateSet = "SELECT current_setting('citus.propagate_set_commands')"
@@ -115,83 +104,16 @@ const (
 	// table ('<none>' for a reference table).
 	sqlDistributionColumn = "SELECT distribution_column::text FROM citus_tables WHERE table_name = 'idem_keys'::regclass"
 	sqlDistribute         = "SELECT create_distributed_table('idem_keys', '" + DistributionColumn + "')"
-	// The sizes of a distributed idem_keys: the sum over its shards on the
-	// workers (the coordinator's own idem_keys is an empty shell).
-	sqlCitusTableSize = "SELECT citus_table_size('idem_keys')::bigint, " +
-		"(citus_total_relation_size('idem_keys') - citus_table_size('idem_keys'))::bigint"
-	// Whether idem_keys is a Citus table (distributed or not), whose size
-	// citus_table_size knows.
-	sqlIsCitusTable = "SELECT EXISTS (SELECT FROM citus_tables WHERE table_name = 'idem_keys'::regclass)"
 )
 
 // errWorker is the error of a call made on a Citus worker.
-var errWorker = fmt.Errorf("%w: connected to a Citus worker; connect to the coordinator", ErrUnsupported)
-
-// hasCitus reports whether the citus extension is installed in the
-// database of q.
-func hasCitus(ctx context.Context, q interface {
-	QueryRow(context.Context, string, ...any) pgx.Row
-}) (bool, error) {
-	var citus bool
-	err := q.QueryRow(ctx, sqlHasCitus).Scan(&citus)
-	return citus, err
-}
-
-// isCitus reports whether the database of conn has the citus extension. It
-// asks each database once per Client (by host, port and database name of
-// conn's configuration), and each connection then keeps the answer in its
-// pgconn CustomData: on every later call on that connection it costs a map
-// lookup, no allocation and no statement.
-func (c *Client) isCitus(ctx context.Context, conn *pgx.Conn) (bool, error) {
-	if conn == nil { // a pgx.Tx of another making that has no *pgx.Conn: plain PostgreSQL
-		return false, nil
-	}
-	data := conn.PgConn().CustomData()
-	if citus, ok := data[citusData].(bool); ok {
-		return citus, nil
-	}
-	cfg := conn.Config() // a copy: once per connection
-	key := citusKey{host: cfg.Host, port: cfg.Port, database: cfg.Database}
-	var citus bool
-	if known, ok := c.citus.Load(key); ok {
-		citus = known.(bool)
-	} else {
-		var err error
-		if citus, err = hasCitus(ctx, conn); err != nil {
-			return false, err
-		}
-		c.citus.Store(key, citus)
-	}
-	data[citusData] = citus
-	return citus, nil
-}
-
-// citusData is the key of isCitus's answer in a connection's CustomData.
-const citusData = "github.com/pgidem/idem.citus"
-
-// citusKey names a database for Client.isCitus.
-type citusKey struct {
-	host     string
-	port     uint16
-	database string
-}
-
-// isCitusTable reports whether idem_keys is a Citus table in the database
-// of tx.
-func isCitusTable(ctx context.Context, tx pgx.Tx) (bool, error) {
-	citus, err := hasCitus(ctx, tx)
-	if err != nil || !citus {
-		return false, err
-	}
-	err = tx.QueryRow(ctx, sqlIsCitusTable).Scan(&citus)
-	return citus, err
-}
+var errWorker = core.Errorf("idem: %w: connected to a Citus worker; connect to the coordinator", ErrUnsupported)
 
 // checkNotWorker returns errWorker when pool is connected to a Citus
 // worker; a database without Citus passes.
 func checkNotWorker(ctx context.Context, pool *pgxpool.Pool) error {
 	return pool.AcquireFunc(ctx, func(conn *pgxpool.Conn) error {
-		citus, err := hasCitus(ctx, conn)
+		citus, err := pgxdriver.HasCitus(ctx, conn)
 		if err != nil || !citus {
 			return err
 		}
@@ -206,34 +128,14 @@ func checkNotWorker(ctx context.Context, pool *pgxpool.Pool) error {
 // onCoordinator reports whether conn is connected to a Citus coordinator; a
 // database without the citus extension is an ErrUnsupported error.
 func onCoordinator(ctx context.Context, conn *pgx.Conn) (bool, error) {
-	citus, err := hasCitus(ctx, conn)
+	citus, err := pgxdriver.HasCitus(ctx, conn)
 	if err != nil {
 		return false, err
 	}
 	if !citus {
-		return false, fmt.Errorf("%w: the citus extension is not installed in this database", ErrUnsupported)
+		return false, core.Errorf("idem: %w: the citus extension is not installed in this database", ErrUnsupported)
 	}
 	var coordinator bool
 	err = conn.QueryRow(ctx, sqlIsCoordntr).Scan(&coordinator)
 	return coordinator, err
-}
-
-// unsupportedIf wraps err with ErrUnsupported when the server refused one
-// of idem's statements as a feature it does not support (0A000: Citus
-// refuses statements it cannot distribute that way), or when the token
-// sequence is missing: the connection is to a Citus worker, where idem's
-// sequence does not exist (only the coordinator's tables are distributed).
-// Use it only on errors of idem's own statements, never on fn's.
-func unsupportedIf(err error) error {
-	var pgErr *pgconn.PgError
-	if err == nil || errors.Is(err, ErrUnsupported) || !errors.As(err, &pgErr) {
-		return err
-	}
-	switch {
-	case pgErr.Code == pgerrcode.FeatureNotSupported:
-		return fmt.Errorf("%w: %w", ErrUnsupported, err)
-	case pgErr.Code == pgerrcode.UndefinedTable && strings.Contains(pgErr.Message, "idem_keys_token_seq"):
-		return fmt.Errorf("%w (on Citus, connect to the coordinator; otherwise run idem.Migrate): %w", ErrUnsupported, err)
-	}
-	return err
 }

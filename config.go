@@ -1,171 +1,62 @@
 package idem
 
-import (
-	"fmt"
-	"log/slog"
-	"math"
-	"sync"
-	"time"
-
-	"github.com/jackc/pgx/v5"
-	"go.opentelemetry.io/otel/metric"
-	"go.opentelemetry.io/otel/trace"
-)
+import "github.com/pgidem/idem/internal/core"
 
 // Config configures a Client. The zero value of every field means its
 // default; the package-level functions (Do, DoInTx, InTx) use Config{}.
-type Config struct {
-	// TTL is how long a key is remembered after it is claimed (for a
-	// reservation, also at least a TTL after its outcome is recorded). Past
-	// it a finished key counts as a new request. Default 24 hours.
-	TTL time.Duration
-
-	// Wait bounds how long a call waits for a concurrent transaction that
-	// holds the same key before it gives up with ErrInProgress. (On Citus
-	// the wait happens on a worker, which the bound reaches only when
-	// citus.propagate_set_commands is 'local': see Distribute.) Default 2
-	// seconds; a negative value means wait at most a millisecond
-	// (PostgreSQL's lock_timeout cannot be zero: that means forever).
-	Wait time.Duration
-
-	// MinKeyLength and MaxKeyLength bound the key length in bytes. Defaults
-	// 1 and 255 (Stripe's limit); MaxKeyLength may be at most 1024.
-	MinKeyLength int
-	MaxKeyLength int
-
-	// MaxResponseBytes bounds the stored response: body plus header names
-	// and values. Default 1 MiB. Keep responses small and free of secrets.
-	MaxResponseBytes int
-
-	// IsolationLevel is the isolation level of the transactions InTx and
-	// DoInTx begin. Default: the server's default (READ COMMITTED unless
-	// configured otherwise). On a pgx.Tx they run in a savepoint, which has
-	// the isolation level of the caller's transaction.
-	IsolationLevel pgx.TxIsoLevel
-
-	// MeterProvider receives idem's metrics: a counter per outcome
-	// (idem.reserve.created, .replay, .in_progress, .key_misuse, ...,
-	// idem.store.error, idem.ttl_pruned) and the histograms
-	// idem.duplicate.wait and idem.overhead, with the attributes "call" and
-	// "operation" (the scope's Operation), never a key or an actor. nil means
-	// OpenTelemetry's global provider, a no-op until the application
-	// installs one.
-	MeterProvider metric.MeterProvider
-
-	// TracerProvider, when set, gets one span per Do, DoInTx and Reserve
-	// call (idem.Do, idem.DoInTx, idem.Reserve) with its outcome. nil means
-	// no spans. A tracer set on pgx's connection config keeps tracing idem's
-	// statements either way.
-	TracerProvider trace.TracerProvider
-
-	// Logger receives a record per replay, refusal (in progress, key
-	// misuse, unknown outcome) and store error, carrying keyed hashes of the
-	// key and the actor (key_hash, actor_hash), never their values. nil
-	// means silent.
-	Logger *slog.Logger
-
-	// LogHashKey is the HMAC-SHA256 key of those hashes. Give every
-	// instance the same secret to follow one key across their logs; empty
-	// means a random key per Client.
-	LogHashKey []byte
-
-	// MaxRetries is how many times InTx and DoInTx run a transaction again
-	// after a serialization failure (40001) or a deadlock (40P01), with
-	// jittered exponential backoff. Default 5; a negative value disables
-	// retries. On a pgx.Tx there are none: the caller's transaction is lost.
-	MaxRetries int
-}
+//
+//   - TTL (time.Duration) is how long a key is remembered after it is
+//     claimed (for a reservation, also at least a TTL after its outcome is
+//     recorded). Past it a finished key counts as a new request. Default 24
+//     hours.
+//   - Wait (time.Duration) bounds how long a call waits for a concurrent
+//     transaction that holds the same key before it gives up with
+//     ErrInProgress. (On Citus the wait happens on a worker, which the bound
+//     reaches only when citus.propagate_set_commands is 'local': see
+//     Distribute.) Default 2 seconds; a negative value means wait at most a
+//     millisecond (PostgreSQL's lock_timeout cannot be zero: that means
+//     forever).
+//   - MinKeyLength and MaxKeyLength (int) bound the key length in bytes.
+//     Defaults 1 and 255 (Stripe's limit); MaxKeyLength may be at most 1024.
+//   - MaxResponseBytes (int) bounds the stored response: body plus header
+//     names and values. Default 1 MiB. Keep responses small and free of
+//     secrets.
+//   - IsolationLevel (pgx.TxIsoLevel) is the isolation level of the
+//     transactions InTx and DoInTx begin. Default: the server's default
+//     (READ COMMITTED unless configured otherwise). On a pgx.Tx they run in
+//     a savepoint, which has the isolation level of the caller's
+//     transaction.
+//   - MeterProvider (metric.MeterProvider) receives idem's metrics: a
+//     counter per outcome (idem.reserve.created, .replay, .in_progress,
+//     .key_misuse, ..., idem.store.error, idem.ttl_pruned) and the
+//     histograms idem.duplicate.wait and idem.overhead, with the attributes
+//     "call" and "operation" (the scope's Operation), never a key or an
+//     actor. nil means OpenTelemetry's global provider, a no-op until the
+//     application installs one.
+//   - TracerProvider (trace.TracerProvider), when set, gets one span per Do,
+//     DoInTx and Reserve call (idem.Do, idem.DoInTx, idem.Reserve) with its
+//     outcome. nil means no spans. A tracer set on pgx's connection config
+//     keeps tracing idem's statements either way.
+//   - Logger (*slog.Logger) receives a record per replay, refusal (in
+//     progress, key misuse, unknown outcome) and store error, carrying
+//     keyed hashes of the key and the actor (key_hash, actor_hash), never
+//     their values. nil means silent.
+//   - LogHashKey ([]byte) is the HMAC-SHA256 key of those hashes. Give every
+//     instance the same secret to follow one key across their logs; empty
+//     means a random key per Client.
+//   - MaxRetries (int) is how many times InTx and DoInTx run a transaction
+//     again after a serialization failure (40001) or a deadlock (40P01),
+//     with jittered exponential backoff. Default 5; a negative value
+//     disables retries. On a pgx.Tx there are none: the caller's
+//     transaction is lost.
+type Config = core.Config
 
 // Defaults of Config.
 const (
-	DefaultTTL              = 24 * time.Hour
-	DefaultWait             = 2 * time.Second
-	DefaultMinKeyLength     = 1
-	DefaultMaxKeyLength     = 255
-	DefaultMaxResponseBytes = 1 << 20
-	DefaultMaxRetries       = 5
-
-	maxKeyLengthLimit = 1024
-
-	// maxWait is the longest lock_timeout PostgreSQL takes: 2^31-1 ms.
-	maxWait = math.MaxInt32 * time.Millisecond
+	DefaultTTL              = core.DefaultTTL
+	DefaultWait             = core.DefaultWait
+	DefaultMinKeyLength     = core.DefaultMinKeyLength
+	DefaultMaxKeyLength     = core.DefaultMaxKeyLength
+	DefaultMaxResponseBytes = core.DefaultMaxResponseBytes
+	DefaultMaxRetries       = core.DefaultMaxRetries
 )
-
-// Client is a configured form of the package-level API. It holds no
-// connections: every call takes the transaction or database handle to use.
-// A Client is safe for concurrent use.
-type Client struct {
-	flights     flights // DoInTx calls in progress, by scope and key
-	cfg         Config
-	ttlMicros   int64
-	lockTimeout string // Wait as a lock_timeout value
-	sqlSetWait  string // SET LOCAL lock_timeout = Wait (Citus's claim, Reserve)
-	txOptions   pgx.TxOptions
-	retryAfter  time.Duration
-	obs         *observer
-	citus       sync.Map // citusKey → whether that database is Citus (bool); see citus.go
-}
-
-// New returns a Client for cfg, with zero fields replaced by their defaults.
-// A field out of range gives an error wrapping ErrInvalidConfig.
-func New(cfg Config) (*Client, error) {
-	if cfg.TTL == 0 {
-		cfg.TTL = DefaultTTL
-	}
-	if cfg.Wait == 0 {
-		cfg.Wait = DefaultWait
-	}
-	if cfg.MinKeyLength == 0 {
-		cfg.MinKeyLength = DefaultMinKeyLength
-	}
-	if cfg.MaxKeyLength == 0 {
-		cfg.MaxKeyLength = DefaultMaxKeyLength
-	}
-	if cfg.MaxResponseBytes == 0 {
-		cfg.MaxResponseBytes = DefaultMaxResponseBytes
-	}
-	if cfg.MaxRetries == 0 {
-		cfg.MaxRetries = DefaultMaxRetries
-	}
-	switch {
-	case cfg.Wait > maxWait:
-		return nil, fmt.Errorf("%w: Wait %s is longer than PostgreSQL's lock_timeout allows (%s)", ErrInvalidConfig, cfg.Wait, maxWait)
-	case cfg.TTL < time.Microsecond:
-		return nil, fmt.Errorf("%w: TTL %s must be positive", ErrInvalidConfig, cfg.TTL)
-	case cfg.MinKeyLength < 1:
-		return nil, fmt.Errorf("%w: MinKeyLength %d must be at least 1", ErrInvalidConfig, cfg.MinKeyLength)
-	case cfg.MaxKeyLength < cfg.MinKeyLength || cfg.MaxKeyLength > maxKeyLengthLimit:
-		return nil, fmt.Errorf("%w: MaxKeyLength %d must be between MinKeyLength %d and %d",
-			ErrInvalidConfig, cfg.MaxKeyLength, cfg.MinKeyLength, maxKeyLengthLimit)
-	case cfg.MaxResponseBytes < 0:
-		return nil, fmt.Errorf("%w: MaxResponseBytes %d must not be negative", ErrInvalidConfig, cfg.MaxResponseBytes)
-	}
-	switch cfg.IsolationLevel {
-	case "", pgx.ReadCommitted, pgx.RepeatableRead, pgx.Serializable, pgx.ReadUncommitted:
-	default:
-		return nil, fmt.Errorf("%w: unknown IsolationLevel %q", ErrInvalidConfig, cfg.IsolationLevel)
-	}
-
-	c := &Client{cfg: cfg, ttlMicros: cfg.TTL.Microseconds()}
-	wait := cfg.Wait
-	if wait < time.Millisecond {
-		wait = time.Millisecond // lock_timeout 0 would mean "wait forever"
-	}
-	c.lockTimeout = fmt.Sprintf("%dms", wait.Milliseconds())
-	c.sqlSetWait = "SET LOCAL lock_timeout = '" + c.lockTimeout + "'"
-	c.retryAfter = max(time.Second, wait.Round(time.Second))
-	c.txOptions = pgx.TxOptions{IsoLevel: cfg.IsolationLevel}
-	c.obs = newObserver(cfg)
-	return c, nil
-}
-
-// Config returns the client's configuration with defaults filled in.
-func (c *Client) Config() Config { return c.cfg }
-
-var defaultClient = func() *Client {
-	c, err := New(Config{})
-	if err != nil {
-		panic(err)
-	}
-	return c
-}()

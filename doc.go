@@ -34,4 +34,26 @@
 // and New give a configurable Client with the same methods as the
 // package-level functions, and with metrics (OpenTelemetry), logs (slog,
 // with keyed hashes of keys and actors) and spans when configured.
+//
+// # Layers
+//
+// This package is a front: its functions adapt pgx's types to idem's
+// protocol, which is written once, for pgx and for database/sql (package
+// idemsql) alike, in internal/core, and reaches the database through a
+// driver. A call walks down the layers and back up once; no layer imports
+// one above it:
+//
+//	fronts    idem (pgx): this package        idemsql (database/sql)
+//	core      internal/core: the call loop, reservations, reconciliation,
+//	          lookups, pruning, statistics, observation
+//	drivers   internal/driver/pgxdriver        internal/driver/sqldriver
+//	          (pipelined round trips)          (one statement at a time)
+//	queries   internal/db                      internal/dbsql
+//	          (sqlc, generated twice from queries/)
+//
+// DoInTx and Do read idem.go, then internal/core/call.go, then
+// internal/driver/pgxdriver/span.go; Reserve reads reserve.go, call.go and
+// pgxdriver/executor.go. The public types (Scope, Response, Result, Record,
+// Reservation, Config, the errors, ...) are declared once in internal/core
+// and named here.
 package idem

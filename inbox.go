@@ -2,24 +2,17 @@ package idem
 
 import (
 	"context"
-	"crypto/sha256"
-	"encoding/hex"
-	"fmt"
-	"strings"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/pgidem/idem/internal/core"
 )
 
 // InboxOperation is the Scope.Operation under which Inbox records the
 // messages it processed: a message is the key (InboxKey(messageID)) in
 // Scope{Actor: consumer, Operation: InboxOperation}. Operations beginning
 // with "idem." are the library's; do not use them for requests.
-const InboxOperation = "idem.inbox"
-
-// hashedIDPrefix begins the key of a message id that is hashed. Ids kept as
-// they are never begin with it (those that do are hashed too), so the two
-// kinds of key cannot meet.
-const hashedIDPrefix = "sha256:"
+const InboxOperation = core.InboxOperation
 
 // Inbox processes a message or webhook delivery at most once per consumer and
 // message id: it runs fn in tx and records the message as processed in tx,
@@ -66,32 +59,13 @@ const hashedIDPrefix = "sha256:"
 // those of Do. Inbox uses the package defaults; see Client.Inbox.
 func Inbox(ctx context.Context, tx pgx.Tx, consumer, messageID string, payload []byte,
 	fn func(ctx context.Context, tx pgx.Tx) error) (duplicate bool, err error) {
-	return defaultClient.Inbox(ctx, tx, consumer, messageID, payload, fn)
+	return defaultClient.c.Inbox(ctx, tx, consumer, messageID, payload, fn)
 }
 
 // Inbox is the package-level Inbox with this client's configuration.
 func (c *Client) Inbox(ctx context.Context, tx pgx.Tx, consumer, messageID string, payload []byte,
 	fn func(ctx context.Context, tx pgx.Tx) error) (duplicate bool, err error) {
-	scope, key, fp, err := c.inboxTarget(consumer, messageID, payload, fn == nil)
-	if err != nil {
-		return false, err
-	}
-	res, err := c.Do(ctx, tx, scope, key, fp, inboxFn(fn))
-	return res.Replayed, err
-}
-
-// inboxTarget is the key under which Inbox records a message, and its
-// fingerprint; nilFn is whether the caller's fn is nil (refused). Package
-// idemsql's Inbox records messages through it too (internal/bridge).
-func (c *Client) inboxTarget(consumer, messageID string, payload []byte, nilFn bool) (Scope, string, Fingerprint, error) {
-	key, err := c.InboxKey(messageID)
-	if err != nil {
-		return Scope{}, "", Fingerprint{}, err
-	}
-	if nilFn {
-		return Scope{}, "", Fingerprint{}, fmt.Errorf("%w: nil function", ErrInvalidArgument)
-	}
-	return inboxScope(consumer), key, inboxFingerprint(payload), nil
+	return c.c.Inbox(ctx, tx, consumer, messageID, payload, fn)
 }
 
 // InboxInTx is Inbox in a transaction of its own begun on db, committed
@@ -105,19 +79,14 @@ func (c *Client) inboxTarget(consumer, messageID string, payload []byte, nilFn b
 // InboxInTx uses the package defaults; see Client.InboxInTx.
 func InboxInTx(ctx context.Context, db Beginner, consumer, messageID string, payload []byte,
 	fn func(ctx context.Context, tx pgx.Tx) error) (duplicate bool, err error) {
-	return defaultClient.InboxInTx(ctx, db, consumer, messageID, payload, fn)
+	return defaultClient.c.InboxInTx(ctx, db, consumer, messageID, payload, fn)
 }
 
 // InboxInTx is the package-level InboxInTx with this client's
 // configuration.
 func (c *Client) InboxInTx(ctx context.Context, db Beginner, consumer, messageID string, payload []byte,
 	fn func(ctx context.Context, tx pgx.Tx) error) (duplicate bool, err error) {
-	scope, key, fp, err := c.inboxTarget(consumer, messageID, payload, fn == nil)
-	if err != nil {
-		return false, err
-	}
-	res, err := c.DoInTx(ctx, db, scope, key, fp, inboxFn(fn))
-	return res.Replayed, err
+	return c.c.InboxInTx(ctx, db, consumer, messageID, payload, fn)
 }
 
 // InboxKey returns the idempotency key under which Inbox records messageID,
@@ -129,34 +98,9 @@ func (c *Client) InboxInTx(ctx context.Context, db Beginner, consumer, messageID
 // with an id kept as it is. An empty id is refused with ErrInvalidKey.
 //
 // InboxKey uses the package defaults; see Client.InboxKey.
-func InboxKey(messageID string) (string, error) { return defaultClient.InboxKey(messageID) }
+func InboxKey(messageID string) (string, error) { return defaultClient.c.InboxKey(messageID) }
 
 // InboxKey is the package-level InboxKey with this client's key length
 // bounds: an id outside them is hashed. With MaxKeyLength below 71 (the
 // length of a hashed key) such an id is refused with ErrInvalidKey.
-func (c *Client) InboxKey(messageID string) (string, error) {
-	if messageID == "" {
-		return "", fmt.Errorf("%w: empty message id", ErrInvalidKey)
-	}
-	if !strings.HasPrefix(messageID, hashedIDPrefix) && c.ValidateKey(messageID) == nil {
-		return messageID, nil
-	}
-	sum := sha256.Sum256([]byte(messageID))
-	key := hashedIDPrefix + hex.EncodeToString(sum[:])
-	if err := c.ValidateKey(key); err != nil {
-		return "", fmt.Errorf("%w: message id of %d bytes is not a valid key, and neither is its hash", ErrInvalidKey, len(messageID))
-	}
-	return key, nil
-}
-
-func inboxScope(consumer string) Scope {
-	return Scope{Actor: consumer, Operation: InboxOperation}
-}
-
-func inboxFingerprint(payload []byte) Fingerprint { return sha256.Sum256(payload) }
-
-func inboxFn(fn func(ctx context.Context, tx pgx.Tx) error) func(ctx context.Context, tx pgx.Tx) (Response, error) {
-	return func(ctx context.Context, tx pgx.Tx) (Response, error) {
-		return Response{}, fn(ctx, tx)
-	}
-}
+func (c *Client) InboxKey(messageID string) (string, error) { return c.c.InboxKey(messageID) }

@@ -2,12 +2,10 @@ package idem
 
 import (
 	"context"
-	"encoding/json"
-	"errors"
-	"fmt"
-	"reflect"
 
 	"github.com/jackc/pgx/v5"
+
+	"github.com/pgidem/idem/internal/core"
 )
 
 // ErrStoredValue means a stored outcome does not decode into the type asked
@@ -15,30 +13,17 @@ import (
 // string is now a number), or the scope's operation was also used with Do
 // and holds bytes that are not the JSON of a T. Nothing ran and nothing
 // changed; the error wraps the encoding/json error.
-var ErrStoredValue = errors.New("idem: stored value does not decode into the requested type")
+var ErrStoredValue = core.ErrStoredValue
 
 // RejectedError is the refusal of a request made with RejectJSON (or Reject),
 // as DoJSON and DoInTxJSON return it: on the call whose fn refused, and on
 // every replay of the refusal. Check for it with errors.As.
-type RejectedError struct {
-	// Status is the status given to RejectJSON (100 to 999).
-	Status int
-	// Body is the JSON of the value given to RejectJSON, exactly as stored.
-	Body []byte
-}
-
-func (e *RejectedError) Error() string {
-	return fmt.Sprintf("idem: request rejected with status %d", e.Status)
-}
-
-// Decode decodes the refusal's value into v (a pointer), with encoding/json.
-// A body that does not decode into v gives an error wrapping ErrStoredValue.
-func (e *RejectedError) Decode(v any) error {
-	if err := json.Unmarshal(e.Body, v); err != nil {
-		return fmt.Errorf("%w: refusal (%T): %w", ErrStoredValue, v, err)
-	}
-	return nil
-}
+//
+// Status is the status given to RejectJSON (100 to 999); Body is the JSON
+// of the value given to RejectJSON, exactly as stored. Its Decode method
+// decodes the refusal's value into v (a pointer), with encoding/json; a body
+// that does not decode into v gives an error wrapping ErrStoredValue.
+type RejectedError = core.RejectedError
 
 // RejectJSON is Reject with v marshalled as the body: fn returns it to refuse
 // a request deterministically, and the refusal is stored and replayed as
@@ -50,16 +35,7 @@ func (e *RejectedError) Decode(v any) error {
 // otherwise RejectJSON returns an error wrapping ErrInvalidResponse instead,
 // which fn returns like any other error: fn's writes and the claim are
 // undone and nothing is stored.
-func RejectJSON(status int, v any) error {
-	if status < 100 || status > 999 {
-		return fmt.Errorf("%w: rejection status %d is not 100 to 999", ErrInvalidResponse, status)
-	}
-	body, err := json.Marshal(v)
-	if err != nil {
-		return fmt.Errorf("%w: rejection value %T does not marshal to JSON: %w", ErrInvalidResponse, v, err)
-	}
-	return Reject(Response{Status: status, Body: body})
-}
+func RejectJSON(status int, v any) error { return core.RejectJSON(status, v) }
 
 // DoJSON is Do for code that deals in values rather than bytes: fn returns a
 // T, which is stored as its JSON (encoding/json), and DoJSON returns the T
@@ -101,12 +77,7 @@ func DoJSON[T any](ctx context.Context, tx pgx.Tx, scope Scope, key string, fp F
 // type parameters. A nil c is refused with ErrInvalidArgument.
 func DoJSONWith[T any](ctx context.Context, c *Client, tx pgx.Tx, scope Scope, key string, fp Fingerprint,
 	fn func(ctx context.Context, tx pgx.Tx) (T, error)) (T, bool, error) {
-	var zero T
-	if err := checkJSONCall(c, fn); err != nil {
-		return zero, false, err
-	}
-	res, err := c.Do(ctx, tx, scope, key, fp, jsonFn(fn))
-	return decodeResult[T](res, err)
+	return core.DoJSON(ctx, c.core(), tx, scope, key, fp, fn)
 }
 
 // DoInTxJSON is DoInTx for code that deals in values: DoJSON in a
@@ -126,77 +97,13 @@ func DoInTxJSON[T any](ctx context.Context, db Beginner, scope Scope, key string
 // retries, TTL, wait, limits). A nil c is refused with ErrInvalidArgument.
 func DoInTxJSONWith[T any](ctx context.Context, c *Client, db Beginner, scope Scope, key string, fp Fingerprint,
 	fn func(ctx context.Context, tx pgx.Tx) (T, error)) (T, bool, error) {
-	var zero T
-	if err := checkJSONCall(c, fn); err != nil {
-		return zero, false, err
-	}
-	res, err := c.DoInTx(ctx, db, scope, key, fp, jsonFn(fn))
-	return decodeResult[T](res, err)
+	return core.DoInTxJSON(ctx, c.core(), db, scope, key, fp, fn)
 }
 
-func checkJSONCall[T any](c *Client, fn func(ctx context.Context, tx pgx.Tx) (T, error)) error {
+// core is c's protocol; nil for a nil c, which the typed calls refuse.
+func (c *Client) core() *core.Client[pgx.Tx, Beginner] {
 	if c == nil {
-		return fmt.Errorf("%w: nil client", ErrInvalidArgument)
+		return nil
 	}
-	if fn == nil {
-		return fmt.Errorf("%w: nil function", ErrInvalidArgument)
-	}
-	return nil
-}
-
-// jsonFn adapts fn to Do: its value is stored as Response{Body: JSON}, once
-// it is known to decode back into a T, so that a replay cannot fail on a
-// value the first call accepted.
-func jsonFn[T any](fn func(ctx context.Context, tx pgx.Tx) (T, error)) func(ctx context.Context, tx pgx.Tx) (Response, error) {
-	return func(ctx context.Context, tx pgx.Tx) (Response, error) {
-		v, err := fn(ctx, tx)
-		return jsonResponse(v, err, new(T))
-	}
-}
-
-// jsonResponse is the Response that stores v, fn's value under DoJSON, or
-// fn's error err; back points to a zero value of v's type, which v's JSON
-// must decode into. (Without type parameters, so that package idemsql
-// shares it through internal/bridge.)
-func jsonResponse(v any, err error, back any) (Response, error) {
-	if err != nil {
-		if refusal, ok := RejectedResponse(err); ok && refusal.Status == 0 {
-			return Response{}, fmt.Errorf("%w: a rejection under DoJSON needs a status of 100 to 999", ErrInvalidResponse)
-		}
-		return Response{}, err
-	}
-	body, err := json.Marshal(v)
-	if err != nil {
-		return Response{}, fmt.Errorf("%w: %T does not marshal to JSON: %w", ErrInvalidResponse, v, err)
-	}
-	if err := json.Unmarshal(body, back); err != nil {
-		return Response{}, fmt.Errorf("%w: the JSON of %T does not decode back into it: %w", ErrInvalidResponse, v, err)
-	}
-	return Response{Body: body}, nil
-}
-
-// decodeResult turns Do's outcome into DoJSON's: the decoded value, or the
-// refusal as a *RejectedError.
-func decodeResult[T any](res Result, err error) (T, bool, error) {
-	var v T
-	replayed, err := decodeInto(res, err, &v)
-	if err != nil {
-		var zero T
-		return zero, replayed, err
-	}
-	return v, replayed, nil
-}
-
-// decodeInto is decodeResult decoding into v, a pointer to a T.
-func decodeInto(res Result, err error, v any) (replayed bool, _ error) {
-	if err != nil {
-		return false, err
-	}
-	if res.Status != 0 {
-		return res.Replayed, &RejectedError{Status: res.Status, Body: res.Body}
-	}
-	if err := json.Unmarshal(res.Body, v); err != nil {
-		return false, fmt.Errorf("%w: %T: %w", ErrStoredValue, reflect.ValueOf(v).Elem().Interface(), err)
-	}
-	return res.Replayed, nil
+	return c.c
 }

@@ -2,24 +2,23 @@ package idem
 
 import (
 	"context"
-	"database/sql"
 	"embed"
 	"errors"
-	"fmt"
 	"io/fs"
 	"strings"
-	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
 	"github.com/pressly/goose/v3"
-	"github.com/pressly/goose/v3/lock"
+
+	"github.com/pgidem/idem/internal/core"
+	"github.com/pgidem/idem/internal/migrate"
 )
 
 // MigrationTable is the goose version table that records idem's own
 // migrations, kept apart from an application's goose_db_version table.
-const MigrationTable = "idem_goose_db_version"
+const MigrationTable = migrate.Table
 
 // MigrationLockTable is the table that serializes concurrent runs of Migrate
 // and MigrateDown (goose's table-based lock: a row with a lease, renewed
@@ -27,13 +26,13 @@ const MigrationTable = "idem_goose_db_version"
 // that migrating works through a transaction pooler such as PgBouncer in
 // transaction mode, which would run the lock and the unlock on different
 // server connections.
-const MigrationLockTable = "idem_goose_lock"
+const MigrationLockTable = migrate.LockTable
 
 // MigrationLockID is the id of idem's row in MigrationLockTable. (Before
 // the table lock it was the id of a PostgreSQL advisory lock.) It differs
 // from goose's default lock id, so idem's migrations and the application's
 // own goose migrations never block each other.
-const MigrationLockID int64 = 0x6964656d // "idem"
+const MigrationLockID int64 = migrate.LockID // "idem"
 
 // ErrDowngradeDeletesRecords means MigrateDown refused to revert a migration
 // because its Down would delete records whose outcome may have happened
@@ -81,17 +80,17 @@ func Migrations() fs.FS {
 // with ErrUnsupported.
 func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
 	if pool == nil {
-		return fmt.Errorf("%w: nil pool", ErrInvalidArgument)
+		return core.Errorf("idem: %w: nil pool", ErrInvalidArgument)
 	}
 	if err := checkNotWorker(ctx, pool); err != nil {
-		return fmt.Errorf("idem: migrate: %w", err)
+		return core.Errorf("idem: migrate: %w", err)
 	}
 	err := withProvider(pool, func(p *goose.Provider) error {
 		_, err := p.Up(ctx)
 		return err
 	})
 	if err != nil {
-		return fmt.Errorf("idem: migrate: %w", err)
+		return core.Errorf("idem: migrate: %w", err)
 	}
 	return nil
 }
@@ -120,7 +119,7 @@ type MigrateDownOptions struct {
 // how many, and changes nothing, unless opts.Force is set.
 func MigrateDown(ctx context.Context, pool *pgxpool.Pool, opts MigrateDownOptions) (int64, error) {
 	if pool == nil {
-		return 0, fmt.Errorf("%w: nil pool", ErrInvalidArgument)
+		return 0, core.Errorf("idem: %w: nil pool", ErrInvalidArgument)
 	}
 	if opts.Force {
 		cfg := pool.Config().Copy()
@@ -128,7 +127,7 @@ func MigrateDown(ctx context.Context, pool *pgxpool.Pool, opts MigrateDownOption
 		cfg.MinConns, cfg.MaxConns = 0, 2
 		forced, err := pgxpool.NewWithConfig(ctx, cfg)
 		if err != nil {
-			return 0, fmt.Errorf("idem: migrate down: %w", err)
+			return 0, core.Errorf("idem: migrate down: %w", err)
 		}
 		defer forced.Close()
 		pool = forced
@@ -149,14 +148,14 @@ func MigrateDown(ctx context.Context, pool *pgxpool.Pool, opts MigrateDownOption
 	case opts.Force && errors.As(err, &pgErr) && strings.Contains(pgErr.Message, forceDownParam):
 		// A pooler (PgBouncer) that refuses the setting: not an outage, so
 		// the cause is kept as text, out of Unavailable's reach.
-		return 0, fmt.Errorf("%w: MigrateDownOptions.Force sends the setting %s when the connection starts, "+
+		return 0, core.Errorf("idem: %w: MigrateDownOptions.Force sends the setting %s when the connection starts, "+
 			"which the server or pooler refused (%v); force the downgrade on a direct connection to PostgreSQL",
 			ErrInvalidArgument, forceDownParam, err)
 	case errors.As(err, &pgErr) && pgErr.Code == downRefusedCode:
-		return 0, fmt.Errorf("%w: %s; nothing changed (MigrateDownOptions.Force, or idem migrate down --force, deletes them)",
+		return 0, core.Errorf("idem: %w: %s; nothing changed (MigrateDownOptions.Force, or idem migrate down --force, deletes them)",
 			ErrDowngradeDeletesRecords, pgErr.Message)
 	case err != nil:
-		return 0, fmt.Errorf("idem: migrate down: %w", err)
+		return 0, core.Errorf("idem: migrate down: %w", err)
 	}
 	return version, nil
 }
@@ -166,35 +165,5 @@ func MigrateDown(ctx context.Context, pool *pgxpool.Pool, opts MigrateDownOption
 func withProvider(pool *pgxpool.Pool, fn func(*goose.Provider) error) error {
 	db := stdlib.OpenDBFromPool(pool)
 	defer db.Close()
-	return withSQLProvider(db, fn)
-}
-
-// withSQLProvider is withProvider on a *sql.DB (package idemsql's Migrate
-// runs through it too).
-func withSQLProvider(db *sql.DB, fn func(*goose.Provider) error) error {
-	locker, err := lock.NewPostgresTableLocker(
-		lock.WithTableName(MigrationLockTable),
-		lock.WithTableLockID(MigrationLockID),
-		// Poll often (runs are short) for at most five minutes, while
-		// another run holds the lock; a store failure ends the wait at
-		// once (idem.Unavailable is true for it).
-		lock.WithTableLockTimeout(200*time.Millisecond, 1500),
-		lock.WithTableRetryPolicy(func(err error) bool { return !isUnavailable(err) }),
-	)
-	if err != nil {
-		return err
-	}
-	return runProvider(db, locker, fn)
-}
-
-func runProvider(db *sql.DB, locker lock.Locker, fn func(*goose.Provider) error) error {
-	provider, err := goose.NewProvider(goose.DialectPostgres, db, Migrations(),
-		goose.WithTableName(MigrationTable),
-		goose.WithLocker(locker),
-		goose.WithDisableGlobalRegistry(true),
-	)
-	if err != nil {
-		return err
-	}
-	return fn(provider)
+	return migrate.WithProvider(db, Migrations(), fn)
 }

@@ -22,6 +22,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/callertest"
 	"github.com/pgidem/idem/internal/pgtest"
 )
 
@@ -187,39 +188,26 @@ func TestPoolerDefaultModeNamesTheFix(t *testing.T) {
 	ctx := t.Context()
 	pool := poolerPool(t, idem.Migrate, pgx.QueryExecModeCacheStatement, nil)
 	c := mustClient(t, idem.Config{})
-	var failed atomic.Int64
-	var wg sync.WaitGroup
-	for i := range 64 {
-		wg.Go(func() {
-			key := fmt.Sprintf("default-%d", i)
-			var err error
-			switch i % 3 {
-			case 0:
-				_, err = c.DoInTx(ctx, pool, lostScope, key, fpA, okFn)
-			case 1:
-				err = c.InTx(ctx, pool, func(ctx context.Context, tx pgx.Tx) error {
-					_, err := c.Do(ctx, tx, lostScope, key, fpA, okFn)
-					return err
-				})
-			default:
-				_, err = c.Reserve(ctx, pool, lostScope, key, fpA, time.Minute)
-			}
-			if err == nil {
-				return
-			}
-			failed.Add(1)
-			msg := err.Error()
-			if !errors.Is(err, idem.ErrPreparedStatements) || !strings.Contains(msg, "QueryExecMode") ||
-				!strings.Contains(msg, "max_prepared_statements") || idem.Unavailable(err) {
-				t.Errorf("%s: %v; want ErrPreparedStatements naming the exec mode and max_prepared_statements", key, err)
-			}
-		})
-	}
-	wg.Wait()
-	if failed.Load() == 0 {
-		t.Skip("no call failed: this pooler keeps prepared statements (PgBouncer 1.21+ with max_prepared_statements > 0)")
-	}
-	t.Logf("%d of 64 calls failed, each with the fix named", failed.Load())
+	callertest.Pooled(t, 64, func(i int, key string) (err error) {
+		switch i % 3 {
+		case 0:
+			_, err = c.DoInTx(ctx, pool, lostScope, key, fpA, okFn)
+		case 1:
+			err = c.InTx(ctx, pool, func(ctx context.Context, tx pgx.Tx) error {
+				_, err := c.Do(ctx, tx, lostScope, key, fpA, okFn)
+				return err
+			})
+		default:
+			_, err = c.Reserve(ctx, pool, lostScope, key, fpA, time.Minute)
+		}
+		return err
+	}, func(key string, err error) {
+		msg := err.Error()
+		if !errors.Is(err, idem.ErrPreparedStatements) || !strings.Contains(msg, "QueryExecMode") ||
+			!strings.Contains(msg, "max_prepared_statements") || idem.Unavailable(err) {
+			t.Errorf("%s: %v; want ErrPreparedStatements naming the exec mode and max_prepared_statements", key, err)
+		}
+	})
 }
 
 // A forced downgrade through the pooler, which refuses the startup setting

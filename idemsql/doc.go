@@ -10,17 +10,28 @@
 // the inbox (Inbox, InboxInTx, InboxKey), the typed-replay forms (DoJSON,
 // DoInTxJSON and their With forms), and a Client from New(idem.Config)
 // with every method of idem.Client. idem.MigrateDown is not ported: run it
-// (or the idem command) on a pgx pool. There is no Citus path: on a Citus
-// coordinator use package idem (see idem.Distribute).
+// (or the idem command) on a pgx pool. On a Citus coordinator (idem_keys
+// distributed with idem.Distribute), use a Client of NewCitus: a *sql.Tx
+// does not say which database it is on, so idemsql does not ask; the
+// setting picks Citus's statement forms, at no statement per call.
 //
 // Everything else is package idem's: the same table and migrations (a
 // database migrated by idem.Migrate or idemsql.Migrate serves both, and
-// both kinds of service can share keys), the same state machine (package
-// idem's own code decides what a stored row means for a call, through
-// internal/bridge), the same errors (idem's sentinels; idem.Unavailable
-// recognizes both drivers' connection failures and server errors), the same
-// retries of serialization failures and deadlocks, the same metrics, spans
-// and logs.
+// both kinds of service can share keys), the same protocol (one core,
+// internal/core, runs both packages' calls; only its driver differs), the
+// same errors (idem's sentinels; idem.Unavailable recognizes both drivers'
+// connection failures and server errors), the same retries of
+// serialization failures and deadlocks, the same metrics, spans and logs.
+//
+// # Layers
+//
+//	fronts    idem (pgx)                   idemsql (database/sql): this package
+//	core      internal/core: the protocol, generic over the transaction type
+//	drivers   internal/driver/pgxdriver    internal/driver/sqldriver
+//	queries   internal/db                  internal/dbsql (sqlc, from queries/)
+//
+// DoInTx and Do read do.go, then internal/core/call.go, then
+// internal/driver/sqldriver/span.go.
 //
 //	db, _ := sql.Open("pgx", url) // or "postgres" with lib/pq
 //	_ = idemsql.Migrate(ctx, db)

@@ -20,6 +20,7 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemsql"
+	"github.com/pgidem/idem/internal/callertest"
 	"github.com/pgidem/idem/internal/ledgertest"
 )
 
@@ -142,13 +143,7 @@ func TestFaultCommitAcknowledgementLost(t *testing.T) {
 			if !errors.Is(err, idem.ErrUnavailable) || !idem.Unavailable(err) {
 				t.Fatalf("key %s: commit acknowledgement lost: err = %v, want ErrUnavailable", tr.Key, err)
 			}
-			if r.CommitsCut() != int64(i+1) {
-				t.Fatalf("key %s: %d cuts, want %d", tr.Key, r.CommitsCut(), i+1)
-			}
-			var entry int64
-			if err := direct.QueryRow(ctx, `SELECT id FROM ledger WHERE idem_key = $1`, tr.Key).Scan(&entry); err != nil {
-				t.Fatalf("key %s: the cut commit did not commit: %v", tr.Key, err)
-			}
+			entry := callertest.CutCommit(t, r.CommitsCut(), int64(i+1), direct, tr.Key) // the commit happened
 			res, err := idemsql.DoInTx(ctx, db, ledgerScope, tr.Key, fp, transferFn(tr, &runs))
 			if err != nil || !res.Replayed || !bytes.Equal(res.Body, ledgertest.Body(tr, entry)) {
 				t.Fatalf("key %s: retry %+v, %v; committed %s", tr.Key, res, err, ledgertest.Body(tr, entry))

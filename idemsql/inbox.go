@@ -3,8 +3,6 @@ package idemsql
 import (
 	"context"
 	"database/sql"
-
-	"github.com/pgidem/idem"
 )
 
 // Inbox is idem.Inbox on a *sql.Tx: it processes a message or webhook
@@ -21,18 +19,13 @@ import (
 // Inbox uses the package defaults; see Client.Inbox.
 func Inbox(ctx context.Context, tx *sql.Tx, consumer, messageID string, payload []byte,
 	fn func(ctx context.Context, tx *sql.Tx) error) (duplicate bool, err error) {
-	return defaultClient.Inbox(ctx, tx, consumer, messageID, payload, fn)
+	return defaultClient.c.Inbox(ctx, tx, consumer, messageID, payload, fn)
 }
 
 // Inbox is the package-level Inbox with this client's configuration.
 func (c *Client) Inbox(ctx context.Context, tx *sql.Tx, consumer, messageID string, payload []byte,
 	fn func(ctx context.Context, tx *sql.Tx) error) (duplicate bool, err error) {
-	k, fp, err := core.Inbox(c.c, consumer, messageID, payload, fn == nil)
-	if err != nil {
-		return false, err
-	}
-	res, err := c.Do(ctx, tx, idem.Scope{Actor: k.Actor, Operation: k.Operation}, k.Key, fp, inboxFn(fn))
-	return res.Replayed, err
+	return c.c.Inbox(ctx, tx, consumer, messageID, payload, fn)
 }
 
 // InboxInTx is idem.InboxInTx on a *sql.DB: Inbox in a transaction of its
@@ -44,33 +37,21 @@ func (c *Client) Inbox(ctx context.Context, tx *sql.Tx, consumer, messageID stri
 // InboxInTx uses the package defaults; see Client.InboxInTx.
 func InboxInTx(ctx context.Context, db *sql.DB, consumer, messageID string, payload []byte,
 	fn func(ctx context.Context, tx *sql.Tx) error) (duplicate bool, err error) {
-	return defaultClient.InboxInTx(ctx, db, consumer, messageID, payload, fn)
+	return defaultClient.c.InboxInTx(ctx, db, consumer, messageID, payload, fn)
 }
 
 // InboxInTx is the package-level InboxInTx with this client's
 // configuration.
 func (c *Client) InboxInTx(ctx context.Context, db *sql.DB, consumer, messageID string, payload []byte,
 	fn func(ctx context.Context, tx *sql.Tx) error) (duplicate bool, err error) {
-	k, fp, err := core.Inbox(c.c, consumer, messageID, payload, fn == nil)
-	if err != nil {
-		return false, err
-	}
-	res, err := c.DoInTx(ctx, db, idem.Scope{Actor: k.Actor, Operation: k.Operation}, k.Key, fp, inboxFn(fn))
-	return res.Replayed, err
+	return c.c.InboxInTx(ctx, db, consumer, messageID, payload, fn)
 }
 
 // InboxKey is idem.InboxKey: the idempotency key under which Inbox records
 // messageID (the id itself, or "sha256:" and its hash), for Lookup and
 // Forget.
-func InboxKey(messageID string) (string, error) { return defaultClient.InboxKey(messageID) }
+func InboxKey(messageID string) (string, error) { return defaultClient.c.InboxKey(messageID) }
 
 // InboxKey is the package-level InboxKey with this client's key length
 // bounds (see idem.Client.InboxKey).
 func (c *Client) InboxKey(messageID string) (string, error) { return c.c.InboxKey(messageID) }
-
-// inboxFn is fn as Do runs it: no response to store.
-func inboxFn(fn func(ctx context.Context, tx *sql.Tx) error) func(ctx context.Context, tx *sql.Tx) (idem.Response, error) {
-	return func(ctx context.Context, tx *sql.Tx) (idem.Response, error) {
-		return idem.Response{}, fn(ctx, tx)
-	}
-}

@@ -3,9 +3,9 @@ package idemsql
 import (
 	"context"
 	"database/sql"
-	"fmt"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/core"
 )
 
 // DoJSON is idem.DoJSON on a *sql.Tx: Do for code that deals in values. fn
@@ -22,12 +22,7 @@ func DoJSON[T any](ctx context.Context, tx *sql.Tx, scope idem.Scope, key string
 // idem.ErrInvalidArgument.
 func DoJSONWith[T any](ctx context.Context, c *Client, tx *sql.Tx, scope idem.Scope, key string, fp idem.Fingerprint,
 	fn func(ctx context.Context, tx *sql.Tx) (T, error)) (T, bool, error) {
-	var zero T
-	if err := checkJSONCall(c, fn); err != nil {
-		return zero, false, err
-	}
-	res, err := c.Do(ctx, tx, scope, key, fp, jsonFn(fn))
-	return decodeResult[T](res, err)
+	return core.DoJSON(ctx, c.core(), tx, scope, key, fp, fn)
 }
 
 // DoInTxJSON is idem.DoInTxJSON on a *sql.DB: DoJSON in a transaction of
@@ -42,40 +37,13 @@ func DoInTxJSON[T any](ctx context.Context, db *sql.DB, scope idem.Scope, key st
 // with idem.ErrInvalidArgument.
 func DoInTxJSONWith[T any](ctx context.Context, c *Client, db *sql.DB, scope idem.Scope, key string, fp idem.Fingerprint,
 	fn func(ctx context.Context, tx *sql.Tx) (T, error)) (T, bool, error) {
-	var zero T
-	if err := checkJSONCall(c, fn); err != nil {
-		return zero, false, err
-	}
-	res, err := c.DoInTx(ctx, db, scope, key, fp, jsonFn(fn))
-	return decodeResult[T](res, err)
+	return core.DoInTxJSON(ctx, c.core(), db, scope, key, fp, fn)
 }
 
-func checkJSONCall[T any](c *Client, fn func(ctx context.Context, tx *sql.Tx) (T, error)) error {
+// core is c's protocol; nil for a nil c, which the typed calls refuse.
+func (c *Client) core() *core.Client[*sql.Tx, *sql.DB] {
 	if c == nil {
-		return fmt.Errorf("%w: nil client", idem.ErrInvalidArgument)
+		return nil
 	}
-	if fn == nil {
-		return fmt.Errorf("%w: nil function", idem.ErrInvalidArgument)
-	}
-	return nil
-}
-
-// jsonFn adapts fn to Do with package idem's encoding (see idem.DoJSON).
-func jsonFn[T any](fn func(ctx context.Context, tx *sql.Tx) (T, error)) func(ctx context.Context, tx *sql.Tx) (idem.Response, error) {
-	return func(ctx context.Context, tx *sql.Tx) (idem.Response, error) {
-		v, err := fn(ctx, tx)
-		return core.JSONResponse(v, err, new(T))
-	}
-}
-
-// decodeResult turns Do's outcome into DoJSON's with package idem's
-// decoding.
-func decodeResult[T any](res idem.Result, err error) (T, bool, error) {
-	var v T
-	replayed, err := core.DecodeInto(res, err, &v)
-	if err != nil {
-		var zero T
-		return zero, replayed, err
-	}
-	return v, replayed, nil
+	return c.c
 }

@@ -20,6 +20,7 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemsql"
+	"github.com/pgidem/idem/internal/callertest"
 	"github.com/pgidem/idem/internal/pgtest"
 )
 
@@ -31,38 +32,25 @@ func TestPoolerDefaultModeNamesTheFix(t *testing.T) {
 	ctx := t.Context()
 	db := open(t, "pgx", pgtest.BehindPooler(t, idem.Migrate))
 	db.SetMaxOpenConns(16)
-	var failed atomic.Int64
-	var wg sync.WaitGroup
 	ok := func(context.Context, *sql.Tx) (idem.Response, error) { return idem.Response{Status: 200}, nil }
-	for i := range 64 {
-		wg.Go(func() {
-			key := fmt.Sprintf("default-%d", i)
-			var err error
-			switch i % 3 {
-			case 0:
-				_, err = idemsql.DoInTx(ctx, db, scope, key, fpOf(key), ok)
-			case 1:
-				err = idemsql.InTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
-					_, err := idemsql.Do(ctx, tx, scope, key, fpOf(key), ok)
-					return err
-				})
-			default:
-				_, err = idemsql.Reserve(ctx, db, scope, key, fpOf(key), time.Minute)
-			}
-			if err == nil {
-				return
-			}
-			failed.Add(1)
-			if !errors.Is(err, idem.ErrPreparedStatements) || !strings.Contains(err.Error(), "default_query_exec_mode") {
-				t.Errorf("%s: %v; want ErrPreparedStatements naming default_query_exec_mode", key, err)
-			}
-		})
-	}
-	wg.Wait()
-	if failed.Load() == 0 {
-		t.Skip("no call failed: this pooler keeps prepared statements (PgBouncer 1.21+ with max_prepared_statements > 0)")
-	}
-	t.Logf("%d of 64 calls failed, each with the fix named", failed.Load())
+	callertest.Pooled(t, 64, func(i int, key string) (err error) {
+		switch i % 3 {
+		case 0:
+			_, err = idemsql.DoInTx(ctx, db, scope, key, fpOf(key), ok)
+		case 1:
+			err = idemsql.InTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
+				_, err := idemsql.Do(ctx, tx, scope, key, fpOf(key), ok)
+				return err
+			})
+		default:
+			_, err = idemsql.Reserve(ctx, db, scope, key, fpOf(key), time.Minute)
+		}
+		return err
+	}, func(key string, err error) {
+		if !errors.Is(err, idem.ErrPreparedStatements) || !strings.Contains(err.Error(), "default_query_exec_mode") {
+			t.Errorf("%s: %v; want ErrPreparedStatements naming default_query_exec_mode", key, err)
+		}
+	})
 }
 
 func TestBehindPooler(t *testing.T) {

@@ -99,25 +99,41 @@ WHERE (k.expires_at <= excluded.created_at AND k.status IN ('succeeded', 'reject
    OR (k.status = 'failed_retryable' AND k.fingerprint = excluded.fingerprint)
 RETURNING true AS claimed;
 
--- Stores the final outcome of a key this transaction claimed. It changes
--- status and the response columns only, none of them indexed or read by an
--- index predicate, so the update is HOT. Should the claimed row be gone (fn
--- deleted it), the outcome is inserted whole, so the key never commits
--- without its outcome; a row that is no longer this claim's 'processing' is
--- left alone and no row is affected.
--- name: KeyComplete :execrows
-INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, expires_at,
-                            response_status, response_headers, response_body, completed_at)
-VALUES (@actor, @operation, @idem_key, @fingerprint, @status,
-        now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond'),
-        sqlc.arg(response_status)::integer, sqlc.narg(response_headers)::text::jsonb,
-        sqlc.arg(response_body)::bytea, now())
-ON CONFLICT (actor, operation, idem_key) DO UPDATE
-SET status           = excluded.status,
-    response_status  = excluded.response_status,
-    response_headers = excluded.response_headers,
-    response_body    = excluded.response_body
-WHERE k.status = 'processing' AND k.token = 0 AND k.fingerprint = excluded.fingerprint;
+-- Stores the final outcome of a key this transaction claimed, and fails
+-- when the claimed row is not there as the claim left it: fn changed it
+-- (its status, fingerprint, token, lease or expiry) or deleted it. The
+-- failure is an error of this very statement (a cast of the message to
+-- integer), so that nothing sent after it in the same round trip runs: not
+-- the COMMIT of DoInTx, not the RELEASE of Do's savepoint. The call then
+-- undoes fn's writes and the claim (ErrKeyRowChanged).
+--
+-- The update changes status, the response columns and expires_at (to the
+-- value the claim wrote: now() of the same transaction plus the TTL), none
+-- of them read by an index predicate and expires_at unchanged, so it is
+-- HOT. Should the row be gone, the proposed row (token -1, which no claim
+-- writes) is inserted and the statement fails, which undoes the insert.
+-- name: KeyComplete :exec
+WITH stored AS (
+    INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, token, expires_at,
+                                response_status, response_headers, response_body, completed_at)
+    VALUES (@actor, @operation, @idem_key, @fingerprint, @status, -1,
+            now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond'),
+            sqlc.arg(response_status)::integer, sqlc.narg(response_headers)::text::jsonb,
+            sqlc.arg(response_body)::bytea, now())
+    ON CONFLICT (actor, operation, idem_key) DO UPDATE
+    SET status           = excluded.status,
+        response_status  = excluded.response_status,
+        response_headers = excluded.response_headers,
+        response_body    = excluded.response_body,
+        expires_at       = excluded.expires_at
+    WHERE k.status = 'processing' AND k.token = 0 AND k.lease_expires_at IS NULL
+      AND k.fingerprint = excluded.fingerprint AND k.expires_at = excluded.expires_at
+    RETURNING k.token
+)
+SELECT CASE WHEN min(token) = 0 THEN 1
+            ELSE ('idem_keys row changed under fn (' || count(*) || ')')::integer
+       END::integer AS stored
+FROM stored;
 
 -- Reads the committed row that holds a key, with what the database clock
 -- says of its TTL and lease. Run only with enable_seqscan off (see above).

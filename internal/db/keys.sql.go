@@ -105,19 +105,28 @@ func (q *Queries) KeyClaimCitus(ctx context.Context, db DBTX, arg KeyClaimCitusP
 	return claimed, err
 }
 
-const KeyComplete = `-- name: KeyComplete :execrows
-INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, expires_at,
-                            response_status, response_headers, response_body, completed_at)
-VALUES ($1, $2, $3, $4, $5,
-        now() + ($6::bigint * interval '1 microsecond'),
-        $7::integer, $8::text::jsonb,
-        $9::bytea, now())
-ON CONFLICT (actor, operation, idem_key) DO UPDATE
-SET status           = excluded.status,
-    response_status  = excluded.response_status,
-    response_headers = excluded.response_headers,
-    response_body    = excluded.response_body
-WHERE k.status = 'processing' AND k.token = 0 AND k.fingerprint = excluded.fingerprint
+const KeyComplete = `-- name: KeyComplete :exec
+WITH stored AS (
+    INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, token, expires_at,
+                                response_status, response_headers, response_body, completed_at)
+    VALUES ($1, $2, $3, $4, $5, -1,
+            now() + ($6::bigint * interval '1 microsecond'),
+            $7::integer, $8::text::jsonb,
+            $9::bytea, now())
+    ON CONFLICT (actor, operation, idem_key) DO UPDATE
+    SET status           = excluded.status,
+        response_status  = excluded.response_status,
+        response_headers = excluded.response_headers,
+        response_body    = excluded.response_body,
+        expires_at       = excluded.expires_at
+    WHERE k.status = 'processing' AND k.token = 0 AND k.lease_expires_at IS NULL
+      AND k.fingerprint = excluded.fingerprint AND k.expires_at = excluded.expires_at
+    RETURNING k.token
+)
+SELECT CASE WHEN min(token) = 0 THEN 1
+            ELSE ('idem_keys row changed under fn (' || count(*) || ')')::integer
+       END::integer AS stored
+FROM stored
 `
 
 type KeyCompleteParams struct {
@@ -132,14 +141,21 @@ type KeyCompleteParams struct {
 	ResponseBody    []byte
 }
 
-// Stores the final outcome of a key this transaction claimed. It changes
-// status and the response columns only, none of them indexed or read by an
-// index predicate, so the update is HOT. Should the claimed row be gone (fn
-// deleted it), the outcome is inserted whole, so the key never commits
-// without its outcome; a row that is no longer this claim's 'processing' is
-// left alone and no row is affected.
-func (q *Queries) KeyComplete(ctx context.Context, db DBTX, arg KeyCompleteParams) (int64, error) {
-	result, err := db.Exec(ctx, KeyComplete,
+// Stores the final outcome of a key this transaction claimed, and fails
+// when the claimed row is not there as the claim left it: fn changed it
+// (its status, fingerprint, token, lease or expiry) or deleted it. The
+// failure is an error of this very statement (a cast of the message to
+// integer), so that nothing sent after it in the same round trip runs: not
+// the COMMIT of DoInTx, not the RELEASE of Do's savepoint. The call then
+// undoes fn's writes and the claim (ErrKeyRowChanged).
+//
+// The update changes status, the response columns and expires_at (to the
+// value the claim wrote: now() of the same transaction plus the TTL), none
+// of them read by an index predicate and expires_at unchanged, so it is
+// HOT. Should the row be gone, the proposed row (token -1, which no claim
+// writes) is inserted and the statement fails, which undoes the insert.
+func (q *Queries) KeyComplete(ctx context.Context, db DBTX, arg KeyCompleteParams) error {
+	_, err := db.Exec(ctx, KeyComplete,
 		arg.Actor,
 		arg.Operation,
 		arg.IdemKey,
@@ -150,10 +166,7 @@ func (q *Queries) KeyComplete(ctx context.Context, db DBTX, arg KeyCompleteParam
 		arg.ResponseHeaders,
 		arg.ResponseBody,
 	)
-	if err != nil {
-		return 0, err
-	}
-	return result.RowsAffected(), nil
+	return err
 }
 
 const KeyGet = `-- name: KeyGet :one

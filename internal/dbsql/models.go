@@ -8,7 +8,7 @@ import (
 	"database/sql"
 	"time"
 
-	"github.com/pgidem/idem/internal/bridge"
+	"github.com/pgidem/idem/internal/nulljson"
 )
 
 type IdemAudit struct {
@@ -26,7 +26,7 @@ type IdemAudit struct {
 	Verdict      sql.NullString
 	Reason       string
 	Changed      int64
-	Detail       bridge.JSON
+	Detail       nulljson.JSON
 }
 
 type IdemKey struct {
@@ -36,7 +36,7 @@ type IdemKey struct {
 	Fingerprint     []byte
 	Status          string
 	ResponseStatus  sql.NullInt32
-	ResponseHeaders bridge.JSON
+	ResponseHeaders nulljson.JSON
 	ResponseBody    []byte
 	CreatedAt       time.Time
 	CompletedAt     sql.NullTime

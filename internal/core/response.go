@@ -1,50 +1,55 @@
-package idem
+package core
 
 import (
 	"encoding/json"
 	"errors"
-	"fmt"
 	"strings"
 
-	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/pgidem/idem/internal/driver"
 )
 
-// encodeResponse checks that resp can be stored and replayed exactly, and
-// returns its header encoded for the response_headers column: JSON text, or
-// NULL when resp has no header map. (Text rather than bytes: in pgx's exec
-// and simple-protocol modes, which PgBouncer setups use, a []byte argument
-// is sent as bytea and would not read as JSON.)
-func (c *Client) encodeResponse(resp Response) (headers pgtype.Text, err error) {
+// reply checks that resp can be stored and replayed exactly, and returns
+// it as it is written: its header encoded for the response_headers column
+// as JSON text, or NULL when resp has no header map. (Text rather than
+// bytes: in pgx's exec and simple-protocol modes, which PgBouncer setups
+// use, a []byte argument is sent as bytea and would not read as JSON.) A
+// nil body is written as an empty one.
+func (c *Client[TTx, TDB]) reply(resp Response) (driver.Reply, error) {
 	if resp.Status != 0 && (resp.Status < 100 || resp.Status > 999) {
-		return headers, fmt.Errorf("%w: status %d is neither 0 nor a 3-digit HTTP status", ErrInvalidResponse, resp.Status)
+		return driver.Reply{}, errorf("idem: %w: status %d is neither 0 nor a 3-digit HTTP status", ErrInvalidResponse, resp.Status)
 	}
 	size := len(resp.Body)
 	for name, values := range resp.Header {
 		if name == "" {
-			return headers, fmt.Errorf("%w: empty header name", ErrInvalidResponse)
+			return driver.Reply{}, errorf("idem: %w: empty header name", ErrInvalidResponse)
 		}
 		if !isToken(name) {
-			return headers, fmt.Errorf("%w: header name %q is not an HTTP token (RFC 9110: letters, digits and !#$%%&'*+-.^_`|~)", ErrInvalidResponse, name)
+			return driver.Reply{}, errorf("idem: %w: header name %q is not an HTTP token (RFC 9110: letters, digits and !#$%%&'*+-.^_`|~)", ErrInvalidResponse, name)
 		}
 		size += len(name)
 		for _, v := range values {
 			if err := checkHeaderField(v); err != nil {
 				// The value stays out of the error, which may be logged.
-				return headers, fmt.Errorf("%w: header %q has a value that cannot be replayed (%v)", ErrInvalidResponse, name, err)
+				return driver.Reply{}, errorf("idem: %w: header %q has a value that cannot be replayed (%v)", ErrInvalidResponse, name, err)
 			}
 			size += len(v)
 		}
 	}
 	if size > c.cfg.MaxResponseBytes {
-		return headers, fmt.Errorf("%w: %d bytes, limit %d", ErrResponseTooLarge, size, c.cfg.MaxResponseBytes)
+		return driver.Reply{}, errorf("idem: %w: %d bytes, limit %d", ErrResponseTooLarge, size, c.cfg.MaxResponseBytes)
+	}
+	r := driver.Reply{Status: int32(resp.Status), Body: resp.Body}
+	if r.Body == nil {
+		r.Body = []byte{}
 	}
 	if resp.Header == nil {
-		return headers, nil // stored as NULL
+		return r, nil // stored as NULL
 	}
 	var sb strings.Builder
 	sb.Grow(size + 8*len(resp.Header) + 2)
 	writeHeaderJSON(&sb, resp.Header)
-	return pgtype.Text{String: sb.String(), Valid: true}, nil
+	r.Headers, r.HasHeaders = sb.String(), true
+	return r, nil
 }
 
 // isToken reports whether s is a token of RFC 9110 (section 5.6.2), which a
@@ -68,7 +73,7 @@ func isToken(s string) bool {
 // replayed as one: valid UTF-8 without CR, LF or NUL, which would
 // split or end a header line in any consumer that writes it out.
 func checkHeaderField(s string) error {
-	if err := checkHeaderText(s); err != nil {
+	if err := checkText(s); err != nil {
 		return err
 	}
 	if strings.ContainsAny(s, "\r\n") {
@@ -77,14 +82,14 @@ func checkHeaderField(s string) error {
 	return nil
 }
 
-// replay turns a stored row into a replayed Result.
-func replay(row keyRow) (Result, error) {
+// replay turns a stored response into a replayed Result.
+func replay(st driver.Stored) (Result, error) {
 	res := Result{Replayed: true}
-	res.Status = int(row.ResponseStatus.Int32)
-	res.Body = row.ResponseBody
-	if row.ResponseHeaders != nil {
-		if err := json.Unmarshal(row.ResponseHeaders, &res.Header); err != nil {
-			return Result{}, fmt.Errorf("idem: stored response headers: %w", err)
+	res.Status = int(st.Status)
+	res.Body = st.Body
+	if st.Headers != nil {
+		if err := json.Unmarshal(st.Headers, &res.Header); err != nil {
+			return Result{}, errorf("idem: stored response headers: %w", err)
 		}
 	}
 	return res, nil
@@ -93,7 +98,7 @@ func replay(row keyRow) (Result, error) {
 // writeHeaderJSON writes h as a JSON object of string arrays, as
 // encoding/json would write it but without its reflection and allocations. A
 // nil value slice is written as null, so it reads back as nil. Names and
-// values are valid UTF-8 without NUL bytes (checkHeaderText).
+// values are valid UTF-8 without NUL bytes (checkText).
 func writeHeaderJSON(b *strings.Builder, h map[string][]string) {
 	b.WriteByte('{')
 	first := true

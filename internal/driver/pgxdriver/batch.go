@@ -1,4 +1,4 @@
-package idem
+package pgxdriver
 
 import (
 	"context"
@@ -11,14 +11,14 @@ import (
 )
 
 // queuer is a db.DBTX that queues each statement of a generated sqlc method
-// in a pgx.Batch instead of running it, so Do can send several statements in
+// in a pgx.Batch instead of running it, so a call can send several statements in
 // one round trip while sqlc stays the single source of the SQL and of the
 // order of its arguments. Once the batch is sent, the same generated methods
 // called on a batchRead scan the results. (The arguments given on that
 // second call are not used: zero values do.)
 type queuer struct{ b *pgx.Batch }
 
-var errQueued = errors.New("idem: statement queued in a batch")
+var errQueued = errors.New("statement queued in a batch")
 
 func (q queuer) Exec(_ context.Context, sql string, args ...any) (pgconn.CommandTag, error) {
 	q.b.Queue(sql, args...)
@@ -38,13 +38,6 @@ func (q queuer) QueryRow(_ context.Context, sql string, args ...any) pgx.Row {
 type queuedRow struct{}
 
 func (queuedRow) Scan(...any) error { return errQueued }
-
-// reset empties b for the next round trip of a call, keeping the room of
-// its queue (the queued statements of a sent batch are no longer read once
-// its results are closed).
-func reset(b *pgx.Batch) {
-	*b = pgx.Batch{QueuedQueries: b.QueuedQueries[:0]}
-}
 
 // batchRead is a db.DBTX that reads the next result of a batch already sent
 // instead of running a statement, so that the generated method of a
@@ -77,4 +70,13 @@ func (p planned) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, 
 
 func (p planned) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
 	return p.db.QueryRow(ctx, sql, append([]any{pgx.QueryExecModeExec}, args...)...)
+}
+
+// closeBatch closes br and returns err, or the error of closing when err is
+// nil: the first error of the batch.
+func closeBatch(br pgx.BatchResults, err error) error {
+	if closeErr := br.Close(); err == nil {
+		err = closeErr
+	}
+	return err
 }

@@ -1,4 +1,4 @@
-package idem
+package core
 
 import (
 	"context"
@@ -29,14 +29,11 @@ func BenchmarkObserve(b *testing.B) {
 		{"on/fresh", on, Result{}},
 		{"on/replay", on, Result{Replayed: true}},
 	} {
-		c, err := New(tc.cfg)
-		if err != nil {
-			b.Fatal(err)
-		}
+		o := newObserver(tc.cfg)
 		b.Run(tc.name, func(b *testing.B) {
 			b.ReportAllocs()
 			for b.Loop() {
-				ctx, cl := c.obs.begin(ctx, "do_in_tx", "idem.DoInTx", scope, "dcb654ad-1908-4cf4-93d0-b10e4895ebce")
+				ctx, cl := o.begin(ctx, "do_in_tx", "idem.DoInTx", scope, "dcb654ad-1908-4cf4-93d0-b10e4895ebce")
 				cl.timeFn(func() {})
 				cl.end(ctx, tc.res, nil)
 			}

@@ -1,25 +1,22 @@
-package idem
+package core
 
 import (
-	"context"
-	"errors"
 	"log/slog"
 	"sync"
-	"time"
 
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
-	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
 
 	"github.com/pgidem/idem/internal/loghash"
 )
 
-// Metrics, logs and spans. Every call of Do, DoInTx, Reserve and the
-// reservation and maintenance calls ends in one place here (a call's end
-// method, or count for the maintenance calls), which turns its result into
-// one counter, the histograms, one log record and the span's outcome.
+// Metrics, logs and spans: the instruments of a Client. Every call of Do,
+// DoInTx, Reserve and the reservation and maintenance calls ends in one
+// place (a call's end method, or count for the maintenance calls, in
+// call.go beside the calls they observe), which turns its result into one
+// counter, the histograms, one log record and the span's outcome.
 //
 // Metric names follow seed 003's: idem.<step>.<outcome>, one counter per
 // outcome, each with the attributes "operation" (the scope's Operation) and
@@ -52,7 +49,7 @@ type observer struct {
 	overhead metric.Float64Histogram
 
 	mu    sync.RWMutex
-	attrs map[attrKey]attribute.Set // per call and operation, built once
+	attrs map[attrKey]measureOpts // per call and operation, built once
 }
 
 type attrKey struct{ call, operation, outcome string }
@@ -94,7 +91,7 @@ var counterHelp = map[string]string{
 }
 
 func newObserver(cfg Config) *observer {
-	o := &observer{log: cfg.Logger, hash: loghash.New(cfg.LogHashKey), attrs: make(map[attrKey]attribute.Set)}
+	o := &observer{log: cfg.Logger, hash: loghash.New(cfg.LogHashKey), attrs: make(map[attrKey]measureOpts)}
 	if cfg.TracerProvider != nil {
 		o.tracer = cfg.TracerProvider.Tracer(instrumentationName)
 	}
@@ -117,160 +114,36 @@ func newObserver(cfg Config) *observer {
 
 const instrumentationName = "github.com/pgidem/idem"
 
-// call is one observed call in progress.
-type call struct {
-	o        *observer
-	name     string // do, do_in_tx, reserve, ...
-	scope    Scope
-	key      string
-	start    time.Time
-	fnTime   time.Duration // time spent in fn
-	rejected bool          // the stored outcome is a refusal made by this call
-	ended    bool
-	span     trace.Span // nil without a TracerProvider
+// measureOpts are the options that give a measurement its attribute set,
+// ready to pass: built once, so that a call allocates none.
+type measureOpts struct {
+	add    []metric.AddOption
+	record []metric.RecordOption
 }
 
-// begin starts observing a call: its clock and, with a TracerProvider, its
-// span (named idem.<Name>, for example idem.DoInTx).
-func (o *observer) begin(ctx context.Context, name, spanName string, scope Scope, key string) (context.Context, call) {
-	cl := call{o: o, name: name, scope: scope, key: key, start: time.Now()}
-	if o.tracer != nil {
-		ctx, cl.span = o.tracer.Start(ctx, spanName, trace.WithSpanKind(trace.SpanKindInternal),
-			trace.WithAttributes(attribute.String("idem.operation", scope.Operation)))
-	}
-	return ctx, cl
-}
-
-// timeFn runs f and adds its duration to the call's time in fn.
-func (cl *call) timeFn(f func()) {
-	start := time.Now()
-	defer func() { cl.fnTime += time.Since(start) }()
-	f()
-}
-
-// outcomeOf names the outcome of a call that returned res and err.
-func outcomeOf(res Result, err error, rejected bool) string {
-	switch {
-	case err == nil && res.Replayed:
-		return outcomeReplay
-	case err == nil && rejected:
-		return outcomeRejected
-	case err == nil:
-		return outcomeCreated
-	case errors.Is(err, ErrInProgress):
-		return outcomeInProgress
-	case errors.Is(err, ErrKeyReused):
-		return outcomeKeyMisuse
-	case errors.Is(err, ErrOutcomeUnknown):
-		return outcomeUnknown
-	case errors.Is(err, ErrFenced):
-		return outcomeFenced
-	case Unavailable(err):
-		return outcomeStoreError
-	default:
-		return outcomeFailed
-	}
-}
-
-// end records the call's outcome: its counter, the histograms, a log
-// record and the span.
-func (cl *call) end(ctx context.Context, res Result, err error) {
-	cl.ended = true
-	o := cl.o
-	outcome := outcomeOf(res, err, cl.rejected)
-	elapsed := time.Since(cl.start)
-	o.counters[outcome].Add(ctx, 1, metric.WithAttributeSet(o.attrSet(cl.name, cl.scope.Operation, "")))
-	withOutcome := metric.WithAttributeSet(o.attrSet(cl.name, cl.scope.Operation, outcome))
-	switch outcome {
-	case outcomeReplay, outcomeInProgress:
-		o.wait.Record(ctx, elapsed.Seconds(), withOutcome)
-	}
-	o.overhead.Record(ctx, (elapsed - cl.fnTime).Seconds(), withOutcome)
-	if cl.span != nil {
-		cl.span.SetAttributes(attribute.String("idem.outcome", outcome))
-		if outcome == outcomeStoreError || outcome == outcomeFailed {
-			cl.span.RecordError(err)
-			cl.span.SetStatus(codes.Error, outcome)
-		}
-		cl.span.End()
-	}
-	if o.log == nil {
-		return
-	}
-	level, msg := slog.LevelDebug, ""
-	switch outcome {
-	case outcomeReplay:
-		level, msg = slog.LevelInfo, "idem: replayed a stored outcome"
-	case outcomeInProgress:
-		level, msg = slog.LevelInfo, "idem: refused, the key is in progress"
-	case outcomeKeyMisuse:
-		level, msg = slog.LevelWarn, "idem: refused, the key was used for a different request"
-	case outcomeUnknown:
-		level, msg = slog.LevelWarn, "idem: refused, the key's outcome is unknown; reconcile it"
-	case outcomeFenced:
-		level, msg = slog.LevelWarn, "idem: refused, the reservation no longer owns its key"
-	case outcomeStoreError:
-		level, msg = slog.LevelError, "idem: the store is unavailable"
-	case outcomeFailed:
-		level, msg = slog.LevelDebug, "idem: the call failed; nothing was stored"
-	default:
-		level, msg = slog.LevelDebug, "idem: stored a new outcome"
-	}
-	if !o.log.Enabled(ctx, level) {
-		return
-	}
-	attrs := []slog.Attr{
-		slog.String("call", cl.name),
-		slog.String("operation", cl.scope.Operation),
-		slog.String("key_hash", o.hash.Sum(cl.key)),
-		slog.String("actor_hash", o.hash.Sum(cl.scope.Actor)),
-		slog.String("outcome", outcome),
-		slog.Duration("duration", elapsed),
-	}
-	if err != nil && (outcome == outcomeStoreError || outcome == outcomeFailed) {
-		attrs = append(attrs, slog.String("error", err.Error()))
-	}
-	o.log.LogAttrs(ctx, level, msg, attrs...)
-}
-
-// endIfPanicking records a call that did not end as failed: deferred, it
-// runs when fn panicked, and the panic goes on.
-func (cl *call) endIfPanicking(ctx context.Context) {
-	if !cl.ended {
-		cl.end(ctx, Result{}, errPanicked)
-	}
-}
-
-var errPanicked = errors.New("idem: fn panicked")
-
-// count adds n to the counter of a maintenance or reservation event.
-func (o *observer) count(ctx context.Context, event, callName, operation string, n int64) {
-	if n != 0 {
-		o.counters[event].Add(ctx, n, metric.WithAttributeSet(o.attrSet(callName, operation, "")))
-	}
-}
-
-// attrSet returns the attribute set of a call name, an operation and (for
-// the histograms) an outcome, built once for each combination.
-func (o *observer) attrSet(callName, operation, outcome string) attribute.Set {
+// attrSet returns the options of the attribute set of a call name, an
+// operation and (for the histograms) an outcome, built once for each
+// combination.
+func (o *observer) attrSet(callName, operation, outcome string) measureOpts {
 	k := attrKey{callName, operation, outcome}
 	o.mu.RLock()
-	set, ok := o.attrs[k]
+	opts, ok := o.attrs[k]
 	o.mu.RUnlock()
 	if ok {
-		return set
+		return opts
 	}
 	kvs := []attribute.KeyValue{attribute.String("call", callName), attribute.String("operation", operation)}
 	if outcome != "" {
 		kvs = append(kvs, attribute.String("outcome", outcome))
 	}
-	set = attribute.NewSet(kvs...)
+	set := metric.WithAttributeSet(attribute.NewSet(kvs...))
+	opts = measureOpts{add: []metric.AddOption{set}, record: []metric.RecordOption{set}}
 	o.mu.Lock()
 	if len(o.attrs) < maxAttrSets {
-		o.attrs[k] = set
+		o.attrs[k] = opts
 	}
 	o.mu.Unlock()
-	return set
+	return opts
 }
 
 // maxAttrSets bounds the cache of attribute sets: operations come from the

@@ -1,4 +1,4 @@
-package idem
+package core
 
 import (
 	"errors"
@@ -37,6 +37,7 @@ func TestUnsupportedIf(t *testing.T) {
 			t.Errorf("unsupportedIf(nil) = %v", got)
 		}
 	}
+	errWorker := errorf("idem: %w: connected to a Citus worker; connect to the coordinator", ErrUnsupported)
 	if got := unsupportedIf(errWorker); got != errWorker {
 		t.Errorf("wrapped twice: %v", got)
 	}

@@ -1,17 +1,11 @@
-package idem
+package core
 
 import (
 	"bytes"
-	"context"
 	"errors"
-	"fmt"
 	"maps"
 	"slices"
 	"sync"
-	"time"
-
-	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 )
 
 // flights coalesces concurrent DoInTx calls of one Client on one pool that
@@ -33,10 +27,11 @@ type flights struct {
 }
 
 // flightKey names the calls that share a flight: the same key in the same
-// scope on the same pool. Keys on different pools (databases) are unrelated.
+// scope on the same handle (a pool: Driver.FlightKey). Keys on different
+// pools (databases) are unrelated.
 type flightKey struct {
-	pool *pgxpool.Pool
-	key  string
+	handle any
+	key    string
 }
 
 // flight is one leader's call in progress.
@@ -100,75 +95,10 @@ func cloneResult(res Result) Result {
 // errLeaderPanicked is the outcome waiters see when the leader's fn panicked.
 var errLeaderPanicked = errors.New("idem: the concurrent call with this key panicked")
 
-// coalesced runs DoInTx for scope and key once per concurrent group of
-// callers: see flights.
-func (c *Client) coalesced(ctx context.Context, db Beginner, scope Scope, key string, fp Fingerprint,
-	fn func(ctx context.Context, tx pgx.Tx) (Response, error), cl *call) (Result, error) {
-	pool, ok := db.(*pgxpool.Pool)
-	if !ok {
-		// A connection serves one call at a time, and other Beginners
-		// have no identity to share a flight by.
-		return c.doInTx(ctx, db, scope, key, fp, fn, cl)
-	}
-	fk := flightKey{pool: pool, key: scope.Actor + "\x00" + scope.Operation + "\x00" + key}
-	fl, leader := c.flights.join(fk, fp)
-	if leader {
-		finished := false
-		defer func() {
-			if !finished { // fn panicked: the panic goes on from here
-				c.flights.finish(fk, fl, Result{}, errLeaderPanicked)
-			}
-		}()
-		res, err := c.doInTx(ctx, db, scope, key, fp, fn, cl)
-		finished = true
-		c.flights.finish(fk, fl, res, err)
-		return res, err
-	}
-
-	if err := c.await(ctx, fl); err != nil {
-		return Result{}, err
-	}
-	switch {
-	case heldElsewhere(fl.err, scope, key):
-		// The leader's claim of this very key waited in vain: waiting again
-		// in the database would double the bound.
-		return Result{}, c.inProgress()
-	case fl.err != nil:
-		// Nothing was stored: let the database decide for this call.
-		return c.doInTx(ctx, db, scope, key, fp, fn, cl)
-	case fl.fp != fp:
-		return Result{}, ErrKeyReused
-	}
-	// Each waiter gets its own copy: callers may change what they get.
-	return Result{Response: cloneResult(fl.res).Response, Replayed: true}, nil
-}
-
 // heldElsewhere reports whether err is the in-progress error of a claim of
 // scope and key (and not, say, fn passing on a nested Do's).
 func heldElsewhere(err error, scope Scope, key string) bool {
 	var ipe *InProgressError
 	return errors.As(err, &ipe) && ipe.held.key != "" &&
 		ipe.held.actor == scope.Actor && ipe.held.operation == scope.Operation && ipe.held.key == key
-}
-
-// await waits for fl to finish, at most Config.Wait.
-func (c *Client) await(ctx context.Context, fl *flight) error {
-	if c.cfg.Wait < 0 { // do not wait
-		select {
-		case <-fl.done:
-			return nil
-		default:
-			return c.inProgress()
-		}
-	}
-	t := time.NewTimer(c.cfg.Wait)
-	defer t.Stop()
-	select {
-	case <-fl.done:
-		return nil
-	case <-ctx.Done():
-		return fmt.Errorf("idem: waiting for a concurrent call with this key: %w", context.Cause(ctx))
-	case <-t.C:
-		return c.inProgress()
-	}
 }

@@ -1,0 +1,86 @@
+package core
+
+import (
+	"crypto/sha256"
+	"encoding/binary"
+	"unicode"
+	"unicode/utf8"
+
+	"github.com/google/uuid"
+)
+
+// The call keys of a reservation's outgoing calls (see idem.WithCallKey for
+// how a client sends them).
+
+// CallKey returns the idempotency key for the outgoing call step ("charge",
+// "refund", "email") of this reservation's request: the same for every
+// attempt, token, worker, process and restart of the request, different for
+// another step, key or scope. It is a UUID (36 characters of hex digits and
+// hyphens), a valid key for idem and for providers that limit keys to a UUID
+// or to 36 characters and more. It reveals neither the actor nor the key:
+// it is a one-way hash of them (someone who can guess both, such as a short
+// key of a known user, can confirm the guess; random client keys cannot be
+// guessed).
+//
+// Send it with the call (idem.WithCallKey with idem's clients, or the
+// provider's own key parameter), so that a retry of the call, by this
+// attempt or a later one, is deduplicated by the receiver. CallKey returns
+// "" when step is empty, longer than MaxStepLength bytes, not valid UTF-8 or
+// holds a control character, or when r has no key or scope (a zero
+// Reservation); idem's clients refuse a call with an empty key, before
+// sending anything, with an error wrapping ErrInvalidKey.
+func (r Reservation) CallKey(step string) string {
+	return deriveCallKey(r.Scope, r.Key, step)
+}
+
+// MaxStepLength is the longest step, in bytes, that Reservation.CallKey
+// takes.
+const MaxStepLength = 255
+
+// callKeySpace is the UUID namespace of derived call keys. It is part of
+// the derivation: changing it changes every derived key.
+var callKeySpace = uuid.MustParse("249c946d-56e2-43ff-a5b0-cabd9168bf49")
+
+// callKeyLabel separates this derivation (its version) from any other
+// hash of the same parts.
+const callKeyLabel = "idem call key/1"
+
+// deriveCallKey is the call key of one outgoing call, step, of the request
+// (scope, key): a name-based UUID (version 8, RFC 9562) whose 122 bits come
+// from SHA-256 over a fixed namespace, a version label and the four parts,
+// each prefixed by its length, so that no two different tuples encode
+// alike. It depends on these parts only, never on a token, a time or the
+// process, so every attempt, worker and restart derives the same key. It
+// returns "" when step is empty, over MaxStepLength bytes, not valid UTF-8
+// or holds a control character, or when scope or key is not usable (an
+// empty key, a scope that ValidateScope refuses).
+func deriveCallKey(scope Scope, key, step string) string {
+	if !validStep(step) || key == "" || ValidateScope(scope) != nil {
+		return ""
+	}
+	parts := [...]string{callKeyLabel, scope.Actor, scope.Operation, key, step}
+	n := 0
+	for _, p := range parts {
+		n += binary.MaxVarintLen64 + len(p)
+	}
+	data := make([]byte, 0, n)
+	for _, p := range parts {
+		data = binary.AppendUvarint(data, uint64(len(p)))
+		data = append(data, p...)
+	}
+	return uuid.NewHash(sha256.New(), callKeySpace, data, 8).String()
+}
+
+// validStep reports whether step can name a call: 1 to MaxStepLength
+// bytes of valid UTF-8 without control characters.
+func validStep(step string) bool {
+	if step == "" || len(step) > MaxStepLength || !utf8.ValidString(step) {
+		return false
+	}
+	for _, r := range step {
+		if unicode.IsControl(r) {
+			return false
+		}
+	}
+	return true
+}

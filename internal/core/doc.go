@@ -1,0 +1,27 @@
+// Package core is idem's protocol, written once for every database package:
+// the call loop of Do and DoInTx (claim with a bounded wait, fn, complete;
+// read and judge; take over; a refusal stored by a claim of its own), the
+// reservations and their fencing, reconciliation, lookups, pruning,
+// statistics, the inbox, typed replay, the checks of a response, the retry
+// policy and the observer (metrics, spans, logs with hashed keys).
+//
+// It is generic over the transaction type of a driver (pgx.Tx, *sql.Tx) and
+// the handle transactions are begun on, and reaches the database only
+// through package driver's interface, so it never names a database package
+// nor asserts a transaction back to one:
+//
+//	fronts    idem (pgx)            idemsql (database/sql)     public API, thin
+//	             │                      │
+//	core      core.Client[pgx.Tx, …]   core.Client[*sql.Tx, …]   this package
+//	             │                      │
+//	drivers   pgxdriver (pipelined)    sqldriver (one at a time)
+//	             │                      │
+//	queries   internal/db              internal/dbsql             sqlc, from queries/
+//
+// Files: call.go (Do, DoInTx, InTx: the loop), reserve.go (the reservation
+// mode), operate.go (the operators' calls), inbox.go, json.go (typed
+// replay), response.go (what can be stored, and replayed), validate.go,
+// flight.go (coalescing DoInTx in a process), observe.go, errors.go,
+// types.go (the public types, which package idem names), client.go
+// (Config, New).
+package core

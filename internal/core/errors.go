@@ -1,0 +1,310 @@
+package core
+
+import (
+	"errors"
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/pgidem/idem/internal/driver"
+)
+
+// Errors returned by Do and its relatives. Check them with errors.Is; the
+// returned error usually wraps one of these with a more specific message.
+var (
+	// ErrKeyReused means the key was already used under the same scope for a
+	// request with a different fingerprint: a client bug (HTTP 422). fn did not
+	// run and nothing changed.
+	ErrKeyReused = errors.New("idem: idempotency key reused with a different request")
+
+	// ErrInProgress means another transaction holds the key and did not finish
+	// within the configured wait, or a reservation's lease still holds it
+	// (HTTP 409 with Retry-After). fn did not run, and the caller's
+	// transaction is as it was before Do. The error is an *InProgressError
+	// carrying a retry hint.
+	ErrInProgress = errors.New("idem: a request with this idempotency key is in progress")
+
+	// ErrInvalidKey means the idempotency key is empty, too long, or holds a
+	// character outside visible ASCII (0x21-0x7E). Nothing was touched.
+	ErrInvalidKey = errors.New("idem: invalid idempotency key")
+
+	// ErrInvalidScope means the scope's Actor or Operation is empty, too long
+	// or not valid text. Nothing was touched.
+	ErrInvalidScope = errors.New("idem: invalid scope")
+
+	// ErrInvalidResponse means fn returned a Response that cannot be stored
+	// and replayed exactly (a status outside 0 and 100..999, a header name
+	// that is not an RFC 9110 token, a header value that is not valid text
+	// or holds CR, LF or NUL).
+	// fn's writes and the claim were undone; nothing was stored.
+	ErrInvalidResponse = errors.New("idem: invalid response")
+
+	// ErrResponseTooLarge means fn returned a Response over the configured
+	// size limit. fn's writes and the claim were undone; nothing was stored.
+	ErrResponseTooLarge = errors.New("idem: response too large to store")
+
+	// ErrInvalidJSON means FingerprintJSON was given something that is not
+	// valid JSON (or could not be marshalled to JSON).
+	ErrInvalidJSON = errors.New("idem: invalid JSON")
+
+	// ErrInvalidConfig means a Config field is out of range.
+	ErrInvalidConfig = errors.New("idem: invalid config")
+
+	// ErrUnavailable means the database could not be reached, or dropped
+	// the connection before the transaction's outcome was known. Fail closed
+	// (HTTP 503) and let the client retry with the same key: the retry
+	// replays if the first attempt did commit, and runs otherwise. InTx and
+	// DoInTx wrap such failures with it; the underlying error stays in the
+	// chain.
+	ErrUnavailable = errors.New("idem: store unavailable")
+
+	// ErrInvalidArgument means a required argument (transaction, function,
+	// database handle) is nil, or a value such as a lease, a limit or a
+	// ListUnknown cursor is out of range, or the caller's transaction given
+	// to Do or Complete is closed or aborted. Nothing was touched.
+	ErrInvalidArgument = errors.New("idem: invalid argument")
+
+	// ErrOutcomeUnknown means the key belongs to a reservation whose work
+	// outside the database may or may not have happened: its owner marked it
+	// unknown, or its lease ran out before it completed. Nothing runs again
+	// automatically; reconcile it (Resolve) first (HTTP 409).
+	ErrOutcomeUnknown = errors.New("idem: the outcome of the request with this idempotency key is unknown")
+
+	// ErrNotFound means no record holds the key (it was never used, it was
+	// pruned or forgotten). Nothing changed.
+	ErrNotFound = errors.New("idem: no record for this idempotency key")
+
+	// ErrFenced means a Reservation is no longer the owner of its key: its
+	// token is stale, or the record is no longer this reservation's
+	// 'processing' (the lease ran out and the key was taken over, or an
+	// operator resolved it). Whatever the caller was about to record must be
+	// rolled back.
+	ErrFenced = errors.New("idem: reservation fenced: no longer the owner of the key")
+
+	// ErrKeyRowChanged means fn changed or deleted idem's own row of the key
+	// it ran under (the idem_keys row: its status, fingerprint, token, lease
+	// or expiry), so the outcome could not be stored. The call failed as a
+	// whole: fn's writes and the claim were undone (DoInTx rolled its
+	// transaction back; Do rolled back to its savepoint, and the caller's
+	// transaction stays usable), nothing was stored, and the key is free: a
+	// retry runs fn again. fn must not write idem_keys; this is a bug in fn,
+	// not in the request (HTTP 500).
+	ErrKeyRowChanged = errors.New("idem: fn changed or deleted the idem_keys row of its own key; nothing was stored")
+
+	// ErrPreparedStatements means the server lost or mixed up pgx's cached
+	// prepared statements (SQLSTATE 26000 or 42P05 on a statement named
+	// stmtcache_…): the connection goes through a transaction pooler, such
+	// as PgBouncer in transaction mode, that hands each transaction another
+	// server connection and does not carry prepared statements across. The
+	// fix is a configuration: give the pool a DefaultQueryExecMode that does
+	// not prepare named statements (pgx.QueryExecModeExec,
+	// QueryExecModeCacheDescribe or QueryExecModeSimpleProtocol), or run
+	// PgBouncer 1.21 or newer with max_prepared_statements > 0. Nothing was
+	// stored (HTTP 500).
+	ErrPreparedStatements = errors.New("idem: prepared statements lost behind a connection pooler")
+
+	// ErrNotResolvable means Resolve was asked to reconcile a record whose
+	// outcome is not in doubt: a live lease still holds it, or it is finished
+	// (succeeded, rejected, failed_retryable). Nothing changed.
+	ErrNotResolvable = errors.New("idem: the record with this idempotency key is not awaiting reconciliation")
+
+	// ErrUnsupported means the database refused one of idem's statements as a
+	// feature it does not support (SQLSTATE 0A000, as Citus answers statements
+	// it cannot distribute), or the database is not set up the way the call
+	// needs: Distribute on a database without the citus extension, or a
+	// connection to a Citus worker instead of the coordinator. Nothing was
+	// stored. It is a deployment error, not a request's (HTTP 500).
+	ErrUnsupported = errors.New("idem: not supported by this database")
+
+	// ErrStoredValue means a stored outcome does not decode into the type asked
+	// for: the type changed since the outcome was stored (a field that was a
+	// string is now a number), or the scope's operation was also used with Do
+	// and holds bytes that are not the JSON of a T. Nothing ran and nothing
+	// changed; the error wraps the encoding/json error.
+	ErrStoredValue = errors.New("idem: stored value does not decode into the requested type")
+)
+
+// errorf is fmt.Errorf for idem's own errors: format begins with "idem: ",
+// and the errors it wraps are written without theirs, so that a message
+// names idem once however deep the chain ("idem: heartbeat: store
+// unavailable: commit: conn closed"). errors.Is and errors.As see through.
+func errorf(format string, args ...any) error {
+	for i, a := range args {
+		if err, ok := a.(error); ok && err != nil {
+			args[i] = quiet{err}
+		}
+	}
+	return fmt.Errorf(format, args...)
+}
+
+// quiet is err written without its leading "idem: ".
+type quiet struct{ err error }
+
+func (q quiet) Error() string { return strings.TrimPrefix(q.err.Error(), "idem: ") }
+func (q quiet) Unwrap() error { return q.err }
+
+// InProgressError is returned when the key is held by a transaction that did
+// not finish within the wait. errors.Is(err, ErrInProgress) reports true.
+type InProgressError struct {
+	// RetryAfter is a hint for how long the client should wait before it
+	// retries (the HTTP Retry-After header).
+	RetryAfter time.Duration
+
+	// held names the key whose claim waited in vain, when known. (A copy,
+	// not the key itself: keeping that would move every call's key to the
+	// heap.)
+	held struct{ actor, operation, key string }
+}
+
+func (e *InProgressError) Error() string {
+	return fmt.Sprintf("%s (retry after %s)", ErrInProgress.Error(), e.RetryAfter)
+}
+
+// Is makes errors.Is(err, ErrInProgress) true.
+func (e *InProgressError) Is(target error) bool { return target == ErrInProgress }
+
+// rejection is the error fn returns through Reject.
+type rejection struct{ resp Response }
+
+func (r *rejection) Error() string {
+	return fmt.Sprintf("idem: request rejected with status %d", r.resp.Status)
+}
+
+// RejectedResponse reports whether err is (or wraps) a refusal made with
+// Reject, and returns the refusal's response.
+func RejectedResponse(err error) (Response, bool) {
+	var rej *rejection
+	if errors.As(err, &rej) {
+		return rej.resp, true
+	}
+	return Response{}, false
+}
+
+// Reject is returned by fn to refuse a request deterministically (see
+// idem.Reject).
+func Reject(resp Response) error { return &rejection{resp: resp} }
+
+// pgCode returns the SQLSTATE of err if it is (or wraps) a PostgreSQL error
+// of either driver.
+func pgCode(err error) string { return driver.SQLState(err) }
+
+// Unavailable reports whether err means the database could not serve the
+// request (see idem.Unavailable, the one classification of idem and its
+// adapters).
+func Unavailable(err error) bool {
+	return err != nil && (errors.Is(err, ErrUnavailable) || driver.Unavailable(err))
+}
+
+// isUnavailable is Unavailable without the ErrUnavailable check.
+func isUnavailable(err error) bool { return driver.Unavailable(err) }
+
+// serverSaidUnavailable reports whether err holds a server error (of either
+// driver) that says it cannot serve now.
+func serverSaidUnavailable(err error) bool {
+	code := pgCode(err)
+	return code != "" && driver.ServerUnavailable(code)
+}
+
+// unavailableIf wraps err with ErrUnavailable when lost is true.
+func unavailableIf(lost bool, err error) error {
+	if !lost || errors.Is(err, ErrUnavailable) {
+		return err
+	}
+	return errorf("idem: %w: %w", ErrUnavailable, err)
+}
+
+// isRetryable reports whether err is a serialization failure or a deadlock,
+// after which the whole transaction may be run again.
+func isRetryable(err error) bool {
+	switch pgCode(err) {
+	case pgerrcode.SerializationFailure, pgerrcode.DeadlockDetected:
+		return true
+	}
+	return false
+}
+
+// preparedStatementsLost returns err wrapped with ErrPreparedStatements and
+// the fix (fix adds the driver's words for it) when it is pgx's cached
+// prepared statement missing (26000) or already there (42P05) on the server
+// connection: what a transaction pooler without prepared-statement support
+// does to pgx's default exec mode.
+func preparedStatementsLost(err error, fix string) error {
+	if err == nil { // first: the PgError below escapes to the heap
+		return nil
+	}
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || errors.Is(err, ErrPreparedStatements) ||
+		(pgErr.Code != pgerrcode.InvalidSQLStatementName && pgErr.Code != pgerrcode.DuplicatePreparedStatement) ||
+		!strings.Contains(pgErr.Message, "stmtcache_") {
+		return err
+	}
+	return errorf("idem: %w (a transaction pooler such as PgBouncer in transaction mode?): "+
+		"set the pool's DefaultQueryExecMode to pgx.QueryExecModeExec, QueryExecModeCacheDescribe or "+
+		"QueryExecModeSimpleProtocol, or run PgBouncer 1.21 or newer with max_prepared_statements > 0"+fix+": %w",
+		ErrPreparedStatements, err)
+}
+
+// unsupportedIf wraps err with ErrUnsupported when the server refused one
+// of idem's statements as a feature it does not support (0A000: Citus
+// refuses statements it cannot distribute that way), or when the token
+// sequence is missing: the connection is to a Citus worker, where idem's
+// sequence does not exist (only the coordinator's tables are distributed).
+// Use it only on errors of idem's own statements, never on fn's.
+func unsupportedIf(err error) error {
+	if err == nil || errors.Is(err, ErrUnsupported) {
+		return err
+	}
+	switch code := pgCode(err); {
+	case code == pgerrcode.FeatureNotSupported:
+		return errorf("idem: %w: %w", ErrUnsupported, err)
+	case code == pgerrcode.UndefinedTable && strings.Contains(err.Error(), "idem_keys_token_seq"):
+		return errorf("idem: %w (on Citus, connect to the coordinator; otherwise run idem.Migrate): %w", ErrUnsupported, err)
+	case code == pgerrcode.UndefinedObject && strings.Contains(err.Error(), "idem.lock_timeout"):
+		// PostgreSQL's claim run on Citus's worker, where the setting it
+		// saves the caller's lock_timeout in is not known: package idemsql
+		// cannot tell a Citus coordinator by itself.
+		return errorf("idem: %w (a Citus coordinator: use a Client of idemsql.NewCitus): %w", ErrUnsupported, err)
+	}
+	return err
+}
+
+// UnsupportedIf is unsupportedIf, for the Citus setup calls of package idem
+// (Distribute, Migrate).
+func UnsupportedIf(err error) error { return unsupportedIf(err) }
+
+// Errorf is errorf, for the calls of the fronts that are not the protocol's
+// (migrations, Distribute).
+func Errorf(format string, args ...any) error { return errorf(format, args...) }
+
+// keyRowChanged reports whether err is the completion's refusal to store an
+// outcome because fn changed the claimed row (KeyComplete raises it as a
+// failed cast of its message to integer, SQLSTATE 22P02).
+func keyRowChanged(err error) bool {
+	return err != nil && pgCode(err) == pgerrcode.InvalidTextRepresentation &&
+		strings.Contains(err.Error(), "idem_keys row changed under fn")
+}
+
+// txUnusable returns err wrapped with ErrInvalidArgument when it says that
+// the caller's transaction could not run the call: it was closed
+// (committed or rolled back: closed reports it in the driver's terms) or is
+// aborted (a statement failed in it).
+func txUnusable(err error, closed func(error) bool) error {
+	switch {
+	case err == nil || errors.Is(err, ErrInvalidArgument):
+		return err
+	case closed(err):
+		return errorf("idem: %w: the transaction is closed (committed or rolled back): %w", ErrInvalidArgument, err)
+	case pgCode(err) == pgerrcode.InFailedSQLTransaction:
+		return errorf("idem: %w: the transaction is aborted (a statement failed in it; roll it back): %w", ErrInvalidArgument, err)
+	}
+	return err
+}
+
+// Refusals of arguments, before anything runs.
+var (
+	errNilTx = errorf("idem: %w: nil transaction", ErrInvalidArgument)
+	errNilFn = errorf("idem: %w: nil function", ErrInvalidArgument)
+)

@@ -1,0 +1,299 @@
+// Package driver is the interface between idem's protocol (internal/core)
+// and a database package: pgx (pgxdriver) or database/sql (sqldriver).
+//
+// The core decides; a driver only sends statements and reads their
+// results. Each method names the statements it runs and the round trip it
+// joins, so that pgx's driver sends a call's steps pipelined (BEGIN or
+// SAVEPOINT with the claim, the completion with COMMIT or RELEASE) while
+// database/sql's sends the same steps one statement at a time. Which form a
+// statement takes on a Citus coordinator is the driver's business too: the
+// core never asks.
+//
+//	core   ──calls──▶  Driver[TTx, TDB]: transactions, spans, executors
+//	                     ├─ Span[TTx]:  one round of Do or DoInTx
+//	                     └─ Executor:   one method per statement
+//	drivers ──call──▶  generated queries (internal/db, internal/dbsql)
+//
+// Errors come back as the database package gave them (ErrNoRows for a row
+// that is not there), labelled with the step that failed ("claim: ...",
+// "commit: ...") and never with "idem: ", which the core adds once.
+package driver
+
+import (
+	"context"
+	"errors"
+	"time"
+)
+
+// ErrNoRows means a statement that reads or locks one row found none.
+var ErrNoRows = errors.New("no rows")
+
+// Settings are the parts of a Client's configuration that shape its
+// statements.
+type Settings struct {
+	// TTLMicros is Config.TTL in microseconds.
+	TTLMicros int64
+	// LockTimeout is Config.Wait as a lock_timeout value ("2000ms"), at
+	// least a millisecond.
+	LockTimeout string
+	// IsolationLevel is Config.IsolationLevel ("" for the server's
+	// default), the level of the transactions the driver begins.
+	IsolationLevel string
+}
+
+// Driver wraps one database package: TTx is its transaction (pgx.Tx,
+// *sql.Tx), TDB the handle transactions are begun on (a pgx Beginner,
+// *sql.DB).
+type Driver[TTx, TDB any] interface {
+	// CheckDB refuses a handle the call cannot use (nil; for a call that
+	// commits before it returns, such as Reserve, one that would only give
+	// a savepoint) with an error that wraps the core's ErrInvalidArgument
+	// once the core has wrapped it. It sends nothing.
+	CheckDB(db TDB, commits bool) error
+	// Nested reports whether transactions begun on db are savepoints of a
+	// caller's transaction (which the call cannot run again).
+	Nested(db TDB) bool
+	// NilTx reports whether tx is nil.
+	NilTx(tx TTx) bool
+	// TxClosed reports whether err says the caller's transaction was
+	// already committed or rolled back.
+	TxClosed(err error) bool
+	// PreparedStatementsFix names, in this driver's terms, the setting that
+	// stops a transaction pooler from losing prepared statements ("" for
+	// none beyond the core's).
+	PreparedStatementsFix() string
+
+	// Begin begins a transaction on db (a savepoint when db is a
+	// transaction), at the settings' isolation level: its own round trip.
+	Begin(ctx context.Context, db TDB) (TTx, error)
+	// Commit commits tx: its own round trip.
+	Commit(ctx context.Context, tx TTx) error
+	// Rollback rolls tx back, even when ctx is done, and reports whether
+	// the connection is lost.
+	Rollback(ctx context.Context, db TDB, tx TTx) (lost bool)
+
+	// SavepointSpan is where Do runs in the caller's transaction tx: a
+	// savepoint of it per round. It sends nothing.
+	SavepointSpan(tx TTx) Span[TTx]
+	// OwnSpan is where DoInTx runs on db: a transaction of its own per
+	// round, begun with the claim where the driver can. ok is false when db
+	// cannot give one (a caller's transaction): the core then runs Do in a
+	// transaction begun with Begin. err is the failure to get a connection.
+	// The span must be closed.
+	OwnSpan(ctx context.Context, db TDB) (s Span[TTx], ok bool, err error)
+	// FlightKey identifies db for coalescing concurrent DoInTx calls of one
+	// process (ok false: not coalesced).
+	FlightKey(db TDB) (key any, ok bool)
+
+	// Executor runs statements in tx, one method per statement.
+	Executor(tx TTx) Executor
+}
+
+// Span is where one round of Do or DoInTx claims its key, runs fn and
+// stores the outcome: a savepoint of the caller's transaction, or a
+// transaction of the call's own.
+type Span[TTx any] interface {
+	// Claim begins the span and claims c.Key in it, waiting at most the
+	// Client's Wait for a transaction that holds it: on pgx, the savepoint
+	// (or BEGIN) and the claim in one round trip (a savepoint whose
+	// statements pgx has not prepared yet on the connection goes first, in
+	// a round trip of its own, so that nothing can fail in the caller's
+	// transaction outside it). claimed is false when a committed row holds
+	// the key (Read reads it). begun is false when the span did not begin:
+	// nothing to undo, and for a savepoint the error happened in the
+	// caller's transaction itself.
+	Claim(ctx context.Context, c Claim) (claimed, begun bool, err error)
+	// Tx is the transaction fn runs in.
+	Tx() TTx
+	// Complete stores the outcome of the claimed key and ends the span
+	// (RELEASE, or COMMIT): on pgx one round trip, in which the end does
+	// not run when the completion fails.
+	Complete(ctx context.Context, out Outcome) error
+	// Read reads the committed row that holds k as an index lookup and
+	// ends the span without keeping anything of it (its planner setting,
+	// the claim's lock_timeout): on pgx one round trip. found is false when
+	// no row holds the key any more.
+	Read(ctx context.Context, k Key) (row Row, found bool, err error)
+	// Undo undoes the span: the claim and fn's writes are gone, and so are
+	// the settings made in it. It runs even when ctx is done. For a
+	// transaction of the call's own it returns nil (see Lost).
+	Undo(ctx context.Context) error
+	// Lost reports whether the connection of the call's own transaction is
+	// gone (false for a savepoint).
+	Lost() bool
+	// Close gives back what the span holds (a pooled connection).
+	Close()
+}
+
+// Key names a key row.
+type Key struct{ Actor, Operation, Key string }
+
+// Claim asks for a key.
+type Claim struct {
+	Key         Key
+	Fingerprint [32]byte
+	// TakeOver claims a row that is over (a finished row past its TTL, or a
+	// failed_retryable one with the same fingerprint) rather than a free
+	// key.
+	TakeOver bool
+}
+
+// Reply is a response as it is written: its status, its header encoded as
+// JSON text (HasHeaders false: NULL), its body.
+type Reply struct {
+	Status     int32
+	Headers    string
+	HasHeaders bool
+	Body       []byte
+}
+
+// Outcome is what a claimed key ends with.
+type Outcome struct {
+	Key         Key
+	Fingerprint [32]byte
+	Status      string // "succeeded" or "rejected"
+	Reply       Reply
+}
+
+// Stored is a response as it is read: Valid is false when none is stored
+// (response_status is NULL); Headers is JSON, nil for NULL.
+type Stored struct {
+	Valid   bool
+	Status  int32
+	Headers []byte
+	Body    []byte
+}
+
+// Row is the committed row that holds a key, with what the database clock
+// says of its TTL and lease.
+type Row struct {
+	Fingerprint []byte
+	Status      string
+	Stored      Stored
+	Token       int64 // read by the reservation statements only
+	Expired     bool
+	Leased      bool
+	LeaseLeftMs int64
+}
+
+// Record is a whole stored row.
+type Record struct {
+	Key            Key
+	Fingerprint    []byte
+	Status         string
+	Stored         Stored
+	Token          int64
+	LastError      string
+	ResolveReason  string
+	CreatedAt      time.Time
+	CompletedAt    time.Time // zero: NULL
+	ExpiresAt      time.Time
+	LeaseExpiresAt time.Time // zero: NULL
+}
+
+// Reserve asks for a reservation of a key.
+type Reserve struct {
+	Key         Key
+	Fingerprint [32]byte
+	Lease       time.Duration
+}
+
+// Reserved is what ReserveInsertOrLock found: a fresh reservation
+// (Inserted), or the row that holds the key, locked (Found), or neither
+// (the row went away in between).
+type Reserved struct {
+	Inserted       bool
+	Token          int64
+	LeaseExpiresAt time.Time
+	Found          bool
+	Row            Row
+}
+
+// Resolve is an operator's verdict on a record: to Status ("succeeded",
+// with Reply, or "failed_retryable"), with Reason.
+type Resolve struct {
+	Status string
+	Reply  *Reply
+	Reason string
+}
+
+// Cursor is where a page of ListUnknown begins: after this record.
+type Cursor struct {
+	CreatedAt time.Time
+	Key       Key
+}
+
+// StatusCount is the number of keys in one status, and the oldest claim.
+type StatusCount struct {
+	Status string
+	Keys   int64
+	Oldest time.Time
+}
+
+// Executor runs statements in one transaction, each in a round trip of its
+// own unless it says otherwise. Statements that find rows by a WHERE
+// clause find them through an index whatever the planner's statistics say
+// (pgx plans each anew; database/sql sets the planner for the transaction,
+// see UseIndexes).
+type Executor interface {
+	// UseIndexes makes the statements that follow in the transaction find
+	// rows through an index (database/sql: SET LOCAL enable_seqscan = off,
+	// a round trip; pgx: nothing).
+	UseIndexes(ctx context.Context) error
+	// WalkIndexes makes the statements that follow walk an index in its
+	// order, without a sort or a bitmap scan (Prune, ExpireLeases).
+	WalkIndexes(ctx context.Context) error
+
+	// ReserveInsertOrLock inserts a fresh reservation of r.Key with a new
+	// token, or else locks and reads the committed row that holds it,
+	// waiting at most the Client's Wait for a transaction that holds the
+	// key (55P03 when the wait runs out): on pgx one round trip with its
+	// settings (SET LOCAL lock_timeout, which reaches Citus's workers).
+	ReserveInsertOrLock(ctx context.Context, r Reserve) (Reserved, error)
+	// ReserveAcquire hands the locked row that holds token to a new
+	// reservation with a new token.
+	ReserveAcquire(ctx context.Context, r Reserve, token int64) (newToken int64, leaseExpiresAt time.Time, err error)
+	// ReserveMarkUnknown turns the reservation holding token unknown, and
+	// returns the rows changed.
+	ReserveMarkUnknown(ctx context.Context, k Key, token int64, reason string) (int64, error)
+	// ReserveComplete stores the outcome of the reservation holding token.
+	ReserveComplete(ctx context.Context, k Key, token int64, reply Reply) (int64, error)
+	// ReserveFailRetryable records that the reservation holding token
+	// certainly did not execute.
+	ReserveFailRetryable(ctx context.Context, k Key, token int64, reason string) (int64, error)
+	// ReserveHeartbeat extends the live lease of the reservation holding
+	// token (ErrNoRows: fenced).
+	ReserveHeartbeat(ctx context.Context, k Key, token int64, extend time.Duration) (time.Time, error)
+	// ReserveLock locks and reads the row that holds k (ErrNoRows: none).
+	ReserveLock(ctx context.Context, k Key) (Row, error)
+	// ReserveResolve reconciles the locked row holding token.
+	ReserveResolve(ctx context.Context, k Key, token int64, r Resolve) (int64, error)
+	// ReserveExpireLeases turns at most limit reservations whose lease ran
+	// out unknown (Citus: without SKIP LOCKED).
+	ReserveExpireLeases(ctx context.Context, reason string, limit int32) (int64, error)
+	// ReserveListUnknown reads at most limit unknown records, oldest first,
+	// after the cursor (nil: from the first).
+	ReserveListUnknown(ctx context.Context, after *Cursor, limit int32) ([]Record, error)
+
+	// KeyLookup reads the committed record of k (ErrNoRows: none).
+	KeyLookup(ctx context.Context, k Key) (Record, error)
+	// KeyLockForForget locks the record of k without waiting (55P03 when a
+	// transaction holds it; ErrNoRows: none).
+	KeyLockForForget(ctx context.Context, k Key) (status string, leaseRanOut bool, err error)
+	// KeyForget deletes the record of k.
+	KeyForget(ctx context.Context, k Key) error
+	// KeyPrune deletes at most batch finished rows past their TTL (Citus:
+	// without SKIP LOCKED).
+	KeyPrune(ctx context.Context, batch int32) (int64, error)
+	// KeyCountPrunable counts the rows KeyPrune would delete.
+	KeyCountPrunable(ctx context.Context) (int64, error)
+	// KeyStats counts the keys by status.
+	KeyStats(ctx context.Context) ([]StatusCount, error)
+	// KeyTableSize is the size of idem_keys and of its indexes (for a Citus
+	// table, the sums over its shards).
+	KeyTableSize(ctx context.Context) (tableBytes, indexBytes int64, err error)
+}
+
+// CleanupTimeout bounds the statements that undo a call's work, which run
+// even when the caller's context is done (without its cancellation).
+const CleanupTimeout = 5 * time.Second

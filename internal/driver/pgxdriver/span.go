@@ -1,0 +1,420 @@
+package pgxdriver
+
+import (
+	"context"
+	"errors"
+	"fmt"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/idem/internal/db"
+	"github.com/pgidem/idem/internal/driver"
+)
+
+// Statements that are not table queries. idem_do is the savepoint that Do
+// runs the claim and fn in.
+const (
+	sqlSavepoint = "SAVEPOINT idem_do"
+	sqlRelease   = "RELEASE SAVEPOINT idem_do"
+	// sqlUndo undoes the claim and fn's writes and drops the savepoint. It
+	// is sent as one simple-protocol message: a transaction that fn left
+	// aborted accepts ROLLBACK TO, but would refuse to prepare the next
+	// statement of a pipeline.
+	sqlUndo       = "ROLLBACK TO SAVEPOINT idem_do; RELEASE SAVEPOINT idem_do"
+	sqlRollbackTo = "ROLLBACK TO SAVEPOINT idem_do"
+	// sqlIndexLookup makes KeyGet an index lookup in every plan, also the
+	// generic plan pgx's statement cache keeps for the life of a
+	// connection, even when idem_keys was analyzed while empty. It ends
+	// with the savepoint (Do) or the transaction (DoInTx).
+	sqlIndexLookup = "SET LOCAL enable_seqscan = off"
+)
+
+// SavepointSpan is Do's span in the caller's transaction tx.
+func (d *Driver) SavepointSpan(tx pgx.Tx) driver.Span[pgx.Tx] {
+	return &span{d: d, tx: tx}
+}
+
+// OwnSpan is DoInTx's span on a pool (a connection acquired for the whole
+// call) or a connection: BEGIN goes with the claim, COMMIT with the
+// completion. On a pgx.Tx or another Beginner there is none.
+func (d *Driver) OwnSpan(ctx context.Context, db Beginner) (driver.Span[pgx.Tx], bool, error) {
+	switch h := db.(type) {
+	case *pgxpool.Pool:
+		conn, err := h.Acquire(ctx)
+		if err != nil {
+			return nil, true, err
+		}
+		return &span{d: d, conn: conn.Conn(), pooled: conn}, true, nil
+	case *pgx.Conn:
+		return &span{d: d, conn: h}, true, nil
+	}
+	return nil, false, nil
+}
+
+// span is where one call claims its key, runs fn and stores the outcome:
+// Do's savepoint in the caller's transaction (conn nil), or DoInTx's own
+// transactions on conn, one per round, each begun with txOptions by the
+// claim's batch.
+type span struct {
+	d      *Driver
+	tx     pgx.Tx // Do: the caller's; DoInTx: the current own transaction
+	conn   *pgx.Conn
+	pooled *pgxpool.Conn // DoInTx on a pool: the connection to give back
+	// The batch of every round trip in turn, with room for the longest,
+	// and the fingerprint the statements take: kept here, a call allocates
+	// them with the span, once.
+	batch pgx.Batch
+	queue [4]*pgx.QueuedQuery
+	fp    [32]byte
+}
+
+// Tx is the transaction fn runs in.
+func (s *span) Tx() pgx.Tx { return s.tx }
+
+// Claim begins the span and claims the key. The round trip it takes:
+//   - DoInTx: BEGIN and the claim. Whatever pgx prepares before sending
+//     them runs outside any transaction, and so does the question whether
+//     the database is Citus (on a new connection for this Client).
+//   - Do on a connection whose statements for this claim pgx has cached
+//     (or in an exec mode that prepares nothing): SAVEPOINT and the claim.
+//   - Do otherwise: the SAVEPOINT alone first (in the simple protocol:
+//     nothing to prepare), then inside it the question whether the
+//     database is Citus, if not known yet, and the claim, with whatever pgx
+//     prepares or describes first. So a lock wait or a cancelled statement
+//     there fails inside the savepoint, which Do undoes, and never in the
+//     caller's transaction outside it.
+func (s *span) Claim(ctx context.Context, c driver.Claim) (claimed, begun bool, err error) {
+	s.fp = c.Fingerprint
+	b := s.reset()
+	if s.conn != nil {
+		st := s.d.state(s.conn)
+		citus, err := s.d.isCitus(ctx, st, s.conn)
+		if err != nil {
+			return false, false, fmt.Errorf("claim: %w", err)
+		}
+		b.BeginTx(s.d.txOptions)
+		s.d.queueClaim(b, c, s.fp[:], citus)
+		br := s.conn.SendBatch(ctx, b)
+		s.tx = br.Tx()
+		if _, err := br.Exec(); err != nil { // not begun: nothing to undo
+			return false, false, fmt.Errorf("claim: %w", closeBatch(br, err))
+		}
+		claimed, err = readClaim(br, citus)
+		if err = closeBatch(br, err); err == nil && st.caches {
+			st.warm[s.d.claimForms[b2i(citus)][b2i(c.TakeOver)]] = true
+		}
+		return claimed, true, claimError(err)
+	}
+
+	var st *connState
+	warm, citus := true, false
+	if conn := s.tx.Conn(); conn != nil { // (a pgx.Tx of another making may have none: plain PostgreSQL)
+		st = s.d.state(conn)
+		citus = st.citus
+		warm = st.known && (!st.prepares || st.warm[s.d.claimForms[b2i(citus)][b2i(c.TakeOver)]])
+	}
+	if warm {
+		b.Queue(sqlSavepoint)
+		s.d.queueClaim(b, c, s.fp[:], citus)
+		br := s.tx.SendBatch(ctx, b)
+		if _, err := br.Exec(); err != nil { // the savepoint did not begin
+			if st != nil {
+				delete(st.warm, s.d.claimForms[b2i(citus)][b2i(c.TakeOver)]) // pgx prepared something after all
+			}
+			return false, false, fmt.Errorf("claim: %w", closeBatch(br, err))
+		}
+		claimed, err = readClaim(br, citus)
+		return claimed, true, claimError(closeBatch(br, err))
+	}
+
+	if _, err := s.tx.Exec(ctx, sqlSavepoint, pgx.QueryExecModeSimpleProtocol); err != nil {
+		return false, false, fmt.Errorf("claim: %w", err)
+	}
+	if citus, err = s.d.isCitus(ctx, st, s.tx); err != nil {
+		return false, true, fmt.Errorf("claim: %w", err)
+	}
+	s.d.queueClaim(b, c, s.fp[:], citus)
+	br := s.tx.SendBatch(ctx, b)
+	claimed, err = readClaim(br, citus)
+	if err = closeBatch(br, err); err == nil && st.caches {
+		st.warm[s.d.claimForms[b2i(citus)][b2i(c.TakeOver)]] = true
+	}
+	return claimed, true, claimError(err)
+}
+
+// claimError labels the failure of a claim.
+func claimError(err error) error {
+	if err != nil {
+		return fmt.Errorf("claim: %w", err)
+	}
+	return nil
+}
+
+func b2i(b bool) int {
+	if b {
+		return 1
+	}
+	return 0
+}
+
+// reset empties the span's batch for the next round trip, keeping the room
+// of its queue (the queued statements of a sent batch are no longer read
+// once its results are closed).
+func (s *span) reset() *pgx.Batch {
+	s.batch = pgx.Batch{QueuedQueries: s.queue[:0]}
+	return &s.batch
+}
+
+// queueClaim queues the claim of c.Key in b, bounded by the Client's Wait:
+// a fresh claim, or the take-over of a row that is over. On PostgreSQL the
+// bound is set, and the caller's lock_timeout restored, by the statement
+// itself (see KeyClaim). On Citus the wait happens on the worker, which
+// only SET LOCAL statements reach: lock_timeout is set to Wait before the
+// claim and back to its default after it.
+func (d *Driver) queueClaim(b *pgx.Batch, c driver.Claim, fp []byte, citus bool) {
+	ctx, q, k := context.Background(), queuer{b}, c.Key
+	switch {
+	case citus && c.TakeOver:
+		b.Queue(d.sqlSetWait)
+		_, _ = queries.KeyTakeOverCitus(ctx, q, db.KeyTakeOverCitusParams{Actor: k.Actor, Operation: k.Operation,
+			IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttlMicros})
+		b.Queue(sqlWaitDefault)
+	case citus:
+		b.Queue(d.sqlSetWait)
+		_, _ = queries.KeyClaimCitus(ctx, q, db.KeyClaimCitusParams{Actor: k.Actor, Operation: k.Operation,
+			IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttlMicros})
+		b.Queue(sqlWaitDefault)
+	case c.TakeOver:
+		_, _ = queries.KeyTakeOver(ctx, q, db.KeyTakeOverParams{Actor: k.Actor, Operation: k.Operation,
+			IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttlMicros, LockTimeout: d.lockTimeout})
+	default:
+		_, _ = queries.KeyClaim(ctx, q, db.KeyClaimParams{Actor: k.Actor, Operation: k.Operation,
+			IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttlMicros, LockTimeout: d.lockTimeout})
+	}
+}
+
+// readClaim reads the results of what queueClaim queued: whether the key is
+// now claimed by this transaction. (All four claims return the same single
+// column.)
+func readClaim(br pgx.BatchResults, citus bool) (claimed bool, err error) {
+	if citus {
+		if _, err = br.Exec(); err != nil {
+			return false, err
+		}
+	}
+	claimed, err = queries.KeyClaim(context.Background(), batchRead{br}, db.KeyClaimParams{})
+	if errors.Is(err, pgx.ErrNoRows) {
+		claimed, err = false, nil
+	}
+	if err == nil && citus {
+		_, err = br.Exec()
+	}
+	return claimed, err
+}
+
+// Complete stores the outcome and ends the span, in one round trip: the
+// completion, then RELEASE (Do) or COMMIT (DoInTx), which does not run
+// when the completion fails.
+func (s *span) Complete(ctx context.Context, out driver.Outcome) error {
+	b := s.reset()
+	k, r := out.Key, out.Reply
+	_ = queries.KeyComplete(context.Background(), queuer{b}, db.KeyCompleteParams{
+		Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key, Fingerprint: s.fp[:],
+		Status: out.Status, TtlMicros: s.d.ttlMicros, ResponseStatus: r.Status,
+		ResponseHeaders: pgtype.Text{String: r.Headers, Valid: r.HasHeaders}, ResponseBody: r.Body,
+	})
+	if s.conn == nil {
+		b.Queue(sqlRelease)
+	} else {
+		b.Queue("COMMIT")
+	}
+	br := s.tx.SendBatch(ctx, b)
+	err := queries.KeyComplete(context.Background(), batchRead{br}, db.KeyCompleteParams{})
+	if err != nil {
+		err = fmt.Errorf("store response: %w", err)
+	} else {
+		err = s.ended(br.Exec())
+	}
+	return closeBatch(br, err)
+}
+
+// ended checks the result of the statement that ends the span: RELEASE, or
+// COMMIT (whose tag says ROLLBACK when the transaction was aborted).
+func (s *span) ended(tag pgconn.CommandTag, err error) error {
+	if s.conn == nil {
+		if err != nil {
+			return fmt.Errorf("release: %w", err)
+		}
+		return nil
+	}
+	if err == nil && tag.String() == "ROLLBACK" {
+		err = pgx.ErrTxCommitRollback
+	}
+	if err != nil {
+		return fmt.Errorf("commit: %w", err)
+	}
+	return nil
+}
+
+// Read reads the committed row that holds k and ends the span, in one
+// round trip: the planner setting and the read, then ROLLBACK TO and
+// RELEASE (Do) or COMMIT (DoInTx), which undo the setting and the claim's
+// lock_timeout.
+func (s *span) Read(ctx context.Context, k driver.Key) (row driver.Row, found bool, err error) {
+	b := s.reset()
+	b.Queue(sqlIndexLookup)
+	_, _ = queries.KeyGet(context.Background(), queuer{b},
+		db.KeyGetParams{Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key})
+	if s.conn == nil {
+		b.Queue(sqlRollbackTo)
+		b.Queue(sqlRelease)
+	} else {
+		b.Queue("COMMIT")
+	}
+	br := s.tx.SendBatch(ctx, b)
+	_, err = br.Exec()
+	var r db.KeyGetRow
+	if err == nil {
+		r, err = queries.KeyGet(context.Background(), batchRead{br}, db.KeyGetParams{})
+		found = err == nil
+		if errors.Is(err, pgx.ErrNoRows) {
+			err = nil
+		}
+	}
+	if err == nil && s.conn == nil {
+		if _, err = br.Exec(); err == nil {
+			_, err = br.Exec()
+		}
+	} else if err == nil {
+		err = s.ended(br.Exec())
+	}
+	if err = closeBatch(br, err); err != nil {
+		return row, false, fmt.Errorf("read key: %w", err)
+	}
+	return driver.Row{
+		Fingerprint: r.Fingerprint, Status: r.Status, Stored: stored(r.ResponseStatus, r.ResponseHeaders, r.ResponseBody),
+		Expired: r.Expired, Leased: r.Leased, LeaseLeftMs: r.LeaseLeftMs,
+	}, found, nil
+}
+
+// stored is a response as read from its columns.
+func stored(status pgtype.Int4, headers, body []byte) driver.Stored {
+	return driver.Stored{Valid: status.Valid, Status: status.Int32, Headers: headers, Body: body}
+}
+
+// Undo undoes the span, even when ctx is done: Do rolls the caller's
+// transaction back to its savepoint and drops it; DoInTx rolls its own
+// transaction back.
+func (s *span) Undo(ctx context.Context) error {
+	if s.conn != nil {
+		rollback(ctx, s.tx)
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), driver.CleanupTimeout)
+	defer cancel()
+	if _, err := s.tx.Exec(ctx, sqlUndo); err != nil {
+		return fmt.Errorf("undo: %w", err)
+	}
+	return nil
+}
+
+// rollback rolls tx back, even when ctx is done. A transaction that a
+// batch already ended answers with a warning only.
+func rollback(ctx context.Context, tx pgx.Tx) {
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), driver.CleanupTimeout)
+	defer cancel()
+	_ = tx.Rollback(ctx)
+}
+
+// Lost reports whether DoInTx's connection is closed: the server went away
+// or the connection broke.
+func (s *span) Lost() bool { return s.conn != nil && s.conn.IsClosed() }
+
+// Close gives back the pooled connection of DoInTx on a pool.
+func (s *span) Close() {
+	if s.pooled != nil {
+		s.pooled.Release()
+		s.pooled = nil
+	}
+}
+
+// sqlHasCitus asks whether the database has the citus extension.
+const sqlHasCitus = "SELECT EXISTS (SELECT FROM pg_extension WHERE extname = 'citus')"
+
+// Querier runs a query: a connection, a pool's connection or a
+// transaction.
+type Querier interface {
+	QueryRow(ctx context.Context, sql string, args ...any) pgx.Row
+}
+
+// HasCitus reports whether the citus extension is installed in the
+// database of q. The statement goes in the simple protocol: nothing to
+// prepare.
+func HasCitus(ctx context.Context, q Querier) (bool, error) {
+	var citus bool
+	err := q.QueryRow(ctx, sqlHasCitus, pgx.QueryExecModeSimpleProtocol).Scan(&citus)
+	return citus, err
+}
+
+// connState is what the driver knows of one connection, kept in its pgconn
+// CustomData (a connection serves one call at a time, so no lock): made
+// once per connection, then read on every call at the cost of a map lookup.
+type connState struct {
+	db    citusKey
+	known bool // citus is known
+	citus bool
+	// prepares: pgx prepares or describes a batch's statements that it has
+	// not cached in a round trip of its own before the batch (its exec
+	// modes cache_statement, cache_describe, describe_exec); caches: and
+	// keeps them (not describe_exec).
+	prepares, caches bool
+	// warm names the claim batches (Driver.claimForms) that ran on this
+	// connection: their statements are in pgx's cache.
+	warm map[string]bool
+}
+
+// connStateKey is the key of a connState in a connection's CustomData.
+const connStateKey = "github.com/pgidem/idem.conn"
+
+// state returns what the driver knows of conn, sending nothing: whether it
+// runs Citus is known when this connection or this Client learnt it before.
+func (d *Driver) state(conn *pgx.Conn) *connState {
+	data := conn.PgConn().CustomData()
+	st, ok := data[connStateKey].(*connState)
+	if !ok {
+		cfg := conn.Config() // a copy: once per connection
+		st = &connState{db: citusKey{host: cfg.Host, port: cfg.Port, database: cfg.Database}, warm: map[string]bool{}}
+		switch cfg.DefaultQueryExecMode {
+		case pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe:
+			st.prepares, st.caches = true, true
+		case pgx.QueryExecModeDescribeExec:
+			st.prepares = true
+		}
+		data[connStateKey] = st
+	}
+	if !st.known {
+		if citus, ok := d.citus.Load(st.db); ok {
+			st.known, st.citus = true, citus.(bool)
+		}
+	}
+	return st
+}
+
+// isCitus reports whether the database of st's connection has the citus
+// extension, asking q (the connection, or a transaction on it) when neither
+// the connection nor this Client knows.
+func (d *Driver) isCitus(ctx context.Context, st *connState, q Querier) (bool, error) {
+	if st.known {
+		return st.citus, nil
+	}
+	citus, err := HasCitus(ctx, q)
+	if err != nil {
+		return false, err
+	}
+	d.citus.Store(st.db, citus)
+	st.known, st.citus = true, citus
+	return citus, nil
+}

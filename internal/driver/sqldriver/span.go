@@ -1,0 +1,201 @@
+package sqldriver
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"fmt"
+
+	"github.com/pgidem/idem/internal/dbsql"
+	"github.com/pgidem/idem/internal/driver"
+)
+
+// Statements that are not table queries (as pgx's driver sends them).
+const (
+	sqlSavepoint = "SAVEPOINT idem_do"
+	sqlRelease   = "RELEASE SAVEPOINT idem_do"
+	// sqlUndo undoes the claim and fn's writes and drops the savepoint; a
+	// statement without arguments goes as one simple-protocol message, so
+	// both commands cost one round trip (and a transaction fn left aborted
+	// accepts it).
+	sqlUndo        = "ROLLBACK TO SAVEPOINT idem_do; RELEASE SAVEPOINT idem_do"
+	sqlIndexLookup = "SET LOCAL enable_seqscan = off"
+	// sqlWaitDefault ends a Citus claim's bound on waiting.
+	sqlWaitDefault = "SET LOCAL lock_timeout TO DEFAULT"
+)
+
+// SavepointSpan is Do's span in the caller's transaction tx.
+func (d *Driver) SavepointSpan(tx *sql.Tx) driver.Span[*sql.Tx] { return &span{d: d, tx: tx} }
+
+// OwnSpan is DoInTx's span on db: a transaction of its own per round.
+func (d *Driver) OwnSpan(_ context.Context, db *sql.DB) (driver.Span[*sql.Tx], bool, error) {
+	return &span{d: d, db: db}, true, nil
+}
+
+// span is where one call claims its key, runs fn and stores the outcome:
+// Do's savepoint in the caller's transaction (db nil), or DoInTx's own
+// transactions begun on db, one per round.
+type span struct {
+	d    *Driver
+	tx   *sql.Tx // Do: the caller's; DoInTx: the current own transaction
+	db   *sql.DB
+	lost bool // a ROLLBACK of DoInTx's found the connection gone
+}
+
+// Tx is the transaction fn runs in.
+func (s *span) Tx() *sql.Tx { return s.tx }
+
+// Claim sends SAVEPOINT (or BEGIN), then the claim, which bounds its own
+// wait (on Citus: SET LOCAL lock_timeout before it and back to its default
+// after it, each a round trip).
+func (s *span) Claim(ctx context.Context, c driver.Claim) (claimed, begun bool, err error) {
+	if s.db != nil {
+		s.tx, s.lost = nil, false
+		tx, err := s.db.BeginTx(ctx, s.d.txOptions)
+		if err != nil { // nothing to undo
+			return false, false, fmt.Errorf("begin: %w", err)
+		}
+		s.tx = tx
+	} else if _, err := s.tx.ExecContext(ctx, sqlSavepoint); err != nil {
+		return false, false, fmt.Errorf("claim: %w", err)
+	}
+	claimed, err = s.d.claim(ctx, s.tx, c)
+	if err != nil {
+		return false, true, fmt.Errorf("claim: %w", err)
+	}
+	return claimed, true, nil
+}
+
+// claim claims c.Key in tx. claimed is false when a committed row holds
+// the key.
+func (d *Driver) claim(ctx context.Context, tx *sql.Tx, c driver.Claim) (claimed bool, err error) {
+	k, fp := c.Key, c.Fingerprint[:]
+	switch {
+	case d.citus:
+		if _, err := tx.ExecContext(ctx, d.sqlSetWait); err != nil {
+			return false, err
+		}
+		if c.TakeOver {
+			claimed, err = queries.KeyTakeOverCitus(ctx, tx, dbsql.KeyTakeOverCitusParams{Actor: k.Actor, Operation: k.Operation,
+				IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttlMicros})
+		} else {
+			claimed, err = queries.KeyClaimCitus(ctx, tx, dbsql.KeyClaimCitusParams{Actor: k.Actor, Operation: k.Operation,
+				IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttlMicros})
+		}
+		if err == nil || errors.Is(err, sql.ErrNoRows) {
+			if _, waitErr := tx.ExecContext(ctx, sqlWaitDefault); waitErr != nil {
+				return false, waitErr
+			}
+		}
+	case c.TakeOver:
+		claimed, err = queries.KeyTakeOver(ctx, tx, dbsql.KeyTakeOverParams{Actor: k.Actor, Operation: k.Operation,
+			IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttlMicros, LockTimeout: d.lockTimeout})
+	default:
+		claimed, err = queries.KeyClaim(ctx, tx, dbsql.KeyClaimParams{Actor: k.Actor, Operation: k.Operation,
+			IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttlMicros, LockTimeout: d.lockTimeout})
+	}
+	if errors.Is(err, sql.ErrNoRows) {
+		return false, nil
+	}
+	return claimed, err
+}
+
+// Complete stores the outcome, then sends RELEASE (or COMMIT).
+func (s *span) Complete(ctx context.Context, out driver.Outcome) error {
+	k, r := out.Key, out.Reply
+	err := queries.KeyComplete(ctx, s.tx, dbsql.KeyCompleteParams{
+		Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key, Fingerprint: out.Fingerprint[:],
+		Status: out.Status, TtlMicros: s.d.ttlMicros, ResponseStatus: r.Status,
+		ResponseHeaders: sql.NullString{String: r.Headers, Valid: r.HasHeaders}, ResponseBody: r.Body,
+	})
+	if err != nil {
+		return fmt.Errorf("store response: %w", err)
+	}
+	if s.db != nil {
+		if err := s.tx.Commit(); err != nil {
+			return fmt.Errorf("commit: %w", err)
+		}
+		return nil
+	}
+	if _, err := s.tx.ExecContext(ctx, sqlRelease); err != nil {
+		return fmt.Errorf("release: %w", err)
+	}
+	return nil
+}
+
+// Read reads the committed row that holds k as an index lookup, then leaves
+// the span: ROLLBACK TO and RELEASE in one message (or ROLLBACK), which end
+// the planner setting.
+func (s *span) Read(ctx context.Context, k driver.Key) (row driver.Row, found bool, err error) {
+	_, err = s.tx.ExecContext(ctx, sqlIndexLookup)
+	var r dbsql.KeyGetRow
+	if err == nil {
+		r, err = queries.KeyGet(ctx, s.tx, dbsql.KeyGetParams{Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key})
+		found = err == nil
+		if errors.Is(err, sql.ErrNoRows) {
+			err = nil
+		}
+	}
+	if err == nil && s.db != nil {
+		err = s.rollback()
+	} else if err == nil {
+		_, err = s.tx.ExecContext(ctx, sqlUndo)
+	}
+	if err != nil {
+		return row, false, fmt.Errorf("read key: %w", err)
+	}
+	return driver.Row{
+		Fingerprint: r.Fingerprint, Status: r.Status, Stored: stored(r.ResponseStatus, r.ResponseHeaders, r.ResponseBody),
+		Expired: r.Expired, Leased: r.Leased, LeaseLeftMs: r.LeaseLeftMs,
+	}, found, nil
+}
+
+// stored is a response as read from its columns.
+func stored(status sql.NullInt32, headers, body []byte) driver.Stored {
+	return driver.Stored{Valid: status.Valid, Status: status.Int32, Headers: headers, Body: body}
+}
+
+// Undo undoes the span, even when ctx is done: Do rolls the caller's
+// transaction back to its savepoint and drops it; DoInTx rolls its own
+// transaction back.
+func (s *span) Undo(ctx context.Context) error {
+	if s.db != nil {
+		_ = s.rollback()
+		return nil
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), driver.CleanupTimeout)
+	defer cancel()
+	if _, err := s.tx.ExecContext(ctx, sqlUndo); err != nil {
+		return fmt.Errorf("undo: %w", err)
+	}
+	return nil
+}
+
+// rollback rolls DoInTx's transaction back and remembers whether the
+// connection was gone.
+func (s *span) rollback() error {
+	if s.tx == nil {
+		return nil
+	}
+	err := rollback(s.tx)
+	s.lost = s.lost || err != nil && driver.Unavailable(err)
+	return err
+}
+
+// rollback rolls tx back, whatever the context: database/sql sends
+// ROLLBACK regardless (a Tx whose context ended was rolled back already, and
+// answers sql.ErrTxDone).
+func rollback(tx *sql.Tx) error {
+	err := tx.Rollback()
+	if errors.Is(err, sql.ErrTxDone) {
+		return nil
+	}
+	return err
+}
+
+// Lost reports whether a ROLLBACK of DoInTx's found the connection gone.
+func (s *span) Lost() bool { return s.lost }
+
+// Close does nothing: database/sql gives the connection back at the end
+// of each transaction.
+func (s *span) Close() {}
