@@ -38,7 +38,10 @@ const MigrationLockID int64 = migrate.LockID // "idem"
 // because its Down would delete records whose outcome may have happened
 // (unknown, in flight or failed_retryable, or, for the first migration,
 // every record): the keys would become free and their retries would run
-// again. The error says how many records; nothing changed.
+// again. The Downs that would drop what people rely on refuse the same way:
+// the operators' audit trail (migration 5), the resume windows of records
+// in doubt or failed_retryable (migration 6: they would wait for a person
+// instead of resuming). The error says how many; nothing changed.
 // MigrateDownOptions.Force reverts anyway.
 var ErrDowngradeDeletesRecords = errors.New("idem: migrating down would delete records whose outcome may have happened")
 
@@ -152,7 +155,7 @@ func MigrateDown(ctx context.Context, pool *pgxpool.Pool, opts MigrateDownOption
 			"which the server or pooler refused (%v); force the downgrade on a direct connection to PostgreSQL",
 			ErrInvalidArgument, forceDownParam, err)
 	case errors.As(err, &pgErr) && pgErr.Code == downRefusedCode:
-		return 0, core.Errorf("idem: %w: %s; nothing changed (MigrateDownOptions.Force, or idem migrate down --force, deletes them)",
+		return 0, core.Errorf("idem: %w: %s; nothing changed (MigrateDownOptions.Force, or idem migrate down --force, reverts anyway)",
 			ErrDowngradeDeletesRecords, pgErr.Message)
 	case err != nil:
 		return 0, core.Errorf("idem: migrate down: %w", err)
