@@ -161,7 +161,7 @@ func run(ctx context.Context, out io.Writer, name string) error {
 // runOn is run on srv.
 func runOn(ctx context.Context, out io.Writer, srv *pgserver.Server, name string) error {
 	fmt.Fprintf(out, "PostgreSQL from %s; database %s\n\n", srv.Source, name)
-	db, err := openDatabase(ctx, srv, name, out)
+	db, err := openDatabase(ctx, srv, name, out, false)
 	if err != nil {
 		return err
 	}

@@ -39,6 +39,12 @@ func migrateDemo(ctx context.Context, pool *pgxpool.Pool) error {
 	return draw.AddWallet(ctx, pool, "bob", 300)
 }
 
+// testAPI is newAPI on pool with a seeded picker, a payment service and
+// no log.
+func testAPI(pool *pgxpool.Pool) http.Handler {
+	return newAPI(pool, newPayments(pool, newGateway(pool)), newPicker(1), slog.New(slog.DiscardHandler))
+}
+
 type apiReply struct {
 	status   int
 	replayed bool
@@ -96,7 +102,7 @@ func TestDrawAPI(t *testing.T) {
 		Prizes: []draw.Prize{{Name: "Goose Egg", Weight: 1}}}); err != nil {
 		t.Fatal(err)
 	}
-	srv := httptest.NewServer(newAPI(pool, newPicker(1), slog.New(slog.DiscardHandler)))
+	srv := httptest.NewServer(testAPI(pool))
 	t.Cleanup(srv.Close)
 	base := srv.URL
 
@@ -166,7 +172,7 @@ func TestDrawAPI(t *testing.T) {
 func TestInvalidDrawIsNotStored(t *testing.T) {
 	t.Parallel()
 	pool := pgtest.Pool(t, migrateDemo)
-	srv := httptest.NewServer(newAPI(pool, newPicker(1), slog.New(slog.DiscardHandler)))
+	srv := httptest.NewServer(testAPI(pool))
 	t.Cleanup(srv.Close)
 
 	for body, detail := range map[string]string{
@@ -221,7 +227,7 @@ func TestInvalidDrawIsNotStored(t *testing.T) {
 // Requests that match no route get problems too, not the mux's text/plain.
 func TestUnroutedRequestsGetProblems(t *testing.T) {
 	t.Parallel()
-	srv := httptest.NewServer(newAPI(pgtest.Pool(t, migrateDemo), newPicker(1), slog.New(slog.DiscardHandler)))
+	srv := httptest.NewServer(testAPI(pgtest.Pool(t, migrateDemo)))
 	t.Cleanup(srv.Close)
 	for _, c := range []struct {
 		method, path string
