@@ -12,7 +12,6 @@ import (
 	mrand "math/rand/v2"
 	"net"
 	"net/http"
-	"os"
 	"strings"
 	"sync"
 	"time"
@@ -94,8 +93,8 @@ func checkLoopback(addr string) error {
 // serve prepares the demo database (see openDatabase), seeds it, and runs
 // the draw API over HTTP, and the payments' recovery worker, until ctx is
 // done; then it shuts the server down and returns nil. A payment that asks
-// to crash after the charge (X-Demo-Crash: after-charge) ends the process
-// there, with exit status 3.
+// to crash after the charge (X-Demo-Crash: after-charge) kills the process
+// there (SIGKILL; exit status 3 where there is none).
 func serve(ctx context.Context, out io.Writer, cfg serveConfig) error {
 	srv, err := pgserver.Resolve(ctx)
 	if err != nil {
@@ -126,8 +125,8 @@ func serve(ctx context.Context, out io.Writer, cfg serveConfig) error {
 	defer pay.gw.close()
 	pay.lease, pay.resumeWithin = cfg.lease, cfg.resumeWithin
 	pay.stop = func() {
-		fmt.Fprintln(out, "Stopping dead after the charge, before Complete, as asked (X-Demo-Crash: after-charge). Start again with -keep.")
-		os.Exit(3)
+		fmt.Fprintln(out, "Killed after the charge, before Complete, as asked (X-Demo-Crash: after-charge). Start again with -keep.")
+		killSelf()
 	}
 	api := newAPI(pool, pay, newPicker(cfg.seed), log)
 	httpSrv := &http.Server{Handler: api, ReadHeaderTimeout: 10 * time.Second}

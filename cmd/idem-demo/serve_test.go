@@ -27,7 +27,16 @@ import (
 	"github.com/pgidem/idem/internal/pgtest"
 )
 
-func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }
+// TestMain runs the tests, or, with IDEM_DEMO_MAIN=1 in the environment,
+// the demo itself with the binary's arguments: a child process of the
+// tests that can be killed (TestCrashAfterChargeResumes).
+func TestMain(m *testing.M) {
+	if os.Getenv("IDEM_DEMO_MAIN") == "1" {
+		main()
+		os.Exit(0)
+	}
+	os.Exit(pgtest.Main(m))
+}
 
 func migrateDemo(ctx context.Context, pool *pgxpool.Pool) error {
 	if err := idem.Migrate(ctx, pool); err != nil {
