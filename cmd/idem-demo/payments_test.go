@@ -204,5 +204,16 @@ func TestRunScenarios(t *testing.T) {
 			t.Errorf("no row for %q:\n%s", sc.name, out.String())
 		}
 	}
+	// The rows the docs show are the run's, spaces aside.
+	words := func(s string) string { return strings.Join(strings.Fields(s), " ") }
+	rows := docRunOutputs(t)
+	if len(rows) == 0 {
+		t.Error("no marked run output in README.md or docs/")
+	}
+	for row, where := range rows {
+		if !strings.Contains(words(out.String()), words(row)) {
+			t.Errorf("%s: the docs show a row the run does not print:\n%s", where, row)
+		}
+	}
 	t.Logf("\n%s", out.String())
 }
