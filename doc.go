@@ -22,7 +22,10 @@
 // never belongs in fn: Reserve, Complete, FailRetryable and MarkUnknown
 // give it a lease and a fencing token, and an outcome that may have happened
 // becomes unknown, to be reconciled with ListUnknown and Resolve, never run
-// again blindly. DoJSON returns typed values instead of bytes; Inbox applies
+// again blindly; unless the call carried the reservation's call key to a
+// receiver that remembers it (ReserveWith with ReserveOptions.ResumeWithin):
+// then, inside that window, the next Reserve or a recovery worker fed by
+// ListResumable resumes it with the same key. DoJSON returns typed values instead of bytes; Inbox applies
 // the same discipline to messages and webhook deliveries, EventID to an
 // outbox.
 //
@@ -52,8 +55,8 @@
 //	          (sqlc, generated twice from queries/)
 //
 // DoInTx and Do read idem.go, then internal/core/call.go, then
-// internal/driver/pgxdriver/span.go; Reserve reads reserve.go, call.go and
-// pgxdriver/executor.go. The public types (Scope, Response, Result, Record,
+// internal/driver/pgxdriver/span.go; Reserve and ReserveWith read
+// reserve.go, call.go and pgxdriver/executor.go. The public types (Scope, Response, Result, Record,
 // Reservation, Config, the errors, ...) are declared once in internal/core
 // and named here.
 package idem

@@ -61,7 +61,13 @@ var (
 	// ErrOutcomeUnknown means the key belongs to a reservation whose work
 	// outside the database may or may not have happened: its owner marked it
 	// unknown, or its lease ran out before it completed. Nothing runs again
-	// automatically; reconcile it (Resolve) first (HTTP 409).
+	// automatically; reconcile it (Resolve) first (HTTP 409). (Inside the
+	// window of a key reserved with ReserveOptions.ResumeWithin, Reserve
+	// resumes such an attempt instead; Do still answers ErrOutcomeUnknown.)
+	// It is also what idem's clients (idemhttp.Transport, the gRPC and
+	// Connect client interceptors) return, as an *idem.CallError, for an
+	// outgoing call that got no answer after an attempt that may have
+	// reached the receiver.
 	ErrOutcomeUnknown = core.ErrOutcomeUnknown
 
 	// ErrNotFound means no record holds the key (it was never used, it was

@@ -384,6 +384,7 @@ func TestServeFlags(t *testing.T) {
 	t.Parallel()
 	for _, args := range [][]string{
 		{}, {"-addr", "localhost:0"}, {"-addr", "[::1]:9000"}, {"-seed", "7", "-db", "idem_demo2"},
+		{"-keep"}, {"-lease", "5s"}, {"-resume-within", "0"}, {"-lease", "1m", "-resume-within", "1m"}, {"-resume-within", "24h"},
 	} {
 		if _, err := parseServeFlags(args, io.Discard); err != nil {
 			t.Errorf("%q: %v", args, err)
@@ -392,6 +393,8 @@ func TestServeFlags(t *testing.T) {
 	for _, args := range [][]string{
 		{"-addr", "0.0.0.0:8080"}, {"-addr", ":8080"}, {"-addr", "example.com:80"}, {"-addr", "nonsense"},
 		{"-db", "postgres"}, {"-db", "idem-x"}, {"-db", "idem;DROP"}, {"extra"}, {"-seed", "x"},
+		{"-lease", "0"}, {"-lease", "-1s"}, {"-lease", "x"}, {"-resume-within", "-1h"}, {"-resume-within", "10s"},
+		{"-resume-within", "25h"}, {"-keep=maybe"},
 	} {
 		if _, err := parseServeFlags(args, io.Discard); !errors.As(err, new(usageError)) {
 			t.Errorf("%q: %v, want a usage error", args, err)
