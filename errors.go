@@ -53,9 +53,10 @@ var (
 	ErrUnavailable = core.ErrUnavailable
 
 	// ErrInvalidArgument means a required argument (transaction, function,
-	// database handle) is nil, or a value such as a lease, a limit or a
-	// ListUnknown cursor is out of range, or the caller's transaction given
-	// to Do or Complete is closed or aborted. Nothing was touched.
+	// database handle) is nil, or a value such as a lease, a window
+	// (ReserveOptions), a limit or a ListUnknown cursor is out of range, or
+	// the caller's transaction given to Do or Complete is closed or aborted.
+	// Nothing was touched.
 	ErrInvalidArgument = core.ErrInvalidArgument
 
 	// ErrOutcomeUnknown means the key belongs to a reservation whose work
