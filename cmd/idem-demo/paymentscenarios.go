@@ -65,6 +65,34 @@ func chargesOf(ctx context.Context, gw *gateway, key string) (gatewayCharge, int
 	return charges[len(charges)-1], len(charges), nil
 }
 
+// outcome is what a payment left behind: the gateway's latest charge for
+// it and how many it made, the payment's record, its rows in payments, and
+// the records that need a person (all payments').
+type outcome struct {
+	charge  gatewayCharge
+	charges int
+	status  idem.Status
+	rows    int
+	waiting int
+}
+
+// outcomeOf reads what the payment key left behind, through the gateway gw.
+func (d *demo) outcomeOf(ctx context.Context, gw *gateway, key string) (o outcome, err error) {
+	if o.charge, o.charges, err = chargesOf(ctx, gw, key); err != nil {
+		return o, err
+	}
+	rec, err := idem.Lookup(ctx, d.pool, idem.Scope{Actor: user, Operation: paymentOperation}, key)
+	if err != nil {
+		return o, err
+	}
+	o.status = rec.Status
+	if o.rows, err = d.paymentRows(ctx, key); err != nil {
+		return o, err
+	}
+	o.waiting, err = d.forAnOperator(ctx)
+	return o, err
+}
+
 // forAnOperator counts the records that need a person (idem.ListUnknown).
 func (d *demo) forAnOperator(ctx context.Context) (int, error) {
 	recs, err := idem.ListUnknown(ctx, d.pool, 100, nil)
@@ -113,22 +141,14 @@ func (d *demo) paymentReplyLost(ctx context.Context) (string, bool, error) {
 	if err != nil {
 		return "", false, err
 	}
-	charge, charges, err := chargesOf(ctx, s.gw, key)
-	if err != nil {
-		return "", false, err
-	}
-	rows, err := d.paymentRows(ctx, key)
-	if err != nil {
-		return "", false, err
-	}
-	rec, err := idem.Lookup(ctx, d.pool, idem.Scope{Actor: user, Operation: paymentOperation}, key)
+	o, err := d.outcomeOf(ctx, s.gw, key)
 	if err != nil {
 		return "", false, err
 	}
 	what := fmt.Sprintf("gateway charged %s, answer lost; retried with the same key: replayed; paid %d (%s); gateway: %d charge for %d requests, payments: %d",
-		charge.ID, paid.Status, rec.Status, charges, charge.Requests, rows)
-	ok := paid.Status == http.StatusCreated && bytes.Contains(paid.Body, []byte(charge.ID)) &&
-		rec.Status == idem.StatusSucceeded && charges == 1 && charge.Requests == 2 && rows == 1
+		o.charge.ID, paid.Status, o.status, o.charges, o.charge.Requests, o.rows)
+	ok := paid.Status == http.StatusCreated && bytes.Contains(paid.Body, []byte(o.charge.ID)) &&
+		o.status == idem.StatusSucceeded && o.charges == 1 && o.charge.Requests == 2 && o.rows == 1
 	return what, ok, nil
 }
 
@@ -309,22 +329,14 @@ func (d *demo) paymentResumedByRetry(ctx context.Context) (string, bool, error) 
 	if err != nil {
 		return "", false, err
 	}
-	charge, charges, err := chargesOf(ctx, s.gw, key)
-	if err != nil {
-		return "", false, err
-	}
-	rows, err := d.paymentRows(ctx, key)
-	if err != nil {
-		return "", false, err
-	}
-	left, err := d.forAnOperator(ctx)
+	o, err := d.outcomeOf(ctx, s.gw, key)
 	if err != nil {
 		return "", false, err
 	}
 	what := fmt.Sprintf("gateway charged %s, no answer to %d attempts: 504, for an operator: %d; retry resumed: paid %d with %s; gateway: %d charge for %d requests, payments: %d, for an operator: %d",
-		charge.ID, s.gatewayPolicy.MaxAttempts, waiting, paid.Status, charge.ID, charges, charge.Requests, rows, left)
-	ok := waiting == 0 && paid.Status == http.StatusCreated && !replayed && bytes.Contains(paid.Body, []byte(charge.ID)) &&
-		charges == 1 && charge.Requests == s.gatewayPolicy.MaxAttempts+1 && rows == 1 && left == 0
+		o.charge.ID, s.gatewayPolicy.MaxAttempts, waiting, paid.Status, o.charge.ID, o.charges, o.charge.Requests, o.rows, o.waiting)
+	ok := waiting == 0 && paid.Status == http.StatusCreated && !replayed && bytes.Contains(paid.Body, []byte(o.charge.ID)) &&
+		o.status == idem.StatusSucceeded && o.charges == 1 && o.charge.Requests == s.gatewayPolicy.MaxAttempts+1 && o.rows == 1 && o.waiting == 0
 	return what, ok, nil
 }
 
@@ -363,25 +375,13 @@ func (d *demo) paymentRecovered(ctx context.Context) (string, bool, error) {
 		}
 		resumed += n
 	}
-	charge, charges, err := chargesOf(ctx, restartedGW, key)
-	if err != nil {
-		return "", false, err
-	}
-	rec, err := idem.Lookup(ctx, d.pool, idem.Scope{Actor: user, Operation: paymentOperation}, key)
-	if err != nil {
-		return "", false, err
-	}
-	rows, err := d.paymentRows(ctx, key)
-	if err != nil {
-		return "", false, err
-	}
-	left, err := d.forAnOperator(ctx)
+	o, err := d.outcomeOf(ctx, restartedGW, key)
 	if err != nil {
 		return "", false, err
 	}
 	what := fmt.Sprintf("gateway charged %s, the service stopped before Complete; after the restart the recovery worker resumed %d: replayed %s, %s; gateway: %d charge for %d requests, payments: %d, for an operator: %d",
-		first.ID, resumed, charge.ID, rec.Status, charges, charge.Requests, rows, left)
-	ok := resumed == 1 && first.ID != "" && charge.ID == first.ID && rec.Status == idem.StatusSucceeded &&
-		charges == 1 && charge.Requests == 2 && rows == 1 && left == 0
+		first.ID, resumed, o.charge.ID, o.status, o.charges, o.charge.Requests, o.rows, o.waiting)
+	ok := resumed == 1 && first.ID != "" && o.charge.ID == first.ID && o.status == idem.StatusSucceeded &&
+		o.charges == 1 && o.charge.Requests == 2 && o.rows == 1 && o.waiting == 0
 	return what, ok, nil
 }

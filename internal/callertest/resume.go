@@ -51,7 +51,7 @@ func PgxFront(pool *pgxpool.Pool) NewFront {
 		if err != nil {
 			t.Fatal(err)
 		}
-		return pgxFront{c, pool}
+		return front[idem.Beginner, pgx.Tx]{c, pool}
 	}
 }
 
@@ -67,100 +67,74 @@ func SQLFront(db *sql.DB, citus bool) NewFront {
 		if err != nil {
 			t.Fatal(err)
 		}
-		return sqlFront{c, db}
+		return front[*sql.DB, *sql.Tx]{c, db}
 	}
 }
 
-type pgxFront struct {
-	c    *idem.Client
-	pool *pgxpool.Pool
+// client is what idem.Client and idemsql.Client have alike: their calls on
+// a handle TDB and a transaction TTx.
+type client[TDB, TTx any] interface {
+	ReserveWith(ctx context.Context, db TDB, scope idem.Scope, key string, fp idem.Fingerprint, opts idem.ReserveOptions) (idem.Reservation, error)
+	InTx(ctx context.Context, db TDB, fn func(ctx context.Context, tx TTx) error) error
+	Complete(ctx context.Context, tx TTx, r idem.Reservation, resp idem.Response) error
+	FailRetryable(ctx context.Context, db TDB, r idem.Reservation, reason string) error
+	MarkUnknown(ctx context.Context, db TDB, r idem.Reservation, reason string) error
+	Heartbeat(ctx context.Context, db TDB, r idem.Reservation, extend time.Duration) (idem.Reservation, error)
+	ExpireLeases(ctx context.Context, db TDB, limit int) (int64, error)
+	ListUnknown(ctx context.Context, db TDB, limit int, after *idem.Record) ([]idem.Record, error)
+	ListResumable(ctx context.Context, db TDB, limit int, after *idem.Record) ([]idem.Record, error)
+	Lookup(ctx context.Context, db TDB, scope idem.Scope, key string) (idem.Record, error)
+	Resolve(ctx context.Context, db TDB, scope idem.Scope, key string, res idem.Resolution) error
+	Forget(ctx context.Context, db TDB, scope idem.Scope, key string) error
+	Prune(ctx context.Context, db TDB, opts idem.PruneOptions) (int64, error)
+	DoInTx(ctx context.Context, db TDB, scope idem.Scope, key string, fp idem.Fingerprint,
+		fn func(ctx context.Context, tx TTx) (idem.Response, error)) (idem.Result, error)
 }
 
-func (f pgxFront) ReserveWith(ctx context.Context, scope idem.Scope, key string, fp idem.Fingerprint, opts idem.ReserveOptions) (idem.Reservation, error) {
-	return f.c.ReserveWith(ctx, f.pool, scope, key, fp, opts)
-}
-func (f pgxFront) Complete(ctx context.Context, r idem.Reservation, resp idem.Response) error {
-	return f.c.InTx(ctx, f.pool, func(ctx context.Context, tx pgx.Tx) error { return f.c.Complete(ctx, tx, r, resp) })
-}
-func (f pgxFront) FailRetryable(ctx context.Context, r idem.Reservation, reason string) error {
-	return f.c.FailRetryable(ctx, f.pool, r, reason)
-}
-func (f pgxFront) MarkUnknown(ctx context.Context, r idem.Reservation, reason string) error {
-	return f.c.MarkUnknown(ctx, f.pool, r, reason)
-}
-func (f pgxFront) Heartbeat(ctx context.Context, r idem.Reservation, extend time.Duration) (idem.Reservation, error) {
-	return f.c.Heartbeat(ctx, f.pool, r, extend)
-}
-func (f pgxFront) ExpireLeases(ctx context.Context, limit int) (int64, error) {
-	return f.c.ExpireLeases(ctx, f.pool, limit)
-}
-func (f pgxFront) ListUnknown(ctx context.Context, limit int, after *idem.Record) ([]idem.Record, error) {
-	return f.c.ListUnknown(ctx, f.pool, limit, after)
-}
-func (f pgxFront) ListResumable(ctx context.Context, limit int, after *idem.Record) ([]idem.Record, error) {
-	return f.c.ListResumable(ctx, f.pool, limit, after)
-}
-func (f pgxFront) Lookup(ctx context.Context, scope idem.Scope, key string) (idem.Record, error) {
-	return f.c.Lookup(ctx, f.pool, scope, key)
-}
-func (f pgxFront) Resolve(ctx context.Context, scope idem.Scope, key string, res idem.Resolution) error {
-	return f.c.Resolve(ctx, f.pool, scope, key, res)
-}
-func (f pgxFront) Forget(ctx context.Context, scope idem.Scope, key string) error {
-	return f.c.Forget(ctx, f.pool, scope, key)
-}
-func (f pgxFront) Prune(ctx context.Context) (int64, error) {
-	return f.c.Prune(ctx, f.pool, idem.PruneOptions{})
-}
-func (f pgxFront) DoInTx(ctx context.Context, scope idem.Scope, key string, fp idem.Fingerprint) (idem.Result, error) {
-	return f.c.DoInTx(ctx, f.pool, scope, key, fp, func(context.Context, pgx.Tx) (idem.Response, error) {
-		return idem.Response{Status: 200}, nil
-	})
+// front is a Front over a client and its handle.
+type front[TDB, TTx any] struct {
+	c  client[TDB, TTx]
+	db TDB
 }
 
-type sqlFront struct {
-	c  *idemsql.Client
-	db *sql.DB
-}
-
-func (f sqlFront) ReserveWith(ctx context.Context, scope idem.Scope, key string, fp idem.Fingerprint, opts idem.ReserveOptions) (idem.Reservation, error) {
+func (f front[TDB, TTx]) ReserveWith(ctx context.Context, scope idem.Scope, key string, fp idem.Fingerprint, opts idem.ReserveOptions) (idem.Reservation, error) {
 	return f.c.ReserveWith(ctx, f.db, scope, key, fp, opts)
 }
-func (f sqlFront) Complete(ctx context.Context, r idem.Reservation, resp idem.Response) error {
-	return f.c.InTx(ctx, f.db, func(ctx context.Context, tx *sql.Tx) error { return f.c.Complete(ctx, tx, r, resp) })
+func (f front[TDB, TTx]) Complete(ctx context.Context, r idem.Reservation, resp idem.Response) error {
+	return f.c.InTx(ctx, f.db, func(ctx context.Context, tx TTx) error { return f.c.Complete(ctx, tx, r, resp) })
 }
-func (f sqlFront) FailRetryable(ctx context.Context, r idem.Reservation, reason string) error {
+func (f front[TDB, TTx]) FailRetryable(ctx context.Context, r idem.Reservation, reason string) error {
 	return f.c.FailRetryable(ctx, f.db, r, reason)
 }
-func (f sqlFront) MarkUnknown(ctx context.Context, r idem.Reservation, reason string) error {
+func (f front[TDB, TTx]) MarkUnknown(ctx context.Context, r idem.Reservation, reason string) error {
 	return f.c.MarkUnknown(ctx, f.db, r, reason)
 }
-func (f sqlFront) Heartbeat(ctx context.Context, r idem.Reservation, extend time.Duration) (idem.Reservation, error) {
+func (f front[TDB, TTx]) Heartbeat(ctx context.Context, r idem.Reservation, extend time.Duration) (idem.Reservation, error) {
 	return f.c.Heartbeat(ctx, f.db, r, extend)
 }
-func (f sqlFront) ExpireLeases(ctx context.Context, limit int) (int64, error) {
+func (f front[TDB, TTx]) ExpireLeases(ctx context.Context, limit int) (int64, error) {
 	return f.c.ExpireLeases(ctx, f.db, limit)
 }
-func (f sqlFront) ListUnknown(ctx context.Context, limit int, after *idem.Record) ([]idem.Record, error) {
+func (f front[TDB, TTx]) ListUnknown(ctx context.Context, limit int, after *idem.Record) ([]idem.Record, error) {
 	return f.c.ListUnknown(ctx, f.db, limit, after)
 }
-func (f sqlFront) ListResumable(ctx context.Context, limit int, after *idem.Record) ([]idem.Record, error) {
+func (f front[TDB, TTx]) ListResumable(ctx context.Context, limit int, after *idem.Record) ([]idem.Record, error) {
 	return f.c.ListResumable(ctx, f.db, limit, after)
 }
-func (f sqlFront) Lookup(ctx context.Context, scope idem.Scope, key string) (idem.Record, error) {
+func (f front[TDB, TTx]) Lookup(ctx context.Context, scope idem.Scope, key string) (idem.Record, error) {
 	return f.c.Lookup(ctx, f.db, scope, key)
 }
-func (f sqlFront) Resolve(ctx context.Context, scope idem.Scope, key string, res idem.Resolution) error {
+func (f front[TDB, TTx]) Resolve(ctx context.Context, scope idem.Scope, key string, res idem.Resolution) error {
 	return f.c.Resolve(ctx, f.db, scope, key, res)
 }
-func (f sqlFront) Forget(ctx context.Context, scope idem.Scope, key string) error {
+func (f front[TDB, TTx]) Forget(ctx context.Context, scope idem.Scope, key string) error {
 	return f.c.Forget(ctx, f.db, scope, key)
 }
-func (f sqlFront) Prune(ctx context.Context) (int64, error) {
+func (f front[TDB, TTx]) Prune(ctx context.Context) (int64, error) {
 	return f.c.Prune(ctx, f.db, idem.PruneOptions{})
 }
-func (f sqlFront) DoInTx(ctx context.Context, scope idem.Scope, key string, fp idem.Fingerprint) (idem.Result, error) {
-	return f.c.DoInTx(ctx, f.db, scope, key, fp, func(context.Context, *sql.Tx) (idem.Response, error) {
+func (f front[TDB, TTx]) DoInTx(ctx context.Context, scope idem.Scope, key string, fp idem.Fingerprint) (idem.Result, error) {
+	return f.c.DoInTx(ctx, f.db, scope, key, fp, func(context.Context, TTx) (idem.Response, error) {
 		return idem.Response{Status: 200}, nil
 	})
 }
