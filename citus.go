@@ -10,26 +10,27 @@ import (
 	"github.com/pgidem/idem/internal/driver/pgxdriver"
 )
 
-// Citus (a distributed PostgreSQL) shards idem_keys by actor: Distribute
-// makes it so, and every call then goes through the coordinator, which
-// routes each statement to the worker that holds the actor's shard. Where
-// Citus needs statements of its own (the claim's bounded wait, Prune and
-// ExpireLeases without SKIP LOCKED, ReadStats's sizes), the driver picks
-// them per connection: a Client learns whether a database runs Citus on its
-// first call there.
+// Citus (a distributed PostgreSQL) shards idem_keys by actor, and the audit
+// trail (idem_audit) by actor co-located with it: Distribute makes it so,
+// and every call then goes through the coordinator, which routes each
+// statement to the worker that holds the actor's shard. Where Citus needs
+// statements of its own (the claim's bounded wait, Prune and ExpireLeases
+// without SKIP LOCKED, ReadStats's sizes), the driver picks them per
+// connection: a Client learns whether a database runs Citus on its first
+// call there.
 
 // ErrUnsupported means the database refused one of idem's statements as a
 // feature it does not support (SQLSTATE 0A000, as Citus answers statements
 // it cannot distribute), or the database is not set up the way the call
-// needs: Distribute on a database without the citus extension, or a
-// connection to a Citus worker instead of the coordinator. Nothing was
-// stored. It is a deployment error, not a request's (HTTP 500).
+// needs: Distribute on a database without the citus extension or with
+// idem's tables distributed otherwise, or a connection to a Citus worker
+// instead of the coordinator. Nothing was stored. It is a deployment error, not a request's (HTTP 500).
 var ErrUnsupported = core.ErrUnsupported
 
-// DistributionColumn is the column Distribute shards idem_keys by: the
-// tenant column. Co-locate the service's tables with idem_keys (distributed
-// by their own actor column, colocate_with => 'idem_keys') so that a request
-// touches one worker.
+// DistributionColumn is the column Distribute shards idem_keys and
+// idem_audit by: the tenant column. Co-locate the service's tables with
+// idem_keys (distributed by their own actor column, colocate_with =>
+// 'idem_keys') so that a request touches one worker.
 const DistributionColumn = "actor"
 
 // Distribute makes idem_keys a Citus distributed table, sharded by actor

@@ -14,6 +14,7 @@ import (
 	"github.com/pressly/goose/v3"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/audit"
 	"github.com/pgidem/idem/internal/citustest"
 )
 
@@ -242,8 +243,9 @@ func BenchmarkCitus(b *testing.B) {
 // idem_keys distributed at an earlier version: Migrate brings it up to date
 // on the coordinator, Citus applies the later migrations (indexes built
 // concurrently, a new column) to every shard, and every call works. The
-// audit trail, which Migrate adds as a local table, is distributed by
-// Distribute run again, co-located with idem_keys.
+// audit trail, which Migrate adds as a local table (an audited change
+// commits there meanwhile), is distributed by Distribute run again,
+// co-located with idem_keys, its row copied.
 func TestMigrateAfterDistribute(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -268,11 +270,25 @@ func TestMigrateAfterDistribute(t *testing.T) {
 	if column, _ := distribution(t, p, "idem_audit"); column != "" {
 		t.Fatalf("idem_audit, new, is distributed by %q", column)
 	}
+	// Meanwhile the trail is a local table on the coordinator, written in
+	// one transaction with the distributed idem_keys.
+	early := idem.Scope{Actor: "ivan", Operation: "order"}
+	if _, err := idem.DoInTx(ctx, p, early, "m0", fp("x"), func(context.Context, pgx.Tx) (idem.Response, error) {
+		return idem.Response{Status: 201}, nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := audit.Forget(ctx, p, nil, "sam", early, "m0", nil); err != nil {
+		t.Fatalf("a forget with its audit row, the trail local: %v", err)
+	}
 	if err := idem.Distribute(ctx, p); err != nil {
 		t.Fatalf("Distribute after Migrate added idem_audit: %v", err)
 	}
 	if column, colocated := distribution(t, p, "idem_audit"); column != idem.DistributionColumn || !colocated {
 		t.Fatalf("idem_audit is distributed by %q, co-located with idem_keys: %v", column, colocated)
+	}
+	if n := count(t, p, `SELECT count(*) FROM idem_audit WHERE actor = 'ivan'`); n != 1 {
+		t.Fatalf("%d audit rows after Distribute, want 1", n)
 	}
 	if err := orders(ctx, p); err != nil {
 		t.Fatal(err)
