@@ -651,24 +651,23 @@ func TestCLIErrorMessages(t *testing.T) {
 }
 
 // Behind PgBouncer in transaction mode, pgx's default exec mode loses its
-// prepared statements: the command fails with the fix on one line.
+// prepared statements. The commands' statements run in the exec mode (the
+// library plans operator statements anew, and asks about Citus in the
+// simple protocol), so they work there; should one fail with lost
+// statements all the same, the fix is named on one line (TestExplain
+// checks that message).
 func TestCLIBehindPooler(t *testing.T) {
 	url := pgtest.BehindPooler(t, idem.Migrate)
-	failed := 0
 	for range 4 {
 		out, errOut, code := runCLI(t, url, "stats")
 		if code == exitOK {
 			continue
 		}
-		failed++
 		if code != exitFailure || out != "" || strings.Count(errOut, "\n") != 1 ||
 			!strings.HasPrefix(errOut, "idem stats: prepared statements lost behind a connection pooler") ||
 			!strings.Contains(errOut, "add default_query_exec_mode=exec") {
 			t.Errorf("exit %d\nstdout:\n%s\nstderr:\n%s", code, out, errOut)
 		}
-	}
-	if failed == 0 {
-		t.Errorf("pgx's default exec mode never failed behind PgBouncer")
 	}
 	if out, errOut, code := runCLI(t, url+"&default_query_exec_mode=exec", "stats"); code != exitOK {
 		t.Errorf("exec mode: exit %d\nstdout:\n%s\nstderr:\n%s", code, out, errOut)

@@ -37,17 +37,20 @@ func (d *Driver) Begin(ctx context.Context, db Beginner) (pgx.Tx, error) {
 func (d *Driver) Commit(ctx context.Context, tx pgx.Tx) error { return tx.Commit(ctx) }
 
 // Rollback rolls tx back, even when ctx is done, and reports whether its
-// connection is lost. (The connection is looked at only while the
-// transaction holds it: a transaction of another Beginner may have given it
-// back already.)
+// connection was lost. The connection is looked at before the rollback,
+// and only when the transaction holds it until it ends: once rolled back,
+// a pool's transaction has given its connection back to the pool, where
+// another call may be using it, and a transaction of another Beginner may
+// have given it back already.
 func (d *Driver) Rollback(ctx context.Context, db Beginner, tx pgx.Tx) bool {
-	rollback(ctx, tx)
+	lost := false
 	switch db.(type) {
 	case *pgxpool.Pool, *pgx.Conn, pgx.Tx:
 		conn := tx.Conn()
-		return conn != nil && conn.IsClosed()
+		lost = conn != nil && conn.IsClosed()
 	}
-	return false
+	rollback(ctx, tx)
+	return lost
 }
 
 // executor runs the reservation and operator statements in one
