@@ -2,7 +2,6 @@ package idem
 
 import (
 	"context"
-	"errors"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -11,43 +10,53 @@ import (
 	"github.com/pgidem/idem/internal/driver/pgxdriver"
 )
 
-// Citus (a distributed PostgreSQL) shards idem_keys by actor: Distribute
-// makes it so, and every call then goes through the coordinator, which
-// routes each statement to the worker that holds the actor's shard. Where
-// Citus needs statements of its own (the claim's bounded wait, Prune and
-// ExpireLeases without SKIP LOCKED, ReadStats's sizes), the driver picks
-// them per connection: a Client learns whether a database runs Citus on its
-// first call there.
+// Citus (a distributed PostgreSQL) shards idem_keys by actor, and the audit
+// trail (idem_audit) by actor co-located with it: Distribute makes it so,
+// and every call then goes through the coordinator, which routes each
+// statement to the worker that holds the actor's shard. Where Citus needs
+// statements of its own (the claim's bounded wait, Prune and ExpireLeases
+// without SKIP LOCKED, ReadStats's sizes), the driver picks them per
+// connection: a Client learns whether a database runs Citus on its first
+// call there.
 
 // ErrUnsupported means the database refused one of idem's statements as a
 // feature it does not support (SQLSTATE 0A000, as Citus answers statements
 // it cannot distribute), or the database is not set up the way the call
-// needs: Distribute on a database without the citus extension, or a
-// connection to a Citus worker instead of the coordinator. Nothing was
-// stored. It is a deployment error, not a request's (HTTP 500).
+// needs: Distribute on a database without the citus extension or with
+// idem's tables distributed otherwise, or a connection to a Citus worker
+// instead of the coordinator. Nothing was stored. It is a deployment error, not a request's (HTTP 500).
 var ErrUnsupported = core.ErrUnsupported
 
-// DistributionColumn is the column Distribute shards idem_keys by: the
-// tenant column. Co-locate the service's tables with idem_keys (distributed
-// by their own actor column, colocate_with => 'idem_keys') so that a request
-// touches one worker.
+// DistributionColumn is the column Distribute shards idem_keys and
+// idem_audit by: the tenant column. Co-locate the service's tables with
+// idem_keys (distributed by their own actor column, colocate_with =>
+// 'idem_keys') so that a request touches one worker.
 const DistributionColumn = "actor"
 
 // Distribute makes idem_keys a Citus distributed table, sharded by actor
-// (DistributionColumn), in the database of pool, which must be the Citus
-// coordinator's. Run it once after Migrate; it does nothing when idem_keys
-// is distributed by actor already. Keys the table holds already are copied
-// into the shards (create_distributed_table copies a local table's rows;
-// writes to idem_keys wait until the copy is done), and the coordinator's
-// original rows stay on disk until truncate_local_data_after_distributing_table
-// removes them (docs/citus.md).
+// (DistributionColumn), and idem_audit, the operators' audit trail
+// (migration 00005), a distributed table sharded by actor co-located with
+// it, so that a change to a key and its audit row commit on one worker. The
+// database of pool must be the Citus coordinator's. Run it after Migrate:
+// it distributes what is not distributed yet and does nothing to a table
+// distributed as it would do it, so running it again, or after a Migrate
+// that added idem_audit to an idem_keys distributed before, is safe (a
+// database migrated below 00005 has no idem_audit: the keys alone are
+// distributed). Rows the tables hold already are copied into the shards
+// (create_distributed_table copies a local table's rows; writes to the
+// table wait until the copy is done), and the coordinator's original rows
+// stay on disk until truncate_local_data_after_distributing_table removes
+// them (docs/citus.md).
 //
 // A database without the citus extension, a Citus worker, a session whose
 // citus.propagate_set_commands is not 'local' (SET LOCAL statements must
-// reach the workers: that is how Config.Wait bounds a wait there), or an
-// idem_keys distributed otherwise (by another column, or as a reference
-// table) gives an error wrapping ErrUnsupported, and nothing changes.
-// Migrate keeps working on the distributed table: Citus applies idem's
+// reach the workers: that is how Config.Wait bounds a wait there), a
+// database without idem_keys (Migrate first), an idem_keys distributed
+// otherwise (by another column, or as a reference table), or an idem_audit
+// distributed otherwise (by another column, as a reference table, or not
+// co-located with idem_keys) gives an error wrapping ErrUnsupported, and
+// nothing changes: both tables are distributed in one transaction.
+// Migrate keeps working on the distributed tables: Citus applies idem's
 // later migrations (columns, indexes built concurrently) to every shard.
 //
 // A Client learns whether a database runs Citus on its first call there and
@@ -74,24 +83,62 @@ func Distribute(ctx context.Context, pool *pgxpool.Pool) error {
 			return core.Errorf("idem: %w: citus.propagate_set_commands is %q: set it to 'local' (postgresql.conf, "+
 				"ALTER DATABASE or ALTER ROLE), or Config.Wait cannot bound a wait on the workers", ErrUnsupported, propagate)
 		}
-		var column string
-		err = conn.QueryRow(ctx, sqlDistributionColumn).Scan(&column)
-		switch {
-		case err == nil && column == DistributionColumn:
+		return pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
+			keys, err := distribution(ctx, tx, "idem_keys")
+			switch {
+			case err != nil:
+				return err
+			case !keys.exists:
+				return core.Errorf("idem: %w: idem_keys does not exist: run Migrate first", ErrUnsupported)
+			case !keys.citus:
+				if _, err := tx.Exec(ctx, sqlDistribute); err != nil {
+					return err
+				}
+			case keys.column != DistributionColumn:
+				return core.Errorf("idem: %w: idem_keys is a Citus table distributed by %q, not by %s",
+					ErrUnsupported, keys.column, DistributionColumn)
+			}
+			audit, err := distribution(ctx, tx, "idem_audit")
+			switch {
+			case err != nil || !audit.exists:
+				return err
+			case !audit.citus:
+				_, err := tx.Exec(ctx, sqlDistributeAudit)
+				return err
+			case audit.column != DistributionColumn:
+				return core.Errorf("idem: %w: idem_audit is a Citus table distributed by %q, not by %s",
+					ErrUnsupported, audit.column, DistributionColumn)
+			case !audit.colocated:
+				return core.Errorf("idem: %w: idem_audit is distributed by %s but not co-located with idem_keys "+
+					"(SELECT update_distributed_table_colocation('idem_audit', colocate_with => 'idem_keys'))",
+					ErrUnsupported, DistributionColumn)
+			}
 			return nil
-		case err == nil:
-			return core.Errorf("idem: %w: idem_keys is a Citus table distributed by %q, not by %s",
-				ErrUnsupported, column, DistributionColumn)
-		case !errors.Is(err, pgx.ErrNoRows):
-			return err
-		}
-		_, err = conn.Exec(ctx, sqlDistribute)
-		return err
+		})
 	})
 	if err != nil {
 		return core.Errorf("idem: distribute: %w", core.UnsupportedIf(err))
 	}
 	return nil
+}
+
+// citusTable is what Distribute reads of one of idem's tables.
+type citusTable struct {
+	exists    bool   // the table exists
+	citus     bool   // it is a Citus table
+	column    string // its distribution column ('<none>' for a reference table)
+	colocated bool   // it is in idem_keys' co-location group
+}
+
+// distribution reads how table is distributed.
+func distribution(ctx context.Context, tx pgx.Tx, table string) (citusTable, error) {
+	var t citusTable
+	var column *string
+	err := tx.QueryRow(ctx, sqlDistribution, table).Scan(&t.exists, &column, &t.colocated)
+	if column != nil {
+		t.citus, t.column = true, *column
+	}
+	return t, err
 }
 
 // Statements of Distribute. They are not sqlc queries: sqlc's catalog knows
@@ -100,10 +147,17 @@ const (
 	sqlIsCoordntr = "SELECT citus_is_coordinator()"
 	// Whether SET LOCAL reaches the workers (Config.Wait needs it).
 	sqlPropagateSet = "SELECT current_setting('citus.propagate_set_commands')"
-	// The distribution column of idem_keys, no row when it is not a Citus
-	// table ('<none>' for a reference table).
-	sqlDistributionColumn = "SELECT distribution_column::text FROM citus_tables WHERE table_name = 'idem_keys'::regclass"
-	sqlDistribute         = "SELECT create_distributed_table('idem_keys', '" + DistributionColumn + "')"
+	// Whether the table $1 exists, its distribution column (NULL when it is
+	// not a Citus table, '<none>' for a reference or Citus local table), and
+	// whether it is in idem_keys' co-location group. It reads Citus's
+	// metadata table rather than the citus_tables view, which asks every
+	// worker for its shards' sizes.
+	sqlDistribution = `SELECT r IS NOT NULL,
+		CASE WHEN p.logicalrelid IS NOT NULL THEN coalesce(column_to_column_name(p.logicalrelid, p.partkey), '<none>') END,
+		coalesce(p.colocationid = (SELECT colocationid FROM pg_dist_partition WHERE logicalrelid = to_regclass('idem_keys')), false)
+		FROM to_regclass($1) r LEFT JOIN pg_dist_partition p ON p.logicalrelid = r`
+	sqlDistribute      = "SELECT create_distributed_table('idem_keys', '" + DistributionColumn + "')"
+	sqlDistributeAudit = "SELECT create_distributed_table('idem_audit', '" + DistributionColumn + "', colocate_with => 'idem_keys')"
 )
 
 // errWorker is the error of a call made on a Citus worker.

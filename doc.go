@@ -26,8 +26,8 @@
 // the same discipline to messages and webhook deliveries, EventID to an
 // outbox.
 //
-// Run Migrate (or apply Migrations with goose) once before use (on Citus,
-// then Distribute, which shards idem_keys by actor), and Prune
+// Run Migrate (or apply Migrations with goose) before use (on Citus, then
+// Distribute, which shards idem_keys and the audit trail by actor), and Prune
 // (and ExpireLeases, with reservations) periodically. Lookup, Forget and
 // ReadStats serve operators, as does the idem command (cmd/idem).
 // Unavailable tells a store failure from everything else: fail closed. Config

@@ -38,8 +38,10 @@ const MigrationLockID int64 = migrate.LockID // "idem"
 // because its Down would delete records whose outcome may have happened
 // (unknown, in flight or failed_retryable, or, for the first migration,
 // every record): the keys would become free and their retries would run
-// again. The error says how many records; nothing changed.
-// MigrateDownOptions.Force reverts anyway.
+// again. It also covers migration 5, whose Down drops the operators' audit
+// trail (idem_audit): refused while the trail holds any row. The error says
+// how many records or rows; nothing changed. MigrateDownOptions.Force
+// reverts anyway.
 var ErrDowngradeDeletesRecords = errors.New("idem: migrating down would delete records whose outcome may have happened")
 
 // downRefusedCode is the SQLSTATE with which a Down migration refuses to
@@ -112,11 +114,12 @@ type MigrateDownOptions struct {
 // interruption), and returns its version (0 when none is
 // applied). It serializes with Migrate like Migrate does.
 //
-// Migrations never delete outcomes on their own: when the Down would delete
-// records whose outcome may have happened (unknown, in flight or
-// failed_retryable records; every record for the first migration, which
-// drops the table), MigrateDown returns ErrDowngradeDeletesRecords, saying
-// how many, and changes nothing, unless opts.Force is set.
+// Migrations never delete outcomes or the audit trail on their own: when
+// the Down would delete records whose outcome may have happened (unknown, in
+// flight or failed_retryable records; every record for the first migration,
+// which drops the table) or, for migration 5, any row of the audit trail
+// (idem_audit), MigrateDown returns ErrDowngradeDeletesRecords, saying how
+// many, and changes nothing, unless opts.Force is set.
 func MigrateDown(ctx context.Context, pool *pgxpool.Pool, opts MigrateDownOptions) (int64, error) {
 	if pool == nil {
 		return 0, core.Errorf("idem: %w: nil pool", ErrInvalidArgument)

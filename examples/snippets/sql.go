@@ -9,6 +9,7 @@ import (
 	"context"
 	"database/sql"
 	"fmt"
+	"log"
 
 	_ "github.com/jackc/pgx/v5/stdlib" // the "pgx" driver; or github.com/lib/pq, "postgres"
 
@@ -17,10 +18,11 @@ import (
 )
 
 var (
-	ctx    = context.Background()
-	url    string           // the database's URL
-	userID string           // the authenticated user: the key's actor
-	key    string           // the client's Idempotency-Key
-	fp     idem.Fingerprint // idem.FingerprintJSON of the request's body
-	body   []byte           // the response's body
+	ctx            = context.Background()
+	url            string           // the database's URL
+	coordinatorURL string           // the URL of a Citus coordinator's database
+	userID         string           // the authenticated user: the key's actor
+	key            string           // the client's Idempotency-Key
+	fp             idem.Fingerprint // idem.FingerprintJSON of the request's body
+	body           []byte           // the response's body
 )

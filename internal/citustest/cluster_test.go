@@ -3,6 +3,7 @@ package citustest_test
 import (
 	"context"
 	"fmt"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -13,6 +14,7 @@ import (
 	"github.com/pressly/goose/v3"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/audit"
 	"github.com/pgidem/idem/internal/citustest"
 )
 
@@ -240,7 +242,10 @@ func BenchmarkCitus(b *testing.B) {
 
 // idem_keys distributed at an earlier version: Migrate brings it up to date
 // on the coordinator, Citus applies the later migrations (indexes built
-// concurrently, a new column) to every shard, and every call works.
+// concurrently, a new column) to every shard, and every call works. The
+// audit trail, which Migrate adds as a local table (an audited change
+// commits there meanwhile), is distributed by Distribute run again,
+// co-located with idem_keys, its row copied.
 func TestMigrateAfterDistribute(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -261,6 +266,29 @@ func TestMigrateAfterDistribute(t *testing.T) {
 	}
 	if err := idem.Migrate(ctx, p); err != nil {
 		t.Fatalf("Migrate on the distributed table: %v", err)
+	}
+	if column, _ := distribution(t, p, "idem_audit"); column != "" {
+		t.Fatalf("idem_audit, new, is distributed by %q", column)
+	}
+	// Meanwhile the trail is a local table on the coordinator, written in
+	// one transaction with the distributed idem_keys.
+	early := idem.Scope{Actor: "ivan", Operation: "order"}
+	if _, err := idem.DoInTx(ctx, p, early, "m0", fp("x"), func(context.Context, pgx.Tx) (idem.Response, error) {
+		return idem.Response{Status: 201}, nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := audit.Forget(ctx, p, nil, "sam", early, "m0", nil); err != nil {
+		t.Fatalf("a forget with its audit row, the trail local: %v", err)
+	}
+	if err := idem.Distribute(ctx, p); err != nil {
+		t.Fatalf("Distribute after Migrate added idem_audit: %v", err)
+	}
+	if column, colocated := distribution(t, p, "idem_audit"); column != idem.DistributionColumn || !colocated {
+		t.Fatalf("idem_audit is distributed by %q, co-located with idem_keys: %v", column, colocated)
+	}
+	if n := count(t, p, `SELECT count(*) FROM idem_audit WHERE actor = 'ivan'`); n != 1 {
+		t.Fatalf("%d audit rows after Distribute, want 1", n)
 	}
 	if err := orders(ctx, p); err != nil {
 		t.Fatal(err)
@@ -289,5 +317,61 @@ func TestMigrateAfterDistribute(t *testing.T) {
 	}
 	if err := idem.Resolve(ctx, p, scope, "m2", idem.Resolution{Token: r.Token, Retryable: true, Reason: "checked"}); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// Distribute refuses a database without idem_keys, and an idem_audit
+// distributed otherwise than by actor co-located with idem_keys, and
+// changes nothing: idem_keys is not distributed either (both are
+// distributed in one transaction). The fix the refusal of a trail not
+// co-located names works.
+func TestDistributeAuditOtherwise(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := citustest.Empty(t)
+	p := pool(t, db.URL)
+	err := idem.Distribute(ctx, p)
+	isErr(t, "Distribute before Migrate", err, idem.ErrUnsupported)
+	if !strings.Contains(err.Error(), "run Migrate first") {
+		t.Fatalf("Distribute before Migrate: %v", err)
+	}
+	if err := idem.Migrate(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	exec := func(sql string) {
+		t.Helper()
+		if _, err := p.Exec(ctx, sql); err != nil {
+			t.Fatalf("%s: %v", sql, err)
+		}
+	}
+	for _, c := range []struct{ name, sql string }{
+		{"distributed by id", `SELECT create_distributed_table('idem_audit', 'id')`},
+		{"a reference table", `SELECT create_reference_table('idem_audit')`},
+	} {
+		exec(c.sql)
+		isErr(t, "Distribute with idem_audit "+c.name, idem.Distribute(ctx, p), idem.ErrUnsupported)
+		if column, _ := distribution(t, p, "idem_keys"); column != "" {
+			t.Fatalf("idem_audit %s: Distribute refused, yet idem_keys is distributed by %q", c.name, column)
+		}
+		exec(`SELECT undistribute_table('idem_audit')`)
+	}
+
+	exec(`SELECT create_distributed_table('idem_keys', 'actor')`)
+	exec(`SELECT create_distributed_table('idem_audit', 'actor', colocate_with => 'none')`)
+	err = idem.Distribute(ctx, p)
+	isErr(t, "Distribute with idem_audit not co-located", err, idem.ErrUnsupported)
+	fix := "SELECT update_distributed_table_colocation('idem_audit', colocate_with => 'idem_keys')"
+	if !strings.Contains(err.Error(), fix) {
+		t.Fatalf("the refusal does not name the fix: %v", err)
+	}
+	if column, colocated := distribution(t, p, "idem_audit"); column != idem.DistributionColumn || colocated {
+		t.Fatalf("after the refusal idem_audit is distributed by %q, co-located: %v", column, colocated)
+	}
+	exec(fix)
+	if err := idem.Distribute(ctx, p); err != nil {
+		t.Fatalf("Distribute after the fix: %v", err)
+	}
+	if _, colocated := distribution(t, p, "idem_audit"); !colocated {
+		t.Fatal("idem_audit is not co-located with idem_keys after the fix")
 	}
 }

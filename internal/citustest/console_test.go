@@ -11,8 +11,6 @@ import (
 	"testing"
 	"time"
 
-	"github.com/jackc/pgx/v5/pgxpool"
-
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemui"
 	"github.com/pgidem/idem/internal/audit"
@@ -20,17 +18,16 @@ import (
 )
 
 // The console on Citus, with idem_audit distributed by actor and
-// co-located with idem_keys (what Distribute would do for it): every page
-// answers, and a verdict, a forget and a filtered expiry commit with their
-// audit rows.
+// co-located with idem_keys (as Distribute leaves it): every page answers,
+// and a verdict and a filtered expiry commit with their audit rows.
 func TestConsole(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	db := citustest.New(t, func(ctx context.Context, p *pgxpool.Pool) error {
-		_, err := p.Exec(ctx, `SELECT create_distributed_table('idem_audit', 'actor', colocate_with => 'idem_keys')`)
-		return err
-	})
+	db := citustest.New(t, nil)
 	p := pool(t, db.URL)
+	if column, colocated := distribution(t, p, "idem_audit"); column != idem.DistributionColumn || !colocated {
+		t.Fatalf("after Distribute, idem_audit is distributed by %q, co-located with idem_keys: %v", column, colocated)
+	}
 	scope := idem.Scope{Actor: "alice", Operation: "charge"}
 	r, err := idem.Reserve(ctx, p, scope, "u1", fp("x"), time.Hour)
 	if err != nil {

@@ -10,17 +10,20 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/audit"
 	"github.com/pgidem/idem/internal/citustest"
 )
 
-// A service that already stores keys moves to Citus: idem_keys (and the
-// service's orders) hold rows on the coordinator when Distribute runs.
+// A service that already stores keys moves to Citus: idem_keys, the audit
+// trail (idem_audit) and the service's orders hold rows on the coordinator
+// when Distribute runs.
 // create_distributed_table copies them into the shards, and every outcome
 // stored before answers as before through the coordinator: replays byte for
 // byte, refusals, ErrKeyReused, unknown outcomes resolved by their token, a
-// live reservation completed by its owner, a retryable one run again. The
-// copy the coordinator keeps on disk is removed with
-// truncate_local_data_after_distributing_table, as docs/citus.md says.
+// live reservation completed by its owner, a retryable one run again; the
+// trail's rows land on the workers of their keys. The copy the coordinator
+// keeps on disk is removed with truncate_local_data_after_distributing_table,
+// as docs/citus.md says.
 func TestDistributeExistingKeys(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -69,6 +72,13 @@ func TestDistributeExistingKeys(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	// An operator forgot a key: the trail holds a row for its actor.
+	if _, err := idem.DoInTx(ctx, p, scope(4), "k-forget", fp("book"), order(scope(4).Actor, "k-forget", "book")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := audit.Forget(ctx, p, nil, "sam", scope(4), "k-forget", nil); err != nil {
+		t.Fatal(err)
+	}
 	const rows = actors + 4
 
 	// Distribute, then the service's table, co-located.
@@ -88,16 +98,27 @@ func TestDistributeExistingKeys(t *testing.T) {
 	if n := count(t, p, `SELECT count(*) FROM idem_keys`); n != rows {
 		t.Fatalf("the coordinator sees %d rows, want %d", n, rows)
 	}
-	// The coordinator's copy stays on disk, invisible, until truncated.
-	if n := count(t, p, `SELECT pg_relation_size('idem_keys')`); n == 0 {
-		t.Fatal("no local copy left on the coordinator: the docs' truncate step would not be needed")
+	if n := count(t, p, `SELECT sum(result::bigint) FROM run_command_on_shards('idem_audit', $$SELECT count(*) FROM %s$$)`); n != 1 {
+		t.Fatalf("the shards hold %d audit rows, want 1", n)
+	}
+	if workerOf(t, p, "idem_audit", scope(4).Actor) != workerOf(t, p, "idem_keys", scope(4).Actor) {
+		t.Fatal("the audit row and its key are on different workers")
+	}
+	// The coordinator's copies stay on disk, invisible, until truncated.
+	for _, table := range []string{"idem_keys", "idem_audit"} {
+		if n := count(t, p, `SELECT pg_relation_size($1::regclass)`, table); n == 0 {
+			t.Fatalf("no local copy of %s left on the coordinator: the docs' truncate step would not be needed", table)
+		}
 	}
 	if _, err := p.Exec(ctx, `SELECT truncate_local_data_after_distributing_table('idem_keys'),
+		truncate_local_data_after_distributing_table('idem_audit'),
 		truncate_local_data_after_distributing_table('orders')`); err != nil {
 		t.Fatal(err)
 	}
-	if n := count(t, p, `SELECT pg_relation_size('idem_keys')`); n != 0 {
-		t.Fatalf("the coordinator's local copy is %d bytes after truncating it", n)
+	for _, table := range []string{"idem_keys", "idem_audit"} {
+		if n := count(t, p, `SELECT pg_relation_size($1::regclass)`, table); n != 0 {
+			t.Fatalf("the coordinator's local copy of %s is %d bytes after truncating it", table, n)
+		}
 	}
 
 	// After: every stored outcome answers as before.
@@ -157,5 +178,14 @@ func TestDistributeExistingKeys(t *testing.T) {
 	}
 	if n := count(t, p, `SELECT count(*) FROM idem_keys`); n != rows+1 {
 		t.Fatalf("%d rows, want %d", n, rows+1)
+	}
+
+	// The trail: the row written before Distribute, and one written after.
+	if _, err := audit.Forget(ctx, p, nil, "sam", scope(5), "k2", nil); err != nil {
+		t.Fatal(err)
+	}
+	trail, err := audit.List(ctx, audit.Planned{DB: p}, audit.ListFilter{Limit: 10})
+	if err != nil || len(trail) != 2 || trail[0].Scope != scope(5) || trail[1].Scope != scope(4) || trail[1].Key != "k-forget" {
+		t.Fatalf("the trail after Distribute: %+v, %v", trail, err)
 	}
 }

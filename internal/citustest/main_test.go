@@ -96,6 +96,22 @@ func workerOf(t testing.TB, p *pgxpool.Pool, table, actor string) int {
 	return port
 }
 
+// distribution returns the distribution column of table ("" when it is not
+// a Citus table, "<none>" for a reference table) and whether it is in
+// idem_keys' co-location group.
+func distribution(t testing.TB, p *pgxpool.Pool, table string) (string, bool) {
+	t.Helper()
+	var column string
+	var colocated bool
+	err := p.QueryRow(context.Background(), `SELECT coalesce(column_to_column_name(logicalrelid, partkey), '<none>'),
+		coalesce(colocationid = (SELECT colocationid FROM pg_dist_partition WHERE logicalrelid = 'idem_keys'::regclass), false)
+		FROM pg_dist_partition WHERE logicalrelid = $1::regclass`, table).Scan(&column, &colocated)
+	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+		t.Fatal(err)
+	}
+	return column, colocated
+}
+
 // actorsOnTwoWorkers returns two actors whose shards are on different
 // workers.
 func actorsOnTwoWorkers(t testing.TB, p *pgxpool.Pool) (string, string) {
