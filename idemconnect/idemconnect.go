@@ -106,6 +106,15 @@ type Options struct {
 	// records), never the key. Default: slog.Default().
 	Logger *slog.Logger
 
+	// Citus says that the *sql.DB of NewInterceptorSQL is a Citus coordinator
+	// with idem_keys distributed by actor (idem.Distribute): the store's
+	// statements then take the forms Citus accepts, those of an
+	// idemsql.NewCitus Client (a *sql.DB does not say what it is connected
+	// to). Without it, NewInterceptorSQL on a coordinator answers every call
+	// with a key internal (idem.ErrUnsupported, logged). The pgx form ignores
+	// it: a pgx handle finds out by itself. Default false.
+	Citus bool
+
 	// Config configures the idempotency store (see idem.Config): the key's
 	// TTL (default 24 h), how long a duplicate waits for the call that holds
 	// its key before it gets aborted (Wait, default 2 s), the key length

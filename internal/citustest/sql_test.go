@@ -6,6 +6,10 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"net/http/httptest"
 	"testing"
 	"time"
 
@@ -13,6 +17,7 @@ import (
 	_ "github.com/lib/pq"              // the "postgres" driver
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idemhttp"
 	"github.com/pgidem/idem/idemsql"
 )
 
@@ -187,6 +192,81 @@ func TestCallsSQL(t *testing.T) {
 			}
 			_, err = plain.DoInTx(ctx, db, scope, "k5", fp("x"), sqlOrder("alice", "k5", "x"))
 			isErr(t, "New's Client on Citus", err, idem.ErrUnsupported)
+		})
+	}
+}
+
+// idemhttp's database/sql forms through the coordinator with Options.Citus,
+// with both drivers: a request runs once and replays, its writes on the
+// actor's worker; the status handler answers the stored response. Without
+// Citus, the middleware answers 500 and nothing is written.
+func TestMiddlewareSQLCitus(t *testing.T) {
+	t.Parallel()
+	for _, driverName := range []string{"pgx", "postgres"} {
+		t.Run(driverName, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			cdb, p := newDB(t)
+			db, err := sql.Open(driverName, cdb.URL)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = db.Close() })
+			actor := func(r *http.Request) (string, error) { return r.Header.Get("X-Actor"), nil }
+			handler := http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				key := r.Header.Get("Idempotency-Key")
+				res, err := sqlOrder(r.Header.Get("X-Actor"), key, "book")(r.Context(), idemhttp.TxSQL(r.Context()))
+				if err != nil {
+					http.Error(w, err.Error(), http.StatusServiceUnavailable)
+					return
+				}
+				w.WriteHeader(int(res.Status))
+				_, _ = w.Write(res.Body)
+			})
+			mux := http.NewServeMux()
+			mux.Handle("POST /citus", idemhttp.MiddlewareSQL(db, idemhttp.Options{Actor: actor, Citus: true})(handler))
+			mux.Handle("POST /postgres", idemhttp.MiddlewareSQL(db, idemhttp.Options{Actor: actor,
+				Logger: slog.New(slog.DiscardHandler)})(handler))
+			mux.Handle("GET /status", idemhttp.StatusHandlerSQL(db, idemhttp.StatusOptions{Actor: actor, Citus: true}))
+			srv := httptest.NewServer(mux)
+			defer srv.Close()
+			send := func(method, path, key string) (int, string, http.Header) {
+				t.Helper()
+				req, err := http.NewRequestWithContext(ctx, method, srv.URL+path, nil)
+				if err != nil {
+					t.Fatal(err)
+				}
+				req.Header.Set("X-Actor", "alice")
+				req.Header.Set("Idempotency-Key", key)
+				resp, err := http.DefaultClient.Do(req)
+				if err != nil {
+					t.Fatal(err)
+				}
+				defer resp.Body.Close()
+				body, _ := io.ReadAll(resp.Body)
+				return resp.StatusCode, string(body), resp.Header
+			}
+
+			status, first, _ := send(http.MethodPost, "/citus", "k1")
+			if status != 201 {
+				t.Fatalf("first: %d %s", status, first)
+			}
+			status, again, h := send(http.MethodPost, "/citus", "k1")
+			if status != 201 || again != first || h.Get("Idempotent-Replayed") != "true" {
+				t.Fatalf("replay: %d %s %v; first %s", status, again, h, first)
+			}
+			if n := ordersOf(t, p, "alice", "k1"); n != 1 {
+				t.Fatalf("%d orders for k1", n)
+			}
+			if status, body, _ := send(http.MethodGet, "/status?operation=POST+%2Fcitus&key=k1", ""); status != 201 || body != first {
+				t.Fatalf("status of k1: %d %s", status, body)
+			}
+			if status, body, _ := send(http.MethodPost, "/postgres", "k2"); status != 500 {
+				t.Fatalf("without Options.Citus: %d %s", status, body)
+			}
+			if n := ordersOf(t, p, "alice", "k2"); n != 0 {
+				t.Fatalf("without Options.Citus: %d orders", n)
+			}
 		})
 	}
 }
