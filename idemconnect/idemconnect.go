@@ -178,8 +178,9 @@ func Tx(ctx context.Context) pgx.Tx { return txs.PgxTx(ctx) }
 // own reply type that is not registered there, a dynamicpb message of the
 // type that the handler's Spec().Schema (or protoregistry.GlobalFiles)
 // gives the procedure. A reply that is neither could not be replayed: the
-// call that returns it fails with internal, saying so, and nothing of it
-// commits. A replayed response is not a *connect.Response of the handler's
+// call that returns it fails with unimplemented (the procedure cannot be
+// served idempotently until its reply type is registered), saying which
+// type, and nothing of it commits. A replayed response is not a *connect.Response of the handler's
 // type: interceptors outside this one that read it should use Any() and
 // proto.Message.
 //
@@ -200,8 +201,8 @@ func Tx(ctx context.Context) pgx.Tx { return txs.PgxTx(ctx) }
 // key, and the retry replays if the commit happened and runs otherwise. A
 // call whose context ends first gets canceled or deadline_exceeded. An
 // outcome that cannot be stored (over Config.MaxResponseBytes, a message
-// that is not protobuf or whose type a replay could not find) is internal,
-// with the handler's writes rolled back.
+// that is not protobuf) is internal, and one whose type a replay could not
+// find unimplemented, both with the handler's writes rolled back.
 //
 // NewInterceptor panics if db is nil (a typed nil *pgxpool.Pool too) or
 // opts is invalid (nil Scope, a stored name that is not a token, a Config

@@ -201,6 +201,7 @@ const (
 	codeFailedPrecondition = rpcidem.CodeFailedPrecondition
 	codeAborted            = rpcidem.CodeAborted
 	codeOutOfRange         = 11
+	codeUnimplemented      = rpcidem.CodeUnimplemented
 	codeInternal           = rpcidem.CodeInternal
 	codeUnavailable        = rpcidem.CodeUnavailable
 	codeUnauthenticated    = rpcidem.CodeUnauthenticated
@@ -785,9 +786,9 @@ func testNoSchema(e *env) {
 }
 
 // A reply whose type a replay could not find (registered nowhere, not the
-// procedure's reply type) is refused at the first call with INTERNAL,
-// saying why; the handler's writes roll back, nothing is stored, and the
-// next call runs again.
+// procedure's reply type) is refused at the first call with UNIMPLEMENTED,
+// saying which type; the handler's writes roll back, nothing is stored,
+// and the next call runs again.
 func testUnresolvableReplyType(e *env) {
 	t, ctx := e.t, e.t.Context()
 	var runs atomic.Int64
@@ -804,7 +805,7 @@ func testUnresolvableReplyType(e *env) {
 			})
 		for i := range 2 {
 			a := srv.Call(ctx, "alice", []string{"receipt-1"}, Request("r", 1))
-			if a.Code() != codeInternal || !strings.Contains(a.Status.GetMessage(), "idemtest.v1.Receipt, which is neither registered in protoregistry.GlobalTypes") ||
+			if a.Code() != codeUnimplemented || !strings.Contains(a.Status.GetMessage(), "idemtest.v1.Receipt, which is neither registered in protoregistry.GlobalTypes") ||
 				a.Replayed() {
 				t.Errorf("%s, call %d: %s", procedure, i, a)
 			}
@@ -817,7 +818,7 @@ func testUnresolvableReplyType(e *env) {
 
 // A reply stored without its type (by an earlier version) replays as the
 // procedure's reply type; without a schema for the procedure it cannot,
-// and the call says why.
+// and the call is refused with UNIMPLEMENTED, saying why.
 func testStoredWithoutType(e *env) {
 	t, ctx := e.t, e.t.Context()
 	var runs atomic.Int64
@@ -840,7 +841,7 @@ func testStoredWithoutType(e *env) {
 		t.Errorf("with a schema: %s", a)
 	}
 	a := e.serve(Options{Procedure: Unlisted}, Insert(&runs)).Call(ctx, "alice", []string{"old-1"}, req)
-	if a.Code() != codeInternal || !strings.Contains(a.Status.GetMessage(), "names no type") {
+	if a.Code() != codeUnimplemented || !strings.Contains(a.Status.GetMessage(), "names no type") {
 		t.Errorf("without a schema: %s", a)
 	}
 	if runs.Load() != 0 {
