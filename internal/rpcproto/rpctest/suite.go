@@ -3,6 +3,7 @@ package rpctest
 import (
 	"bytes"
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -81,6 +82,42 @@ type Options struct {
 	// Procedure is the procedure Serve serves h as: "" (Transfer), or
 	// Unlisted, served without a schema.
 	Procedure string
+}
+
+// Scope is the Options.Scope of an interceptor that o asks for: scope (the
+// client's user and the procedure), deny (the transport's PERMISSION_DENIED
+// "not yours") with o.Deny, or none (nil) with o.NoScope.
+func Scope[F any](o Options, scope, deny F) F {
+	switch {
+	case o.NoScope:
+		var none F
+		return none
+	case o.Deny:
+		return deny
+	}
+	return scope
+}
+
+// Codes is codes as a transport's code type; nil (the interceptor's
+// default) for none.
+func Codes[C ~uint32](codes []uint32) []C {
+	if len(codes) == 0 {
+		return nil
+	}
+	out := make([]C, len(codes))
+	for i, c := range codes {
+		out[i] = C(c)
+	}
+	return out
+}
+
+// Build builds the interceptor with opts on db as the package's
+// constructor for db's driver does: pgx's, or sql's for a *sql.DB.
+func Build[O, I any](db DB, opts O, pgx func(idem.Beginner, O) I, sql func(*sql.DB, O) I) I {
+	if db.UsesSQL() {
+		return sql(db.SQL, opts)
+	}
+	return pgx(db.Pgx, opts)
 }
 
 // Handler is the behaviour of a test handler, whatever the transport: it
