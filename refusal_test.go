@@ -55,6 +55,17 @@ func waitingClient(t *testing.T, wait time.Duration) *idem.Client {
 	return c
 }
 
+// refusalPool returns a pool on a fresh database where "stored" holds the
+// outcome of a call with fpA, its URL, and the counter of fn's runs.
+func refusalPool(t *testing.T) (pool *pgxpool.Pool, url string, calls *atomic.Int64) {
+	t.Helper()
+	pool, calls = newPool(t), &atomic.Int64{}
+	if _, err := idem.DoInTx(context.Background(), pool, scope, "stored", fpA, recordEffect(calls, "stored")); err != nil {
+		t.Fatal(err)
+	}
+	return pool, pool.Config().ConnConfig.ConnString(), calls
+}
+
 // aborted reports whether tx is aborted: a statement in it fails with
 // 25P02.
 func aborted(tx pgx.Tx) bool {
@@ -70,12 +81,7 @@ func aborted(tx pgx.Tx) bool {
 func TestRefusalOnFreshConnectionLeavesTxUsable(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	pool := newPool(t)
-	url := pool.Config().ConnConfig.ConnString()
-	var calls atomic.Int64
-	if _, err := idem.DoInTx(ctx, pool, scope, "stored", fpA, recordEffect(&calls, "stored")); err != nil {
-		t.Fatal(err)
-	}
+	pool, url, calls := refusalPool(t)
 	r, err := idem.Reserve(ctx, pool, scope, "unknown", fpA, time.Minute)
 	if err == nil {
 		err = idem.MarkUnknown(ctx, pool, r, "timeout")
@@ -108,7 +114,7 @@ func TestRefusalOnFreshConnectionLeavesTxUsable(t *testing.T) {
 				t.Fatal(err)
 			}
 			release := other(c)
-			fn, fp := recordEffect(&calls, c.Key), fpA
+			fn, fp := recordEffect(calls, c.Key), fpA
 			if c.NilFn {
 				fn = nil
 			}
@@ -142,18 +148,13 @@ func TestRefusalOnFreshConnectionLeavesTxUsable(t *testing.T) {
 func TestCancelledDoNeverAbortsAfterARefusal(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	pool := newPool(t)
-	url := pool.Config().ConnConfig.ConnString()
-	var calls atomic.Int64
-	if _, err := idem.DoInTx(ctx, pool, scope, "stored", fpA, recordEffect(&calls, "stored")); err != nil {
-		t.Fatal(err)
-	}
+	pool, url, calls := refusalPool(t)
 	twin, err := pool.Begin(ctx) // holds "held" claimed for the whole test
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer twin.Rollback(ctx)
-	if _, err := idem.Do(ctx, twin, scope, "held", fpA, recordEffect(&calls, "held")); err != nil {
+	if _, err := idem.Do(ctx, twin, scope, "held", fpA, recordEffect(calls, "held")); err != nil {
 		t.Fatal(err)
 	}
 	trials := callertest.Trials(40)
@@ -170,7 +171,7 @@ func TestCancelledDoNeverAbortsAfterARefusal(t *testing.T) {
 			if i%2 == 1 {
 				key, fp = "stored", fpB
 			}
-			_, err = client.Do(begin(), tx, scope, key, fp, recordEffect(&calls, key))
+			_, err = client.Do(begin(), tx, scope, key, fp, recordEffect(calls, key))
 			return !conn.IsClosed() && aborted(tx), conn.IsClosed(), err
 		})
 		t.Logf("%s: %d trials: %v", mode, trials, tally)
@@ -238,12 +239,7 @@ func TestEvictedStatementsNeverGiveARefusal(t *testing.T) {
 func TestFailedClaimOnWarmConnectionKeepsNextDoInItsSavepoint(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	pool := newPool(t)
-	url := pool.Config().ConnConfig.ConnString()
-	var calls atomic.Int64
-	if _, err := idem.DoInTx(ctx, pool, scope, "stored", fpA, recordEffect(&calls, "stored")); err != nil {
-		t.Fatal(err)
-	}
+	pool, url, calls := refusalPool(t)
 	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe} {
 		for _, f := range callertest.FailedClaims {
 			name, prefix := mode.String()+", "+f.Name, strings.ReplaceAll(mode.String()+"-"+f.Name, " ", "-")
@@ -251,7 +247,7 @@ func TestFailedClaimOnWarmConnectionKeepsNextDoInItsSavepoint(t *testing.T) {
 			for i := range 2 { // warm: the claim's statements cached
 				key := fmt.Sprintf("%s-warm-%d", prefix, i)
 				if err := pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
-					_, err := idem.Do(ctx, tx, scope, key, fpA, recordEffect(&calls, key))
+					_, err := idem.Do(ctx, tx, scope, key, fpA, recordEffect(calls, key))
 					return err
 				}); err != nil {
 					t.Fatal(err)
@@ -262,7 +258,7 @@ func TestFailedClaimOnWarmConnectionKeepsNextDoInItsSavepoint(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			fp, fn := fpA, recordEffect(&calls, f.Key)
+			fp, fn := fpA, recordEffect(calls, f.Key)
 			if f.Key == "stored" {
 				fp = fpB
 			}
@@ -289,7 +285,7 @@ func TestFailedClaimOnWarmConnectionKeepsNextDoInItsSavepoint(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			_, err = idem.Do(ctx, tx, scope, prefix+"-new", fpA, recordEffect(&calls, "new"))
+			_, err = idem.Do(ctx, tx, scope, prefix+"-new", fpA, recordEffect(calls, "new"))
 			release()
 			if !errors.Is(err, idem.ErrInProgress) {
 				t.Errorf("%s, then Do with idem_keys locked: err = %v, want ErrInProgress", name, err)
