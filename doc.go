@@ -54,9 +54,18 @@
 //	queries   internal/db                      internal/dbsql
 //	          (sqlc, generated twice from queries/)
 //
-// DoInTx and Do read idem.go, then internal/core/call.go, then
-// internal/driver/pgxdriver/span.go; Reserve and ReserveWith read
-// reserve.go, call.go and pgxdriver/executor.go. The public types (Scope, Response, Result, Record,
-// Reservation, Config, the errors, ...) are declared once in internal/core
-// and named here.
+// Following its ctx, a call of DoInTx or Do passes through three files:
+// idem.go, internal/core/call.go (the call loop, its retries and its
+// observation) and internal/driver/pgxdriver/span.go (each round trip);
+// Reserve and ReserveWith through reserve.go, call.go and
+// pgxdriver/executor.go. On the way, DoInTx and Do call helpers that take no
+// ctx: in internal/core, validate.go (the key and the scope), response.go (a
+// response as it is stored), errors.go (the errors a call returns, with
+// internal/driver/errors.go classifying the database's) and, for DoInTx,
+// client.go (the handle) and flight.go (concurrent duplicates coalesced); in
+// pgxdriver, driver.go (the handle and the transaction) and batch.go
+// (statements queued in a batch and read back); and the queries sqlc
+// generated in internal/db. The public types (Scope, Response, Result,
+// Record, Reservation, Config, the errors, ...) are declared once in
+// internal/core and named here.
 package idem

@@ -3,11 +3,14 @@ package idem_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/callertest"
@@ -52,6 +55,17 @@ func waitingClient(t *testing.T, wait time.Duration) *idem.Client {
 	return c
 }
 
+// refusalPool returns a pool on a fresh database where "stored" holds the
+// outcome of a call with fpA, its URL, and the counter of fn's runs.
+func refusalPool(t *testing.T) (pool *pgxpool.Pool, url string, calls *atomic.Int64) {
+	t.Helper()
+	pool, calls = newPool(t), &atomic.Int64{}
+	if _, err := idem.DoInTx(context.Background(), pool, scope, "stored", fpA, recordEffect(calls, "stored")); err != nil {
+		t.Fatal(err)
+	}
+	return pool, pool.Config().ConnConfig.ConnString(), calls
+}
+
 // aborted reports whether tx is aborted: a statement in it fails with
 // 25P02.
 func aborted(tx pgx.Tx) bool {
@@ -67,12 +81,7 @@ func aborted(tx pgx.Tx) bool {
 func TestRefusalOnFreshConnectionLeavesTxUsable(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	pool := newPool(t)
-	url := pool.Config().ConnConfig.ConnString()
-	var calls atomic.Int64
-	if _, err := idem.DoInTx(ctx, pool, scope, "stored", fpA, recordEffect(&calls, "stored")); err != nil {
-		t.Fatal(err)
-	}
+	pool, url, calls := refusalPool(t)
 	r, err := idem.Reserve(ctx, pool, scope, "unknown", fpA, time.Minute)
 	if err == nil {
 		err = idem.MarkUnknown(ctx, pool, r, "timeout")
@@ -83,19 +92,13 @@ func TestRefusalOnFreshConnectionLeavesTxUsable(t *testing.T) {
 	// Another session holds LOCK TABLE idem_keys, or a claim of "held",
 	// while the call runs.
 	other := func(c callertest.Refusal) func() {
-		if c.Other == "" {
+		switch c.Other {
+		case "":
 			return func() {}
+		case callertest.HoldKey:
+			return hold(t, pool, c.Other, scope.Actor, scope.Operation, fpA[:])
 		}
-		o, err := pool.Begin(ctx)
-		if err == nil && c.Other == callertest.HoldKey {
-			_, err = o.Exec(ctx, c.Other, scope.Actor, scope.Operation, fpA[:])
-		} else if err == nil {
-			_, err = o.Exec(ctx, c.Other)
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
-		return func() { _ = o.Rollback(ctx) }
+		return hold(t, pool, c.Other)
 	}
 	for _, mode := range execModes {
 		for _, c := range callertest.Refusals {
@@ -111,7 +114,7 @@ func TestRefusalOnFreshConnectionLeavesTxUsable(t *testing.T) {
 				t.Fatal(err)
 			}
 			release := other(c)
-			fn, fp := recordEffect(&calls, c.Key), fpA
+			fn, fp := recordEffect(calls, c.Key), fpA
 			if c.NilFn {
 				fn = nil
 			}
@@ -145,18 +148,13 @@ func TestRefusalOnFreshConnectionLeavesTxUsable(t *testing.T) {
 func TestCancelledDoNeverAbortsAfterARefusal(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
-	pool := newPool(t)
-	url := pool.Config().ConnConfig.ConnString()
-	var calls atomic.Int64
-	if _, err := idem.DoInTx(ctx, pool, scope, "stored", fpA, recordEffect(&calls, "stored")); err != nil {
-		t.Fatal(err)
-	}
+	pool, url, calls := refusalPool(t)
 	twin, err := pool.Begin(ctx) // holds "held" claimed for the whole test
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer twin.Rollback(ctx)
-	if _, err := idem.Do(ctx, twin, scope, "held", fpA, recordEffect(&calls, "held")); err != nil {
+	if _, err := idem.Do(ctx, twin, scope, "held", fpA, recordEffect(calls, "held")); err != nil {
 		t.Fatal(err)
 	}
 	trials := callertest.Trials(40)
@@ -173,7 +171,7 @@ func TestCancelledDoNeverAbortsAfterARefusal(t *testing.T) {
 			if i%2 == 1 {
 				key, fp = "stored", fpB
 			}
-			_, err = client.Do(begin(), tx, scope, key, fp, recordEffect(&calls, key))
+			_, err = client.Do(begin(), tx, scope, key, fp, recordEffect(calls, key))
 			return !conn.IsClosed() && aborted(tx), conn.IsClosed(), err
 		})
 		t.Logf("%s: %d trials: %v", mode, trials, tally)
@@ -229,4 +227,88 @@ func TestEvictedStatementsNeverGiveARefusal(t *testing.T) {
 		t.Fatalf("Do with its statements evicted and the table locked: %v; want an error that is no refusal", err)
 	}
 	t.Logf("Do: %v", err)
+}
+
+// A claim that fails on a warm connection (one whose earlier calls left the
+// claim's statements in pgx's cache) makes pgx drop every statement of its
+// batch from its caches. The next Do there must prepare the claim inside its
+// savepoint again: with another session holding idem_keys locked past the
+// caller's lock_timeout, it refuses (ErrInProgress) and the caller's
+// transaction stays usable. Each kind of failed claim, in both exec modes
+// that cache statements.
+func TestFailedClaimOnWarmConnectionKeepsNextDoInItsSavepoint(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, url, calls := refusalPool(t)
+	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe} {
+		for _, f := range callertest.FailedClaims {
+			name, prefix := mode.String()+", "+f.Name, strings.ReplaceAll(mode.String()+"-"+f.Name, " ", "-")
+			conn := freshConn(t, url, mode, true)
+			for i := range 2 { // warm: the claim's statements cached
+				key := fmt.Sprintf("%s-warm-%d", prefix, i)
+				if err := pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
+					_, err := idem.Do(ctx, tx, scope, key, fpA, recordEffect(calls, key))
+					return err
+				}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			release := hold(t, pool, callertest.HoldKey, scope.Actor, scope.Operation, fpA[:])
+			client, err := idem.New(f.Config())
+			if err != nil {
+				t.Fatal(err)
+			}
+			fp, fn := fpA, recordEffect(calls, f.Key)
+			if f.Key == "stored" {
+				fp = fpB
+			}
+			callCtx, cancel := f.Context()
+			if f.InTx {
+				_, err = client.DoInTx(callCtx, conn, scope, f.Key, fp, fn)
+			} else {
+				err = pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
+					_, err := client.Do(callCtx, tx, scope, f.Key, fp, fn)
+					return err
+				})
+			}
+			cancel()
+			release()
+			if err == nil || conn.IsClosed() {
+				t.Fatalf("%s: %v (connection closed: %v)", name, err, conn.IsClosed())
+			}
+
+			release = hold(t, pool, callertest.LockTable)
+			tx, err := conn.Begin(ctx)
+			if err == nil {
+				_, err = tx.Exec(ctx, `SET LOCAL lock_timeout = '100ms'`)
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, err = idem.Do(ctx, tx, scope, prefix+"-new", fpA, recordEffect(calls, "new"))
+			release()
+			if !errors.Is(err, idem.ErrInProgress) {
+				t.Errorf("%s, then Do with idem_keys locked: err = %v, want ErrInProgress", name, err)
+			}
+			if aborted(tx) {
+				t.Errorf("%s, then Do with idem_keys locked (%v): the caller's transaction is aborted", name, err)
+			}
+			_ = tx.Rollback(ctx)
+		}
+	}
+}
+
+// hold runs sql with args in a transaction of another session on pool, and
+// keeps it open until the returned function runs.
+func hold(t *testing.T, pool *pgxpool.Pool, sql string, args ...any) (release func()) {
+	t.Helper()
+	ctx := context.Background()
+	tx, err := pool.Begin(ctx)
+	if err == nil {
+		_, err = tx.Exec(ctx, sql, args...)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	return func() { _ = tx.Rollback(ctx) }
 }

@@ -369,3 +369,41 @@ func TestDoInTxOnConnInTransaction(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// InTx rolling back after fn failed, on a pool of one connection that
+// another goroutine uses as soon as InTx gives it back: InTx looks at its
+// connection only while it holds it (under -race, a data race otherwise).
+func TestInTxRollbackLeavesThePooledConnectionAlone(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	cfg, err := pgxpool.ParseConfig(pgtest.URL(t, idem.Migrate))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.MaxConns = 1
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	failed := errors.New("fn failed")
+	var wg sync.WaitGroup
+	wg.Go(func() {
+		for range 200 {
+			err := idem.InTx(ctx, pool, func(ctx context.Context, tx pgx.Tx) error { return failed })
+			if !errors.Is(err, failed) {
+				t.Errorf("InTx: %v, want fn's error", err)
+				return
+			}
+		}
+	})
+	wg.Go(func() {
+		for range 200 {
+			if _, err := pool.Exec(ctx, `SELECT 1`); err != nil {
+				t.Errorf("pool.Exec: %v", err)
+				return
+			}
+		}
+	})
+	wg.Wait()
+}

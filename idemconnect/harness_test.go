@@ -45,23 +45,13 @@ func (transport) Serve(t testing.TB, db rpctest.DB, o rpctest.Options, h rpctest
 
 // interceptor is the interceptor on db with o.
 func interceptor(db rpctest.DB, o rpctest.Options) connect.Interceptor {
-	opts := idemconnect.Options{Scope: scopeFromHeader, StoredHeaders: o.StoredHeaders, StoredTrailers: o.StoredTrailers,
-		RequireKey: o.RequireKey, KeyField: o.KeyField, Procedures: o.Covered, Config: o.Config, Logger: o.Logger}
-	for _, c := range o.RefusalCodes {
-		opts.RefusalCodes = append(opts.RefusalCodes, connect.Code(c))
+	deny := func(context.Context, string) (idem.Scope, error) {
+		return idem.Scope{}, connect.NewError(connect.CodePermissionDenied, errors.New("not yours"))
 	}
-	switch {
-	case o.NoScope:
-		opts.Scope = nil
-	case o.Deny:
-		opts.Scope = func(context.Context, string) (idem.Scope, error) {
-			return idem.Scope{}, connect.NewError(connect.CodePermissionDenied, errors.New("not yours"))
-		}
-	}
-	if db.UsesSQL() {
-		return idemconnect.NewInterceptorSQL(db.SQL, opts)
-	}
-	return idemconnect.NewInterceptor(db.Pgx, opts)
+	return rpctest.Build(db, idemconnect.Options{Scope: rpctest.Scope(o, scopeFromHeader, deny),
+		StoredHeaders: o.StoredHeaders, StoredTrailers: o.StoredTrailers, RequireKey: o.RequireKey, KeyField: o.KeyField,
+		Procedures: o.Covered, RefusalCodes: rpctest.Codes[connect.Code](o.RefusalCodes), Config: o.Config, Logger: o.Logger},
+		idemconnect.NewInterceptor, idemconnect.NewInterceptorSQL)
 }
 
 // scopeFromHeader is the tests' authentication: the actor is the header

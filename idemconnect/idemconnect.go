@@ -106,6 +106,15 @@ type Options struct {
 	// records), never the key. Default: slog.Default().
 	Logger *slog.Logger
 
+	// Citus says that the *sql.DB of NewInterceptorSQL is a Citus coordinator
+	// with idem_keys distributed by actor (idem.Distribute): the store's
+	// statements then take the forms Citus accepts, those of an
+	// idemsql.NewCitus Client (a *sql.DB does not say what it is connected
+	// to). Without it, NewInterceptorSQL on a coordinator answers every call
+	// with a key internal (idem.ErrUnsupported, logged). The pgx form ignores
+	// it: a pgx handle finds out by itself. Default false.
+	Citus bool
+
 	// Config configures the idempotency store (see idem.Config): the key's
 	// TTL (default 24 h), how long a duplicate waits for the call that holds
 	// its key before it gets aborted (Wait, default 2 s), the key length
@@ -169,8 +178,9 @@ func Tx(ctx context.Context) pgx.Tx { return txs.PgxTx(ctx) }
 // own reply type that is not registered there, a dynamicpb message of the
 // type that the handler's Spec().Schema (or protoregistry.GlobalFiles)
 // gives the procedure. A reply that is neither could not be replayed: the
-// call that returns it fails with internal, saying so, and nothing of it
-// commits. A replayed response is not a *connect.Response of the handler's
+// call that returns it fails with unimplemented (the procedure cannot be
+// served idempotently until its reply type is registered), saying which
+// type, and nothing of it commits. A replayed response is not a *connect.Response of the handler's
 // type: interceptors outside this one that read it should use Any() and
 // proto.Message.
 //
@@ -191,8 +201,8 @@ func Tx(ctx context.Context) pgx.Tx { return txs.PgxTx(ctx) }
 // key, and the retry replays if the commit happened and runs otherwise. A
 // call whose context ends first gets canceled or deadline_exceeded. An
 // outcome that cannot be stored (over Config.MaxResponseBytes, a message
-// that is not protobuf or whose type a replay could not find) is internal,
-// with the handler's writes rolled back.
+// that is not protobuf) is internal, and one whose type a replay could not
+// find unimplemented, both with the handler's writes rolled back.
 //
 // NewInterceptor panics if db is nil (a typed nil *pgxpool.Pool too) or
 // opts is invalid (nil Scope, a stored name that is not a token, a Config

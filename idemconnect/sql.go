@@ -23,7 +23,7 @@ func TxSQL(ctx context.Context) *sql.Tx { return txs.SQLTx(ctx) }
 // which the handler gets from TxSQL. It panics on a nil db or invalid opts,
 // as NewInterceptor does. Unlike it, concurrent duplicates in one process
 // are not coalesced: they meet at the key's row (see idemsql.DoInTx), with
-// the same answers.
+// the same answers. On a Citus coordinator, set Options.Citus.
 func NewInterceptorSQL(db *sql.DB, opts Options) connect.Interceptor {
-	return mustInterceptor(opts, txs.SQL(db))
+	return mustInterceptor(opts, txs.SQL(db, opts.Citus))
 }

@@ -40,23 +40,13 @@ func (transport) Build(db rpctest.DB, o rpctest.Options) { interceptor(db, o) }
 
 // interceptor is the interceptor on db with o.
 func interceptor(db rpctest.DB, o rpctest.Options) grpc.UnaryServerInterceptor {
-	opts := idemgrpc.Options{Scope: scopeFromMetadata, StoredHeaders: o.StoredHeaders, StoredTrailers: o.StoredTrailers,
-		RequireKey: o.RequireKey, KeyField: o.KeyField, Methods: o.Covered, Config: o.Config, Logger: o.Logger}
-	for _, c := range o.RefusalCodes {
-		opts.RefusalCodes = append(opts.RefusalCodes, codes.Code(c))
+	deny := func(context.Context, string) (idem.Scope, error) {
+		return idem.Scope{}, status.Error(codes.PermissionDenied, "not yours")
 	}
-	switch {
-	case o.NoScope:
-		opts.Scope = nil
-	case o.Deny:
-		opts.Scope = func(context.Context, string) (idem.Scope, error) {
-			return idem.Scope{}, status.Error(codes.PermissionDenied, "not yours")
-		}
-	}
-	if db.UsesSQL() {
-		return idemgrpc.UnaryServerInterceptorSQL(db.SQL, opts)
-	}
-	return idemgrpc.UnaryServerInterceptor(db.Pgx, opts)
+	return rpctest.Build(db, idemgrpc.Options{Scope: rpctest.Scope(o, scopeFromMetadata, deny),
+		StoredHeaders: o.StoredHeaders, StoredTrailers: o.StoredTrailers, RequireKey: o.RequireKey, KeyField: o.KeyField,
+		Methods: o.Covered, RefusalCodes: rpctest.Codes[codes.Code](o.RefusalCodes), Config: o.Config, Logger: o.Logger},
+		idemgrpc.UnaryServerInterceptor, idemgrpc.UnaryServerInterceptorSQL)
 }
 
 // scopeFromMetadata is the tests' authentication: the actor is the metadata

@@ -103,6 +103,15 @@ type Options struct {
 	// records), never the key. Default: slog.Default().
 	Logger *slog.Logger
 
+	// Citus says that the *sql.DB of UnaryServerInterceptorSQL is a Citus
+	// coordinator with idem_keys distributed by actor (idem.Distribute): the
+	// store's statements then take the forms Citus accepts, those of an
+	// idemsql.NewCitus Client (a *sql.DB does not say what it is connected
+	// to). Without it, UnaryServerInterceptorSQL on a coordinator answers
+	// every call with a key INTERNAL (idem.ErrUnsupported, logged). The pgx
+	// form ignores it: a pgx handle finds out by itself. Default false.
+	Citus bool
+
 	// Config configures the idempotency store (see idem.Config): the key's
 	// TTL (default 24 h), how long a duplicate waits for the call that holds
 	// its key before it gets ABORTED (Wait, default 2 s), the key length
@@ -160,8 +169,9 @@ func Tx(ctx context.Context) pgx.Tx { return txs.PgxTx(ctx) }
 // registers every message), or else, for a reply of the method's own reply
 // type that is not registered there, a dynamicpb message of the type that
 // protoregistry.GlobalFiles gives the method. A reply that is neither could
-// not be replayed: the call that returns it fails with INTERNAL, saying so,
-// and nothing of it commits.
+// not be replayed: the call that returns it fails with UNIMPLEMENTED (the
+// method cannot be served idempotently until its reply type is registered),
+// saying which type, and nothing of it commits.
 //
 // The interceptor's own errors change nothing, and carry an ErrorInfo
 // detail (ErrorDomain, a Reason constant):
@@ -181,8 +191,8 @@ func Tx(ctx context.Context) pgx.Tx { return txs.PgxTx(ctx) }
 // context ends first gets CANCELLED or DEADLINE_EXCEEDED; nothing of it
 // commits unless the commit went through, and the retry tells. An outcome
 // that cannot be stored (a reply over Config.MaxResponseBytes, a reply that
-// is not a protobuf message or whose type a replay could not find) is
-// INTERNAL, with the handler's writes rolled back.
+// is not a protobuf message) is INTERNAL, and one whose type a replay could
+// not find UNIMPLEMENTED, both with the handler's writes rolled back.
 //
 // UnaryServerInterceptor panics if db is nil (a typed nil *pgxpool.Pool
 // too) or opts is invalid (nil Scope, a stored name that is not a token,

@@ -23,7 +23,8 @@ func TxSQL(ctx context.Context) *sql.Tx { return txs.SQLTx(ctx) }
 // *sql.Tx begun on db, which the handler gets from TxSQL. It panics on a nil
 // db or invalid opts, as UnaryServerInterceptor does. Unlike it, concurrent
 // duplicates in one process are not coalesced: they meet at the key's row
-// (see idemsql.DoInTx), with the same answers.
+// (see idemsql.DoInTx), with the same answers. On a Citus coordinator, set
+// Options.Citus.
 func UnaryServerInterceptorSQL(db *sql.DB, opts Options) grpc.UnaryServerInterceptor {
-	return mustIntercept(opts, txs.SQL(db))
+	return mustIntercept(opts, txs.SQL(db, opts.Citus))
 }

@@ -71,6 +71,15 @@ type Options struct {
 	// sent with a Content-Length.
 	StoredHeaders []string
 
+	// Citus says that the *sql.DB of MiddlewareSQL is a Citus coordinator
+	// with idem_keys distributed by actor (idem.Distribute): the store's
+	// statements then take the forms Citus accepts, those of an
+	// idemsql.NewCitus Client (a *sql.DB does not say what it is connected
+	// to). Without it, MiddlewareSQL on a coordinator answers every covered
+	// request with a key 500 (idem.ErrUnsupported, logged). Middleware
+	// ignores it: a pgx handle finds out by itself. Default false.
+	Citus bool
+
 	// Config configures the idempotency store (see idem.Config): the key's
 	// TTL (default 24 h), how long a duplicate waits for the request that
 	// holds its key before it gets 409 (Wait, default 2 s), the key length

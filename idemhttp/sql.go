@@ -25,9 +25,10 @@ func TxSQL(ctx context.Context) *sql.Tx { return txs.SQLTx(ctx) }
 // driver or lib/pq): the same requests, outcomes and answers, with the
 // handler's transaction a *sql.Tx begun on db, which the handler gets from
 // TxSQL. It panics on a nil db or invalid opts, as Middleware does. Run
-// idemsql.Migrate (or idem.Migrate) once before use.
+// idemsql.Migrate (or idem.Migrate) once before use. On a Citus
+// coordinator, set Options.Citus.
 func MiddlewareSQL(db *sql.DB, opts Options) func(http.Handler) http.Handler {
-	m, err := newMiddleware(opts, txs.SQL(db))
+	m, err := newMiddleware(opts, txs.SQL(db, opts.Citus))
 	if err != nil {
 		panic(err)
 	}
@@ -35,9 +36,9 @@ func MiddlewareSQL(db *sql.DB, opts Options) func(http.Handler) http.Handler {
 }
 
 // StatusHandlerSQL is StatusHandler on a *sql.DB. It panics on a nil db or
-// invalid opts.
+// invalid opts. On a Citus coordinator, set StatusOptions.Citus.
 func StatusHandlerSQL(db *sql.DB, opts StatusOptions) http.Handler {
-	h, err := newStatusHandler(opts, txs.SQL(db))
+	h, err := newStatusHandler(opts, txs.SQL(db, opts.Citus))
 	if err != nil {
 		panic(err)
 	}

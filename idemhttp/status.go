@@ -126,6 +126,11 @@ type StatusOptions struct {
 	// metrics nor logged through its Logger.
 	Config idem.Config
 
+	// Citus says that the *sql.DB of StatusHandlerSQL is a Citus
+	// coordinator: give it the middleware's Options.Citus. StatusHandler
+	// ignores it. Default false.
+	Citus bool
+
 	// Logger receives a record for every 5xx the handler writes, with a
 	// hash of the key, never the key. Default: slog.Default().
 	Logger *slog.Logger

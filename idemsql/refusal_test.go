@@ -4,6 +4,8 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -192,5 +194,78 @@ func TestCancelledDoNeverAbortsAfterARefusal(t *testing.T) {
 			return isAborted, pingErr != nil && !isAborted && idem.Unavailable(pingErr), err
 		})
 		t.Logf("%s: %d trials: %v", handle, trials, tally)
+	}
+}
+
+// After a failed claim on a warm connection (pgx's stdlib driver in both
+// exec modes that cache statements, and lib/pq), the next idemsql.Do there
+// still claims inside its savepoint: with idem_keys locked by another
+// session past the caller's lock_timeout, it refuses and the caller's
+// transaction stays usable.
+func TestFailedClaimOnWarmConnectionKeepsNextDoInItsSavepoint(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url, setup := refusalSetup(t)
+	held := fpOf("a")
+	for _, handle := range []string{"pgx-cache_statement", "pgx-cache_describe", "pq"} {
+		for _, f := range callertest.FailedClaims {
+			name, prefix := handle+", "+f.Name, strings.ReplaceAll(handle+"-"+f.Name, " ", "-")
+			db := freshDB(t, url, handle, true)
+			for i := range 2 { // warm: the claim's statements cached
+				tx, err := db.BeginTx(ctx, nil)
+				if err == nil {
+					_, err = idemsql.Do(ctx, tx, scope, fmt.Sprintf("%s-warm-%d", prefix, i), held, okFn)
+				}
+				if err == nil {
+					err = tx.Commit()
+				}
+				if err != nil {
+					t.Fatal(err)
+				}
+			}
+			release := other(t, setup, callertest.HoldKey, scope.Actor, scope.Operation, held[:])
+			client, err := idemsql.New(f.Config())
+			if err != nil {
+				t.Fatal(err)
+			}
+			fp := held
+			if f.Key == "stored" {
+				fp = fpOf("b")
+			}
+			callCtx, cancel := f.Context()
+			if f.InTx {
+				_, err = client.DoInTx(callCtx, db, scope, f.Key, fp, okFn)
+			} else {
+				tx, beginErr := db.BeginTx(ctx, nil)
+				if beginErr != nil {
+					t.Fatal(beginErr)
+				}
+				_, err = client.Do(callCtx, tx, scope, f.Key, fp, okFn)
+				_ = tx.Rollback()
+			}
+			cancel()
+			release()
+			if err == nil {
+				t.Fatalf("%s: no error", name)
+			}
+
+			release = other(t, setup, callertest.LockTable)
+			tx, err := db.BeginTx(ctx, nil)
+			if err == nil {
+				_, err = tx.ExecContext(ctx, `SET LOCAL lock_timeout = '100ms'`)
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			_, err = idemsql.Do(ctx, tx, scope, prefix+"-new", held, okFn)
+			release()
+			if !errors.Is(err, idem.ErrInProgress) {
+				t.Errorf("%s, then Do with idem_keys locked: err = %v, want ErrInProgress", name, err)
+			}
+			if aborted(tx) {
+				t.Errorf("%s, then Do with idem_keys locked (%v): the caller's transaction is aborted", name, err)
+			}
+			_ = tx.Rollback()
+		}
 	}
 }

@@ -24,6 +24,7 @@ import (
 
 	"github.com/pgidem/idem"
 	store "github.com/pgidem/idem/internal/db"
+	"github.com/pgidem/idem/internal/driver"
 )
 
 // The actions of the trail (idem_audit.action). They are the names of
@@ -150,14 +151,19 @@ const sqlIndexWalk = `SELECT set_config('enable_seqscan', 'off', true), set_conf
 const ReadTimeout = 10 * time.Second
 
 // Read runs fn in a transaction begun on db with the index-walk settings
-// and a statement timeout of ReadTimeout, and rolls it back: the console's
-// pages read through it.
+// and a statement timeout of ReadTimeout, and rolls it back, even when ctx
+// is done (bounded by driver.CleanupTimeout, as idem's own undos): the
+// console's pages read through it.
 func Read(ctx context.Context, db idem.Beginner, fn func(ctx context.Context, q Planned) error) error {
 	tx, err := db.Begin(ctx)
 	if err != nil {
 		return err
 	}
-	defer func() { _ = tx.Rollback(context.WithoutCancel(ctx)) }()
+	defer func() {
+		ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), driver.CleanupTimeout)
+		defer cancel()
+		_ = tx.Rollback(ctx)
+	}()
 	if _, err := tx.Exec(ctx, sqlIndexWalk+fmt.Sprintf(", set_config('statement_timeout', '%dms', true)", ReadTimeout.Milliseconds())); err != nil {
 		return err
 	}

@@ -212,3 +212,45 @@ func TestMigrateDownKeepsTheTrail(t *testing.T) {
 		t.Fatalf("an empty trail goes without force: %d, %v", v, err)
 	}
 }
+
+// rollbackSpy is a Beginner whose transactions report, when their Rollback
+// is called, whether its context has a deadline and whether it is done.
+type rollbackSpy struct {
+	pool      *pgxpool.Pool
+	rollbacks chan [2]bool
+}
+
+func (s rollbackSpy) Begin(ctx context.Context) (pgx.Tx, error) {
+	tx, err := s.pool.Begin(ctx)
+	return spiedTx{tx, s.rollbacks}, err
+}
+
+type spiedTx struct {
+	pgx.Tx
+	rollbacks chan [2]bool
+}
+
+func (t spiedTx) Rollback(ctx context.Context) error {
+	_, bounded := ctx.Deadline()
+	t.rollbacks <- [2]bool{bounded, ctx.Err() != nil}
+	return t.Tx.Rollback(ctx)
+}
+
+// Read rolls its transaction back also when the caller's context is done,
+// with a bounded context (a server that stops answering cannot hold the
+// page forever).
+func TestReadRollbackIsBounded(t *testing.T) {
+	t.Parallel()
+	spy := rollbackSpy{pgtest.Pool(t, idem.Migrate), make(chan [2]bool, 1)}
+	ctx, cancel := context.WithCancel(context.Background())
+	err := audit.Read(ctx, spy, func(ctx context.Context, q audit.Planned) error {
+		cancel()
+		return ctx.Err()
+	})
+	if !errors.Is(err, context.Canceled) {
+		t.Fatalf("Read: %v", err)
+	}
+	if rb := <-spy.rollbacks; !rb[0] || rb[1] {
+		t.Fatalf("Rollback's context: deadline %v, done %v; want a deadline, not done", rb[0], rb[1])
+	}
+}

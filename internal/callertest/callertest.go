@@ -72,6 +72,48 @@ var Refusals = []Refusal{
 	{Name: "nil fn", Key: "new", NilFn: true, Want: idem.ErrInvalidArgument},
 }
 
+// FailedClaim is a call on a connection where calls ran before (pgx's
+// caches hold the claim's statements), while a twin holds the key "held"
+// (HoldKey): its claim fails, or, for "stored", claims nothing.
+type FailedClaim struct {
+	Name string
+	// InTx: the call is DoInTx on the connection; otherwise Do in a
+	// transaction on it.
+	InTx bool
+	// Key is "held", or "stored", called with another fingerprint than the
+	// stored one (ErrKeyReused).
+	Key string
+	// Cancel: the call's context ends while its claim waits for the twin;
+	// otherwise the Client's Wait runs out first (ErrInProgress).
+	Cancel bool
+}
+
+// FailedClaims are the failed claims every front is tested with on a warm
+// connection.
+var FailedClaims = []FailedClaim{
+	{Name: "Do refused", Key: "held"},
+	{Name: "Do cancelled", Key: "held", Cancel: true},
+	{Name: "Do key reused", Key: "stored"},
+	{Name: "DoInTx refused", InTx: true, Key: "held"},
+	{Name: "DoInTx cancelled", InTx: true, Key: "held", Cancel: true},
+}
+
+// Config is the configuration of the Client that makes the call.
+func (f FailedClaim) Config() idem.Config {
+	if f.Cancel {
+		return idem.Config{Wait: time.Minute}
+	}
+	return idem.Config{Wait: 20 * time.Millisecond}
+}
+
+// Context is the call's context: one that ends 50ms in with Cancel.
+func (f FailedClaim) Context() (context.Context, context.CancelFunc) {
+	if f.Cancel {
+		return context.WithTimeout(context.Background(), 50*time.Millisecond)
+	}
+	return context.WithCancel(context.Background())
+}
+
 // CancelRequests makes a done context cancel the statement in flight with a
 // cancel request (pgconn.CancelRequestContextWatcherHandler) instead of
 // closing the connection: the statement fails, the connection lives on.

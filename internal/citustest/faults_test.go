@@ -270,3 +270,78 @@ func TestWaitDoesNotBoundFn(t *testing.T) {
 		t.Fatalf("Do: fn's wait was bounded: %v", err)
 	}
 }
+
+// On a warm connection (cache_statement), a Reserve refused after its
+// bounded wait makes pgx drop the statements of its batch from its cache;
+// the claim's statements are not among them: the next Do sends its claim
+// with the statements prepared before (nothing prepared again outside its
+// savepoint).
+func TestFailedReserveKeepsClaimStatementsCached(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db, p := newDB(t)
+	scope := idem.Scope{Actor: "heidi", Operation: "order"}
+	cfg, err := pgx.ParseConfig(db.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.DefaultQueryExecMode = pgx.QueryExecModeCacheStatement
+	conn, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	client, err := idem.New(idem.Config{Wait: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	do := func(key string) {
+		t.Helper()
+		if err := pgx.BeginFunc(ctx, conn, func(tx pgx.Tx) error {
+			_, err := client.Do(ctx, tx, scope, key, fp("x"), order("heidi", key, "x"))
+			return err
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// prepared lists the statements prepared on conn that set lock_timeout,
+	// with when each was prepared.
+	prepared := func() map[string]time.Time {
+		t.Helper()
+		rows, err := conn.Query(ctx, `SELECT statement, prepare_time FROM pg_prepared_statements
+			WHERE statement LIKE 'SET LOCAL lock_timeout%'`, pgx.QueryExecModeSimpleProtocol)
+		if err != nil {
+			t.Fatal(err)
+		}
+		got := map[string]time.Time{}
+		var sql string
+		var at time.Time
+		if _, err := pgx.ForEachRow(rows, []any{&sql, &at}, func() error { got[sql] = at; return nil }); err != nil {
+			t.Fatal(err)
+		}
+		return got
+	}
+	do("warm-1")
+	do("warm-2")
+	before := prepared()
+	holder, err := p.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := idem.Do(ctx, holder, scope, "held", fp("x"), order("heidi", "held", "x")); err != nil {
+		t.Fatal(err)
+	}
+	_, err = client.Reserve(ctx, conn, scope, "held", fp("x"), time.Minute)
+	_ = holder.Rollback(ctx)
+	isErr(t, "Reserve of a held key", err, idem.ErrInProgress)
+	do("after")
+	after := prepared()
+	if len(before) == 0 {
+		t.Fatal("no claim statement setting lock_timeout prepared on the warm connection")
+	}
+	for sql, at := range before {
+		if !after[sql].Equal(at) {
+			t.Errorf("%q prepared at %v before the failed Reserve, at %v after it: the claim prepared it again", sql, at, after[sql])
+		}
+	}
+}

@@ -273,7 +273,7 @@ func unsupportedIf(err error) error {
 		// PostgreSQL's claim run on Citus's worker, where the setting it
 		// saves the caller's lock_timeout in is not known: package idemsql
 		// cannot tell a Citus coordinator by itself.
-		return errorf("idem: %w (a Citus coordinator: use a Client of idemsql.NewCitus): %w", ErrUnsupported, err)
+		return errorf("idem: %w (a Citus coordinator: use a Client of idemsql.NewCitus, or Options.Citus of idemhttp, idemgrpc or idemconnect): %w", ErrUnsupported, err)
 	}
 	return err
 }

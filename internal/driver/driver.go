@@ -95,13 +95,17 @@ type Driver[TTx, TDB any] interface {
 type Span[TTx any] interface {
 	// Claim begins the span and claims c.Key in it, waiting at most the
 	// Client's Wait for a transaction that holds it: on pgx, the savepoint
-	// (or BEGIN) and the claim in one round trip (a savepoint whose
-	// statements pgx has not prepared yet on the connection goes first, in
-	// a round trip of its own, so that nothing can fail in the caller's
-	// transaction outside it). claimed is false when a committed row holds
-	// the key (Read reads it). begun is false when the span did not begin:
-	// nothing to undo, and for a savepoint the error happened in the
-	// caller's transaction itself.
+	// (or BEGIN) and the claim in one round trip, unless pgx would first
+	// prepare or describe the claim's statements in the caller's
+	// transaction (on a connection where it has not cached them): then the
+	// savepoint goes first, in a round trip of its own, and the claim
+	// inside it, so that no lock wait or cancelled statement of the claim's
+	// fails in the caller's transaction outside the savepoint (pgxdriver's
+	// Claim says what pgx still prepares before a savepoint: SAVEPOINT
+	// itself, and statements it evicted from a full cache). claimed is
+	// false when a committed row holds the key (Read reads it). begun is
+	// false when the span did not begin: nothing to undo, and for a
+	// savepoint the error happened in the caller's transaction itself.
 	Claim(ctx context.Context, c Claim) (claimed, begun bool, err error)
 	// Tx is the transaction fn runs in.
 	Tx() TTx

@@ -80,15 +80,20 @@ func (t *Txs) Pgx(db idem.Beginner) Open {
 }
 
 // SQL opens the Store of a client's configuration on db: idemsql's
-// DoInTx, InTx and Lookup, the transaction in t (SQLTx). A *sql.Tx cannot
-// be watched: a serialization failure or deadlock that fn's own statements
-// met is seen only if fn returns it.
-func (t *Txs) SQL(db *sql.DB) Open {
+// DoInTx, InTx and Lookup, the transaction in t (SQLTx), of a Client of
+// idemsql.New, or with citus (db is a Citus coordinator) of
+// idemsql.NewCitus. A *sql.Tx cannot be watched: a serialization failure or
+// deadlock that fn's own statements met is seen only if fn returns it.
+func (t *Txs) SQL(db *sql.DB, citus bool) Open {
 	return func(c *idem.Client) (Store, error) {
 		if db == nil {
 			return nil, ErrNilHandle
 		}
-		sc, err := idemsql.New(c.Config())
+		newClient := idemsql.New
+		if citus {
+			newClient = idemsql.NewCitus
+		}
+		sc, err := newClient(c.Config())
 		if err != nil {
 			return nil, err
 		}

@@ -38,10 +38,11 @@ func TestNilHandle(t *testing.T) {
 		t.Fatal(err)
 	}
 	for name, open := range map[string]Open{
-		"nil Beginner":   txs.Pgx(nil),
-		"nil *pgxpool":   txs.Pgx((*pgxpool.Pool)(nil)),
-		"nil *sql.DB":    txs.SQL(nil),
-		"valid *pgxpool": txs.Pgx(&pgxpool.Pool{}),
+		"nil Beginner":       txs.Pgx(nil),
+		"nil *pgxpool":       txs.Pgx((*pgxpool.Pool)(nil)),
+		"nil *sql.DB":        txs.SQL(nil, false),
+		"nil *sql.DB, Citus": txs.SQL(nil, true),
+		"valid *pgxpool":     txs.Pgx(&pgxpool.Pool{}),
 	} {
 		s, err := open(c)
 		if want := name != "valid *pgxpool"; want != errors.Is(err, ErrNilHandle) || want != (s == nil) {

@@ -23,6 +23,7 @@ const (
 	CodeDeadlineExceeded   uint32 = 4
 	CodeFailedPrecondition uint32 = 9
 	CodeAborted            uint32 = 10
+	CodeUnimplemented      uint32 = 12
 	CodeInternal           uint32 = 13
 	CodeUnavailable        uint32 = 14
 	CodeUnauthenticated    uint32 = 16
@@ -46,6 +47,14 @@ type Failure struct {
 	// wrap one (connect-go's); nil for none.
 	Cause error
 }
+
+// FailureError is an error of a Call's Reply that answers the call with
+// Failure as it is: the handler's writes roll back and nothing is stored,
+// as for any error of Reply, but the client gets Failure, not INTERNAL.
+type FailureError struct{ Failure *Failure }
+
+func (e *FailureError) Error() string { return e.Failure.Message }
+func (e *FailureError) Unwrap() error { return e.Failure.Cause }
 
 // Transport is what Core knows of an interceptor's transport: the same for
 // every interceptor of a package.
@@ -277,7 +286,8 @@ type Call interface {
 
 	// Reply is the stored form of the last Handle's reply: the chosen
 	// headers and trailers (see the package doc) and the marshalled
-	// message. Refusal is the same for err, the last Handle's error, a
+	// message, or an error, a *FailureError for one the call answers as
+	// it says. Refusal is the same for err, the last Handle's error, a
 	// refusal: its Body is the marshalled google.rpc.Status.
 	Reply() (header map[string][]string, body []byte, err error)
 	Refusal(err error) (header map[string][]string, body []byte, err2 error)
@@ -316,6 +326,9 @@ func (c *Core) Do(ctx context.Context, procedure string, scope idem.Scope, key s
 		return res.Response, true, nil
 	case err == nil, errors.Is(err, c.notStored) && !idem.Unavailable(err):
 		return idem.Response{}, false, nil
+	}
+	if fe := (*FailureError)(nil); errors.As(err, &fe) && !idem.Unavailable(err) {
+		return idem.Response{}, false, fe.Failure
 	}
 	return idem.Response{}, false, c.storeError(ctx, procedure, key, err)
 }

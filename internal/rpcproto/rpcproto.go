@@ -126,9 +126,11 @@ type Transport[R any] interface {
 // protoregistry.GlobalTypes (generated code registers every message), or it
 // is the reply type of req.Schema or of the procedure's method in
 // protoregistry.GlobalFiles (decoded as a dynamicpb message). Otherwise the
-// call fails with INTERNAL, saying so, and nothing commits. A stored reply
-// without its type (stored by an earlier version) is decoded as the reply
-// type of the procedure's method.
+// call fails with UNIMPLEMENTED (the method cannot be served idempotently
+// until its reply type is registered), saying which type, and nothing
+// commits. A stored reply without its type (stored by an earlier version)
+// is decoded as the reply type of the procedure's method; when that is not
+// known either, the call fails with UNIMPLEMENTED too.
 func Serve[R any](ctx context.Context, s *Server, t Transport[R], req Request) (R, error) {
 	var none R
 	msg, isProto := req.Message.(proto.Message)
@@ -204,7 +206,7 @@ func (c call[R]) Reply() (map[string][]string, []byte, error) {
 	}
 	name := m.ProtoReflect().Descriptor().FullName()
 	if _, err := c.s.replyType(name, c.req); err != nil {
-		return nil, nil, err
+		return nil, nil, &rpcidem.FailureError{Failure: unimplemented(err)}
 	}
 	body, err := Marshal(m)
 	if err != nil {
@@ -274,13 +276,21 @@ func (s *Server) decode(stored idem.Response, req Request) (Replay, *rpcidem.Fai
 	}
 	t, err := s.replyType(protoreflect.FullName(name), req)
 	if err != nil {
-		return r, &rpcidem.Failure{Code: rpcidem.CodeInternal, Message: err.Error(), Cause: err}
+		return r, unimplemented(err)
 	}
 	r.Reply = t.New().Interface()
 	if err := proto.Unmarshal(stored.Body, r.Reply); err != nil {
 		return r, s.internal("stored reply: %v", err)
 	}
 	return r, nil
+}
+
+// unimplemented is the UNIMPLEMENTED failure of a reply whose type err
+// says cannot be found: the method cannot be served idempotently (a reply
+// stored, or to store, could not be replayed) until the server knows the
+// type.
+func unimplemented(err error) *rpcidem.Failure {
+	return &rpcidem.Failure{Code: rpcidem.CodeUnimplemented, Message: err.Error(), Cause: err}
 }
 
 // internal is an INTERNAL failure with the message format, args after the

@@ -17,11 +17,14 @@
 // Before pgx sends a batch in its exec modes cache_statement, cache_describe
 // and describe_exec, it prepares or describes the statements it has not
 // cached, in a round trip of their own: in the caller's transaction, where a
-// lock wait or a cancelled statement there would abort it. So on a
-// connection that has not run a claim's statements yet, Do sends its
-// SAVEPOINT alone first (and asks whether the database is Citus inside it),
-// then the claim: see span.go. Citus's statement forms are chosen here
-// (citus.go), per connection.
+// lock wait or a cancelled statement there would abort it. pgx caches a
+// batch's statements when the batch succeeds and drops them all when it
+// fails. So unless the last claim batch of the same form succeeded on the
+// connection, Do sends its SAVEPOINT alone first (and asks whether the
+// database is Citus inside it), then the claim; otherwise SAVEPOINT and the
+// claim go together, and pgx may prepare the statement SAVEPOINT itself
+// before them (it takes no lock). span.go (Claim) says exactly what runs
+// where. Citus's statement forms are chosen here (citus.go), per connection.
 package pgxdriver
 
 import (
@@ -54,9 +57,14 @@ type Driver struct {
 	lockTimeout string
 	level       pgx.TxIsoLevel
 	txOptions   pgx.TxOptions
-	// sqlSetWait is SET LOCAL lock_timeout = Wait: Citus's claim and
-	// Reserve, where set_config would not reach the workers.
+	// sqlSetWait is SET LOCAL lock_timeout = Wait: Reserve's bound, where
+	// set_config would not reach Citus's workers.
 	sqlSetWait string
+	// sqlClaimWait is the same setting for Citus's claim, spelt apart
+	// (TO, not =) so that pgx caches it as a statement of claim batches
+	// only: a Reserve batch that fails makes pgx drop its own statements
+	// from its caches, never the claim's (see connState.sent).
+	sqlClaimWait string
 	// claimForms names the statements of each claim batch (by Citus, then
 	// take-over), to remember per connection which ones pgx has cached.
 	claimForms [2][2]string
@@ -68,10 +76,11 @@ var _ driver.Driver[pgx.Tx, Beginner] = (*Driver)(nil)
 // New returns the pgx driver for a Client's settings.
 func New(s driver.Settings) driver.Driver[pgx.Tx, Beginner] {
 	d := &Driver{
-		ttlMicros:   s.TTLMicros,
-		lockTimeout: s.LockTimeout,
-		level:       pgx.TxIsoLevel(s.IsolationLevel),
-		sqlSetWait:  "SET LOCAL lock_timeout = '" + s.LockTimeout + "'",
+		ttlMicros:    s.TTLMicros,
+		lockTimeout:  s.LockTimeout,
+		level:        pgx.TxIsoLevel(s.IsolationLevel),
+		sqlSetWait:   "SET LOCAL lock_timeout = '" + s.LockTimeout + "'",
+		sqlClaimWait: "SET LOCAL lock_timeout TO '" + s.LockTimeout + "'",
 	}
 	d.txOptions = pgx.TxOptions{IsoLevel: d.level}
 	d.claimForms = [2][2]string{{"claim", "take-over"}, {"citus claim " + s.LockTimeout, "citus take-over " + s.LockTimeout}}

@@ -74,18 +74,39 @@ type span struct {
 // Tx is the transaction fn runs in.
 func (s *span) Tx() pgx.Tx { return s.tx }
 
-// Claim begins the span and claims the key. The round trip it takes:
-//   - DoInTx: BEGIN and the claim. Whatever pgx prepares before sending
-//     them runs outside any transaction, and so does the question whether
-//     the database is Citus (on a new connection for this Client).
-//   - Do on a connection whose statements for this claim pgx has cached
-//     (or in an exec mode that prepares nothing): SAVEPOINT and the claim.
+// Claim begins the span and claims the key. The round trips it takes:
+//   - DoInTx: BEGIN and the claim. Whatever pgx prepares or describes
+//     before sending them runs outside any transaction, and so does the
+//     question whether the database is Citus (on a new connection for this
+//     Client).
+//   - Do where pgx prepares nothing before a claim: once whether the
+//     database is Citus is known (to the connection or the Client), in
+//     the exec modes exec and simple_protocol, and in cache_statement and
+//     cache_describe when the last claim batch of the same form (Citus or
+//     not, fresh claim or take-over) succeeded on this connection, so pgx
+//     has its statements cached: SAVEPOINT and the claim. Before them pgx
+//     prepares (cache_statement) or describes (cache_describe) the
+//     statement SAVEPOINT itself, in a round trip of its own in the
+//     caller's transaction, when it has not cached it: on the first such
+//     Do on a connection, and on the first such Do after a claim failed
+//     there. SAVEPOINT reads no table and takes no lock, so nothing there
+//     waits; a cancellation or a broken connection in that round trip
+//     fails in the caller's transaction, and Do then answers with an error
+//     that is no refusal (begun is false).
 //   - Do otherwise: the SAVEPOINT alone first (in the simple protocol:
 //     nothing to prepare), then inside it the question whether the
 //     database is Citus, if not known yet, and the claim, with whatever pgx
 //     prepares or describes first. So a lock wait or a cancelled statement
 //     there fails inside the savepoint, which Do undoes, and never in the
 //     caller's transaction outside it.
+//
+// pgx drops every statement of a batch that failed from its caches (the
+// failed claim, but also one refused after a lock wait or cancelled), so a
+// claim batch that fails makes its form cold again on the connection (see
+// connState.sent). What this cannot see is pgx evicting the statements from
+// a full cache (StatementCacheCapacity, DescriptionCacheCapacity): pgx then
+// prepares them again before the batch, in the caller's transaction, and a
+// failure there is an error that is no refusal.
 func (s *span) Claim(ctx context.Context, c driver.Claim) (claimed, begun bool, err error) {
 	s.fp = c.Fingerprint
 	b := s.reset()
@@ -97,16 +118,7 @@ func (s *span) Claim(ctx context.Context, c driver.Claim) (claimed, begun bool, 
 		}
 		b.BeginTx(s.d.txOptions)
 		s.d.queueClaim(b, c, s.fp[:], citus)
-		br := s.conn.SendBatch(ctx, b)
-		s.tx = br.Tx()
-		if _, err := br.Exec(); err != nil { // not begun: nothing to undo
-			return false, false, fmt.Errorf("claim: %w", closeBatch(br, err))
-		}
-		claimed, err = readClaim(br, citus)
-		if err = closeBatch(br, err); err == nil && st.caches {
-			st.warm[s.d.claimForms[b2i(citus)][b2i(c.TakeOver)]] = true
-		}
-		return claimed, true, claimError(err)
+		return s.sendClaim(ctx, s.conn, st, s.d.claimForm(citus, c), true, citus)
 	}
 
 	var st *connState
@@ -114,20 +126,12 @@ func (s *span) Claim(ctx context.Context, c driver.Claim) (claimed, begun bool, 
 	if conn := s.tx.Conn(); conn != nil { // (a pgx.Tx of another making may have none: plain PostgreSQL)
 		st = s.d.state(conn)
 		citus = st.citus
-		warm = st.known && (!st.prepares || st.warm[s.d.claimForms[b2i(citus)][b2i(c.TakeOver)]])
+		warm = st.known && (!st.prepares || st.warm[s.d.claimForm(citus, c)])
 	}
 	if warm {
 		b.Queue(sqlSavepoint)
 		s.d.queueClaim(b, c, s.fp[:], citus)
-		br := s.tx.SendBatch(ctx, b)
-		if _, err := br.Exec(); err != nil { // the savepoint did not begin
-			if st != nil {
-				delete(st.warm, s.d.claimForms[b2i(citus)][b2i(c.TakeOver)]) // pgx prepared something after all
-			}
-			return false, false, fmt.Errorf("claim: %w", closeBatch(br, err))
-		}
-		claimed, err = readClaim(br, citus)
-		return claimed, true, claimError(closeBatch(br, err))
+		return s.sendClaim(ctx, s.tx, st, s.d.claimForm(citus, c), true, citus)
 	}
 
 	if _, err := s.tx.Exec(ctx, sqlSavepoint, pgx.QueryExecModeSimpleProtocol); err != nil {
@@ -137,12 +141,41 @@ func (s *span) Claim(ctx context.Context, c driver.Claim) (claimed, begun bool, 
 		return false, true, fmt.Errorf("claim: %w", err)
 	}
 	s.d.queueClaim(b, c, s.fp[:], citus)
-	br := s.tx.SendBatch(ctx, b)
-	claimed, err = readClaim(br, citus)
-	if err = closeBatch(br, err); err == nil && st.caches {
-		st.warm[s.d.claimForms[b2i(citus)][b2i(c.TakeOver)]] = true
+	return s.sendClaim(ctx, s.tx, st, s.d.claimForm(citus, c), false, citus)
+}
+
+// batchSender sends a batch: a connection or a transaction.
+type batchSender interface {
+	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
+}
+
+// sendClaim sends the span's batch, a claim of form, on q, and reads it;
+// opens: the batch begins with BEGIN or SAVEPOINT, and begun says whether
+// that ran. Whether the batch succeeded goes to st (see connState.sent).
+func (s *span) sendClaim(ctx context.Context, q batchSender, st *connState, form string, opens, citus bool) (claimed, begun bool, err error) {
+	br := q.SendBatch(ctx, &s.batch)
+	if s.conn != nil {
+		s.tx = br.Tx()
+	}
+	begun = true
+	if opens {
+		_, err = br.Exec()
+		begun = err == nil
+	}
+	if begun {
+		claimed, err = readClaim(br, citus)
+	}
+	err = closeBatch(br, err)
+	st.sent(form, err)
+	if !begun { // nothing to undo
+		return false, false, fmt.Errorf("claim: %w", err)
 	}
 	return claimed, true, claimError(err)
+}
+
+// claimForm names the claim batch of c (Driver.claimForms).
+func (d *Driver) claimForm(citus bool, c driver.Claim) string {
+	return d.claimForms[b2i(citus)][b2i(c.TakeOver)]
 }
 
 // claimError labels the failure of a claim.
@@ -178,12 +211,12 @@ func (d *Driver) queueClaim(b *pgx.Batch, c driver.Claim, fp []byte, citus bool)
 	ctx, q, k := context.Background(), queuer{b}, c.Key
 	switch {
 	case citus && c.TakeOver:
-		b.Queue(d.sqlSetWait)
+		b.Queue(d.sqlClaimWait)
 		_, _ = queries.KeyTakeOverCitus(ctx, q, db.KeyTakeOverCitusParams{Actor: k.Actor, Operation: k.Operation,
 			IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttlMicros})
 		b.Queue(sqlWaitDefault)
 	case citus:
-		b.Queue(d.sqlSetWait)
+		b.Queue(d.sqlClaimWait)
 		_, _ = queries.KeyClaimCitus(ctx, q, db.KeyClaimCitusParams{Actor: k.Actor, Operation: k.Operation,
 			IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttlMicros})
 		b.Queue(sqlWaitDefault)
@@ -371,9 +404,28 @@ type connState struct {
 	// modes cache_statement, cache_describe, describe_exec); caches: and
 	// keeps them (not describe_exec).
 	prepares, caches bool
-	// warm names the claim batches (Driver.claimForms) that ran on this
-	// connection: their statements are in pgx's cache.
+	// warm names the claim batches (Driver.claimForms) whose last run on
+	// this connection succeeded: their statements are in pgx's cache
+	// unless it evicted them since (see sent).
 	warm map[string]bool
+}
+
+// sent records that a claim batch of form was sent on st's connection and
+// ended with err. pgx keeps the statements of a batch that succeeded in its
+// cache, and drops every statement of a batch that failed, whatever failed
+// (a lock wait that ran out, a cancellation, SAVEPOINT or BEGIN): so the
+// form is warm exactly when its last batch succeeded. The claim's
+// statements go in claim batches only (see Driver.sqlClaimWait), so no
+// other batch's failure drops them. st is nil for a pgx.Tx without a
+// connection.
+func (st *connState) sent(form string, err error) {
+	switch {
+	case st == nil || !st.caches:
+	case err == nil:
+		st.warm[form] = true
+	default:
+		delete(st.warm, form)
+	}
 }
 
 // connStateKey is the key of a connState in a connection's CustomData.

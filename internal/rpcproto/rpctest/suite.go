@@ -3,6 +3,7 @@ package rpctest
 import (
 	"bytes"
 	"context"
+	"database/sql"
 	"errors"
 	"fmt"
 	"log/slog"
@@ -81,6 +82,42 @@ type Options struct {
 	// Procedure is the procedure Serve serves h as: "" (Transfer), or
 	// Unlisted, served without a schema.
 	Procedure string
+}
+
+// Scope is the Options.Scope of an interceptor that o asks for: scope (the
+// client's user and the procedure), deny (the transport's PERMISSION_DENIED
+// "not yours") with o.Deny, or none (nil) with o.NoScope.
+func Scope[F any](o Options, scope, deny F) F {
+	switch {
+	case o.NoScope:
+		var none F
+		return none
+	case o.Deny:
+		return deny
+	}
+	return scope
+}
+
+// Codes is codes as a transport's code type; nil (the interceptor's
+// default) for none.
+func Codes[C ~uint32](codes []uint32) []C {
+	if len(codes) == 0 {
+		return nil
+	}
+	out := make([]C, len(codes))
+	for i, c := range codes {
+		out[i] = C(c)
+	}
+	return out
+}
+
+// Build builds the interceptor with opts on db as the package's
+// constructor for db's driver does: pgx's, or sql's for a *sql.DB.
+func Build[O, I any](db DB, opts O, pgx func(idem.Beginner, O) I, sql func(*sql.DB, O) I) I {
+	if db.UsesSQL() {
+		return sql(db.SQL, opts)
+	}
+	return pgx(db.Pgx, opts)
 }
 
 // Handler is the behaviour of a test handler, whatever the transport: it
@@ -201,6 +238,7 @@ const (
 	codeFailedPrecondition = rpcidem.CodeFailedPrecondition
 	codeAborted            = rpcidem.CodeAborted
 	codeOutOfRange         = 11
+	codeUnimplemented      = rpcidem.CodeUnimplemented
 	codeInternal           = rpcidem.CodeInternal
 	codeUnavailable        = rpcidem.CodeUnavailable
 	codeUnauthenticated    = rpcidem.CodeUnauthenticated
@@ -785,9 +823,9 @@ func testNoSchema(e *env) {
 }
 
 // A reply whose type a replay could not find (registered nowhere, not the
-// procedure's reply type) is refused at the first call with INTERNAL,
-// saying why; the handler's writes roll back, nothing is stored, and the
-// next call runs again.
+// procedure's reply type) is refused at the first call with UNIMPLEMENTED,
+// saying which type; the handler's writes roll back, nothing is stored,
+// and the next call runs again.
 func testUnresolvableReplyType(e *env) {
 	t, ctx := e.t, e.t.Context()
 	var runs atomic.Int64
@@ -804,7 +842,7 @@ func testUnresolvableReplyType(e *env) {
 			})
 		for i := range 2 {
 			a := srv.Call(ctx, "alice", []string{"receipt-1"}, Request("r", 1))
-			if a.Code() != codeInternal || !strings.Contains(a.Status.GetMessage(), "idemtest.v1.Receipt, which is neither registered in protoregistry.GlobalTypes") ||
+			if a.Code() != codeUnimplemented || !strings.Contains(a.Status.GetMessage(), "idemtest.v1.Receipt, which is neither registered in protoregistry.GlobalTypes") ||
 				a.Replayed() {
 				t.Errorf("%s, call %d: %s", procedure, i, a)
 			}
@@ -817,7 +855,7 @@ func testUnresolvableReplyType(e *env) {
 
 // A reply stored without its type (by an earlier version) replays as the
 // procedure's reply type; without a schema for the procedure it cannot,
-// and the call says why.
+// and the call is refused with UNIMPLEMENTED, saying why.
 func testStoredWithoutType(e *env) {
 	t, ctx := e.t, e.t.Context()
 	var runs atomic.Int64
@@ -840,7 +878,7 @@ func testStoredWithoutType(e *env) {
 		t.Errorf("with a schema: %s", a)
 	}
 	a := e.serve(Options{Procedure: Unlisted}, Insert(&runs)).Call(ctx, "alice", []string{"old-1"}, req)
-	if a.Code() != codeInternal || !strings.Contains(a.Status.GetMessage(), "names no type") {
+	if a.Code() != codeUnimplemented || !strings.Contains(a.Status.GetMessage(), "names no type") {
 		t.Errorf("without a schema: %s", a)
 	}
 	if runs.Load() != 0 {
