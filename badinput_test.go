@@ -59,9 +59,9 @@ func TestHeaderNamesMustBeTokens(t *testing.T) {
 	}
 }
 
-// ListUnknown's cursor is checked before it reaches SQL: text that is not
-// valid UTF-8 or holds NUL, or a time PostgreSQL cannot hold, is
-// ErrInvalidArgument.
+// ListUnknown's and ListResumable's cursor is checked before it reaches
+// SQL: text that is not valid UTF-8 or holds NUL, or a time PostgreSQL
+// cannot hold, is ErrInvalidArgument.
 func TestListUnknownValidatesCursor(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -80,11 +80,17 @@ func TestListUnknownValidatesCursor(t *testing.T) {
 		if _, err := c.ListUnknown(ctx, pool, 10, &after); !errors.Is(err, idem.ErrInvalidArgument) {
 			t.Errorf("%s: %v, want ErrInvalidArgument", name, err)
 		}
+		if _, err := c.ListResumable(ctx, pool, 10, &after); !errors.Is(err, idem.ErrInvalidArgument) {
+			t.Errorf("ListResumable, %s: %v, want ErrInvalidArgument", name, err)
+		}
 	}
 	// The zero Record and PostgreSQL's own bounds are fine.
 	for _, after := range []idem.Record{{}, {CreatedAt: time.Date(-4712, 1, 1, 0, 0, 0, 0, time.UTC)}, {CreatedAt: time.Date(294276, 1, 1, 0, 0, 0, 0, time.UTC)}} {
 		if _, err := c.ListUnknown(ctx, pool, 10, &after); err != nil {
 			t.Errorf("cursor at %s: %v", after.CreatedAt, err)
+		}
+		if _, err := c.ListResumable(ctx, pool, 10, &after); err != nil {
+			t.Errorf("ListResumable, cursor at %s: %v", after.CreatedAt, err)
 		}
 	}
 }

@@ -22,7 +22,10 @@
 // never belongs in fn: Reserve, Complete, FailRetryable and MarkUnknown
 // give it a lease and a fencing token, and an outcome that may have happened
 // becomes unknown, to be reconciled with ListUnknown and Resolve, never run
-// again blindly. DoJSON returns typed values instead of bytes; Inbox applies
+// again blindly; unless the call carried the reservation's call key to a
+// receiver that remembers it (ReserveWith with ReserveOptions.ResumeWithin):
+// then, inside that window, the next Reserve or a recovery worker fed by
+// ListResumable resumes it with the same key. DoJSON returns typed values instead of bytes; Inbox applies
 // the same discipline to messages and webhook deliveries, EventID to an
 // outbox.
 //
@@ -54,14 +57,15 @@
 // Following its ctx, a call of DoInTx or Do passes through three files:
 // idem.go, internal/core/call.go (the call loop, its retries and its
 // observation) and internal/driver/pgxdriver/span.go (each round trip);
-// Reserve through reserve.go, call.go and pgxdriver/executor.go. On the way,
-// DoInTx and Do call helpers that take no ctx: in internal/core, validate.go
-// (the key and the scope), response.go (a response as it is stored),
-// errors.go (the errors a call returns, with internal/driver/errors.go
-// classifying the database's) and, for DoInTx, client.go (the handle) and
-// flight.go (concurrent duplicates coalesced); in pgxdriver, driver.go (the
-// handle and the transaction) and batch.go (statements queued in a batch and
-// read back); and the queries sqlc generated in internal/db. The public
-// types (Scope, Response, Result, Record, Reservation, Config, the errors,
-// ...) are declared once in internal/core and named here.
+// Reserve and ReserveWith through reserve.go, call.go and
+// pgxdriver/executor.go. On the way, DoInTx and Do call helpers that take no
+// ctx: in internal/core, validate.go (the key and the scope), response.go (a
+// response as it is stored), errors.go (the errors a call returns, with
+// internal/driver/errors.go classifying the database's) and, for DoInTx,
+// client.go (the handle) and flight.go (concurrent duplicates coalesced); in
+// pgxdriver, driver.go (the handle and the transaction) and batch.go
+// (statements queued in a batch and read back); and the queries sqlc
+// generated in internal/db. The public types (Scope, Response, Result,
+// Record, Reservation, Config, the errors, ...) are declared once in
+// internal/core and named here.
 package idem

@@ -39,9 +39,11 @@ const MigrationLockID int64 = migrate.LockID // "idem"
 // (unknown, in flight or failed_retryable, or, for the first migration,
 // every record): the keys would become free and their retries would run
 // again. It also covers migration 5, whose Down drops the operators' audit
-// trail (idem_audit): refused while the trail holds any row. The error says
-// how many records or rows; nothing changed. MigrateDownOptions.Force
-// reverts anyway.
+// trail (idem_audit): refused while the trail holds any row; and migration
+// 6, whose Down drops the resume windows: refused while records in doubt or
+// failed_retryable hold one that lasts (they would wait for a person
+// instead of resuming). The error says how many records or rows; nothing
+// changed. MigrateDownOptions.Force reverts anyway.
 var ErrDowngradeDeletesRecords = errors.New("idem: migrating down would delete records whose outcome may have happened")
 
 // downRefusedCode is the SQLSTATE with which a Down migration refuses to
@@ -155,7 +157,7 @@ func MigrateDown(ctx context.Context, pool *pgxpool.Pool, opts MigrateDownOption
 			"which the server or pooler refused (%v); force the downgrade on a direct connection to PostgreSQL",
 			ErrInvalidArgument, forceDownParam, err)
 	case errors.As(err, &pgErr) && pgErr.Code == downRefusedCode:
-		return 0, core.Errorf("idem: %w: %s; nothing changed (MigrateDownOptions.Force, or idem migrate down --force, deletes them)",
+		return 0, core.Errorf("idem: %w: %s; nothing changed (MigrateDownOptions.Force, or idem migrate down --force, reverts anyway)",
 			ErrDowngradeDeletesRecords, pgErr.Message)
 	case err != nil:
 		return 0, core.Errorf("idem: migrate down: %w", err)

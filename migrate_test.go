@@ -205,3 +205,57 @@ func TestMigrateDownKeepsOutcomes(t *testing.T) {
 		t.Fatalf("MigrateDown(nil): %v", err)
 	}
 }
+
+// The Down of 6 drops the resume windows: refused while a record in doubt
+// or failed_retryable holds one that lasts, unless forced; forced, it
+// deletes and changes no record but the window, and the attempt in doubt
+// becomes a person's (ListUnknown, once up again).
+func TestMigrateDownKeepsWindows(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t, idem.Migrate)
+	c := mustClient(t, idem.Config{})
+	window := idem.ReserveOptions{Lease: time.Hour, ResumeWithin: 2 * time.Hour}
+	r, err := c.ReserveWith(ctx, pool, payScope, "in-doubt", fpA, window)
+	if err == nil {
+		err = c.MarkUnknown(ctx, pool, r, "timeout")
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	done, err := c.ReserveWith(ctx, pool, payScope, "done", fpA, window)
+	if err == nil {
+		err = completeTx(ctx, c, pool, done, charged)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v := appliedVersion(t, pool); v != 6 {
+		t.Fatalf("applied version %d, want 6", v)
+	}
+	before := idemRows(t, pool)
+	_, err = idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{})
+	if !errors.Is(err, idem.ErrDowngradeDeletesRecords) || !strings.Contains(err.Error(), "resume windows of 1 records") {
+		t.Fatalf("MigrateDown from 6: %v; want a refusal about 1 record", err)
+	}
+	if after := idemRows(t, pool); after != before || appliedVersion(t, pool) != 6 {
+		t.Fatalf("a refused MigrateDown changed something:\nbefore %s\nafter  %s", before, after)
+	}
+	if v, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{Force: true}); err != nil || v != 6 {
+		t.Fatalf("forced MigrateDown: %d, %v", v, err)
+	}
+	var n int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem_keys WHERE status = 'unknown' AND token = $1`, r.Token).Scan(&n); err != nil || n != 1 {
+		t.Fatalf("the record in doubt after the Down: %d, %v", n, err)
+	}
+	if err := idem.Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	recs, err := c.ListUnknown(ctx, pool, 10, nil)
+	if err != nil || len(recs) != 1 || recs[0].Key != "in-doubt" || !recs[0].ResumeUntil.IsZero() {
+		t.Fatalf("up again, the attempt in doubt is a person's: %+v, %v", recs, err)
+	}
+	if rec, err := c.Lookup(ctx, pool, payScope, "done"); err != nil || rec.Status != idem.StatusSucceeded {
+		t.Fatalf("the finished record: %+v, %v", rec, err)
+	}
+}

@@ -27,7 +27,8 @@ const (
 	// Reserve with the same fingerprint executes again.
 	StatusFailedRetryable = core.StatusFailedRetryable
 	// StatusUnknown: the work may have happened; nothing runs again until
-	// Resolve reconciles it.
+	// Resolve reconciles it, or, inside the window of a key reserved with
+	// ReserveOptions.ResumeWithin, until the next Reserve resumes it.
 	StatusUnknown = core.StatusUnknown
 )
 
@@ -40,8 +41,11 @@ const (
 // (for a reservation, its latest attempt); CompletedAt, when an outcome was
 // recorded (zero when none was); ExpiresAt, the end of the TTL (past it a
 // finished record is a new request); LeaseExpiresAt, the end of the last
-// reservation's lease (zero for records Do wrote); Response, the stored
-// outcome (nil when none is stored).
+// reservation's lease (zero for records Do wrote); ResumeUntil, the end of
+// the key's window (ReserveOptions.ResumeWithin from the first reservation
+// of its TTL generation), before which an attempt in doubt resumes instead
+// of waiting for a person (zero without one, and for records Do wrote);
+// Response, the stored outcome (nil when none is stored).
 type Record = core.Record
 
 // Resolution is an operator's verdict on a record whose outcome was unknown,
@@ -67,10 +71,13 @@ type Resolution = core.Resolution
 // they wait for each other instead); when it returns limit, more may be
 // waiting: call it again.
 //
-// Records it turns unknown never run again by themselves: reconcile them
-// with Resolve (ListUnknown finds them). Reserve turns such a record unknown
-// on its own when it meets it, so ExpireLeases is about finding them early,
-// not about correctness. limit <= 0 is ErrInvalidArgument.
+// A record inside its key's window (ReserveOptions.ResumeWithin) stays as
+// it is, for a recovery worker (ListResumable) or the next Reserve to
+// resume; once the window has ended, ExpireLeases turns it unknown like the
+// others. Records it turns unknown never run again by themselves: reconcile
+// them with Resolve (ListUnknown finds them). Reserve turns such a record
+// unknown on its own when it meets it, so ExpireLeases is about finding
+// them early, not about correctness. limit <= 0 is ErrInvalidArgument.
 func ExpireLeases(ctx context.Context, db Beginner, limit int) (int64, error) {
 	return defaultClient.c.ExpireLeases(ctx, db, limit)
 }
@@ -81,11 +88,14 @@ func (c *Client) ExpireLeases(ctx context.Context, db Beginner, limit int) (int6
 	return c.c.ExpireLeases(ctx, db, limit)
 }
 
-// ListUnknown returns at most limit 'unknown' records, oldest first (by
-// CreatedAt, then scope and key). Pass nil for the first page and the last
-// record of a page for the next; an empty page is the end. limit <= 0, or
-// an after whose names are not valid UTF-8 or hold NUL, or whose CreatedAt
-// is outside PostgreSQL's range, is ErrInvalidArgument.
+// ListUnknown returns at most limit 'unknown' records that need a person,
+// oldest first (by CreatedAt, then scope and key): those of keys reserved
+// without a window, or whose window (ReserveOptions.ResumeWithin) has
+// ended. An unknown record inside its window is ListResumable's. Pass nil
+// for the first page and the last record of a page for the next; an empty
+// page is the end. limit <= 0, or an after whose names are not valid UTF-8
+// or hold NUL, or whose CreatedAt is outside PostgreSQL's range, is
+// ErrInvalidArgument.
 func ListUnknown(ctx context.Context, db Beginner, limit int, after *Record) ([]Record, error) {
 	return defaultClient.c.ListUnknown(ctx, db, limit, after)
 }
@@ -96,13 +106,37 @@ func (c *Client) ListUnknown(ctx context.Context, db Beginner, limit int, after 
 	return c.c.ListUnknown(ctx, db, limit, after)
 }
 
+// ListResumable returns at most limit records that a recovery worker
+// should re-drive, oldest first (by CreatedAt, then scope and key): the
+// attempts in doubt inside their key's window (ReserveOptions.ResumeWithin),
+// 'processing' whose lease ran out or 'unknown' (marked by its worker; the
+// same promise covers it, and past the window it would be a person's
+// anyway). For each, ReserveWith with the record's scope, key and
+// fingerprint resumes the attempt (Reservation.Resumed) unless another
+// worker or the client's retry took it first (ErrInProgress, a replay):
+// make the outside calls again with the same call keys, then Complete,
+// FailRetryable or MarkUnknown as after any execution. Attempts whose lease
+// still runs are not listed, nor anything past its window (ListUnknown
+// lists those). Paging and the refusals of limit and after are
+// ListUnknown's.
+func ListResumable(ctx context.Context, db Beginner, limit int, after *Record) ([]Record, error) {
+	return defaultClient.c.ListResumable(ctx, db, limit, after)
+}
+
+// ListResumable is the package-level ListResumable with this client's
+// configuration.
+func (c *Client) ListResumable(ctx context.Context, db Beginner, limit int, after *Record) ([]Record, error) {
+	return c.c.ListResumable(ctx, db, limit, after)
+}
+
 // Resolve reconciles the record of (scope, key) whose outcome was in doubt
-// ('unknown', or 'processing' whose lease ran out), in a transaction begun on
-// db (a savepoint on a pgx.Tx): to 'succeeded' with res.Succeeded, which
-// Reserve and Do then replay, or, with res.Retryable, to 'failed_retryable',
-// so that the next Reserve with the same fingerprint executes again. Either
-// way the token advances: the reservation that held the key is fenced, so a
-// late Complete of it changes nothing.
+// ('unknown', or 'processing' whose lease ran out, inside its key's window
+// or not), in a transaction begun on db (a savepoint on a pgx.Tx): to
+// 'succeeded' with res.Succeeded, which Reserve and Do then replay, or,
+// with res.Retryable, to 'failed_retryable', so that the next Reserve with
+// the same fingerprint executes again (inside the same window, if the key
+// has one). Either way the token advances: the reservation that held the
+// key is fenced, so a late Complete of it changes nothing.
 //
 // res.Token names the attempt the verdict is about (Record.Token, as
 // ListUnknown and Lookup show it). When it is not the record's current token

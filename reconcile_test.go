@@ -207,75 +207,96 @@ func TestExpireLeasesSkipsLocked(t *testing.T) {
 	}
 }
 
-// ListUnknown pages through unknown records oldest first, each once.
+// ListUnknown pages through unknown records that need a person oldest
+// first, each once; ListResumable likewise through unknown records inside
+// their window. Neither lists the other's.
 func TestListUnknownPages(t *testing.T) {
 	t.Parallel()
-	ctx := context.Background()
-	pool := newPool(t)
-	var want []string
-	for i := range 7 {
-		key := fmt.Sprintf("u-%d", i)
-		r, err := idem.Reserve(ctx, pool, payScope, key, fpA, time.Minute)
-		if err == nil {
-			err = idem.MarkUnknown(ctx, pool, r, "timeout "+key)
-		}
-		if err != nil {
-			t.Fatal(err)
-		}
-		want = append(want, key)
-	}
-	for i := range 2 { // not unknown: never listed
-		r, err := idem.Reserve(ctx, pool, payScope, fmt.Sprintf("s-%d", i), fpA, time.Minute)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if i == 0 {
-			if err := completeTx(ctx, defaultClient(t), pool, r, charged); err != nil {
+	for _, tc := range []struct {
+		name             string
+		list             func(ctx context.Context, db idem.Beginner, limit int, after *idem.Record) ([]idem.Record, error)
+		window, notThere time.Duration // of the records listed, and of those not
+	}{
+		{"ListUnknown", idem.ListUnknown, 0, time.Hour},
+		{"ListResumable", idem.ListResumable, time.Hour, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			t.Parallel()
+			ctx := context.Background()
+			pool := newPool(t)
+			unknown := func(key string, window time.Duration) {
+				r, err := idem.ReserveWith(ctx, pool, payScope, key, fpA, idem.ReserveOptions{Lease: time.Minute, ResumeWithin: window})
+				if err == nil {
+					err = idem.MarkUnknown(ctx, pool, r, "timeout "+key)
+				}
+				if err != nil {
+					t.Fatal(err)
+				}
+			}
+			var want []string
+			for i := range 7 {
+				key := fmt.Sprintf("u-%d", i)
+				unknown(key, tc.window)
+				want = append(want, key)
+				if i%3 == 0 {
+					unknown(fmt.Sprintf("other-%d", i), tc.notThere) // the other list's
+				}
+			}
+			for i := range 2 { // not unknown: never listed
+				r, err := idem.ReserveWith(ctx, pool, payScope, fmt.Sprintf("s-%d", i), fpA, idem.ReserveOptions{ResumeWithin: tc.window})
+				if err != nil {
+					t.Fatal(err)
+				}
+				if i == 0 {
+					if err := completeTx(ctx, defaultClient(t), pool, r, charged); err != nil {
+						t.Fatal(err)
+					}
+				}
+			}
+
+			var got []idem.Record
+			var after *idem.Record
+			for page := 0; ; page++ {
+				recs, err := tc.list(ctx, pool, 3, after)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if len(recs) > 3 || page > 3 {
+					t.Fatalf("page %d holds %d records", page, len(recs))
+				}
+				if len(recs) == 0 {
+					break
+				}
+				got = append(got, recs...)
+				after = &recs[len(recs)-1]
+			}
+			var keys []string
+			for i, rec := range got {
+				keys = append(keys, rec.Key)
+				if rec.Status != idem.StatusUnknown || rec.Scope != payScope || rec.Fingerprint != fpA || rec.Token <= 0 ||
+					rec.LastError != "timeout "+rec.Key || rec.CreatedAt.IsZero() || rec.LeaseExpiresAt.IsZero() ||
+					!rec.CompletedAt.IsZero() || rec.Response != nil || !rec.ExpiresAt.After(rec.CreatedAt) ||
+					rec.ResumeUntil.IsZero() != (tc.window == 0) {
+					t.Fatalf("record %+v", rec)
+				}
+				if i > 0 && rec.CreatedAt.Before(got[i-1].CreatedAt) {
+					t.Fatalf("not oldest first: %s before %s", got[i-1].CreatedAt, rec.CreatedAt)
+				}
+			}
+			slices.Sort(keys)
+			if !slices.Equal(keys, want) {
+				t.Fatalf("listed %v, want %v", keys, want)
+			}
+
+			// A resolved record leaves the list.
+			if err := idem.Resolve(ctx, pool, payScope, "u-3", idem.Resolution{Token: readRow(t, pool, payScope, "u-3").Token, Retryable: true}); err != nil {
 				t.Fatal(err)
 			}
-		}
-	}
-
-	var got []idem.Record
-	var after *idem.Record
-	for page := 0; ; page++ {
-		recs, err := idem.ListUnknown(ctx, pool, 3, after)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if len(recs) > 3 || page > 3 {
-			t.Fatalf("page %d holds %d records", page, len(recs))
-		}
-		if len(recs) == 0 {
-			break
-		}
-		got = append(got, recs...)
-		after = &recs[len(recs)-1]
-	}
-	var keys []string
-	for i, rec := range got {
-		keys = append(keys, rec.Key)
-		if rec.Status != idem.StatusUnknown || rec.Scope != payScope || rec.Fingerprint != fpA || rec.Token <= 0 ||
-			rec.LastError != "timeout "+rec.Key || rec.CreatedAt.IsZero() || rec.LeaseExpiresAt.IsZero() ||
-			!rec.CompletedAt.IsZero() || rec.Response != nil || !rec.ExpiresAt.After(rec.CreatedAt) {
-			t.Fatalf("record %+v", rec)
-		}
-		if i > 0 && rec.CreatedAt.Before(got[i-1].CreatedAt) {
-			t.Fatalf("not oldest first: %s before %s", got[i-1].CreatedAt, rec.CreatedAt)
-		}
-	}
-	slices.Sort(keys)
-	if !slices.Equal(keys, want) {
-		t.Fatalf("listed %v, want %v", keys, want)
-	}
-
-	// A resolved record leaves the list.
-	if err := idem.Resolve(ctx, pool, payScope, "u-3", idem.Resolution{Token: readRow(t, pool, payScope, "u-3").Token, Retryable: true}); err != nil {
-		t.Fatal(err)
-	}
-	recs, err := idem.ListUnknown(ctx, pool, 100, nil)
-	if err != nil || len(recs) != 6 || slices.ContainsFunc(recs, func(r idem.Record) bool { return r.Key == "u-3" }) {
-		t.Fatalf("after Resolve: %d records, %v", len(recs), err)
+			recs, err := tc.list(ctx, pool, 100, nil)
+			if err != nil || len(recs) != 6 || slices.ContainsFunc(recs, func(r idem.Record) bool { return r.Key == "u-3" }) {
+				t.Fatalf("after Resolve: %d records, %v", len(recs), err)
+			}
+		})
 	}
 }
 
@@ -323,8 +344,16 @@ func TestReservationBadInput(t *testing.T) {
 		_, err := c.Reserve(ctx, db, scope, key, fpA, lease)
 		return err
 	}
+	reserveWith := func(db idem.Beginner, scope idem.Scope, key string, opts idem.ReserveOptions) error {
+		_, err := c.ReserveWith(ctx, db, scope, key, fpA, opts)
+		return err
+	}
 	list := func(db idem.Beginner, limit int) error {
 		_, err := c.ListUnknown(ctx, db, limit, nil)
+		return err
+	}
+	listResumable := func(db idem.Beginner, limit int) error {
+		_, err := c.ListResumable(ctx, db, limit, nil)
 		return err
 	}
 	expire := func(db idem.Beginner, limit int) error {
@@ -348,6 +377,16 @@ func TestReservationBadInput(t *testing.T) {
 		{"Reserve long key", reserve(pool, payScope, strings.Repeat("k", 256), time.Minute), idem.ErrInvalidKey},
 		{"Reserve empty actor", reserve(pool, idem.Scope{Operation: "x"}, "k", time.Minute), idem.ErrInvalidScope},
 		{"Reserve bad operation", reserve(pool, idem.Scope{Actor: "a", Operation: "\xff"}, "k", time.Minute), idem.ErrInvalidScope},
+		{"ReserveWith ResumeWithin < 0", reserveWith(pool, payScope, "k", idem.ReserveOptions{ResumeWithin: -time.Hour}), idem.ErrInvalidArgument},
+		{"ReserveWith Lease < 0", reserveWith(pool, payScope, "k", idem.ReserveOptions{Lease: -time.Second, ResumeWithin: time.Hour}), idem.ErrInvalidArgument},
+		{"ReserveWith Lease < 1µs", reserveWith(pool, payScope, "k", idem.ReserveOptions{Lease: time.Nanosecond}), idem.ErrInvalidArgument},
+		{"ReserveWith window < lease", reserveWith(pool, payScope, "k", idem.ReserveOptions{Lease: time.Hour, ResumeWithin: time.Minute}), idem.ErrInvalidArgument},
+		{"ReserveWith window < default lease", reserveWith(pool, payScope, "k", idem.ReserveOptions{ResumeWithin: time.Second}), idem.ErrInvalidArgument},
+		{"ReserveWith window < lease, on an unknown key", reserveWith(pool, payScope, "unknown", idem.ReserveOptions{Lease: time.Hour, ResumeWithin: time.Minute}), idem.ErrInvalidArgument},
+		{"ReserveWith nil db", reserveWith(nil, payScope, "k", idem.ReserveOptions{}), idem.ErrInvalidArgument},
+		{"ReserveWith on a pgx.Tx", reserveWith(tx, payScope, "k", idem.ReserveOptions{}), idem.ErrInvalidArgument},
+		{"ReserveWith bad key", reserveWith(pool, payScope, "a b", idem.ReserveOptions{}), idem.ErrInvalidKey},
+		{"ReserveWith bad scope", reserveWith(pool, idem.Scope{Actor: "a"}, "k", idem.ReserveOptions{}), idem.ErrInvalidScope},
 
 		{"Complete zero", c.Complete(ctx, tx, zero, ok), idem.ErrInvalidArgument},
 		{"Complete replay", c.Complete(ctx, tx, replay, ok), idem.ErrInvalidArgument},
@@ -374,6 +413,9 @@ func TestReservationBadInput(t *testing.T) {
 		{"ExpireLeases nil db", expire(nilPool, 10), idem.ErrInvalidArgument},
 		{"ListUnknown limit 0", list(pool, 0), idem.ErrInvalidArgument},
 		{"ListUnknown nil db", list(nil, 10), idem.ErrInvalidArgument},
+		{"ListResumable limit 0", listResumable(pool, 0), idem.ErrInvalidArgument},
+		{"ListResumable limit < 0", listResumable(pool, -1), idem.ErrInvalidArgument},
+		{"ListResumable nil db", listResumable(nil, 10), idem.ErrInvalidArgument},
 
 		{"Resolve neither", c.Resolve(ctx, pool, payScope, "unknown", idem.Resolution{Token: u.Token}), idem.ErrInvalidArgument},
 		{"Resolve both", c.Resolve(ctx, pool, payScope, "unknown", idem.Resolution{Token: u.Token, Succeeded: &ok, Retryable: true}), idem.ErrInvalidArgument},

@@ -14,30 +14,48 @@ import (
 //
 //	r, err := client.Reserve(ctx, pool, scope, key, fp, 30*time.Second)
 //	// err != nil: do not execute. r.Replayed: answer r.Response.
-//	charge, err := gateway.Charge(ctx, key, ...) // pass the key on when the provider takes one
+//	ctx := idem.WithCallKey(ctx, r.CallKey("charge")) // one key for every attempt of the call
+//	charge, err := gateway.Charge(ctx, ...)
 //	// certainly not sent:  client.FailRetryable(ctx, pool, r, reason)
 //	// may have happened:   client.MarkUnknown(ctx, pool, r, reason)
 //	// done: in one transaction, the domain writes and client.Complete(ctx, tx, r, resp)
 //
-// One table and one state machine serve Do and the reservations:
+// ReserveWith with ReserveOptions.ResumeWithin adds a window, from the key's
+// first reservation, in which an attempt in doubt resumes by itself instead
+// of waiting for a person: the receiver still deduplicates its call keys,
+// so the calls can be made again. A recovery worker finds such attempts
+// with ListResumable.
 //
-//	(none)            --Reserve-->                      processing (lease, new token)
+// One table and one state machine serve Do and the reservations ("in doubt":
+// processing whose lease ran out, or unknown; "inside its window": the key
+// was reserved with ResumeWithin, and its window has not ended):
+//
+//	(none)            --Reserve-->                      processing (lease, new token; window from now)
 //	processing        --Complete (same token)-->        succeeded
 //	processing        --FailRetryable (same token)-->   failed_retryable
 //	processing        --MarkUnknown (same token)-->     unknown
 //	processing        --Heartbeat (same token, live)--> processing (lease extended)
-//	processing, lease ran out --Reserve, ExpireLeases--> unknown
-//	failed_retryable  --Reserve (same fingerprint)-->   processing (new token)
+//	processing, lease ran out, no window or past it
+//	                  --Reserve, ExpireLeases-->        unknown
+//	in doubt, inside its window
+//	                  --Reserve (same fingerprint)-->   processing (new token, Resumed; same window)
+//	failed_retryable  --Reserve (same fingerprint)-->   processing (new token; same window)
 //	failed_retryable  --Do (same fingerprint)-->        Do runs fn: succeeded | rejected
-//	unknown, or processing whose lease ran out
+//	in doubt, inside its window or not
 //	                  --Resolve-->                      succeeded | failed_retryable (new token)
 //	succeeded, rejected, failed_retryable past the TTL
-//	                  --Reserve, Do-->                  a new request
+//	                  --Reserve, Do-->                  a new request (a window of its own)
 //
 // Every other event leaves the record as it is: Reserve replays succeeded
 // and rejected records, answers ErrInProgress while a live lease holds the
-// key and ErrOutcomeUnknown for unknown ones; a reservation that is no
-// longer the owner gets ErrFenced. The database clock decides every lease.
+// key and ErrOutcomeUnknown for an unknown record without a window or past
+// it; ExpireLeases leaves an attempt inside its window as it is; Do answers
+// ErrOutcomeUnknown to every attempt in doubt, inside its window too (fn
+// cannot make the outside calls again); a reservation that is no longer
+// the owner gets ErrFenced. The database clock decides every lease and
+// window. ListUnknown lists the unknown records that need a person (no
+// window, or past it); ListResumable the attempts in doubt inside their
+// window.
 
 // Reservation is the right to execute a request's outside work, or the
 // stored outcome of an earlier execution (Replayed true, Token 0). Its
@@ -47,10 +65,52 @@ import (
 // FailRetryable, MarkUnknown and Heartbeat succeed only while the record
 // still holds it; LeaseExpiresAt is when the lease runs out, by the
 // database clock (after it, Reserve and ExpireLeases turn the record
-// unknown). Its method CallKey(step) returns the idempotency key of the
+// unknown, or, inside the key's window, the next Reserve resumes it; a
+// resumed reservation's lease ends no later than the window); Resumed is
+// true when this reservation took over an attempt in doubt inside the key's
+// window (see ReserveOptions.ResumeWithin): that attempt may have made its
+// outside calls, so make them again with the same call keys, never with new
+// ones. Its method CallKey(step) returns the idempotency key of the
 // outgoing call step of the reservation's request, the same for every
 // attempt (see WithCallKey).
 type Reservation = core.Reservation
+
+// ReserveOptions configures ReserveWith. The zero value means a lease of
+// DefaultLease and no window.
+//
+// Lease is how long the reservation holds the key before it counts as
+// stuck (extend it with Heartbeat): DefaultLease when zero, otherwise at
+// least 1µs.
+//
+// ResumeWithin is the window in which an attempt in doubt resumes by
+// itself; 0, the default, means none. Setting it promises that every
+// outside call made under the reservation carries its call key
+// (Reservation.CallKey, sent with WithCallKey or as the provider's key
+// parameter) and that the receiver deduplicates by that key for at least
+// ResumeWithin from the key's first reservation (Stripe keeps keys 24
+// hours: a window of 23 hours leaves an hour for clocks and delays). Then,
+// until the window ends, an attempt whose lease ran out, or that its worker
+// marked unknown, is not a case for a person: the next Reserve with the
+// same fingerprint (a retry of the client, or a recovery worker fed by
+// ListResumable) takes it over with a new token and Resumed true, and makes
+// the calls again with the same keys; the receiver answers them with what
+// it did the first time. Past the window such an attempt turns unknown and
+// waits for Resolve, as without one.
+//
+// The window is measured from the first reservation of the key's TTL
+// generation, stored with the record (Record.ResumeUntil), and never
+// extended: resumes and new attempts after FailRetryable keep it, and every
+// Reserve and ReserveWith of the same generation honours the stored window,
+// whatever its own options say (ResumeWithin is read only by a reservation
+// that starts a generation: a free key, or one past its TTL). ResumeWithin
+// must be at least the lease: a window that ends before the first lease
+// could never resume anything. A resumed reservation's lease, Heartbeat
+// included, ends no later than the window, so that every call it makes
+// while it holds the lease reaches a receiver that still remembers the key.
+type ReserveOptions = core.ReserveOptions
+
+// DefaultLease is ReserveOptions.Lease's default.
+const DefaultLease = core.DefaultLease
 
 // MaxReasonLength is the longest reason, in bytes, that FailRetryable,
 // MarkUnknown and Resolve store.
@@ -64,7 +124,10 @@ const MaxReasonLength = core.MaxReasonLength
 //   - execute: a nil error and r.Token > 0: the key was free, past its TTL,
 //     or its record was 'failed_retryable' with the same fingerprint. Do the
 //     work, then record its outcome with Complete, FailRetryable or
-//     MarkUnknown (and Heartbeat while it takes long).
+//     MarkUnknown (and Heartbeat while it takes long). When r.Resumed is
+//     true, the key was reserved with a window (ReserveWith) and its
+//     attempt in doubt is resumed: make the outside calls again with the
+//     same call keys.
 //   - replay: a nil error and r.Replayed: an earlier execution succeeded (or
 //     Do stored an outcome); r.Response is what it stored, r.Token is 0.
 //   - ErrKeyReused: the record holds a different fingerprint.
@@ -73,9 +136,9 @@ const MaxReasonLength = core.MaxReasonLength
 //     minute. The same comes back when a transaction of Do holds the key and
 //     does not finish within Config.Wait.
 //   - ErrOutcomeUnknown: the record is 'unknown', or its lease ran out
-//     before an outcome was recorded. Reserve then turns it unknown in the
-//     same transaction. It never runs again by itself: reconcile it with
-//     Resolve.
+//     before an outcome was recorded, and the key has no window or its
+//     window ended. Reserve then turns it unknown in the same transaction.
+//     It never runs again by itself: reconcile it with Resolve.
 //
 // On any other error (the store failed) do not execute. If the connection
 // broke while the reservation committed, the record may hold the key without
@@ -90,6 +153,28 @@ func Reserve(ctx context.Context, db Beginner, scope Scope, key string, fp Finge
 // Reserve is the package-level Reserve with this client's configuration.
 func (c *Client) Reserve(ctx context.Context, db Beginner, scope Scope, key string, fp Fingerprint, lease time.Duration) (Reservation, error) {
 	return c.c.Reserve(ctx, db, scope, key, fp, lease)
+}
+
+// ReserveWith is Reserve with options: opts.Lease (DefaultLease when zero)
+// and opts.ResumeWithin, the window in which an attempt in doubt resumes
+// by itself (see ReserveOptions). It answers exactly as Reserve does, and
+// besides takes over an attempt in doubt inside the key's window: a nil
+// error, a new r.Token and r.Resumed true. Make the outside calls again
+// with the same call keys (r.CallKey), then record the outcome as after
+// any execution. A stale worker of the attempt it took over is fenced.
+//
+// A negative opts.Lease or opts.ResumeWithin, a Lease under 1µs, a
+// ResumeWithin shorter than the lease, a pgx.Tx, an invalid scope or key
+// are refused with ErrInvalidArgument (ErrInvalidScope, ErrInvalidKey)
+// before anything runs.
+func ReserveWith(ctx context.Context, db Beginner, scope Scope, key string, fp Fingerprint, opts ReserveOptions) (Reservation, error) {
+	return defaultClient.c.ReserveWith(ctx, db, scope, key, fp, opts)
+}
+
+// ReserveWith is the package-level ReserveWith with this client's
+// configuration.
+func (c *Client) ReserveWith(ctx context.Context, db Beginner, scope Scope, key string, fp Fingerprint, opts ReserveOptions) (Reservation, error) {
+	return c.c.ReserveWith(ctx, db, scope, key, fp, opts)
 }
 
 // Complete records the outcome of the reservation's work as 'succeeded'
@@ -137,7 +222,9 @@ func (c *Client) FailRetryable(ctx context.Context, db Beginner, r Reservation, 
 // timeout, a connection reset after the request was sent): the record
 // becomes 'unknown' with reason. Nothing runs again for the key until an
 // operator reconciles it with Resolve; Reserve and Do answer
-// ErrOutcomeUnknown. It runs in a transaction of its own begun on db (a
+// ErrOutcomeUnknown. Inside the key's window (ReserveOptions.ResumeWithin)
+// the next Reserve resumes it instead, and ListResumable lists it, not
+// ListUnknown. It runs in a transaction of its own begun on db (a
 // savepoint on a pgx.Tx).
 //
 // A record this reservation already left unknown (an earlier MarkUnknown, or
@@ -160,7 +247,9 @@ func (c *Client) MarkUnknown(ctx context.Context, db Beginner, r Reservation, re
 //
 // ErrFenced once the lease has run out (even if nobody has turned the record
 // unknown yet), or when the record is no longer this reservation's
-// 'processing'; nothing changes. extend < 1µs is ErrInvalidArgument. The
+// 'processing'; nothing changes. The lease of a resumed reservation
+// (r.Resumed) never passes the key's window: near its end, Heartbeat
+// extends it only that far. extend < 1µs is ErrInvalidArgument. The
 // database clock is now(), the start of the transaction: on a pgx.Tx that is
 // the caller's, so call Heartbeat on a pool or a connection.
 func Heartbeat(ctx context.Context, db Beginner, r Reservation, extend time.Duration) (Reservation, error) {

@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"reflect"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -40,6 +41,7 @@ type storedRow struct {
 	Created     time.Time
 	Completed   *time.Time
 	Expires     time.Time
+	ResumeUntil *time.Time
 }
 
 func readRow(t *testing.T, pool *pgxpool.Pool, scope idem.Scope, key string) storedRow {
@@ -47,10 +49,10 @@ func readRow(t *testing.T, pool *pgxpool.Pool, scope idem.Scope, key string) sto
 	var r storedRow
 	err := pool.QueryRow(context.Background(), `
 		SELECT status, fingerprint, token, lease_expires_at, last_error, response_status,
-		       response_headers::text, response_body, created_at, completed_at, expires_at
+		       response_headers::text, response_body, created_at, completed_at, expires_at, resume_until
 		FROM idem_keys WHERE actor = $1 AND operation = $2 AND idem_key = $3`,
 		scope.Actor, scope.Operation, key).Scan(&r.Status, &r.Fingerprint, &r.Token, &r.Lease, &r.LastError,
-		&r.RespStatus, &r.RespHeaders, &r.RespBody, &r.Created, &r.Completed, &r.Expires)
+		&r.RespStatus, &r.RespHeaders, &r.RespBody, &r.Created, &r.Completed, &r.Expires, &r.ResumeUntil)
 	if errors.Is(err, pgx.ErrNoRows) {
 		return storedRow{}
 	}
@@ -62,7 +64,7 @@ func readRow(t *testing.T, pool *pgxpool.Pool, scope idem.Scope, key string) sto
 }
 
 // waitPast waits until the database clock has passed the given column
-// (lease_expires_at or expires_at) of the key's row.
+// (lease_expires_at, expires_at or resume_until) of the key's row.
 func waitPast(t *testing.T, pool *pgxpool.Pool, scope idem.Scope, key, column string) {
 	t.Helper()
 	for {
@@ -104,54 +106,76 @@ func completeTx(ctx context.Context, c *idem.Client, pool *pgxpool.Pool, r idem.
 
 // stateEvents are the columns of the state table.
 var stateEvents = []string{
-	"Reserve", "Reserve(other fp)", "Complete", "FailRetryable", "MarkUnknown", "Heartbeat",
+	"Reserve", "Reserve(other fp)", "ReserveWith(window)", "Complete", "FailRetryable", "MarkUnknown", "Heartbeat",
 	"stale token", "ExpireLeases", "Resolve(succeeded)", "Resolve(retryable)", "Do", "Do(other fp)",
+	"ListUnknown", "ListResumable",
 }
 
 // stateTable is the state machine of a key, one row per state and one cell
 // per event of stateEvents. A cell is the expected error, or "ok", then
 // optionally ">" and the state afterwards:
 //
-//	run>S   the event executes: nil error, state S; for Reserve a new token
-//	replay  nil error, the stored response replayed; the row unchanged
-//	ok      nil error, the row unchanged
-//	E       the error E (InProgress, KeyReused, OutcomeUnknown, Fenced,
-//	        NotFound, NotResolvable); the row unchanged
-//	X>S     X as above, then state S with the same token ("S+": a new
-//	        token; "*": processing or unknown, the same token)
+//	run>S     the event executes: nil error, state S; for Reserve a new
+//	          token, and the window the key had (a new one for a new
+//	          generation: none, or past the TTL)
+//	resume>S  Reserve resumes an attempt in doubt: nil error, Resumed, a
+//	          new token, the same window, state S
+//	replay    nil error, the stored response replayed; the row unchanged
+//	ok        nil error, the row unchanged
+//	listed    the list holds the record; the row unchanged ("ok": it
+//	          does not)
+//	E         the error E (InProgress, KeyReused, OutcomeUnknown, Fenced,
+//	          NotFound, NotResolvable); the row unchanged
+//	X>S       X as above, then state S with the same token ("S+": a new
+//	          token; "*": processing or unknown, the same token)
 //
 // "Complete", "FailRetryable", "MarkUnknown" and "Heartbeat" are called by
 // the reservation that brought the key into the state (a token never
 // issued when Do or nobody did); "stale token" calls all four with a token
-// that never held the key.
+// that never held the key. "Reserve" reserves without a window of its own,
+// "ReserveWith(window)" with one of an hour. A state "in window" was
+// reserved with a window that lasts; "past window", with one that ended.
 var stateTable = []struct {
 	state string
-	cells [12]string
+	cells [15]string
 }{
-	{"none", [12]string{"run>processing", "run>processing", "Fenced", "Fenced", "Fenced", "Fenced",
-		"Fenced", "ok", "NotFound", "NotFound", "run>succeeded", "run>succeeded"}},
-	{"processing", [12]string{"InProgress", "KeyReused", "ok>succeeded", "ok>failed_retryable", "ok>unknown", "ok>processing",
-		"Fenced", "ok", "NotResolvable", "NotResolvable", "InProgress", "KeyReused"}},
-	{"processing, lease ran out", [12]string{"OutcomeUnknown>unknown", "KeyReused", "ok>succeeded", "ok>failed_retryable", "ok>unknown", "Fenced",
-		"Fenced", "ok>unknown", "ok>succeeded+", "ok>failed_retryable+", "OutcomeUnknown>*", "KeyReused"}},
-	{"succeeded", [12]string{"replay", "KeyReused", "Fenced", "Fenced", "Fenced", "Fenced",
-		"Fenced", "ok", "NotResolvable", "NotResolvable", "replay", "KeyReused"}},
-	{"rejected (Do)", [12]string{"replay", "KeyReused", "Fenced", "Fenced", "Fenced", "Fenced",
-		"Fenced", "ok", "NotResolvable", "NotResolvable", "replay", "KeyReused"}},
-	{"failed_retryable", [12]string{"run>processing", "KeyReused", "Fenced", "Fenced", "Fenced", "Fenced",
-		"Fenced", "ok", "NotResolvable", "NotResolvable", "run>succeeded", "KeyReused"}},
-	{"unknown", [12]string{"OutcomeUnknown", "KeyReused", "Fenced", "Fenced", "ok>unknown", "Fenced",
-		"Fenced", "ok", "ok>succeeded+", "ok>failed_retryable+", "OutcomeUnknown", "KeyReused"}},
-	{"succeeded, past TTL", [12]string{"run>processing", "run>processing", "Fenced", "Fenced", "Fenced", "Fenced",
-		"Fenced", "ok", "NotResolvable", "NotResolvable", "run>succeeded", "run>succeeded"}},
-	{"rejected (Do), past TTL", [12]string{"run>processing", "run>processing", "Fenced", "Fenced", "Fenced", "Fenced",
-		"Fenced", "ok", "NotResolvable", "NotResolvable", "run>succeeded", "run>succeeded"}},
-	{"failed_retryable, past TTL", [12]string{"run>processing", "run>processing", "Fenced", "Fenced", "Fenced", "Fenced",
-		"Fenced", "ok", "NotResolvable", "NotResolvable", "run>succeeded", "run>succeeded"}},
-	{"unknown, past TTL", [12]string{"OutcomeUnknown", "KeyReused", "Fenced", "Fenced", "ok>unknown", "Fenced",
-		"Fenced", "ok", "ok>succeeded+", "ok>failed_retryable+", "OutcomeUnknown", "KeyReused"}},
-	{"processing, past TTL", [12]string{"InProgress", "KeyReused", "ok>succeeded", "ok>failed_retryable", "ok>unknown", "ok>processing",
-		"Fenced", "ok", "NotResolvable", "NotResolvable", "InProgress", "KeyReused"}},
+	{"none", [15]string{"run>processing", "run>processing", "run>processing", "Fenced", "Fenced", "Fenced", "Fenced",
+		"Fenced", "ok", "NotFound", "NotFound", "run>succeeded", "run>succeeded", "ok", "ok"}},
+	{"processing", [15]string{"InProgress", "KeyReused", "InProgress", "ok>succeeded", "ok>failed_retryable", "ok>unknown", "ok>processing",
+		"Fenced", "ok", "NotResolvable", "NotResolvable", "InProgress", "KeyReused", "ok", "ok"}},
+	{"processing, lease ran out", [15]string{"OutcomeUnknown>unknown", "KeyReused", "OutcomeUnknown>unknown", "ok>succeeded", "ok>failed_retryable", "ok>unknown", "Fenced",
+		"Fenced", "ok>unknown", "ok>succeeded+", "ok>failed_retryable+", "OutcomeUnknown>*", "KeyReused", "ok", "ok"}},
+	{"succeeded", [15]string{"replay", "KeyReused", "replay", "Fenced", "Fenced", "Fenced", "Fenced",
+		"Fenced", "ok", "NotResolvable", "NotResolvable", "replay", "KeyReused", "ok", "ok"}},
+	{"rejected (Do)", [15]string{"replay", "KeyReused", "replay", "Fenced", "Fenced", "Fenced", "Fenced",
+		"Fenced", "ok", "NotResolvable", "NotResolvable", "replay", "KeyReused", "ok", "ok"}},
+	{"failed_retryable", [15]string{"run>processing", "KeyReused", "run>processing", "Fenced", "Fenced", "Fenced", "Fenced",
+		"Fenced", "ok", "NotResolvable", "NotResolvable", "run>succeeded", "KeyReused", "ok", "ok"}},
+	{"unknown", [15]string{"OutcomeUnknown", "KeyReused", "OutcomeUnknown", "Fenced", "Fenced", "ok>unknown", "Fenced",
+		"Fenced", "ok", "ok>succeeded+", "ok>failed_retryable+", "OutcomeUnknown", "KeyReused", "listed", "ok"}},
+	{"succeeded, past TTL", [15]string{"run>processing", "run>processing", "run>processing", "Fenced", "Fenced", "Fenced", "Fenced",
+		"Fenced", "ok", "NotResolvable", "NotResolvable", "run>succeeded", "run>succeeded", "ok", "ok"}},
+	{"rejected (Do), past TTL", [15]string{"run>processing", "run>processing", "run>processing", "Fenced", "Fenced", "Fenced", "Fenced",
+		"Fenced", "ok", "NotResolvable", "NotResolvable", "run>succeeded", "run>succeeded", "ok", "ok"}},
+	{"failed_retryable, past TTL", [15]string{"run>processing", "run>processing", "run>processing", "Fenced", "Fenced", "Fenced", "Fenced",
+		"Fenced", "ok", "NotResolvable", "NotResolvable", "run>succeeded", "run>succeeded", "ok", "ok"}},
+	{"unknown, past TTL", [15]string{"OutcomeUnknown", "KeyReused", "OutcomeUnknown", "Fenced", "Fenced", "ok>unknown", "Fenced",
+		"Fenced", "ok", "ok>succeeded+", "ok>failed_retryable+", "OutcomeUnknown", "KeyReused", "listed", "ok"}},
+	{"processing, past TTL", [15]string{"InProgress", "KeyReused", "InProgress", "ok>succeeded", "ok>failed_retryable", "ok>unknown", "ok>processing",
+		"Fenced", "ok", "NotResolvable", "NotResolvable", "InProgress", "KeyReused", "ok", "ok"}},
+	// Keys reserved with a window (ReserveOptions.ResumeWithin).
+	{"processing, in window", [15]string{"InProgress", "KeyReused", "InProgress", "ok>succeeded", "ok>failed_retryable", "ok>unknown", "ok>processing",
+		"Fenced", "ok", "NotResolvable", "NotResolvable", "InProgress", "KeyReused", "ok", "ok"}},
+	{"processing, lease ran out, in window", [15]string{"resume>processing", "KeyReused", "resume>processing", "ok>succeeded", "ok>failed_retryable", "ok>unknown", "Fenced",
+		"Fenced", "ok", "ok>succeeded+", "ok>failed_retryable+", "OutcomeUnknown", "KeyReused", "ok", "listed"}},
+	{"unknown, in window", [15]string{"resume>processing", "KeyReused", "resume>processing", "Fenced", "Fenced", "ok>unknown", "Fenced",
+		"Fenced", "ok", "ok>succeeded+", "ok>failed_retryable+", "OutcomeUnknown", "KeyReused", "ok", "listed"}},
+	{"failed_retryable, in window", [15]string{"run>processing", "KeyReused", "run>processing", "Fenced", "Fenced", "Fenced", "Fenced",
+		"Fenced", "ok", "NotResolvable", "NotResolvable", "run>succeeded", "KeyReused", "ok", "ok"}},
+	{"processing, lease ran out, past window", [15]string{"OutcomeUnknown>unknown", "KeyReused", "OutcomeUnknown>unknown", "ok>succeeded", "ok>failed_retryable", "ok>unknown", "Fenced",
+		"Fenced", "ok>unknown", "ok>succeeded+", "ok>failed_retryable+", "OutcomeUnknown", "KeyReused", "ok", "ok"}},
+	{"unknown, past window", [15]string{"OutcomeUnknown", "KeyReused", "OutcomeUnknown", "Fenced", "Fenced", "ok>unknown", "Fenced",
+		"Fenced", "ok", "ok>succeeded+", "ok>failed_retryable+", "OutcomeUnknown", "KeyReused", "listed", "ok"}},
 }
 
 var stateErrors = map[string]error{
@@ -181,6 +205,8 @@ func TestStateTable(t *testing.T) {
 			}
 		}
 		base, pastTTL := strings.CutSuffix(state, ", past TTL")
+		base, inWindow := strings.CutSuffix(base, ", in window")
+		base, pastWindow := strings.CutSuffix(base, ", past window")
 		cl := c
 		if pastTTL {
 			cl = short
@@ -196,11 +222,17 @@ func TestStateTable(t *testing.T) {
 			})
 			check(err)
 		default:
-			l := lease
+			opts := idem.ReserveOptions{Lease: lease}
 			if base == "processing, lease ran out" {
-				l = time.Millisecond
+				opts.Lease = time.Millisecond
 			}
-			owner, err = cl.Reserve(ctx, pool, payScope, key, fpA, l)
+			switch {
+			case inWindow:
+				opts.ResumeWithin = time.Hour
+			case pastWindow:
+				opts.Lease, opts.ResumeWithin = time.Millisecond, time.Millisecond
+			}
+			owner, err = cl.ReserveWith(ctx, pool, payScope, key, fpA, opts)
 			check(err)
 			switch base {
 			case "processing, lease ran out":
@@ -212,20 +244,29 @@ func TestStateTable(t *testing.T) {
 			case "unknown":
 				check(cl.MarkUnknown(ctx, pool, owner, "gateway timeout"))
 			}
+			if pastWindow {
+				waitPast(t, pool, payScope, key, "resume_until")
+			}
 		}
 		if pastTTL {
 			waitPast(t, pool, payScope, key, "expires_at")
 		}
 		want, _, _ := strings.Cut(base, ",")
 		want = strings.TrimSuffix(want, " (Do)")
-		if got := readRow(t, pool, payScope, key); got.Status != want {
+		if got := readRow(t, pool, payScope, key); got.Status != want || (got.ResumeUntil != nil) != (inWindow || pastWindow) {
 			t.Fatalf("setup %s: row %+v", state, got)
 		}
 		return owner
 	}
 
-	// event applies an event; replayed and ran say what Reserve or Do did.
-	event := func(t *testing.T, name, key string, owner idem.Reservation) (replayed, ran bool, err error) {
+	// outcome is what an event did: replayed, ran and resumed say what
+	// Reserve or Do did, listed whether a list held the key.
+	type outcome struct {
+		replayed, ran, resumed, listed bool
+		err                            error
+	}
+	// event applies an event.
+	event := func(t *testing.T, name, key string, owner idem.Reservation) outcome {
 		t.Helper()
 		var runs atomic.Int64
 		fn := func(context.Context, pgx.Tx) (idem.Response, error) {
@@ -233,28 +274,32 @@ func TestStateTable(t *testing.T) {
 			return idem.Response{Status: 200, Body: []byte("by Do")}, nil
 		}
 		switch name {
-		case "Reserve", "Reserve(other fp)":
+		case "Reserve", "Reserve(other fp)", "ReserveWith(window)":
 			fp := fpA
-			if name != "Reserve" {
+			if name == "Reserve(other fp)" {
 				fp = fpB
 			}
-			r, err := c.Reserve(ctx, pool, payScope, key, fp, lease)
+			opts := idem.ReserveOptions{Lease: lease}
+			if name == "ReserveWith(window)" {
+				opts.ResumeWithin = time.Hour
+			}
+			r, err := c.ReserveWith(ctx, pool, payScope, key, fp, opts)
 			if err == nil && !r.Replayed && r.Token <= 0 {
 				t.Fatalf("Reserve executes without a token: %+v", r)
 			}
-			return r.Replayed, err == nil && !r.Replayed, err
+			return outcome{replayed: r.Replayed, ran: err == nil && !r.Replayed, resumed: r.Resumed, err: err}
 		case "Complete":
-			return false, false, completeTx(ctx, c, pool, owner, charged)
+			return outcome{err: completeTx(ctx, c, pool, owner, charged)}
 		case "FailRetryable":
-			return false, false, c.FailRetryable(ctx, pool, owner, "connection refused")
+			return outcome{err: c.FailRetryable(ctx, pool, owner, "connection refused")}
 		case "MarkUnknown":
-			return false, false, c.MarkUnknown(ctx, pool, owner, "read timeout")
+			return outcome{err: c.MarkUnknown(ctx, pool, owner, "read timeout")}
 		case "Heartbeat":
 			r, err := c.Heartbeat(ctx, pool, owner, 2*lease)
 			if err == nil && !r.LeaseExpiresAt.After(owner.LeaseExpiresAt) {
 				t.Fatalf("Heartbeat: lease %s, before %s", r.LeaseExpiresAt, owner.LeaseExpiresAt)
 			}
-			return false, false, err
+			return outcome{err: err}
 		case "stale token":
 			stale := owner
 			stale.Token = neverIssued + 1
@@ -265,13 +310,13 @@ func TestStateTable(t *testing.T) {
 				func() error { _, err := c.Heartbeat(ctx, pool, stale, lease); return err }(),
 			} {
 				if !errors.Is(err, idem.ErrFenced) {
-					return false, false, err
+					return outcome{err: err}
 				}
 			}
-			return false, false, idem.ErrFenced
+			return outcome{err: idem.ErrFenced}
 		case "ExpireLeases":
 			_, err := c.ExpireLeases(ctx, pool, 10)
-			return false, false, err
+			return outcome{err: err}
 		case "Resolve(succeeded)", "Resolve(retryable)":
 			// The operator names the token the record holds (none for a
 			// key without a record or one Do wrote: any token).
@@ -279,7 +324,7 @@ func TestStateTable(t *testing.T) {
 			if name == "Resolve(succeeded)" {
 				res = idem.Resolution{Token: res.Token, Succeeded: &resolved, Reason: "charge found"}
 			}
-			return false, false, c.Resolve(ctx, pool, payScope, key, res)
+			return outcome{err: c.Resolve(ctx, pool, payScope, key, res)}
 		case "Do", "Do(other fp)":
 			fp := fpA
 			if name != "Do" {
@@ -289,10 +334,21 @@ func TestStateTable(t *testing.T) {
 			if n := runs.Load(); (err == nil && !res.Replayed) != (n == 1) || n > 1 {
 				t.Fatalf("%s: fn ran %d times, result %+v, err %v", name, n, res, err)
 			}
-			return res.Replayed, runs.Load() == 1, err
+			return outcome{replayed: res.Replayed, ran: runs.Load() == 1, err: err}
+		case "ListUnknown", "ListResumable":
+			list := c.ListUnknown
+			if name == "ListResumable" {
+				list = c.ListResumable
+			}
+			recs, err := list(ctx, pool, 10, nil)
+			listed := slices.ContainsFunc(recs, func(r idem.Record) bool { return r.Key == key })
+			if len(recs) > 1 || (listed && recs[0].Status != idem.Status(readRow(t, pool, payScope, key).Status)) {
+				t.Fatalf("%s: %+v", name, recs)
+			}
+			return outcome{listed: listed, err: err}
 		}
 		t.Fatalf("no event %q", name)
-		return false, false, nil
+		return outcome{}
 	}
 
 	for i, row := range stateTable {
@@ -305,22 +361,24 @@ func TestStateTable(t *testing.T) {
 				key := fmt.Sprintf("cell-%02d-%02d", i, j)
 				owner := setup(t, row.state, key)
 				before := readRow(t, pool, payScope, key)
-				replayed, ran, err := event(t, name, key, owner)
+				got := event(t, name, key, owner)
+				err := got.err
 				after := readRow(t, pool, payScope, key)
 
 				want, state, _ := strings.Cut(cell, ">")
 				newToken := strings.HasSuffix(state, "+")
 				state = strings.TrimSuffix(state, "+")
 				switch {
-				case want == "ok" || want == "run" || want == "replay":
+				case want == "ok" || want == "run" || want == "resume" || want == "replay" || want == "listed":
 					if err != nil {
 						t.Fatalf("%s on %s: %v, want %s", name, row.state, err, cell)
 					}
 				case !errors.Is(err, stateErrors[want]):
 					t.Fatalf("%s on %s: err = %v, want %s", name, row.state, err, cell)
 				}
-				if replayed != (want == "replay") || ran != (want == "run") {
-					t.Fatalf("%s on %s: replayed %t, ran %t; want %s", name, row.state, replayed, ran, cell)
+				if got.replayed != (want == "replay") || got.ran != (want == "run" || want == "resume") ||
+					got.resumed != (want == "resume") || got.listed != (want == "listed") {
+					t.Fatalf("%s on %s: %+v; want %s", name, row.state, got, cell)
 				}
 				var inProgress *idem.InProgressError
 				if errors.As(err, &inProgress) && (inProgress.RetryAfter < time.Second || inProgress.RetryAfter > time.Minute) {
@@ -342,7 +400,7 @@ func TestStateTable(t *testing.T) {
 					}
 					switch {
 					case isDo: // the token of a row Do wrote is the core's business
-					case want == "run" || newToken:
+					case want == "run" || want == "resume" || newToken:
 						if after.Token <= before.Token {
 							t.Fatalf("%s on %s: token %d, before %d; want a new one", name, row.state, after.Token, before.Token)
 						}
@@ -350,7 +408,24 @@ func TestStateTable(t *testing.T) {
 						t.Fatalf("%s on %s: token %d, before %d; want the same", name, row.state, after.Token, before.Token)
 					}
 				}
-				if name == "Reserve" && replayed {
+				// The window: set by the reservation that starts a
+				// generation, kept by every later one, cleared by Do.
+				if want == "run" || want == "resume" || newToken {
+					newGeneration := !before.Found || (before.Expires.Before(after.Created) && before.Status != "processing" && before.Status != "unknown")
+					switch {
+					case isDo && after.ResumeUntil != nil:
+						t.Fatalf("%s on %s: Do's record keeps a window: %+v", name, row.state, after)
+					case isDo:
+					case newGeneration && (after.ResumeUntil != nil) != (name == "ReserveWith(window)"):
+						t.Fatalf("%s on %s: a new generation's window %v", name, row.state, after.ResumeUntil)
+					case !newGeneration && !reflect.DeepEqual(after.ResumeUntil, before.ResumeUntil):
+						t.Fatalf("%s on %s: window %v, before %v; want it kept", name, row.state, after.ResumeUntil, before.ResumeUntil)
+					}
+				}
+				if want == "resume" && (after.Lease == nil || after.Lease.After(*after.ResumeUntil)) {
+					t.Fatalf("%s on %s: a resumed lease %v past the window %v", name, row.state, after.Lease, after.ResumeUntil)
+				}
+				if name == "Reserve" && got.replayed {
 					r, _ := c.Reserve(ctx, pool, payScope, key, fpA, lease)
 					if before.RespStatus == nil || r.Status != int(*before.RespStatus) || string(r.Body) != string(before.RespBody) {
 						t.Fatalf("replayed %+v, stored %+v", r.Response, before)

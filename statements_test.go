@@ -6,6 +6,7 @@ import (
 	"strings"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 
@@ -71,7 +72,10 @@ func (s *statementCounter) measure(t *testing.T, call func() error) (roundTrips 
 // call (fn sends none here), on a connection whose prepared statements are
 // cached (the steady state):
 //   - fresh DoInTx and fresh Do: 2 round trips, at most 4 statements;
-//   - replays: 2 round trips, DoInTx at most 5 statements, Do at most 6.
+//   - replays: 2 round trips, DoInTx at most 5 statements, Do at most 6;
+//   - a fresh Reserve and a Reserve that replays: 3 round trips (BEGIN; its
+//     settings, the insert and the locking read in one; COMMIT), at most 6
+//     statements.
 func TestStatementsPerCall(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -151,4 +155,42 @@ func TestStatementsPerCall(t *testing.T) {
 	check("fresh Do", 2, 4, rt, stmts)
 	rt, stmts = measureDo("fresh-do")
 	check("Do replay", 2, 6, rt, stmts)
+
+	reserve := func(key string, replayed bool) func() error {
+		return func() error {
+			r, err := idem.Reserve(ctx, conn, scope, key, fpA, time.Minute)
+			if err == nil && r.Replayed != replayed {
+				err = fmt.Errorf("replayed %t", r.Replayed)
+			}
+			if err == nil && !replayed {
+				err = idem.InTx(ctx, conn, func(ctx context.Context, tx pgx.Tx) error {
+					return idem.Complete(ctx, tx, r, idem.Response{Status: 201, Body: []byte(`{"id":1}`)})
+				})
+			}
+			return err
+		}
+	}
+	for _, call := range []func() error{reserve("warm-r", false), reserve("warm-r", true)} {
+		if err := call(); err != nil {
+			t.Fatal(err)
+		}
+	}
+	counter.mu.Lock()
+	counter.on, counter.roundTrips, counter.statements = true, 0, nil
+	counter.mu.Unlock()
+	r, err := idem.Reserve(ctx, conn, scope, "fresh-r", fpA, time.Minute)
+	counter.mu.Lock()
+	counter.on, rt, stmts = false, counter.roundTrips, counter.statements
+	counter.mu.Unlock()
+	if err != nil {
+		t.Fatal(err)
+	}
+	check("fresh Reserve", 3, 6, rt, stmts)
+	if err := idem.InTx(ctx, conn, func(ctx context.Context, tx pgx.Tx) error {
+		return idem.Complete(ctx, tx, r, idem.Response{Status: 201, Body: []byte(`{"id":1}`)})
+	}); err != nil {
+		t.Fatal(err)
+	}
+	rt, stmts = counter.measure(t, reserve("fresh-r", true))
+	check("Reserve replay", 3, 6, rt, stmts)
 }

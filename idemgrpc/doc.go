@@ -39,5 +39,10 @@
 // but the transport's glue with this package, and stores a call's outcome
 // alike: a key used through one replays through the other.
 //
+// The client side is UnaryClientInterceptor: it sends one idempotency-key
+// with every attempt of a call (the context's call key, idem.WithCallKey, or
+// one it mints once per call) and retries what another attempt may fix (see
+// docs/calling.md in the repository).
+//
 // Run idem.Migrate (or idemsql.Migrate) once before use.
 package idemgrpc

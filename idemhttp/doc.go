@@ -62,5 +62,10 @@
 // handler's transaction: the front puts it in the request's context, where
 // only Tx or TxSQL read it.
 //
+// The client side is Transport, an http.RoundTripper: it sends one
+// Idempotency-Key with every attempt of a call (the context's call key,
+// idem.WithCallKey, or one it mints once per call) and retries what another
+// attempt may fix (see docs/calling.md in the repository).
+//
 // Run idem.Migrate (or idemsql.Migrate) once before use.
 package idemhttp

@@ -5,8 +5,9 @@
 //
 // It offers package idem's calls with *sql.DB and *sql.Tx in place of pgx's
 // handles: Do, DoInTx, InTx, Migrate, the reservation calls (Reserve,
-// Complete, FailRetryable, MarkUnknown, Heartbeat), the operator calls
-// (Lookup, Forget, Resolve, ListUnknown, ExpireLeases, Prune, ReadStats),
+// ReserveWith, Complete, FailRetryable, MarkUnknown, Heartbeat), the
+// operator calls (Lookup, Forget, Resolve, ListUnknown, ListResumable,
+// ExpireLeases, Prune, ReadStats),
 // the inbox (Inbox, InboxInTx, InboxKey), the typed-replay forms (DoJSON,
 // DoInTxJSON and their With forms), and a Client from New(idem.Config)
 // with every method of idem.Client. idem.MigrateDown is not ported: run it

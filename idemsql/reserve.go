@@ -29,6 +29,25 @@ func (c *Client) Reserve(ctx context.Context, db *sql.DB, scope idem.Scope, key 
 	return c.c.Reserve(ctx, db, scope, key, fp, lease)
 }
 
+// ReserveWith is idem.ReserveWith on a *sql.DB: Reserve with options
+// (opts.Lease, idem.DefaultLease when zero, and opts.ResumeWithin, the
+// window in which an attempt in doubt resumes by itself; see
+// idem.ReserveOptions). It answers as Reserve does and besides takes over
+// an attempt in doubt inside the key's window (r.Resumed true: make the
+// outside calls again with the same call keys). Negative options, a Lease
+// under 1µs, a ResumeWithin shorter than the lease, an invalid scope or
+// key, or a nil db are refused with idem.ErrInvalidArgument (or
+// idem.ErrInvalidScope, idem.ErrInvalidKey) before anything runs.
+func ReserveWith(ctx context.Context, db *sql.DB, scope idem.Scope, key string, fp idem.Fingerprint, opts idem.ReserveOptions) (idem.Reservation, error) {
+	return defaultClient.c.ReserveWith(ctx, db, scope, key, fp, opts)
+}
+
+// ReserveWith is the package-level ReserveWith with this client's
+// configuration.
+func (c *Client) ReserveWith(ctx context.Context, db *sql.DB, scope idem.Scope, key string, fp idem.Fingerprint, opts idem.ReserveOptions) (idem.Reservation, error) {
+	return c.c.ReserveWith(ctx, db, scope, key, fp, opts)
+}
+
 // Complete is idem.Complete on a *sql.Tx: it records the outcome of the
 // reservation's work as 'succeeded' with resp in the caller's transaction
 // tx, beside the domain writes, so they commit or roll back together.
@@ -62,7 +81,8 @@ func (c *Client) FailRetryable(ctx context.Context, db *sql.DB, r idem.Reservati
 
 // MarkUnknown is idem.MarkUnknown on a *sql.DB: the reservation's work may
 // have happened; the record becomes 'unknown' with reason until an operator
-// resolves it. idem.ErrFenced when the record has moved on.
+// resolves it (or, inside the key's window, the next Reserve resumes it).
+// idem.ErrFenced when the record has moved on.
 func MarkUnknown(ctx context.Context, db *sql.DB, r idem.Reservation, reason string) error {
 	return defaultClient.c.MarkUnknown(ctx, db, r, reason)
 }
@@ -89,8 +109,9 @@ func (c *Client) Heartbeat(ctx context.Context, db *sql.DB, r idem.Reservation, 
 }
 
 // ExpireLeases is idem.ExpireLeases on a *sql.DB: it turns at most limit
-// 'processing' records whose lease ran out into 'unknown', oldest lease
-// first, and returns how many. limit <= 0 is idem.ErrInvalidArgument.
+// 'processing' records whose lease ran out, outside their key's window,
+// into 'unknown', oldest lease first, and returns how many. limit <= 0 is
+// idem.ErrInvalidArgument.
 func ExpireLeases(ctx context.Context, db *sql.DB, limit int) (int64, error) {
 	return defaultClient.c.ExpireLeases(ctx, db, limit)
 }
@@ -102,10 +123,11 @@ func (c *Client) ExpireLeases(ctx context.Context, db *sql.DB, limit int) (int64
 }
 
 // ListUnknown is idem.ListUnknown on a *sql.DB: at most limit 'unknown'
-// records, oldest first; pass nil for the first page and the last record
-// of a page for the next. limit <= 0, or an after that idem.ListUnknown
-// refuses (names that are not valid text, a CreatedAt outside PostgreSQL's
-// range), is idem.ErrInvalidArgument.
+// records that need a person (no window, or past it), oldest first; pass
+// nil for the first page and the last record of a page for the next. limit
+// <= 0, or an after that idem.ListUnknown refuses (names that are not valid
+// text, a CreatedAt outside PostgreSQL's range), is
+// idem.ErrInvalidArgument.
 func ListUnknown(ctx context.Context, db *sql.DB, limit int, after *idem.Record) ([]idem.Record, error) {
 	return defaultClient.c.ListUnknown(ctx, db, limit, after)
 }
@@ -114,6 +136,20 @@ func ListUnknown(ctx context.Context, db *sql.DB, limit int, after *idem.Record)
 // configuration.
 func (c *Client) ListUnknown(ctx context.Context, db *sql.DB, limit int, after *idem.Record) ([]idem.Record, error) {
 	return c.c.ListUnknown(ctx, db, limit, after)
+}
+
+// ListResumable is idem.ListResumable on a *sql.DB: at most limit records
+// a recovery worker should re-drive (in doubt inside their key's window:
+// 'processing' whose lease ran out, or 'unknown'), oldest first, paged as
+// ListUnknown; ReserveWith resumes each.
+func ListResumable(ctx context.Context, db *sql.DB, limit int, after *idem.Record) ([]idem.Record, error) {
+	return defaultClient.c.ListResumable(ctx, db, limit, after)
+}
+
+// ListResumable is the package-level ListResumable with this client's
+// configuration.
+func (c *Client) ListResumable(ctx context.Context, db *sql.DB, limit int, after *idem.Record) ([]idem.Record, error) {
+	return c.c.ListResumable(ctx, db, limit, after)
 }
 
 // Resolve is idem.Resolve on a *sql.DB: it reconciles the record of (scope,

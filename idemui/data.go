@@ -59,6 +59,7 @@ type overview struct {
 	Unknown           count                     `json:"unknown"`
 	LeaseRanOut       count                     `json:"lease_ran_out"`
 	InFlight          count                     `json:"in_flight"`
+	Resuming          count                     `json:"resuming"` // in doubt inside their window: not a person's
 	OldestNeedsPerson *time.Time                `json:"oldest_needs_person,omitempty"`
 	OldestInFlight    *time.Time                `json:"oldest_in_flight,omitempty"`
 	Keys              map[idem.Status]count     `json:"keys"`
@@ -90,6 +91,7 @@ func readOverview(ctx context.Context, db idem.Beginner) (overview, error) {
 		o.Unknown = count{N: open.Unknown, AtLeast: capped}
 		o.LeaseRanOut = count{N: open.LeaseRanOut, AtLeast: capped}
 		o.InFlight = count{N: open.InFlight, AtLeast: capped}
+		o.Resuming = count{N: open.Resuming, AtLeast: capped}
 		o.NeedsPerson = count{N: open.Unknown + open.LeaseRanOut, AtLeast: capped}
 		o.OldestNeedsPerson = timePtr(open.OldestNeedsPerson)
 		o.OldestInFlight = timePtr(open.OldestInFlight)
@@ -121,8 +123,8 @@ func readOverview(ctx context.Context, db idem.Beginner) (overview, error) {
 		}
 		// Below the cap, the open reservations were counted exactly.
 		if !capped {
-			o.Keys[idem.StatusProcessing] = count{N: open.InFlight + open.LeaseRanOut}
-			o.Keys[idem.StatusUnknown] = count{N: open.Unknown}
+			o.Keys[idem.StatusProcessing] = count{N: open.InFlight + open.LeaseRanOut + open.Resuming - open.ResumingUnknown}
+			o.Keys[idem.StatusUnknown] = count{N: open.Unknown + open.ResumingUnknown}
 		}
 		var total int64
 		for s, c := range o.Keys {
@@ -343,18 +345,22 @@ func readAudit(ctx context.Context, db idem.Beginner, f audit.ListFilter, before
 
 // recordJSON is a record as the API shows it.
 type recordJSON struct {
-	Actor          string        `json:"actor"`
-	Operation      string        `json:"operation"`
-	Key            string        `json:"key"`
-	Status         idem.Status   `json:"status"`
-	NeedsPerson    bool          `json:"needs_person"`
-	LeaseRanOut    bool          `json:"lease_ran_out"`
+	Actor       string      `json:"actor"`
+	Operation   string      `json:"operation"`
+	Key         string      `json:"key"`
+	Status      idem.Status `json:"status"`
+	NeedsPerson bool        `json:"needs_person"`
+	LeaseRanOut bool        `json:"lease_ran_out"`
+	// Resumable: in doubt inside its window (ReserveOptions.ResumeWithin),
+	// which a recovery worker or the next request resumes; not a person's.
+	Resumable      bool          `json:"resumable"`
 	Fingerprint    string        `json:"fingerprint"`
 	Token          int64         `json:"token"`
 	CreatedAt      time.Time     `json:"created_at"`
 	CompletedAt    *time.Time    `json:"completed_at,omitempty"`
 	ExpiresAt      time.Time     `json:"expires_at"`
 	LeaseExpiresAt *time.Time    `json:"lease_expires_at,omitempty"`
+	ResumeUntil    *time.Time    `json:"resume_until,omitempty"`
 	LastError      string        `json:"last_error,omitempty"`
 	ResolveReason  string        `json:"resolve_reason,omitempty"`
 	Response       *responseJSON `json:"response,omitempty"`
@@ -379,7 +385,13 @@ func newRecordJSON(rec idem.Record, now time.Time) recordJSON {
 		LeaseRanOut: leaseRanOut(rec, now), Fingerprint: rec.Fingerprint.String(), Token: rec.Token,
 		CreatedAt: rec.CreatedAt, ExpiresAt: rec.ExpiresAt, LastError: rec.LastError, ResolveReason: rec.ResolveReason,
 	}
-	out.NeedsPerson = rec.Status == idem.StatusUnknown || out.LeaseRanOut
+	inDoubt := rec.Status == idem.StatusUnknown || out.LeaseRanOut
+	out.Resumable = inDoubt && rec.ResumeUntil.After(now)
+	out.NeedsPerson = inDoubt && !out.Resumable
+	if !rec.ResumeUntil.IsZero() {
+		t := rec.ResumeUntil
+		out.ResumeUntil = &t
+	}
 	if !rec.CompletedAt.IsZero() {
 		t := rec.CompletedAt
 		out.CompletedAt = &t

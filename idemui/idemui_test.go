@@ -805,3 +805,74 @@ func TestSearchAndAudit(t *testing.T) {
 
 // A Beginner for New's checks, which never begin.
 type fakeBeginner struct{ idem.Beginner }
+
+// Attempts in doubt inside their window (ReserveOptions.ResumeWithin) are
+// a recovery worker's, not a person's: the overview counts them apart, the
+// list of what needs a person and its count leave them out, the expire
+// action (filtered or not) leaves them as they are, and their page says
+// they resume, and still takes a verdict.
+func TestResumingIsNotAPersons(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := newEnv(t, nil)
+	window := idem.ReserveOptions{Lease: time.Millisecond, ResumeWithin: time.Hour}
+	if _, err := idem.ReserveWith(ctx, e.pool, pay, "w-lapsed", fp, window); err != nil {
+		t.Fatal(err)
+	}
+	r, err := idem.ReserveWith(ctx, e.pool, pay, "w-unknown", fp, idem.ReserveOptions{Lease: time.Minute, ResumeWithin: time.Hour})
+	if err == nil {
+		err = idem.MarkUnknown(ctx, e.pool, r, "no answer")
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.unknown(pay, "u1", "timeout")
+	e.lapsed(pay, "l1")
+	time.Sleep(2 * time.Millisecond)
+
+	var o struct {
+		NeedsPerson       struct{ N int64 } `json:"needs_person"`
+		Unknown, Resuming struct{ N int64 }
+		LeaseRanOut       struct{ N int64 } `json:"lease_ran_out"`
+		Keys              map[string]struct{ N int64 }
+	}
+	res := e.get("/idem/api/overview")
+	if err := json.Unmarshal([]byte(res.body), &o); err != nil {
+		t.Fatal(err, res.body)
+	}
+	if o.NeedsPerson.N != 2 || o.Unknown.N != 1 || o.LeaseRanOut.N != 1 || o.Resuming.N != 2 ||
+		o.Keys["unknown"].N != 2 || o.Keys["processing"].N != 2 {
+		t.Fatalf("overview: %s", res.body)
+	}
+	if page := e.get("/idem/"); !strings.Contains(page.body, "Resuming") {
+		t.Error("the overview does not count what resumes")
+	}
+	list := e.get("/idem/api/unknown")
+	for key, want := range map[string]bool{"u1": true, "l1": true, "w-lapsed": false, "w-unknown": false} {
+		if got := strings.Contains(list.body, `"key": "`+key+`"`) || strings.Contains(list.body, `"key":"`+key+`"`); got != want {
+			t.Errorf("the list of what needs a person holds %s: %t\n%s", key, got, list.body)
+		}
+	}
+	if !strings.Contains(list.body, `"n": 2`) && !strings.Contains(list.body, `"n":2`) {
+		t.Errorf("the count of what needs a person: %s", list.body)
+	}
+	count := e.get("/idem/api/expire-leases")
+	if !strings.Contains(count.body, `"leases": 1`) && !strings.Contains(count.body, `"leases":1`) {
+		t.Fatalf("expirable: %s", count.body)
+	}
+	res = e.postForm("/idem/expire-leases", url.Values{"actor": {pay.Actor},
+		"cutoff": {time.Now().Add(time.Minute).UTC().Format(time.RFC3339Nano)}})
+	if res.status != http.StatusSeeOther || !strings.Contains(res.header.Get("Location"), "done=expired&n=1") {
+		t.Fatalf("filtered expire: %d %s", res.status, res.header.Get("Location"))
+	}
+	if rec := e.lookup(pay, "w-lapsed"); rec.Status != idem.StatusProcessing {
+		t.Fatalf("the expire action turned an attempt inside its window unknown: %+v", rec)
+	}
+	for _, key := range []string{"w-lapsed", "w-unknown"} {
+		page := e.get(keyPath(pay, key))
+		if !strings.Contains(page.body, "Resuming") || !strings.Contains(page.body, "Resume window") ||
+			!strings.Contains(page.body, `name="verdict"`) {
+			t.Errorf("the page of %s:\n%.3000s", key, page.body)
+		}
+	}
+}

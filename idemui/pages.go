@@ -356,7 +356,7 @@ func (q *request) showKey(status int, p *problem, form resolveInput, fl *flash) 
 	if v.Found {
 		now := time.Now()
 		v.Rec = newRecordJSON(rec, now)
-		v.Label, v.Class, v.Meaning = describe(rec, v.Rec.LeaseRanOut)
+		v.Label, v.Class, v.Meaning = describe(rec, v.Rec.LeaseRanOut, v.Rec.Resumable)
 		if rec.Response != nil {
 			v.Body = newBodyView(rec.Response.Header, rec.Response.Body)
 			v.Headers = headerViews(rec.Response.Header)
@@ -366,7 +366,7 @@ func (q *request) showKey(status int, p *problem, form resolveInput, fl *flash) 
 			v.Attempt = resolvedAttempt(entries)
 		}
 		v.Timeline = timeline(rec, entries, v.Attempt, now)
-		v.CanResolve = v.Rec.NeedsPerson && !q.c.opts.ReadOnly
+		v.CanResolve = (v.Rec.NeedsPerson || v.Rec.Resumable) && !q.c.opts.ReadOnly
 		v.CanForget = (rec.Status == idem.StatusSucceeded || rec.Status == idem.StatusRejected ||
 			rec.Status == idem.StatusFailedRetryable) && !q.c.opts.ReadOnly
 		v.CreatedAtIn = rec.CreatedAt.UTC().Format(time.RFC3339Nano)
@@ -378,9 +378,14 @@ func (q *request) showKey(status int, p *problem, form resolveInput, fl *flash) 
 	q.page(status, "key", title, "", v, fl)
 }
 
-// describe is the label, style and meaning of a record's state.
-func describe(rec idem.Record, ranOut bool) (label, class, meaning string) {
+// describe is the label, style and meaning of a record's state: ranOut, a
+// reservation's lease ran out; resumable, in doubt inside its window.
+func describe(rec idem.Record, ranOut, resumable bool) (label, class, meaning string) {
 	switch {
+	case resumable:
+		return "Resuming", "processing", "The work may or may not have happened, but its outside calls carry a key the receiver " +
+			"still remembers: the next request with this key, or a recovery worker, makes them again and records the answer " +
+			"(the receiver replays what it did). Nothing to decide unless the window ends; you may still record a verdict."
 	case rec.Status == idem.StatusUnknown:
 		return "Unknown outcome", "unknown", "The work may or may not have happened, and nothing runs again until someone decides. " +
 			"Check the outside system (the provider's dashboard or statement) for this attempt, then record what you found below."
@@ -440,6 +445,9 @@ func timeline(rec idem.Record, entries []audit.Entry, attempt int64, now time.Ti
 	}
 	if rec.Status != idem.StatusProcessing && rec.Status != idem.StatusUnknown {
 		add(rec.ExpiresAt, "The key expires: a request with it then runs as a new one")
+	}
+	if rec.Status == idem.StatusProcessing || rec.Status == idem.StatusUnknown || rec.Status == idem.StatusFailedRetryable {
+		add(rec.ResumeUntil, "The window to resume ends: past it, an attempt in doubt waits for a person")
 	}
 	sort.SliceStable(ev, func(i, j int) bool { return ev[i].When.Before(ev[j].When) })
 	return ev

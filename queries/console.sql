@@ -10,10 +10,11 @@
 --
 -- "Needs a person": an 'unknown' record, or a 'processing' reservation
 -- whose lease ran out before it recorded an outcome (not yet turned
--- unknown). Issue 25 adds reservations made with ResumeWithin whose lease
--- ran out inside their window: those are a recovery worker's, not a
--- person's, and get an extra condition where the statements below say
--- "needs a person".
+-- unknown), without a window or past it (resume_until IS NULL OR
+-- resume_until <= now(), where the statements below say "needs a
+-- person"). The same attempts inside their window (ReserveOptions.
+-- ResumeWithin) are "resuming": a recovery worker's or the next Reserve's,
+-- not a person's.
 
 -- Pages through the records that need a person, oldest first (by
 -- created_at, then scope and key), after the given position ('-infinity'
@@ -28,6 +29,7 @@ FROM idem_keys
 WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
   -- needs a person
   AND (status = 'unknown' OR (status = 'processing' AND lease_expires_at <= now()))
+  AND (resume_until IS NULL OR resume_until <= now())
   AND (sqlc.arg(actor)::text = '' OR actor = sqlc.arg(actor)::text)
   AND (sqlc.arg(operation)::text = '' OR operation = sqlc.arg(operation)::text)
   AND created_at <= now() - (sqlc.arg(min_age_micros)::bigint * interval '1 microsecond')
@@ -48,6 +50,7 @@ SELECT count(*)::bigint FROM (
     WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
       -- needs a person
       AND (status = 'unknown' OR (status = 'processing' AND lease_expires_at <= now()))
+      AND (resume_until IS NULL OR resume_until <= now())
       AND (sqlc.arg(actor)::text = '' OR actor = sqlc.arg(actor)::text)
       AND (sqlc.arg(operation)::text = '' OR operation = sqlc.arg(operation)::text)
       AND created_at <= now() - (sqlc.arg(min_age_micros)::bigint * interval '1 microsecond')
@@ -64,6 +67,7 @@ FROM idem_keys
 WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
   AND status = 'processing' AND lease_expires_at <= now()
   -- needs a person
+  AND (resume_until IS NULL OR resume_until <= now())
   AND (sqlc.arg(actor)::text = '' OR actor = sqlc.arg(actor)::text)
   AND (sqlc.arg(operation)::text = '' OR operation = sqlc.arg(operation)::text)
   AND created_at <= now() - (sqlc.arg(min_age_micros)::bigint * interval '1 microsecond')
@@ -87,6 +91,7 @@ WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
   AND status = 'processing'
   AND lease_expires_at <= least(sqlc.arg(cutoff)::timestamptz, now())
   -- needs a person
+  AND (resume_until IS NULL OR resume_until <= now())
   AND (sqlc.arg(actor)::text = '' OR actor = sqlc.arg(actor)::text)
   AND (sqlc.arg(operation)::text = '' OR operation = sqlc.arg(operation)::text)
   AND created_at <= now() - (sqlc.arg(min_age_micros)::bigint * interval '1 microsecond')
@@ -95,17 +100,22 @@ WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
 
 -- The open reservations, oldest first, up to @cap_rows of them: counts by
 -- kind and the oldest of each. The oldest are exact whatever the cap (the
--- walk starts with them); the counts are exact below the cap.
+-- walk starts with them); the counts are exact below the cap. lease_ran_out
+-- and unknown count what needs a person; resuming what is in doubt inside
+-- its window (resuming_unknown: those marked unknown).
 -- name: ConsoleOpen :one
 SELECT count(*)::bigint AS scanned,
        count(*) FILTER (WHERE status = 'processing' AND lease_expires_at > now())::bigint AS in_flight,
-       count(*) FILTER (WHERE status = 'processing' AND lease_expires_at <= now())::bigint AS lease_ran_out,
-       count(*) FILTER (WHERE status = 'unknown')::bigint AS unknown,
+       count(*) FILTER (WHERE status = 'processing' AND lease_expires_at <= now() AND NOT in_window)::bigint AS lease_ran_out,
+       count(*) FILTER (WHERE status = 'unknown' AND NOT in_window)::bigint AS unknown,
+       count(*) FILTER (WHERE (status = 'unknown' OR (status = 'processing' AND lease_expires_at <= now()))
+                        AND in_window)::bigint AS resuming,
+       count(*) FILTER (WHERE status = 'unknown' AND in_window)::bigint AS resuming_unknown,
        min(created_at) FILTER (WHERE status = 'processing' AND lease_expires_at > now())::timestamptz AS oldest_in_flight,
-       min(created_at) FILTER (WHERE status = 'unknown'
-                               OR (status = 'processing' AND lease_expires_at <= now()))::timestamptz AS oldest_needs_person,
+       min(created_at) FILTER (WHERE (status = 'unknown' OR (status = 'processing' AND lease_expires_at <= now()))
+                               AND NOT in_window)::timestamptz AS oldest_needs_person,
        now()::timestamptz AS now
-FROM (SELECT status, lease_expires_at, created_at
+FROM (SELECT status, lease_expires_at, created_at, coalesce(resume_until > now(), false) AS in_window
       FROM idem_keys
       WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
       ORDER BY created_at

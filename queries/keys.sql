@@ -38,9 +38,11 @@ RETURNING (set_config('lock_timeout', current_setting('idem.lock_timeout'), true
 -- key is a new request), or a reservation that certainly did not execute
 -- ('failed_retryable') asked for again with the same fingerprint. Returns no
 -- row when the row holding the key is neither (another transaction took it
--- over first). Inserts when the row is gone (pruned). The wait is bounded as
--- KeyClaim's. The DO UPDATE reads the clock only from the proposed row
--- (excluded.created_at is now()), never calls a function of its own.
+-- over first). Inserts when the row is gone (pruned). The row becomes Do's:
+-- no token, lease or window (resume_until) of a reservation is left on it.
+-- The wait is bounded as KeyClaim's. The DO UPDATE reads the clock only
+-- from the proposed row (excluded.created_at is now()), never calls a
+-- function of its own.
 -- name: KeyTakeOver :one
 INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at)
 SELECT @actor, @operation, @idem_key, @fingerprint, 'processing', now(), now(),
@@ -58,6 +60,7 @@ SET fingerprint      = excluded.fingerprint,
     expires_at       = excluded.expires_at,
     token            = 0,
     lease_expires_at = NULL,
+    resume_until     = NULL,
     last_error       = NULL,
     resolve_reason   = NULL
 WHERE (k.expires_at <= excluded.created_at AND k.status IN ('succeeded', 'rejected', 'failed_retryable'))
@@ -93,6 +96,7 @@ SET fingerprint      = excluded.fingerprint,
     expires_at       = excluded.expires_at,
     token            = 0,
     lease_expires_at = NULL,
+    resume_until     = NULL,
     last_error       = NULL,
     resolve_reason   = NULL
 WHERE (k.expires_at <= excluded.created_at AND k.status IN ('succeeded', 'rejected', 'failed_retryable'))

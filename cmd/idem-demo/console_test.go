@@ -2,7 +2,6 @@ package main
 
 import (
 	"io"
-	"log/slog"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -16,7 +15,7 @@ import (
 // token as the password; a request without credentials is asked for them.
 func TestConsoleMounted(t *testing.T) {
 	t.Parallel()
-	srv := httptest.NewServer(newAPI(pgtest.Pool(t, migrateDemo), newPicker(1), slog.New(slog.DiscardHandler)))
+	srv := httptest.NewServer(testAPI(pgtest.Pool(t, migrateDemo)))
 	t.Cleanup(srv.Close)
 	for _, c := range []struct {
 		name   string

@@ -79,7 +79,9 @@ func (d *demoDB) Close() {
 
 // openDatabase creates the database called name on srv if it is missing,
 // waits until no other idem-demo holds it, resets the demo's tables in it
-// (refusing a database that holds tables the demo did not create), installs
+// (refusing a database that holds tables the demo did not create; with
+// keep, a database the demo marked as its own keeps its tables and rows),
+// installs
 // idem's migrations and the draw tables and seeds, and returns it with a
 // pool with enough connections for the concurrent scenario. Progress that
 // makes it wait goes to out.
@@ -87,7 +89,7 @@ func (d *demoDB) Close() {
 // A connection string whose exec mode loses prepared statements on the way
 // to the server (a transaction pooler) fails here with the fix
 // (pgadvice.PreparedStatementsError), before anything is changed.
-func openDatabase(ctx context.Context, srv *pgserver.Server, name string, out io.Writer) (*demoDB, error) {
+func openDatabase(ctx context.Context, srv *pgserver.Server, name string, out io.Writer, keep bool) (*demoDB, error) {
 	if err := createDatabase(ctx, srv, name); err != nil {
 		return nil, pgadvice.Explain(err, setting)
 	}
@@ -102,21 +104,21 @@ func openDatabase(ctx context.Context, srv *pgserver.Server, name string, out io
 		return nil, err
 	}
 	d := &demoDB{pool: pool}
-	if err := d.prepare(ctx, url, name, out); err != nil {
+	if err := d.prepare(ctx, url, name, out, keep); err != nil {
 		d.Close()
 		return nil, pgadvice.Explain(err, setting)
 	}
 	return d, nil
 }
 
-func (d *demoDB) prepare(ctx context.Context, url, name string, out io.Writer) error {
+func (d *demoDB) prepare(ctx context.Context, url, name string, out io.Writer, keep bool) error {
 	if err := checkExecMode(ctx, d.pool); err != nil {
 		return err
 	}
 	if err := d.takeLock(ctx, url, name, out); err != nil {
 		return err
 	}
-	if err := reset(ctx, d.pool, name); err != nil {
+	if err := reset(ctx, d.pool, name, keep); err != nil {
 		return err
 	}
 	if err := idem.Migrate(ctx, d.pool); err != nil {
@@ -248,8 +250,9 @@ func (e *NotDemoDatabaseError) Error() string {
 // reset drops every relation in the database called name and marks it as
 // the demo's, if it is the demo's: marked as such (markerTable), empty, or
 // holding only olderDemoTables. Otherwise it changes nothing and returns a
-// *NotDemoDatabaseError.
-func reset(ctx context.Context, pool *pgxpool.Pool, name string) error {
+// *NotDemoDatabaseError. With keep, a database marked as the demo's is left
+// as it is.
+func reset(ctx context.Context, pool *pgxpool.Pool, name string, keep bool) error {
 	rows, err := pool.Query(ctx, `
 		SELECT n.nspname, c.relname, c.relkind::text
 		FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
@@ -278,6 +281,9 @@ func reset(ctx context.Context, pool *pgxpool.Pool, name string) error {
 	}
 	if !marked && len(foreign) > 0 {
 		return &NotDemoDatabaseError{Database: name, Tables: foreign[:min(len(foreign), 5)]}
+	}
+	if keep && marked {
+		return nil
 	}
 
 	kinds := map[byte]string{'r': "TABLE", 'p': "TABLE", 'v': "VIEW", 'm': "MATERIALIZED VIEW", 'S': "SEQUENCE"}

@@ -23,7 +23,7 @@ import (
 func relayedPayments(t *testing.T, timeout time.Duration, rule httprelay.Rule) (*payments, *gateway, *httprelay.Relay) {
 	t.Helper()
 	pool := pgtest.Pool(t, migratePayments)
-	gw := newGateway()
+	gw := newGateway(pool)
 	t.Cleanup(gw.close)
 	url, err := gw.baseURL()
 	if err != nil {
@@ -99,7 +99,7 @@ func TestGatewayBehindLossyRelay(t *testing.T) {
 				want--
 			}
 		}
-		c, ok := gw.lookup(chargeKey("alice", key))
+		c, ok := lookupCharge(t, gw, "alice", key)
 		if !ok || c.Requests < want || (fault != "delay" && c.Requests != want) {
 			t.Errorf("%s: charge %+v, want %d requests at the gateway", key, c, want)
 		}
@@ -108,19 +108,20 @@ func TestGatewayBehindLossyRelay(t *testing.T) {
 			t.Errorf("%s: %d payments (%v)", key, rows, err)
 		}
 	}
-	if charges := len(gw.list()); charges != len(faults) {
+	if charges := len(listCharges(t, gw)); charges != len(faults) {
 		t.Fatalf("%d charges for %d payments", charges, len(faults))
 	}
 }
 
 // No attempt gets an answer: the transport gives up with an unknown
-// outcome, the payment waits for an operator, and its retries never reach
-// the gateway. The gateway charged once.
+// outcome; without a window the payment waits for an operator, and its
+// retries never reach the gateway. The gateway charged once.
 func TestGatewayAnswersLost(t *testing.T) {
 	t.Parallel()
 	s, gw, relay := relayedPayments(t, time.Second, func(*http.Request, int) httprelay.Action {
 		return httprelay.Action{Fault: httprelay.DropReply}
 	})
+	s.resumeWithin = 0
 	ctx := t.Context()
 	_, _, err := s.pay(ctx, "alice", "lost", demoPayment, "")
 	if !errors.Is(err, errOutcomeUnknown) {
@@ -133,8 +134,8 @@ func TestGatewayAnswersLost(t *testing.T) {
 	if _, _, err := s.pay(ctx, "alice", "lost", demoPayment, ""); !errors.Is(err, idem.ErrOutcomeUnknown) {
 		t.Fatalf("retry: %v", err)
 	}
-	c, ok := gw.lookup(chargeKey("alice", "lost"))
-	if !ok || c.Requests != 5 || len(relay.Requests()) != 5 || len(gw.list()) != 1 {
+	c, ok := lookupCharge(t, gw, "alice", "lost")
+	if !ok || c.Requests != 5 || len(relay.Requests()) != 5 || len(listCharges(t, gw)) != 1 {
 		t.Fatalf("charge %+v; relay saw %d requests", c, len(relay.Requests()))
 	}
 }
@@ -144,7 +145,7 @@ func TestGatewayAnswersLost(t *testing.T) {
 // refusal is not remembered; a key is forgotten after 24 hours.
 func TestGatewayDeduplicates(t *testing.T) {
 	t.Parallel()
-	gw := newGateway()
+	gw := newGateway(pgtest.Pool(t, migratePayments))
 	t.Cleanup(gw.close)
 	now := time.Now()
 	var clock sync.Mutex
@@ -203,7 +204,27 @@ func TestGatewayDeduplicates(t *testing.T) {
 	if st != 201 || rp || later == first {
 		t.Fatalf("after 24 h: %d %t %s", st, rp, later)
 	}
-	if n := len(gw.list()); n != 3 || !bytes.Contains([]byte(later), []byte(fmt.Sprintf(`"ch_%d"`, n))) {
+	if n := len(listCharges(t, gw)); n != 3 || !bytes.Contains([]byte(later), []byte(fmt.Sprintf(`"ch_%d"`, n))) {
 		t.Fatalf("%d charges: %s", n, later)
 	}
+}
+
+// lookupCharge is the gateway's latest charge for the payment (actor, key).
+func lookupCharge(t *testing.T, gw *gateway, actor, key string) (gatewayCharge, bool) {
+	t.Helper()
+	c, ok, err := gw.lookup(t.Context(), chargeKey(actor, key))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c, ok
+}
+
+// listCharges is every charge the gateway made.
+func listCharges(t *testing.T, gw *gateway) []gatewayCharge {
+	t.Helper()
+	charges, err := gw.list(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return charges
 }

@@ -3,7 +3,7 @@
 // Usage:
 //
 //	idem-demo [run] [-db idem_demo]
-//	idem-demo serve [-addr 127.0.0.1:8080] [-seed N] [-db idem_demo]
+//	idem-demo serve [-addr 127.0.0.1:8080] [-seed N] [-db idem_demo] [-keep] [-lease 30s] [-resume-within 23h]
 //
 // run (the default) finds a server (DATABASE_URL, localhost:5432, Docker, or
 // a temporary initdb cluster), creates the database idem_demo on it if it is
@@ -11,12 +11,19 @@
 // idem's table and the Goose Kuzi draw tables, and puts the draw API through
 // the failure scenarios of the design: a retry after a lost response, a
 // reused key, concurrent duplicates, a failure before commit and a stored
-// refusal; then payments through a fake card gateway with idem.Reserve: a
-// retry, a timeout after the charge that becomes an unknown outcome, an
-// operator resolving it, a worker paused past its lease, and a gateway that
-// refused. It prints a table of what happened and of the numbers read back
-// from the database, and exits with status 1 if any invariant fails. The
-// database is left in place for inspection.
+// refusal; then payments through a fake card gateway (an HTTP server of its
+// own, reached through idemhttp.Transport with the reservation's call key,
+// deduplicating by key for 24 hours in the demo's tables) with
+// idem.ReserveWith: a retry; the gateway's answer lost, and the
+// transport's retry healing it; without a window, a timeout after the
+// charge that becomes an unknown outcome and an operator resolving it; a
+// worker paused past its lease; a gateway that refused; and, with a window
+// (ReserveOptions.ResumeWithin), a timeout after the charge that the
+// client's retry resumes, and a service stopped after the charge that a
+// recovery worker resumes after the restart. It prints a table of what
+// happened and of the numbers read back from the database, and exits with
+// status 1 if any invariant fails. The database is left in place for
+// inspection.
 //
 // The demo only ever changes a database of its own: one it created, found
 // empty, or found holding only an older demo's tables. It marks it with its
@@ -27,22 +34,30 @@
 // waits (and says so) while another run or serve holds it, so concurrent
 // runs on one server all pass.
 //
-// serve prepares the same database and serves the draw API over HTTP on a
-// loopback address, with idemhttp in front of it, until SIGINT or SIGTERM:
+// serve prepares the same database (-keep: keeps the tables of the last run
+// or serve instead, a restart) and serves the draw API over HTTP on a
+// loopback address, with idemhttp in front of it, until SIGINT or SIGTERM,
+// and runs the payments' recovery worker every second (idem.ListResumable,
+// ReserveWith, the same request with the same call key, Complete):
 //
 //	POST /v1/draws           {"box_id":1,"quantity":2}, with an Idempotency-Key header
 //	                         (X-Demo-Delay: 6s holds the key that long, to try a duplicate in flight)
 //	GET  /v1/idempotency     ?key=K&operation=O: the status URL of a draw (202 Accepted while it runs)
 //	GET  /v1/wallets/{user}  points and prizes of the caller
 //	POST /v1/payments        {"customerId":"cus-1","amountCents":12000,"currency":"KRW"},
-//	                         with an Idempotency-Key header (X-Demo-Gateway: timeout-after-charge
-//	                         or unavailable tells the fake gateway to misbehave)
-//	GET  /v1/admin/unknown   payments whose outcome is unknown (Bearer operator)
+//	                         with an Idempotency-Key header (X-Demo-Gateway: reply-lost,
+//	                         timeout-after-charge or unavailable tells the fake gateway to
+//	                         misbehave; X-Demo-Crash: after-charge kills the demo after the
+//	                         charge, before Complete)
+//	GET  /v1/admin/unknown   payments whose outcome is unknown and need a person (Bearer operator)
 //	POST /v1/admin/resolve   {"actor":"alice","key":"..."}: resolve one at the gateway (Bearer operator)
 //	GET  /v1/admin/charges   the gateway's charges (Bearer operator)
 //
 // The bearer token is the user name (alice or bob). -seed makes the prize
-// picks repeatable.
+// picks repeatable. Payments are reserved with a lease of -lease and a
+// window of -resume-within (0: none), in which a payment in doubt resumes
+// by itself: by the client's retry, or by the recovery worker once its
+// lease has run out.
 //
 // A connection string that goes through a transaction pooler in pgx's
 // default exec mode fails at the start with idem's diagnosis
@@ -114,14 +129,14 @@ func isFlag(arg string) bool { return len(arg) > 1 && arg[0] == '-' }
 
 func usage(w io.Writer) {
 	fmt.Fprintln(w, `usage: idem-demo [run] [-db idem_demo]
-       idem-demo serve [-addr 127.0.0.1:8080] [-seed N] [-db idem_demo]
+       idem-demo serve [-addr 127.0.0.1:8080] [-seed N] [-db idem_demo] [-keep] [-lease 30s] [-resume-within 23h]
 
   run     run the draw and payment scenarios in the database idem_demo (default)
   serve   serve the draw API over HTTP on a loopback address until interrupted
 
-Both create the database if it is missing and reset the demo's tables in it;
-they refuse a database that holds tables the demo did not create. run -h and
-serve -h list the flags.`)
+Both create the database if it is missing and reset the demo's tables in it
+(serve -keep keeps them: a restart); they refuse a database that holds tables
+the demo did not create. run -h and serve -h list the flags.`)
 }
 
 // usageError is a mistake on the command line: exit status 2.
@@ -161,7 +176,7 @@ func run(ctx context.Context, out io.Writer, name string) error {
 // runOn is run on srv.
 func runOn(ctx context.Context, out io.Writer, srv *pgserver.Server, name string) error {
 	fmt.Fprintf(out, "PostgreSQL from %s; database %s\n\n", srv.Source, name)
-	db, err := openDatabase(ctx, srv, name, out)
+	db, err := openDatabase(ctx, srv, name, out, false)
 	if err != nil {
 		return err
 	}

@@ -4,7 +4,10 @@ package main
 // cannot join the transaction, so POST /v1/payments uses idem's reservation
 // mode instead of the idemhttp middleware:
 //
-//	Reserve (commits processing + lease + token)
+//	ReserveWith (commits processing + lease + token, and a window of 23
+//	   hours in which an attempt in doubt resumes: the gateway remembers
+//	   keys 24)
+//	-> keep the request (payment_requests), for a re-send after a crash
 //	-> charge the card at the gateway (gateway.go, over HTTP through
 //	   idemhttp.Transport), with the reservation's call key r.CallKey("charge"):
 //	   a lost answer is retried with the same key, and the gateway replays it
@@ -12,8 +15,13 @@ package main
 //	   FailRetryable (the gateway certainly charged nothing), or
 //	   MarkUnknown (it may have charged: no answer to any attempt)
 //
-// An unknown payment is never charged again by a retry; an operator
-// reconciles it (POST /v1/admin/resolve) after looking at the gateway.
+// Inside the window a payment in doubt (marked unknown, or whose worker
+// vanished and whose lease ran out) is resumed, by the client's retry or by
+// the recovery worker (recoverPayments), which send the same request with
+// the same call key again: the gateway answers with the charge it made.
+// Past the window (or without one, resumeWithin 0) an unknown payment is
+// never charged again by a retry; an operator reconciles it (POST
+// /v1/admin/resolve) after looking at the gateway.
 
 import (
 	"bytes"
@@ -43,7 +51,9 @@ const paymentOperation = "payment.create"
 // demoOperator is the bearer token of the operator routes; it is not a user.
 const demoOperator = "operator"
 
-// setupPayments creates the table payments are recorded in.
+// setupPayments creates the tables payments are recorded in (payments)
+// and their requests kept in until they are done (payment_requests), and
+// the gateway's (setupGateway), unless they exist.
 func setupPayments(ctx context.Context, pool *pgxpool.Pool) error {
 	_, err := pool.Exec(ctx, `CREATE TABLE IF NOT EXISTS payments (
 		id           text      PRIMARY KEY,
@@ -53,11 +63,16 @@ func setupPayments(ctx context.Context, pool *pgxpool.Pool) error {
 		customer_id  text      NOT NULL,
 		amount_cents bigint    NOT NULL,
 		currency     text      NOT NULL,
-		UNIQUE (actor, idem_key))`)
+		UNIQUE (actor, idem_key));
+		CREATE TABLE IF NOT EXISTS payment_requests (
+			actor    text  NOT NULL,
+			idem_key text  NOT NULL,
+			request  jsonb NOT NULL,
+			PRIMARY KEY (actor, idem_key))`)
 	if err != nil {
 		return fmt.Errorf("create payments: %w", err)
 	}
-	return nil
+	return setupGateway(ctx, pool)
 }
 
 // paymentRequest is the body of POST /v1/payments.
@@ -111,6 +126,15 @@ type payments struct {
 	pool  *pgxpool.Pool
 	gw    *gateway
 	lease time.Duration // how long a payment may take before it counts as stuck
+	// resumeWithin is the window of a payment's reservation: the gateway
+	// remembers keys 24 hours, and an hour is left for clocks and delays.
+	// 0: none (a payment in doubt waits for an operator).
+	resumeWithin time.Duration
+	// stop, when set, is called after the gateway charged a payment whose
+	// request asked to crash there (X-Demo-Crash: after-charge), before
+	// Complete: serve exits the process; if it returns, pay returns
+	// errStopped and leaves the payment as a crash would.
+	stop func()
 	// gatewayTimeout bounds one attempt of a charge (the wait for the
 	// gateway's answer); gatewayPolicy bounds the attempts.
 	gatewayTimeout time.Duration
@@ -123,9 +147,16 @@ type payments struct {
 	client     *http.Client
 }
 
+// Defaults of the payments.
+const (
+	defaultPaymentLease = 30 * time.Second
+	defaultResumeWithin = gatewayKeyTTL - time.Hour
+)
+
 func newPayments(pool *pgxpool.Pool, gw *gateway) *payments {
-	return &payments{pool: pool, gw: gw, lease: 30 * time.Second, gatewayTimeout: 2 * time.Second,
-		gatewayPolicy: idem.RetryPolicy{MaxAttempts: 3, BaseDelay: 20 * time.Millisecond, MaxDelay: 200 * time.Millisecond}}
+	return &payments{pool: pool, gw: gw, lease: defaultPaymentLease, resumeWithin: defaultResumeWithin,
+		gatewayTimeout: 2 * time.Second,
+		gatewayPolicy:  idem.RetryPolicy{MaxAttempts: 3, BaseDelay: 20 * time.Millisecond, MaxDelay: 200 * time.Millisecond}}
 }
 
 // gatewayClient is the payments' HTTP client for the gateway: every
@@ -193,29 +224,93 @@ var (
 	// errOutcomeUnknown: the gateway may have charged; the payment is held
 	// for reconciliation.
 	errOutcomeUnknown = errors.New("the gateway did not answer: the card may have been charged")
+	// errResumable: the gateway may have charged; the payment is in doubt
+	// inside its window, and a retry with the same key resumes it.
+	errResumable = fmt.Errorf("%w; a retry with the same key resumes the payment", errOutcomeUnknown)
 	// errNotCharged: the gateway certainly charged nothing; a retry runs.
 	errNotCharged = errors.New("the gateway charged nothing")
+	// errStopped: the payment stopped after the charge, before Complete, as
+	// asked (X-Demo-Crash: after-charge).
+	errStopped = errors.New("stopped after the charge, before Complete, as a crash would")
 )
+
+// crashCtx marks the context of a payment that asks to stop after the
+// charge (withCrash).
+type crashCtx struct{}
+
+// withCrash returns ctx for a payment that stops after the charge, before
+// Complete (X-Demo-Crash: after-charge): see payments.stop.
+func withCrash(ctx context.Context) context.Context { return context.WithValue(ctx, crashCtx{}, true) }
+
+// headerCrash asks the payments to stop after the gateway charged: its
+// value is "after-charge".
+const headerCrash = "X-Demo-Crash"
+
+// options are the reservation options of a payment.
+func (s *payments) options() idem.ReserveOptions {
+	return idem.ReserveOptions{Lease: s.lease, ResumeWithin: s.resumeWithin}
+}
 
 // pay charges p at most once per (user, key): a replay returns the stored
 // response with replayed true. Errors: idem's (ErrKeyReused, ErrInProgress,
 // ErrOutcomeUnknown, store failures), errOutcomeUnknown after a gateway
-// timeout (the record is unknown), errNotCharged after a refusal of the
-// gateway (the record is failed_retryable).
+// timeout (the record is unknown; errResumable when a retry resumes it),
+// errNotCharged after a refusal of the gateway (the record is
+// failed_retryable). A payment in doubt inside its window is resumed: the
+// same request is sent again with the same call key.
 func (s *payments) pay(ctx context.Context, user, key string, p paymentRequest, mode string) (resp idem.Response, replayed bool, err error) {
 	fp, err := idem.FingerprintJSON(p)
 	if err != nil {
 		return idem.Response{}, false, err
 	}
-	r, err := idem.Reserve(ctx, s.pool, idem.Scope{Actor: user, Operation: paymentOperation}, key, fp, s.lease)
+	r, err := idem.ReserveWith(ctx, s.pool, idem.Scope{Actor: user, Operation: paymentOperation}, key, fp, s.options())
 	if err != nil {
 		return idem.Response{}, false, err
 	}
 	if r.Replayed {
 		return r.Response, true, nil
 	}
+	// Kept before the gateway is called: a recovery worker sends the same
+	// request again after a crash (the gateway refuses another one under
+	// the same key).
+	if err := keepRequest(ctx, s.pool, user, key, p); err != nil {
+		_ = idem.FailRetryable(context.WithoutCancel(ctx), s.pool, r, "nothing sent: "+err.Error())
+		return idem.Response{}, false, err
+	}
+	resp, err = s.execute(ctx, r, p, mode)
+	return resp, false, err
+}
 
+// keepRequest stores p as the request of the payment (user, key).
+func keepRequest(ctx context.Context, pool *pgxpool.Pool, user, key string, p paymentRequest) error {
+	_, err := pool.Exec(ctx, `INSERT INTO payment_requests (actor, idem_key, request) VALUES ($1, $2, $3)
+		ON CONFLICT (actor, idem_key) DO UPDATE SET request = excluded.request`, user, key, p)
+	if err != nil {
+		return fmt.Errorf("keep the payment's request: %w", err)
+	}
+	return nil
+}
+
+// keptRequest reads the request of the payment (user, key); found is false
+// when none was kept (the payment's attempt stopped before it sent one).
+func keptRequest(ctx context.Context, pool *pgxpool.Pool, user, key string) (p paymentRequest, found bool, err error) {
+	err = pool.QueryRow(ctx, `SELECT request FROM payment_requests WHERE actor = $1 AND idem_key = $2`, user, key).Scan(&p)
+	if errors.Is(err, pgx.ErrNoRows) {
+		return p, false, nil
+	}
+	return p, err == nil, err
+}
+
+// execute charges p for the reservation r, which executes (or resumes), and
+// records the outcome: the payment's response, or errOutcomeUnknown
+// (errResumable), errNotCharged, errStopped, or a store failure.
+func (s *payments) execute(ctx context.Context, r idem.Reservation, p paymentRequest, mode string) (resp idem.Response, err error) {
+	user, key := r.Scope.Actor, r.Key
 	charge, err := s.charge(ctx, r, p, mode)
+	if err == nil && s.stop != nil && ctx.Value(crashCtx{}) != nil {
+		s.stop()
+		return idem.Response{}, errStopped
+	}
 	switch {
 	case errors.Is(err, errDeclined):
 		// A decision of the gateway: stored and replayed like a success.
@@ -223,17 +318,21 @@ func (s *payments) pay(ctx context.Context, user, key string, p paymentRequest, 
 		err := idem.InTx(ctx, s.pool, func(ctx context.Context, tx pgx.Tx) error {
 			return idem.Complete(ctx, tx, r, resp)
 		})
-		return resp, false, err
+		return resp, err
 	case errors.Is(err, errGatewayUnavailable):
 		if err := idem.FailRetryable(ctx, s.pool, r, err.Error()); err != nil {
-			return idem.Response{}, false, err
+			return idem.Response{}, err
 		}
-		return idem.Response{}, false, errNotCharged
+		return idem.Response{}, errNotCharged
 	case err != nil:
 		if err := idem.MarkUnknown(ctx, s.pool, r, err.Error()); err != nil {
-			return idem.Response{}, false, err
+			return idem.Response{}, err
 		}
-		return idem.Response{}, false, errOutcomeUnknown
+		rec, err := idem.Lookup(ctx, s.pool, r.Scope, r.Key)
+		if err == nil && rec.ResumeUntil.After(time.Now()) {
+			return idem.Response{}, errResumable
+		}
+		return idem.Response{}, errOutcomeUnknown
 	}
 
 	resp = paymentResponse(charge)
@@ -250,7 +349,82 @@ func (s *payments) pay(ctx context.Context, user, key string, p paymentRequest, 
 		// lease runs out and the record turns unknown all the same.)
 		_ = idem.MarkUnknown(context.WithoutCancel(ctx), s.pool, r, "charged, but recording the payment failed: "+err.Error())
 	}
-	return resp, false, err
+	return resp, err
+}
+
+// recoverEvery is how often serve's recovery worker looks for payments to
+// resume.
+const recoverEvery = time.Second
+
+// recoverPayments is the recovery worker's round: it resumes the payments
+// in doubt inside their window (idem.ListResumable), oldest first, and
+// sends each one's request again with its call key; the gateway answers
+// with the charge it made, if it made one, and the payment completes. It
+// leaves a payment whose worker marked it unknown to the client until the
+// attempt's lease would have run out (the client's retry, if it comes,
+// gets its answer first-hand), and one resumed by someone else meanwhile
+// (ErrInProgress, a replay). It returns how many payments it resumed.
+func (s *payments) recoverPayments(ctx context.Context) (resumed int, err error) {
+	now := time.Now()
+	var after *idem.Record
+	for {
+		recs, err := idem.ListResumable(ctx, s.pool, 100, after)
+		if err != nil || len(recs) == 0 {
+			return resumed, err
+		}
+		after = &recs[len(recs)-1]
+		for _, rec := range recs {
+			if rec.Scope.Operation != paymentOperation || rec.LeaseExpiresAt.After(now) {
+				continue
+			}
+			r, err := idem.ReserveWith(ctx, s.pool, rec.Scope, rec.Key, rec.Fingerprint, s.options())
+			switch {
+			case errors.Is(err, idem.ErrInProgress), errors.Is(err, idem.ErrOutcomeUnknown):
+				continue // another worker or the client's retry has it; or its window just ended
+			case err != nil:
+				return resumed, err
+			case r.Replayed:
+				continue
+			}
+			p, found, err := keptRequest(ctx, s.pool, rec.Scope.Actor, rec.Key)
+			switch {
+			case err != nil:
+				_ = idem.MarkUnknown(context.WithoutCancel(ctx), s.pool, r, "the payment's request could not be read: "+err.Error())
+				return resumed, err
+			case !found: // it stopped before it sent anything
+				if err := idem.FailRetryable(ctx, s.pool, r, "never sent: no request was kept"); err != nil {
+					return resumed, err
+				}
+				continue
+			}
+			_, err = s.execute(ctx, r, p, "")
+			if err != nil && !errors.Is(err, errOutcomeUnknown) && !errors.Is(err, errNotCharged) {
+				return resumed, err
+			}
+			resumed++
+		}
+	}
+}
+
+// recoverLoop runs the recovery worker every recoverEvery until ctx ends,
+// logging what it resumed and what failed.
+func (s *payments) recoverLoop(ctx context.Context, log *slog.Logger) {
+	t := time.NewTicker(recoverEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		n, err := s.recoverPayments(ctx)
+		switch {
+		case err != nil && ctx.Err() == nil:
+			log.Error("recovery worker", "error", err)
+		case n > 0:
+			log.Info("recovery worker resumed payments", "payments", n)
+		}
+	}
 }
 
 // paymentID names the payment of a charge.
@@ -291,7 +465,10 @@ func (s *payments) resolve(ctx context.Context, actor, key string) (charge gatew
 	if err != nil {
 		return charge, false, err
 	}
-	charge, found = s.gw.lookup(chargeKey(actor, key))
+	charge, found, err = s.gw.lookup(ctx, chargeKey(actor, key))
+	if err != nil {
+		return charge, false, err
+	}
 	if !found {
 		err = idem.Resolve(ctx, s.pool, scope, key, idem.Resolution{Token: rec.Token, Retryable: true, Reason: "operator: no charge at the gateway"})
 		return charge, false, err
@@ -340,7 +517,11 @@ func registerPayments(mux *http.ServeMux, s *payments, log *slog.Logger) {
 			writeResponse(w, draw.Problem(http.StatusUnprocessableEntity, "INVALID_PAYMENT", err.Error()))
 			return
 		}
-		resp, replayed, err := s.pay(r.Context(), user, key, p, r.Header.Get(headerGatewayMode))
+		ctx := r.Context()
+		if r.Header.Get(headerCrash) == "after-charge" {
+			ctx = withCrash(ctx)
+		}
+		resp, replayed, err := s.pay(ctx, user, key, p, r.Header.Get(headerGatewayMode))
 		if replayed {
 			w.Header().Set(idemhttp.HeaderReplayed, "true")
 		}
@@ -420,7 +601,13 @@ func registerPayments(mux *http.ServeMux, s *payments, log *slog.Logger) {
 		}
 	}))
 	mux.HandleFunc("GET /v1/admin/charges", operator(func(w http.ResponseWriter, r *http.Request) {
-		writeJSON(w, http.StatusOK, map[string]any{"charges": s.gw.list()})
+		charges, err := s.gw.list(r.Context())
+		if err != nil {
+			log.Error("list charges failed", "error", err)
+			writeResponse(w, draw.Problem(http.StatusServiceUnavailable, idemhttp.CodeStoreUnavailable, "The gateway's charges could not be read."))
+			return
+		}
+		writeJSON(w, http.StatusOK, map[string]any{"charges": charges})
 	}))
 }
 
@@ -457,6 +644,10 @@ func paymentProblem(err error) (resp idem.Response, retryAfter time.Duration) {
 	case errors.Is(err, idem.ErrOutcomeUnknown):
 		return draw.Problem(http.StatusConflict, idemhttp.CodeOutcomeUnknown,
 			"The outcome of the payment with this Idempotency-Key is unknown; it will not be charged again until it is reconciled."), 0
+	case errors.Is(err, errResumable):
+		return draw.Problem(http.StatusGatewayTimeout, "GATEWAY_TIMEOUT",
+			"The card gateway did not answer; the card may have been charged. Retry with the same key: the payment resumes, "+
+				"and the gateway, which remembers the charge's key, cannot charge twice."), 0
 	case errors.Is(err, errOutcomeUnknown):
 		return draw.Problem(http.StatusGatewayTimeout, "GATEWAY_TIMEOUT",
 			"The card gateway did not answer; the card may have been charged. The payment is held for reconciliation."), 0
@@ -475,233 +666,4 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 	w.Header().Set("Content-Type", "application/json")
 	w.WriteHeader(status)
 	_, _ = w.Write(append(body, '\n'))
-}
-
-// The payment scenarios of `idem-demo run`. They share the demo's database
-// and leave the draws alone.
-
-// payments returns the demo's payment service, creating its table and a
-// fresh gateway on first use. The payments give up on an attempt after 200
-// ms here, so the timeout scenario is quick.
-func (d *demo) payments(ctx context.Context) (*payments, error) {
-	if d.pay == nil {
-		if err := setupPayments(ctx, d.pool); err != nil {
-			return nil, err
-		}
-		d.pay = newPayments(d.pool, newGateway())
-		d.pay.gatewayTimeout = 200 * time.Millisecond
-	}
-	return d.pay, nil
-}
-
-var demoPayment = paymentRequest{CustomerID: "cus-1", AmountCents: 12000, Currency: "KRW"}
-
-// paymentRows counts the payments recorded under key.
-func (d *demo) paymentRows(ctx context.Context, key string) (int, error) {
-	var n int
-	err := d.pool.QueryRow(ctx, `SELECT count(*) FROM payments WHERE actor = $1 AND idem_key = $2`, user, key).Scan(&n)
-	return n, err
-}
-
-// paymentRetried: a payment's response is lost and the client retries.
-func (d *demo) paymentRetried(ctx context.Context) (string, bool, error) {
-	s, err := d.payments(ctx)
-	if err != nil {
-		return "", false, err
-	}
-	first, _, err := s.pay(ctx, user, "demo-pay-1", demoPayment, "")
-	if err != nil {
-		return "", false, err
-	}
-	retry, replayed, err := s.pay(ctx, user, "demo-pay-1", demoPayment, "")
-	if err != nil {
-		return "", false, err
-	}
-	charge, _ := s.gw.lookup(chargeKey(user, "demo-pay-1"))
-	rows, err := d.paymentRows(ctx, "demo-pay-1")
-	if err != nil {
-		return "", false, err
-	}
-	same := bytes.Equal(first.Body, retry.Body)
-	what := fmt.Sprintf("paid: %d; retry: %d replayed=%t, same bytes=%t; gateway: %d request, payments: %d",
-		first.Status, retry.Status, replayed, same, charge.Requests, rows)
-	return what, first.Status == http.StatusCreated && replayed && same && charge.Requests == 1 && rows == 1, nil
-}
-
-// paymentReplyLost: the gateway charges, and its answer to the first
-// attempt is lost with the connection. The transport's retry carries the
-// same call key; the gateway replays the charge; the payment succeeds, with
-// one charge and nothing for an operator.
-func (d *demo) paymentReplyLost(ctx context.Context) (string, bool, error) {
-	s, err := d.payments(ctx)
-	if err != nil {
-		return "", false, err
-	}
-	const key = "demo-pay-5"
-	paid, _, err := s.pay(ctx, user, key, demoPayment, modeReplyLost)
-	if err != nil {
-		return "", false, err
-	}
-	charge, _ := s.gw.lookup(chargeKey(user, key))
-	rows, err := d.paymentRows(ctx, key)
-	if err != nil {
-		return "", false, err
-	}
-	rec, err := idem.Lookup(ctx, d.pool, idem.Scope{Actor: user, Operation: paymentOperation}, key)
-	if err != nil {
-		return "", false, err
-	}
-	charges := 0
-	for _, c := range s.gw.list() {
-		if c.Key == chargeKey(user, key) {
-			charges++
-		}
-	}
-	what := fmt.Sprintf("gateway charged %s, answer lost; retried with the same key: replayed; paid %d (%s); gateway: %d charge for %d requests, payments: %d",
-		charge.ID, paid.Status, rec.Status, charges, charge.Requests, rows)
-	ok := paid.Status == http.StatusCreated && bytes.Contains(paid.Body, []byte(charge.ID)) &&
-		rec.Status == idem.StatusSucceeded && charges == 1 && charge.Requests == 2 && rows == 1
-	return what, ok, nil
-}
-
-// paymentTimedOut: the gateway charges, then answers none of the attempts.
-// The payment is unknown; retries are refused and never reach the gateway.
-func (d *demo) paymentTimedOut(ctx context.Context) (string, bool, error) {
-	s, err := d.payments(ctx)
-	if err != nil {
-		return "", false, err
-	}
-	_, _, err = s.pay(ctx, user, "demo-pay-2", demoPayment, modeTimeoutAfterCharge)
-	if !errors.Is(err, errOutcomeUnknown) {
-		return fmt.Sprintf("want a gateway timeout, got %v", err), false, nil
-	}
-	refused := 0
-	for range 2 {
-		if _, _, err := s.pay(ctx, user, "demo-pay-2", demoPayment, ""); errors.Is(err, idem.ErrOutcomeUnknown) {
-			refused++
-		}
-	}
-	charge, _ := s.gw.lookup(chargeKey(user, "demo-pay-2"))
-	what := fmt.Sprintf("gateway charged %s, no answer to %d attempts: 504; %d retries: 409 outcome unknown; gateway: %d requests",
-		charge.ID, s.gatewayPolicy.MaxAttempts, refused, charge.Requests)
-	return what, refused == 2 && charge.Requests == s.gatewayPolicy.MaxAttempts, nil
-}
-
-// paymentResolved: an operator finds the unknown payment's charge at the
-// gateway and records it; the retry replays it.
-func (d *demo) paymentResolved(ctx context.Context) (string, bool, error) {
-	s, err := d.payments(ctx)
-	if err != nil {
-		return "", false, err
-	}
-	unknown, err := idem.ListUnknown(ctx, d.pool, 10, nil)
-	if err != nil {
-		return "", false, err
-	}
-	charge, found, err := s.resolve(ctx, user, "demo-pay-2")
-	if err != nil {
-		return "", false, err
-	}
-	retry, replayed, err := s.pay(ctx, user, "demo-pay-2", demoPayment, "")
-	if err != nil {
-		return "", false, err
-	}
-	rows, err := d.paymentRows(ctx, "demo-pay-2")
-	if err != nil {
-		return "", false, err
-	}
-	after, _ := s.gw.lookup(chargeKey(user, "demo-pay-2"))
-	what := fmt.Sprintf("%d unknown listed; resolved with %s; retry: %d replayed=%t; gateway: %d requests, payments: %d",
-		len(unknown), charge.ID, retry.Status, replayed, after.Requests, rows)
-	ok := len(unknown) == 1 && found && retry.Status == http.StatusCreated && replayed &&
-		bytes.Contains(retry.Body, []byte(charge.ID)) && after.Requests == s.gatewayPolicy.MaxAttempts && rows == 1
-	return what, ok, nil
-}
-
-// paymentStaleWorker: a worker pauses past its lease before it reaches the
-// gateway. The key turns unknown; the operator finds no charge and allows a
-// retry, which charges; the stale worker wakes, and its Complete is fenced.
-func (d *demo) paymentStaleWorker(ctx context.Context) (string, bool, error) {
-	s, err := d.payments(ctx)
-	if err != nil {
-		return "", false, err
-	}
-	const key = "demo-pay-3"
-	fp, err := idem.FingerprintJSON(demoPayment)
-	if err != nil {
-		return "", false, err
-	}
-	scope := idem.Scope{Actor: user, Operation: paymentOperation}
-	stale, err := idem.Reserve(ctx, d.pool, scope, key, fp, 50*time.Millisecond)
-	if err != nil {
-		return "", false, err
-	}
-	for { // the pause: until the database clock has passed the lease
-		var past bool
-		if err := d.pool.QueryRow(ctx, `SELECT now() > $1`, stale.LeaseExpiresAt).Scan(&past); err != nil {
-			return "", false, err
-		}
-		if past {
-			break
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	expired, err := idem.ExpireLeases(ctx, d.pool, 100)
-	if err != nil {
-		return "", false, err
-	}
-	if _, found, err := s.resolve(ctx, user, key); err != nil || found {
-		return fmt.Sprintf("resolve: found=%t, %v", found, err), false, nil
-	}
-	paid, _, err := s.pay(ctx, user, key, demoPayment, "")
-	if err != nil {
-		return "", false, err
-	}
-	// The stale worker wakes up and carries on.
-	charge, err := s.charge(ctx, stale, demoPayment, "")
-	if err != nil {
-		return "", false, err
-	}
-	err = idem.InTx(ctx, d.pool, func(ctx context.Context, tx pgx.Tx) error {
-		if err := idem.Complete(ctx, tx, stale, paymentResponse(charge)); err != nil {
-			return err
-		}
-		return insertPayment(ctx, tx, user, key, charge)
-	})
-	fenced := errors.Is(err, idem.ErrFenced)
-	rows, err := d.paymentRows(ctx, key)
-	if err != nil {
-		return "", false, err
-	}
-	after, _ := s.gw.lookup(chargeKey(user, key))
-	what := fmt.Sprintf("lease ran out: %d expired; resolved retryable; retry paid %d; stale Complete fenced=%t; gateway: %s for %d requests, payments: %d",
-		expired, paid.Status, fenced, after.ID, after.Requests, rows)
-	ok := expired == 1 && paid.Status == http.StatusCreated && fenced && after.Requests == 2 && rows == 1
-	return what, ok, nil
-}
-
-// paymentUnavailable: the gateway refuses before charging anything: the
-// key may run again, and the retry charges once.
-func (d *demo) paymentUnavailable(ctx context.Context) (string, bool, error) {
-	s, err := d.payments(ctx)
-	if err != nil {
-		return "", false, err
-	}
-	_, _, err = s.pay(ctx, user, "demo-pay-4", demoPayment, modeUnavailable)
-	if !errors.Is(err, errNotCharged) {
-		return fmt.Sprintf("want the gateway to refuse, got %v", err), false, nil
-	}
-	retry, replayed, err := s.pay(ctx, user, "demo-pay-4", demoPayment, "")
-	if err != nil {
-		return "", false, err
-	}
-	charge, _ := s.gw.lookup(chargeKey(user, "demo-pay-4"))
-	rows, err := d.paymentRows(ctx, "demo-pay-4")
-	if err != nil {
-		return "", false, err
-	}
-	what := fmt.Sprintf("gateway refused %d attempts, nothing charged: 503; retry: %d replayed=%t; gateway: %s for %d requests, payments: %d",
-		s.gatewayPolicy.MaxAttempts, retry.Status, replayed, charge.ID, charge.Requests, rows)
-	return what, retry.Status == http.StatusCreated && !replayed && charge.ID != "" &&
-		charge.Requests == s.gatewayPolicy.MaxAttempts+1 && rows == 1, nil
 }

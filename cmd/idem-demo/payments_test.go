@@ -25,13 +25,14 @@ func migratePayments(ctx context.Context, pool *pgxpool.Pool) error {
 }
 
 // paymentsServer serves the payment routes with a gateway the test can
-// look into; the payments give up on an attempt to charge after 100 ms.
-func paymentsServer(t *testing.T) (base string, gw *gateway, pool *pgxpool.Pool) {
+// look into; the payments give up on an attempt to charge after a second, and
+// their reservations have the window resumeWithin.
+func paymentsServer(t *testing.T, resumeWithin time.Duration) (base string, gw *gateway, pool *pgxpool.Pool) {
 	pool = pgtest.Pool(t, migratePayments)
-	gw = newGateway()
+	gw = newGateway(pool)
 	t.Cleanup(gw.close)
 	s := newPayments(pool, gw)
-	s.gatewayTimeout = 100 * time.Millisecond
+	s.gatewayTimeout, s.resumeWithin = time.Second, resumeWithin
 	mux := http.NewServeMux()
 	registerPayments(mux, s, slog.New(slog.DiscardHandler))
 	srv := httptest.NewServer(mux)
@@ -79,7 +80,7 @@ func chargeID(t *testing.T, r apiReply) string {
 
 func TestPaymentsAPI(t *testing.T) {
 	t.Parallel()
-	base, gw, pool := paymentsServer(t)
+	base, gw, pool := paymentsServer(t, 0)
 
 	// A payment and its retry (the same request, fields in another order).
 	first := payCall(t, base, "alice", "p1", payBody, "")
@@ -93,7 +94,7 @@ func TestPaymentsAPI(t *testing.T) {
 	if r := payCall(t, base, "alice", "p1", `{"customerId":"cus-1","amountCents":99,"currency":"KRW"}`, ""); r.status != http.StatusUnprocessableEntity || problemCode(t, r) != idemhttp.CodeKeyReused {
 		t.Fatalf("reused key: %d %s", r.status, r.body)
 	}
-	if c, _ := gw.lookup(chargeKey("alice", "p1")); c.Requests != 1 || c.ID != chargeID(t, first) {
+	if c, _ := lookupCharge(t, gw, "alice", "p1"); c.Requests != 1 || c.ID != chargeID(t, first) {
 		t.Fatalf("gateway: %+v", c)
 	}
 
@@ -154,7 +155,7 @@ func TestPaymentsAPI(t *testing.T) {
 		t.Fatalf("unknown list: %d %s", r.status, r.body)
 	}
 	r := admin("POST", "/v1/admin/resolve", demoOperator, `{"actor":"alice","key":"p5"}`)
-	charge, _ := gw.lookup(chargeKey("alice", "p5"))
+	charge, _ := lookupCharge(t, gw, "alice", "p5")
 	if r.status != http.StatusOK || !bytes.Contains(r.body, []byte(charge.ID)) {
 		t.Fatalf("resolve: %d %s", r.status, r.body)
 	}
@@ -163,7 +164,7 @@ func TestPaymentsAPI(t *testing.T) {
 		t.Fatalf("retry after resolve: %d %t %s", resolved.status, resolved.replayed, resolved.body)
 	}
 	// Only the first call's attempts reached the gateway.
-	if c, _ := gw.lookup(chargeKey("alice", "p5")); c.Requests != newPayments(nil, nil).gatewayPolicy.MaxAttempts {
+	if c, _ := lookupCharge(t, gw, "alice", "p5"); c.Requests != newPayments(nil, nil).gatewayPolicy.MaxAttempts {
 		t.Fatalf("the unknown payment reached the gateway %d times", c.Requests)
 	}
 	for _, c := range []struct {
@@ -183,7 +184,7 @@ func TestPaymentsAPI(t *testing.T) {
 	if err := pool.QueryRow(t.Context(), `SELECT count(*) FROM payments`).Scan(&payments); err != nil {
 		t.Fatal(err)
 	}
-	charges = len(gw.list())
+	charges = len(listCharges(t, gw))
 	if payments != 4 || charges != 4 { // p1, p2, p4, p5
 		t.Fatalf("%d payments, %d charges; want 4 and 4", payments, charges)
 	}
@@ -201,6 +202,17 @@ func TestRunScenarios(t *testing.T) {
 	for _, sc := range scenarios {
 		if !strings.Contains(out.String(), sc.name) {
 			t.Errorf("no row for %q:\n%s", sc.name, out.String())
+		}
+	}
+	// The rows the docs show are the run's, spaces aside.
+	words := func(s string) string { return strings.Join(strings.Fields(s), " ") }
+	rows := docRunOutputs(t)
+	if len(rows) == 0 {
+		t.Error("no marked run output in README.md or docs/")
+	}
+	for row, where := range rows {
+		if !strings.Contains(words(out.String()), words(row)) {
+			t.Errorf("%s: the docs show a row the run does not print:\n%s", where, row)
 		}
 	}
 	t.Logf("\n%s", out.String())

@@ -6,7 +6,6 @@ import (
 	"encoding/json"
 	"fmt"
 	"io"
-	"log/slog"
 	"net"
 	"net/http"
 	"net/http/httptest"
@@ -85,7 +84,7 @@ func TestRetryingClientUnderDroppedConnections(t *testing.T) {
 	const intents, copies = 8, 3 // alice's 1000 points pay for 10 draws
 	pool := pgtest.Pool(t, migrateDemo)
 	f := &faults{attempts: map[string]int{}}
-	srv := httptest.NewServer(f.wrap(newAPI(pool, newPicker(1), slog.New(slog.DiscardHandler))))
+	srv := httptest.NewServer(f.wrap(testAPI(pool)))
 	t.Cleanup(srv.Close)
 
 	client := retryablehttp.NewClient()

@@ -50,16 +50,22 @@ var scenarios = []scenario{
 	// Payments through a card gateway (payments.go): the draws stay as they are.
 	{"payment, then its retry", (*demo).paymentRetried, 4, 3},
 	{"gateway's answer lost, the client retries", (*demo).paymentReplyLost, 4, 3},
-	{"gateway times out after charging", (*demo).paymentTimedOut, 4, 3},
+	{"gateway times out after charging, no window", (*demo).paymentTimedOut, 4, 3},
 	{"operator resolves the unknown payment", (*demo).paymentResolved, 4, 3},
 	{"worker paused past its lease", (*demo).paymentStaleWorker, 4, 3},
 	{"gateway unavailable, nothing charged", (*demo).paymentUnavailable, 4, 3},
+	// With a window (ReserveOptions.ResumeWithin): in doubt, but not an
+	// operator's.
+	{"gateway times out after charging, the retry resumes", (*demo).paymentResumedByRetry, 4, 3},
+	{"service stops after the charge, recovered after restart", (*demo).paymentRecovered, 4, 3},
 }
 
 type demo struct {
 	pool *pgxpool.Pool
 	svc  *draw.Service
 	pay  *payments // created by the first payment scenario
+	// payNoWindow shares pay's gateway; its reservations have no window.
+	payNoWindow *payments
 }
 
 // runScenarios plays every scenario in order, prints the table and returns

@@ -35,6 +35,10 @@ type serveConfig struct {
 	addr     string
 	database string
 	seed     uint64
+	// keep: a restart, on the tables of the last run or serve.
+	keep bool
+	// lease and resumeWithin are the payments' (see payments).
+	lease, resumeWithin time.Duration
 }
 
 func parseServeFlags(args []string, errOut io.Writer) (serveConfig, error) {
@@ -44,6 +48,10 @@ func parseServeFlags(args []string, errOut io.Writer) (serveConfig, error) {
 	fs.StringVar(&cfg.addr, "addr", "127.0.0.1:8080", "loopback `address` to listen on (port 0 picks a free one)")
 	fs.StringVar(&cfg.database, "db", defaultDatabase, "`name` of the demo's database: created if missing, its tables reset (idem, then [a-z0-9_])")
 	fs.Uint64Var(&cfg.seed, "seed", 0, "seed for the prize picks, for repeatable sessions (0: random)")
+	fs.BoolVar(&cfg.keep, "keep", false, "keep the tables of the last run or serve (payments in doubt, the gateway's charges) instead of resetting them: a restart")
+	fs.DurationVar(&cfg.lease, "lease", defaultPaymentLease, "the `lease` of a payment: how long it may take before it counts as stuck")
+	fs.DurationVar(&cfg.resumeWithin, "resume-within", defaultResumeWithin,
+		"the `window` in which a payment in doubt resumes by itself (the gateway remembers keys 24h); 0: none, an operator settles it")
 	if err := fs.Parse(args); err != nil {
 		if errors.Is(err, flag.ErrHelp) {
 			return cfg, err
@@ -52,6 +60,13 @@ func parseServeFlags(args []string, errOut io.Writer) (serveConfig, error) {
 	}
 	if fs.NArg() > 0 {
 		return cfg, usageError{fmt.Sprintf("serve: unexpected argument %q", fs.Arg(0))}
+	}
+	switch {
+	case cfg.lease < time.Millisecond:
+		return cfg, usageError{fmt.Sprintf("serve: -lease %s: at least 1ms", cfg.lease)}
+	case cfg.resumeWithin != 0 && (cfg.resumeWithin < cfg.lease || cfg.resumeWithin > gatewayKeyTTL):
+		return cfg, usageError{fmt.Sprintf("serve: -resume-within %s: 0, or from the lease (%s) to the %s the gateway remembers keys",
+			cfg.resumeWithin, cfg.lease, gatewayKeyTTL)}
 	}
 	if err := checkLoopback(cfg.addr); err != nil {
 		return cfg, usageError{err.Error()}
@@ -76,15 +91,17 @@ func checkLoopback(addr string) error {
 }
 
 // serve prepares the demo database (see openDatabase), seeds it, and runs
-// the draw API over HTTP until ctx is done; then it shuts the server down
-// and returns nil.
+// the draw API over HTTP, and the payments' recovery worker, until ctx is
+// done; then it shuts the server down and returns nil. A payment that asks
+// to crash after the charge (X-Demo-Crash: after-charge) kills the process
+// there (SIGKILL; exit status 3 where there is none).
 func serve(ctx context.Context, out io.Writer, cfg serveConfig) error {
 	srv, err := pgserver.Resolve(ctx)
 	if err != nil {
 		return err
 	}
 	defer srv.Close()
-	db, err := openDatabase(ctx, srv, cfg.database, out)
+	db, err := openDatabase(ctx, srv, cfg.database, out, cfg.keep)
 	if err != nil {
 		return err
 	}
@@ -103,13 +120,29 @@ func serve(ctx context.Context, out io.Writer, cfg serveConfig) error {
 	if err != nil {
 		return fmt.Errorf("serve: %w", err)
 	}
-	api := newAPI(pool, newPicker(cfg.seed), slog.New(slog.NewTextHandler(out, nil)))
+	log := slog.New(slog.NewTextHandler(out, nil))
+	pay := newPayments(pool, newGateway(pool))
+	defer pay.gw.close()
+	pay.lease, pay.resumeWithin = cfg.lease, cfg.resumeWithin
+	pay.stop = func() {
+		fmt.Fprintln(out, "Killed after the charge, before Complete, as asked (X-Demo-Crash: after-charge). Start again with -keep.")
+		killSelf()
+	}
+	api := newAPI(pool, pay, newPicker(cfg.seed), log)
 	httpSrv := &http.Server{Handler: api, ReadHeaderTimeout: 10 * time.Second}
 	served := make(chan error, 1)
 	go func() { served <- httpSrv.Serve(ln) }()
+	workerCtx, stopWorker := context.WithCancel(ctx)
+	worker := make(chan struct{})
+	go func() { defer close(worker); pay.recoverLoop(workerCtx, log) }()
+	defer func() { stopWorker(); <-worker }()
 
 	base := "http://" + ln.Addr().String()
-	fmt.Fprintf(out, "PostgreSQL from %s; database %s (its tables reset)\n", srv.Source, cfg.database)
+	tables := "its tables reset"
+	if cfg.keep {
+		tables = "its tables kept"
+	}
+	fmt.Fprintf(out, "PostgreSQL from %s; database %s (%s)\n", srv.Source, cfg.database, tables)
 	fmt.Fprintf(out, "Serving the draw API on %s (Ctrl-C to stop)\n\n", base)
 	fmt.Fprintf(out, "Users (the bearer token is the name): %s; box %d costs %d points a draw.\n\n",
 		userList(), draw.SeedBoxID, draw.SeedPrice)
@@ -120,10 +153,15 @@ func serve(ctx context.Context, out io.Writer, cfg serveConfig) error {
 	fmt.Fprintf(out, "A duplicate of a draw still running (add -H '%s: 6s' to the first) gets 202 Accepted and a %s URL to poll.\n",
 		headerDelay, statusPath)
 	fmt.Fprintf(out, "See the wallet:\n  curl -s %s/v1/wallets/alice -H 'Authorization: Bearer alice'\n\n", base)
-	fmt.Fprintf(out, "Pay through the card gateway (add -H 'X-Demo-Gateway: timeout-after-charge' for a lost answer):\n"+
+	fmt.Fprintf(out, "Pay through the card gateway (add -H 'X-Demo-Gateway: reply-lost', timeout-after-charge or unavailable\n"+
+		"for a gateway that misbehaves, -H 'X-Demo-Crash: after-charge' to stop this process dead after the charge):\n"+
 		"  curl -si %s/v1/payments -H 'Authorization: Bearer alice' \\\n"+
 		"    -H 'Idempotency-Key: %s' -H 'Content-Type: application/json' \\\n"+
 		"    -d '{\"customerId\":\"cus-1\",\"amountCents\":12000,\"currency\":\"KRW\"}'\n", base, newKey())
+	if cfg.resumeWithin > 0 {
+		fmt.Fprintf(out, "A payment in doubt resumes for %s (the gateway remembers keys 24h): the client's retry with the same key,\n"+
+			"or the recovery worker once its %s lease has run out (after a crash: start again with -keep), sends it again.\n", cfg.resumeWithin, cfg.lease)
+	}
 	fmt.Fprintf(out, "Reconcile unknown payments (operator):\n  curl -s %s/v1/admin/unknown -H 'Authorization: Bearer operator'\n"+
 		"  curl -s %s/v1/admin/resolve -H 'Authorization: Bearer operator' -d '{\"actor\":\"alice\",\"key\":\"<key>\"}'\n"+
 		"  or in a browser, the operator's console: %s%s/ (any user name, the password operator)\n\n", base, base, base, consolePrefix)
@@ -211,11 +249,11 @@ const (
 //	GET  /v1/idempotency     ?key=K&operation=O: idemhttp's status URL
 //	GET  /v1/wallets/{user}  the user's points and prizes (own wallet only)
 //
-// the payment routes of registerPayments, and the operator's console under
-// /idem/ (newConsole). Every error but the console's is
+// the payment routes of registerPayments (pay's), and the operator's
+// console under /idem/ (newConsole). Every error but the console's is
 // application/problem+json, including the 404 and 405 of requests that match
 // no route.
-func newAPI(pool *pgxpool.Pool, intn func(int) int, log *slog.Logger) http.Handler {
+func newAPI(pool *pgxpool.Pool, pay *payments, intn func(int) int, log *slog.Logger) http.Handler {
 	idempotent := idemhttp.Middleware(pool, idemhttp.Options{Actor: bearerUser, Logger: log, StatusURL: statusPath})
 	mux := http.NewServeMux()
 	mux.Handle("GET "+statusPath, idemhttp.StatusHandler(pool, idemhttp.StatusOptions{Actor: bearerUser, Logger: log}))
@@ -279,7 +317,7 @@ func newAPI(pool *pgxpool.Pool, intn func(int) int, log *slog.Logger) http.Handl
 		w.Header().Set("Content-Type", "application/json")
 		_, _ = w.Write(body)
 	})
-	registerPayments(mux, newPayments(pool, newGateway()), log)
+	registerPayments(mux, pay, log)
 	mux.Handle(consolePrefix+"/", newConsole(pool))
 	return unroutedProblems(mux)
 }

@@ -27,7 +27,16 @@ import (
 	"github.com/pgidem/idem/internal/pgtest"
 )
 
-func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }
+// TestMain runs the tests, or, with IDEM_DEMO_MAIN=1 in the environment,
+// the demo itself with the binary's arguments: a child process of the
+// tests that can be killed (TestCrashAfterChargeResumes).
+func TestMain(m *testing.M) {
+	if os.Getenv("IDEM_DEMO_MAIN") == "1" {
+		main()
+		os.Exit(0)
+	}
+	os.Exit(pgtest.Main(m))
+}
 
 func migrateDemo(ctx context.Context, pool *pgxpool.Pool) error {
 	if err := idem.Migrate(ctx, pool); err != nil {
@@ -37,6 +46,12 @@ func migrateDemo(ctx context.Context, pool *pgxpool.Pool) error {
 		return err
 	}
 	return draw.AddWallet(ctx, pool, "bob", 300)
+}
+
+// testAPI is newAPI on pool with a seeded picker, a payment service and
+// no log.
+func testAPI(pool *pgxpool.Pool) http.Handler {
+	return newAPI(pool, newPayments(pool, newGateway(pool)), newPicker(1), slog.New(slog.DiscardHandler))
 }
 
 type apiReply struct {
@@ -96,7 +111,7 @@ func TestDrawAPI(t *testing.T) {
 		Prizes: []draw.Prize{{Name: "Goose Egg", Weight: 1}}}); err != nil {
 		t.Fatal(err)
 	}
-	srv := httptest.NewServer(newAPI(pool, newPicker(1), slog.New(slog.DiscardHandler)))
+	srv := httptest.NewServer(testAPI(pool))
 	t.Cleanup(srv.Close)
 	base := srv.URL
 
@@ -166,7 +181,7 @@ func TestDrawAPI(t *testing.T) {
 func TestInvalidDrawIsNotStored(t *testing.T) {
 	t.Parallel()
 	pool := pgtest.Pool(t, migrateDemo)
-	srv := httptest.NewServer(newAPI(pool, newPicker(1), slog.New(slog.DiscardHandler)))
+	srv := httptest.NewServer(testAPI(pool))
 	t.Cleanup(srv.Close)
 
 	for body, detail := range map[string]string{
@@ -221,7 +236,7 @@ func TestInvalidDrawIsNotStored(t *testing.T) {
 // Requests that match no route get problems too, not the mux's text/plain.
 func TestUnroutedRequestsGetProblems(t *testing.T) {
 	t.Parallel()
-	srv := httptest.NewServer(newAPI(pgtest.Pool(t, migrateDemo), newPicker(1), slog.New(slog.DiscardHandler)))
+	srv := httptest.NewServer(testAPI(pgtest.Pool(t, migrateDemo)))
 	t.Cleanup(srv.Close)
 	for _, c := range []struct {
 		method, path string
@@ -369,6 +384,7 @@ func TestServeFlags(t *testing.T) {
 	t.Parallel()
 	for _, args := range [][]string{
 		{}, {"-addr", "localhost:0"}, {"-addr", "[::1]:9000"}, {"-seed", "7", "-db", "idem_demo2"},
+		{"-keep"}, {"-lease", "5s"}, {"-resume-within", "0"}, {"-lease", "1m", "-resume-within", "1m"}, {"-resume-within", "24h"},
 	} {
 		if _, err := parseServeFlags(args, io.Discard); err != nil {
 			t.Errorf("%q: %v", args, err)
@@ -377,6 +393,8 @@ func TestServeFlags(t *testing.T) {
 	for _, args := range [][]string{
 		{"-addr", "0.0.0.0:8080"}, {"-addr", ":8080"}, {"-addr", "example.com:80"}, {"-addr", "nonsense"},
 		{"-db", "postgres"}, {"-db", "idem-x"}, {"-db", "idem;DROP"}, {"extra"}, {"-seed", "x"},
+		{"-lease", "0"}, {"-lease", "-1s"}, {"-lease", "x"}, {"-resume-within", "-1h"}, {"-resume-within", "10s"},
+		{"-resume-within", "25h"}, {"-keep=maybe"},
 	} {
 		if _, err := parseServeFlags(args, io.Discard); !errors.As(err, new(usageError)) {
 			t.Errorf("%q: %v, want a usage error", args, err)

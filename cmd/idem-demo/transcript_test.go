@@ -25,6 +25,43 @@ import (
 //	<!-- transcript: idem-demo serve -seed 7 -->
 var transcriptMarker = regexp.MustCompile(`^<!-- transcript: idem-demo serve -seed (\d+) -->$`)
 
+// runOutputMarker precedes, on the line before its opening fence, rows of
+// `idem-demo run`'s table that TestRunScenarios finds in its output (spaces
+// aside).
+const runOutputMarker = "<!-- run output: idem-demo run -->"
+
+// docRunOutputs returns the rows of the marked run outputs of README.md
+// and docs/*.md, each with where it is.
+func docRunOutputs(t *testing.T) map[string]string {
+	t.Helper()
+	files, err := filepath.Glob("../../docs/*.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	rows := map[string]string{}
+	for _, file := range append([]string{"../../README.md"}, files...) {
+		b, err := os.ReadFile(file)
+		if err != nil {
+			t.Fatal(err)
+		}
+		lines := strings.Split(string(b), "\n")
+		for i := range lines {
+			if lines[i] != runOutputMarker {
+				continue
+			}
+			if i+1 >= len(lines) || lines[i+1] != "```" {
+				t.Fatalf("%s:%d: the run output marker is not followed by a fence (```)", file, i+1)
+			}
+			for j := i + 2; j < len(lines) && lines[j] != "```"; j++ {
+				if strings.TrimSpace(lines[j]) != "" {
+					rows[lines[j]] = fmt.Sprintf("%s:%d", strings.TrimPrefix(file, "../../"), j+1)
+				}
+			}
+		}
+	}
+	return rows
+}
+
 // transcriptBase is the address the transcripts show (serve's default).
 const transcriptBase = "http://127.0.0.1:8080"
 

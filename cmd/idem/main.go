@@ -256,7 +256,7 @@ var commands = map[string]command{
 	"migrate": {
 		usage: "migrate up|down|status [--force]",
 		help: "Applies idem's migrations (up), reverts the latest one (down), or lists them (status). They are\nrecorded in their own goose table, " + idem.MigrationTable + ", apart from the application's.\n" +
-			"down refuses (exit 4, nothing changed) when reverting would delete records whose outcome may have\nhappened (unknown, in flight, failed_retryable; for the first migration, every record): their keys\nwould run again. --force deletes them.",
+			"down refuses (exit 4, nothing changed) when reverting would delete records whose outcome may have\nhappened (unknown, in flight, failed_retryable; for the first migration, every record): their keys\nwould run again; or drop the audit trail (00005), or the resume windows of records in doubt (00006).\n--force reverts anyway.",
 		flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			force := fs.Bool("force", false, "with down: revert even when that deletes records whose outcome may have happened")
 			return func(ctx context.Context, e *env, args []string) error { return migrate(ctx, e, args, *force) }
@@ -296,7 +296,7 @@ var commands = map[string]command{
 		usage: "expire-leases [--batch N]",
 		help: "Turns the reservations whose lease ran out before they recorded an outcome (still processing)\ninto unknown outcomes, their token kept, as the library's ExpireLeases does: in batches of one\n" +
 			"short transaction each, until none is left, and prints how many. unknown list then shows them.\n" +
-			"Their workers are fenced: a Complete that comes late is refused (ErrFenced) and the record\nwaits for resolve.",
+			"Their workers are fenced: a Complete that comes late is refused (ErrFenced) and the record\nwaits for resolve. A reservation inside its window (ReserveOptions.ResumeWithin) is left for its\nrecovery worker until the window ends.",
 		flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			batch := fs.Int("batch", 1000, "`N` reservations per batch (one transaction each)")
 			return func(ctx context.Context, e *env, args []string) error { return expireLeases(ctx, e, args, *batch) }
@@ -304,7 +304,7 @@ var commands = map[string]command{
 	},
 	"unknown": {
 		usage: "unknown list [--limit N]",
-		help: "Lists the records whose outcome is unknown (a reservation may or may not have done its work),\noldest first. Reconcile each with resolve after checking the outside system. It only reads:\n" +
+		help: "Lists the records whose outcome is unknown (a reservation may or may not have done its work)\nand that need a person, oldest first: not those inside their window (ReserveOptions.ResumeWithin),\nwhich resume by themselves. Reconcile each with resolve after checking the outside system. It only reads:\n" +
 			"a reservation whose lease ran out but that is still processing is not listed (its worker may\nstill complete it); run idem expire-leases first to turn such reservations unknown.",
 		flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			limit := fs.Int("limit", 100, "list at most `N` records")

@@ -48,6 +48,14 @@ type pendingTransfer struct {
 // the request's writes).
 func savePending(ctx context.Context, tx pgx.Tx, op pendingTransfer) error { return nil }
 
+// keptRequest reads the body of the pending operation (scope, key), which
+// the service kept before its first attempt.
+func keptRequest(scope idem.Scope, key string) []byte { return nil }
+
+// resend sends body again for r with r's call key, and records the outcome
+// (Complete, FailRetryable or MarkUnknown).
+func resend(ctx context.Context, r idem.Reservation, body []byte) {}
+
 // newOrdersClient stands for a generated Connect client constructor
 // (ordersv1connect.NewOrderServiceClient).
 func newOrdersClient(httpClient connect.HTTPClient, baseURL string, opts ...connect.ClientOption) any {

@@ -480,34 +480,64 @@ var errLeaseRanOut = errorf("idem: %w (its reservation's lease ran out)", ErrOut
 // held a key keeps disappearing under Reserve (pruned, forgotten).
 const maxReserveAttempts = 4
 
-// reservation is what Reserve is asked for.
-type reservation struct {
-	key   driver.Key
-	fp    Fingerprint
-	lease time.Duration
-}
-
 // Reserve reserves (scope, key) for outside work in a short transaction of
 // its own begun on db, committed before it returns (see idem.Reserve).
 func (c *Client[TTx, TDB]) Reserve(ctx context.Context, db TDB, scope Scope, key string, fp Fingerprint, lease time.Duration) (Reservation, error) {
+	return c.reserveWith(ctx, db, scope, key, fp, ReserveOptions{Lease: lease}, false)
+}
+
+// ReserveWith is Reserve with options: a default lease, and a window in
+// which an attempt in doubt resumes (see idem.ReserveWith).
+func (c *Client[TTx, TDB]) ReserveWith(ctx context.Context, db TDB, scope Scope, key string, fp Fingerprint, opts ReserveOptions) (Reservation, error) {
+	return c.reserveWith(ctx, db, scope, key, fp, opts, true)
+}
+
+// reserveWith checks the arguments of Reserve (defaults false: a lease is
+// given) and ReserveWith, and reserves.
+func (c *Client[TTx, TDB]) reserveWith(ctx context.Context, db TDB, scope Scope, key string, fp Fingerprint,
+	opts ReserveOptions, defaults bool) (Reservation, error) {
 	if err := c.checkTarget(scope, key); err != nil {
 		return Reservation{}, err
 	}
 	if err := c.checkDB(db, true); err != nil {
 		return Reservation{}, err
 	}
-	if lease < time.Microsecond {
-		return Reservation{}, errorf("idem: %w: lease %s must be at least 1µs", ErrInvalidArgument, lease)
+	if !defaults && opts.Lease < time.Microsecond {
+		return Reservation{}, errorf("idem: %w: lease %s must be at least 1µs", ErrInvalidArgument, opts.Lease)
+	}
+	if err := checkReserveOptions(&opts); err != nil {
+		return Reservation{}, err
 	}
 	ctx, cl := c.obs.begin(ctx, "reserve", c.spanReserve, scope, key)
-	r, err := c.reserveTx(ctx, db, reservation{key: newKey(scope, key), fp: fp, lease: lease})
+	r, err := c.reserveTx(ctx, db, driver.Reserve{Key: newKey(scope, key), Fingerprint: fp, Lease: opts.Lease, ResumeWithin: opts.ResumeWithin})
 	err = preparedStatementsLost(err, c.drv.PreparedStatementsFix())
 	cl.end(ctx, r.Result, err)
 	return r, err
 }
 
+// checkReserveOptions refuses options out of range and fills in the
+// default lease.
+func checkReserveOptions(opts *ReserveOptions) error {
+	switch {
+	case opts.Lease < 0:
+		return errorf("idem: %w: ReserveOptions.Lease %s must not be negative", ErrInvalidArgument, opts.Lease)
+	case opts.Lease == 0:
+		opts.Lease = DefaultLease
+	case opts.Lease < time.Microsecond:
+		return errorf("idem: %w: ReserveOptions.Lease %s must be at least 1µs", ErrInvalidArgument, opts.Lease)
+	}
+	switch {
+	case opts.ResumeWithin < 0:
+		return errorf("idem: %w: ReserveOptions.ResumeWithin %s must not be negative", ErrInvalidArgument, opts.ResumeWithin)
+	case opts.ResumeWithin > 0 && opts.ResumeWithin < opts.Lease:
+		return errorf("idem: %w: ReserveOptions.ResumeWithin %s is shorter than the lease %s: the lease of an attempt would always run out past its window",
+			ErrInvalidArgument, opts.ResumeWithin, opts.Lease)
+	}
+	return nil
+}
+
 // reserveTx is Reserve after its checks: its transaction.
-func (c *Client[TTx, TDB]) reserveTx(ctx context.Context, db TDB, req reservation) (Reservation, error) {
+func (c *Client[TTx, TDB]) reserveTx(ctx context.Context, db TDB, req driver.Reserve) (Reservation, error) {
 	var r Reservation
 	var refusal error // an outcome decided in a transaction that commits
 	err := c.InTx(ctx, db, func(ctx context.Context, tx TTx) error {
@@ -518,31 +548,33 @@ func (c *Client[TTx, TDB]) reserveTx(ctx context.Context, db TDB, req reservatio
 	switch {
 	case err != nil && pgCode(err) == pgerrcode.LockNotAvailable:
 		// Another transaction holds the key (a Do in flight, a Complete
-		// not yet committed) and did not finish within Config.Wait.
-		return Reservation{}, c.inProgressOn(req.key)
+		// not yet committed, another Reserve resuming it) and did not
+		// finish within Config.Wait.
+		return Reservation{}, c.inProgressOn(req.Key)
 	case err != nil:
 		return Reservation{}, errorf("idem: reserve: %w", unsupportedIf(err))
 	case refusal == errLeaseRanOut:
-		c.obs.count(ctx, "zombie_key", "reserve", req.key.Operation, 1)
+		c.obs.count(ctx, "zombie_key", "reserve", req.Key.Operation, 1)
 		return Reservation{}, refusal
 	case refusal != nil:
 		return Reservation{}, refusal
+	case r.Resumed:
+		c.obs.count(ctx, "resumed", "reserve", req.Key.Operation, 1)
 	}
 	return r, nil
 }
 
 // reserve is Reserve in its transaction. refusal is an outcome that is not
 // an execution or a replay; err is a failure that rolls back.
-func (c *Client[TTx, TDB]) reserve(ctx context.Context, ex driver.Executor, req reservation) (
+func (c *Client[TTx, TDB]) reserve(ctx context.Context, ex driver.Executor, req driver.Reserve) (
 	r Reservation, refusal error, err error) {
-	r = Reservation{Scope: Scope{Actor: req.key.Actor, Operation: req.key.Operation}, Key: req.key.Key}
-	ask := driver.Reserve{Key: req.key, Fingerprint: req.fp, Lease: req.lease}
+	r = Reservation{Scope: Scope{Actor: req.Key.Actor, Operation: req.Key.Operation}, Key: req.Key.Key}
 	for range maxReserveAttempts {
 		// Insert a fresh reservation, or else lock and read the committed
 		// row that holds the key. Under READ COMMITTED the read sees the
 		// row the insert ran into, also one committed while the insert
 		// waited for it.
-		got, err := ex.ReserveInsertOrLock(ctx, ask)
+		got, err := ex.ReserveInsertOrLock(ctx, req)
 		if err != nil {
 			return r, nil, err
 		}
@@ -556,15 +588,24 @@ func (c *Client[TTx, TDB]) reserve(ctx context.Context, ex driver.Executor, req 
 
 		// The one state machine of a key decides, as for Do; Reserve adds
 		// what only it does.
-		res, nx, refusal := c.judge(got.Row, true, req.fp, req.key)
+		res, nx, refusal := c.judge(got.Row, true, Fingerprint(req.Fingerprint), req.Key)
+		status := Status(got.Row.Status)
+		attempt := driver.NewAttempt
 		switch {
+		case nx == nextTakeOver && status.finished() && got.Row.Expired:
+			// Past its TTL: a new request, with a window of its own.
+			attempt = driver.NewRequest
 		case nx == nextTakeOver:
-			// Past its TTL (a new request), or certainly not executed (a
-			// new attempt): acquired below.
-		case errors.Is(refusal, ErrOutcomeUnknown) && Status(got.Row.Status) == StatusProcessing:
+			// Certainly not executed: a new attempt, in the same window.
+		case errors.Is(refusal, ErrOutcomeUnknown) && got.Row.InWindow:
+			// In doubt (the lease ran out, or the worker marked it
+			// unknown) while the receiver still deduplicates the calls'
+			// keys: resumed, to make the same calls again.
+			attempt, r.Resumed = driver.Resume, true
+		case errors.Is(refusal, ErrOutcomeUnknown) && status == StatusProcessing:
 			// The lease ran out: the owner may have executed and vanished.
 			// Never run again blindly: the record turns unknown.
-			n, err := ex.ReserveMarkUnknown(ctx, req.key, got.Row.Token, leaseExpiredReason)
+			n, err := ex.ReserveMarkUnknown(ctx, req.Key, got.Row.Token, leaseExpiredReason)
 			if err == nil && n != 1 {
 				err = errorf("idem: locked row not updated (%d rows)", n)
 			}
@@ -578,10 +619,10 @@ func (c *Client[TTx, TDB]) reserve(ctx context.Context, ex driver.Executor, req 
 			r.Result = res // a replay
 			return r, nil, nil
 		}
-		r.Token, r.LeaseExpiresAt, err = ex.ReserveAcquire(ctx, ask, got.Row.Token)
+		r.Token, r.LeaseExpiresAt, err = ex.ReserveAcquire(ctx, req, got.Row.Token, attempt)
 		return r, nil, err
 	}
-	return r, c.inProgressOn(req.key), nil
+	return r, c.inProgressOn(req.Key), nil
 }
 
 // Complete records the outcome of the reservation's work as 'succeeded'
@@ -642,7 +683,7 @@ func (c *Client[TTx, TDB]) Heartbeat(ctx context.Context, db TDB, r Reservation,
 	var lease time.Time
 	err := c.lookupTx(ctx, db, func(ctx context.Context, ex driver.Executor) error {
 		var err error
-		lease, err = ex.ReserveHeartbeat(ctx, newKey(r.Scope, r.Key), r.Token, extend)
+		lease, err = ex.ReserveHeartbeat(ctx, newKey(r.Scope, r.Key), r.Token, extend, r.Resumed)
 		return err
 	})
 	switch {

@@ -1,9 +1,11 @@
 // Package core is idem's protocol, written once for every database package:
 // the call loop of Do and DoInTx (claim with a bounded wait, fn, complete;
 // read and judge; take over; a refusal stored by a claim of its own), the
-// reservations and their fencing, reconciliation, lookups, pruning,
-// statistics, the inbox, typed replay, the checks of a response, the retry
-// policy and the observer (metrics, spans, logs with hashed keys).
+// reservations and their fencing, the resume of an attempt in doubt inside
+// its window (ReserveOptions.ResumeWithin, ListResumable), reconciliation,
+// lookups, pruning, statistics, the inbox, typed replay, the checks of a
+// response, the retry policy and the observer (metrics, spans, logs with
+// hashed keys).
 //
 // It is generic over the transaction type of a driver (pgx.Tx, *sql.Tx) and
 // the handle transactions are begun on, and reaches the database only
@@ -18,10 +20,13 @@
 //	             │                      │
 //	queries   internal/db              internal/dbsql             sqlc, from queries/
 //
-// Files: call.go (Do, DoInTx, InTx: the loop), reserve.go (the reservation
-// mode), operate.go (the operators' calls), inbox.go, json.go (typed
-// replay), response.go (what can be stored, and replayed), validate.go,
-// flight.go (coalescing DoInTx in a process), observe.go, errors.go,
-// types.go (the public types, which package idem names), client.go
-// (Config, New).
+// Files: call.go (Do, DoInTx, InTx: the loop; and the reservation mode:
+// Reserve and ReserveWith, which judge decides for like Do and which
+// resumes inside a window, Complete, FailRetryable, MarkUnknown,
+// Heartbeat), operate.go (the operators' calls: ExpireLeases, ListUnknown
+// and ListResumable, Resolve, Lookup, Forget, Prune, ReadStats),
+// callkey.go, inbox.go, json.go (typed replay), response.go (what can be
+// stored, and replayed), validate.go, flight.go (coalescing DoInTx in a
+// process), observe.go, errors.go, types.go (the public types, which
+// package idem names), client.go (Config, New).
 package core

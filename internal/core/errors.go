@@ -62,15 +62,22 @@ var (
 	ErrUnavailable = errors.New("idem: store unavailable")
 
 	// ErrInvalidArgument means a required argument (transaction, function,
-	// database handle) is nil, or a value such as a lease, a limit or a
-	// ListUnknown cursor is out of range, or the caller's transaction given
-	// to Do or Complete is closed or aborted. Nothing was touched.
+	// database handle) is nil, or a value such as a lease, a window
+	// (ReserveOptions), a limit or a ListUnknown cursor is out of range, or
+	// the caller's transaction given to Do or Complete is closed or aborted.
+	// Nothing was touched.
 	ErrInvalidArgument = errors.New("idem: invalid argument")
 
 	// ErrOutcomeUnknown means the key belongs to a reservation whose work
 	// outside the database may or may not have happened: its owner marked it
 	// unknown, or its lease ran out before it completed. Nothing runs again
-	// automatically; reconcile it (Resolve) first (HTTP 409).
+	// automatically; reconcile it (Resolve) first (HTTP 409). (Inside the
+	// window of a key reserved with ReserveOptions.ResumeWithin, Reserve
+	// resumes such an attempt instead; Do still answers ErrOutcomeUnknown.)
+	// It is also what idem's clients (idemhttp.Transport, the gRPC and
+	// Connect client interceptors) return, as an *idem.CallError, for an
+	// outgoing call that got no answer after an attempt that may have
+	// reached the receiver.
 	ErrOutcomeUnknown = errors.New("idem: the outcome of the request with this idempotency key is unknown")
 
 	// ErrNotFound means no record holds the key (it was never used, it was

@@ -68,6 +68,7 @@ var counterNames = map[string]string{
 	// Counted by the reservation and maintenance calls.
 	"failed_retry":       "idem.reserve.failed_retry",
 	"zombie_key":         "idem.zombie_key",
+	"resumed":            "idem.reserve.resumed",
 	"reconcile_resolved": "idem.reconcile.resolved",
 	"reconcile_failed":   "idem.reconcile.failed",
 	"ttl_pruned":         "idem.ttl_pruned",
@@ -85,6 +86,7 @@ var counterHelp = map[string]string{
 	outcomeStoreError:    "Calls that failed because the database could not serve them.",
 	"failed_retry":       "Reservations given up as certainly not executed (FailRetryable).",
 	"zombie_key":         "Reservations whose lease ran out before they completed (turned unknown).",
+	"resumed":            "Reservations that took over an attempt in doubt inside its window (ReserveOptions.ResumeWithin).",
 	"reconcile_resolved": "Unknown outcomes resolved by reconciliation (Resolve).",
 	"reconcile_failed":   "Reconciliation attempts (Resolve) that failed.",
 	"ttl_pruned":         "Expired keys deleted by Prune.",

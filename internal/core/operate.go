@@ -14,8 +14,8 @@ import (
 // keys up and forgetting them, pruning, statistics. Each runs in short
 // transactions of its own begun on the handle it is given.
 
-// ExpireLeases turns at most limit 'processing' records whose lease ran out
-// into 'unknown' (see idem.ExpireLeases).
+// ExpireLeases turns at most limit 'processing' records whose lease ran out,
+// without a window or past it, into 'unknown' (see idem.ExpireLeases).
 func (c *Client[TTx, TDB]) ExpireLeases(ctx context.Context, db TDB, limit int) (int64, error) {
 	if err := c.checkDB(db, false); err != nil {
 		return 0, err
@@ -37,9 +37,22 @@ func (c *Client[TTx, TDB]) ExpireLeases(ctx context.Context, db TDB, limit int) 
 	return n, nil
 }
 
-// ListUnknown returns at most limit 'unknown' records, oldest first (see
-// idem.ListUnknown).
+// ListUnknown returns at most limit 'unknown' records that need a person,
+// oldest first (see idem.ListUnknown).
 func (c *Client[TTx, TDB]) ListUnknown(ctx context.Context, db TDB, limit int, after *Record) ([]Record, error) {
+	return c.list(ctx, db, limit, after, "list unknown", driver.Executor.ReserveListUnknown)
+}
+
+// ListResumable returns at most limit records in doubt inside their
+// window, oldest first (see idem.ListResumable).
+func (c *Client[TTx, TDB]) ListResumable(ctx context.Context, db TDB, limit int, after *Record) ([]Record, error) {
+	return c.list(ctx, db, limit, after, "list resumable", driver.Executor.ReserveListResumable)
+}
+
+// list is ListUnknown and ListResumable: a page of the records that query
+// reads, after the record after.
+func (c *Client[TTx, TDB]) list(ctx context.Context, db TDB, limit int, after *Record, call string,
+	query func(ex driver.Executor, ctx context.Context, after *driver.Cursor, limit int32) ([]driver.Record, error)) ([]Record, error) {
 	if err := c.checkDB(db, false); err != nil {
 		return nil, err
 	}
@@ -55,17 +68,17 @@ func (c *Client[TTx, TDB]) ListUnknown(ctx context.Context, db TDB, limit int, a
 	}
 	var rows []driver.Record
 	err := c.lookupTx(ctx, db, func(ctx context.Context, ex driver.Executor) (err error) {
-		rows, err = ex.ReserveListUnknown(ctx, cursor, int32(min(limit, math.MaxInt32)))
+		rows, err = query(ex, ctx, cursor, int32(min(limit, math.MaxInt32)))
 		return err
 	})
 	if err != nil {
-		return nil, errorf("idem: list unknown: %w", unsupportedIf(err))
+		return nil, errorf("idem: %s: %w", call, unsupportedIf(err))
 	}
 	records := make([]Record, 0, len(rows))
 	for _, row := range rows {
 		rec, err := newRecord(row)
 		if err != nil {
-			return nil, errorf("idem: list unknown: %w", err)
+			return nil, errorf("idem: %s: %w", call, err)
 		}
 		records = append(records, rec)
 	}
@@ -342,6 +355,7 @@ func newRecord(k driver.Record) (Record, error) {
 		CompletedAt:    k.CompletedAt,
 		ExpiresAt:      k.ExpiresAt,
 		LeaseExpiresAt: k.LeaseExpiresAt,
+		ResumeUntil:    k.ResumeUntil,
 	}
 	if k.Stored.Valid {
 		res, err := replay(k.Stored)

@@ -60,7 +60,8 @@ const (
 	// Reserve with the same fingerprint executes again.
 	StatusFailedRetryable Status = "failed_retryable"
 	// StatusUnknown: the work may have happened; nothing runs again until
-	// Resolve reconciles it.
+	// Resolve reconciles it, or, inside the window of a key reserved with
+	// ReserveOptions.ResumeWithin, until the next Reserve resumes it.
 	StatusUnknown Status = "unknown"
 )
 
@@ -96,6 +97,12 @@ type Record struct {
 	// LeaseExpiresAt is the end of the last reservation's lease; zero for
 	// records Do wrote.
 	LeaseExpiresAt time.Time
+	// ResumeUntil is the end of the key's window
+	// (ReserveOptions.ResumeWithin from the first reservation of its TTL
+	// generation): before it, an attempt in doubt is resumed rather than
+	// left for a person. Zero when the key was reserved without one, and for
+	// records Do wrote.
+	ResumeUntil time.Time
 	// Response is the stored outcome; nil when none is stored.
 	Response *Response
 }
@@ -112,9 +119,49 @@ type Reservation struct {
 	// MarkUnknown and Heartbeat succeed only while the record still holds it.
 	Token int64
 	// LeaseExpiresAt is when the lease runs out, by the database clock.
-	// After it, Reserve and ExpireLeases turn the record unknown.
+	// After it, Reserve and ExpireLeases turn the record unknown, or,
+	// inside the key's window (ReserveOptions.ResumeWithin), the next
+	// Reserve resumes it. A resumed reservation's lease ends no later than
+	// the window.
 	LeaseExpiresAt time.Time
+	// Resumed is true when this reservation took over an attempt in doubt
+	// (its lease ran out, or its worker marked it unknown) inside the key's
+	// window: that attempt may have made its outside calls. Make them again
+	// with the same call keys (CallKey), which the receiver deduplicates,
+	// never with new ones.
+	Resumed bool
 }
+
+// ReserveOptions configures ReserveWith. The zero value means the
+// defaults: a lease of DefaultLease and no window.
+type ReserveOptions struct {
+	// Lease is how long the reservation holds the key before it counts as
+	// stuck (extend it with Heartbeat). Default DefaultLease; otherwise at
+	// least 1µs.
+	Lease time.Duration
+
+	// ResumeWithin is the window in which an attempt in doubt resumes by
+	// itself. Setting it promises that every outside call made under the
+	// reservation carries its call key (Reservation.CallKey) and that the
+	// receiver deduplicates by that key for at least ResumeWithin from the
+	// key's first reservation. Then, until the window ends, an attempt
+	// whose lease ran out, or that its worker marked unknown, is not a case
+	// for a person: the next Reserve (a retry of the client, or a recovery
+	// worker that ListResumable feeds) takes it over with a new token and
+	// Resumed true, and makes the calls again with the same keys. Past the
+	// window such an attempt is unknown, for a person, as without one.
+	//
+	// The window is measured from the first reservation of the key's TTL
+	// generation and stored with the record; resumes and new attempts after
+	// FailRetryable keep it and never extend it, and a Reserve of the same
+	// generation, with or without ResumeWithin, honours the stored window.
+	// 0, the default, means no window; otherwise it must be at least the
+	// lease, since a lease that outlives the window could never resume.
+	ResumeWithin time.Duration
+}
+
+// DefaultLease is ReserveOptions.Lease's default.
+const DefaultLease = 30 * time.Second
 
 // Resolution is an operator's verdict on a record whose outcome was unknown,
 // after looking at the outside system. Set exactly one of Succeeded and

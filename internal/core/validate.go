@@ -84,7 +84,8 @@ func (c *Client[TTx, TDB]) checkReservation(r Reservation) error {
 	return c.checkTarget(r.Scope, r.Key)
 }
 
-// checkLimit validates the limit of ExpireLeases and ListUnknown.
+// checkLimit validates the limit of ExpireLeases, ListUnknown and
+// ListResumable.
 func checkLimit(limit int) error {
 	if limit <= 0 {
 		return errorf("idem: %w: limit %d must be positive", ErrInvalidArgument, limit)
@@ -98,9 +99,9 @@ var (
 	maxTimestamp = time.Date(294277, 1, 1, 0, 0, 0, 0, time.UTC)
 )
 
-// checkCursor validates the Record after which ListUnknown continues: its
-// names must be text PostgreSQL can hold (valid UTF-8 without NUL), its
-// CreatedAt within PostgreSQL's range.
+// checkCursor validates the Record after which ListUnknown or
+// ListResumable continues: its names must be text PostgreSQL can hold
+// (valid UTF-8 without NUL), its CreatedAt within PostgreSQL's range.
 func checkCursor(after *Record) error {
 	for _, f := range [...]struct{ name, v string }{
 		{"actor", after.Scope.Actor}, {"operation", after.Scope.Operation}, {"key", after.Key},

@@ -216,6 +216,7 @@ FROM idem_keys
 WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
   AND status = 'processing' AND lease_expires_at <= now()
   -- needs a person
+  AND (resume_until IS NULL OR resume_until <= now())
   AND ($1::text = '' OR actor = $1::text)
   AND ($2::text = '' OR operation = $2::text)
   AND created_at <= now() - ($3::bigint * interval '1 microsecond')
@@ -258,6 +259,7 @@ WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
   AND status = 'processing'
   AND lease_expires_at <= least($2::timestamptz, now())
   -- needs a person
+  AND (resume_until IS NULL OR resume_until <= now())
   AND ($3::text = '' OR actor = $3::text)
   AND ($4::text = '' OR operation = $4::text)
   AND created_at <= now() - ($5::bigint * interval '1 microsecond')
@@ -306,6 +308,7 @@ FROM idem_keys
 WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
   -- needs a person
   AND (status = 'unknown' OR (status = 'processing' AND lease_expires_at <= now()))
+  AND (resume_until IS NULL OR resume_until <= now())
   AND ($1::text = '' OR actor = $1::text)
   AND ($2::text = '' OR operation = $2::text)
   AND created_at <= now() - ($3::bigint * interval '1 microsecond')
@@ -354,10 +357,11 @@ type ConsoleNeedsPersonRow struct {
 //
 // "Needs a person": an 'unknown' record, or a 'processing' reservation
 // whose lease ran out before it recorded an outcome (not yet turned
-// unknown). Issue 25 adds reservations made with ResumeWithin whose lease
-// ran out inside their window: those are a recovery worker's, not a
-// person's, and get an extra condition where the statements below say
-// "needs a person".
+// unknown), without a window or past it (resume_until IS NULL OR
+// resume_until <= now(), where the statements below say "needs a
+// person"). The same attempts inside their window (ReserveOptions.
+// ResumeWithin) are "resuming": a recovery worker's or the next Reserve's,
+// not a person's.
 // Pages through the records that need a person, oldest first (by
 // created_at, then scope and key), after the given position ('-infinity'
 // and empty names for the first page), filtered: an empty actor,
@@ -411,6 +415,7 @@ SELECT count(*)::bigint FROM (
     WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
       -- needs a person
       AND (status = 'unknown' OR (status = 'processing' AND lease_expires_at <= now()))
+      AND (resume_until IS NULL OR resume_until <= now())
       AND ($1::text = '' OR actor = $1::text)
       AND ($2::text = '' OR operation = $2::text)
       AND created_at <= now() - ($3::bigint * interval '1 microsecond')
@@ -445,13 +450,16 @@ func (q *Queries) ConsoleNeedsPersonCount(ctx context.Context, db DBTX, arg Cons
 const ConsoleOpen = `-- name: ConsoleOpen :one
 SELECT count(*)::bigint AS scanned,
        count(*) FILTER (WHERE status = 'processing' AND lease_expires_at > now())::bigint AS in_flight,
-       count(*) FILTER (WHERE status = 'processing' AND lease_expires_at <= now())::bigint AS lease_ran_out,
-       count(*) FILTER (WHERE status = 'unknown')::bigint AS unknown,
+       count(*) FILTER (WHERE status = 'processing' AND lease_expires_at <= now() AND NOT in_window)::bigint AS lease_ran_out,
+       count(*) FILTER (WHERE status = 'unknown' AND NOT in_window)::bigint AS unknown,
+       count(*) FILTER (WHERE (status = 'unknown' OR (status = 'processing' AND lease_expires_at <= now()))
+                        AND in_window)::bigint AS resuming,
+       count(*) FILTER (WHERE status = 'unknown' AND in_window)::bigint AS resuming_unknown,
        min(created_at) FILTER (WHERE status = 'processing' AND lease_expires_at > now())::timestamptz AS oldest_in_flight,
-       min(created_at) FILTER (WHERE status = 'unknown'
-                               OR (status = 'processing' AND lease_expires_at <= now()))::timestamptz AS oldest_needs_person,
+       min(created_at) FILTER (WHERE (status = 'unknown' OR (status = 'processing' AND lease_expires_at <= now()))
+                               AND NOT in_window)::timestamptz AS oldest_needs_person,
        now()::timestamptz AS now
-FROM (SELECT status, lease_expires_at, created_at
+FROM (SELECT status, lease_expires_at, created_at, coalesce(resume_until > now(), false) AS in_window
       FROM idem_keys
       WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
       ORDER BY created_at
@@ -463,6 +471,8 @@ type ConsoleOpenRow struct {
 	InFlight          int64
 	LeaseRanOut       int64
 	Unknown           int64
+	Resuming          int64
+	ResumingUnknown   int64
 	OldestInFlight    pgtype.Timestamptz
 	OldestNeedsPerson pgtype.Timestamptz
 	Now               pgtype.Timestamptz
@@ -470,7 +480,9 @@ type ConsoleOpenRow struct {
 
 // The open reservations, oldest first, up to @cap_rows of them: counts by
 // kind and the oldest of each. The oldest are exact whatever the cap (the
-// walk starts with them); the counts are exact below the cap.
+// walk starts with them); the counts are exact below the cap. lease_ran_out
+// and unknown count what needs a person; resuming what is in doubt inside
+// its window (resuming_unknown: those marked unknown).
 func (q *Queries) ConsoleOpen(ctx context.Context, db DBTX, capRows int32) (ConsoleOpenRow, error) {
 	row := db.QueryRow(ctx, ConsoleOpen, capRows)
 	var i ConsoleOpenRow
@@ -479,6 +491,8 @@ func (q *Queries) ConsoleOpen(ctx context.Context, db DBTX, capRows int32) (Cons
 		&i.InFlight,
 		&i.LeaseRanOut,
 		&i.Unknown,
+		&i.Resuming,
+		&i.ResumingUnknown,
 		&i.OldestInFlight,
 		&i.OldestNeedsPerson,
 		&i.Now,

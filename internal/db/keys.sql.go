@@ -230,6 +230,7 @@ SET fingerprint      = excluded.fingerprint,
     expires_at       = excluded.expires_at,
     token            = 0,
     lease_expires_at = NULL,
+    resume_until     = NULL,
     last_error       = NULL,
     resolve_reason   = NULL
 WHERE (k.expires_at <= excluded.created_at AND k.status IN ('succeeded', 'rejected', 'failed_retryable'))
@@ -250,9 +251,11 @@ type KeyTakeOverParams struct {
 // key is a new request), or a reservation that certainly did not execute
 // ('failed_retryable') asked for again with the same fingerprint. Returns no
 // row when the row holding the key is neither (another transaction took it
-// over first). Inserts when the row is gone (pruned). The wait is bounded as
-// KeyClaim's. The DO UPDATE reads the clock only from the proposed row
-// (excluded.created_at is now()), never calls a function of its own.
+// over first). Inserts when the row is gone (pruned). The row becomes Do's:
+// no token, lease or window (resume_until) of a reservation is left on it.
+// The wait is bounded as KeyClaim's. The DO UPDATE reads the clock only
+// from the proposed row (excluded.created_at is now()), never calls a
+// function of its own.
 func (q *Queries) KeyTakeOver(ctx context.Context, db DBTX, arg KeyTakeOverParams) (bool, error) {
 	row := db.QueryRow(ctx, KeyTakeOver,
 		arg.Actor,
@@ -282,6 +285,7 @@ SET fingerprint      = excluded.fingerprint,
     expires_at       = excluded.expires_at,
     token            = 0,
     lease_expires_at = NULL,
+    resume_until     = NULL,
     last_error       = NULL,
     resolve_reason   = NULL
 WHERE (k.expires_at <= excluded.created_at AND k.status IN ('succeeded', 'rejected', 'failed_retryable'))

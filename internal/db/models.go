@@ -42,4 +42,5 @@ type IdemKey struct {
 	LeaseExpiresAt  pgtype.Timestamptz
 	LastError       pgtype.Text
 	ResolveReason   pgtype.Text
+	ResumeUntil     pgtype.Timestamptz
 }

@@ -45,4 +45,5 @@ type IdemKey struct {
 	LeaseExpiresAt  sql.NullTime
 	LastError       sql.NullString
 	ResolveReason   sql.NullString
+	ResumeUntil     sql.NullTime
 }

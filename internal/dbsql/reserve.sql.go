@@ -23,22 +23,30 @@ SET fingerprint      = $1,
     completed_at     = NULL,
     expires_at       = now() + ($2::bigint * interval '1 microsecond'),
     token            = (SELECT next.token FROM next),
-    lease_expires_at = now() + ($3::bigint * interval '1 microsecond'),
+    lease_expires_at = CASE WHEN $3::boolean
+                            THEN least(now() + ($4::bigint * interval '1 microsecond'), resume_until)
+                            ELSE now() + ($4::bigint * interval '1 microsecond') END,
+    resume_until     = CASE WHEN $5::boolean
+                            THEN now() + (nullif($6::bigint, 0) * interval '1 microsecond')
+                            ELSE resume_until END,
     last_error       = NULL,
     resolve_reason   = NULL
-WHERE actor = $4 AND operation = $5 AND idem_key = $6
-  AND idem_keys.token = $7
+WHERE actor = $7 AND operation = $8 AND idem_key = $9
+  AND idem_keys.token = $10
 RETURNING idem_keys.token, lease_expires_at
 `
 
 type ReserveAcquireParams struct {
-	Fingerprint []byte
-	TtlMicros   int64
-	LeaseMicros int64
-	Actor       string
-	Operation   string
-	IdemKey     string
-	Token       int64
+	Fingerprint  []byte
+	TtlMicros    int64
+	Resume       bool
+	LeaseMicros  int64
+	NewWindow    bool
+	ResumeMicros int64
+	Actor        string
+	Operation    string
+	IdemKey      string
+	Token        int64
 }
 
 type ReserveAcquireRow struct {
@@ -47,15 +55,21 @@ type ReserveAcquireRow struct {
 }
 
 // Hands the row ReserveLock read (identified by its token) to a new owner: a
-// new request after the TTL, or a new attempt after a retryable failure.
-// The new token is drawn in a CTE, not in SET: Citus refuses a volatile
-// function in an UPDATE of a distributed table, and runs the CTE on the
-// coordinator, whose sequence it is.
+// new request after the TTL (new_window: the new generation's window, none
+// when resume_micros is 0), a new attempt after a retryable failure, or a
+// resume of an attempt in doubt inside its window (resume: the lease ends
+// no later than the window). Only a new generation sets the window; the
+// other two keep it. The new token is drawn in a CTE, not in SET: Citus
+// refuses a volatile function in an UPDATE of a distributed table, and runs
+// the CTE on the coordinator, whose sequence it is.
 func (q *Queries) ReserveAcquire(ctx context.Context, db DBTX, arg ReserveAcquireParams) (ReserveAcquireRow, error) {
 	row := db.QueryRowContext(ctx, ReserveAcquire,
 		arg.Fingerprint,
 		arg.TtlMicros,
+		arg.Resume,
 		arg.LeaseMicros,
+		arg.NewWindow,
+		arg.ResumeMicros,
 		arg.Actor,
 		arg.Operation,
 		arg.IdemKey,
@@ -118,6 +132,7 @@ FROM (SELECT actor, operation, idem_key
       FROM idem_keys
       WHERE status = 'processing' AND lease_expires_at IS NOT NULL AND completed_at IS NULL
         AND lease_expires_at <= now()
+        AND (resume_until IS NULL OR resume_until <= now())
       ORDER BY lease_expires_at
       LIMIT $2
       FOR UPDATE SKIP LOCKED) AS expired
@@ -130,10 +145,13 @@ type ReserveExpireLeasesParams struct {
 	MaxRows int32
 }
 
-// Turns at most @max_rows reservations whose lease ran out into 'unknown',
-// oldest lease first. Rows another worker has locked are skipped, so several
-// workers can run it at once. It walks idem_keys_open_lease_idx: its WHERE
-// repeats the index predicate (open reservations: a lease, no outcome).
+// Turns at most @max_rows reservations whose lease ran out, and that need a
+// person (no window, or one that ended), into 'unknown', oldest lease
+// first: inside its window a lapsed attempt stays 'processing' for a
+// recovery worker (ReserveListResumable) or the next Reserve. Rows another
+// worker has locked are skipped, so several workers can run it at once. It
+// walks idem_keys_open_lease_idx: its WHERE repeats the index predicate
+// (open reservations: a lease, no outcome).
 func (q *Queries) ReserveExpireLeases(ctx context.Context, db DBTX, arg ReserveExpireLeasesParams) (int64, error) {
 	result, err := db.ExecContext(ctx, ReserveExpireLeases, arg.Reason, arg.MaxRows)
 	if err != nil {
@@ -150,10 +168,12 @@ FROM (SELECT actor, operation, idem_key
       FROM idem_keys
       WHERE status = 'processing' AND lease_expires_at IS NOT NULL AND completed_at IS NULL
         AND lease_expires_at <= now()
+        AND (resume_until IS NULL OR resume_until <= now())
       ORDER BY lease_expires_at
       LIMIT $2) AS expired
 WHERE k.actor = expired.actor AND k.operation = expired.operation AND k.idem_key = expired.idem_key
   AND k.status = 'processing' AND k.lease_expires_at <= now()
+  AND (k.resume_until IS NULL OR k.resume_until <= now())
 `
 
 type ReserveExpireLeasesCitusParams struct {
@@ -213,24 +233,28 @@ func (q *Queries) ReserveFailRetryable(ctx context.Context, db DBTX, arg Reserve
 const ReserveHeartbeat = `-- name: ReserveHeartbeat :one
 UPDATE idem_keys
 SET lease_expires_at = greatest(lease_expires_at,
-                                now() + ($1::bigint * interval '1 microsecond'))
-WHERE actor = $2 AND operation = $3 AND idem_key = $4
-  AND token = $5 AND status = 'processing' AND lease_expires_at > now()
+                                least(now() + ($1::bigint * interval '1 microsecond'),
+                                      CASE WHEN $2::boolean THEN resume_until END))
+WHERE actor = $3 AND operation = $4 AND idem_key = $5
+  AND token = $6 AND status = 'processing' AND lease_expires_at > now()
 RETURNING lease_expires_at
 `
 
 type ReserveHeartbeatParams struct {
 	ExtendMicros int64
+	Resumed      bool
 	Actor        string
 	Operation    string
 	IdemKey      string
 	Token        int64
 }
 
-// Extends a live lease; never shortens it.
+// Extends a live lease; never shortens it. A resumed attempt's lease
+// (resumed) never passes the window (least ignores the NULL of the others).
 func (q *Queries) ReserveHeartbeat(ctx context.Context, db DBTX, arg ReserveHeartbeatParams) (sql.NullTime, error) {
 	row := db.QueryRowContext(ctx, ReserveHeartbeat,
 		arg.ExtendMicros,
+		arg.Resumed,
 		arg.Actor,
 		arg.Operation,
 		arg.IdemKey,
@@ -244,22 +268,24 @@ func (q *Queries) ReserveHeartbeat(ctx context.Context, db DBTX, arg ReserveHear
 const ReserveInsert = `-- name: ReserveInsert :one
 
 INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, token,
-                       lease_expires_at, expires_at)
+                       lease_expires_at, expires_at, resume_until)
 VALUES ($1, $2, $3, $4, 'processing',
         nextval('idem_keys_token_seq'),
         now() + ($5::bigint * interval '1 microsecond'),
-        now() + ($6::bigint * interval '1 microsecond'))
+        now() + ($6::bigint * interval '1 microsecond'),
+        now() + (nullif($7::bigint, 0) * interval '1 microsecond'))
 ON CONFLICT (actor, operation, idem_key) DO NOTHING
 RETURNING token, lease_expires_at
 `
 
 type ReserveInsertParams struct {
-	Actor       string
-	Operation   string
-	IdemKey     string
-	Fingerprint []byte
-	LeaseMicros int64
-	TtlMicros   int64
+	Actor        string
+	Operation    string
+	IdemKey      string
+	Fingerprint  []byte
+	LeaseMicros  int64
+	TtlMicros    int64
+	ResumeMicros int64
 }
 
 type ReserveInsertRow struct {
@@ -270,7 +296,14 @@ type ReserveInsertRow struct {
 // The reservation mode (reserve.go, reconcile.go). Every lease is decided by
 // the database clock: now(), the start of the statement's transaction.
 // Fencing tokens come from idem_keys_token_seq and never repeat.
-// Reserves a free key: a 'processing' row with a lease and a new token. No row
+//
+// A key reserved with a window (ReserveOptions.ResumeWithin) keeps its end
+// in resume_until (migration 6): while it lasts, an attempt whose lease ran
+// out, or that its worker marked unknown, is resumed by the next Reserve
+// rather than left for a person. "Needs a person" below is the complement:
+// no window (resume_until IS NULL), or one that has ended.
+// Reserves a free key: a 'processing' row with a lease and a new token, and
+// the window of the key's generation (none when resume_micros is 0). No row
 // means a row holds the key (ReserveLock reads it). While another transaction
 // holds an uncommitted claim on the key, the INSERT waits for it, at most the
 // lock_timeout that Reserve set for its transaction.
@@ -282,16 +315,89 @@ func (q *Queries) ReserveInsert(ctx context.Context, db DBTX, arg ReserveInsertP
 		arg.Fingerprint,
 		arg.LeaseMicros,
 		arg.TtlMicros,
+		arg.ResumeMicros,
 	)
 	var i ReserveInsertRow
 	err := row.Scan(&i.Token, &i.LeaseExpiresAt)
 	return i, err
 }
 
+const ReserveListResumable = `-- name: ReserveListResumable :many
+SELECT actor, operation, idem_key, fingerprint, status, response_status, response_headers, response_body, created_at, completed_at, expires_at, token, lease_expires_at, last_error, resolve_reason, resume_until
+FROM idem_keys
+WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
+  AND resume_until > now()
+  AND (status = 'unknown' OR (status = 'processing' AND lease_expires_at <= now()))
+  AND (created_at, actor, operation, idem_key)
+      > ($1::timestamptz, $2::text,
+         $3::text, $4::text)
+ORDER BY created_at, actor, operation, idem_key
+LIMIT $5
+`
+
+type ReserveListResumableParams struct {
+	AfterCreatedAt time.Time
+	AfterActor     string
+	AfterOperation string
+	AfterKey       string
+	MaxRows        int32
+}
+
+// Pages through the attempts a recovery worker re-drives: in doubt (the
+// lease ran out, or the worker marked it unknown) inside their window,
+// oldest first, after the given position (as ReserveListUnknown). It walks
+// idem_keys_open_created_idx, as ReserveListUnknown does.
+func (q *Queries) ReserveListResumable(ctx context.Context, db DBTX, arg ReserveListResumableParams) ([]IdemKey, error) {
+	rows, err := db.QueryContext(ctx, ReserveListResumable,
+		arg.AfterCreatedAt,
+		arg.AfterActor,
+		arg.AfterOperation,
+		arg.AfterKey,
+		arg.MaxRows,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []IdemKey
+	for rows.Next() {
+		var i IdemKey
+		if err := rows.Scan(
+			&i.Actor,
+			&i.Operation,
+			&i.IdemKey,
+			&i.Fingerprint,
+			&i.Status,
+			&i.ResponseStatus,
+			&i.ResponseHeaders,
+			&i.ResponseBody,
+			&i.CreatedAt,
+			&i.CompletedAt,
+			&i.ExpiresAt,
+			&i.Token,
+			&i.LeaseExpiresAt,
+			&i.LastError,
+			&i.ResolveReason,
+			&i.ResumeUntil,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Close(); err != nil {
+		return nil, err
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const ReserveListUnknown = `-- name: ReserveListUnknown :many
-SELECT actor, operation, idem_key, fingerprint, status, response_status, response_headers, response_body, created_at, completed_at, expires_at, token, lease_expires_at, last_error, resolve_reason
+SELECT actor, operation, idem_key, fingerprint, status, response_status, response_headers, response_body, created_at, completed_at, expires_at, token, lease_expires_at, last_error, resolve_reason, resume_until
 FROM idem_keys
 WHERE status = 'unknown' AND lease_expires_at IS NOT NULL AND completed_at IS NULL
+  AND (resume_until IS NULL OR resume_until <= now())
   AND (created_at, actor, operation, idem_key)
       > ($1::timestamptz, $2::text,
          $3::text, $4::text)
@@ -307,10 +413,11 @@ type ReserveListUnknownParams struct {
 	MaxRows        int32
 }
 
-// Pages through 'unknown' records, oldest first, after the given position
-// ('-infinity' and empty names for the first page). It walks
-// idem_keys_open_created_idx: its WHERE repeats the index predicate (open
-// reservations: a lease, no outcome).
+// Pages through 'unknown' records that need a person (no window, or one
+// that ended), oldest first, after the given position ('-infinity' and
+// empty names for the first page). It walks idem_keys_open_created_idx: its
+// WHERE repeats the index predicate (open reservations: a lease, no
+// outcome).
 func (q *Queries) ReserveListUnknown(ctx context.Context, db DBTX, arg ReserveListUnknownParams) ([]IdemKey, error) {
 	rows, err := db.QueryContext(ctx, ReserveListUnknown,
 		arg.AfterCreatedAt,
@@ -342,6 +449,7 @@ func (q *Queries) ReserveListUnknown(ctx context.Context, db DBTX, arg ReserveLi
 			&i.LeaseExpiresAt,
 			&i.LastError,
 			&i.ResolveReason,
+			&i.ResumeUntil,
 		); err != nil {
 			return nil, err
 		}
@@ -357,10 +465,11 @@ func (q *Queries) ReserveListUnknown(ctx context.Context, db DBTX, arg ReserveLi
 }
 
 const ReserveLock = `-- name: ReserveLock :one
-SELECT idem_keys.actor, idem_keys.operation, idem_keys.idem_key, idem_keys.fingerprint, idem_keys.status, idem_keys.response_status, idem_keys.response_headers, idem_keys.response_body, idem_keys.created_at, idem_keys.completed_at, idem_keys.expires_at, idem_keys.token, idem_keys.lease_expires_at, idem_keys.last_error, idem_keys.resolve_reason,
+SELECT idem_keys.actor, idem_keys.operation, idem_keys.idem_key, idem_keys.fingerprint, idem_keys.status, idem_keys.response_status, idem_keys.response_headers, idem_keys.response_body, idem_keys.created_at, idem_keys.completed_at, idem_keys.expires_at, idem_keys.token, idem_keys.lease_expires_at, idem_keys.last_error, idem_keys.resolve_reason, idem_keys.resume_until,
        (expires_at <= now())::boolean AS expired,
        (lease_expires_at IS NOT NULL)::boolean AS leased,
-       coalesce((extract(epoch FROM lease_expires_at - now()) * 1000)::bigint, 0)::bigint AS lease_left_ms
+       coalesce((extract(epoch FROM lease_expires_at - now()) * 1000)::bigint, 0)::bigint AS lease_left_ms,
+       coalesce(resume_until > now(), false)::boolean AS in_window
 FROM idem_keys
 WHERE actor = $1 AND operation = $2 AND idem_key = $3
 FOR UPDATE
@@ -377,10 +486,12 @@ type ReserveLockRow struct {
 	Expired     bool
 	Leased      bool
 	LeaseLeftMs int64
+	InWindow    bool
 }
 
 // Locks and reads the row that holds a key, with what the database clock
-// says of its TTL and lease (the columns KeyGet reads, for judge).
+// says of its TTL, lease and window (the columns KeyGet reads, for judge,
+// and whether a window lasts).
 func (q *Queries) ReserveLock(ctx context.Context, db DBTX, arg ReserveLockParams) (ReserveLockRow, error) {
 	row := db.QueryRowContext(ctx, ReserveLock, arg.Actor, arg.Operation, arg.IdemKey)
 	var i ReserveLockRow
@@ -400,9 +511,11 @@ func (q *Queries) ReserveLock(ctx context.Context, db DBTX, arg ReserveLockParam
 		&i.IdemKey.LeaseExpiresAt,
 		&i.IdemKey.LastError,
 		&i.IdemKey.ResolveReason,
+		&i.IdemKey.ResumeUntil,
 		&i.Expired,
 		&i.Leased,
 		&i.LeaseLeftMs,
+		&i.InWindow,
 	)
 	return i, err
 }

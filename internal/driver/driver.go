@@ -178,6 +178,9 @@ type Row struct {
 	Expired     bool
 	Leased      bool
 	LeaseLeftMs int64
+	// InWindow: the key's window (resume_until) has not ended; read by the
+	// reservation statements only.
+	InWindow bool
 }
 
 // Record is a whole stored row.
@@ -193,6 +196,7 @@ type Record struct {
 	CompletedAt    time.Time // zero: NULL
 	ExpiresAt      time.Time
 	LeaseExpiresAt time.Time // zero: NULL
+	ResumeUntil    time.Time // zero: NULL
 }
 
 // Reserve asks for a reservation of a key.
@@ -200,7 +204,25 @@ type Reserve struct {
 	Key         Key
 	Fingerprint [32]byte
 	Lease       time.Duration
+	// ResumeWithin is the window of a new generation of the key (0: none),
+	// from now.
+	ResumeWithin time.Duration
 }
+
+// Attempt is what ReserveAcquire hands a locked row over for.
+type Attempt int
+
+const (
+	// NewRequest: a new request after the TTL. The window is set afresh
+	// (Reserve.ResumeWithin).
+	NewRequest Attempt = iota
+	// NewAttempt: a new attempt after a retryable failure. The window is
+	// kept.
+	NewAttempt
+	// Resume: a resume of an attempt in doubt inside its window. The window
+	// is kept, and the lease ends no later than the window.
+	Resume
+)
 
 // Reserved is what ReserveInsertOrLock found: a fresh reservation
 // (Inserted), or the row that holds the key, locked (Found), or neither
@@ -221,7 +243,8 @@ type Resolve struct {
 	Reason string
 }
 
-// Cursor is where a page of ListUnknown begins: after this record.
+// Cursor is where a page of ListUnknown or ListResumable begins: after
+// this record.
 type Cursor struct {
 	CreatedAt time.Time
 	Key       Key
@@ -255,8 +278,8 @@ type Executor interface {
 	// settings (SET LOCAL lock_timeout, which reaches Citus's workers).
 	ReserveInsertOrLock(ctx context.Context, r Reserve) (Reserved, error)
 	// ReserveAcquire hands the locked row that holds token to a new
-	// reservation with a new token.
-	ReserveAcquire(ctx context.Context, r Reserve, token int64) (newToken int64, leaseExpiresAt time.Time, err error)
+	// reservation with a new token, for what a says.
+	ReserveAcquire(ctx context.Context, r Reserve, token int64, a Attempt) (newToken int64, leaseExpiresAt time.Time, err error)
 	// ReserveMarkUnknown turns the reservation holding token unknown, and
 	// returns the rows changed.
 	ReserveMarkUnknown(ctx context.Context, k Key, token int64, reason string) (int64, error)
@@ -266,18 +289,22 @@ type Executor interface {
 	// certainly did not execute.
 	ReserveFailRetryable(ctx context.Context, k Key, token int64, reason string) (int64, error)
 	// ReserveHeartbeat extends the live lease of the reservation holding
-	// token (ErrNoRows: fenced).
-	ReserveHeartbeat(ctx context.Context, k Key, token int64, extend time.Duration) (time.Time, error)
+	// token (ErrNoRows: fenced); a resumed one's never past its window.
+	ReserveHeartbeat(ctx context.Context, k Key, token int64, extend time.Duration, resumed bool) (time.Time, error)
 	// ReserveLock locks and reads the row that holds k (ErrNoRows: none).
 	ReserveLock(ctx context.Context, k Key) (Row, error)
 	// ReserveResolve reconciles the locked row holding token.
 	ReserveResolve(ctx context.Context, k Key, token int64, r Resolve) (int64, error)
 	// ReserveExpireLeases turns at most limit reservations whose lease ran
-	// out unknown (Citus: without SKIP LOCKED).
+	// out, outside a window, unknown (Citus: without SKIP LOCKED).
 	ReserveExpireLeases(ctx context.Context, reason string, limit int32) (int64, error)
-	// ReserveListUnknown reads at most limit unknown records, oldest first,
-	// after the cursor (nil: from the first).
+	// ReserveListUnknown reads at most limit unknown records outside a
+	// window, oldest first, after the cursor (nil: from the first).
 	ReserveListUnknown(ctx context.Context, after *Cursor, limit int32) ([]Record, error)
+	// ReserveListResumable reads at most limit records in doubt (a lease
+	// that ran out, or unknown) inside their window, oldest first, after
+	// the cursor (nil: from the first).
+	ReserveListResumable(ctx context.Context, after *Cursor, limit int32) ([]Record, error)
 
 	// KeyLookup reads the committed record of k (ErrNoRows: none).
 	KeyLookup(ctx context.Context, k Key) (Record, error)

@@ -99,7 +99,7 @@ func (e *executor) ReserveInsertOrLock(ctx context.Context, r driver.Reserve) (d
 	k := r.Key
 	insert := db.ReserveInsertParams{
 		Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key, Fingerprint: r.Fingerprint[:],
-		LeaseMicros: r.Lease.Microseconds(), TtlMicros: e.d.ttlMicros,
+		LeaseMicros: r.Lease.Microseconds(), TtlMicros: e.d.ttlMicros, ResumeMicros: r.ResumeWithin.Microseconds(),
 	}
 	lock := db.ReserveLockParams{Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key}
 	b := &pgx.Batch{}
@@ -139,13 +139,14 @@ func lockedRow(row db.ReserveLockRow) driver.Row {
 	return driver.Row{
 		Fingerprint: k.Fingerprint, Status: k.Status, Token: k.Token,
 		Stored:  stored(k.ResponseStatus, k.ResponseHeaders, k.ResponseBody),
-		Expired: row.Expired, Leased: row.Leased, LeaseLeftMs: row.LeaseLeftMs,
+		Expired: row.Expired, Leased: row.Leased, LeaseLeftMs: row.LeaseLeftMs, InWindow: row.InWindow,
 	}
 }
 
-func (e *executor) ReserveAcquire(ctx context.Context, r driver.Reserve, token int64) (int64, time.Time, error) {
+func (e *executor) ReserveAcquire(ctx context.Context, r driver.Reserve, token int64, a driver.Attempt) (int64, time.Time, error) {
 	acq, err := queries.ReserveAcquire(ctx, planned{e.tx}, db.ReserveAcquireParams{
 		Fingerprint: r.Fingerprint[:], TtlMicros: e.d.ttlMicros, LeaseMicros: r.Lease.Microseconds(),
+		Resume: a == driver.Resume, NewWindow: a == driver.NewRequest, ResumeMicros: r.ResumeWithin.Microseconds(),
 		Actor: r.Key.Actor, Operation: r.Key.Operation, IdemKey: r.Key.Key, Token: token,
 	})
 	return acq.Token, acq.LeaseExpiresAt.Time, err
@@ -171,9 +172,9 @@ func (e *executor) ReserveFailRetryable(ctx context.Context, k driver.Key, token
 	})
 }
 
-func (e *executor) ReserveHeartbeat(ctx context.Context, k driver.Key, token int64, extend time.Duration) (time.Time, error) {
+func (e *executor) ReserveHeartbeat(ctx context.Context, k driver.Key, token int64, extend time.Duration, resumed bool) (time.Time, error) {
 	lease, err := queries.ReserveHeartbeat(ctx, planned{e.tx}, db.ReserveHeartbeatParams{
-		ExtendMicros: extend.Microseconds(), Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key, Token: token,
+		ExtendMicros: extend.Microseconds(), Resumed: resumed, Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key, Token: token,
 	})
 	return lease.Time, noRows(err)
 }
@@ -211,6 +212,21 @@ func (e *executor) ReserveExpireLeases(ctx context.Context, reason string, limit
 }
 
 func (e *executor) ReserveListUnknown(ctx context.Context, after *driver.Cursor, limit int32) ([]driver.Record, error) {
+	return list(ctx, after, limit, func(arg db.ReserveListUnknownParams) ([]db.IdemKey, error) {
+		return queries.ReserveListUnknown(ctx, planned{e.tx}, arg)
+	})
+}
+
+func (e *executor) ReserveListResumable(ctx context.Context, after *driver.Cursor, limit int32) ([]driver.Record, error) {
+	return list(ctx, after, limit, func(arg db.ReserveListUnknownParams) ([]db.IdemKey, error) {
+		return queries.ReserveListResumable(ctx, planned{e.tx}, db.ReserveListResumableParams(arg))
+	})
+}
+
+// list reads a page of records with query, which takes the position after
+// the cursor (nil: the first page) and the page's size.
+func list(ctx context.Context, after *driver.Cursor, limit int32,
+	query func(arg db.ReserveListUnknownParams) ([]db.IdemKey, error)) ([]driver.Record, error) {
 	arg := db.ReserveListUnknownParams{
 		AfterCreatedAt: pgtype.Timestamptz{InfinityModifier: pgtype.NegativeInfinity, Valid: true},
 		MaxRows:        limit,
@@ -219,7 +235,7 @@ func (e *executor) ReserveListUnknown(ctx context.Context, after *driver.Cursor,
 		arg.AfterCreatedAt = pgtype.Timestamptz{Time: after.CreatedAt, Valid: true}
 		arg.AfterActor, arg.AfterOperation, arg.AfterKey = after.Key.Actor, after.Key.Operation, after.Key.Key
 	}
-	rows, err := queries.ReserveListUnknown(ctx, planned{e.tx}, arg)
+	rows, err := query(arg)
 	if err != nil {
 		return nil, err
 	}
@@ -238,7 +254,7 @@ func record(k db.IdemKey) driver.Record {
 		Stored:    stored(k.ResponseStatus, k.ResponseHeaders, k.ResponseBody),
 		LastError: k.LastError.String, ResolveReason: k.ResolveReason.String,
 		CreatedAt: k.CreatedAt.Time, CompletedAt: k.CompletedAt.Time, ExpiresAt: k.ExpiresAt.Time,
-		LeaseExpiresAt: k.LeaseExpiresAt.Time,
+		LeaseExpiresAt: k.LeaseExpiresAt.Time, ResumeUntil: k.ResumeUntil.Time,
 	}
 }
 

@@ -108,11 +108,11 @@ func TestPruneWalksTheIndexWithStaleStatistics(t *testing.T) {
 	}
 }
 
-// ExpireLeases and ListUnknown find open reservations through their partial
-// indexes, with statistics taken while idem_keys was empty and with fresh
-// ones, while the table holds mostly Do rows and finished reservations: no
-// scan of the table (and for ExpireLeases, which runs with pgxdriver.SQLIndexWalk, no
-// sort either).
+// ExpireLeases, ListUnknown and ListResumable find open reservations
+// through their partial indexes, with statistics taken while idem_keys was
+// empty and with fresh ones, while the table holds mostly Do rows and
+// finished reservations, some with a window: no scan of the table (and for
+// ExpireLeases, which runs with pgxdriver.SQLIndexWalk, no sort either).
 func TestReservationScansUseTheirIndexWithStaleStatistics(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -129,11 +129,14 @@ func TestReservationScansUseTheirIndexWithStaleStatistics(t *testing.T) {
 		                       response_status, response_body, completed_at, expires_at)
 		SELECT 'a', 'res', 'done' || i, '\x00', 'succeeded', i, now() - interval '1 hour', 200, '\x', now(), now() + interval '1 day'
 		FROM generate_series(1, 50000) i`, `
-		INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, token, lease_expires_at, expires_at)
-		SELECT 'a', 'res', 'open' || i, '\x00', 'processing', 100000 + i, now() - interval '1 second' * i, now() + interval '1 day'
+		UPDATE idem_keys SET resume_until = now() + interval '1 hour' WHERE idem_key LIKE 'done%' AND token % 2 = 0`, `
+		INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, token, lease_expires_at, expires_at, resume_until)
+		SELECT 'a', 'res', 'open' || i, '\x00', 'processing', 100000 + i, now() - interval '1 second' * i, now() + interval '1 day',
+		       CASE WHEN i % 2 = 0 THEN now() + interval '1 hour' END
 		FROM generate_series(1, 100) i`, `
-		INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, token, lease_expires_at, last_error, expires_at)
-		SELECT 'a', 'res', 'unknown' || i, '\x00', 'unknown', 200000 + i, now() - interval '1 hour', 'x', now() + interval '1 day'
+		INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, token, lease_expires_at, last_error, expires_at, resume_until)
+		SELECT 'a', 'res', 'unknown' || i, '\x00', 'unknown', 200000 + i, now() - interval '1 hour', 'x', now() + interval '1 day',
+		       CASE WHEN i % 2 = 0 THEN now() + interval '1 hour' END
 		FROM generate_series(1, 100) i`,
 	} {
 		if _, err := pool.Exec(ctx, sql); err != nil {
@@ -177,11 +180,13 @@ func TestReservationScansUseTheirIndexWithStaleStatistics(t *testing.T) {
 			strings.Contains(p, "Sort") || strings.Contains(p, "Bitmap") {
 			t.Errorf("ReserveExpireLeases, %s statistics:\n%s", stats, p)
 		}
-		p = explain("", db.ReserveListUnknown, "'-infinity'", "''", "''", "''", "100")
 		// Either index of open reservations: a few rows, whatever the
 		// size of the table.
-		if !strings.Contains(p, "idem_keys_open_") || strings.Contains(p, "Seq Scan") {
-			t.Errorf("ReserveListUnknown, %s statistics:\n%s", stats, p)
+		for name, sql := range map[string]string{"ReserveListUnknown": db.ReserveListUnknown, "ReserveListResumable": db.ReserveListResumable} {
+			p = explain("", sql, "'-infinity'", "''", "''", "''", "100")
+			if !strings.Contains(p, "idem_keys_open_") || strings.Contains(p, "Seq Scan") {
+				t.Errorf("%s, %s statistics:\n%s", name, stats, p)
+			}
 		}
 	}
 }

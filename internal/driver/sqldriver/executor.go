@@ -81,7 +81,7 @@ func (e *executor) ReserveInsertOrLock(ctx context.Context, r driver.Reserve) (d
 	k := r.Key
 	ins, err := queries.ReserveInsert(ctx, e.tx, dbsql.ReserveInsertParams{
 		Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key, Fingerprint: r.Fingerprint[:],
-		LeaseMicros: r.Lease.Microseconds(), TtlMicros: e.d.ttlMicros,
+		LeaseMicros: r.Lease.Microseconds(), TtlMicros: e.d.ttlMicros, ResumeMicros: r.ResumeWithin.Microseconds(),
 	})
 	if err == nil {
 		return driver.Reserved{Inserted: true, Token: ins.Token, LeaseExpiresAt: ins.LeaseExpiresAt.Time}, nil
@@ -96,9 +96,10 @@ func (e *executor) ReserveInsertOrLock(ctx context.Context, r driver.Reserve) (d
 	return driver.Reserved{Found: err == nil, Row: row}, err
 }
 
-func (e *executor) ReserveAcquire(ctx context.Context, r driver.Reserve, token int64) (int64, time.Time, error) {
+func (e *executor) ReserveAcquire(ctx context.Context, r driver.Reserve, token int64, a driver.Attempt) (int64, time.Time, error) {
 	acq, err := queries.ReserveAcquire(ctx, e.tx, dbsql.ReserveAcquireParams{
 		Fingerprint: r.Fingerprint[:], TtlMicros: e.d.ttlMicros, LeaseMicros: r.Lease.Microseconds(),
+		Resume: a == driver.Resume, NewWindow: a == driver.NewRequest, ResumeMicros: r.ResumeWithin.Microseconds(),
 		Actor: r.Key.Actor, Operation: r.Key.Operation, IdemKey: r.Key.Key, Token: token,
 	})
 	return acq.Token, acq.LeaseExpiresAt.Time, err
@@ -124,9 +125,9 @@ func (e *executor) ReserveFailRetryable(ctx context.Context, k driver.Key, token
 	})
 }
 
-func (e *executor) ReserveHeartbeat(ctx context.Context, k driver.Key, token int64, extend time.Duration) (time.Time, error) {
+func (e *executor) ReserveHeartbeat(ctx context.Context, k driver.Key, token int64, extend time.Duration, resumed bool) (time.Time, error) {
 	lease, err := queries.ReserveHeartbeat(ctx, e.tx, dbsql.ReserveHeartbeatParams{
-		ExtendMicros: extend.Microseconds(), Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key, Token: token,
+		ExtendMicros: extend.Microseconds(), Resumed: resumed, Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key, Token: token,
 	})
 	return lease.Time, noRows(err)
 }
@@ -137,7 +138,7 @@ func (e *executor) ReserveLock(ctx context.Context, k driver.Key) (driver.Row, e
 	return driver.Row{
 		Fingerprint: r.Fingerprint, Status: r.Status, Token: r.Token,
 		Stored:  stored(r.ResponseStatus, r.ResponseHeaders, r.ResponseBody),
-		Expired: row.Expired, Leased: row.Leased, LeaseLeftMs: row.LeaseLeftMs,
+		Expired: row.Expired, Leased: row.Leased, LeaseLeftMs: row.LeaseLeftMs, InWindow: row.InWindow,
 	}, noRows(err)
 }
 
@@ -165,12 +166,27 @@ func (e *executor) ReserveExpireLeases(ctx context.Context, reason string, limit
 }
 
 func (e *executor) ReserveListUnknown(ctx context.Context, after *driver.Cursor, limit int32) ([]driver.Record, error) {
+	return list(after, limit, func(arg dbsql.ReserveListUnknownParams) ([]dbsql.IdemKey, error) {
+		return queries.ReserveListUnknown(ctx, e.tx, arg)
+	})
+}
+
+func (e *executor) ReserveListResumable(ctx context.Context, after *driver.Cursor, limit int32) ([]driver.Record, error) {
+	return list(after, limit, func(arg dbsql.ReserveListUnknownParams) ([]dbsql.IdemKey, error) {
+		return queries.ReserveListResumable(ctx, e.tx, dbsql.ReserveListResumableParams(arg))
+	})
+}
+
+// list reads a page of records with query, which takes the position after
+// the cursor (nil: the first page) and the page's size.
+func list(after *driver.Cursor, limit int32,
+	query func(arg dbsql.ReserveListUnknownParams) ([]dbsql.IdemKey, error)) ([]driver.Record, error) {
 	arg := dbsql.ReserveListUnknownParams{AfterCreatedAt: firstPage, MaxRows: limit}
 	if after != nil {
 		arg.AfterCreatedAt = after.CreatedAt
 		arg.AfterActor, arg.AfterOperation, arg.AfterKey = after.Key.Actor, after.Key.Operation, after.Key.Key
 	}
-	rows, err := queries.ReserveListUnknown(ctx, e.tx, arg)
+	rows, err := query(arg)
 	if err != nil {
 		return nil, err
 	}
@@ -189,7 +205,7 @@ func record(k dbsql.IdemKey) driver.Record {
 		Stored:    stored(k.ResponseStatus, k.ResponseHeaders, k.ResponseBody),
 		LastError: k.LastError.String, ResolveReason: k.ResolveReason.String,
 		CreatedAt: k.CreatedAt, CompletedAt: k.CompletedAt.Time, ExpiresAt: k.ExpiresAt,
-		LeaseExpiresAt: k.LeaseExpiresAt.Time,
+		LeaseExpiresAt: k.LeaseExpiresAt.Time, ResumeUntil: k.ResumeUntil.Time,
 	}
 }
 

@@ -1,0 +1,19 @@
+package idemsql_test
+
+import (
+	"testing"
+
+	"github.com/pgidem/idem/internal/callertest"
+)
+
+// Reservations made with a window, through idemsql with both drivers: see
+// callertest.Resume and callertest.ResumeRace.
+func TestResume(t *testing.T) {
+	t.Parallel()
+	eachDriver(t, func(t *testing.T, driver string) {
+		db, _ := migrated(t, driver)
+		callertest.Resume(t, callertest.SQLFront(db, false))
+		db, _ = migrated(t, driver)
+		callertest.ResumeRace(t, callertest.SQLFront(db, false), callertest.Trials(16))
+	})
+}
