@@ -283,8 +283,14 @@ func (s *payments) pay(ctx context.Context, user, key string, p paymentRequest, 
 
 // keepRequest stores p as the request of the payment (user, key).
 func keepRequest(ctx context.Context, pool *pgxpool.Pool, user, key string, p paymentRequest) error {
-	_, err := pool.Exec(ctx, `INSERT INTO payment_requests (actor, idem_key, request) VALUES ($1, $2, $3)
-		ON CONFLICT (actor, idem_key) DO UPDATE SET request = excluded.request`, user, key, p)
+	// Encoded here, not by pgx: behind a pooler in exec or simple-protocol
+	// mode pgx does not know the column's type and cannot encode a struct.
+	request, err := json.Marshal(p)
+	if err != nil {
+		return fmt.Errorf("keep the payment's request: %w", err)
+	}
+	_, err = pool.Exec(ctx, `INSERT INTO payment_requests (actor, idem_key, request) VALUES ($1, $2, $3::jsonb)
+		ON CONFLICT (actor, idem_key) DO UPDATE SET request = excluded.request`, user, key, string(request))
 	if err != nil {
 		return fmt.Errorf("keep the payment's request: %w", err)
 	}
