@@ -115,9 +115,12 @@ func (c *Client) ListUnknown(ctx context.Context, db Beginner, limit int, after 
 // fingerprint resumes the attempt (Reservation.Resumed) unless another
 // worker or the client's retry took it first (ErrInProgress, a replay):
 // make the outside calls again with the same call keys, then Complete,
-// FailRetryable or MarkUnknown as after any execution. Attempts whose lease
-// still runs are not listed, nor anything past its window (ListUnknown
-// lists those). Paging and the refusals of limit and after are
+// MarkUnknown (or FailRetryable, only when the receiver answered that it
+// holds nothing under the call key: see FailRetryable). 'processing'
+// attempts whose lease still runs are not listed ('unknown' ones are, at
+// once: a recovery worker may wait for their lease to run out, to leave
+// them to the client's retry first), nor anything past its window
+// (ListUnknown lists those). Paging and the refusals of limit and after are
 // ListUnknown's.
 func ListResumable(ctx context.Context, db Beginner, limit int, after *Record) ([]Record, error) {
 	return defaultClient.c.ListResumable(ctx, db, limit, after)

@@ -157,9 +157,10 @@ func (c *Client) Reserve(ctx context.Context, db Beginner, scope Scope, key stri
 
 // ReserveWith is Reserve with options: opts.Lease (DefaultLease when zero)
 // and opts.ResumeWithin, the window in which an attempt in doubt resumes
-// by itself (see ReserveOptions). It answers exactly as Reserve does, and
-// besides takes over an attempt in doubt inside the key's window: a nil
-// error, a new r.Token and r.Resumed true. Make the outside calls again
+// by itself (see ReserveOptions). It answers as Reserve does; like
+// Reserve, it takes over an attempt in doubt inside the key's window (the
+// window the key's first reservation set): a nil error, a new r.Token and
+// r.Resumed true. Make the outside calls again
 // with the same call keys (r.CallKey), then record the outcome as after
 // any execution. A stale worker of the attempt it took over is fenced.
 //
@@ -208,6 +209,12 @@ func (c *Client) Complete(ctx context.Context, tx pgx.Tx, r Reservation, resp Re
 // ErrFenced when the record is no longer this reservation's 'processing'
 // (its lease ran out and it turned unknown, an operator resolved it);
 // nothing changes. Use MarkUnknown whenever the work may have happened.
+//
+// For a resumed reservation (r.Resumed) "certainly did not happen" covers
+// the earlier attempts too: that this attempt's call never left the
+// process says nothing of theirs. Unless the receiver itself answered that
+// it holds nothing under the call key, use MarkUnknown (inside the window
+// the record stays resumable) or let the lease run out.
 func FailRetryable(ctx context.Context, db Beginner, r Reservation, reason string) error {
 	return defaultClient.c.FailRetryable(ctx, db, r, reason)
 }

@@ -18,7 +18,8 @@ import (
 // outside work in a short transaction of its own, committed before it
 // returns, and answers execute (r.Token > 0), replay (r.Replayed),
 // idem.ErrKeyReused, idem.ErrInProgress or idem.ErrOutcomeUnknown exactly
-// as idem.Reserve does. lease < 1µs, an invalid scope or key, or a nil db
+// as idem.Reserve does, and resumes an attempt in doubt inside the key's
+// window (r.Resumed) as it does. lease < 1µs, an invalid scope or key, or a nil db
 // are refused before anything runs.
 func Reserve(ctx context.Context, db *sql.DB, scope idem.Scope, key string, fp idem.Fingerprint, lease time.Duration) (idem.Reservation, error) {
 	return defaultClient.c.Reserve(ctx, db, scope, key, fp, lease)
@@ -32,10 +33,10 @@ func (c *Client) Reserve(ctx context.Context, db *sql.DB, scope idem.Scope, key 
 // ReserveWith is idem.ReserveWith on a *sql.DB: Reserve with options
 // (opts.Lease, idem.DefaultLease when zero, and opts.ResumeWithin, the
 // window in which an attempt in doubt resumes by itself; see
-// idem.ReserveOptions). It answers as Reserve does and besides takes over
-// an attempt in doubt inside the key's window (r.Resumed true: make the
-// outside calls again with the same call keys). Negative options, a Lease
-// under 1µs, a ResumeWithin shorter than the lease, an invalid scope or
+// idem.ReserveOptions). It answers as Reserve does; like Reserve, it takes
+// over an attempt in doubt inside the key's window (r.Resumed true: make
+// the outside calls again with the same call keys). Negative options, a
+// Lease under 1µs, a ResumeWithin shorter than the lease, an invalid scope or
 // key, or a nil db are refused with idem.ErrInvalidArgument (or
 // idem.ErrInvalidScope, idem.ErrInvalidKey) before anything runs.
 func ReserveWith(ctx context.Context, db *sql.DB, scope idem.Scope, key string, fp idem.Fingerprint, opts idem.ReserveOptions) (idem.Reservation, error) {

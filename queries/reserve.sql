@@ -31,7 +31,7 @@ RETURNING token, lease_expires_at;
 SELECT sqlc.embed(idem_keys),
        (expires_at <= now())::boolean AS expired,
        (lease_expires_at IS NOT NULL)::boolean AS leased,
-       coalesce((extract(epoch FROM lease_expires_at - now()) * 1000)::bigint, 0)::bigint AS lease_left_ms,
+       coalesce(ceil(extract(epoch FROM lease_expires_at - now()) * 1000)::bigint, 0)::bigint AS lease_left_ms,
        coalesce(resume_until > now(), false)::boolean AS in_window
 FROM idem_keys
 WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key

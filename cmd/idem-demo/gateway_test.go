@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"strings"
 	"sync"
@@ -138,6 +139,63 @@ func TestGatewayAnswersLost(t *testing.T) {
 	if !ok || c.Requests != 5 || len(relay.Requests()) != 5 || len(listCharges(t, gw)) != 1 {
 		t.Fatalf("charge %+v; relay saw %d requests", c, len(relay.Requests()))
 	}
+}
+
+// A resumed payment whose gateway cannot be reached stays in doubt: an
+// earlier attempt charged under the same call key, so "this attempt sent
+// nothing" is no proof that nothing was charged. The record stays
+// resumable (not failed_retryable, which would let a person's list miss
+// it), and the next retry gets the first charge back.
+func TestResumedPaymentNeverFailsRetryable(t *testing.T) {
+	t.Parallel()
+	drop := true
+	var mu sync.Mutex
+	s, gw, _ := relayedPayments(t, time.Second, func(*http.Request, int) httprelay.Action {
+		mu.Lock()
+		defer mu.Unlock()
+		if drop {
+			return httprelay.Action{Fault: httprelay.DropReply}
+		}
+		return httprelay.Action{}
+	})
+	s.resumeWithin = time.Hour
+	ctx := t.Context()
+	scope := idem.Scope{Actor: "alice", Operation: paymentOperation}
+	if _, _, err := s.pay(ctx, "alice", "resumed", demoPayment, ""); !errors.Is(err, errResumable) {
+		t.Fatalf("pay: %v", err)
+	}
+	relayURL := s.gatewayURL
+	s.gatewayURL = closedURL(t) // the retry resumes, but reaches no gateway
+	if _, _, err := s.pay(ctx, "alice", "resumed", demoPayment, ""); !errors.Is(err, errResumable) {
+		t.Fatalf("resumed retry without a gateway: %v", err)
+	}
+	rec, err := idem.Lookup(ctx, s.pool, scope, "resumed")
+	if err != nil || rec.Status != idem.StatusUnknown {
+		t.Fatalf("record after the unreachable gateway: %+v %v", rec, err)
+	}
+	mu.Lock()
+	drop = false
+	mu.Unlock()
+	s.gatewayURL = relayURL
+	resp, replayed, err := s.pay(ctx, "alice", "resumed", demoPayment, "")
+	if err != nil || resp.Status != http.StatusCreated || replayed {
+		t.Fatalf("resumed retry: %d %t %v", resp.Status, replayed, err)
+	}
+	if n := len(listCharges(t, gw)); n != 1 {
+		t.Fatalf("%d charges", n)
+	}
+}
+
+// closedURL is the URL of a port on 127.0.0.1 that nothing listens on.
+func closedURL(t *testing.T) string {
+	t.Helper()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	l.Close()
+	return "http://" + addr
 }
 
 // The gateway deduplicates by Idempotency-Key as Stripe does: a retry gets

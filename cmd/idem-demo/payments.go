@@ -274,7 +274,7 @@ func (s *payments) pay(ctx context.Context, user, key string, p paymentRequest, 
 	// request again after a crash (the gateway refuses another one under
 	// the same key).
 	if err := keepRequest(ctx, s.pool, user, key, p); err != nil {
-		_ = idem.FailRetryable(context.WithoutCancel(ctx), s.pool, r, "nothing sent: "+err.Error())
+		_ = s.notCharged(context.WithoutCancel(ctx), r, "nothing sent: "+err.Error())
 		return idem.Response{}, false, err
 	}
 	resp, err = s.execute(ctx, r, p, mode)
@@ -326,19 +326,9 @@ func (s *payments) execute(ctx context.Context, r idem.Reservation, p paymentReq
 		})
 		return resp, err
 	case errors.Is(err, errGatewayUnavailable):
-		if err := idem.FailRetryable(ctx, s.pool, r, err.Error()); err != nil {
-			return idem.Response{}, err
-		}
-		return idem.Response{}, errNotCharged
+		return idem.Response{}, s.notCharged(ctx, r, err.Error())
 	case err != nil:
-		if err := idem.MarkUnknown(ctx, s.pool, r, err.Error()); err != nil {
-			return idem.Response{}, err
-		}
-		rec, err := idem.Lookup(ctx, s.pool, r.Scope, r.Key)
-		if err == nil && rec.ResumeUntil.After(time.Now()) {
-			return idem.Response{}, errResumable
-		}
-		return idem.Response{}, errOutcomeUnknown
+		return idem.Response{}, s.inDoubt(ctx, r, err.Error())
 	}
 
 	resp = paymentResponse(charge)
@@ -356,6 +346,34 @@ func (s *payments) execute(ctx context.Context, r idem.Reservation, p paymentReq
 		_ = idem.MarkUnknown(context.WithoutCancel(ctx), s.pool, r, "charged, but recording the payment failed: "+err.Error())
 	}
 	return resp, err
+}
+
+// notCharged records that this attempt of the payment charged nothing: the
+// record becomes failed_retryable and a retry runs (errNotCharged). A
+// resumed payment is in doubt all the same (inDoubt): an earlier attempt
+// may have charged under the same call key, which this one never sent.
+func (s *payments) notCharged(ctx context.Context, r idem.Reservation, reason string) error {
+	if r.Resumed {
+		return s.inDoubt(ctx, r, reason)
+	}
+	if err := idem.FailRetryable(ctx, s.pool, r, reason); err != nil {
+		return err
+	}
+	return errNotCharged
+}
+
+// inDoubt records that the payment may have been charged: the record
+// becomes unknown, resumable inside its window (errResumable), an
+// operator's case past it (errOutcomeUnknown).
+func (s *payments) inDoubt(ctx context.Context, r idem.Reservation, reason string) error {
+	if err := idem.MarkUnknown(ctx, s.pool, r, reason); err != nil {
+		return err
+	}
+	rec, err := idem.Lookup(ctx, s.pool, r.Scope, r.Key)
+	if err == nil && rec.ResumeUntil.After(time.Now()) {
+		return errResumable
+	}
+	return errOutcomeUnknown
 }
 
 // recoverEvery is how often serve's recovery worker looks for payments to

@@ -366,7 +366,8 @@ func Resume(t *testing.T, newFront NewFront) {
 			t.Fatal(err)
 		}
 		expired += n
-		return expired == 1
+		// k5's window ends a little after k4's: it was reserved later.
+		return expired == 1 && !listed(t, f.ListResumable, "k5")
 	})
 	if !listed(t, f.ListUnknown, "k4") || !listed(t, f.ListUnknown, "k5") || listed(t, f.ListResumable, "k4") || listed(t, f.ListResumable, "k5") {
 		t.Fatal("past the window, attempts in doubt are ListUnknown's")

@@ -29,6 +29,13 @@ import (
 // holds a control character, or when r has no key or scope (a zero
 // Reservation); idem's clients refuse a call with an empty key, before
 // sending anything, with an error wrapping ErrInvalidKey.
+//
+// Past the key's TTL (Config.TTL) idem takes the same key for a new
+// request, and that request derives the same call keys: a receiver that
+// still remembers them would answer it with the first request's result.
+// Keep the TTL at least as long as the receivers remember keys (Stripe: 24
+// hours, idem's default TTL), or let clients use a key per operation that
+// is never reused.
 func (r Reservation) CallKey(step string) string {
 	return deriveCallKey(r.Scope, r.Key, step)
 }
