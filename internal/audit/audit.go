@@ -267,13 +267,18 @@ func Forget(ctx context.Context, db idem.Beginner, c *idem.Client, operator stri
 	return e, nil
 }
 
-// ExpireLeases turns the reservations whose lease ran out by cutoff (and by
-// the database clock) and that f matches into 'unknown', as idem's
-// ExpireLeases does (the token kept: their workers are fenced), in one
-// statement and one transaction with its audit row, and returns the row
-// (Changed: how many). Give it the cutoff of ExpirableCount to act on at
-// most the reservations it counted. When none matched, nothing changed and
-// no row is written (Changed 0, ID 0). A bad filter or operator name is
+// ExpireLeases turns into 'unknown' the reservations that needed a person
+// at the instant cutoff (or now, when cutoff is later) and that f matches,
+// as idem's ExpireLeases does (the token kept: their workers are fenced),
+// in one statement and one transaction with its audit row, and returns the
+// row (Changed: how many). Every condition on time is evaluated at that
+// instant: the lease ran out by then, the window to resume (if any) had
+// ended by then, and the attempt was at least f.MinAge old then. Given the
+// cutoff of ExpirableCount, it acts on at most the reservations that count
+// counted: a lease that runs out, a window that ends or an attempt that
+// reaches f.MinAge after the count is left alone, and a reservation that
+// finished meanwhile stays finished. When none matched, nothing changed
+// and no row is written (Changed 0, ID 0). A bad filter or operator name is
 // ErrInvalidArgument.
 func ExpireLeases(ctx context.Context, db idem.Beginner, c *idem.Client, operator string, f Filter, cutoff time.Time) (Entry, error) {
 	c, err := check(c, db, operator)
@@ -306,8 +311,10 @@ func ExpireLeases(ctx context.Context, db idem.Beginner, c *idem.Client, operato
 }
 
 // ExpirableCount counts the reservations whose lease ran out that f
-// matches, and returns the database time of the count: ExpireLeases with
-// that cutoff acts on these and no others.
+// matches (past their window to resume, if any), and returns the database
+// time of the count, at which every condition on time was evaluated:
+// ExpireLeases with that cutoff evaluates them at the same instant, and
+// acts on these and no others.
 func ExpirableCount(ctx context.Context, q Planned, f Filter) (int64, time.Time, error) {
 	if err := f.Check(); err != nil {
 		return 0, time.Time{}, err
