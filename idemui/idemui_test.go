@@ -339,12 +339,17 @@ func TestReadOnly(t *testing.T) {
 	e := newEnv(t, func(o *idemui.Options) { o.ReadOnly = true })
 	u := e.unknown(pay, "order-4", "timeout")
 	e.succeeded(pay, "done", idem.Response{Status: 200})
-	for _, path := range []string{"/idem/", "/idem/unknown", keyPath(pay, "order-4"), keyPath(pay, "done")} {
+	e.lapsed(pay, "lapsed")
+	for _, path := range []string{"/idem/", "/idem/unknown", keyPath(pay, "order-4"), keyPath(pay, "done"), "/idem/expire-leases"} {
 		res := e.get(path)
 		if res.status != 200 || strings.Contains(res.body, "<form method=\"post\"") || strings.Contains(res.body, "Count them") ||
 			!strings.Contains(res.body, "Read-only") {
 			t.Errorf("%s offers a form in read-only mode (or does not say read-only):\n%s", path, res.body)
 		}
+	}
+	if res := e.get("/idem/expire-leases"); !strings.Contains(res.body, "<b>1</b> reservation's lease ran out") ||
+		!strings.Contains(res.body, "This console is read-only") {
+		t.Errorf("the read-only confirmation page does not show the count and say that it cannot expire:\n%s", res.body)
 	}
 	before := e.state()
 	for _, tc := range []struct{ path, ctype, body string }{
