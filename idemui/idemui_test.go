@@ -256,6 +256,65 @@ func TestStaleTokenRefused(t *testing.T) {
 	}
 }
 
+// A form refused because the record moved on to another attempt is shown
+// again about the attempt it was about (never silently about the new one),
+// and the page says which attempt the record holds now.
+func TestRefusedFormSaysWhichAttempt(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	apiPath := func(key string) string { return "/idem/api" + strings.TrimPrefix(keyPath(pay, key), "/idem") }
+	// A verdict: another operator decides, and a new attempt of the key ends
+	// in doubt again before this form is sent.
+	old := e.unknown(pay, "order-9", "timeout")
+	if res := e.postJSON(apiPath("order-9")+"/resolve",
+		map[string]any{"token": old.Token, "verdict": "retryable", "reason": "declined"}); res.status != 200 {
+		t.Fatalf("first verdict: %d %s", res.status, res.body)
+	}
+	now := e.unknown(pay, "order-9", "timeout again")
+	res := e.postForm(keyPath(pay, "order-9")+"/resolve", url.Values{
+		"token": {strconv.FormatInt(old.Token, 10)}, "verdict": {"retryable"}, "reason": {"not charged"}})
+	if res.status != http.StatusConflict {
+		t.Fatalf("stale verdict: %d\n%s", res.status, res.body)
+	}
+	for _, want := range []string{
+		fmt.Sprintf("Record a verdict on attempt #%d", old.Token),
+		fmt.Sprintf(`name="token" value="%d"`, old.Token),
+		fmt.Sprintf("Your form was about attempt #%d, the record now holds #%d", old.Token, now.Token),
+		`href="` + html.EscapeString(keyPath(pay, "order-9")) + `"`,
+	} {
+		if !strings.Contains(res.body, want) {
+			t.Errorf("the refused verdict's page lacks %q", want)
+		}
+	}
+	if bad := fmt.Sprintf("Record a verdict on attempt #%d", now.Token); strings.Contains(res.body, bad) {
+		t.Errorf("the refused form names the record's new attempt (%q) but sends the old token", bad)
+	}
+	// A forget: the key was forgotten and used again before this form is sent.
+	first := e.succeeded(pay, "paid", idem.Response{Status: 200})
+	firstAt := e.lookup(pay, "paid").CreatedAt.UTC().Format(time.RFC3339Nano)
+	if res := e.postJSON(apiPath("paid")+"/forget", map[string]any{"token": first.Token, "created_at": firstAt}); res.status != 200 {
+		t.Fatalf("first forget: %d %s", res.status, res.body)
+	}
+	second := e.succeeded(pay, "paid", idem.Response{Status: 200})
+	res = e.postForm(keyPath(pay, "paid")+"/forget", url.Values{
+		"token": {strconv.FormatInt(first.Token, 10)}, "created_at": {firstAt}})
+	if res.status != http.StatusConflict {
+		t.Fatalf("stale forget: %d\n%s", res.status, res.body)
+	}
+	for _, want := range []string{
+		fmt.Sprintf(`name="token" value="%d"`, first.Token),
+		`name="created_at" value="` + firstAt + `"`,
+		fmt.Sprintf("Your form was about attempt #%d, the record now holds #%d", first.Token, second.Token),
+	} {
+		if !strings.Contains(res.body, want) {
+			t.Errorf("the refused forget's page lacks %q", want)
+		}
+	}
+	if bad := fmt.Sprintf(`name="token" value="%d"`, second.Token); strings.Contains(res.body, bad) {
+		t.Errorf("the refused forget form was swapped to the record's new attempt (%q)", bad)
+	}
+}
+
 // Bad input is a typed 400, and nothing changes.
 func TestBadInputChangesNothing(t *testing.T) {
 	t.Parallel()
