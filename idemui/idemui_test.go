@@ -12,8 +12,11 @@ import (
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemui"
@@ -312,6 +315,59 @@ func TestRefusedFormSaysWhichAttempt(t *testing.T) {
 	}
 	if bad := fmt.Sprintf(`name="token" value="%d"`, second.Token); strings.Contains(res.body, bad) {
 		t.Errorf("the refused forget form was swapped to the record's new attempt (%q)", bad)
+	}
+}
+
+// lastingDB is a database handle that, once armed, begins only so many
+// more transactions and fails every Begin after them, as a database that
+// goes away.
+type lastingDB struct {
+	next idem.Beginner
+	left atomic.Int64 // Begins left; negative: not armed
+}
+
+func (d *lastingDB) Begin(ctx context.Context) (pgx.Tx, error) {
+	if d.left.Load() >= 0 && d.left.Add(-1) < 0 {
+		return nil, errors.New("the database went away")
+	}
+	return d.next.Begin(ctx)
+}
+
+// A verdict through the API that committed is answered as committed, with
+// its audit row and the record as the verdict left it, even when the
+// database cannot be reached any more right after the commit.
+func TestResolveAPIAnswersTheCommittedChange(t *testing.T) {
+	t.Parallel()
+	db := &lastingDB{}
+	db.left.Store(-1)
+	e := newEnv(t, func(o *idemui.Options) { db.next = o.DB; o.DB = db })
+	u := e.unknown(pay, "order-10", "timeout")
+	db.left.Store(1)
+	res := e.postJSON("/idem/api"+strings.TrimPrefix(keyPath(pay, "order-10"), "/idem")+"/resolve",
+		map[string]any{"token": u.Token, "verdict": "retryable", "reason": "not charged"})
+	db.left.Store(-1)
+	rec := e.lookup(pay, "order-10")
+	if rec.Status != idem.StatusFailedRetryable {
+		t.Fatalf("the verdict did not commit: %+v (answer %d %s)", rec, res.status, res.body)
+	}
+	var out struct {
+		Record struct {
+			Status idem.Status
+			Token  int64
+		}
+		Audit struct {
+			ID          int64
+			Verdict     string
+			TokenBefore int64 `json:"token_before"`
+			TokenAfter  int64 `json:"token_after"`
+		}
+	}
+	if err := json.Unmarshal([]byte(res.body), &out); res.status != 200 || err != nil {
+		t.Fatalf("a committed verdict answered %d (%v):\n%s", res.status, err, res.body)
+	}
+	if out.Record.Status != idem.StatusFailedRetryable || out.Record.Token != rec.Token || out.Audit.ID == 0 ||
+		out.Audit.Verdict != "retryable" || out.Audit.TokenBefore != u.Token || out.Audit.TokenAfter != rec.Token {
+		t.Fatalf("the answer does not show the committed verdict: %+v\n%s", out, res.body)
 	}
 }
 

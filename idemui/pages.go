@@ -524,7 +524,7 @@ func (q *request) resolvePage() {
 		q.refused(err, in)
 		return
 	}
-	if _, err := audit.Resolve(q.r.Context(), q.c.opts.DB, q.client(), q.operator, q.params.scope, q.params.key, res); err != nil {
+	if _, _, err := audit.Resolve(q.r.Context(), q.c.opts.DB, q.client(), q.operator, q.params.scope, q.params.key, res); err != nil {
 		q.refused(err, in)
 		return
 	}

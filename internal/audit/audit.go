@@ -183,15 +183,18 @@ func write(ctx context.Context, c *idem.Client, db idem.Beginner, fn func(ctx co
 
 // Resolve records an operator's verdict on the record of (scope, key) with
 // c.Resolve (nil c: the package-level functions' defaults), in one
-// transaction with its audit row, and returns the row. The errors are
+// transaction with its audit row, and returns the row and the record as
+// the verdict left it, read in that transaction (so that a caller that
+// shows it needs no second read, which could fail after the commit). The
+// errors are
 // Resolve's (ErrFenced when res.Token is not the record's token now,
 // ErrNotResolvable, ErrNotFound, ErrInvalidArgument, ...), and an operator
 // name that is empty, too long or not valid text is ErrInvalidArgument;
 // on any error nothing changed and no row was written.
-func Resolve(ctx context.Context, db idem.Beginner, c *idem.Client, operator string, scope idem.Scope, key string, res idem.Resolution) (Entry, error) {
+func Resolve(ctx context.Context, db idem.Beginner, c *idem.Client, operator string, scope idem.Scope, key string, res idem.Resolution) (Entry, idem.Record, error) {
 	c, err := check(c, db, operator)
 	if err != nil {
-		return Entry{}, err
+		return Entry{}, idem.Record{}, err
 	}
 	e := Entry{Operator: operator, Action: ActionResolve, Scope: scope, Key: key, Reason: res.Reason, Changed: 1,
 		Verdict: VerdictRetryable}
@@ -199,6 +202,7 @@ func Resolve(ctx context.Context, db idem.Beginner, c *idem.Client, operator str
 		e.Verdict = VerdictSucceeded
 		e.Detail, _ = json.Marshal(map[string]int{"response_status": res.Succeeded.Status})
 	}
+	var rec idem.Record
 	err = write(ctx, c, db, func(ctx context.Context, tx pgx.Tx) error {
 		// Lookup validates the scope and key with c's limits first.
 		if _, err := c.Lookup(ctx, tx, scope, key); err != nil {
@@ -212,18 +216,18 @@ func Resolve(ctx context.Context, db idem.Beginner, c *idem.Client, operator str
 		if err := c.Resolve(ctx, tx, scope, key, res); err != nil {
 			return err
 		}
-		after, err := queries.AuditLockKey(ctx, Planned{tx}, k)
-		if err != nil {
+		// The record stays locked by this transaction: this is what commits.
+		if rec, err = c.Lookup(ctx, tx, scope, key); err != nil {
 			return err
 		}
 		e.TokenBefore, e.StatusBefore, e.HasBefore = before.Token, idem.Status(before.Status), true
-		e.TokenAfter, e.StatusAfter, e.HasAfter = after.Token, idem.Status(after.Status), true
+		e.TokenAfter, e.StatusAfter, e.HasAfter = rec.Token, rec.Status, true
 		return insert(ctx, tx, &e)
 	})
 	if err != nil {
-		return Entry{}, err
+		return Entry{}, idem.Record{}, err
 	}
-	return e, nil
+	return e, rec, nil
 }
 
 // Forget deletes the record of a finished key with c.Forget, in one

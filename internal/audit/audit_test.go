@@ -57,7 +57,7 @@ func TestOperatorChecked(t *testing.T) {
 	pool, r := unknownRecord(t)
 	before := rows(t, pool)
 	for _, op := range []string{"", "a\x00b", "\xff", strings.Repeat("o", audit.MaxOperatorLength+1)} {
-		_, err := audit.Resolve(ctx, pool, nil, op, scope, "k", idem.Resolution{Token: r.Token, Retryable: true})
+		_, _, err := audit.Resolve(ctx, pool, nil, op, scope, "k", idem.Resolution{Token: r.Token, Retryable: true})
 		if !errors.Is(err, idem.ErrInvalidArgument) {
 			t.Errorf("operator %q: %v", op, err)
 		}
@@ -85,7 +85,7 @@ func TestInTheCallersTransaction(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		e, err := audit.Resolve(ctx, tx, nil, "sam", scope, "k", idem.Resolution{Token: r.Token, Retryable: true, Reason: "no charge"})
+		e, _, err := audit.Resolve(ctx, tx, nil, "sam", scope, "k", idem.Resolution{Token: r.Token, Retryable: true, Reason: "no charge"})
 		if err != nil || e.ID == 0 || e.TokenBefore != r.Token || e.TokenAfter <= r.Token ||
 			e.StatusBefore != idem.StatusUnknown || e.StatusAfter != idem.StatusFailedRetryable {
 			t.Fatalf("resolve: %+v, %v", e, err)
