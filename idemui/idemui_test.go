@@ -478,6 +478,25 @@ func TestReadOnly(t *testing.T) {
 			t.Errorf("POST %s in read-only mode: %d (Allow %q)", tc.path, res.status, res.header.Get("Allow"))
 		}
 	}
+	// Every method other than GET and HEAD, on any address: a route or not,
+	// a bad one, the API's root.
+	for _, tc := range []struct{ method, path string }{
+		{"POST", "/idem/nowhere"}, {"POST", "/idem/api/"}, {"POST", "/idem/api/nowhere"}, {"POST", "/idem/keys/a/b"},
+		{"POST", "/idem/api/keys/a/b/c/d/e"}, {"POST", "/idem/"}, {"POST", "/idem/unknown"}, {"PUT", "/idem/expire-leases"},
+		{"DELETE", keyPath(pay, "done")}, {"PATCH", "/idem/api/overview"}, {"OPTIONS", "/idem/"},
+	} {
+		res := e.do(tc.method, tc.path, "application/x-www-form-urlencoded", "")
+		code := ""
+		if strings.HasPrefix(tc.path, "/idem/api/") {
+			code = res.code()
+		} else if strings.Contains(res.body, `<code>read_only</code>`) {
+			code = "read_only"
+		}
+		if res.status != http.StatusMethodNotAllowed || res.header.Get("Allow") != "GET, HEAD" || code != "read_only" {
+			t.Errorf("%s %s in read-only mode: %d (Allow %q, code %q), want 405 read_only", tc.method, tc.path, res.status,
+				res.header.Get("Allow"), code)
+		}
+	}
 	if after := e.state(); after != before {
 		t.Fatalf("read-only mode changed something:\n%s\n%s", before, after)
 	}
