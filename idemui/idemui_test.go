@@ -8,6 +8,7 @@ import (
 	"html"
 	"net/http"
 	"net/url"
+	"os"
 	"regexp"
 	"slices"
 	"strconv"
@@ -1014,4 +1015,119 @@ func TestResumingIsNotAPersons(t *testing.T) {
 			t.Errorf("the page of %s:\n%.3000s", key, page.body)
 		}
 	}
+}
+
+// The console guide's table of the JSON API names every field that each
+// route answers with: the test fills the records so that the fields left
+// out when empty are there, and looks each name up in the route's row.
+func TestAPIFieldsDocumented(t *testing.T) {
+	t.Parallel()
+	doc, err := os.ReadFile("../docs/console.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	rows := map[string]string{} // a route, without its query, and the rest of its row
+	for _, line := range strings.Split(string(doc), "\n") {
+		if strings.HasPrefix(line, "| `GET api/") || strings.HasPrefix(line, "| `POST api/") {
+			cells := strings.SplitN(line, "|", 3)
+			route, _, _ := strings.Cut(strings.Trim(strings.TrimSpace(cells[1]), "`"), "?")
+			rows[route] = cells[2]
+		}
+	}
+	ctx := context.Background()
+	e := newEnv(t, nil)
+	api := func(key string) string { return "/idem/api" + strings.TrimPrefix(keyPath(pay, key), "/idem") }
+	if _, err := idem.ReserveWith(ctx, e.pool, pay, "resuming", fp,
+		idem.ReserveOptions{Lease: time.Microsecond, ResumeWithin: time.Hour}); err != nil {
+		t.Fatal(err)
+	}
+	e.lapsed(pay, "lapsed")
+	e.unknown(pay, "open", "gateway timeout")
+	decided := e.unknown(pay, "decided", "timeout")
+	e.succeeded(pay, "binary", idem.Response{Status: 200, Body: []byte{0xff, 0xfe}})
+	forget := e.succeeded(pay, "forget-me", idem.Response{Status: 200})
+	e.reserve(pay, "in-flight", time.Hour)
+
+	var count struct{ Cutoff string }
+	expirable := e.get("/idem/api/expire-leases")
+	if err := json.Unmarshal([]byte(expirable.body), &count); err != nil {
+		t.Fatal(err)
+	}
+	answers := []struct {
+		route string
+		res   response
+		skip  []string // fields documented elsewhere: not looked into
+	}{
+		{"POST api/keys/{actor}/{operation}/{key}/resolve", e.postJSON(api("decided")+"/resolve", map[string]any{
+			"token": decided.Token, "verdict": "succeeded", "status": 201, "body": `{"ok":true}`,
+			"content_type": "application/json", "reason": "captured"}), []string{"record", "audit"}},
+		{"POST api/keys/{actor}/{operation}/{key}/forget", e.postJSON(api("forget-me")+"/forget", map[string]any{
+			"token": forget.Token, "created_at": e.lookup(pay, "forget-me").CreatedAt.Format(time.RFC3339Nano)}), []string{"audit"}},
+		{"GET api/expire-leases", expirable, nil},
+		{"POST api/expire-leases", e.postJSON("/idem/api/expire-leases", map[string]any{"cutoff": count.Cutoff}), []string{"audit"}},
+		{"POST api/prune", e.postJSON("/idem/api/prune", map[string]any{}), []string{"audit"}},
+		{"GET api/overview", e.get("/idem/api/overview"), []string{"keys", "hourly"}},
+		{"GET api/unknown", e.get("/idem/api/unknown?limit=1"), nil},
+		{"GET api/keys/{actor}/{operation}/{key}", e.get(api("resuming")), []string{"audit", "header"}},
+		{"GET api/keys/{actor}/{operation}/{key}", e.get(api("decided")), []string{"audit", "header"}},
+		{"GET api/keys/{actor}/{operation}/{key}", e.get(api("binary")), []string{"audit", "header"}},
+		{"GET api/search", e.get("/idem/api/search?actor=acme"), nil},
+		{"GET api/audit", e.get("/idem/api/audit?limit=1"), []string{"detail"}},
+		{"GET api/audit", e.get("/idem/api/audit?action=resolve"), []string{"detail"}},
+	}
+	seen := map[string]bool{}
+	for _, a := range answers {
+		row, ok := rows[a.route]
+		if !ok {
+			t.Errorf("docs/console.md has no row for %s", a.route)
+			continue
+		}
+		if a.res.status != 200 {
+			t.Fatalf("%s: %d %s", a.route, a.res.status, a.res.body)
+		}
+		var v any
+		if err := json.Unmarshal([]byte(a.res.body), &v); err != nil {
+			t.Fatalf("%s: %v", a.route, err)
+		}
+		var missing []string
+		for _, name := range fieldNames(v, a.skip) {
+			seen[name] = true
+			if !strings.Contains(row, "`"+name+"`") && !slices.Contains(missing, name) {
+				missing = append(missing, name)
+			}
+		}
+		if len(missing) > 0 {
+			t.Errorf("%s answers with %q, which its row in docs/console.md does not name", a.route, missing)
+		}
+	}
+	// The fields left out when empty were there to be checked.
+	for _, name := range []string{"now", "oldest_needs_person", "oldest_in_flight", "resumable", "resume_until", "completed_at",
+		"lease_expires_at", "last_error", "resolve_reason", "response", "header", "body", "body_base64", "next", "token_before",
+		"verdict", "detail", "expired"} {
+		if !seen[name] {
+			t.Errorf("no answer had %q to check", name)
+		}
+	}
+}
+
+// fieldNames is the names of the fields of the JSON value v and of the
+// objects in it, apart from inside the fields named in skip and inside
+// counts ({"n": ...}, documented once).
+func fieldNames(v any, skip []string) []string {
+	var out []string
+	switch v := v.(type) {
+	case map[string]any:
+		for name, f := range v {
+			out = append(out, name)
+			if obj, ok := f.(map[string]any); slices.Contains(skip, name) || ok && obj["n"] != nil {
+				continue
+			}
+			out = append(out, fieldNames(f, skip)...)
+		}
+	case []any:
+		for _, f := range v {
+			out = append(out, fieldNames(f, skip)...)
+		}
+	}
+	return out
 }
