@@ -172,13 +172,9 @@ func (q *request) resolveAPI() {
 		q.fail(err)
 		return
 	}
-	ctx := q.r.Context()
-	e, err := audit.Resolve(ctx, q.c.opts.DB, q.client(), q.operator, q.params.scope, q.params.key, res)
-	if err != nil {
-		q.fail(err)
-		return
-	}
-	rec, err := q.c.lookup(ctx, q.params.scope, q.params.key)
+	// The record is read in the verdict's own transaction: once that
+	// commits, the answer is the committed change, never an error.
+	e, rec, err := audit.Resolve(q.r.Context(), q.c.opts.DB, q.client(), q.operator, q.params.scope, q.params.key, res)
 	if err != nil {
 		q.fail(err)
 		return

@@ -36,7 +36,9 @@
 // stylesheet and images (no script at all), X-Frame-Options DENY,
 // Referrer-Policy no-referrer and Cache-Control no-store. Every stored
 // value is escaped: a stored body is shown as text, never rendered. With
-// ReadOnly, the forms are hidden and every POST is refused with 405.
+// ReadOnly, the forms are hidden and every request other than GET and HEAD
+// is refused with 405, whatever its address (after the cross-origin check
+// and Authorize).
 //
 // At scale: every page reads through an index of idem_keys or a bounded
 // sample of its pages, never the whole table; counts that would need the
@@ -184,6 +186,13 @@ func (c *console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			Message: "You are not allowed to do this here. Nothing changed."})
 		return
 	}
+	if c.opts.ReadOnly && !safe {
+		// Whatever the address: a read-only console takes GET and HEAD only.
+		w.Header().Set("Allow", "GET, HEAD")
+		c.fail(w, r, api, &problem{Status: http.StatusMethodNotAllowed, Code: "read_only",
+			Message: "This console is read-only: it changes nothing."})
+		return
+	}
 	req := &request{r: r, w: w, c: c, operator: operator, api: api, params: rt.params}
 	switch {
 	case rt.problem != nil:
@@ -204,11 +213,6 @@ func (c *console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		w.Header().Set("Allow", "GET, HEAD")
 		c.fail(w, r, api, &problem{Status: http.StatusMethodNotAllowed, Code: "method_not_allowed",
 			Message: "This address only takes a GET."})
-		return
-	case c.opts.ReadOnly:
-		w.Header().Set("Allow", "GET, HEAD")
-		c.fail(w, r, api, &problem{Status: http.StatusMethodNotAllowed, Code: "read_only",
-			Message: "This console is read-only: it changes nothing."})
 		return
 	}
 	if err := checkOperator(operator); err != nil {

@@ -8,12 +8,16 @@ import (
 	"html"
 	"net/http"
 	"net/url"
+	"os"
 	"regexp"
 	"slices"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/jackc/pgx/v5"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemui"
@@ -256,6 +260,118 @@ func TestStaleTokenRefused(t *testing.T) {
 	}
 }
 
+// A form refused because the record moved on to another attempt is shown
+// again about the attempt it was about (never silently about the new one),
+// and the page says which attempt the record holds now.
+func TestRefusedFormSaysWhichAttempt(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	apiPath := func(key string) string { return "/idem/api" + strings.TrimPrefix(keyPath(pay, key), "/idem") }
+	// A verdict: another operator decides, and a new attempt of the key ends
+	// in doubt again before this form is sent.
+	old := e.unknown(pay, "order-9", "timeout")
+	if res := e.postJSON(apiPath("order-9")+"/resolve",
+		map[string]any{"token": old.Token, "verdict": "retryable", "reason": "declined"}); res.status != 200 {
+		t.Fatalf("first verdict: %d %s", res.status, res.body)
+	}
+	now := e.unknown(pay, "order-9", "timeout again")
+	res := e.postForm(keyPath(pay, "order-9")+"/resolve", url.Values{
+		"token": {strconv.FormatInt(old.Token, 10)}, "verdict": {"retryable"}, "reason": {"not charged"}})
+	if res.status != http.StatusConflict {
+		t.Fatalf("stale verdict: %d\n%s", res.status, res.body)
+	}
+	for _, want := range []string{
+		fmt.Sprintf("Record a verdict on attempt #%d", old.Token),
+		fmt.Sprintf(`name="token" value="%d"`, old.Token),
+		fmt.Sprintf("Your form was about attempt #%d, the record now holds #%d", old.Token, now.Token),
+		`href="` + html.EscapeString(keyPath(pay, "order-9")) + `"`,
+	} {
+		if !strings.Contains(res.body, want) {
+			t.Errorf("the refused verdict's page lacks %q", want)
+		}
+	}
+	if bad := fmt.Sprintf("Record a verdict on attempt #%d", now.Token); strings.Contains(res.body, bad) {
+		t.Errorf("the refused form names the record's new attempt (%q) but sends the old token", bad)
+	}
+	// A forget: the key was forgotten and used again before this form is sent.
+	first := e.succeeded(pay, "paid", idem.Response{Status: 200})
+	firstAt := e.lookup(pay, "paid").CreatedAt.UTC().Format(time.RFC3339Nano)
+	if res := e.postJSON(apiPath("paid")+"/forget", map[string]any{"token": first.Token, "created_at": firstAt}); res.status != 200 {
+		t.Fatalf("first forget: %d %s", res.status, res.body)
+	}
+	second := e.succeeded(pay, "paid", idem.Response{Status: 200})
+	res = e.postForm(keyPath(pay, "paid")+"/forget", url.Values{
+		"token": {strconv.FormatInt(first.Token, 10)}, "created_at": {firstAt}})
+	if res.status != http.StatusConflict {
+		t.Fatalf("stale forget: %d\n%s", res.status, res.body)
+	}
+	for _, want := range []string{
+		fmt.Sprintf(`name="token" value="%d"`, first.Token),
+		`name="created_at" value="` + firstAt + `"`,
+		fmt.Sprintf("Your form was about attempt #%d, the record now holds #%d", first.Token, second.Token),
+	} {
+		if !strings.Contains(res.body, want) {
+			t.Errorf("the refused forget's page lacks %q", want)
+		}
+	}
+	if bad := fmt.Sprintf(`name="token" value="%d"`, second.Token); strings.Contains(res.body, bad) {
+		t.Errorf("the refused forget form was swapped to the record's new attempt (%q)", bad)
+	}
+}
+
+// lastingDB is a database handle that, once armed, begins only so many
+// more transactions and fails every Begin after them, as a database that
+// goes away.
+type lastingDB struct {
+	next idem.Beginner
+	left atomic.Int64 // Begins left; negative: not armed
+}
+
+func (d *lastingDB) Begin(ctx context.Context) (pgx.Tx, error) {
+	if d.left.Load() >= 0 && d.left.Add(-1) < 0 {
+		return nil, errors.New("the database went away")
+	}
+	return d.next.Begin(ctx)
+}
+
+// A verdict through the API that committed is answered as committed, with
+// its audit row and the record as the verdict left it, even when the
+// database cannot be reached any more right after the commit.
+func TestResolveAPIAnswersTheCommittedChange(t *testing.T) {
+	t.Parallel()
+	db := &lastingDB{}
+	db.left.Store(-1)
+	e := newEnv(t, func(o *idemui.Options) { db.next = o.DB; o.DB = db })
+	u := e.unknown(pay, "order-10", "timeout")
+	db.left.Store(1)
+	res := e.postJSON("/idem/api"+strings.TrimPrefix(keyPath(pay, "order-10"), "/idem")+"/resolve",
+		map[string]any{"token": u.Token, "verdict": "retryable", "reason": "not charged"})
+	db.left.Store(-1)
+	rec := e.lookup(pay, "order-10")
+	if rec.Status != idem.StatusFailedRetryable {
+		t.Fatalf("the verdict did not commit: %+v (answer %d %s)", rec, res.status, res.body)
+	}
+	var out struct {
+		Record struct {
+			Status idem.Status
+			Token  int64
+		}
+		Audit struct {
+			ID          int64
+			Verdict     string
+			TokenBefore int64 `json:"token_before"`
+			TokenAfter  int64 `json:"token_after"`
+		}
+	}
+	if err := json.Unmarshal([]byte(res.body), &out); res.status != 200 || err != nil {
+		t.Fatalf("a committed verdict answered %d (%v):\n%s", res.status, err, res.body)
+	}
+	if out.Record.Status != idem.StatusFailedRetryable || out.Record.Token != rec.Token || out.Audit.ID == 0 ||
+		out.Audit.Verdict != "retryable" || out.Audit.TokenBefore != u.Token || out.Audit.TokenAfter != rec.Token {
+		t.Fatalf("the answer does not show the committed verdict: %+v\n%s", out, res.body)
+	}
+}
+
 // Bad input is a typed 400, and nothing changes.
 func TestBadInputChangesNothing(t *testing.T) {
 	t.Parallel()
@@ -339,12 +455,17 @@ func TestReadOnly(t *testing.T) {
 	e := newEnv(t, func(o *idemui.Options) { o.ReadOnly = true })
 	u := e.unknown(pay, "order-4", "timeout")
 	e.succeeded(pay, "done", idem.Response{Status: 200})
-	for _, path := range []string{"/idem/", "/idem/unknown", keyPath(pay, "order-4"), keyPath(pay, "done")} {
+	e.lapsed(pay, "lapsed")
+	for _, path := range []string{"/idem/", "/idem/unknown", keyPath(pay, "order-4"), keyPath(pay, "done"), "/idem/expire-leases"} {
 		res := e.get(path)
 		if res.status != 200 || strings.Contains(res.body, "<form method=\"post\"") || strings.Contains(res.body, "Count them") ||
 			!strings.Contains(res.body, "Read-only") {
 			t.Errorf("%s offers a form in read-only mode (or does not say read-only):\n%s", path, res.body)
 		}
+	}
+	if res := e.get("/idem/expire-leases"); !strings.Contains(res.body, "<b>1</b> reservation's lease ran out") ||
+		!strings.Contains(res.body, "This console is read-only") {
+		t.Errorf("the read-only confirmation page does not show the count and say that it cannot expire:\n%s", res.body)
 	}
 	before := e.state()
 	for _, tc := range []struct{ path, ctype, body string }{
@@ -356,6 +477,25 @@ func TestReadOnly(t *testing.T) {
 		res := e.do("POST", tc.path, tc.ctype, tc.body)
 		if res.status != http.StatusMethodNotAllowed || res.header.Get("Allow") != "GET, HEAD" {
 			t.Errorf("POST %s in read-only mode: %d (Allow %q)", tc.path, res.status, res.header.Get("Allow"))
+		}
+	}
+	// Every method other than GET and HEAD, on any address: a route or not,
+	// a bad one, the API's root.
+	for _, tc := range []struct{ method, path string }{
+		{"POST", "/idem/nowhere"}, {"POST", "/idem/api/"}, {"POST", "/idem/api/nowhere"}, {"POST", "/idem/keys/a/b"},
+		{"POST", "/idem/api/keys/a/b/c/d/e"}, {"POST", "/idem/"}, {"POST", "/idem/unknown"}, {"PUT", "/idem/expire-leases"},
+		{"DELETE", keyPath(pay, "done")}, {"PATCH", "/idem/api/overview"}, {"OPTIONS", "/idem/"},
+	} {
+		res := e.do(tc.method, tc.path, "application/x-www-form-urlencoded", "")
+		code := ""
+		if strings.HasPrefix(tc.path, "/idem/api/") {
+			code = res.code()
+		} else if strings.Contains(res.body, `<code>read_only</code>`) {
+			code = "read_only"
+		}
+		if res.status != http.StatusMethodNotAllowed || res.header.Get("Allow") != "GET, HEAD" || code != "read_only" {
+			t.Errorf("%s %s in read-only mode: %d (Allow %q, code %q), want 405 read_only", tc.method, tc.path, res.status,
+				res.header.Get("Allow"), code)
 		}
 	}
 	if after := e.state(); after != before {
@@ -875,4 +1015,119 @@ func TestResumingIsNotAPersons(t *testing.T) {
 			t.Errorf("the page of %s:\n%.3000s", key, page.body)
 		}
 	}
+}
+
+// The console guide's table of the JSON API names every field that each
+// route answers with: the test fills the records so that the fields left
+// out when empty are there, and looks each name up in the route's row.
+func TestAPIFieldsDocumented(t *testing.T) {
+	t.Parallel()
+	doc, err := os.ReadFile("../docs/console.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	rows := map[string]string{} // a route, without its query, and the rest of its row
+	for _, line := range strings.Split(string(doc), "\n") {
+		if strings.HasPrefix(line, "| `GET api/") || strings.HasPrefix(line, "| `POST api/") {
+			cells := strings.SplitN(line, "|", 3)
+			route, _, _ := strings.Cut(strings.Trim(strings.TrimSpace(cells[1]), "`"), "?")
+			rows[route] = cells[2]
+		}
+	}
+	ctx := context.Background()
+	e := newEnv(t, nil)
+	api := func(key string) string { return "/idem/api" + strings.TrimPrefix(keyPath(pay, key), "/idem") }
+	if _, err := idem.ReserveWith(ctx, e.pool, pay, "resuming", fp,
+		idem.ReserveOptions{Lease: time.Microsecond, ResumeWithin: time.Hour}); err != nil {
+		t.Fatal(err)
+	}
+	e.lapsed(pay, "lapsed")
+	e.unknown(pay, "open", "gateway timeout")
+	decided := e.unknown(pay, "decided", "timeout")
+	e.succeeded(pay, "binary", idem.Response{Status: 200, Body: []byte{0xff, 0xfe}})
+	forget := e.succeeded(pay, "forget-me", idem.Response{Status: 200})
+	e.reserve(pay, "in-flight", time.Hour)
+
+	var count struct{ Cutoff string }
+	expirable := e.get("/idem/api/expire-leases")
+	if err := json.Unmarshal([]byte(expirable.body), &count); err != nil {
+		t.Fatal(err)
+	}
+	answers := []struct {
+		route string
+		res   response
+		skip  []string // fields documented elsewhere: not looked into
+	}{
+		{"POST api/keys/{actor}/{operation}/{key}/resolve", e.postJSON(api("decided")+"/resolve", map[string]any{
+			"token": decided.Token, "verdict": "succeeded", "status": 201, "body": `{"ok":true}`,
+			"content_type": "application/json", "reason": "captured"}), []string{"record", "audit"}},
+		{"POST api/keys/{actor}/{operation}/{key}/forget", e.postJSON(api("forget-me")+"/forget", map[string]any{
+			"token": forget.Token, "created_at": e.lookup(pay, "forget-me").CreatedAt.Format(time.RFC3339Nano)}), []string{"audit"}},
+		{"GET api/expire-leases", expirable, nil},
+		{"POST api/expire-leases", e.postJSON("/idem/api/expire-leases", map[string]any{"cutoff": count.Cutoff}), []string{"audit"}},
+		{"POST api/prune", e.postJSON("/idem/api/prune", map[string]any{}), []string{"audit"}},
+		{"GET api/overview", e.get("/idem/api/overview"), []string{"keys", "hourly"}},
+		{"GET api/unknown", e.get("/idem/api/unknown?limit=1"), nil},
+		{"GET api/keys/{actor}/{operation}/{key}", e.get(api("resuming")), []string{"audit", "header"}},
+		{"GET api/keys/{actor}/{operation}/{key}", e.get(api("decided")), []string{"audit", "header"}},
+		{"GET api/keys/{actor}/{operation}/{key}", e.get(api("binary")), []string{"audit", "header"}},
+		{"GET api/search", e.get("/idem/api/search?actor=acme"), nil},
+		{"GET api/audit", e.get("/idem/api/audit?limit=1"), []string{"detail"}},
+		{"GET api/audit", e.get("/idem/api/audit?action=resolve"), []string{"detail"}},
+	}
+	seen := map[string]bool{}
+	for _, a := range answers {
+		row, ok := rows[a.route]
+		if !ok {
+			t.Errorf("docs/console.md has no row for %s", a.route)
+			continue
+		}
+		if a.res.status != 200 {
+			t.Fatalf("%s: %d %s", a.route, a.res.status, a.res.body)
+		}
+		var v any
+		if err := json.Unmarshal([]byte(a.res.body), &v); err != nil {
+			t.Fatalf("%s: %v", a.route, err)
+		}
+		var missing []string
+		for _, name := range fieldNames(v, a.skip) {
+			seen[name] = true
+			if !strings.Contains(row, "`"+name+"`") && !slices.Contains(missing, name) {
+				missing = append(missing, name)
+			}
+		}
+		if len(missing) > 0 {
+			t.Errorf("%s answers with %q, which its row in docs/console.md does not name", a.route, missing)
+		}
+	}
+	// The fields left out when empty were there to be checked.
+	for _, name := range []string{"now", "oldest_needs_person", "oldest_in_flight", "resumable", "resume_until", "completed_at",
+		"lease_expires_at", "last_error", "resolve_reason", "response", "header", "body", "body_base64", "next", "token_before",
+		"verdict", "detail", "expired"} {
+		if !seen[name] {
+			t.Errorf("no answer had %q to check", name)
+		}
+	}
+}
+
+// fieldNames is the names of the fields of the JSON value v and of the
+// objects in it, apart from inside the fields named in skip and inside
+// counts ({"n": ...}, documented once).
+func fieldNames(v any, skip []string) []string {
+	var out []string
+	switch v := v.(type) {
+	case map[string]any:
+		for name, f := range v {
+			out = append(out, name)
+			if obj, ok := f.(map[string]any); slices.Contains(skip, name) || ok && obj["n"] != nil {
+				continue
+			}
+			out = append(out, fieldNames(f, skip)...)
+		}
+	case []any:
+		for _, f := range v {
+			out = append(out, fieldNames(f, skip)...)
+		}
+	}
+	return out
 }

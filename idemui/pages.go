@@ -295,26 +295,39 @@ func (q *request) expirePage() {
 // A record.
 
 type keyView struct {
-	Scope       idem.Scope
-	Key         string
-	Found       bool
-	Rec         recordJSON
-	Label       string
-	Class       string
-	Meaning     string
-	Body        bodyView
-	Headers     []headerView
-	Timeline    []event
-	Audit       []audit.Entry
-	AuditURL    string
-	KeyURL      string
-	CanResolve  bool
-	CanForget   bool
-	CreatedAtIn string // the attempt's start as the forget form sends it
-	Resolved    bool   // an operator recorded the outcome: the token advanced past the attempt's
-	Attempt     int64  // the attempt's token when Resolved, from the trail; 0 when unknown
-	Form        resolveInput
-	Problem     *problem
+	Scope      idem.Scope
+	Key        string
+	Found      bool
+	Rec        recordJSON
+	Label      string
+	Class      string
+	Meaning    string
+	Body       bodyView
+	Headers    []headerView
+	Timeline   []event
+	Audit      []audit.Entry
+	AuditURL   string
+	KeyURL     string
+	CanResolve bool
+	CanForget  bool
+	Resolved   bool  // an operator recorded the outcome: the token advanced past the attempt's
+	Attempt    int64 // the attempt's token when Resolved, from the trail; 0 when unknown
+	// Form and Forget are what the verdict and forget forms send: the
+	// record's attempt, or, after a refusal, the attempt the refused form
+	// was about (never silently the record's new one: that would defeat
+	// the token guard).
+	Form    resolveInput
+	Forget  forgetInput
+	Problem *problem
+	Stale   *staleView // a form refused because the record holds another attempt now
+}
+
+// staleView says which attempt a refused form was about and which the
+// record holds now: tokens, and starts when the tokens are the same (a
+// record Do wrote has token 0).
+type staleView struct {
+	Sent, Now     string
+	SentAt, NowAt string
 }
 
 // event is one line of a record's timeline.
@@ -325,12 +338,14 @@ type event struct {
 }
 
 func (q *request) keyPage() {
-	q.showKey(http.StatusOK, nil, resolveInput{Verdict: "", Status: "200", ContentType: "application/json"}, done(q.r.URL.Query()))
+	q.showKey(http.StatusOK, nil, resolveInput{Verdict: "", Status: "200", ContentType: "application/json"}, forgetInput{},
+		done(q.r.URL.Query()))
 }
 
 // showKey renders the record page, with the problem of a refused action
-// and the verdict form as it was sent.
-func (q *request) showKey(status int, p *problem, form resolveInput, fl *flash) {
+// and the verdict or forget form as it was sent (an empty token: a form
+// about the record's attempt).
+func (q *request) showKey(status int, p *problem, form resolveInput, forget forgetInput, fl *flash) {
 	ctx := q.r.Context()
 	scope, key := q.params.scope, q.params.key
 	v := keyView{Scope: scope, Key: key, Form: form, Problem: p, KeyURL: q.url(keyPath(scope, key), nil),
@@ -369,9 +384,25 @@ func (q *request) showKey(status int, p *problem, form resolveInput, fl *flash) 
 		v.CanResolve = (v.Rec.NeedsPerson || v.Rec.Resumable) && !q.c.opts.ReadOnly
 		v.CanForget = (rec.Status == idem.StatusSucceeded || rec.Status == idem.StatusRejected ||
 			rec.Status == idem.StatusFailedRetryable) && !q.c.opts.ReadOnly
-		v.CreatedAtIn = rec.CreatedAt.UTC().Format(time.RFC3339Nano)
+		token, createdAt := strconv.FormatInt(rec.Token, 10), rec.CreatedAt.UTC().Format(time.RFC3339Nano)
 		if form.Token == "" {
-			v.Form.Token = json.Number(strconv.FormatInt(rec.Token, 10))
+			v.Form.Token = json.Number(token)
+		}
+		v.Forget = forgetInput{Token: json.Number(token), CreatedAt: createdAt}
+		if forget.Token != "" {
+			v.Forget = forgetInput{Token: json.Number(strings.TrimSpace(string(forget.Token))), CreatedAt: strings.TrimSpace(forget.CreatedAt)}
+		}
+		if p != nil && (p.Code == "fenced" || p.Code == "changed") {
+			sent := staleView{Sent: strings.TrimSpace(string(form.Token)), Now: token}
+			if forget.Token != "" {
+				sent.Sent = string(v.Forget.Token)
+				if sent.Sent == sent.Now { // the same token: the starts tell the attempts apart
+					sent.SentAt, sent.NowAt = v.Forget.CreatedAt, createdAt
+				}
+			}
+			if sent.Sent != sent.Now || sent.SentAt != sent.NowAt {
+				v.Stale = &sent
+			}
 		}
 	}
 	title := "Record " + key
@@ -493,21 +524,28 @@ func (q *request) resolvePage() {
 		q.refused(err, in)
 		return
 	}
-	if _, err := audit.Resolve(q.r.Context(), q.c.opts.DB, q.client(), q.operator, q.params.scope, q.params.key, res); err != nil {
+	if _, _, err := audit.Resolve(q.r.Context(), q.c.opts.DB, q.client(), q.operator, q.params.scope, q.params.key, res); err != nil {
 		q.refused(err, in)
 		return
 	}
 	q.redirect(keyPath(q.params.scope, q.params.key), url.Values{"done": {"resolved"}})
 }
 
-// refused shows the record again with why the action was refused.
+// refused shows the record again with why the verdict was refused, and
+// the verdict form as it was sent.
 func (q *request) refused(err error, form resolveInput) {
+	q.refusedWith(err, form, forgetInput{})
+}
+
+// refusedWith shows the record again with why the action was refused,
+// and the form that was refused as it was sent.
+func (q *request) refusedWith(err error, form resolveInput, forget forgetInput) {
 	p := problemOf(err)
 	if p.Status >= 500 {
 		q.fail(err)
 		return
 	}
-	q.showKey(p.Status, p, form, nil)
+	q.showKey(p.Status, p, form, forget, nil)
 }
 
 func (q *request) forgetPage() {
@@ -523,7 +561,7 @@ func (q *request) forgetPage() {
 	}
 	scope, key := q.params.scope, q.params.key
 	if _, err := audit.Forget(q.r.Context(), q.c.opts.DB, q.client(), q.operator, scope, key, &want); err != nil {
-		q.refused(err, resolveInput{})
+		q.refusedWith(err, resolveInput{}, in)
 		return
 	}
 	q.redirect("/audit", url.Values{"actor": {scope.Actor}, "operation": {scope.Operation}, "key": {key}, "done": {"forgotten"}})

@@ -140,7 +140,7 @@ func entryJSON(a audit.Entry) map[string]any {
 
 // auditedResolve is idem.Resolve with its audit row, as resolve runs it.
 func auditedResolve(ctx context.Context, db idem.Beginner, operator string, scope idem.Scope, key string, res idem.Resolution) error {
-	_, err := audit.Resolve(ctx, db, nil, operator, scope, key, res)
+	_, _, err := audit.Resolve(ctx, db, nil, operator, scope, key, res)
 	return err
 }
 

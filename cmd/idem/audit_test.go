@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"io"
 	"net/http"
+	"net/http/httptest"
 	"os"
 	"os/exec"
 	"os/user"
@@ -161,10 +162,39 @@ func TestCLIConsole(t *testing.T) {
 		t.Fatalf("the token: %d\n%s", code, body)
 	}
 	if code, body := get("/unknown", func(r *http.Request) { r.SetBasicAuth("dana", "s3cret") }); code != 200 ||
-		!strings.Contains(body, ">dana<") {
+		!strings.Contains(body, ">dana (token)<") {
 		t.Fatalf("a name and the token: %d\n%s", code, body)
 	}
 	if code, _ := get("/unknown", func(r *http.Request) { r.SetBasicAuth("dana", "guess") }); code != http.StatusUnauthorized {
 		t.Fatalf("a name and a wrong password: %d", code)
+	}
+}
+
+// With IDEM_UI_TOKEN, anyone who has it can give any name in a browser,
+// IDEM_UI_USER's too: such a name is marked as given with the token, so
+// that the trail never shows it as the named operator's own sign-in.
+func TestUICredentialsMarkTheToken(t *testing.T) {
+	t.Parallel()
+	c := &credentials{token: digest("s3cret"), user: digest("sam"), password: digest("pw"), userName: "sam", tokenOperator: "robot"}
+	for _, tc := range []struct {
+		name         string
+		auth         func(*http.Request)
+		wantOperator string
+	}{
+		{"bearer token", func(r *http.Request) { r.Header.Set("Authorization", "Bearer s3cret") }, "robot"},
+		{"bearer, wrong token", func(r *http.Request) { r.Header.Set("Authorization", "Bearer pw") }, ""},
+		{"the user and password", func(r *http.Request) { r.SetBasicAuth("sam", "pw") }, "sam"},
+		{"the user's name with the token", func(r *http.Request) { r.SetBasicAuth("sam", "s3cret") }, "sam (token)"},
+		{"another name with the token", func(r *http.Request) { r.SetBasicAuth("dana", "s3cret") }, "dana (token)"},
+		{"the user, a wrong password", func(r *http.Request) { r.SetBasicAuth("sam", "guess") }, ""},
+		{"another name with the user's password", func(r *http.Request) { r.SetBasicAuth("dana", "pw") }, ""},
+		{"no name", func(r *http.Request) { r.SetBasicAuth("", "s3cret") }, ""},
+		{"nothing", func(*http.Request) {}, ""},
+	} {
+		r := httptest.NewRequest("GET", "/", nil)
+		tc.auth(r)
+		if got := c.operator(r); got != tc.wantOperator {
+			t.Errorf("%s: operator %q, want %q", tc.name, got, tc.wantOperator)
+		}
 	}
 }

@@ -29,7 +29,8 @@ var uiCommand = command{
 	help: "Serves the operator's console (package idemui) against the database, until interrupted. It\n" +
 		"needs credentials from the environment and refuses to start without them:\n" +
 		"  " + envUIToken + "     a bearer token: \"Authorization: Bearer <token>\" for scripts (the operator is\n" +
-		"                  --operator), or, in a browser, any user name (the operator) with the token as password\n" +
+		"                  --operator), or, in a browser, any user name with the token as password: the\n" +
+		"                  operator is then that name marked as given with the token, \"dana" + tokenMark + "\"\n" +
 		"  " + envUIUser + " and " + envUIPassword + "\n" +
 		"                  basic authentication for one operator, named " + envUIUser + "\n" +
 		"Every change it makes is written to the audit trail (idem audit list). Serve it on a loopback\n" +
@@ -86,12 +87,21 @@ func digest(s string) []byte {
 	return d[:]
 }
 
+// equal reports whether s has the digest a (nil: unset, never equal), in
+// time that does not depend on where they differ.
 func equal(a []byte, s string) bool {
 	return a != nil && subtle.ConstantTimeCompare(a, digest(s)) == 1
 }
 
+// tokenMark follows the name a person gives with the token in a browser:
+// anyone with the token can give any name (IDEM_UI_USER's too), so the
+// audit trail says the name was only claimed, under the token.
+const tokenMark = " (token)"
+
 // operator authenticates r and returns the operator's name, or "" when the
-// request carries no valid credentials.
+// request carries no valid credentials. Every comparison of a secret is
+// made, whatever the others found, so that the time taken says nothing of
+// which part was wrong.
 func (c *credentials) operator(r *http.Request) string {
 	if token, ok := strings.CutPrefix(r.Header.Get("Authorization"), "Bearer "); ok {
 		if equal(c.token, token) {
@@ -100,13 +110,15 @@ func (c *credentials) operator(r *http.Request) string {
 		return ""
 	}
 	user, password, ok := r.BasicAuth()
-	switch {
-	case !ok || user == "":
+	if !ok || user == "" {
 		return ""
-	case c.user != nil && equal(c.user, user) && equal(c.password, password):
+	}
+	userOK, passwordOK, tokenOK := equal(c.user, user), equal(c.password, password), equal(c.token, password)
+	switch {
+	case userOK && passwordOK:
 		return c.userName
-	case equal(c.token, password):
-		return user // a person in a browser, who names themself and gives the token
+	case tokenOK:
+		return user + tokenMark // a person in a browser, who names themself and gives the token
 	}
 	return ""
 }

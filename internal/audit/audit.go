@@ -183,15 +183,18 @@ func write(ctx context.Context, c *idem.Client, db idem.Beginner, fn func(ctx co
 
 // Resolve records an operator's verdict on the record of (scope, key) with
 // c.Resolve (nil c: the package-level functions' defaults), in one
-// transaction with its audit row, and returns the row. The errors are
+// transaction with its audit row, and returns the row and the record as
+// the verdict left it, read in that transaction (so that a caller that
+// shows it needs no second read, which could fail after the commit). The
+// errors are
 // Resolve's (ErrFenced when res.Token is not the record's token now,
 // ErrNotResolvable, ErrNotFound, ErrInvalidArgument, ...), and an operator
 // name that is empty, too long or not valid text is ErrInvalidArgument;
 // on any error nothing changed and no row was written.
-func Resolve(ctx context.Context, db idem.Beginner, c *idem.Client, operator string, scope idem.Scope, key string, res idem.Resolution) (Entry, error) {
+func Resolve(ctx context.Context, db idem.Beginner, c *idem.Client, operator string, scope idem.Scope, key string, res idem.Resolution) (Entry, idem.Record, error) {
 	c, err := check(c, db, operator)
 	if err != nil {
-		return Entry{}, err
+		return Entry{}, idem.Record{}, err
 	}
 	e := Entry{Operator: operator, Action: ActionResolve, Scope: scope, Key: key, Reason: res.Reason, Changed: 1,
 		Verdict: VerdictRetryable}
@@ -199,6 +202,7 @@ func Resolve(ctx context.Context, db idem.Beginner, c *idem.Client, operator str
 		e.Verdict = VerdictSucceeded
 		e.Detail, _ = json.Marshal(map[string]int{"response_status": res.Succeeded.Status})
 	}
+	var rec idem.Record
 	err = write(ctx, c, db, func(ctx context.Context, tx pgx.Tx) error {
 		// Lookup validates the scope and key with c's limits first.
 		if _, err := c.Lookup(ctx, tx, scope, key); err != nil {
@@ -212,18 +216,18 @@ func Resolve(ctx context.Context, db idem.Beginner, c *idem.Client, operator str
 		if err := c.Resolve(ctx, tx, scope, key, res); err != nil {
 			return err
 		}
-		after, err := queries.AuditLockKey(ctx, Planned{tx}, k)
-		if err != nil {
+		// The record stays locked by this transaction: this is what commits.
+		if rec, err = c.Lookup(ctx, tx, scope, key); err != nil {
 			return err
 		}
 		e.TokenBefore, e.StatusBefore, e.HasBefore = before.Token, idem.Status(before.Status), true
-		e.TokenAfter, e.StatusAfter, e.HasAfter = after.Token, idem.Status(after.Status), true
+		e.TokenAfter, e.StatusAfter, e.HasAfter = rec.Token, rec.Status, true
 		return insert(ctx, tx, &e)
 	})
 	if err != nil {
-		return Entry{}, err
+		return Entry{}, idem.Record{}, err
 	}
-	return e, nil
+	return e, rec, nil
 }
 
 // Forget deletes the record of a finished key with c.Forget, in one
@@ -267,13 +271,18 @@ func Forget(ctx context.Context, db idem.Beginner, c *idem.Client, operator stri
 	return e, nil
 }
 
-// ExpireLeases turns the reservations whose lease ran out by cutoff (and by
-// the database clock) and that f matches into 'unknown', as idem's
-// ExpireLeases does (the token kept: their workers are fenced), in one
-// statement and one transaction with its audit row, and returns the row
-// (Changed: how many). Give it the cutoff of ExpirableCount to act on at
-// most the reservations it counted. When none matched, nothing changed and
-// no row is written (Changed 0, ID 0). A bad filter or operator name is
+// ExpireLeases turns into 'unknown' the reservations that needed a person
+// at the instant cutoff (or now, when cutoff is later) and that f matches,
+// as idem's ExpireLeases does (the token kept: their workers are fenced),
+// in one statement and one transaction with its audit row, and returns the
+// row (Changed: how many). Every condition on time is evaluated at that
+// instant: the lease ran out by then, the window to resume (if any) had
+// ended by then, and the attempt was at least f.MinAge old then. Given the
+// cutoff of ExpirableCount, it acts on at most the reservations that count
+// counted: a lease that runs out, a window that ends or an attempt that
+// reaches f.MinAge after the count is left alone, and a reservation that
+// finished meanwhile stays finished. When none matched, nothing changed
+// and no row is written (Changed 0, ID 0). A bad filter or operator name is
 // ErrInvalidArgument.
 func ExpireLeases(ctx context.Context, db idem.Beginner, c *idem.Client, operator string, f Filter, cutoff time.Time) (Entry, error) {
 	c, err := check(c, db, operator)
@@ -306,8 +315,10 @@ func ExpireLeases(ctx context.Context, db idem.Beginner, c *idem.Client, operato
 }
 
 // ExpirableCount counts the reservations whose lease ran out that f
-// matches, and returns the database time of the count: ExpireLeases with
-// that cutoff acts on these and no others.
+// matches (past their window to resume, if any), and returns the database
+// time of the count, at which every condition on time was evaluated:
+// ExpireLeases with that cutoff evaluates them at the same instant, and
+// acts on these and no others.
 func ExpirableCount(ctx context.Context, q Planned, f Filter) (int64, time.Time, error) {
 	if err := f.Check(); err != nil {
 		return 0, time.Time{}, err

@@ -57,7 +57,7 @@ func TestOperatorChecked(t *testing.T) {
 	pool, r := unknownRecord(t)
 	before := rows(t, pool)
 	for _, op := range []string{"", "a\x00b", "\xff", strings.Repeat("o", audit.MaxOperatorLength+1)} {
-		_, err := audit.Resolve(ctx, pool, nil, op, scope, "k", idem.Resolution{Token: r.Token, Retryable: true})
+		_, _, err := audit.Resolve(ctx, pool, nil, op, scope, "k", idem.Resolution{Token: r.Token, Retryable: true})
 		if !errors.Is(err, idem.ErrInvalidArgument) {
 			t.Errorf("operator %q: %v", op, err)
 		}
@@ -85,7 +85,7 @@ func TestInTheCallersTransaction(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		e, err := audit.Resolve(ctx, tx, nil, "sam", scope, "k", idem.Resolution{Token: r.Token, Retryable: true, Reason: "no charge"})
+		e, _, err := audit.Resolve(ctx, tx, nil, "sam", scope, "k", idem.Resolution{Token: r.Token, Retryable: true, Reason: "no charge"})
 		if err != nil || e.ID == 0 || e.TokenBefore != r.Token || e.TokenAfter <= r.Token ||
 			e.StatusBefore != idem.StatusUnknown || e.StatusAfter != idem.StatusFailedRetryable {
 			t.Fatalf("resolve: %+v, %v", e, err)
@@ -252,5 +252,99 @@ func TestReadRollbackIsBounded(t *testing.T) {
 	}
 	if rb := <-spy.rollbacks; !rb[0] || rb[1] {
 		t.Fatalf("Rollback's context: deadline %v, done %v; want a deadline, not done", rb[0], rb[1])
+	}
+}
+
+// expirable counts, in a read transaction, what ExpireLeases with f and the
+// returned cutoff may change.
+func expirable(t *testing.T, pool *pgxpool.Pool, f audit.Filter) (int64, time.Time) {
+	t.Helper()
+	var n int64
+	var cutoff time.Time
+	err := audit.Read(context.Background(), pool, func(ctx context.Context, q audit.Planned) error {
+		var err error
+		n, cutoff, err = audit.ExpirableCount(ctx, q, f)
+		return err
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return n, cutoff
+}
+
+// A reservation inside its window when the leases were counted is not the
+// count's, and ExpireLeases with the count's cutoff leaves it alone when
+// the window has ended by the time the operator confirms.
+func TestExpireLeasesWindowEndsAfterTheCount(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t, idem.Migrate)
+	const window = time.Second
+	if _, err := idem.Reserve(ctx, pool, scope, "no-window", fp, time.Microsecond); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := idem.ReserveWith(ctx, pool, scope, "in-window", fp,
+		idem.ReserveOptions{Lease: time.Microsecond, ResumeWithin: window}); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(2 * time.Millisecond)
+	n, cutoff := expirable(t, pool, audit.Filter{})
+	if n != 1 {
+		t.Fatalf("counted %d leases, want 1 (the one in its window is resuming)", n)
+	}
+	rec, err := idem.Lookup(ctx, pool, scope, "in-window")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !rec.ResumeUntil.After(cutoff) {
+		t.Fatalf("the window ended (%s) before the count (%s): the test machine is too slow", rec.ResumeUntil, cutoff)
+	}
+	time.Sleep(time.Until(rec.ResumeUntil) + 50*time.Millisecond)
+	e, err := audit.ExpireLeases(ctx, pool, nil, "sam", audit.Filter{}, cutoff)
+	if err != nil || e.Changed != 1 {
+		t.Fatalf("expire: changed %d, want the 1 counted (%v)", e.Changed, err)
+	}
+	if rec, err := idem.Lookup(ctx, pool, scope, "in-window"); err != nil || rec.Status != idem.StatusProcessing {
+		t.Fatalf("a reservation whose window ended after the count was expired: %+v, %v", rec, err)
+	}
+}
+
+// A reservation too young for the age filter when the leases were counted
+// is not the count's, even when it is old enough by the time the operator
+// confirms.
+func TestExpireLeasesAgeAtTheCount(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t, idem.Migrate)
+	const age = time.Second
+	if _, err := idem.Reserve(ctx, pool, scope, "old", fp, time.Microsecond); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(age + 50*time.Millisecond)
+	if _, err := idem.Reserve(ctx, pool, scope, "young", fp, time.Microsecond); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(2 * time.Millisecond)
+	f := audit.Filter{MinAge: age}
+	n, cutoff := expirable(t, pool, f)
+	if n != 1 {
+		t.Fatalf("counted %d leases older than %s, want 1", n, age)
+	}
+	rec, err := idem.Lookup(ctx, pool, scope, "young")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !rec.CreatedAt.Add(age).After(cutoff) {
+		t.Fatalf("the young reservation (%s) was old enough at the count (%s): the test machine is too slow", rec.CreatedAt, cutoff)
+	}
+	time.Sleep(time.Until(rec.CreatedAt.Add(age)) + 50*time.Millisecond)
+	e, err := audit.ExpireLeases(ctx, pool, nil, "sam", f, cutoff)
+	if err != nil || e.Changed != 1 {
+		t.Fatalf("expire: changed %d, want the 1 counted (%v)", e.Changed, err)
+	}
+	for key, want := range map[string]idem.Status{"old": idem.StatusUnknown, "young": idem.StatusProcessing} {
+		if rec, err := idem.Lookup(ctx, pool, scope, key); err != nil || rec.Status != want {
+			t.Fatalf("%s after the expiry: %+v, %v; want %s", key, rec, err, want)
+		}
 	}
 }

@@ -237,8 +237,10 @@ type ConsoleExpirableCountRow struct {
 }
 
 // Counts the reservations whose lease ran out (still 'processing') that
-// the filter matches, exactly, and returns the database time of the count:
-// ConsoleExpireLeases with that cutoff acts on these and no others.
+// the filter matches, exactly, and returns the database time of the count,
+// against which every condition on time is evaluated (the lease, the
+// window, the age): ConsoleExpireLeases with that cutoff evaluates them
+// against the same instant, so it acts on these and no others.
 func (q *Queries) ConsoleExpirableCount(ctx context.Context, db DBTX, arg ConsoleExpirableCountParams) (ConsoleExpirableCountRow, error) {
 	row := db.QueryRow(ctx, ConsoleExpirableCount,
 		arg.Actor,
@@ -258,11 +260,12 @@ SET status     = 'unknown',
 WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
   AND status = 'processing'
   AND lease_expires_at <= least($2::timestamptz, now())
-  -- needs a person
-  AND (resume_until IS NULL OR resume_until <= now())
+  -- needs a person, at the cutoff
+  AND (resume_until IS NULL OR resume_until <= least($2::timestamptz, now()))
   AND ($3::text = '' OR actor = $3::text)
   AND ($4::text = '' OR operation = $4::text)
-  AND created_at <= now() - ($5::bigint * interval '1 microsecond')
+  AND created_at <= least($2::timestamptz, now())
+                    - ($5::bigint * interval '1 microsecond')
   AND ($6::text = ''
        OR strpos(lower(coalesce(last_error, '')), lower($6::text)) > 0)
 `
@@ -276,15 +279,19 @@ type ConsoleExpireLeasesParams struct {
 	ErrorText    string
 }
 
-// Turns the reservations whose lease ran out by @cutoff (and by now) and
-// that the filter matches into 'unknown': the transition of
+// Turns the reservations that the filter matched at the instant
+// least(@cutoff, now()) into 'unknown': the transition of
 // ReserveExpireLeases (the same SET, the token kept, so the worker that
-// held the lease is fenced). Rows locked by another transaction are waited
-// for, and the conditions are checked again on the row as it is then: a
-// record completed, or a lease extended, meanwhile stays as it is. With
-// the cutoff of ConsoleExpirableCount it acts on at most the rows counted
-// (a lease that runs out later is past the cutoff; a lease that ran out
-// cannot be extended).
+// held the lease is fenced). Every condition on time is evaluated against
+// that instant, not against now: the lease ran out by then, the window (if
+// any) had ended by then, the attempt was at least min_age old by then.
+// Rows locked by another transaction are waited for, and the conditions are
+// checked again on the row as it is then: a record completed, or a lease
+// extended, meanwhile stays as it is. With the cutoff of
+// ConsoleExpirableCount it acts on at most the rows counted (a lease that
+// runs out, a window that ends or an attempt that ages past the filter
+// after the count is past the cutoff; a lease that ran out cannot be
+// extended).
 func (q *Queries) ConsoleExpireLeases(ctx context.Context, db DBTX, arg ConsoleExpireLeasesParams) (int64, error) {
 	result, err := db.Exec(ctx, ConsoleExpireLeases,
 		arg.Reason,
@@ -359,7 +366,8 @@ type ConsoleNeedsPersonRow struct {
 // whose lease ran out before it recorded an outcome (not yet turned
 // unknown), without a window or past it (resume_until IS NULL OR
 // resume_until <= now(), where the statements below say "needs a
-// person"). The same attempts inside their window (ReserveOptions.
+// person"; ConsoleExpireLeases evaluates it at its cutoff instead). The
+// same attempts inside their window (ReserveOptions.
 // ResumeWithin) are "resuming": a recovery worker's or the next Reserve's,
 // not a person's.
 // Pages through the records that need a person, oldest first (by
