@@ -194,7 +194,9 @@ func (p Policy) wait(n int, v Verdict) time.Duration {
 	if bound <= 0 {
 		return 0
 	}
-	return rand.N(bound + 1)
+	// In [0, bound]; bound+1 as a uint64 cannot overflow, even at
+	// math.MaxInt64.
+	return time.Duration(rand.Uint64N(uint64(bound) + 1))
 }
 
 // Network judges an attempt that failed with err before an answer came

@@ -3,6 +3,7 @@ package callretry
 import (
 	"context"
 	"errors"
+	"math"
 	"net"
 	"testing"
 	"time"
@@ -46,6 +47,20 @@ func TestWait(t *testing.T) {
 	zero := Policy{maxAttempts: 2, maxElapsed: time.Hour, maxDelay: time.Second}
 	if w := zero.wait(3, Verdict{}); w != 0 {
 		t.Errorf("zero base: %s", w)
+	}
+	// The largest policy Validate lets through: the bound is
+	// math.MaxInt64, and the wait stays within it without overflowing.
+	huge, err := New(idem.RetryPolicy{BaseDelay: math.MaxInt64, MaxDelay: math.MaxInt64})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for n := 1; n <= 70; n++ {
+		if w := huge.wait(n, Verdict{}); w < 0 {
+			t.Fatalf("largest policy, attempt %d: wait %s", n, w)
+		}
+	}
+	if w := huge.wait(1, Verdict{After: math.MaxInt64, HasAfter: true}); w != math.MaxInt64 {
+		t.Errorf("largest policy, Retry-After: %s", w)
 	}
 }
 
