@@ -44,11 +44,11 @@ import (
 // When the call ends without an answer (unavailable after the last attempt,
 // or deadline_exceeded or canceled while an attempt was under way) after an
 // attempt that may have reached the server, the error is an
-// *idem.CallError that wraps the last error (or the context's, when it
-// ended during a wait): errors.Is(err, idem.ErrOutcomeUnknown) is true,
-// connect.CodeOf(err) is the last error's code, its message says that the
-// call may have been processed and to retry later with the same key, and
-// its Key field holds that key. When no attempt can have reached the
+// *idem.CallError that wraps the last error (and the context's, when it
+// ended during the wait before a retry): errors.Is(err,
+// idem.ErrOutcomeUnknown) is true, connect.CodeOf(err) is the last error's
+// code, its message says that the call may have been processed and to
+// retry later with the same key, and its Key field holds that key. When no attempt can have reached the
 // server (every dial failed), the last error is returned as it is; so is
 // an answer (aborted too, when the retries run out on it).
 //

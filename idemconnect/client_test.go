@@ -12,7 +12,9 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/protobuf/types/dynamicpb"
+	"google.golang.org/protobuf/types/known/durationpb"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemconnect"
@@ -178,5 +180,24 @@ func TestClientInterceptorRefusesBadInput(t *testing.T) {
 	}
 	if runs.Load() != 0 {
 		t.Fatalf("%d calls reached the server", runs.Load())
+	}
+}
+
+// The context ends during the wait the server asked for (aborted, a call
+// with this key in progress): the call may have happened, and the error
+// still carries the last error, for connect.CodeOf.
+func TestClientInterceptorKeepsLastCode(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	inProgress := rpctest.Fail(uint32(connect.CodeAborted), "a call with this key is in progress",
+		&errdetails.RetryInfo{RetryDelay: durationpb.New(time.Hour)})
+	cases := map[string]rpctest.RetryCase{"wait": {Outcomes: []*rpctest.Outcome{&inProgress}}}
+	url := plainServer(t, rpctest.Scripted(cases, func(context.Context, string) { time.AfterFunc(50*time.Millisecond, cancel) }))
+	a := call(ctx, url, http.DefaultClient, "alice", nil, rpctest.Request("wait", 1),
+		withRetries(idem.RetryPolicy{MaxDelay: time.Hour, MaxElapsed: 2 * time.Hour}))
+	var ce *idem.CallError
+	if !errors.As(a.Err, &ce) || ce.Attempts != 1 || !errors.Is(a.Err, context.Canceled) || connect.CodeOf(a.Err) != connect.CodeAborted {
+		t.Fatalf("ended during the wait: %v (code %s)", a.Err, connect.CodeOf(a.Err))
 	}
 }

@@ -43,8 +43,8 @@ import (
 //
 // When the call ends without an answer (UNAVAILABLE after the last attempt,
 // or DEADLINE_EXCEEDED or CANCELLED while an attempt was under way), the
-// error is an *idem.CallError that wraps the last status (or the
-// context's error, when it ended during a wait):
+// error is an *idem.CallError that wraps the last status (and the
+// context's error, when it ended during the wait before a retry):
 // errors.Is(err, idem.ErrOutcomeUnknown) is true, status.Code(err) is the
 // last status's code, its message says that the call may have been
 // processed and to retry later with the same key, and its Key field holds

@@ -10,12 +10,14 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/dynamicpb"
+	"google.golang.org/protobuf/types/known/durationpb"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemgrpc"
@@ -239,5 +241,25 @@ func TestClientInterceptorRefusesBadInput(t *testing.T) {
 		if !errors.Is(a.Err, c.want) || runs.Load() != 0 {
 			t.Errorf("%s: %v, %d runs", c.name, a.Err, runs.Load())
 		}
+	}
+}
+
+// The context ends during the wait the server asked for (ABORTED, a call
+// with this key in progress): the call may have happened, and the error
+// still carries the last status, for status.Code.
+func TestClientInterceptorKeepsLastStatus(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	inProgress := rpctest.Fail(uint32(codes.Aborted), "a call with this key is in progress",
+		&errdetails.RetryInfo{RetryDelay: durationpb.New(time.Hour)})
+	cases := map[string]rpctest.RetryCase{"wait": {Outcomes: []*rpctest.Outcome{&inProgress}}}
+	conn := clientServer(t, idem.RetryPolicy{MaxDelay: time.Hour, MaxElapsed: 2 * time.Hour},
+		rpctest.Scripted(cases, func(context.Context, string) { time.AfterFunc(50*time.Millisecond, cancel) }),
+		func(*cutter) []grpc.UnaryServerInterceptor { return nil })
+	a := conn.Call(ctx, "alice", nil, rpctest.Request("wait", 1))
+	var ce *idem.CallError
+	if !errors.As(a.Err, &ce) || ce.Attempts != 1 || !errors.Is(a.Err, context.Canceled) || status.Code(a.Err) != codes.Aborted {
+		t.Fatalf("ended during the wait: %v (code %s)", a.Err, status.Code(a.Err))
 	}
 }

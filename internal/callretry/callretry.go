@@ -124,8 +124,10 @@ type Verdict struct {
 // A call that ends without an answer, after an attempt that may have taken
 // effect, returns an *idem.CallError (idem.ErrOutcomeUnknown) wrapping the
 // last error; one that certainly had no effect returns the last error as
-// it is. A ctx that ended before the first attempt returns its error and
-// sends nothing.
+// it is. When ctx ends during a wait, the last error is ctx's joined with
+// the last attempt's, so that errors.Is finds ctx's error and errors.As
+// (gRPC's status.Code, connect.CodeOf) the attempt's. A ctx that ended
+// before the first attempt returns its error and sends nothing.
 func Run[T any](ctx context.Context, p Policy, key string, attempt func() (T, error), judge func(T, error) Verdict, discard func(T)) (T, error) {
 	var zero T
 	if err := ctx.Err(); err != nil {
@@ -158,10 +160,30 @@ func Run[T any](ctx context.Context, p Policy, key string, attempt func() (T, er
 		case <-t.C:
 		case <-ctx.Done():
 			t.Stop()
-			return zero, giveUp(n, ctx.Err())
+			return zero, giveUp(n, waitEnded(ctx.Err(), err))
 		}
 	}
 }
+
+// waitEnded is the error of a call whose context ended (with ctxErr) during
+// the wait after an attempt that failed with last (nil for an answer).
+func waitEnded(ctxErr, last error) error {
+	if last == nil {
+		return ctxErr
+	}
+	return &endedError{ctx: ctxErr, last: last}
+}
+
+// endedError keeps both errors of a wait that the context ended: the
+// context's first, then the last attempt's. Unlike errors.Join, its
+// message is one line.
+type endedError struct{ ctx, last error }
+
+func (e *endedError) Error() string {
+	return e.ctx.Error() + " while waiting to retry, after: " + e.last.Error()
+}
+
+func (e *endedError) Unwrap() []error { return []error{e.ctx, e.last} }
 
 // next reports whether attempt n+1 follows attempt n, judged v, and after
 // what wait.

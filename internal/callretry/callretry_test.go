@@ -5,6 +5,7 @@ import (
 	"errors"
 	"math"
 	"net"
+	"strings"
 	"testing"
 	"time"
 
@@ -122,6 +123,28 @@ func TestRun(t *testing.T) {
 	}, func(int) { discarded++ })
 	if res != 503 || err != nil || discarded != 2 {
 		t.Fatalf("answers: %d %v, %d discarded", res, err, discarded)
+	}
+	// The context ends during a wait: both its error and the last
+	// attempt's stay reachable.
+	waiting, cancelWait := context.WithCancel(ctx)
+	slow := Policy{maxAttempts: 3, maxElapsed: time.Hour, baseDelay: time.Hour, maxDelay: time.Hour}
+	_, err = Run(waiting, slow, "k5", func() (int, error) {
+		time.AfterFunc(20*time.Millisecond, cancelWait)
+		return 0, lost
+	}, func(int, error) Verdict {
+		return Verdict{Retry: true, HasAfter: true, After: time.Minute, MaybeDone: true}
+	}, func(int) {})
+	if !errors.As(err, &ce) || ce.Attempts != 1 || !errors.Is(err, context.Canceled) || !errors.Is(err, lost) ||
+		!strings.Contains(err.Error(), "connection reset") {
+		t.Fatalf("ended during a wait: %v", err)
+	}
+	waiting, cancelWait = context.WithCancel(ctx)
+	_, err = Run(waiting, slow, "k6", func() (int, error) {
+		time.AfterFunc(20*time.Millisecond, cancelWait)
+		return 0, refused
+	}, func(_ int, err error) Verdict { return Network(err) }, func(int) {})
+	if errors.As(err, &ce) || !errors.Is(err, context.Canceled) || !errors.Is(err, refused) {
+		t.Fatalf("ended during a wait after a refused dial: %v", err)
 	}
 	done, cancel := context.WithCancel(ctx)
 	cancel()
