@@ -51,7 +51,8 @@ const MaxBufferedBody = 1 << 20
 //   - the answer is 429 Too Many Requests;
 //   - the answer is 409 Conflict with a Retry-After header: the receiver's
 //     "a request with this key is in progress" (idemhttp's, the IETF
-//     draft's). A 409 without Retry-After is another kind of conflict (such
+//     draft's). A 409 without Retry-After, or with one that is neither a
+//     number of seconds nor an HTTP date, is another kind of conflict (such
 //     as idemhttp's IDEMPOTENCY_OUTCOME_UNKNOWN) and is returned as it is.
 //
 // Any other answer is returned at once: 2xx, 3xx, 422 (the key was used
@@ -228,17 +229,15 @@ func judge(resp *http.Response, err error) callretry.Verdict {
 		return callretry.Network(err)
 	}
 	v := callretry.Verdict{Answered: true}
+	v.After, v.HasAfter = retryAfter(resp.Header.Get("Retry-After"))
 	switch code := resp.StatusCode; {
 	case code >= 500 && code != http.StatusNotImplemented:
 		v.Retry, v.MaybeDone = true, true
 	case code == http.StatusTooManyRequests:
 		v.Retry = true
-	case code == http.StatusConflict && resp.Header.Get("Retry-After") != "":
+	case code == http.StatusConflict && v.HasAfter: // in progress; without a Retry-After it can read, another conflict
 		v.Retry, v.MaybeDone = true, true
-	default:
-		return v
 	}
-	v.After, v.HasAfter = retryAfter(resp.Header.Get("Retry-After"))
 	return v
 }
 
@@ -249,14 +248,18 @@ func discard(resp *http.Response) {
 }
 
 // retryAfter reads a Retry-After value: a number of seconds or an HTTP
-// date (RFC 9110 section 10.2.3). A date in the past is a zero wait.
+// date (RFC 9110 section 10.2.3). A date in the past is a zero wait; a
+// number of seconds too large for a time.Duration (or a uint64) is the
+// longest wait, which Policy.MaxDelay caps. It reports false for no value
+// and for one it cannot read.
 func retryAfter(v string) (time.Duration, bool) {
 	v = strings.TrimSpace(v)
 	if v == "" {
 		return 0, false
 	}
-	if secs, err := strconv.ParseUint(v, 10, 64); err == nil {
-		if secs > math.MaxInt64/uint64(time.Second) {
+	secs, err := strconv.ParseUint(v, 10, 64)
+	if err == nil || errors.Is(err, strconv.ErrRange) {
+		if err != nil || secs > math.MaxInt64/uint64(time.Second) {
 			return math.MaxInt64, true
 		}
 		return time.Duration(secs) * time.Second, true

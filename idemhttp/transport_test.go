@@ -269,7 +269,8 @@ func post(t *testing.T, ctx context.Context, client *http.Client, target, body s
 }
 
 // Which answers are retried: 5xx but 501, 429, and 409 with Retry-After;
-// never 422, 400, another 4xx, or a 409 without Retry-After. Every attempt
+// never 422, 400, another 4xx, or a 409 without a Retry-After the transport
+// can read. Every attempt
 // carries the same key; the retries run out on the last answer.
 func TestTransportRetriesByStatus(t *testing.T) {
 	t.Parallel()
@@ -287,6 +288,8 @@ func TestTransportRetriesByStatus(t *testing.T) {
 		{"429", []func(http.ResponseWriter){status(429, "0"), ok}, 2, 201},
 		{"409 in progress", []func(http.ResponseWriter){status(409, "0"), status(409, "0"), ok}, 3, 201},
 		{"409", []func(http.ResponseWriter){status(409, ""), ok}, 1, 409},
+		{"409 unreadable Retry-After", []func(http.ResponseWriter){status(409, "soon"), ok}, 1, 409},
+		{"503 unreadable Retry-After", []func(http.ResponseWriter){status(503, "soon"), ok}, 2, 201},
 		{"501", []func(http.ResponseWriter){status(501, ""), ok}, 1, 501},
 		{"422", []func(http.ResponseWriter){status(422, ""), ok}, 1, 422},
 		{"400", []func(http.ResponseWriter){status(400, ""), ok}, 1, 400},
@@ -320,7 +323,8 @@ func TestTransportRetriesByStatus(t *testing.T) {
 	}
 }
 
-// Retry-After is honoured in both forms, capped by MaxDelay, and a wait
+// Retry-After is honoured in both forms, capped by MaxDelay (also a number
+// of seconds too large for a uint64), and a wait
 // that would pass MaxElapsed ends the call with the answer at hand. (The
 // checks are orderings the transport guarantees, not speeds: a retry never
 // arrives before the time its Retry-After named.)
@@ -337,6 +341,7 @@ func TestTransportRetryAfter(t *testing.T) {
 			status(429, date.UTC().Format(http.TimeFormat))(w)
 		}, status(201, "")},
 		"capped":  {status(503, "3600"), status(201, "")},
+		"huge":    {status(503, "99999999999999999999999"), status(201, "")},
 		"elapsed": {status(503, "3600"), status(201, "")},
 	})
 	patient := &http.Client{Transport: &idemhttp.Transport{Policy: idem.RetryPolicy{BaseDelay: time.Millisecond, MaxDelay: 5 * time.Second}}}
@@ -365,6 +370,14 @@ func TestTransportRetryAfter(t *testing.T) {
 	capped := &http.Client{Transport: &idemhttp.Transport{Policy: idem.RetryPolicy{MaxDelay: 10 * time.Millisecond}}}
 	if resp, err := post(t, t.Context(), capped, s.URL+"/capped", "x"); err != nil || resp.StatusCode != 201 || len(s.attempts("capped")) != 2 {
 		t.Errorf("capped: %v, %d attempts", err, len(s.attempts("capped")))
+	}
+	// Too large for ParseUint: the longest wait, capped by MaxDelay, not
+	// the (much shorter) backoff.
+	huge := &http.Client{Transport: &idemhttp.Transport{Policy: idem.RetryPolicy{BaseDelay: time.Microsecond, MaxDelay: 300 * time.Millisecond}}}
+	if resp, err := post(t, t.Context(), huge, s.URL+"/huge", "x"); err != nil || resp.StatusCode != 201 || len(s.attempts("huge")) != 2 {
+		t.Errorf("huge: %v, %d attempts", err, len(s.attempts("huge")))
+	} else if got := s.attempts("huge"); got[1].arrived.Before(got[0].answered.Add(300 * time.Millisecond)) {
+		t.Errorf("huge: the retry came %s after the answer, before MaxDelay", got[1].arrived.Sub(got[0].answered))
 	}
 	short := &http.Client{Transport: &idemhttp.Transport{Policy: idem.RetryPolicy{MaxElapsed: time.Second, MaxDelay: time.Hour}}}
 	if resp, err := post(t, t.Context(), short, s.URL+"/elapsed", "x"); err != nil || resp.StatusCode != 503 || len(s.attempts("elapsed")) != 1 {
