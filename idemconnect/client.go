@@ -33,12 +33,13 @@ import (
 // wrapping idem.ErrInvalidKey or idem.ErrInvalidArgument.
 //
 // unavailable (the connection failed or broke, or the server could not
-// serve) and aborted (the server's "a call with this key is in progress")
-// are retried, after the wait the error's google.rpc.RetryInfo detail asks
-// for, capped by p.MaxDelay, or else p's backoff. Every other code is
-// returned at once: failed_precondition (the key was used for another
-// request, or an outcome to reconcile) and invalid_argument are bugs or
-// decisions, not accidents. The retries stop at p's bounds and when the
+// serve) and aborted with a google.rpc.RetryInfo detail (the server's "a
+// call with this key is in progress", as NewInterceptor sends it) are
+// retried, after the wait the RetryInfo asks for, capped by p.MaxDelay, or
+// else p's backoff. Every other code is returned at once: aborted without
+// RetryInfo (another kind of conflict), and failed_precondition (the key
+// was used for another request, or an outcome to reconcile) and
+// invalid_argument, which are bugs or decisions, not accidents. The retries stop at p's bounds and when the
 // call's context ends.
 //
 // When the call ends without an answer (unavailable after the last attempt,
@@ -102,6 +103,17 @@ func (c *clientInterceptor) WrapStreamingHandler(next connect.StreamingHandlerFu
 // judgeError says what one attempt's error means (see
 // NewClientInterceptor).
 func judgeError(_ connect.AnyResponse, err error) callretry.Verdict {
+	var info *errdetails.RetryInfo
+	var ce *connect.Error
+	if errors.As(err, &ce) {
+		for _, d := range ce.Details() {
+			if msg, err := d.Value(); err == nil {
+				if i, ok := msg.(*errdetails.RetryInfo); ok {
+					info = i
+				}
+			}
+		}
+	}
 	var v callretry.Verdict
 	switch connect.CodeOf(err) {
 	case connect.CodeUnavailable:
@@ -109,21 +121,17 @@ func judgeError(_ connect.AnyResponse, err error) callretry.Verdict {
 			return v
 		}
 	case connect.CodeAborted:
+		if info == nil { // not "in progress": another conflict, the server's answer
+			return callretry.Verdict{Answered: true}
+		}
 		v = callretry.Verdict{Retry: true, Answered: true, MaybeDone: true}
 	case connect.CodeDeadlineExceeded, connect.CodeCanceled:
 		return callretry.Verdict{MaybeDone: true}
 	default: // an answer, nil included
 		return callretry.Verdict{Answered: true}
 	}
-	var ce *connect.Error
-	if errors.As(err, &ce) {
-		for _, d := range ce.Details() {
-			if msg, err := d.Value(); err == nil {
-				if info, ok := msg.(*errdetails.RetryInfo); ok && info.GetRetryDelay() != nil {
-					v.After, v.HasAfter = info.GetRetryDelay().AsDuration(), true
-				}
-			}
-		}
+	if info.GetRetryDelay() != nil {
+		v.After, v.HasAfter = info.GetRetryDelay().AsDuration(), true
 	}
 	return v
 }

@@ -94,8 +94,9 @@ func TestClientInterceptorHealsDroppedReply(t *testing.T) {
 	}
 }
 
-// unavailable and aborted (after RetryInfo's delay) are retried;
-// failed_precondition, invalid_argument and other codes are not. A call
+// unavailable and aborted with RetryInfo (after its delay) are retried;
+// aborted without RetryInfo, failed_precondition, invalid_argument and
+// other codes are not. A call
 // whose every reply is lost gives up with idem.ErrOutcomeUnknown, and a
 // request sent again after the call is a new call with a new key.
 func TestClientInterceptorRetriesByCode(t *testing.T) {

@@ -33,12 +33,14 @@ import (
 // idem.ErrInvalidArgument.
 //
 // UNAVAILABLE (the connection failed or broke, or the server could not
-// serve) and ABORTED (the server's "a call with this key is in progress")
-// are retried, after the wait the status's google.rpc.RetryInfo asks for,
-// capped by p.MaxDelay, or else p's backoff. Every other status is
-// returned at once: FAILED_PRECONDITION (the key was used for another
-// request, or an outcome to reconcile) and INVALID_ARGUMENT are bugs or
-// decisions, not accidents. The retries stop at p's bounds and when the
+// serve) and ABORTED with a google.rpc.RetryInfo detail (the server's "a
+// call with this key is in progress", as UnaryServerInterceptor sends it)
+// are retried, after the wait the status's RetryInfo asks for, capped by
+// p.MaxDelay, or else p's backoff. Every other status is returned at once:
+// ABORTED without RetryInfo (another kind of conflict), and
+// FAILED_PRECONDITION (the key was used for another request, or an outcome
+// to reconcile) and INVALID_ARGUMENT, which are bugs or decisions, not
+// accidents. The retries stop at p's bounds and when the
 // call's context ends.
 //
 // When the call ends without an answer (UNAVAILABLE after the last attempt,
@@ -84,21 +86,28 @@ func judgeStatus(_ struct{}, err error) callretry.Verdict {
 		return callretry.Verdict{Answered: true}
 	}
 	st := status.Convert(err)
+	var info *errdetails.RetryInfo
+	for _, d := range st.Details() {
+		if i, ok := d.(*errdetails.RetryInfo); ok {
+			info = i
+		}
+	}
 	var v callretry.Verdict
 	switch st.Code() {
 	case codes.Unavailable:
 		v = callretry.Verdict{Retry: true, MaybeDone: true}
 	case codes.Aborted:
+		if info == nil { // not "in progress": another conflict, the server's answer
+			return callretry.Verdict{Answered: true}
+		}
 		v = callretry.Verdict{Retry: true, Answered: true, MaybeDone: true}
 	case codes.DeadlineExceeded, codes.Canceled:
 		return callretry.Verdict{MaybeDone: true}
 	default:
 		return callretry.Verdict{Answered: true}
 	}
-	for _, d := range st.Details() {
-		if info, ok := d.(*errdetails.RetryInfo); ok && info.GetRetryDelay() != nil {
-			v.After, v.HasAfter = info.GetRetryDelay().AsDuration(), true
-		}
+	if info.GetRetryDelay() != nil {
+		v.After, v.HasAfter = info.GetRetryDelay().AsDuration(), true
 	}
 	return v
 }

@@ -161,8 +161,9 @@ func TestClientInterceptorHealsDroppedReply(t *testing.T) {
 	}
 }
 
-// UNAVAILABLE and ABORTED (after RetryInfo's delay) are retried;
-// FAILED_PRECONDITION, INVALID_ARGUMENT and other codes are not. A call
+// UNAVAILABLE and ABORTED with RetryInfo (after its delay) are retried;
+// ABORTED without RetryInfo, FAILED_PRECONDITION, INVALID_ARGUMENT and
+// other codes are not. A call
 // that never got an answer gives up with idem.ErrOutcomeUnknown.
 func TestClientInterceptorRetriesByCode(t *testing.T) {
 	t.Parallel()
