@@ -264,3 +264,55 @@ func TestClientInterceptorKeepsLastStatus(t *testing.T) {
 		t.Fatalf("ended during the wait: %v (code %s)", a.Err, status.Code(a.Err))
 	}
 }
+
+// An attempt that never got a connection to a server sent nothing: a
+// client pointed at a closed port, or one whose context ends while the
+// connection is still being made, gets the plain status, not
+// idem.ErrOutcomeUnknown.
+func TestClientInterceptorNothingSent(t *testing.T) {
+	t.Parallel()
+	dial := func(addr string) *grpc.ClientConn {
+		conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+			grpc.WithUnaryInterceptor(idemgrpc.UnaryClientInterceptor(quickPolicy)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = conn.Close() })
+		return conn
+	}
+
+	// Nothing listens.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	closed := ln.Addr().String()
+	_ = ln.Close()
+	a := client{conn: dial(closed), procedure: rpctest.Transfer}.Call(t.Context(), "alice", nil, rpctest.Request("x", 1))
+	if status.Code(a.Err) != codes.Unavailable || errors.Is(a.Err, idem.ErrOutcomeUnknown) {
+		t.Errorf("closed port: %v", a.Err)
+	}
+
+	// A listener that accepts and never speaks HTTP/2: the connection is
+	// never ready, and the context's deadline passes while it is made.
+	silent, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = silent.Close() })
+	go func() {
+		for {
+			c, err := silent.Accept()
+			if err != nil {
+				return
+			}
+			t.Cleanup(func() { _ = c.Close() })
+		}
+	}()
+	ctx, cancel := context.WithTimeout(t.Context(), 300*time.Millisecond)
+	defer cancel()
+	a = client{conn: dial(silent.Addr().String()), procedure: rpctest.Transfer}.Call(ctx, "alice", nil, rpctest.Request("x", 1))
+	if status.Code(a.Err) != codes.DeadlineExceeded || errors.Is(a.Err, idem.ErrOutcomeUnknown) {
+		t.Errorf("never connected: %v", a.Err)
+	}
+}
