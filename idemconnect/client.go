@@ -39,8 +39,8 @@ import (
 // else p's backoff. Every other code is returned at once: aborted without
 // RetryInfo (another kind of conflict), and failed_precondition (the key
 // was used for another request, or an outcome to reconcile) and
-// invalid_argument, which are bugs or decisions, not accidents. The retries stop at p's bounds and when the
-// call's context ends.
+// invalid_argument, which are bugs or decisions, not accidents. The
+// retries stop at p's bounds and when the call's context ends.
 //
 // When the call ends without an answer (unavailable after the last attempt,
 // or deadline_exceeded or canceled while an attempt was under way) after an
@@ -49,9 +49,16 @@ import (
 // ended during the wait before a retry): errors.Is(err,
 // idem.ErrOutcomeUnknown) is true, connect.CodeOf(err) is the last error's
 // code, its message says that the call may have been processed and to
-// retry later with the same key, and its Key field holds that key. When no attempt can have reached the
-// server (every dial failed), the last error is returned as it is; so is
-// an answer (aborted too, when the retries run out on it).
+// retry later with the same key, and its Key field holds that key. When no
+// attempt can have reached the server, the last error is returned as it
+// is: no attempt got a connection (the dial or the TLS handshake failed,
+// or the context ended before a connection was made), as the client trace
+// of each attempt's context tells (net/http/httptrace: GetConn without
+// GotConn; the interceptor adds its hooks to those the context already
+// has). With an HTTP client that calls no trace hooks, only a failed dial
+// or name lookup, a refused certificate or a server that does not speak
+// TLS count as not sent. An answer is returned as it is (aborted too, when
+// the retries run out on it).
 //
 // Streaming calls, and handlers, are not intercepted. Do not combine it
 // with an idemhttp.Transport under the same client: each would retry the
@@ -86,9 +93,14 @@ func (c *clientInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc 
 			req.Header().Set(HeaderKey, key)
 			defer req.Header().Del(HeaderKey)
 		}
+		var conn *callretry.Conn // the last attempt's connection, as its client trace saw it
 		return callretry.Run(ctx, c.policy, key, func() (connect.AnyResponse, error) {
-			return next(ctx, req)
-		}, judgeError, func(connect.AnyResponse) {})
+			var attemptCtx context.Context
+			attemptCtx, conn = callretry.TraceConn(ctx)
+			return next(attemptCtx, req)
+		}, func(_ connect.AnyResponse, err error) callretry.Verdict {
+			return judgeError(err, conn)
+		}, func(connect.AnyResponse) {})
 	}
 }
 
@@ -101,8 +113,8 @@ func (c *clientInterceptor) WrapStreamingHandler(next connect.StreamingHandlerFu
 }
 
 // judgeError says what one attempt's error means (see
-// NewClientInterceptor).
-func judgeError(_ connect.AnyResponse, err error) callretry.Verdict {
+// NewClientInterceptor); conn is the attempt's connection.
+func judgeError(err error, conn *callretry.Conn) callretry.Verdict {
 	var info *errdetails.RetryInfo
 	var ce *connect.Error
 	if errors.As(err, &ce) {
@@ -117,7 +129,7 @@ func judgeError(_ connect.AnyResponse, err error) callretry.Verdict {
 	var v callretry.Verdict
 	switch connect.CodeOf(err) {
 	case connect.CodeUnavailable:
-		if v = callretry.Network(err); !v.Retry {
+		if v = callretry.Network(err, conn); !v.Retry {
 			return v
 		}
 	case connect.CodeAborted:
@@ -126,7 +138,8 @@ func judgeError(_ connect.AnyResponse, err error) callretry.Verdict {
 		}
 		v = callretry.Verdict{Retry: true, Answered: true, MaybeDone: true}
 	case connect.CodeDeadlineExceeded, connect.CodeCanceled:
-		return callretry.Verdict{MaybeDone: true}
+		// Not retried; sent unless the attempt never got a connection.
+		return callretry.Verdict{MaybeDone: callretry.Network(err, conn).MaybeDone}
 	default: // an answer, nil included
 		return callretry.Verdict{Answered: true}
 	}

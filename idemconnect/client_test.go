@@ -3,6 +3,7 @@ package idemconnect_test
 import (
 	"context"
 	"errors"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -200,5 +201,33 @@ func TestClientInterceptorKeepsLastCode(t *testing.T) {
 	var ce *idem.CallError
 	if !errors.As(a.Err, &ce) || ce.Attempts != 1 || !errors.Is(a.Err, context.Canceled) || connect.CodeOf(a.Err) != connect.CodeAborted {
 		t.Fatalf("ended during the wait: %v (code %s)", a.Err, connect.CodeOf(a.Err))
+	}
+}
+
+// An attempt that never got a connection sent nothing: a client pointed at
+// a closed port, or whose context ends while the connection is still being
+// dialled, gets the plain error, not idem.ErrOutcomeUnknown.
+func TestClientInterceptorNothingSent(t *testing.T) {
+	t.Parallel()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	closed := "http://" + ln.Addr().String()
+	_ = ln.Close()
+	a := call(t.Context(), closed, http.DefaultClient, "alice", nil, rpctest.Request("x", 1), withRetries(quickPolicy))
+	if connect.CodeOf(a.Err) != connect.CodeUnavailable || errors.Is(a.Err, idem.ErrOutcomeUnknown) {
+		t.Errorf("closed port: %v", a.Err)
+	}
+
+	blocked := &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+		<-ctx.Done() // net/http ends the dial once the request gave up on it
+		return nil, ctx.Err()
+	}}}
+	ctx, cancel := context.WithTimeout(t.Context(), 200*time.Millisecond)
+	defer cancel()
+	a = call(ctx, "http://127.0.0.1:1", blocked, "alice", nil, rpctest.Request("x", 1), withRetries(quickPolicy))
+	if connect.CodeOf(a.Err) != connect.CodeDeadlineExceeded || errors.Is(a.Err, idem.ErrOutcomeUnknown) {
+		t.Errorf("the context ended during the dial: %v", a.Err)
 	}
 }

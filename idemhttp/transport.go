@@ -46,7 +46,8 @@ const MaxBufferedBody = 1 << 20
 //
 //   - it failed without an answer: the connection could not be made, or
 //     broke, or timed out (a Base timeout such as ResponseHeaderTimeout);
-//     not a TLS certificate the client refuses;
+//     not a TLS certificate the client refuses, nor a server that does not
+//     speak TLS;
 //   - the answer is 5xx other than 501 Not Implemented;
 //   - the answer is 429 Too Many Requests;
 //   - the answer is 409 Conflict with a Retry-After header: the receiver's
@@ -76,7 +77,13 @@ const MaxBufferedBody = 1 << 20
 // field holds that key (the message does not: messages end up in logs).
 // Keep the operation pending with its key and retry or reconcile it later;
 // never start over with a new key. When no attempt can have reached the
-// receiver (every dial failed), the last error is returned as it is.
+// receiver, the last error is returned as it is: no attempt got a
+// connection (the dial or the TLS handshake failed, or the context ended
+// before a connection was made). Transport learns that from the client
+// trace of each attempt's context (net/http/httptrace: GetConn without
+// GotConn), adding its hooks to those the context already has; with a Base
+// that calls no trace hooks, only a failed dial or name lookup, a refused
+// certificate or a server that does not speak TLS count as not sent.
 //
 // http.Client.Timeout bounds the whole RoundTrip, retries included. Bound
 // one attempt with Base's timeouts (a dialer's, ResponseHeaderTimeout) or a
@@ -117,7 +124,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		b.closeBody()
 		return nil, err
 	}
-	resp, err := callretry.Run(req.Context(), policy, key, b.send, judge, discard)
+	resp, err := callretry.Run(req.Context(), policy, key, b.send, b.judge, discard)
 	if b.sent == 0 {
 		b.closeBody()
 	}
@@ -134,6 +141,7 @@ type attempts struct {
 	length  int64                         // the body's length, when it was buffered
 	closed  bool                          // the request's body, once buffered
 	sent    int
+	conn    *callretry.Conn // the last attempt's connection, as its client trace saw it
 }
 
 // prepare checks the policy and the key and makes the body re-readable. It
@@ -204,7 +212,9 @@ func (b *attempts) send() (*http.Response, error) {
 			return nil, &errBody{err}
 		}
 	}
-	r := b.req.Clone(b.req.Context())
+	ctx, conn := callretry.TraceConn(b.req.Context())
+	b.conn = conn
+	r := b.req.Clone(ctx)
 	r.Body, r.GetBody, r.ContentLength = body, b.getBody, b.length
 	if b.header != "" {
 		if r.Header == nil {
@@ -219,14 +229,14 @@ func (b *attempts) send() (*http.Response, error) {
 	return resp, err
 }
 
-// judge says what one attempt's outcome means (see Transport).
-func judge(resp *http.Response, err error) callretry.Verdict {
+// judge says what the last attempt's outcome means (see Transport).
+func (b *attempts) judge(resp *http.Response, err error) callretry.Verdict {
 	var bodyErr *errBody
 	switch {
 	case errors.As(err, &bodyErr):
 		return callretry.Verdict{}
 	case err != nil:
-		return callretry.Network(err)
+		return callretry.Network(err, b.conn)
 	}
 	v := callretry.Verdict{Answered: true}
 	v.After, v.HasAfter = retryAfter(resp.Header.Get("Retry-After"))

@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/http/httptrace"
 	"net/url"
 	"strings"
 	"sync"
@@ -451,6 +452,50 @@ func TestTransportGivesUp(t *testing.T) {
 		t.Fatalf("cancelled while waiting: %v", err)
 	}
 }
+
+// An attempt that never got a connection sent nothing, so the call ends
+// with the plain error, not idem.CallError: the context ends while the
+// connection is still being dialled, or the server does not speak TLS (not
+// retried). The caller's own client trace still runs.
+func TestTransportNothingSent(t *testing.T) {
+	t.Parallel()
+	var dials atomic.Int64
+	blocked := &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+		dials.Add(1)
+		<-ctx.Done() // net/http ends the dial once the request gave up on it
+		return nil, ctx.Err()
+	}}
+	var gets atomic.Int64
+	ctx := httptrace.WithClientTrace(t.Context(), &httptrace.ClientTrace{GetConn: func(string) { gets.Add(1) }})
+	ctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+	defer cancel()
+	client := &http.Client{Transport: &idemhttp.Transport{Base: blocked, Policy: fastPolicy}}
+	_, err := post(t, ctx, client, "http://127.0.0.1:1/never", "x")
+	if err == nil || errors.Is(err, idem.ErrOutcomeUnknown) || !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("the context ended during the dial: %v", err)
+	}
+	if dials.Load() != 1 || gets.Load() != 1 {
+		t.Errorf("%d dials, the caller's GetConn hook ran %d times; want 1, 1", dials.Load(), gets.Load())
+	}
+
+	plain := newScripted(t, nil)
+	var attempts atomic.Int64
+	tlsClient := &http.Client{Transport: &idemhttp.Transport{Policy: fastPolicy, Base: roundTripFunc(func(r *http.Request) (*http.Response, error) {
+		attempts.Add(1)
+		return http.DefaultTransport.RoundTrip(r)
+	})}}
+	_, err = post(t, t.Context(), tlsClient, "https"+strings.TrimPrefix(plain.URL, "http")+"/tls", "x")
+	// (http.Client turns the transport's tls.RecordHeaderError into
+	// ErrSchemeMismatch.)
+	if !errors.Is(err, http.ErrSchemeMismatch) || errors.Is(err, idem.ErrOutcomeUnknown) || attempts.Load() != 1 {
+		t.Errorf("a server that does not speak TLS: %v after %d attempts", err, attempts.Load())
+	}
+}
+
+// roundTripFunc is a RoundTripper made of a function.
+type roundTripFunc func(*http.Request) (*http.Response, error)
+
+func (f roundTripFunc) RoundTrip(r *http.Request) (*http.Response, error) { return f(r) }
 
 // trackedBody is a request body without GetBody that records its Close.
 type trackedBody struct {
