@@ -28,8 +28,9 @@ const MaxBufferedBody = 1 << 20
 // same key, while another attempt may succeed, so that a lost reply or a
 // receiver's transient failure costs a retry and never a second execution.
 //
-//	client := &http.Client{Transport: &idemhttp.Transport{}}
-//	ctx := idem.WithCallKey(ctx, r.CallKey("charge")) // r from idem.Reserve
+//	client := &http.Client{Transport: &idemhttp.Transport{}} // no Timeout: it would hide the CallError
+//	ctx, cancel := context.WithTimeout(idem.WithCallKey(ctx, r.CallKey("charge")), 20*time.Second) // r from idem.Reserve
+//	defer cancel()
 //	req, _ := http.NewRequestWithContext(ctx, "POST", gatewayURL, bytes.NewReader(body))
 //	resp, err := client.Do(req) // errors.Is(err, idem.ErrOutcomeUnknown): it may have been charged
 //
@@ -85,9 +86,15 @@ const MaxBufferedBody = 1 << 20
 // that calls no trace hooks, only a failed dial or name lookup, a refused
 // certificate or a server that does not speak TLS count as not sent.
 //
-// http.Client.Timeout bounds the whole RoundTrip, retries included. Bound
-// one attempt with Base's timeouts (a dialer's, ResponseHeaderTimeout) or a
-// context per call. Transport never changes the caller's request: each
+// Bound the whole call, retries included, with the request's context
+// (context.WithTimeout): a deadline that passes during an attempt that may
+// have reached the receiver gives the *idem.CallError. Do not use
+// http.Client.Timeout for that: when it fires, net/http replaces the
+// transport's error with its own timeout error, which does not wrap it, so
+// the CallError is lost and errors.Is(err, idem.ErrOutcomeUnknown) is false
+// although the request may have been processed. Bound one attempt with
+// Base's timeouts (a dialer's, ResponseHeaderTimeout). Transport never
+// changes the caller's request: each
 // attempt sends a clone. The bodies of answers it retries are read (up to a
 // few KiB, so the connection can be reused) and closed.
 //

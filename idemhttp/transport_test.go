@@ -453,6 +453,45 @@ func TestTransportGivesUp(t *testing.T) {
 	}
 }
 
+// Bound a call with its context's deadline: when it passes while an
+// attempt is under way, the error is the transport's idem.CallError. Not
+// with http.Client.Timeout: net/http replaces the transport's error with
+// its own timeout error, which does not wrap it, so the CallError is lost
+// although the request reached the server (as docs/calling.md and
+// Transport's doc say; if this part fails, net/http changed: fix them).
+func TestTransportDeadline(t *testing.T) {
+	t.Parallel()
+	var arrived atomic.Int64
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		arrived.Add(1)
+		// No answer before the client gives up. (The body is read, so that
+		// the server notices the client leave.)
+		_, _ = io.Copy(io.Discard, r.Body)
+		select {
+		case <-r.Context().Done():
+		case <-time.After(5 * time.Second):
+		}
+	}))
+	t.Cleanup(srv.Close)
+	ctx, cancel := context.WithTimeout(t.Context(), 200*time.Millisecond)
+	defer cancel()
+	client := &http.Client{Transport: &idemhttp.Transport{Policy: fastPolicy}}
+	_, err := post(t, ctx, client, srv.URL+"/deadline", "x")
+	var ce *idem.CallError
+	if !errors.As(err, &ce) || !errors.Is(err, idem.ErrOutcomeUnknown) || !errors.Is(err, context.DeadlineExceeded) || ce.Attempts != 1 {
+		t.Errorf("context deadline: %v", err)
+	}
+
+	timed := &http.Client{Timeout: 200 * time.Millisecond, Transport: &idemhttp.Transport{Policy: fastPolicy}}
+	_, err = post(t, t.Context(), timed, srv.URL+"/timeout", "x")
+	if errors.As(err, &ce) || errors.Is(err, idem.ErrOutcomeUnknown) || !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("Client.Timeout: %v", err)
+	}
+	if n := arrived.Load(); n != 2 {
+		t.Errorf("%d requests reached the server, want 2", n)
+	}
+}
+
 // An attempt that never got a connection sent nothing, so the call ends
 // with the plain error, not idem.CallError: the context ends while the
 // connection is still being dialled, or the server does not speak TLS (not
