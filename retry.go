@@ -80,8 +80,11 @@ type CallError struct {
 	Key string
 	// Attempts is the number of attempts made.
 	Attempts int
-	// Err is the last attempt's error, or the context's when it ended
-	// during a wait.
+	// Err is the last attempt's error. When the context ended during the
+	// wait before a retry, Err wraps both the context's error and the last
+	// attempt's (the context's alone after an answer), so that
+	// errors.Is(err, context.Canceled) holds and gRPC's status.Code and
+	// connect.CodeOf still read the last status.
 	Err error
 }
 

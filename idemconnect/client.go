@@ -33,24 +33,32 @@ import (
 // wrapping idem.ErrInvalidKey or idem.ErrInvalidArgument.
 //
 // unavailable (the connection failed or broke, or the server could not
-// serve) and aborted (the server's "a call with this key is in progress")
-// are retried, after the wait the error's google.rpc.RetryInfo detail asks
-// for, capped by p.MaxDelay, or else p's backoff. Every other code is
-// returned at once: failed_precondition (the key was used for another
-// request, or an outcome to reconcile) and invalid_argument are bugs or
-// decisions, not accidents. The retries stop at p's bounds and when the
-// call's context ends.
+// serve) and aborted with a google.rpc.RetryInfo detail (the server's "a
+// call with this key is in progress", as NewInterceptor sends it) are
+// retried, after the wait the RetryInfo asks for, capped by p.MaxDelay, or
+// else p's backoff. Every other code is returned at once: aborted without
+// RetryInfo (another kind of conflict), and failed_precondition (the key
+// was used for another request, or an outcome to reconcile) and
+// invalid_argument, which are bugs or decisions, not accidents. The
+// retries stop at p's bounds and when the call's context ends.
 //
 // When the call ends without an answer (unavailable after the last attempt,
 // or deadline_exceeded or canceled while an attempt was under way) after an
 // attempt that may have reached the server, the error is an
-// *idem.CallError that wraps the last error (or the context's, when it
-// ended during a wait): errors.Is(err, idem.ErrOutcomeUnknown) is true,
-// connect.CodeOf(err) is the last error's code, its message says that the
-// call may have been processed and to retry later with the same key, and
-// its Key field holds that key. When no attempt can have reached the
-// server (every dial failed), the last error is returned as it is; so is
-// an answer (aborted too, when the retries run out on it).
+// *idem.CallError that wraps the last error (and the context's, when it
+// ended during the wait before a retry): errors.Is(err,
+// idem.ErrOutcomeUnknown) is true, connect.CodeOf(err) is the last error's
+// code, its message says that the call may have been processed and to
+// retry later with the same key, and its Key field holds that key. When no
+// attempt can have reached the server, the last error is returned as it
+// is: no attempt got a connection (the dial or the TLS handshake failed,
+// or the context ended before a connection was made), as the client trace
+// of each attempt's context tells (net/http/httptrace: GetConn without
+// GotConn; the interceptor adds its hooks to those the context already
+// has). With an HTTP client that calls no trace hooks, only a failed dial
+// or name lookup, a refused certificate or a server that does not speak
+// TLS count as not sent. An answer is returned as it is (aborted too, when
+// the retries run out on it).
 //
 // Streaming calls, and handlers, are not intercepted. Do not combine it
 // with an idemhttp.Transport under the same client: each would retry the
@@ -85,9 +93,14 @@ func (c *clientInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc 
 			req.Header().Set(HeaderKey, key)
 			defer req.Header().Del(HeaderKey)
 		}
+		var conn *callretry.Conn // the last attempt's connection, as its client trace saw it
 		return callretry.Run(ctx, c.policy, key, func() (connect.AnyResponse, error) {
-			return next(ctx, req)
-		}, judgeError, func(connect.AnyResponse) {})
+			var attemptCtx context.Context
+			attemptCtx, conn = callretry.TraceConn(ctx)
+			return next(attemptCtx, req)
+		}, func(_ connect.AnyResponse, err error) callretry.Verdict {
+			return judgeError(err, conn)
+		}, func(connect.AnyResponse) {})
 	}
 }
 
@@ -100,30 +113,38 @@ func (c *clientInterceptor) WrapStreamingHandler(next connect.StreamingHandlerFu
 }
 
 // judgeError says what one attempt's error means (see
-// NewClientInterceptor).
-func judgeError(_ connect.AnyResponse, err error) callretry.Verdict {
-	var v callretry.Verdict
-	switch connect.CodeOf(err) {
-	case connect.CodeUnavailable:
-		if v = callretry.Network(err); !v.Retry {
-			return v
-		}
-	case connect.CodeAborted:
-		v = callretry.Verdict{Retry: true, Answered: true, MaybeDone: true}
-	case connect.CodeDeadlineExceeded, connect.CodeCanceled:
-		return callretry.Verdict{MaybeDone: true}
-	default: // an answer, nil included
-		return callretry.Verdict{Answered: true}
-	}
+// NewClientInterceptor); conn is the attempt's connection.
+func judgeError(err error, conn *callretry.Conn) callretry.Verdict {
+	var info *errdetails.RetryInfo
 	var ce *connect.Error
 	if errors.As(err, &ce) {
 		for _, d := range ce.Details() {
 			if msg, err := d.Value(); err == nil {
-				if info, ok := msg.(*errdetails.RetryInfo); ok && info.GetRetryDelay() != nil {
-					v.After, v.HasAfter = info.GetRetryDelay().AsDuration(), true
+				if i, ok := msg.(*errdetails.RetryInfo); ok {
+					info = i
 				}
 			}
 		}
+	}
+	var v callretry.Verdict
+	switch connect.CodeOf(err) {
+	case connect.CodeUnavailable:
+		if v = callretry.Network(err, conn); !v.Retry {
+			return v
+		}
+	case connect.CodeAborted:
+		if info == nil { // not "in progress": another conflict, the server's answer
+			return callretry.Verdict{Answered: true}
+		}
+		v = callretry.Verdict{Retry: true, Answered: true, MaybeDone: true}
+	case connect.CodeDeadlineExceeded, connect.CodeCanceled:
+		// Not retried; sent unless the attempt never got a connection.
+		return callretry.Verdict{MaybeDone: callretry.Network(err, conn).MaybeDone}
+	default: // an answer, nil included
+		return callretry.Verdict{Answered: true}
+	}
+	if info.GetRetryDelay() != nil {
+		v.After, v.HasAfter = info.GetRetryDelay().AsDuration(), true
 	}
 	return v
 }

@@ -3,6 +3,7 @@ package idemconnect_test
 import (
 	"context"
 	"errors"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"strings"
@@ -12,7 +13,9 @@ import (
 	"time"
 
 	"connectrpc.com/connect"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/protobuf/types/dynamicpb"
+	"google.golang.org/protobuf/types/known/durationpb"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemconnect"
@@ -92,8 +95,9 @@ func TestClientInterceptorHealsDroppedReply(t *testing.T) {
 	}
 }
 
-// unavailable and aborted (after RetryInfo's delay) are retried;
-// failed_precondition, invalid_argument and other codes are not. A call
+// unavailable and aborted with RetryInfo (after its delay) are retried;
+// aborted without RetryInfo, failed_precondition, invalid_argument and
+// other codes are not. A call
 // whose every reply is lost gives up with idem.ErrOutcomeUnknown, and a
 // request sent again after the call is a new call with a new key.
 func TestClientInterceptorRetriesByCode(t *testing.T) {
@@ -178,5 +182,52 @@ func TestClientInterceptorRefusesBadInput(t *testing.T) {
 	}
 	if runs.Load() != 0 {
 		t.Fatalf("%d calls reached the server", runs.Load())
+	}
+}
+
+// The context ends during the wait the server asked for (aborted, a call
+// with this key in progress): the call may have happened, and the error
+// still carries the last error, for connect.CodeOf.
+func TestClientInterceptorKeepsLastCode(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	inProgress := rpctest.Fail(uint32(connect.CodeAborted), "a call with this key is in progress",
+		&errdetails.RetryInfo{RetryDelay: durationpb.New(time.Hour)})
+	cases := map[string]rpctest.RetryCase{"wait": {Outcomes: []*rpctest.Outcome{&inProgress}}}
+	url := plainServer(t, rpctest.Scripted(cases, func(context.Context, string) { time.AfterFunc(50*time.Millisecond, cancel) }))
+	a := call(ctx, url, http.DefaultClient, "alice", nil, rpctest.Request("wait", 1),
+		withRetries(idem.RetryPolicy{MaxDelay: time.Hour, MaxElapsed: 2 * time.Hour}))
+	var ce *idem.CallError
+	if !errors.As(a.Err, &ce) || ce.Attempts != 1 || !errors.Is(a.Err, context.Canceled) || connect.CodeOf(a.Err) != connect.CodeAborted {
+		t.Fatalf("ended during the wait: %v (code %s)", a.Err, connect.CodeOf(a.Err))
+	}
+}
+
+// An attempt that never got a connection sent nothing: a client pointed at
+// a closed port, or whose context ends while the connection is still being
+// dialled, gets the plain error, not idem.ErrOutcomeUnknown.
+func TestClientInterceptorNothingSent(t *testing.T) {
+	t.Parallel()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	closed := "http://" + ln.Addr().String()
+	_ = ln.Close()
+	a := call(t.Context(), closed, http.DefaultClient, "alice", nil, rpctest.Request("x", 1), withRetries(quickPolicy))
+	if connect.CodeOf(a.Err) != connect.CodeUnavailable || errors.Is(a.Err, idem.ErrOutcomeUnknown) {
+		t.Errorf("closed port: %v", a.Err)
+	}
+
+	blocked := &http.Client{Transport: &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+		<-ctx.Done() // net/http ends the dial once the request gave up on it
+		return nil, ctx.Err()
+	}}}
+	ctx, cancel := context.WithTimeout(t.Context(), 200*time.Millisecond)
+	defer cancel()
+	a = call(ctx, "http://127.0.0.1:1", blocked, "alice", nil, rpctest.Request("x", 1), withRetries(quickPolicy))
+	if connect.CodeOf(a.Err) != connect.CodeDeadlineExceeded || errors.Is(a.Err, idem.ErrOutcomeUnknown) {
+		t.Errorf("the context ended during the dial: %v", a.Err)
 	}
 }

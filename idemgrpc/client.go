@@ -7,6 +7,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 
 	"github.com/pgidem/idem"
@@ -33,26 +34,34 @@ import (
 // idem.ErrInvalidArgument.
 //
 // UNAVAILABLE (the connection failed or broke, or the server could not
-// serve) and ABORTED (the server's "a call with this key is in progress")
-// are retried, after the wait the status's google.rpc.RetryInfo asks for,
-// capped by p.MaxDelay, or else p's backoff. Every other status is
-// returned at once: FAILED_PRECONDITION (the key was used for another
-// request, or an outcome to reconcile) and INVALID_ARGUMENT are bugs or
-// decisions, not accidents. The retries stop at p's bounds and when the
-// call's context ends.
+// serve) and ABORTED with a google.rpc.RetryInfo detail (the server's "a
+// call with this key is in progress", as UnaryServerInterceptor sends it)
+// are retried, after the wait the status's RetryInfo asks for, capped by
+// p.MaxDelay, or else p's backoff. Every other status is returned at once:
+// ABORTED without RetryInfo (another kind of conflict), and
+// FAILED_PRECONDITION (the key was used for another request, or an outcome
+// to reconcile) and INVALID_ARGUMENT, which are bugs or decisions, not
+// accidents. The retries stop at p's bounds and when the call's context
+// ends.
 //
 // When the call ends without an answer (UNAVAILABLE after the last attempt,
-// or DEADLINE_EXCEEDED or CANCELLED while an attempt was under way), the
-// error is an *idem.CallError that wraps the last status (or the
-// context's error, when it ended during a wait):
-// errors.Is(err, idem.ErrOutcomeUnknown) is true, status.Code(err) is the
-// last status's code, its message says that the call may have been
+// or DEADLINE_EXCEEDED or CANCELLED while an attempt was under way) after
+// an attempt that reached a server (it got a stream on a connection, as
+// grpc.Peer reports), the error is an *idem.CallError that wraps the last
+// status (and the context's error, when it ended during the wait before a
+// retry): errors.Is(err, idem.ErrOutcomeUnknown) is true, status.Code(err)
+// is the last status's code, its message says that the call may have been
 // processed and to retry later with the same key, and its Key field holds
-// that key. An answer (ABORTED too, when the retries run out on it) is
-// returned as it is.
+// that key. When no attempt reached a server (the connection was refused
+// or never became ready, no address could be picked, the context ended
+// while the connection was being made), nothing was sent, and the last
+// status is returned as it is. An answer (ABORTED too, when the retries run
+// out on it) is returned as it is.
 //
-// Streaming calls are not intercepted. The interceptor is safe for
-// concurrent use.
+// Streaming calls are not intercepted. Leave gRPC's own retries (a
+// retryPolicy in the service config) off for the methods it intercepts:
+// each would retry the other's attempts, and the interceptor sees only the
+// last of gRPC's. The interceptor is safe for concurrent use.
 func UnaryClientInterceptor(p idem.RetryPolicy) grpc.UnaryClientInterceptor {
 	policy, policyErr := callretry.New(p)
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
@@ -70,35 +79,48 @@ func UnaryClientInterceptor(p idem.RetryPolicy) grpc.UnaryClientInterceptor {
 			}
 			ctx = metadata.AppendToOutgoingContext(ctx, MetadataKey, key)
 		}
-		_, err = callretry.Run(ctx, policy, key, func() (struct{}, error) {
-			return struct{}{}, invoker(ctx, method, req, reply, cc, opts...)
-		}, judgeStatus, func(struct{}) {})
+		opts = opts[:len(opts):len(opts)] // each attempt appends its own grpc.Peer
+		_, err = callretry.Run(ctx, policy, key, func() (bool, error) {
+			// grpc.Peer fills p only when the attempt got a stream on a
+			// connection; without one, nothing of the call was sent.
+			var p peer.Peer
+			err := invoker(ctx, method, req, reply, cc, append(opts, grpc.Peer(&p))...)
+			return p.Addr != nil, err
+		}, judgeStatus, func(bool) {})
 		return err
 	}
 }
 
 // judgeStatus says what one attempt's status means (see
-// UnaryClientInterceptor).
-func judgeStatus(_ struct{}, err error) callretry.Verdict {
+// UnaryClientInterceptor); sent reports whether the attempt got a stream on
+// a connection to a server.
+func judgeStatus(sent bool, err error) callretry.Verdict {
 	if err == nil {
 		return callretry.Verdict{Answered: true}
 	}
 	st := status.Convert(err)
+	var info *errdetails.RetryInfo
+	for _, d := range st.Details() {
+		if i, ok := d.(*errdetails.RetryInfo); ok {
+			info = i
+		}
+	}
 	var v callretry.Verdict
 	switch st.Code() {
 	case codes.Unavailable:
-		v = callretry.Verdict{Retry: true, MaybeDone: true}
+		v = callretry.Verdict{Retry: true, MaybeDone: sent}
 	case codes.Aborted:
+		if info == nil { // not "in progress": another conflict, the server's answer
+			return callretry.Verdict{Answered: true}
+		}
 		v = callretry.Verdict{Retry: true, Answered: true, MaybeDone: true}
 	case codes.DeadlineExceeded, codes.Canceled:
-		return callretry.Verdict{MaybeDone: true}
+		return callretry.Verdict{MaybeDone: sent}
 	default:
 		return callretry.Verdict{Answered: true}
 	}
-	for _, d := range st.Details() {
-		if info, ok := d.(*errdetails.RetryInfo); ok && info.GetRetryDelay() != nil {
-			v.After, v.HasAfter = info.GetRetryDelay().AsDuration(), true
-		}
+	if info.GetRetryDelay() != nil {
+		v.After, v.HasAfter = info.GetRetryDelay().AsDuration(), true
 	}
 	return v
 }

@@ -10,12 +10,14 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/dynamicpb"
+	"google.golang.org/protobuf/types/known/durationpb"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemgrpc"
@@ -159,8 +161,9 @@ func TestClientInterceptorHealsDroppedReply(t *testing.T) {
 	}
 }
 
-// UNAVAILABLE and ABORTED (after RetryInfo's delay) are retried;
-// FAILED_PRECONDITION, INVALID_ARGUMENT and other codes are not. A call
+// UNAVAILABLE and ABORTED with RetryInfo (after its delay) are retried;
+// ABORTED without RetryInfo, FAILED_PRECONDITION, INVALID_ARGUMENT and
+// other codes are not. A call
 // that never got an answer gives up with idem.ErrOutcomeUnknown.
 func TestClientInterceptorRetriesByCode(t *testing.T) {
 	t.Parallel()
@@ -239,5 +242,77 @@ func TestClientInterceptorRefusesBadInput(t *testing.T) {
 		if !errors.Is(a.Err, c.want) || runs.Load() != 0 {
 			t.Errorf("%s: %v, %d runs", c.name, a.Err, runs.Load())
 		}
+	}
+}
+
+// The context ends during the wait the server asked for (ABORTED, a call
+// with this key in progress): the call may have happened, and the error
+// still carries the last status, for status.Code.
+func TestClientInterceptorKeepsLastStatus(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithCancel(t.Context())
+	defer cancel()
+	inProgress := rpctest.Fail(uint32(codes.Aborted), "a call with this key is in progress",
+		&errdetails.RetryInfo{RetryDelay: durationpb.New(time.Hour)})
+	cases := map[string]rpctest.RetryCase{"wait": {Outcomes: []*rpctest.Outcome{&inProgress}}}
+	conn := clientServer(t, idem.RetryPolicy{MaxDelay: time.Hour, MaxElapsed: 2 * time.Hour},
+		rpctest.Scripted(cases, func(context.Context, string) { time.AfterFunc(50*time.Millisecond, cancel) }),
+		func(*cutter) []grpc.UnaryServerInterceptor { return nil })
+	a := conn.Call(ctx, "alice", nil, rpctest.Request("wait", 1))
+	var ce *idem.CallError
+	if !errors.As(a.Err, &ce) || ce.Attempts != 1 || !errors.Is(a.Err, context.Canceled) || status.Code(a.Err) != codes.Aborted {
+		t.Fatalf("ended during the wait: %v (code %s)", a.Err, status.Code(a.Err))
+	}
+}
+
+// An attempt that never got a connection to a server sent nothing: a
+// client pointed at a closed port, or one whose context ends while the
+// connection is still being made, gets the plain status, not
+// idem.ErrOutcomeUnknown.
+func TestClientInterceptorNothingSent(t *testing.T) {
+	t.Parallel()
+	dial := func(addr string) *grpc.ClientConn {
+		conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()),
+			grpc.WithUnaryInterceptor(idemgrpc.UnaryClientInterceptor(quickPolicy)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = conn.Close() })
+		return conn
+	}
+
+	// Nothing listens.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	closed := ln.Addr().String()
+	_ = ln.Close()
+	a := client{conn: dial(closed), procedure: rpctest.Transfer}.Call(t.Context(), "alice", nil, rpctest.Request("x", 1))
+	if status.Code(a.Err) != codes.Unavailable || errors.Is(a.Err, idem.ErrOutcomeUnknown) {
+		t.Errorf("closed port: %v", a.Err)
+	}
+
+	// A listener that accepts and never speaks HTTP/2: the connection is
+	// never ready, and the context's deadline passes while it is made.
+	silent, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = silent.Close() })
+	go func() {
+		for {
+			c, err := silent.Accept()
+			if err != nil {
+				return
+			}
+			t.Cleanup(func() { _ = c.Close() })
+		}
+	}()
+	ctx, cancel := context.WithTimeout(t.Context(), 300*time.Millisecond)
+	defer cancel()
+	a = client{conn: dial(silent.Addr().String()), procedure: rpctest.Transfer}.Call(ctx, "alice", nil, rpctest.Request("x", 1))
+	if status.Code(a.Err) != codes.DeadlineExceeded || errors.Is(a.Err, idem.ErrOutcomeUnknown) {
+		t.Errorf("never connected: %v", a.Err)
 	}
 }

@@ -28,8 +28,9 @@ const MaxBufferedBody = 1 << 20
 // same key, while another attempt may succeed, so that a lost reply or a
 // receiver's transient failure costs a retry and never a second execution.
 //
-//	client := &http.Client{Transport: &idemhttp.Transport{}}
-//	ctx := idem.WithCallKey(ctx, r.CallKey("charge")) // r from idem.Reserve
+//	client := &http.Client{Transport: &idemhttp.Transport{}} // no Timeout: it would hide the CallError
+//	ctx, cancel := context.WithTimeout(idem.WithCallKey(ctx, r.CallKey("charge")), 20*time.Second) // r from idem.Reserve
+//	defer cancel()
 //	req, _ := http.NewRequestWithContext(ctx, "POST", gatewayURL, bytes.NewReader(body))
 //	resp, err := client.Do(req) // errors.Is(err, idem.ErrOutcomeUnknown): it may have been charged
 //
@@ -46,12 +47,14 @@ const MaxBufferedBody = 1 << 20
 //
 //   - it failed without an answer: the connection could not be made, or
 //     broke, or timed out (a Base timeout such as ResponseHeaderTimeout);
-//     not a TLS certificate the client refuses;
+//     not a TLS certificate the client refuses, nor a server that does not
+//     speak TLS;
 //   - the answer is 5xx other than 501 Not Implemented;
 //   - the answer is 429 Too Many Requests;
 //   - the answer is 409 Conflict with a Retry-After header: the receiver's
 //     "a request with this key is in progress" (idemhttp's, the IETF
-//     draft's). A 409 without Retry-After is another kind of conflict (such
+//     draft's). A 409 without Retry-After, or with one that is neither a
+//     number of seconds nor an HTTP date, is another kind of conflict (such
 //     as idemhttp's IDEMPOTENCY_OUTCOME_UNKNOWN) and is returned as it is.
 //
 // Any other answer is returned at once: 2xx, 3xx, 422 (the key was used
@@ -75,11 +78,23 @@ const MaxBufferedBody = 1 << 20
 // field holds that key (the message does not: messages end up in logs).
 // Keep the operation pending with its key and retry or reconcile it later;
 // never start over with a new key. When no attempt can have reached the
-// receiver (every dial failed), the last error is returned as it is.
+// receiver, the last error is returned as it is: no attempt got a
+// connection (the dial or the TLS handshake failed, or the context ended
+// before a connection was made). Transport learns that from the client
+// trace of each attempt's context (net/http/httptrace: GetConn without
+// GotConn), adding its hooks to those the context already has; with a Base
+// that calls no trace hooks, only a failed dial or name lookup, a refused
+// certificate or a server that does not speak TLS count as not sent.
 //
-// http.Client.Timeout bounds the whole RoundTrip, retries included. Bound
-// one attempt with Base's timeouts (a dialer's, ResponseHeaderTimeout) or a
-// context per call. Transport never changes the caller's request: each
+// Bound the whole call, retries included, with the request's context
+// (context.WithTimeout): a deadline that passes during an attempt that may
+// have reached the receiver gives the *idem.CallError. Do not use
+// http.Client.Timeout for that: when it fires, net/http replaces the
+// transport's error with its own timeout error, which does not wrap it, so
+// the CallError is lost and errors.Is(err, idem.ErrOutcomeUnknown) is false
+// although the request may have been processed. Bound one attempt with
+// Base's timeouts (a dialer's, ResponseHeaderTimeout). Transport never
+// changes the caller's request: each
 // attempt sends a clone. The bodies of answers it retries are read (up to a
 // few KiB, so the connection can be reused) and closed.
 //
@@ -116,7 +131,7 @@ func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
 		b.closeBody()
 		return nil, err
 	}
-	resp, err := callretry.Run(req.Context(), policy, key, b.send, judge, discard)
+	resp, err := callretry.Run(req.Context(), policy, key, b.send, b.judge, discard)
 	if b.sent == 0 {
 		b.closeBody()
 	}
@@ -133,6 +148,7 @@ type attempts struct {
 	length  int64                         // the body's length, when it was buffered
 	closed  bool                          // the request's body, once buffered
 	sent    int
+	conn    *callretry.Conn // the last attempt's connection, as its client trace saw it
 }
 
 // prepare checks the policy and the key and makes the body re-readable. It
@@ -203,7 +219,9 @@ func (b *attempts) send() (*http.Response, error) {
 			return nil, &errBody{err}
 		}
 	}
-	r := b.req.Clone(b.req.Context())
+	ctx, conn := callretry.TraceConn(b.req.Context())
+	b.conn = conn
+	r := b.req.Clone(ctx)
 	r.Body, r.GetBody, r.ContentLength = body, b.getBody, b.length
 	if b.header != "" {
 		if r.Header == nil {
@@ -218,27 +236,25 @@ func (b *attempts) send() (*http.Response, error) {
 	return resp, err
 }
 
-// judge says what one attempt's outcome means (see Transport).
-func judge(resp *http.Response, err error) callretry.Verdict {
+// judge says what the last attempt's outcome means (see Transport).
+func (b *attempts) judge(resp *http.Response, err error) callretry.Verdict {
 	var bodyErr *errBody
 	switch {
 	case errors.As(err, &bodyErr):
 		return callretry.Verdict{}
 	case err != nil:
-		return callretry.Network(err)
+		return callretry.Network(err, b.conn)
 	}
 	v := callretry.Verdict{Answered: true}
+	v.After, v.HasAfter = retryAfter(resp.Header.Get("Retry-After"))
 	switch code := resp.StatusCode; {
 	case code >= 500 && code != http.StatusNotImplemented:
 		v.Retry, v.MaybeDone = true, true
 	case code == http.StatusTooManyRequests:
 		v.Retry = true
-	case code == http.StatusConflict && resp.Header.Get("Retry-After") != "":
+	case code == http.StatusConflict && v.HasAfter: // in progress; without a Retry-After it can read, another conflict
 		v.Retry, v.MaybeDone = true, true
-	default:
-		return v
 	}
-	v.After, v.HasAfter = retryAfter(resp.Header.Get("Retry-After"))
 	return v
 }
 
@@ -249,14 +265,18 @@ func discard(resp *http.Response) {
 }
 
 // retryAfter reads a Retry-After value: a number of seconds or an HTTP
-// date (RFC 9110 section 10.2.3). A date in the past is a zero wait.
+// date (RFC 9110 section 10.2.3). A date in the past is a zero wait; a
+// number of seconds too large for a time.Duration (or a uint64) is the
+// longest wait, which Policy.MaxDelay caps. It reports false for no value
+// and for one it cannot read.
 func retryAfter(v string) (time.Duration, bool) {
 	v = strings.TrimSpace(v)
 	if v == "" {
 		return 0, false
 	}
-	if secs, err := strconv.ParseUint(v, 10, 64); err == nil {
-		if secs > math.MaxInt64/uint64(time.Second) {
+	secs, err := strconv.ParseUint(v, 10, 64)
+	if err == nil || errors.Is(err, strconv.ErrRange) {
+		if err != nil || secs > math.MaxInt64/uint64(time.Second) {
 			return math.MaxInt64, true
 		}
 		return time.Duration(secs) * time.Second, true

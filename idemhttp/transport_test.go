@@ -10,6 +10,7 @@ import (
 	"net"
 	"net/http"
 	"net/http/httptest"
+	"net/http/httptrace"
 	"net/url"
 	"strings"
 	"sync"
@@ -269,7 +270,8 @@ func post(t *testing.T, ctx context.Context, client *http.Client, target, body s
 }
 
 // Which answers are retried: 5xx but 501, 429, and 409 with Retry-After;
-// never 422, 400, another 4xx, or a 409 without Retry-After. Every attempt
+// never 422, 400, another 4xx, or a 409 without a Retry-After the transport
+// can read. Every attempt
 // carries the same key; the retries run out on the last answer.
 func TestTransportRetriesByStatus(t *testing.T) {
 	t.Parallel()
@@ -287,6 +289,8 @@ func TestTransportRetriesByStatus(t *testing.T) {
 		{"429", []func(http.ResponseWriter){status(429, "0"), ok}, 2, 201},
 		{"409 in progress", []func(http.ResponseWriter){status(409, "0"), status(409, "0"), ok}, 3, 201},
 		{"409", []func(http.ResponseWriter){status(409, ""), ok}, 1, 409},
+		{"409 unreadable Retry-After", []func(http.ResponseWriter){status(409, "soon"), ok}, 1, 409},
+		{"503 unreadable Retry-After", []func(http.ResponseWriter){status(503, "soon"), ok}, 2, 201},
 		{"501", []func(http.ResponseWriter){status(501, ""), ok}, 1, 501},
 		{"422", []func(http.ResponseWriter){status(422, ""), ok}, 1, 422},
 		{"400", []func(http.ResponseWriter){status(400, ""), ok}, 1, 400},
@@ -320,7 +324,8 @@ func TestTransportRetriesByStatus(t *testing.T) {
 	}
 }
 
-// Retry-After is honoured in both forms, capped by MaxDelay, and a wait
+// Retry-After is honoured in both forms, capped by MaxDelay (also a number
+// of seconds too large for a uint64), and a wait
 // that would pass MaxElapsed ends the call with the answer at hand. (The
 // checks are orderings the transport guarantees, not speeds: a retry never
 // arrives before the time its Retry-After named.)
@@ -337,6 +342,7 @@ func TestTransportRetryAfter(t *testing.T) {
 			status(429, date.UTC().Format(http.TimeFormat))(w)
 		}, status(201, "")},
 		"capped":  {status(503, "3600"), status(201, "")},
+		"huge":    {status(503, "99999999999999999999999"), status(201, "")},
 		"elapsed": {status(503, "3600"), status(201, "")},
 	})
 	patient := &http.Client{Transport: &idemhttp.Transport{Policy: idem.RetryPolicy{BaseDelay: time.Millisecond, MaxDelay: 5 * time.Second}}}
@@ -365,6 +371,14 @@ func TestTransportRetryAfter(t *testing.T) {
 	capped := &http.Client{Transport: &idemhttp.Transport{Policy: idem.RetryPolicy{MaxDelay: 10 * time.Millisecond}}}
 	if resp, err := post(t, t.Context(), capped, s.URL+"/capped", "x"); err != nil || resp.StatusCode != 201 || len(s.attempts("capped")) != 2 {
 		t.Errorf("capped: %v, %d attempts", err, len(s.attempts("capped")))
+	}
+	// Too large for ParseUint: the longest wait, capped by MaxDelay, not
+	// the (much shorter) backoff.
+	huge := &http.Client{Transport: &idemhttp.Transport{Policy: idem.RetryPolicy{BaseDelay: time.Microsecond, MaxDelay: 300 * time.Millisecond}}}
+	if resp, err := post(t, t.Context(), huge, s.URL+"/huge", "x"); err != nil || resp.StatusCode != 201 || len(s.attempts("huge")) != 2 {
+		t.Errorf("huge: %v, %d attempts", err, len(s.attempts("huge")))
+	} else if got := s.attempts("huge"); got[1].arrived.Before(got[0].answered.Add(300 * time.Millisecond)) {
+		t.Errorf("huge: the retry came %s after the answer, before MaxDelay", got[1].arrived.Sub(got[0].answered))
 	}
 	short := &http.Client{Transport: &idemhttp.Transport{Policy: idem.RetryPolicy{MaxElapsed: time.Second, MaxDelay: time.Hour}}}
 	if resp, err := post(t, t.Context(), short, s.URL+"/elapsed", "x"); err != nil || resp.StatusCode != 503 || len(s.attempts("elapsed")) != 1 {
@@ -438,6 +452,89 @@ func TestTransportGivesUp(t *testing.T) {
 		t.Fatalf("cancelled while waiting: %v", err)
 	}
 }
+
+// Bound a call with its context's deadline: when it passes while an
+// attempt is under way, the error is the transport's idem.CallError. Not
+// with http.Client.Timeout: net/http replaces the transport's error with
+// its own timeout error, which does not wrap it, so the CallError is lost
+// although the request reached the server (as docs/calling.md and
+// Transport's doc say; if this part fails, net/http changed: fix them).
+func TestTransportDeadline(t *testing.T) {
+	t.Parallel()
+	var arrived atomic.Int64
+	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		arrived.Add(1)
+		// No answer before the client gives up. (The body is read, so that
+		// the server notices the client leave.)
+		_, _ = io.Copy(io.Discard, r.Body)
+		select {
+		case <-r.Context().Done():
+		case <-time.After(5 * time.Second):
+		}
+	}))
+	t.Cleanup(srv.Close)
+	ctx, cancel := context.WithTimeout(t.Context(), 200*time.Millisecond)
+	defer cancel()
+	client := &http.Client{Transport: &idemhttp.Transport{Policy: fastPolicy}}
+	_, err := post(t, ctx, client, srv.URL+"/deadline", "x")
+	var ce *idem.CallError
+	if !errors.As(err, &ce) || !errors.Is(err, idem.ErrOutcomeUnknown) || !errors.Is(err, context.DeadlineExceeded) || ce.Attempts != 1 {
+		t.Errorf("context deadline: %v", err)
+	}
+
+	timed := &http.Client{Timeout: 200 * time.Millisecond, Transport: &idemhttp.Transport{Policy: fastPolicy}}
+	_, err = post(t, t.Context(), timed, srv.URL+"/timeout", "x")
+	if errors.As(err, &ce) || errors.Is(err, idem.ErrOutcomeUnknown) || !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("Client.Timeout: %v", err)
+	}
+	if n := arrived.Load(); n != 2 {
+		t.Errorf("%d requests reached the server, want 2", n)
+	}
+}
+
+// An attempt that never got a connection sent nothing, so the call ends
+// with the plain error, not idem.CallError: the context ends while the
+// connection is still being dialled, or the server does not speak TLS (not
+// retried). The caller's own client trace still runs.
+func TestTransportNothingSent(t *testing.T) {
+	t.Parallel()
+	var dials atomic.Int64
+	blocked := &http.Transport{DialContext: func(ctx context.Context, _, _ string) (net.Conn, error) {
+		dials.Add(1)
+		<-ctx.Done() // net/http ends the dial once the request gave up on it
+		return nil, ctx.Err()
+	}}
+	var gets atomic.Int64
+	ctx := httptrace.WithClientTrace(t.Context(), &httptrace.ClientTrace{GetConn: func(string) { gets.Add(1) }})
+	ctx, cancel := context.WithTimeout(ctx, 200*time.Millisecond)
+	defer cancel()
+	client := &http.Client{Transport: &idemhttp.Transport{Base: blocked, Policy: fastPolicy}}
+	_, err := post(t, ctx, client, "http://127.0.0.1:1/never", "x")
+	if err == nil || errors.Is(err, idem.ErrOutcomeUnknown) || !errors.Is(err, context.DeadlineExceeded) {
+		t.Errorf("the context ended during the dial: %v", err)
+	}
+	if dials.Load() != 1 || gets.Load() != 1 {
+		t.Errorf("%d dials, the caller's GetConn hook ran %d times; want 1, 1", dials.Load(), gets.Load())
+	}
+
+	plain := newScripted(t, nil)
+	var attempts atomic.Int64
+	tlsClient := &http.Client{Transport: &idemhttp.Transport{Policy: fastPolicy, Base: roundTripFunc(func(r *http.Request) (*http.Response, error) {
+		attempts.Add(1)
+		return http.DefaultTransport.RoundTrip(r)
+	})}}
+	_, err = post(t, t.Context(), tlsClient, "https"+strings.TrimPrefix(plain.URL, "http")+"/tls", "x")
+	// (http.Client turns the transport's tls.RecordHeaderError into
+	// ErrSchemeMismatch.)
+	if !errors.Is(err, http.ErrSchemeMismatch) || errors.Is(err, idem.ErrOutcomeUnknown) || attempts.Load() != 1 {
+		t.Errorf("a server that does not speak TLS: %v after %d attempts", err, attempts.Load())
+	}
+}
+
+// roundTripFunc is a RoundTripper made of a function.
+type roundTripFunc func(*http.Request) (*http.Response, error)
+
+func (f roundTripFunc) RoundTrip(r *http.Request) (*http.Response, error) { return f(r) }
 
 // trackedBody is a request body without GetBody that records its Close.
 type trackedBody struct {

@@ -14,6 +14,8 @@ import (
 	"fmt"
 	"math/rand/v2"
 	"net"
+	"net/http/httptrace"
+	"sync/atomic"
 	"time"
 
 	"github.com/pgidem/idem"
@@ -124,8 +126,10 @@ type Verdict struct {
 // A call that ends without an answer, after an attempt that may have taken
 // effect, returns an *idem.CallError (idem.ErrOutcomeUnknown) wrapping the
 // last error; one that certainly had no effect returns the last error as
-// it is. A ctx that ended before the first attempt returns its error and
-// sends nothing.
+// it is. When ctx ends during a wait, the last error is ctx's joined with
+// the last attempt's, so that errors.Is finds ctx's error and errors.As
+// (gRPC's status.Code, connect.CodeOf) the attempt's. A ctx that ended
+// before the first attempt returns its error and sends nothing.
 func Run[T any](ctx context.Context, p Policy, key string, attempt func() (T, error), judge func(T, error) Verdict, discard func(T)) (T, error) {
 	var zero T
 	if err := ctx.Err(); err != nil {
@@ -158,10 +162,30 @@ func Run[T any](ctx context.Context, p Policy, key string, attempt func() (T, er
 		case <-t.C:
 		case <-ctx.Done():
 			t.Stop()
-			return zero, giveUp(n, ctx.Err())
+			return zero, giveUp(n, waitEnded(ctx.Err(), err))
 		}
 	}
 }
+
+// waitEnded is the error of a call whose context ended (with ctxErr) during
+// the wait after an attempt that failed with last (nil for an answer).
+func waitEnded(ctxErr, last error) error {
+	if last == nil {
+		return ctxErr
+	}
+	return &endedError{ctx: ctxErr, last: last}
+}
+
+// endedError keeps both errors of a wait that the context ended: the
+// context's first, then the last attempt's. Unlike errors.Join, its
+// message is one line.
+type endedError struct{ ctx, last error }
+
+func (e *endedError) Error() string {
+	return e.ctx.Error() + " while waiting to retry, after: " + e.last.Error()
+}
+
+func (e *endedError) Unwrap() []error { return []error{e.ctx, e.last} }
 
 // next reports whether attempt n+1 follows attempt n, judged v, and after
 // what wait.
@@ -194,17 +218,49 @@ func (p Policy) wait(n int, v Verdict) time.Duration {
 	if bound <= 0 {
 		return 0
 	}
-	return rand.N(bound + 1)
+	// In [0, bound]; bound+1 as a uint64 cannot overflow, even at
+	// math.MaxInt64.
+	return time.Duration(rand.Uint64N(uint64(bound) + 1))
+}
+
+// Conn follows one attempt of an HTTP call through the client trace of its
+// request's context (net/http/httptrace): whether the attempt asked its
+// transport for a connection (GetConn) and whether it got one (GotConn).
+// net/http's Transport, HTTP/2 included, writes a request only on a
+// connection it reported with GotConn, so an attempt that asked and got
+// none sent nothing. A transport that calls neither hook tells nothing.
+type Conn struct{ asked, got atomic.Bool }
+
+// TraceConn returns ctx with client trace hooks that fill a new Conn,
+// composed with the hooks ctx already has (httptrace.WithClientTrace: those
+// run too).
+func TraceConn(ctx context.Context) (context.Context, *Conn) {
+	c := &Conn{}
+	return httptrace.WithClientTrace(ctx, &httptrace.ClientTrace{
+		GetConn: func(string) { c.asked.Store(true) },
+		GotConn: func(httptrace.GotConnInfo) { c.got.Store(true) },
+	}), c
 }
 
 // Network judges an attempt that failed with err before an answer came
 // back: whether to retry it and whether it may have reached the receiver.
-// A failed TLS handshake (a certificate the client refuses, a server that
-// does not speak TLS) is not retried and did not reach it; a failed dial or
-// name lookup is retried and did not reach it; anything else (a connection
-// closed or reset, a timeout, an error of the transport) is retried and may
-// have.
-func Network(err error) Verdict {
+// c is the attempt's Conn, nil for none.
+//
+// When c tells (the transport asked for a connection), an attempt that got
+// no connection sent nothing: it is retried (within the context: Run stops
+// once it ended), unless the TLS handshake failed for good (a certificate
+// the client refuses, a server that does not speak TLS). An attempt that got one may have
+// reached the receiver, whatever err says (net/http may send a request and
+// then fail to dial for its own retry of it): it is retried unless the
+// certificate was refused.
+//
+// When c does not tell, err alone decides: a refused certificate, or a
+// server whose first answer is not TLS, did not reach it and is not
+// retried; a failed dial or name lookup did not reach it and is retried;
+// anything else (a connection closed or reset, a TLS record that breaks a
+// connection, a timeout, the context's end, an error of the transport) is
+// retried and may have reached it.
+func Network(err error, c *Conn) Verdict {
 	var (
 		certErr   *tls.CertificateVerificationError
 		authErr   x509.UnknownAuthorityError
@@ -214,9 +270,15 @@ func Network(err error) Verdict {
 		dnsErr    *net.DNSError
 		opErr     *net.OpError
 	)
+	refused := errors.As(err, &certErr) || errors.As(err, &authErr) || errors.As(err, &hostErr) || errors.As(err, &invalid)
+	// Only a record read before the handshake's first one carries Conn.
+	notTLS := errors.As(err, &recordErr) && recordErr.Conn != nil
 	switch {
-	case errors.As(err, &certErr), errors.As(err, &authErr), errors.As(err, &hostErr),
-		errors.As(err, &invalid), errors.As(err, &recordErr):
+	case c != nil && c.asked.Load() && !c.got.Load():
+		return Verdict{Retry: !refused && !notTLS}
+	case c != nil && c.asked.Load():
+		return Verdict{Retry: !refused, MaybeDone: true}
+	case refused, notTLS:
 		return Verdict{}
 	case errors.As(err, &dnsErr), errors.As(err, &opErr) && opErr.Op == "dial":
 		return Verdict{Retry: true}

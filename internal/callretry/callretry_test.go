@@ -2,8 +2,13 @@ package callretry
 
 import (
 	"context"
+	"crypto/tls"
+	"crypto/x509"
 	"errors"
+	"math"
 	"net"
+	"net/http/httptrace"
+	"strings"
 	"testing"
 	"time"
 
@@ -46,6 +51,20 @@ func TestWait(t *testing.T) {
 	zero := Policy{maxAttempts: 2, maxElapsed: time.Hour, maxDelay: time.Second}
 	if w := zero.wait(3, Verdict{}); w != 0 {
 		t.Errorf("zero base: %s", w)
+	}
+	// The largest policy Validate lets through: the bound is
+	// math.MaxInt64, and the wait stays within it without overflowing.
+	huge, err := New(idem.RetryPolicy{BaseDelay: math.MaxInt64, MaxDelay: math.MaxInt64})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for n := 1; n <= 70; n++ {
+		if w := huge.wait(n, Verdict{}); w < 0 {
+			t.Fatalf("largest policy, attempt %d: wait %s", n, w)
+		}
+	}
+	if w := huge.wait(1, Verdict{After: math.MaxInt64, HasAfter: true}); w != math.MaxInt64 {
+		t.Errorf("largest policy, Retry-After: %s", w)
 	}
 }
 
@@ -97,7 +116,7 @@ func TestRun(t *testing.T) {
 		t.Fatalf("lost replies: %v (%d attempts)", err, n)
 	}
 	refused := &net.OpError{Op: "dial", Err: errors.New("connection refused")}
-	_, err = Run(ctx, p, "k2", func() (int, error) { return 0, refused }, func(_ int, err error) Verdict { return Network(err) }, func(int) {})
+	_, err = Run(ctx, p, "k2", func() (int, error) { return 0, refused }, func(_ int, err error) Verdict { return Network(err, nil) }, func(int) {})
 	if err != refused {
 		t.Fatalf("refused dials: %v", err)
 	}
@@ -107,6 +126,28 @@ func TestRun(t *testing.T) {
 	}, func(int) { discarded++ })
 	if res != 503 || err != nil || discarded != 2 {
 		t.Fatalf("answers: %d %v, %d discarded", res, err, discarded)
+	}
+	// The context ends during a wait: both its error and the last
+	// attempt's stay reachable.
+	waiting, cancelWait := context.WithCancel(ctx)
+	slow := Policy{maxAttempts: 3, maxElapsed: time.Hour, baseDelay: time.Hour, maxDelay: time.Hour}
+	_, err = Run(waiting, slow, "k5", func() (int, error) {
+		time.AfterFunc(20*time.Millisecond, cancelWait)
+		return 0, lost
+	}, func(int, error) Verdict {
+		return Verdict{Retry: true, HasAfter: true, After: time.Minute, MaybeDone: true}
+	}, func(int) {})
+	if !errors.As(err, &ce) || ce.Attempts != 1 || !errors.Is(err, context.Canceled) || !errors.Is(err, lost) ||
+		!strings.Contains(err.Error(), "connection reset") {
+		t.Fatalf("ended during a wait: %v", err)
+	}
+	waiting, cancelWait = context.WithCancel(ctx)
+	_, err = Run(waiting, slow, "k6", func() (int, error) {
+		time.AfterFunc(20*time.Millisecond, cancelWait)
+		return 0, refused
+	}, func(_ int, err error) Verdict { return Network(err, nil) }, func(int) {})
+	if errors.As(err, &ce) || !errors.Is(err, context.Canceled) || !errors.Is(err, refused) {
+		t.Fatalf("ended during a wait after a refused dial: %v", err)
 	}
 	done, cancel := context.WithCancel(ctx)
 	cancel()
@@ -139,5 +180,77 @@ func TestKey(t *testing.T) {
 		if _, err := Own(bad, "header"); !errors.Is(err, idem.ErrInvalidKey) {
 			t.Errorf("own %q: %v", bad, err)
 		}
+	}
+}
+
+// Network: what the client trace says about the connection decides when it
+// tells; the error alone when it does not.
+func TestNetwork(t *testing.T) {
+	traced := func(asked, got bool) *Conn {
+		c := &Conn{}
+		c.asked.Store(asked)
+		c.got.Store(got)
+		return c
+	}
+	var (
+		unknown = (*Conn)(nil)
+		silent  = traced(false, false) // a transport that calls no hook
+		none    = traced(true, false)  // asked for a connection, got none
+		got     = traced(true, true)
+	)
+	server, client := net.Pipe()
+	defer server.Close()
+	defer client.Close()
+	dial := &net.OpError{Op: "dial", Err: errors.New("connection refused")}
+	reset := &net.OpError{Op: "read", Err: errors.New("connection reset by peer")}
+	cert := x509.UnknownAuthorityError{}
+	notTLS := tls.RecordHeaderError{Msg: "first record does not look like a TLS handshake", Conn: client}
+	badRecord := tls.RecordHeaderError{Msg: "oversized record received"} // after the handshake: Conn is nil
+	for _, c := range []struct {
+		name string
+		err  error
+		conn *Conn
+		want Verdict
+	}{
+		{"refused dial, no trace", dial, unknown, Verdict{Retry: true}},
+		{"refused dial, silent transport", dial, silent, Verdict{Retry: true}},
+		{"name lookup", &net.DNSError{Err: "no such host"}, unknown, Verdict{Retry: true}},
+		{"reset, no trace", reset, unknown, Verdict{Retry: true, MaybeDone: true}},
+		{"context, no trace", context.DeadlineExceeded, unknown, Verdict{Retry: true, MaybeDone: true}},
+		{"context, no connection", context.DeadlineExceeded, none, Verdict{Retry: true}},
+		{"context, connected", context.Canceled, got, Verdict{Retry: true, MaybeDone: true}},
+		{"handshake timeout, no connection", errors.New("net/http: TLS handshake timeout"), none, Verdict{Retry: true}},
+		{"dial after a connection (net/http's own retry)", dial, got, Verdict{Retry: true, MaybeDone: true}},
+		{"certificate", cert, unknown, Verdict{}},
+		{"certificate, no connection", cert, none, Verdict{}},
+		{"certificate after a connection", cert, got, Verdict{MaybeDone: true}},
+		{"not TLS, no trace", notTLS, unknown, Verdict{}},
+		{"not TLS, no connection", notTLS, none, Verdict{}},
+		{"bad record mid-connection, no trace", badRecord, unknown, Verdict{Retry: true, MaybeDone: true}},
+		{"bad record, connected", badRecord, got, Verdict{Retry: true, MaybeDone: true}},
+		{"bad record, no connection", badRecord, none, Verdict{Retry: true}},
+	} {
+		if v := Network(c.err, c.conn); v != c.want {
+			t.Errorf("%s: %+v, want %+v", c.name, v, c.want)
+		}
+	}
+}
+
+// TraceConn's hooks run with those the context already had.
+func TestTraceConn(t *testing.T) {
+	var theirs []string
+	ctx := httptrace.WithClientTrace(context.Background(), &httptrace.ClientTrace{
+		GetConn: func(string) { theirs = append(theirs, "get") },
+		GotConn: func(httptrace.GotConnInfo) { theirs = append(theirs, "got") },
+	})
+	ctx, c := TraceConn(ctx)
+	trace := httptrace.ContextClientTrace(ctx)
+	trace.GetConn("127.0.0.1:1")
+	if !c.asked.Load() || c.got.Load() || Network(context.Canceled, c).MaybeDone {
+		t.Fatalf("after GetConn: %+v", Network(context.Canceled, c))
+	}
+	trace.GotConn(httptrace.GotConnInfo{})
+	if !c.got.Load() || !Network(context.Canceled, c).MaybeDone || strings.Join(theirs, ",") != "get,got" {
+		t.Fatalf("after GotConn: %+v, the caller's hooks saw %q", Network(context.Canceled, c), theirs)
 	}
 }

@@ -21,9 +21,9 @@ type RetryCase struct {
 }
 
 // RetryCases are the cases by the request's note, for a client whose
-// policy allows maxAttempts attempts: UNAVAILABLE and ABORTED (after
-// RetryInfo's delay) are retried; FAILED_PRECONDITION, INVALID_ARGUMENT
-// and NOT_FOUND are not.
+// policy allows maxAttempts attempts: UNAVAILABLE and ABORTED with
+// RetryInfo (after its delay) are retried; ABORTED without RetryInfo,
+// FAILED_PRECONDITION, INVALID_ARGUMENT and NOT_FOUND are not.
 func RetryCases(maxAttempts int) map[string]RetryCase {
 	fail := func(code uint32, msg string) *Outcome {
 		out := Fail(code, msg)
@@ -38,6 +38,7 @@ func RetryCases(maxAttempts int) map[string]RetryCase {
 		"invalid-argument":    {[]*Outcome{fail(codeInvalidArgument, "bad key"), nil}, 1, codeInvalidArgument},
 		"not-found":           {[]*Outcome{fail(codeNotFound, "no"), nil}, 1, codeNotFound},
 		"aborted-forever":     {[]*Outcome{&aborted}, maxAttempts, rpcidem.CodeAborted},
+		"aborted-conflict":    {[]*Outcome{fail(codeAborted, "the transaction was aborted"), nil}, 1, codeAborted},
 		"ok":                  {[]*Outcome{nil}, 1, 0},
 	}
 }
