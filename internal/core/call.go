@@ -196,13 +196,16 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 	for range maxClaimAttempts {
 		// Round trip 1: begin, and claim.
 		claimed, begun, err := s.Claim(ctx, claim)
-		if err != nil && !begun && !own {
+		switch {
+		case err != nil && !begun && !own:
 			// Do's savepoint did not begin: the failure happened in the
 			// caller's transaction itself, which a refusal would promise
 			// is untouched. Never one here.
 			return Result{}, txUnusable(errorf("idem: %w", unsupportedIf(err)), c.drv.TxClosed)
-		}
-		if err != nil {
+		case err != nil && !begun:
+			// DoInTx's transaction did not begin: nothing to undo.
+			return Result{}, unavailableIf(s.Lost() || isUnavailable(err), c.claimError(err, k))
+		case err != nil:
 			return Result{}, c.fail(ctx, s, own, c.claimError(err, k))
 		}
 

@@ -104,8 +104,10 @@ type Span[TTx any] interface {
 	// Claim says what pgx still prepares before a savepoint: SAVEPOINT
 	// itself, and statements it evicted from a full cache). claimed is
 	// false when a committed row holds the key (Read reads it). begun is
-	// false when the span did not begin: nothing to undo, and for a
-	// savepoint the error happened in the caller's transaction itself.
+	// false when the span did not begin: there is nothing to undo, and the
+	// core calls no Undo (nor anything else of the span but Lost and
+	// Close); for a savepoint the error happened in the caller's
+	// transaction itself.
 	Claim(ctx context.Context, c Claim) (claimed, begun bool, err error)
 	// Tx is the transaction fn runs in.
 	Tx() TTx

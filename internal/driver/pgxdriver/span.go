@@ -340,10 +340,12 @@ func stored(status pgtype.Int4, headers, body []byte) driver.Stored {
 
 // Undo undoes the span, even when ctx is done: Do rolls the caller's
 // transaction back to its savepoint and drops it; DoInTx rolls its own
-// transaction back.
+// transaction back (none when it did not begin).
 func (s *span) Undo(ctx context.Context) error {
 	if s.conn != nil {
-		rollback(ctx, s.tx)
+		if s.tx != nil {
+			rollback(ctx, s.tx)
+		}
 		return nil
 	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), driver.CleanupTimeout)
