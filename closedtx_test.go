@@ -3,7 +3,13 @@ package idem_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"sync"
 	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
 )
@@ -31,4 +37,66 @@ func TestDoInTxCancelledBeforeCitusQuestion(t *testing.T) {
 	if n := keyRows(t, pool); n != 0 {
 		t.Fatalf("%d key rows", n)
 	}
+}
+
+// Do on a pool's transaction that was already committed is
+// ErrInvalidArgument, and touches nothing of the connection that
+// transaction had: the pool has handed it to other calls, which run Do on
+// it meanwhile (the race detector watches).
+func TestDoOnCommittedPoolTxLeavesItsConnectionAlone(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := newPool(t).Config().ConnConfig.ConnString()
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.MaxConns = 2
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	c := waitingClient(t, time.Second)
+	stop := make(chan struct{})
+	var wg sync.WaitGroup
+	for w := range 4 {
+		wg.Go(func() {
+			for i := 0; ; i++ {
+				select {
+				case <-stop:
+					return
+				default:
+				}
+				key := fmt.Sprintf("busy-%d-%d", w, i)
+				if _, err := c.DoInTx(ctx, pool, scope, key, fpA, okFn); err != nil {
+					t.Errorf("%s: %v", key, err)
+					return
+				}
+				_ = inCallerTx(ctx, pool, func(tx pgx.Tx) error {
+					_, err := c.Do(ctx, tx, scope, key+"-do", fpA, okFn)
+					return err
+				})
+			}
+		})
+	}
+	for i := range 50 {
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if i%2 == 0 { // a connection that ran Do before, and one that did not
+			if _, err := c.Do(ctx, tx, scope, fmt.Sprintf("committed-%d", i), fpA, okFn); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := tx.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := c.Do(ctx, tx, scope, fmt.Sprintf("closed-%d", i), fpA, okFn); !errors.Is(err, idem.ErrInvalidArgument) {
+			t.Errorf("Do on a committed transaction: err = %v, want ErrInvalidArgument", err)
+		}
+	}
+	close(stop)
+	wg.Wait()
 }

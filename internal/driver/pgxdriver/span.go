@@ -124,9 +124,13 @@ func (s *span) Claim(ctx context.Context, c driver.Claim) (claimed, begun bool, 
 	var st *connState
 	warm, citus := true, false
 	if conn := s.tx.Conn(); conn != nil { // (a pgx.Tx of another making may have none: plain PostgreSQL)
+		// A closed transaction's connection may serve another call by
+		// now: its state is read under its lock, and the batch that
+		// finds the transaction closed changes nothing (connState.sent).
 		st = s.d.state(conn)
-		citus = st.citus
-		warm = st.known && (!st.prepares || st.warm[s.d.claimForm(citus, c)])
+		var known bool
+		citus, known = st.citusKnown()
+		warm = known && (!st.prepares || st.isWarm(s.d.claimForm(citus, c)))
 	}
 	if warm {
 		b.Queue(sqlSavepoint)
@@ -392,83 +396,4 @@ func HasCitus(ctx context.Context, q Querier) (bool, error) {
 	var citus bool
 	err := q.QueryRow(ctx, sqlHasCitus, pgx.QueryExecModeSimpleProtocol).Scan(&citus)
 	return citus, err
-}
-
-// connState is what the driver knows of one connection, kept in its pgconn
-// CustomData (a connection serves one call at a time, so no lock): made
-// once per connection, then read on every call at the cost of a map lookup.
-type connState struct {
-	db    citusKey
-	known bool // citus is known
-	citus bool
-	// prepares: pgx prepares or describes a batch's statements that it has
-	// not cached in a round trip of its own before the batch (its exec
-	// modes cache_statement, cache_describe, describe_exec); caches: and
-	// keeps them (not describe_exec).
-	prepares, caches bool
-	// warm names the claim batches (Driver.claimForms) whose last run on
-	// this connection succeeded: their statements are in pgx's cache
-	// unless it evicted them since (see sent).
-	warm map[string]bool
-}
-
-// sent records that a claim batch of form was sent on st's connection and
-// ended with err. pgx keeps the statements of a batch that succeeded in its
-// cache, and drops every statement of a batch that failed, whatever failed
-// (a lock wait that ran out, a cancellation, SAVEPOINT or BEGIN): so the
-// form is warm exactly when its last batch succeeded. The claim's
-// statements go in claim batches only (see Driver.sqlClaimWait), so no
-// other batch's failure drops them. st is nil for a pgx.Tx without a
-// connection.
-func (st *connState) sent(form string, err error) {
-	switch {
-	case st == nil || !st.caches:
-	case err == nil:
-		st.warm[form] = true
-	default:
-		delete(st.warm, form)
-	}
-}
-
-// connStateKey is the key of a connState in a connection's CustomData.
-const connStateKey = "github.com/pgidem/idem.conn"
-
-// state returns what the driver knows of conn, sending nothing: whether it
-// runs Citus is known when this connection or this Client learnt it before.
-func (d *Driver) state(conn *pgx.Conn) *connState {
-	data := conn.PgConn().CustomData()
-	st, ok := data[connStateKey].(*connState)
-	if !ok {
-		cfg := conn.Config() // a copy: once per connection
-		st = &connState{db: citusKey{host: cfg.Host, port: cfg.Port, database: cfg.Database}, warm: map[string]bool{}}
-		switch cfg.DefaultQueryExecMode {
-		case pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe:
-			st.prepares, st.caches = true, true
-		case pgx.QueryExecModeDescribeExec:
-			st.prepares = true
-		}
-		data[connStateKey] = st
-	}
-	if !st.known {
-		if citus, ok := d.citus.Load(st.db); ok {
-			st.known, st.citus = true, citus.(bool)
-		}
-	}
-	return st
-}
-
-// isCitus reports whether the database of st's connection has the citus
-// extension, asking q (the connection, or a transaction on it) when neither
-// the connection nor this Client knows.
-func (d *Driver) isCitus(ctx context.Context, st *connState, q Querier) (bool, error) {
-	if st.known {
-		return st.citus, nil
-	}
-	citus, err := HasCitus(ctx, q)
-	if err != nil {
-		return false, err
-	}
-	d.citus.Store(st.db, citus)
-	st.known, st.citus = true, citus
-	return citus, nil
 }
