@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -99,4 +100,70 @@ func TestDoOnCommittedPoolTxLeavesItsConnectionAlone(t *testing.T) {
 	}
 	close(stop)
 	wg.Wait()
+}
+
+// A transaction that is closed (committed or rolled back) or aborted is
+// ErrInvalidArgument for DoInTx and InTx on it, as for Do: nothing runs.
+func TestCallsOnAClosedTransaction(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	var calls atomic.Int64
+	closed := map[string]func() pgx.Tx{
+		"committed": func() pgx.Tx {
+			tx, err := pool.Begin(ctx)
+			if err == nil {
+				err = tx.Commit(ctx)
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			return tx
+		},
+		"rolled back": func() pgx.Tx {
+			tx, err := pool.Begin(ctx)
+			if err == nil {
+				err = tx.Rollback(ctx)
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			return tx
+		},
+		"aborted": func() pgx.Tx {
+			tx, err := pool.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { _ = tx.Rollback(ctx) })
+			if _, err := tx.Exec(ctx, `SELECT 1/0`); err == nil {
+				t.Fatal("1/0 did not fail")
+			}
+			return tx
+		},
+	}
+	for state, newTx := range closed {
+		calls := map[string]func(tx pgx.Tx) error{
+			"Do": func(tx pgx.Tx) error {
+				_, err := idem.Do(ctx, tx, scope, "closed", fpA, recordEffect(&calls, "closed"))
+				return err
+			},
+			"DoInTx": func(tx pgx.Tx) error {
+				_, err := idem.DoInTx(ctx, tx, scope, "closed", fpA, recordEffect(&calls, "closed"))
+				return err
+			},
+			"InTx": func(tx pgx.Tx) error {
+				return idem.InTx(ctx, tx, func(context.Context, pgx.Tx) error { calls.Add(1); return nil })
+			},
+		}
+		for name, call := range calls {
+			err := call(newTx())
+			if !errors.Is(err, idem.ErrInvalidArgument) {
+				t.Errorf("%s on the %s transaction: err = %v, want ErrInvalidArgument", name, state, err)
+			}
+		}
+	}
+	if n := calls.Load(); n != 0 || keyRows(t, pool) != 0 {
+		t.Fatalf("fn ran %d times; %d key rows", n, keyRows(t, pool))
+	}
 }

@@ -2,6 +2,7 @@ package idemsql_test
 
 import (
 	"context"
+	"database/sql"
 	"errors"
 	"testing"
 
@@ -26,6 +27,44 @@ func TestDoInTxCancelledBeforeBegin(t *testing.T) {
 		}
 		if n := keyCount(t, pool); n != 0 {
 			t.Errorf("%d key rows", n)
+		}
+	})
+}
+
+// Do on a transaction that is closed (committed or rolled back) or aborted
+// is idem.ErrInvalidArgument, as in idem.Do: nothing runs.
+func TestDoOnAClosedTransaction(t *testing.T) {
+	t.Parallel()
+	eachDriver(t, func(t *testing.T, driver string) {
+		ctx := context.Background()
+		db, pool := migrated(t, driver)
+		ran := false
+		fn := func(context.Context, *sql.Tx) (idem.Response, error) { ran = true; return created, nil }
+		for _, state := range []string{"committed", "rolled back", "aborted"} {
+			tx, err := db.BeginTx(ctx, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			switch state {
+			case "committed":
+				err = tx.Commit()
+			case "rolled back":
+				err = tx.Rollback()
+			case "aborted":
+				if _, err = tx.ExecContext(ctx, `SELECT 1/0`); err != nil {
+					err = nil
+				}
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := idemsql.Do(ctx, tx, scope, "closed", fpOf("a"), fn); !errors.Is(err, idem.ErrInvalidArgument) {
+				t.Errorf("Do on the %s transaction: err = %v, want ErrInvalidArgument", state, err)
+			}
+			_ = tx.Rollback()
+		}
+		if ran || keyCount(t, pool) != 0 {
+			t.Fatalf("fn ran: %v; %d key rows", ran, keyCount(t, pool))
 		}
 	})
 }

@@ -431,7 +431,11 @@ func (c *Client[TTx, TDB]) retry(ctx context.Context, nested bool, once func() e
 func (c *Client[TTx, TDB]) inTx(ctx context.Context, db TDB, fn func(ctx context.Context, tx TTx) error) error {
 	tx, err := c.drv.Begin(ctx, db)
 	if err != nil {
-		return unavailableIf(isUnavailable(err), errorf("idem: begin: %w", err))
+		err = unavailableIf(isUnavailable(err), errorf("idem: begin: %w", err))
+		if c.drv.Nested(db) { // a savepoint of the caller's transaction
+			err = txUnusable(err, c.drv.TxClosed)
+		}
+		return err
 	}
 	ended := false
 	defer func() {
