@@ -253,14 +253,18 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 }
 
 // fail undoes the span after a statement of the call failed with err, and
-// returns err: for Do, joined with the error of the undo if that failed
-// too; for DoInTx, an ErrUnavailable when the connection was lost or the
-// server cannot serve.
+// returns err: for DoInTx, an ErrUnavailable when the connection was lost
+// or the server cannot serve. For Do, when the undo failed too, the
+// caller's transaction is not as err promises (a refusal leaves it "as it
+// was", ErrKeyRowChanged "usable"): the call returns the undo's error (an
+// ErrUnavailable when the connection was lost), and names err in words
+// only.
 func (c *Client[TTx, TDB]) fail(ctx context.Context, s driver.Span[TTx], own bool, err error) error {
 	undoErr := s.Undo(ctx)
 	if !own {
 		if undoErr != nil {
-			return errors.Join(err, undoErr)
+			return unavailableIf(isUnavailable(undoErr),
+				errorf("idem: %w (Do's savepoint was not undone; the call had failed: %s)", undoErr, quiet{err}.Error()))
 		}
 		return err
 	}
@@ -272,7 +276,12 @@ func (c *Client[TTx, TDB]) fail(ctx context.Context, s driver.Span[TTx], own boo
 // connection was lost or the server said it cannot serve.
 func (c *Client[TTx, TDB]) failFn(ctx context.Context, s driver.Span[TTx], own bool, err error) error {
 	if !own {
-		return c.fail(ctx, s, own, err)
+		// fn's error stays in the chain, joined with the undo's if that
+		// failed.
+		if undoErr := s.Undo(ctx); undoErr != nil {
+			return errors.Join(err, unavailableIf(isUnavailable(undoErr), errorf("idem: %w", undoErr)))
+		}
+		return err
 	}
 	_ = s.Undo(ctx)
 	return unavailableIf(s.Lost() || serverSaidUnavailable(err), err)
