@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -165,5 +166,187 @@ func TestCallsOnAClosedTransaction(t *testing.T) {
 	}
 	if n := calls.Load(); n != 0 || keyRows(t, pool) != 0 {
 		t.Fatalf("fn ran %d times; %d key rows", n, keyRows(t, pool))
+	}
+}
+
+// An fn that commits or rolls back the transaction DoInTx runs it in
+// (itself, instead of leaving it to DoInTx) gets an error wrapping
+// ErrInvalidArgument that says which, whatever fn returns after. When fn
+// committed, its writes and the claim are durable without an outcome: the
+// record is turned unknown, so retries get ErrOutcomeUnknown (never run fn
+// again), ListUnknown lists it and Resolve settles it. When fn rolled back,
+// nothing remains and the key runs again.
+func TestFnEndingDoInTxTransaction(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Release()
+	var calls atomic.Int64
+	// fn writes an effect, ends its transaction with end, and returns what
+	// then says.
+	fn := func(key, end, then string) func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+		return func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+			resp, err := recordEffect(&calls, key)(ctx, tx)
+			if err != nil {
+				return resp, err
+			}
+			if end == "commit" {
+				err = tx.Commit(ctx)
+			} else {
+				err = tx.Rollback(ctx)
+			}
+			if err != nil {
+				t.Errorf("%s: %s: %v", key, end, err)
+			}
+			switch then {
+			case "error":
+				return idem.Response{}, errors.New("fn failed after " + end)
+			case "reject":
+				return idem.Response{}, idem.Reject(idem.Response{Status: 409})
+			}
+			return resp, nil
+		}
+	}
+	for _, handle := range []string{"pool", "conn"} {
+		for _, end := range []string{"commit", "rollback"} {
+			for _, then := range []string{"response", "error", "reject"} {
+				var db idem.Beginner = pool
+				if handle == "conn" {
+					db = conn.Conn()
+				}
+				key := handle + "-" + end + "-" + then
+				before := calls.Load()
+				_, err := idem.DoInTx(ctx, db, scope, key, fpA, fn(key, end, then))
+				said := map[string]string{"commit": "fn committed", "rollback": "fn rolled back"}[end]
+				if !errors.Is(err, idem.ErrInvalidArgument) || !strings.Contains(err.Error(), said) {
+					t.Errorf("%s: err = %v, want ErrInvalidArgument saying %s", key, err, said)
+					continue
+				}
+				effects := count(t, pool, `SELECT count(*) FROM effects WHERE key = $1`, key)
+				row := readRow(t, pool, scope, key)
+				if end == "rollback" {
+					if effects != 0 || row.Found {
+						t.Errorf("%s: %d effects, row %+v; want none", key, effects, row)
+					}
+					if res, err := idem.DoInTx(ctx, db, scope, key, fpA, recordEffect(&calls, key)); err != nil || res.Replayed {
+						t.Errorf("%s: retry after the rollback: %+v, %v; want fn to run", key, res, err)
+					}
+					continue
+				}
+				if effects != 1 || row.Status != "unknown" || row.Token <= 0 || row.Lease == nil || row.Completed != nil ||
+					row.LastError == nil || !strings.Contains(*row.LastError, "fn committed") {
+					t.Errorf("%s: %d effects, row %+v; want fn's effect and an unknown record", key, effects, row)
+					continue
+				}
+				if _, err := idem.DoInTx(ctx, db, scope, key, fpA, recordEffect(&calls, key)); !errors.Is(err, idem.ErrOutcomeUnknown) {
+					t.Errorf("%s: retry: err = %v, want ErrOutcomeUnknown", key, err)
+				}
+				if err := inCallerTx(ctx, pool, func(tx pgx.Tx) error {
+					_, err := idem.Do(ctx, tx, scope, key, fpA, recordEffect(&calls, key))
+					return err
+				}); !errors.Is(err, idem.ErrOutcomeUnknown) {
+					t.Errorf("%s: retry with Do: err = %v, want ErrOutcomeUnknown", key, err)
+				}
+				if err := idem.Forget(ctx, pool, scope, key); !errors.Is(err, idem.ErrOutcomeUnknown) {
+					t.Errorf("%s: Forget: err = %v, want ErrOutcomeUnknown", key, err)
+				}
+				if n := calls.Load() - before; n != 1 {
+					t.Errorf("%s: fn ran %d times, want once", key, n)
+				}
+			}
+		}
+	}
+
+	// The operator's path: ListUnknown lists each such record, and Resolve
+	// settles it; a retryable verdict lets the key run again.
+	var listed []idem.Record
+	for after := (*idem.Record)(nil); ; {
+		page, err := idem.ListUnknown(ctx, pool, 2, after)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(page) == 0 {
+			break
+		}
+		listed = append(listed, page...)
+		after = &page[len(page)-1]
+	}
+	if len(listed) != 6 {
+		t.Fatalf("ListUnknown: %d records, want 6: %+v", len(listed), listed)
+	}
+	for i, rec := range listed {
+		res := idem.Resolution{Token: rec.Token, Retryable: true, Reason: "fn's writes checked: none to keep"}
+		if i%2 == 1 {
+			res = idem.Resolution{Token: rec.Token, Succeeded: &idem.Response{Status: 200, Body: []byte("settled")}, Reason: "fn's writes stand"}
+		}
+		if err := idem.Resolve(ctx, pool, rec.Scope, rec.Key, res); err != nil {
+			t.Fatalf("Resolve %s: %v", rec.Key, err)
+		}
+		got, err := idem.DoInTx(ctx, pool, rec.Scope, rec.Key, fpA, recordEffect(&calls, rec.Key))
+		switch {
+		case err != nil:
+			t.Errorf("%s after Resolve: %v", rec.Key, err)
+		case res.Retryable && got.Replayed, !res.Retryable && (!got.Replayed || string(got.Body) != "settled"):
+			t.Errorf("%s after Resolve (%+v): %+v", rec.Key, res, got)
+		}
+	}
+}
+
+// An fn that commits the caller's transaction Do runs it in gets an error
+// wrapping ErrInvalidArgument. Do has no connection of its own to mark the
+// record with: it stays 'processing' without a lease, which Do cannot tell
+// from its own caller's claim (ErrInProgress); DoInTx and Reserve, in
+// transactions of their own, can, and turn it unknown (ErrOutcomeUnknown),
+// as they do for a record whose DoInTx stopped before it marked it (a
+// crash between fn's COMMIT and the mark).
+func TestFnEndingDoTransaction(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	var calls atomic.Int64
+	commit := func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+		resp, err := recordEffect(&calls, "do")(ctx, tx)
+		if err == nil {
+			err = tx.Commit(ctx)
+		}
+		return resp, err
+	}
+	for _, retry := range []string{"DoInTx", "Reserve"} {
+		key := "do-then-" + retry
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = idem.Do(ctx, tx, scope, key, fpA, commit)
+		if !errors.Is(err, idem.ErrInvalidArgument) || !strings.Contains(err.Error(), "fn committed or rolled back") {
+			t.Errorf("Do: err = %v, want ErrInvalidArgument saying fn ended the transaction", err)
+		}
+		if row := readRow(t, pool, scope, key); row.Status != "processing" || row.Token != 0 || row.Lease != nil {
+			t.Fatalf("after Do: row %+v", row)
+		}
+		if err := inCallerTx(ctx, pool, func(tx pgx.Tx) error {
+			_, err := idem.Do(ctx, tx, scope, key, fpA, recordEffect(&calls, key))
+			return err
+		}); !errors.Is(err, idem.ErrInProgress) {
+			t.Errorf("Do again: err = %v, want ErrInProgress", err)
+		}
+		if retry == "DoInTx" {
+			_, err = idem.DoInTx(ctx, pool, scope, key, fpA, recordEffect(&calls, key))
+		} else {
+			_, err = idem.Reserve(ctx, pool, scope, key, fpA, time.Minute)
+		}
+		if !errors.Is(err, idem.ErrOutcomeUnknown) {
+			t.Errorf("%s: err = %v, want ErrOutcomeUnknown", retry, err)
+		}
+		if row := readRow(t, pool, scope, key); row.Status != "unknown" || row.Token <= 0 || row.Lease == nil {
+			t.Errorf("after %s: row %+v, want an unknown record", retry, row)
+		}
+	}
+	if n := calls.Load(); n != 2 || effects(t, pool) != 2 {
+		t.Fatalf("fn ran %d times, %d effects; want 2", n, effects(t, pool))
 	}
 }

@@ -148,3 +148,27 @@ SELECT fingerprint, status, response_status, response_headers, response_body,
        coalesce((extract(epoch FROM lease_expires_at - now()) * 1000)::bigint, 0)::bigint AS lease_left_ms
 FROM idem_keys
 WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key;
+
+-- Turns the row a claim of Do or DoInTx left committed without an outcome
+-- ('processing', no token, no lease: fn committed the call's transaction
+-- itself, or the process stopped before the call could run this) into an
+-- outcome in doubt: fn's writes may be durable, so the key must never run
+-- again blindly. The record becomes what a reservation whose lease ran out
+-- becomes, so that ListUnknown finds it (a lease that ended now, no
+-- completed_at: idem_keys_open_created_idx) and Resolve names it (a new
+-- token). A row this statement already marked with the same reason (a
+-- retry of the key got there first) matches too, and keeps its token and
+-- lease: one row changed means the claim was committed. No row means it was
+-- not (fn rolled back, and the claim with it).
+-- name: KeyMarkUnknown :execrows
+WITH next AS (SELECT nextval('idem_keys_token_seq') AS token)
+UPDATE idem_keys
+SET status           = 'unknown',
+    token            = CASE WHEN status = 'processing' THEN (SELECT next.token FROM next) ELSE token END,
+    lease_expires_at = coalesce(lease_expires_at, now()),
+    completed_at     = NULL,
+    last_error       = sqlc.arg(reason)::text
+WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
+  AND fingerprint = @fingerprint
+  AND ((status = 'processing' AND token = 0 AND lease_expires_at IS NULL)
+    OR (status = 'unknown' AND completed_at IS NULL AND last_error = sqlc.arg(reason)::text));

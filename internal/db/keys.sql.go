@@ -213,6 +213,53 @@ func (q *Queries) KeyGet(ctx context.Context, db DBTX, arg KeyGetParams) (KeyGet
 	return i, err
 }
 
+const KeyMarkUnknown = `-- name: KeyMarkUnknown :execrows
+WITH next AS (SELECT nextval('idem_keys_token_seq') AS token)
+UPDATE idem_keys
+SET status           = 'unknown',
+    token            = CASE WHEN status = 'processing' THEN (SELECT next.token FROM next) ELSE token END,
+    lease_expires_at = coalesce(lease_expires_at, now()),
+    completed_at     = NULL,
+    last_error       = $1::text
+WHERE actor = $2 AND operation = $3 AND idem_key = $4
+  AND fingerprint = $5
+  AND ((status = 'processing' AND token = 0 AND lease_expires_at IS NULL)
+    OR (status = 'unknown' AND completed_at IS NULL AND last_error = $1::text))
+`
+
+type KeyMarkUnknownParams struct {
+	Reason      string
+	Actor       string
+	Operation   string
+	IdemKey     string
+	Fingerprint []byte
+}
+
+// Turns the row a claim of Do or DoInTx left committed without an outcome
+// ('processing', no token, no lease: fn committed the call's transaction
+// itself, or the process stopped before the call could run this) into an
+// outcome in doubt: fn's writes may be durable, so the key must never run
+// again blindly. The record becomes what a reservation whose lease ran out
+// becomes, so that ListUnknown finds it (a lease that ended now, no
+// completed_at: idem_keys_open_created_idx) and Resolve names it (a new
+// token). A row this statement already marked with the same reason (a
+// retry of the key got there first) matches too, and keeps its token and
+// lease: one row changed means the claim was committed. No row means it was
+// not (fn rolled back, and the claim with it).
+func (q *Queries) KeyMarkUnknown(ctx context.Context, db DBTX, arg KeyMarkUnknownParams) (int64, error) {
+	result, err := db.Exec(ctx, KeyMarkUnknown,
+		arg.Reason,
+		arg.Actor,
+		arg.Operation,
+		arg.IdemKey,
+		arg.Fingerprint,
+	)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
 const KeyTakeOver = `-- name: KeyTakeOver :one
 INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at)
 SELECT $1, $2, $3, $4, 'processing', now(), now(),

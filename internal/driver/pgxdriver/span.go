@@ -344,11 +344,12 @@ func stored(status pgtype.Int4, headers, body []byte) driver.Stored {
 
 // Undo undoes the span, even when ctx is done: Do rolls the caller's
 // transaction back to its savepoint and drops it; DoInTx rolls its own
-// transaction back (none when it did not begin).
+// transaction back (none when it did not begin), and says when fn had
+// ended it already (pgx.ErrTxClosed).
 func (s *span) Undo(ctx context.Context) error {
 	if s.conn != nil {
-		if s.tx != nil {
-			rollback(ctx, s.tx)
+		if s.tx != nil && rollback(ctx, s.tx) == pgx.ErrTxClosed {
+			return fmt.Errorf("rollback: %w", pgx.ErrTxClosed)
 		}
 		return nil
 	}
@@ -361,11 +362,34 @@ func (s *span) Undo(ctx context.Context) error {
 }
 
 // rollback rolls tx back, even when ctx is done. A transaction that a
-// batch already ended answers with a warning only.
-func rollback(ctx context.Context, tx pgx.Tx) {
+// batch already ended answers with a warning only; one that was committed
+// or rolled back through tx answers pgx.ErrTxClosed, and is the only error
+// returned.
+func rollback(ctx context.Context, tx pgx.Tx) error {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), driver.CleanupTimeout)
 	defer cancel()
-	_ = tx.Rollback(ctx)
+	if err := tx.Rollback(ctx); errors.Is(err, pgx.ErrTxClosed) {
+		return pgx.ErrTxClosed
+	}
+	return nil
+}
+
+// Orphaned turns the row a committed claim left without an outcome
+// unknown, on DoInTx's connection (idle: fn's COMMIT or ROLLBACK, or the
+// COMMIT of Read, ended its transaction).
+func (s *span) Orphaned(ctx context.Context, k driver.Key, fp [32]byte, reason string) (bool, error) {
+	if s.conn == nil {
+		return false, errors.New("a savepoint has no connection of its own")
+	}
+	n, err := markUnknown(ctx, s.conn, k, fp, reason)
+	return n == 1, err
+}
+
+// markUnknown runs KeyMarkUnknown on q.
+func markUnknown(ctx context.Context, q db.DBTX, k driver.Key, fp [32]byte, reason string) (int64, error) {
+	return queries.KeyMarkUnknown(ctx, planned{q}, db.KeyMarkUnknownParams{
+		Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key, Fingerprint: fp[:], Reason: reason,
+	})
 }
 
 // Lost reports whether DoInTx's connection is closed: the server went away
