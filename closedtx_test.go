@@ -350,3 +350,29 @@ func TestFnEndingDoTransaction(t *testing.T) {
 		t.Fatalf("fn ran %d times, %d effects; want 2", n, effects(t, pool))
 	}
 }
+
+// When a retry of the key meets the claim fn committed before DoInTx could
+// mark it, the retry marks it; DoInTx still says fn committed.
+func TestFnCommittingWhileARetryMarksTheRecord(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	other := waitingClient(t, time.Second) // not coalesced with the package's calls
+	var calls atomic.Int64
+	_, err := idem.DoInTx(ctx, pool, scope, "raced", fpA, func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+		resp, err := recordEffect(&calls, "raced")(ctx, tx)
+		if err == nil {
+			err = tx.Commit(ctx)
+		}
+		if _, retryErr := other.DoInTx(ctx, pool, scope, "raced", fpA, recordEffect(&calls, "raced")); !errors.Is(retryErr, idem.ErrOutcomeUnknown) {
+			t.Errorf("retry: err = %v, want ErrOutcomeUnknown", retryErr)
+		}
+		return resp, err
+	})
+	if !errors.Is(err, idem.ErrInvalidArgument) || !strings.Contains(err.Error(), "fn committed") {
+		t.Fatalf("err = %v, want ErrInvalidArgument saying fn committed", err)
+	}
+	if row := readRow(t, pool, scope, "raced"); row.Status != "unknown" || calls.Load() != 1 {
+		t.Fatalf("row %+v, fn ran %d times", row, calls.Load())
+	}
+}

@@ -218,14 +218,13 @@ const KeyMarkUnknown = `-- name: KeyMarkUnknown :execrows
 WITH next AS (SELECT nextval('idem_keys_token_seq') AS token)
 UPDATE idem_keys
 SET status           = 'unknown',
-    token            = CASE WHEN status = 'processing' THEN (SELECT next.token FROM next) ELSE token END,
-    lease_expires_at = coalesce(lease_expires_at, now()),
+    token            = (SELECT next.token FROM next),
+    lease_expires_at = now(),
     completed_at     = NULL,
     last_error       = $1::text
 WHERE actor = $2 AND operation = $3 AND idem_key = $4
+  AND status = 'processing' AND idem_keys.token = 0 AND lease_expires_at IS NULL
   AND fingerprint = $5
-  AND ((status = 'processing' AND token = 0 AND lease_expires_at IS NULL)
-    OR (status = 'unknown' AND completed_at IS NULL AND last_error = $1::text))
 `
 
 type KeyMarkUnknownParams struct {
@@ -243,10 +242,9 @@ type KeyMarkUnknownParams struct {
 // again blindly. The record becomes what a reservation whose lease ran out
 // becomes, so that ListUnknown finds it (a lease that ended now, no
 // completed_at: idem_keys_open_created_idx) and Resolve names it (a new
-// token). A row this statement already marked with the same reason (a
-// retry of the key got there first) matches too, and keeps its token and
-// lease: one row changed means the claim was committed. No row means it was
-// not (fn rolled back, and the claim with it).
+// token, drawn in a CTE: see ReserveAcquire). No row changed: no such row
+// (fn rolled back, and the claim with it; or another call marked it
+// first, KeyLookup tells).
 func (q *Queries) KeyMarkUnknown(ctx context.Context, db DBTX, arg KeyMarkUnknownParams) (int64, error) {
 	result, err := db.ExecContext(ctx, KeyMarkUnknown,
 		arg.Reason,

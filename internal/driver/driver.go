@@ -132,8 +132,9 @@ type Span[TTx any] interface {
 	// statement of its own, outside any transaction, it turns the key's
 	// row that a claim with fingerprint fp left committed ('processing', no
 	// token, no lease) 'unknown' with reason (KeyMarkUnknown). committed
-	// reports whether such a row was there (or already marked so): false
-	// when fn rolled back, and the claim with it. For a savepoint, which
+	// reports whether such a row was there, or had been marked so by
+	// another call of the key: false when fn rolled back, and the claim
+	// with it. For a savepoint, which
 	// has no connection of its own to run it on, it is an error.
 	Orphaned(ctx context.Context, k Key, fp [32]byte, reason string) (committed bool, err error)
 	// Lost reports whether the connection of the call's own transaction is

@@ -1,6 +1,7 @@
 package pgxdriver
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -382,7 +383,19 @@ func (s *span) Orphaned(ctx context.Context, k driver.Key, fp [32]byte, reason s
 		return false, errors.New("a savepoint has no connection of its own")
 	}
 	n, err := markUnknown(ctx, s.conn, k, fp, reason)
-	return n == 1, err
+	if err != nil || n == 1 {
+		return n == 1, err
+	}
+	// Nothing to mark: fn rolled back, or another call of the key marked
+	// the row first (the update waited for its transaction, then found the
+	// row changed).
+	row, err := queries.KeyLookup(ctx, planned{s.conn}, db.KeyLookupParams{Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key})
+	if errors.Is(err, pgx.ErrNoRows) {
+		return false, nil
+	}
+	r := row.IdemKey
+	marked := r.Status == "unknown" && r.LastError.String == reason && !r.CompletedAt.Valid && bytes.Equal(r.Fingerprint, fp[:])
+	return err == nil && marked, err
 }
 
 // markUnknown runs KeyMarkUnknown on q.
