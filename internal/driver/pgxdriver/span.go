@@ -79,7 +79,8 @@ func (s *span) Tx() pgx.Tx { return s.tx }
 //   - DoInTx: BEGIN and the claim. Whatever pgx prepares or describes
 //     before sending them runs outside any transaction, and so does the
 //     question whether the database is Citus (on a new connection for this
-//     Client).
+//     Client): when that fails, or BEGIN does, begun is false and there is
+//     nothing to undo.
 //   - Do where pgx prepares nothing before a claim: once whether the
 //     database is Citus is known (to the connection or the Client), in
 //     the exec modes exec and simple_protocol, and in cache_statement and
