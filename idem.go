@@ -97,16 +97,32 @@ var defaultClient = func() *Client {
 //
 // When Do returns ErrInProgress, ErrKeyReused, ErrOutcomeUnknown,
 // ErrInvalidArgument or a replay, tx is as it was before the call: also on a
-// connection that has not run Do before, in every exec mode of pgx, where
-// Do begins its savepoint alone before anything that could fail (pgx
-// preparing its statements, a lock wait, the question whether the database
-// is Citus) and undoes it on the way out. When fn changes or deletes the
-// key's own row in idem_keys, the outcome cannot be stored: Do undoes fn's
-// writes and the claim, tx stays usable, and the error is ErrKeyRowChanged.
-// After a serialization failure
+// connection that has not run Do before, in every exec mode of pgx. The
+// claim, its lock wait and the question whether the database is Citus run
+// inside Do's savepoint, which Do undoes on the way out. On a connection
+// where pgx has not cached the claim's statements (its first Do, the first
+// after a claim failed there), Do sends SAVEPOINT alone first, in the simple
+// protocol, and everything else inside it; otherwise SAVEPOINT and the
+// claim go in one batch. Before a batch pgx may still prepare or describe,
+// in tx itself, the statement SAVEPOINT (which takes no lock) and
+// statements it evicted from a full cache: a cancellation or a failure
+// there leaves tx aborted, and Do returns an error that is no refusal. So
+// does a connection that breaks while Do undoes its savepoint
+// (ErrUnavailable). docs/guarantees.md says exactly what runs where.
+//
+// When fn changes or deletes the key's own row in idem_keys, the outcome
+// cannot be stored: Do undoes fn's writes and the claim, tx stays usable,
+// and the error is ErrKeyRowChanged. After a serialization failure
 // (SQLSTATE 40001, under REPEATABLE READ or SERIALIZABLE) or a deadlock the
 // whole transaction must be run again (InTx and DoInTx do so); after a lost
 // connection it is gone. Either way the retry replays or runs.
+//
+// fn must not commit or roll back tx: Do then returns an error wrapping
+// ErrInvalidArgument. After a COMMIT there, fn's writes and the claim are
+// durable without an outcome; Do cannot tell that row from its own
+// caller's claim and answers ErrInProgress to the key, while a DoInTx or
+// Reserve of the key, in a transaction of its own, turns it unknown and
+// answers ErrOutcomeUnknown (see DoInTx).
 //
 // Each Do uses a subtransaction; keep the number of Do calls in one
 // transaction well under 64, PostgreSQL's per-backend subtransaction cache.
@@ -136,6 +152,15 @@ func (c *Client) Do(ctx context.Context, tx pgx.Tx, scope Scope, key string, fp 
 // When fn changes or deletes the key's own row in idem_keys, the
 // completion fails, the COMMIT sent with it does not run, and DoInTx rolls
 // back and returns ErrKeyRowChanged: nothing of fn's is committed.
+//
+// fn must not commit or roll back tx. If it does, DoInTx returns an error
+// wrapping ErrInvalidArgument that says which. After a ROLLBACK nothing of
+// fn's or of the claim remains, and the key is free. After a COMMIT fn's
+// writes and the claim are durable without an outcome: DoInTx turns the
+// key's record unknown, in a statement of its own (should the process stop
+// first, the next DoInTx or Reserve of the key does it), so that retries
+// get ErrOutcomeUnknown and never run fn again, ListUnknown lists the
+// record, and Resolve settles it.
 //
 // On a *pgxpool.Pool or a *pgx.Conn, DoInTx sends BEGIN with the claim and
 // COMMIT with the stored response, so the transaction costs no round trip

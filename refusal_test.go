@@ -312,3 +312,52 @@ func hold(t *testing.T, pool *pgxpool.Pool, sql string, args ...any) (release fu
 	}
 	return func() { _ = tx.Rollback(ctx) }
 }
+
+// cutAtUndo is a pgx tracer that closes the connection's socket when Do
+// starts undoing its savepoint.
+type cutAtUndo struct{}
+
+func (cutAtUndo) TraceQueryStart(ctx context.Context, conn *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
+	if strings.HasPrefix(data.SQL, "ROLLBACK TO SAVEPOINT idem_do") {
+		_ = conn.PgConn().Conn().Close()
+	}
+	return ctx
+}
+
+func (cutAtUndo) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// A refusal whose savepoint cannot be undone (the connection broke at the
+// rollback) is no refusal: the caller's transaction is gone, so the error
+// is the undo's (ErrUnavailable) and does not wrap ErrInProgress, which
+// promises a transaction as it was.
+func TestRefusalWhoseUndoFailsIsNoRefusal(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, url, calls := refusalPool(t)
+	release := hold(t, pool, callertest.HoldKey, scope.Actor, scope.Operation, fpA[:])
+	defer release()
+	cfg, err := pgx.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.Tracer = cutAtUndo{}
+	conn, err := pgx.ConnectConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = conn.Close(ctx) }()
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = waitingClient(t, 20*time.Millisecond).Do(ctx, tx, scope, "held", fpA, recordEffect(calls, "held"))
+	if err == nil || errors.Is(err, idem.ErrInProgress) || !errors.Is(err, idem.ErrUnavailable) {
+		t.Fatalf("err = %v; want ErrUnavailable, not ErrInProgress", err)
+	}
+	if !strings.Contains(err.Error(), "in progress") {
+		t.Errorf("err = %v; want the refusal named in words", err)
+	}
+	if !conn.IsClosed() {
+		t.Errorf("the connection survived")
+	}
+}

@@ -45,6 +45,10 @@ import (
 //	                  --Resolve-->                      succeeded | failed_retryable (new token)
 //	succeeded, rejected, failed_retryable past the TTL
 //	                  --Reserve, Do-->                  a new request (a window of its own)
+//	processing without a lease (a claim of Do or DoInTx whose fn committed
+//	the call's transaction itself)
+//	                  --DoInTx (that very call), Reserve, DoInTx-->
+//	                                                    unknown (new token, a lease that ended)
 //
 // Every other event leaves the record as it is: Reserve replays succeeded
 // and rejected records, answers ErrInProgress while a live lease holds the

@@ -50,6 +50,11 @@ func (c *Client) Do(ctx context.Context, tx *sql.Tx, scope idem.Scope, key strin
 // came, is idem.ErrUnavailable: retry with the same key, which replays if
 // the first attempt committed.
 //
+// fn must not commit or roll back tx: as idem.DoInTx, DoInTx then returns
+// an error wrapping idem.ErrInvalidArgument that says which, and after a
+// COMMIT turns the key's record unknown (idem.ErrOutcomeUnknown to
+// retries; ListUnknown, Resolve).
+//
 // Unlike idem.DoInTx on a pgx pool, concurrent duplicates in one process
 // are not coalesced: they meet at the primary key (the first runs fn, the
 // others wait at most Config.Wait and replay).

@@ -269,3 +269,51 @@ func TestFailedClaimOnWarmConnectionKeepsNextDoInItsSavepoint(t *testing.T) {
 		}
 	}
 }
+
+// cutAtUndo is a pgx tracer that closes the connection's socket when Do
+// starts undoing its savepoint.
+type cutAtUndo struct{}
+
+func (cutAtUndo) TraceQueryStart(ctx context.Context, conn *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
+	if strings.HasPrefix(data.SQL, "ROLLBACK TO SAVEPOINT idem_do") {
+		_ = conn.PgConn().Conn().Close()
+	}
+	return ctx
+}
+
+func (cutAtUndo) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData) {}
+
+// A refusal whose savepoint cannot be undone (the connection broke at the
+// rollback) is no refusal: the error is the undo's (idem.ErrUnavailable)
+// and does not wrap idem.ErrInProgress.
+func TestRefusalWhoseUndoFailsIsNoRefusal(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url, setup := refusalSetup(t)
+	fp := fpOf("a")
+	release := other(t, setup, callertest.HoldKey, scope.Actor, scope.Operation, fp[:])
+	defer release()
+	cfg, err := pgx.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.Tracer = cutAtUndo{}
+	db := stdlib.OpenDB(*cfg)
+	defer func() { _ = db.Close() }()
+	tx, err := db.BeginTx(ctx, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback() }()
+	c, err := idemsql.New(idem.Config{Wait: 20 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = c.Do(ctx, tx, scope, "held", fpOf("a"), okFn)
+	if err == nil || errors.Is(err, idem.ErrInProgress) || !errors.Is(err, idem.ErrUnavailable) {
+		t.Fatalf("err = %v; want ErrUnavailable, not ErrInProgress", err)
+	}
+	if !strings.Contains(err.Error(), "in progress") {
+		t.Errorf("err = %v; want the refusal named in words", err)
+	}
+}

@@ -148,3 +148,25 @@ SELECT fingerprint, status, response_status, response_headers, response_body,
        coalesce((extract(epoch FROM lease_expires_at - now()) * 1000)::bigint, 0)::bigint AS lease_left_ms
 FROM idem_keys
 WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key;
+
+-- Turns the row a claim of Do or DoInTx left committed without an outcome
+-- ('processing', no token, no lease: fn committed the call's transaction
+-- itself, or the process stopped before the call could run this) into an
+-- outcome in doubt: fn's writes may be durable, so the key must never run
+-- again blindly. The record becomes what a reservation whose lease ran out
+-- becomes, so that ListUnknown finds it (a lease that ended now, no
+-- completed_at: idem_keys_open_created_idx) and Resolve names it (a new
+-- token, drawn in a CTE: see ReserveAcquire). No row changed: no such row
+-- (fn rolled back, and the claim with it; or another call marked it
+-- first, KeyLookup tells).
+-- name: KeyMarkUnknown :execrows
+WITH next AS (SELECT nextval('idem_keys_token_seq') AS token)
+UPDATE idem_keys
+SET status           = 'unknown',
+    token            = (SELECT next.token FROM next),
+    lease_expires_at = now(),
+    completed_at     = NULL,
+    last_error       = sqlc.arg(reason)::text
+WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
+  AND status = 'processing' AND idem_keys.token = 0 AND lease_expires_at IS NULL
+  AND fingerprint = @fingerprint;

@@ -196,13 +196,16 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 	for range maxClaimAttempts {
 		// Round trip 1: begin, and claim.
 		claimed, begun, err := s.Claim(ctx, claim)
-		if err != nil && !begun && !own {
+		switch {
+		case err != nil && !begun && !own:
 			// Do's savepoint did not begin: the failure happened in the
 			// caller's transaction itself, which a refusal would promise
 			// is untouched. Never one here.
 			return Result{}, txUnusable(errorf("idem: %w", unsupportedIf(err)), c.drv.TxClosed)
-		}
-		if err != nil {
+		case err != nil && !begun:
+			// DoInTx's transaction did not begin: nothing to undo.
+			return Result{}, unavailableIf(s.Lost() || isUnavailable(err), c.claimError(err, k))
+		case err != nil:
 			return Result{}, c.fail(ctx, s, own, c.claimError(err, k))
 		}
 
@@ -211,12 +214,15 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 			if out.status == "" {
 				out, err = c.runFn(ctx, s, fn, cl)
 				if err != nil {
-					return Result{}, c.failFn(ctx, s, own, err)
+					return Result{}, c.failFn(ctx, s, own, k, fp, err)
 				}
 				if out.status == StatusRejected {
 					// Undo fn's writes (and the claim), then store the
 					// refusal in a claim of its own.
-					if err := s.Undo(ctx); err != nil {
+					switch err := s.Undo(ctx); {
+					case c.drv.TxClosed(err) && ctx.Err() == nil:
+						return Result{}, c.fnEnded(ctx, s, own, k, fp, nil)
+					case err != nil && !own:
 						return Result{}, errorf("idem: %w", err)
 					}
 					decided = out
@@ -226,8 +232,11 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 			cl.rejected = out.status == StatusRejected
 			// Round trip 2: store the outcome, and end.
 			err := s.Complete(ctx, driver.Outcome{Key: k, Fingerprint: fp, Status: string(out.status), Reply: out.reply})
-			if keyRowChanged(err) {
+			switch {
+			case keyRowChanged(err):
 				err = ErrKeyRowChanged
+			case c.drv.TxClosed(err): // nothing was sent
+				return Result{}, c.fnEnded(ctx, s, own, k, fp, nil)
 			}
 			if err != nil {
 				return Result{}, c.fail(ctx, s, own, errorf("idem: %w", unsupportedIf(err)))
@@ -240,7 +249,10 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 		if err != nil {
 			return Result{}, c.fail(ctx, s, own, errorf("idem: %w", err))
 		}
-		res, then, err := c.judge(row, found, fp, k)
+		res, then, err := c.judge(row, found, fp, k, own)
+		if err == errOrphaned {
+			err = c.orphaned(ctx, s, k, fp)
+		}
 		if then == nextDone {
 			return res, err
 		}
@@ -250,14 +262,18 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 }
 
 // fail undoes the span after a statement of the call failed with err, and
-// returns err: for Do, joined with the error of the undo if that failed
-// too; for DoInTx, an ErrUnavailable when the connection was lost or the
-// server cannot serve.
+// returns err: for DoInTx, an ErrUnavailable when the connection was lost
+// or the server cannot serve. For Do, when the undo failed too, the
+// caller's transaction is not as err promises (a refusal leaves it "as it
+// was", ErrKeyRowChanged "usable"): the call returns the undo's error (an
+// ErrUnavailable when the connection was lost), and names err in words
+// only.
 func (c *Client[TTx, TDB]) fail(ctx context.Context, s driver.Span[TTx], own bool, err error) error {
 	undoErr := s.Undo(ctx)
 	if !own {
 		if undoErr != nil {
-			return errors.Join(err, undoErr)
+			return unavailableIf(isUnavailable(undoErr),
+				errorf("idem: %w (Do's savepoint was not undone; the call had failed: %s)", undoErr, quiet{err}.Error()))
 		}
 		return err
 	}
@@ -266,13 +282,97 @@ func (c *Client[TTx, TDB]) fail(ctx context.Context, s driver.Span[TTx], own boo
 
 // failFn undoes the span after fn failed with err (or its response cannot
 // be stored), and returns err: for DoInTx, an ErrUnavailable when the
-// connection was lost or the server said it cannot serve.
-func (c *Client[TTx, TDB]) failFn(ctx context.Context, s driver.Span[TTx], own bool, err error) error {
-	if !own {
-		return c.fail(ctx, s, own, err)
+// connection was lost or the server said it cannot serve. When fn had
+// ended the transaction itself, the call's error says so (fnEnded).
+func (c *Client[TTx, TDB]) failFn(ctx context.Context, s driver.Span[TTx], own bool, k driver.Key, fp Fingerprint, err error) error {
+	undoErr := s.Undo(ctx)
+	if c.drv.TxClosed(undoErr) && ctx.Err() == nil { // (with ctx done, database/sql ends the transaction itself)
+		return c.fnEnded(ctx, s, own, k, fp, err)
 	}
-	_ = s.Undo(ctx)
+	if !own {
+		// fn's error stays in the chain, joined with the undo's if that
+		// failed.
+		if undoErr != nil {
+			return errors.Join(err, unavailableIf(isUnavailable(undoErr), errorf("idem: %w", undoErr)))
+		}
+		return err
+	}
 	return unavailableIf(s.Lost() || serverSaidUnavailable(err), err)
+}
+
+// orphanReason is the last_error of a record whose claim was committed
+// without an outcome.
+const orphanReason = "the claim was committed without an outcome (fn committed the transaction of Do or DoInTx itself): fn's writes may be durable"
+
+// errOrphaned is the answer for a key whose claim was committed without an
+// outcome.
+var errOrphaned = errorf("idem: %w (its claim was committed without an outcome: fn committed the transaction of Do or DoInTx itself; reconcile it with Resolve)",
+	ErrOutcomeUnknown)
+
+// fnEnded is the error of a call whose fn committed or rolled back the
+// transaction it runs in (found closed when the call went on with it,
+// after fn returned fnErr: nil when it succeeded). For DoInTx the row of
+// the claim, when fn's COMMIT made it durable, is marked unknown in a
+// statement of its own, so that the key's retries get ErrOutcomeUnknown
+// and an operator finds it (ListUnknown) and settles it (Resolve). Do has
+// no connection of its own to do that on: the next DoInTx or Reserve of
+// the key does it.
+func (c *Client[TTx, TDB]) fnEnded(ctx context.Context, s driver.Span[TTx], own bool, k driver.Key, fp Fingerprint, fnErr error) error {
+	after := ""
+	if fnErr != nil {
+		after = ", and then returned an error"
+	}
+	if !own {
+		return errorf("idem: %w: fn committed or rolled back the caller's transaction that Do runs in%s (fn must leave it open; "+
+			"on database/sql, its context may have ended): nothing was stored; if it committed, fn's writes and the key's claim are durable "+
+			"and the key answers ErrOutcomeUnknown to DoInTx and Reserve, which mark it unknown for Resolve%w",
+			ErrInvalidArgument, after, joinedText(fnErr))
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), driver.CleanupTimeout)
+	defer cancel()
+	committed, err := s.Orphaned(ctx, k, fp, orphanReason)
+	switch {
+	case err != nil:
+		return errorf("idem: %w: fn committed or rolled back DoInTx's transaction itself%s: nothing was stored; if it committed, "+
+			"fn's writes and the key's claim are durable, and marking the key's record unknown failed (the next DoInTx or Reserve "+
+			"of the key does it): %w%w", ErrInvalidArgument, after, err, joinedText(fnErr))
+	case committed:
+		return errorf("idem: %w: fn committed DoInTx's transaction itself%s: fn's writes are durable, but no outcome was stored; "+
+			"the key's record is now unknown (retries get ErrOutcomeUnknown; ListUnknown lists it, Resolve settles it)%w",
+			ErrInvalidArgument, after, joinedText(fnErr))
+	}
+	return errorf("idem: %w: fn rolled back DoInTx's transaction itself%s: fn's writes and the claim are gone, nothing was stored, "+
+		"and the key is free%w", ErrInvalidArgument, after, joinedText(fnErr))
+}
+
+// joinedText is ": " and err for a message that wraps it, or nothing for
+// nil.
+func joinedText(err error) error {
+	if err == nil {
+		return noText{}
+	}
+	return prefixed{err}
+}
+
+// noText is an error that writes nothing and wraps nothing.
+type noText struct{}
+
+func (noText) Error() string { return "" }
+
+// prefixed writes ": " before err and wraps it.
+type prefixed struct{ err error }
+
+func (p prefixed) Error() string { return ": " + quiet{p.err}.Error() }
+func (p prefixed) Unwrap() error { return p.err }
+
+// orphaned marks the row of k, found committed by a claim without an
+// outcome, unknown (the same statement as fnEnded), and returns what the
+// call answers: ErrOutcomeUnknown.
+func (c *Client[TTx, TDB]) orphaned(ctx context.Context, s driver.Span[TTx], k driver.Key, fp Fingerprint) error {
+	if _, err := s.Orphaned(ctx, k, fp, orphanReason); err != nil {
+		return errorf("idem: %w (marking it unknown failed: %w)", errOrphaned, unsupportedIf(err))
+	}
+	return errOrphaned
 }
 
 // claimError turns the failure of a claim into the error a call returns: a
@@ -347,8 +447,10 @@ const (
 
 // judge tells what the committed row that holds a key means for a call with
 // fingerprint fp: a replay, an error, or another claim. Every state of the
-// key is decided here, for Do, DoInTx and Reserve alike.
-func (c *Client[TTx, TDB]) judge(row driver.Row, found bool, fp Fingerprint, k driver.Key) (Result, next, error) {
+// key is decided here, for Do, DoInTx and Reserve alike. own: the row was
+// read in a transaction of the call's own, which holds no claim of its own
+// yet (DoInTx, Reserve); Do's savepoint may read its caller's own claim.
+func (c *Client[TTx, TDB]) judge(row driver.Row, found bool, fp Fingerprint, k driver.Key, own bool) (Result, next, error) {
 	status := Status(row.Status)
 	switch {
 	case !found:
@@ -371,6 +473,13 @@ func (c *Client[TTx, TDB]) judge(row driver.Row, found bool, fp Fingerprint, k d
 	case status == StatusProcessing && row.Leased:
 		left := time.Duration(row.LeaseLeftMs) * time.Millisecond
 		return Result{}, nextDone, &InProgressError{RetryAfter: min(max(left.Round(time.Second), time.Second), maxRetryAfter)}
+	case status == StatusProcessing && own:
+		// A claim of Do or DoInTx (no lease), committed: a twin's claim in
+		// flight is invisible to another transaction, and Do's never
+		// commits before its outcome. fn committed its transaction
+		// itself, and the call that ran it did not mark the record (it
+		// stopped first, or it was Do).
+		return Result{}, nextDone, errOrphaned
 	default:
 		return Result{}, nextDone, c.inProgressOn(k)
 	}
@@ -428,7 +537,11 @@ func (c *Client[TTx, TDB]) retry(ctx context.Context, nested bool, once func() e
 func (c *Client[TTx, TDB]) inTx(ctx context.Context, db TDB, fn func(ctx context.Context, tx TTx) error) error {
 	tx, err := c.drv.Begin(ctx, db)
 	if err != nil {
-		return unavailableIf(isUnavailable(err), errorf("idem: begin: %w", err))
+		err = unavailableIf(isUnavailable(err), errorf("idem: begin: %w", err))
+		if c.drv.Nested(db) { // a savepoint of the caller's transaction
+			err = txUnusable(err, c.drv.TxClosed)
+		}
+		return err
 	}
 	ended := false
 	defer func() {
@@ -588,10 +701,21 @@ func (c *Client[TTx, TDB]) reserve(ctx context.Context, ex driver.Executor, req 
 
 		// The one state machine of a key decides, as for Do; Reserve adds
 		// what only it does.
-		res, nx, refusal := c.judge(got.Row, true, Fingerprint(req.Fingerprint), req.Key)
+		res, nx, refusal := c.judge(got.Row, true, Fingerprint(req.Fingerprint), req.Key, true)
 		status := Status(got.Row.Status)
 		attempt := driver.NewAttempt
 		switch {
+		case refusal == errOrphaned:
+			// A claim of Do committed without an outcome: in doubt, for a
+			// person to reconcile, as fnEnded leaves it.
+			n, err := ex.KeyMarkUnknown(ctx, req.Key, req.Fingerprint, orphanReason)
+			if err == nil && n != 1 {
+				err = errorf("idem: locked row not updated (%d rows)", n)
+			}
+			if err != nil {
+				return r, nil, err
+			}
+			return r, refusal, nil
 		case nx == nextTakeOver && status.finished() && got.Row.Expired:
 			// Past its TTL: a new request, with a window of its own.
 			attempt = driver.NewRequest

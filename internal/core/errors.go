@@ -64,8 +64,11 @@ var (
 	// ErrInvalidArgument means a required argument (transaction, function,
 	// database handle) is nil, or a value such as a lease, a window
 	// (ReserveOptions), a limit or a ListUnknown cursor is out of range, or
-	// the caller's transaction given to Do or Complete is closed or aborted.
-	// Nothing was touched.
+	// the caller's transaction given to Do or Complete (or to DoInTx or
+	// InTx as the handle) is closed or aborted: nothing was touched. Do and
+	// DoInTx also return it when fn committed or rolled back the
+	// transaction it runs in, which fn must leave to them: the error says
+	// which, and what became of fn's writes (see DoInTx).
 	ErrInvalidArgument = errors.New("idem: invalid argument")
 
 	// ErrOutcomeUnknown means the key belongs to a reservation whose work

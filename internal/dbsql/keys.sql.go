@@ -214,6 +214,51 @@ func (q *Queries) KeyGet(ctx context.Context, db DBTX, arg KeyGetParams) (KeyGet
 	return i, err
 }
 
+const KeyMarkUnknown = `-- name: KeyMarkUnknown :execrows
+WITH next AS (SELECT nextval('idem_keys_token_seq') AS token)
+UPDATE idem_keys
+SET status           = 'unknown',
+    token            = (SELECT next.token FROM next),
+    lease_expires_at = now(),
+    completed_at     = NULL,
+    last_error       = $1::text
+WHERE actor = $2 AND operation = $3 AND idem_key = $4
+  AND status = 'processing' AND idem_keys.token = 0 AND lease_expires_at IS NULL
+  AND fingerprint = $5
+`
+
+type KeyMarkUnknownParams struct {
+	Reason      string
+	Actor       string
+	Operation   string
+	IdemKey     string
+	Fingerprint []byte
+}
+
+// Turns the row a claim of Do or DoInTx left committed without an outcome
+// ('processing', no token, no lease: fn committed the call's transaction
+// itself, or the process stopped before the call could run this) into an
+// outcome in doubt: fn's writes may be durable, so the key must never run
+// again blindly. The record becomes what a reservation whose lease ran out
+// becomes, so that ListUnknown finds it (a lease that ended now, no
+// completed_at: idem_keys_open_created_idx) and Resolve names it (a new
+// token, drawn in a CTE: see ReserveAcquire). No row changed: no such row
+// (fn rolled back, and the claim with it; or another call marked it
+// first, KeyLookup tells).
+func (q *Queries) KeyMarkUnknown(ctx context.Context, db DBTX, arg KeyMarkUnknownParams) (int64, error) {
+	result, err := db.ExecContext(ctx, KeyMarkUnknown,
+		arg.Reason,
+		arg.Actor,
+		arg.Operation,
+		arg.IdemKey,
+		arg.Fingerprint,
+	)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected()
+}
+
 const KeyTakeOver = `-- name: KeyTakeOver :one
 INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at)
 SELECT $1, $2, $3, $4, 'processing', now(), now(),

@@ -104,8 +104,10 @@ type Span[TTx any] interface {
 	// Claim says what pgx still prepares before a savepoint: SAVEPOINT
 	// itself, and statements it evicted from a full cache). claimed is
 	// false when a committed row holds the key (Read reads it). begun is
-	// false when the span did not begin: nothing to undo, and for a
-	// savepoint the error happened in the caller's transaction itself.
+	// false when the span did not begin: there is nothing to undo, and the
+	// core calls no Undo (nor anything else of the span but Lost and
+	// Close); for a savepoint the error happened in the caller's
+	// transaction itself.
 	Claim(ctx context.Context, c Claim) (claimed, begun bool, err error)
 	// Tx is the transaction fn runs in.
 	Tx() TTx
@@ -120,8 +122,21 @@ type Span[TTx any] interface {
 	Read(ctx context.Context, k Key) (row Row, found bool, err error)
 	// Undo undoes the span: the claim and fn's writes are gone, and so are
 	// the settings made in it. It runs even when ctx is done. For a
-	// transaction of the call's own it returns nil (see Lost).
+	// transaction of the call's own it returns nil (see Lost), or an error
+	// for which the driver's TxClosed is true when the transaction had
+	// already ended: fn committed or rolled it back (on database/sql, or
+	// its context ended).
 	Undo(ctx context.Context) error
+	// Orphaned runs after fn ended the call's own transaction itself, or
+	// when a claim's row was found committed without an outcome. In a
+	// statement of its own, outside any transaction, it turns the key's
+	// row that a claim with fingerprint fp left committed ('processing', no
+	// token, no lease) 'unknown' with reason (KeyMarkUnknown). committed
+	// reports whether such a row was there, or had been marked so by
+	// another call of the key: false when fn rolled back, and the claim
+	// with it. For a savepoint, which
+	// has no connection of its own to run it on, it is an error.
+	Orphaned(ctx context.Context, k Key, fp [32]byte, reason string) (committed bool, err error)
 	// Lost reports whether the connection of the call's own transaction is
 	// gone (false for a savepoint).
 	Lost() bool
@@ -305,6 +320,11 @@ type Executor interface {
 	// that ran out, or unknown) inside their window, oldest first, after
 	// the cursor (nil: from the first).
 	ReserveListResumable(ctx context.Context, after *Cursor, limit int32) ([]Record, error)
+
+	// KeyMarkUnknown turns the row of k that a claim with fingerprint fp
+	// left committed without an outcome 'unknown' with reason (see
+	// Span.Orphaned), and returns the rows changed.
+	KeyMarkUnknown(ctx context.Context, k Key, fp [32]byte, reason string) (int64, error)
 
 	// KeyLookup reads the committed record of k (ErrNoRows: none).
 	KeyLookup(ctx context.Context, k Key) (Record, error)

@@ -258,6 +258,10 @@ func record(k db.IdemKey) driver.Record {
 	}
 }
 
+func (e *executor) KeyMarkUnknown(ctx context.Context, k driver.Key, fp [32]byte, reason string) (int64, error) {
+	return markUnknown(ctx, e.tx, k, fp, reason)
+}
+
 func (e *executor) KeyLookup(ctx context.Context, k driver.Key) (driver.Record, error) {
 	row, err := queries.KeyLookup(ctx, planned{e.tx}, db.KeyLookupParams{Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key})
 	return record(row.IdemKey), noRows(err)

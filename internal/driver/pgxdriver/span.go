@@ -1,6 +1,7 @@
 package pgxdriver
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -78,7 +79,8 @@ func (s *span) Tx() pgx.Tx { return s.tx }
 //   - DoInTx: BEGIN and the claim. Whatever pgx prepares or describes
 //     before sending them runs outside any transaction, and so does the
 //     question whether the database is Citus (on a new connection for this
-//     Client).
+//     Client): when that fails, or BEGIN does, begun is false and there is
+//     nothing to undo.
 //   - Do where pgx prepares nothing before a claim: once whether the
 //     database is Citus is known (to the connection or the Client), in
 //     the exec modes exec and simple_protocol, and in cache_statement and
@@ -124,9 +126,13 @@ func (s *span) Claim(ctx context.Context, c driver.Claim) (claimed, begun bool, 
 	var st *connState
 	warm, citus := true, false
 	if conn := s.tx.Conn(); conn != nil { // (a pgx.Tx of another making may have none: plain PostgreSQL)
+		// A closed transaction's connection may serve another call by
+		// now: its state is read under its lock, and the batch that
+		// finds the transaction closed changes nothing (connState.sent).
 		st = s.d.state(conn)
-		citus = st.citus
-		warm = st.known && (!st.prepares || st.warm[s.d.claimForm(citus, c)])
+		var known bool
+		citus, known = st.citusKnown()
+		warm = known && (!st.prepares || st.isWarm(s.d.claimForm(citus, c)))
 	}
 	if warm {
 		b.Queue(sqlSavepoint)
@@ -340,10 +346,13 @@ func stored(status pgtype.Int4, headers, body []byte) driver.Stored {
 
 // Undo undoes the span, even when ctx is done: Do rolls the caller's
 // transaction back to its savepoint and drops it; DoInTx rolls its own
-// transaction back.
+// transaction back (none when it did not begin), and says when fn had
+// ended it already (pgx.ErrTxClosed).
 func (s *span) Undo(ctx context.Context) error {
 	if s.conn != nil {
-		rollback(ctx, s.tx)
+		if s.tx != nil && rollback(ctx, s.tx) == pgx.ErrTxClosed {
+			return fmt.Errorf("rollback: %w", pgx.ErrTxClosed)
+		}
 		return nil
 	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), driver.CleanupTimeout)
@@ -355,11 +364,46 @@ func (s *span) Undo(ctx context.Context) error {
 }
 
 // rollback rolls tx back, even when ctx is done. A transaction that a
-// batch already ended answers with a warning only.
-func rollback(ctx context.Context, tx pgx.Tx) {
+// batch already ended answers with a warning only; one that was committed
+// or rolled back through tx answers pgx.ErrTxClosed, and is the only error
+// returned.
+func rollback(ctx context.Context, tx pgx.Tx) error {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), driver.CleanupTimeout)
 	defer cancel()
-	_ = tx.Rollback(ctx)
+	if err := tx.Rollback(ctx); errors.Is(err, pgx.ErrTxClosed) {
+		return pgx.ErrTxClosed
+	}
+	return nil
+}
+
+// Orphaned turns the row a committed claim left without an outcome
+// unknown, on DoInTx's connection (idle: fn's COMMIT or ROLLBACK, or the
+// COMMIT of Read, ended its transaction).
+func (s *span) Orphaned(ctx context.Context, k driver.Key, fp [32]byte, reason string) (bool, error) {
+	if s.conn == nil {
+		return false, errors.New("a savepoint has no connection of its own")
+	}
+	n, err := markUnknown(ctx, s.conn, k, fp, reason)
+	if err != nil || n == 1 {
+		return n == 1, err
+	}
+	// Nothing to mark: fn rolled back, or another call of the key marked
+	// the row first (the update waited for its transaction, then found the
+	// row changed).
+	row, err := queries.KeyLookup(ctx, planned{s.conn}, db.KeyLookupParams{Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key})
+	if errors.Is(err, pgx.ErrNoRows) {
+		return false, nil
+	}
+	r := row.IdemKey
+	marked := r.Status == "unknown" && r.LastError.String == reason && !r.CompletedAt.Valid && bytes.Equal(r.Fingerprint, fp[:])
+	return err == nil && marked, err
+}
+
+// markUnknown runs KeyMarkUnknown on q.
+func markUnknown(ctx context.Context, q db.DBTX, k driver.Key, fp [32]byte, reason string) (int64, error) {
+	return queries.KeyMarkUnknown(ctx, planned{q}, db.KeyMarkUnknownParams{
+		Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key, Fingerprint: fp[:], Reason: reason,
+	})
 }
 
 // Lost reports whether DoInTx's connection is closed: the server went away
@@ -390,83 +434,4 @@ func HasCitus(ctx context.Context, q Querier) (bool, error) {
 	var citus bool
 	err := q.QueryRow(ctx, sqlHasCitus, pgx.QueryExecModeSimpleProtocol).Scan(&citus)
 	return citus, err
-}
-
-// connState is what the driver knows of one connection, kept in its pgconn
-// CustomData (a connection serves one call at a time, so no lock): made
-// once per connection, then read on every call at the cost of a map lookup.
-type connState struct {
-	db    citusKey
-	known bool // citus is known
-	citus bool
-	// prepares: pgx prepares or describes a batch's statements that it has
-	// not cached in a round trip of its own before the batch (its exec
-	// modes cache_statement, cache_describe, describe_exec); caches: and
-	// keeps them (not describe_exec).
-	prepares, caches bool
-	// warm names the claim batches (Driver.claimForms) whose last run on
-	// this connection succeeded: their statements are in pgx's cache
-	// unless it evicted them since (see sent).
-	warm map[string]bool
-}
-
-// sent records that a claim batch of form was sent on st's connection and
-// ended with err. pgx keeps the statements of a batch that succeeded in its
-// cache, and drops every statement of a batch that failed, whatever failed
-// (a lock wait that ran out, a cancellation, SAVEPOINT or BEGIN): so the
-// form is warm exactly when its last batch succeeded. The claim's
-// statements go in claim batches only (see Driver.sqlClaimWait), so no
-// other batch's failure drops them. st is nil for a pgx.Tx without a
-// connection.
-func (st *connState) sent(form string, err error) {
-	switch {
-	case st == nil || !st.caches:
-	case err == nil:
-		st.warm[form] = true
-	default:
-		delete(st.warm, form)
-	}
-}
-
-// connStateKey is the key of a connState in a connection's CustomData.
-const connStateKey = "github.com/pgidem/idem.conn"
-
-// state returns what the driver knows of conn, sending nothing: whether it
-// runs Citus is known when this connection or this Client learnt it before.
-func (d *Driver) state(conn *pgx.Conn) *connState {
-	data := conn.PgConn().CustomData()
-	st, ok := data[connStateKey].(*connState)
-	if !ok {
-		cfg := conn.Config() // a copy: once per connection
-		st = &connState{db: citusKey{host: cfg.Host, port: cfg.Port, database: cfg.Database}, warm: map[string]bool{}}
-		switch cfg.DefaultQueryExecMode {
-		case pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe:
-			st.prepares, st.caches = true, true
-		case pgx.QueryExecModeDescribeExec:
-			st.prepares = true
-		}
-		data[connStateKey] = st
-	}
-	if !st.known {
-		if citus, ok := d.citus.Load(st.db); ok {
-			st.known, st.citus = true, citus.(bool)
-		}
-	}
-	return st
-}
-
-// isCitus reports whether the database of st's connection has the citus
-// extension, asking q (the connection, or a transaction on it) when neither
-// the connection nor this Client knows.
-func (d *Driver) isCitus(ctx context.Context, st *connState, q Querier) (bool, error) {
-	if st.known {
-		return st.citus, nil
-	}
-	citus, err := HasCitus(ctx, q)
-	if err != nil {
-		return false, err
-	}
-	d.citus.Store(st.db, citus)
-	st.known, st.citus = true, citus
-	return citus, nil
 }

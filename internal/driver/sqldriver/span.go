@@ -1,6 +1,7 @@
 package sqldriver
 
 import (
+	"bytes"
 	"context"
 	"database/sql"
 	"errors"
@@ -157,10 +158,17 @@ func stored(status sql.NullInt32, headers, body []byte) driver.Stored {
 
 // Undo undoes the span, even when ctx is done: Do rolls the caller's
 // transaction back to its savepoint and drops it; DoInTx rolls its own
-// transaction back.
+// transaction back, and says when it had ended already (sql.ErrTxDone: fn
+// committed or rolled it back, or its context ended).
 func (s *span) Undo(ctx context.Context) error {
 	if s.db != nil {
-		_ = s.rollback()
+		if s.tx != nil {
+			if err := s.tx.Rollback(); errors.Is(err, sql.ErrTxDone) {
+				return fmt.Errorf("rollback: %w", err)
+			} else if err != nil {
+				s.lost = s.lost || driver.Unavailable(err)
+			}
+		}
 		return nil
 	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), driver.CleanupTimeout)
@@ -191,6 +199,35 @@ func rollback(tx *sql.Tx) error {
 		return nil
 	}
 	return err
+}
+
+// Orphaned turns the row a committed claim left without an outcome
+// unknown, in a statement of its own on DoInTx's *sql.DB.
+func (s *span) Orphaned(ctx context.Context, k driver.Key, fp [32]byte, reason string) (bool, error) {
+	if s.db == nil {
+		return false, errors.New("a savepoint has no connection of its own")
+	}
+	n, err := markUnknown(ctx, s.db, k, fp, reason)
+	if err != nil || n == 1 {
+		return n == 1, err
+	}
+	// Nothing to mark: fn rolled back, or another call of the key marked
+	// the row first (the update waited for its transaction, then found the
+	// row changed).
+	row, err := queries.KeyLookup(ctx, s.db, dbsql.KeyLookupParams{Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key})
+	if errors.Is(err, sql.ErrNoRows) {
+		return false, nil
+	}
+	r := row.IdemKey
+	marked := r.Status == "unknown" && r.LastError.String == reason && !r.CompletedAt.Valid && bytes.Equal(r.Fingerprint, fp[:])
+	return err == nil && marked, err
+}
+
+// markUnknown runs KeyMarkUnknown on q.
+func markUnknown(ctx context.Context, q dbsql.DBTX, k driver.Key, fp [32]byte, reason string) (int64, error) {
+	return queries.KeyMarkUnknown(ctx, q, dbsql.KeyMarkUnknownParams{
+		Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key, Fingerprint: fp[:], Reason: reason,
+	})
 }
 
 // Lost reports whether a ROLLBACK of DoInTx's found the connection gone.

@@ -1,0 +1,169 @@
+package idemsql_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"strings"
+	"testing"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idemsql"
+)
+
+// DoInTx with a context already done fails to begin its transaction and
+// returns the context's error: nothing to undo, nothing stored.
+func TestDoInTxCancelledBeforeBegin(t *testing.T) {
+	t.Parallel()
+	eachDriver(t, func(t *testing.T, driver string) {
+		db, pool := migrated(t, driver)
+		cancelled, cancel := context.WithCancel(context.Background())
+		cancel()
+		c, err := idemsql.New(idem.Config{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := c.DoInTx(cancelled, db, scope, "cancelled", fpOf("a"), okFn); !errors.Is(err, context.Canceled) {
+			t.Errorf("err = %v, want context.Canceled", err)
+		}
+		if n := keyCount(t, pool); n != 0 {
+			t.Errorf("%d key rows", n)
+		}
+	})
+}
+
+// Do on a transaction that is closed (committed or rolled back) or aborted
+// is idem.ErrInvalidArgument, as in idem.Do: nothing runs.
+func TestDoOnAClosedTransaction(t *testing.T) {
+	t.Parallel()
+	eachDriver(t, func(t *testing.T, driver string) {
+		ctx := context.Background()
+		db, pool := migrated(t, driver)
+		ran := false
+		fn := func(context.Context, *sql.Tx) (idem.Response, error) { ran = true; return created, nil }
+		for _, state := range []string{"committed", "rolled back", "aborted"} {
+			tx, err := db.BeginTx(ctx, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			switch state {
+			case "committed":
+				err = tx.Commit()
+			case "rolled back":
+				err = tx.Rollback()
+			case "aborted":
+				if _, err = tx.ExecContext(ctx, `SELECT 1/0`); err != nil {
+					err = nil
+				}
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := idemsql.Do(ctx, tx, scope, "closed", fpOf("a"), fn); !errors.Is(err, idem.ErrInvalidArgument) {
+				t.Errorf("Do on the %s transaction: err = %v, want ErrInvalidArgument", state, err)
+			}
+			_ = tx.Rollback()
+		}
+		if ran || keyCount(t, pool) != 0 {
+			t.Fatalf("fn ran: %v; %d key rows", ran, keyCount(t, pool))
+		}
+	})
+}
+
+// An fn that commits or rolls back the transaction DoInTx runs it in gets
+// an error wrapping idem.ErrInvalidArgument that says which, with both
+// drivers, as in idem.DoInTx. When fn committed, the record is unknown:
+// retries get idem.ErrOutcomeUnknown, ListUnknown lists it and Resolve
+// settles it. When it rolled back, the key runs again. Do, whose fn commits
+// the caller's transaction, says so too, and DoInTx then marks the record.
+func TestFnEndingItsTransaction(t *testing.T) {
+	t.Parallel()
+	eachDriver(t, func(t *testing.T, driver string) {
+		ctx := context.Background()
+		db, pool := migrated(t, driver)
+		if _, err := db.ExecContext(ctx, `CREATE TABLE effects (key text NOT NULL)`); err != nil {
+			t.Fatal(err)
+		}
+		runs := 0
+		fn := func(key, end string) func(ctx context.Context, tx *sql.Tx) (idem.Response, error) {
+			return func(ctx context.Context, tx *sql.Tx) (idem.Response, error) {
+				runs++
+				if _, err := tx.ExecContext(ctx, `INSERT INTO effects VALUES ($1)`, key); err != nil {
+					return idem.Response{}, err
+				}
+				var err error
+				switch end {
+				case "commit":
+					err = tx.Commit()
+				case "rollback":
+					err = tx.Rollback()
+				}
+				return created, err
+			}
+		}
+		effects := func(key string) int {
+			var n int
+			if err := pool.QueryRow(ctx, `SELECT count(*) FROM effects WHERE key = $1`, key).Scan(&n); err != nil {
+				t.Fatal(err)
+			}
+			return n
+		}
+		status := func(key string) string {
+			var s string
+			if err := pool.QueryRow(ctx, `SELECT status FROM idem_keys WHERE idem_key = $1`, key).Scan(&s); err != nil {
+				return err.Error()
+			}
+			return s
+		}
+
+		_, err := idemsql.DoInTx(ctx, db, scope, "rollback", fpOf("a"), fn("rollback", "rollback"))
+		if !errors.Is(err, idem.ErrInvalidArgument) || !strings.Contains(err.Error(), "fn rolled back") {
+			t.Errorf("rollback: err = %v", err)
+		}
+		if effects("rollback") != 0 || keyCount(t, pool) != 0 {
+			t.Errorf("rollback: %d effects, %d keys", effects("rollback"), keyCount(t, pool))
+		}
+		if res, err := idemsql.DoInTx(ctx, db, scope, "rollback", fpOf("a"), fn("rollback", "")); err != nil || res.Replayed {
+			t.Errorf("rollback, again: %+v, %v", res, err)
+		}
+
+		_, err = idemsql.DoInTx(ctx, db, scope, "commit", fpOf("a"), fn("commit", "commit"))
+		if !errors.Is(err, idem.ErrInvalidArgument) || !strings.Contains(err.Error(), "fn committed") {
+			t.Errorf("commit: err = %v", err)
+		}
+		if effects("commit") != 1 || status("commit") != "unknown" {
+			t.Errorf("commit: %d effects, status %s", effects("commit"), status("commit"))
+		}
+		if _, err := idemsql.DoInTx(ctx, db, scope, "commit", fpOf("a"), fn("commit", "")); !errors.Is(err, idem.ErrOutcomeUnknown) {
+			t.Errorf("commit, again: err = %v, want ErrOutcomeUnknown", err)
+		}
+
+		tx, err := db.BeginTx(ctx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = idemsql.Do(ctx, tx, scope, "do", fpOf("a"), fn("do", "commit"))
+		if !errors.Is(err, idem.ErrInvalidArgument) || !strings.Contains(err.Error(), "fn committed or rolled back") {
+			t.Errorf("Do: err = %v", err)
+		}
+		if _, err := idemsql.DoInTx(ctx, db, scope, "do", fpOf("a"), fn("do", "")); !errors.Is(err, idem.ErrOutcomeUnknown) {
+			t.Errorf("Do, then DoInTx: err = %v, want ErrOutcomeUnknown", err)
+		}
+
+		recs, err := idemsql.ListUnknown(ctx, db, 10, nil)
+		if err != nil || len(recs) != 2 {
+			t.Fatalf("ListUnknown: %+v, %v", recs, err)
+		}
+		for _, rec := range recs {
+			if err := idemsql.Resolve(ctx, db, rec.Scope, rec.Key, idem.Resolution{Token: rec.Token, Retryable: true, Reason: "undone by hand"}); err != nil {
+				t.Fatalf("Resolve %s: %v", rec.Key, err)
+			}
+		}
+		if res, err := idemsql.DoInTx(ctx, db, scope, "commit", fpOf("a"), fn("commit", "")); err != nil || res.Replayed {
+			t.Errorf("commit, resolved: %+v, %v", res, err)
+		}
+		if runs != 5 {
+			t.Errorf("fn ran %d times, want 5", runs)
+		}
+	})
+}

@@ -1,0 +1,153 @@
+package pgxdriver
+
+import (
+	"context"
+	"errors"
+	"runtime"
+	"sync"
+	"weak"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+)
+
+// connState is what the driver knows of one connection: made once per
+// connection, then read on every call. It is safe for concurrent use: Do
+// on a caller's transaction reads the state of the transaction's connection
+// before it knows whether the transaction is still open, and a pool's
+// transaction that was committed or rolled back has given its connection to
+// other calls already (pgxpool.Tx.Conn still returns it).
+type connState struct {
+	db citusKey
+	// prepares: pgx prepares or describes a batch's statements that it has
+	// not cached in a round trip of its own before the batch (its exec
+	// modes cache_statement, cache_describe, describe_exec); caches: and
+	// keeps them (not describe_exec).
+	prepares, caches bool
+
+	mu    sync.Mutex
+	known bool // citus is known
+	citus bool
+	// warm names the claim batches (Driver.claimForms) whose last run on
+	// this connection succeeded: their statements are in pgx's cache
+	// unless it evicted them since (see sent).
+	warm map[string]bool
+}
+
+// citusKnown returns whether the connection's database runs Citus, and
+// whether that is known.
+func (st *connState) citusKnown() (citus, known bool) {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	return st.citus, st.known
+}
+
+// learn records whether the connection's database runs Citus.
+func (st *connState) learn(citus bool) {
+	st.mu.Lock()
+	st.known, st.citus = true, citus
+	st.mu.Unlock()
+}
+
+// isWarm reports whether the last claim batch of form succeeded on the
+// connection.
+func (st *connState) isWarm(form string) bool {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	return st.warm[form]
+}
+
+// sent records that a claim batch of form was sent on st's connection and
+// ended with err. pgx keeps the statements of a batch that succeeded in its
+// cache, and drops every statement of a batch that failed, whatever failed
+// (a lock wait that ran out, a cancellation, SAVEPOINT or BEGIN): so the
+// form is warm exactly when its last batch succeeded. The claim's
+// statements go in claim batches only (see Driver.sqlClaimWait), so no
+// other batch's failure drops them. A batch refused because its
+// transaction was closed (pgx.ErrTxClosed) was never sent, on a connection
+// that may serve another call by now: it changes nothing. st is nil for a
+// pgx.Tx without a connection.
+func (st *connState) sent(form string, err error) {
+	if st == nil || !st.caches || errors.Is(err, pgx.ErrTxClosed) {
+		return
+	}
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if err == nil {
+		st.warm[form] = true
+	} else {
+		delete(st.warm, form)
+	}
+}
+
+// conns holds the state of every connection the driver has seen (of every
+// Client: what pgx caches is the connection's), by a weak pointer to its
+// pgconn.PgConn. An entry goes when its connection is garbage collected.
+var conns = struct {
+	sync.RWMutex
+	m map[weak.Pointer[pgconn.PgConn]]*connState
+}{m: map[weak.Pointer[pgconn.PgConn]]*connState{}}
+
+// state returns what the driver knows of conn, sending nothing: whether it
+// runs Citus is known when this connection or this Client learnt it before.
+// It reads nothing of conn that changes while another call uses it.
+func (d *Driver) state(conn *pgx.Conn) *connState {
+	pc := conn.PgConn()
+	k := weak.Make(pc)
+	conns.RLock()
+	st := conns.m[k]
+	conns.RUnlock()
+	if st == nil {
+		st = newConnState(conn)
+		conns.Lock()
+		if had := conns.m[k]; had != nil {
+			st = had
+		} else {
+			conns.m[k] = st
+			runtime.AddCleanup(pc, forgetConn, k)
+		}
+		conns.Unlock()
+	}
+	if _, known := st.citusKnown(); !known {
+		if citus, ok := d.citus.Load(st.db); ok {
+			st.learn(citus.(bool))
+		}
+	}
+	return st
+}
+
+// newConnState is the state of a connection the driver has not seen yet.
+func newConnState(conn *pgx.Conn) *connState {
+	cfg := conn.Config() // a copy: once per connection
+	st := &connState{db: citusKey{host: cfg.Host, port: cfg.Port, database: cfg.Database}, warm: map[string]bool{}}
+	switch cfg.DefaultQueryExecMode {
+	case pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe:
+		st.prepares, st.caches = true, true
+	case pgx.QueryExecModeDescribeExec:
+		st.prepares = true
+	}
+	return st
+}
+
+// forgetConn drops the state of a connection that was garbage collected.
+func forgetConn(k weak.Pointer[pgconn.PgConn]) {
+	conns.Lock()
+	delete(conns.m, k)
+	conns.Unlock()
+}
+
+// isCitus reports whether the database of st's connection has the citus
+// extension, asking q (the connection, or a transaction on it) when neither
+// the connection nor this Client knows.
+func (d *Driver) isCitus(ctx context.Context, st *connState, q Querier) (bool, error) {
+	if citus, known := st.citusKnown(); known {
+		return citus, nil
+	}
+	citus, err := HasCitus(ctx, q)
+	if err != nil {
+		return false, err
+	}
+	d.citus.Store(st.db, citus)
+	st.learn(citus)
+	return citus, nil
+}
