@@ -83,10 +83,9 @@ func (st *connState) sent(form string, err error) {
 // conns holds the state of every connection the driver has seen (of every
 // Client: what pgx caches is the connection's), by a weak pointer to its
 // pgconn.PgConn. An entry goes when its connection is garbage collected.
-var conns = struct {
-	sync.RWMutex
-	m map[weak.Pointer[pgconn.PgConn]]*connState
-}{m: map[weak.Pointer[pgconn.PgConn]]*connState{}}
+// A sync.Map: every call reads it, and its keys live as long as their
+// connections, the case sync.Map reads without a lock.
+var conns sync.Map // weak.Pointer[pgconn.PgConn] -> *connState
 
 // state returns what the driver knows of conn, sending nothing: whether it
 // runs Citus is known when this connection or this Client learnt it before.
@@ -94,20 +93,15 @@ var conns = struct {
 func (d *Driver) state(conn *pgx.Conn) *connState {
 	pc := conn.PgConn()
 	k := weak.Make(pc)
-	conns.RLock()
-	st := conns.m[k]
-	conns.RUnlock()
-	if st == nil {
-		st = newConnState(conn)
-		conns.Lock()
-		if had := conns.m[k]; had != nil {
-			st = had
-		} else {
-			conns.m[k] = st
+	v, ok := conns.Load(k)
+	if !ok {
+		var loaded bool
+		v, loaded = conns.LoadOrStore(k, newConnState(conn))
+		if !loaded {
 			runtime.AddCleanup(pc, forgetConn, k)
 		}
-		conns.Unlock()
 	}
+	st := v.(*connState)
 	if _, known := st.citusKnown(); !known {
 		if citus, ok := d.citus.Load(st.db); ok {
 			st.learn(citus.(bool))
@@ -130,11 +124,7 @@ func newConnState(conn *pgx.Conn) *connState {
 }
 
 // forgetConn drops the state of a connection that was garbage collected.
-func forgetConn(k weak.Pointer[pgconn.PgConn]) {
-	conns.Lock()
-	delete(conns.m, k)
-	conns.Unlock()
-}
+func forgetConn(k weak.Pointer[pgconn.PgConn]) { conns.Delete(k) }
 
 // isCitus reports whether the database of st's connection has the citus
 // extension, asking q (the connection, or a transaction on it) when neither
