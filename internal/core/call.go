@@ -362,7 +362,7 @@ func (noText) Error() string { return "" }
 // prefixed writes ": " before err and wraps it.
 type prefixed struct{ err error }
 
-func (p prefixed) Error() string { return ": " + quiet{p.err}.Error() }
+func (p prefixed) Error() string { return ": " + quiet(p).Error() }
 func (p prefixed) Unwrap() error { return p.err }
 
 // orphaned marks the row of k, found committed by a claim without an
