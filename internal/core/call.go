@@ -214,14 +214,14 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 			if out.status == "" {
 				out, err = c.runFn(ctx, s, fn, cl)
 				if err != nil {
-					return Result{}, c.failFn(ctx, s, own, k, fp, err)
+					return Result{}, c.failFn(ctx, s, own, k, fp, err, cl)
 				}
 				if out.status == StatusRejected {
 					// Undo fn's writes (and the claim), then store the
 					// refusal in a claim of its own.
 					switch err := s.Undo(ctx); {
 					case c.drv.TxClosed(err) && ctx.Err() == nil:
-						return Result{}, c.fnEnded(ctx, s, own, k, fp, nil)
+						return Result{}, c.fnEnded(ctx, s, own, k, fp, nil, cl)
 					case err != nil && !own:
 						return Result{}, errorf("idem: %w", err)
 					}
@@ -236,7 +236,7 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 			case keyRowChanged(err):
 				err = ErrKeyRowChanged
 			case c.drv.TxClosed(err): // nothing was sent
-				return Result{}, c.fnEnded(ctx, s, own, k, fp, nil)
+				return Result{}, c.fnEnded(ctx, s, own, k, fp, nil, cl)
 			}
 			if err != nil {
 				return Result{}, c.fail(ctx, s, own, errorf("idem: %w", unsupportedIf(err)))
@@ -284,10 +284,10 @@ func (c *Client[TTx, TDB]) fail(ctx context.Context, s driver.Span[TTx], own boo
 // be stored), and returns err: for DoInTx, an ErrUnavailable when the
 // connection was lost or the server said it cannot serve. When fn had
 // ended the transaction itself, the call's error says so (fnEnded).
-func (c *Client[TTx, TDB]) failFn(ctx context.Context, s driver.Span[TTx], own bool, k driver.Key, fp Fingerprint, err error) error {
+func (c *Client[TTx, TDB]) failFn(ctx context.Context, s driver.Span[TTx], own bool, k driver.Key, fp Fingerprint, err error, cl *call) error {
 	undoErr := s.Undo(ctx)
 	if c.drv.TxClosed(undoErr) && ctx.Err() == nil { // (with ctx done, database/sql ends the transaction itself)
-		return c.fnEnded(ctx, s, own, k, fp, err)
+		return c.fnEnded(ctx, s, own, k, fp, err, cl)
 	}
 	if !own {
 		// fn's error stays in the chain, joined with the undo's if that
@@ -316,26 +316,24 @@ var errOrphaned = errorf("idem: %w (its claim was committed without an outcome: 
 // statement of its own, so that the key's retries get ErrOutcomeUnknown
 // and an operator finds it (ListUnknown) and settles it (Resolve). Do has
 // no connection of its own to do that on: the next DoInTx or Reserve of
-// the key does it.
-func (c *Client[TTx, TDB]) fnEnded(ctx context.Context, s driver.Span[TTx], own bool, k driver.Key, fp Fingerprint, fnErr error) error {
+// the key with the same fingerprint does it. (fnSavepointEnded: Do's
+// transaction was a savepoint of an enclosing one.)
+func (c *Client[TTx, TDB]) fnEnded(ctx context.Context, s driver.Span[TTx], own bool, k driver.Key, fp Fingerprint, fnErr error, cl *call) error {
 	after := ""
 	if fnErr != nil {
 		after = ", and then returned an error"
 	}
 	if !own {
-		return errorf("idem: %w: fn committed or rolled back the caller's transaction that Do runs in%s (fn must leave it open; "+
-			"on database/sql, its context may have ended): nothing was stored; if it committed, fn's writes and the key's claim are durable "+
-			"and the key answers ErrOutcomeUnknown to DoInTx and Reserve, which mark it unknown for Resolve%w",
-			ErrInvalidArgument, after, joinedText(fnErr))
+		return c.fnSavepointEnded(ctx, s, k, fp, fnErr, cl.api(), after)
 	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), driver.CleanupTimeout)
 	defer cancel()
 	committed, err := s.Orphaned(ctx, k, fp, orphanReason)
 	switch {
 	case err != nil:
-		return errorf("idem: %w: fn committed or rolled back DoInTx's transaction itself%s: nothing was stored; if it committed, "+
-			"fn's writes and the key's claim are durable, and marking the key's record unknown failed (the next DoInTx or Reserve "+
-			"of the key does it): %w%w", ErrInvalidArgument, after, err, joinedText(fnErr))
+		return errorf("idem: %w: fn committed or rolled back DoInTx's transaction itself%s (idem could not tell which: marking "+
+			"the key's record failed): nothing was stored; if it committed, fn's writes and the key's claim are durable, and the next DoInTx or "+
+			"Reserve of the key with the same fingerprint marks the record unknown: %w%w", ErrInvalidArgument, after, err, joinedText(fnErr))
 	case committed:
 		return errorf("idem: %w: fn committed DoInTx's transaction itself%s: fn's writes are durable, but no outcome was stored; "+
 			"the key's record is now unknown (retries get ErrOutcomeUnknown; ListUnknown lists it, Resolve settles it)%w",
@@ -343,6 +341,41 @@ func (c *Client[TTx, TDB]) fnEnded(ctx context.Context, s driver.Span[TTx], own 
 	}
 	return errorf("idem: %w: fn rolled back DoInTx's transaction itself%s: fn's writes and the claim are gone, nothing was stored, "+
 		"and the key is free%w", ErrInvalidArgument, after, joinedText(fnErr))
+}
+
+// fnSavepointEnded is fnEnded for Do, whose transaction is a savepoint of
+// the caller's (as is DoInTx's on a caller's transaction: api names the
+// call the caller made). When that transaction was itself a savepoint of a
+// transaction still open (pgx's Begin on a pgx.Tx), fn's COMMIT released
+// the claim and fn's writes into that enclosing transaction, pending: the
+// driver aborts it (Span.Enclosing), so that it cannot commit them without
+// an outcome.
+func (c *Client[TTx, TDB]) fnSavepointEnded(ctx context.Context, s driver.Span[TTx], k driver.Key, fp Fingerprint,
+	fnErr error, api, after string) error {
+	enc, err := s.Enclosing(ctx, k, fp)
+	switch enc {
+	case driver.EnclosingAborted:
+		return errorf("idem: %w: fn committed the transaction that %s runs in%s, a savepoint of an enclosing transaction: "+
+			"that released fn's writes and the key's claim into the enclosing transaction, pending, and idem has aborted it so "+
+			"that they cannot commit without an outcome: roll it back; nothing of fn's is committed and nothing was stored%w",
+			ErrInvalidArgument, api, after, joinedText(fnErr))
+	case driver.EnclosingUsable:
+		return errorf("idem: %w: fn rolled back the transaction that %s runs in%s, a savepoint of an enclosing transaction: "+
+			"fn's writes and the claim are gone, nothing was stored, the key is free, and the enclosing transaction is usable%w",
+			ErrInvalidArgument, api, after, joinedText(fnErr))
+	case driver.EnclosingUnknown:
+		why := ""
+		if err != nil {
+			why = " (" + quiet{err}.Error() + ")"
+		}
+		return unavailableIf(isUnavailable(err), errorf("idem: %w: fn committed or rolled back the transaction that %s runs in%s, "+
+			"a savepoint of an enclosing transaction, which is aborted%s: roll it back; nothing of fn's is committed and nothing "+
+			"was stored%w", ErrInvalidArgument, api, after, why, joinedText(fnErr)))
+	}
+	return errorf("idem: %w: fn committed or rolled back the caller's transaction that %s runs in%s (fn must leave it open; "+
+		"on database/sql, its context may have ended): nothing was stored; if it committed, fn's writes and the key's claim "+
+		"are durable, and the key answers ErrOutcomeUnknown to DoInTx and Reserve with the same fingerprint, which mark it "+
+		"unknown for Resolve%w", ErrInvalidArgument, api, after, joinedText(fnErr))
 }
 
 // joinedText is ": " and err for a message that wraps it, or nothing for
@@ -912,6 +945,15 @@ func (o *observer) begin(ctx context.Context, name, spanName string, scope Scope
 			trace.WithAttributes(attribute.String("idem.operation", scope.Operation)))
 	}
 	return ctx, cl
+}
+
+// api names the public call observed: Do, or DoInTx (which runs Do on a
+// caller's transaction).
+func (cl *call) api() string {
+	if cl.name == "do_in_tx" {
+		return "DoInTx"
+	}
+	return "Do"
 }
 
 // timeFn runs f and adds its duration to the call's time in fn.

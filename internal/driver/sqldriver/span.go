@@ -230,6 +230,13 @@ func markUnknown(ctx context.Context, q dbsql.DBTX, k driver.Key, fp [32]byte, r
 	})
 }
 
+// Enclosing finds none: a *sql.Tx is never a savepoint of another
+// transaction (database/sql has no nested transactions, and its Commit is
+// COMMIT), so a transaction that fn ended is over on its connection.
+func (s *span) Enclosing(context.Context, driver.Key, [32]byte) (driver.Enclosing, error) {
+	return driver.NoEnclosing, nil
+}
+
 // Lost reports whether a ROLLBACK of DoInTx's found the connection gone.
 func (s *span) Lost() bool { return s.lost }
 
