@@ -235,8 +235,15 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 			switch {
 			case keyRowChanged(err):
 				err = ErrKeyRowChanged
-			case c.drv.TxClosed(err): // nothing was sent
+			case c.drv.TxClosed(err) && ctx.Err() == nil:
+				// fn ended the transaction: pgx sent nothing on it;
+				// database/sql ran the completion, then found it ended
+				// at COMMIT or RELEASE.
 				return Result{}, c.fnEnded(ctx, s, own, k, fp, nil, cl)
+			case c.drv.TxClosed(err):
+				// database/sql rolled the transaction back when ctx
+				// ended, after the completion ran (as failFn).
+				return Result{}, c.endedWithCtx(ctx, own, cl)
 			}
 			if err != nil {
 				return Result{}, c.fail(ctx, s, own, errorf("idem: %w", unsupportedIf(err)))
@@ -298,6 +305,20 @@ func (c *Client[TTx, TDB]) failFn(ctx context.Context, s driver.Span[TTx], own b
 		return err
 	}
 	return unavailableIf(s.Lost() || serverSaidUnavailable(err), err)
+}
+
+// endedWithCtx is the error of a call whose transaction had ended when its
+// outcome was to be committed, once ctx had ended too: database/sql rolls a
+// transaction back when the context it began with ends, so nothing of the
+// call's committed and nothing was stored. (pgx never ends a transaction
+// for its context: there fn did, and, should it have committed, the next
+// DoInTx or Reserve of the key marks its claim.)
+func (c *Client[TTx, TDB]) endedWithCtx(ctx context.Context, own bool, cl *call) error {
+	if own {
+		return errorf("idem: %w before DoInTx's COMMIT: database/sql rolled the transaction back, and nothing was stored", context.Cause(ctx))
+	}
+	return errorf("idem: %w before %s's savepoint was released: the caller's transaction had ended (database/sql rolls it "+
+		"back when its context ends), and nothing was stored", context.Cause(ctx), cl.api())
 }
 
 // orphanReason is the last_error of a record whose claim was committed
