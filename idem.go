@@ -84,7 +84,9 @@ var defaultClient = func() *Client {
 //     undone, nothing is stored, and the error (or panic) is passed on. The
 //     key is free again. This undo runs even when ctx is done (bounded by 5
 //     seconds), so a transaction the caller commits anyway holds nothing of
-//     fn's.
+//     fn's. Should the connection break during that undo, the error is
+//     ErrUnavailable, and names fn's error in words only (errors.Is finds
+//     no refusal fn passed on: tx is gone).
 //   - A key past its TTL counts as a new request.
 //   - A key held by a reservation (Reserve): ErrInProgress while its lease
 //     lasts, ErrOutcomeUnknown once the lease ran out or its outcome is

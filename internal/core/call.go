@@ -289,18 +289,22 @@ func (c *Client[TTx, TDB]) fail(ctx context.Context, s driver.Span[TTx], own boo
 
 // failFn undoes the span after fn failed with err (or its response cannot
 // be stored), and returns err: for DoInTx, an ErrUnavailable when the
-// connection was lost or the server said it cannot serve. When fn had
-// ended the transaction itself, the call's error says so (fnEnded).
+// connection was lost or the server said it cannot serve; for Do, when the
+// undo failed, the undo's error, naming err in words only (as fail). When
+// fn had ended the transaction itself, the call's error says so (fnEnded).
 func (c *Client[TTx, TDB]) failFn(ctx context.Context, s driver.Span[TTx], own bool, k driver.Key, fp Fingerprint, err error, cl *call) error {
 	undoErr := s.Undo(ctx)
 	if c.drv.TxClosed(undoErr) && ctx.Err() == nil { // (with ctx done, database/sql ends the transaction itself)
 		return c.fnEnded(ctx, s, own, k, fp, err, cl)
 	}
 	if !own {
-		// fn's error stays in the chain, joined with the undo's if that
-		// failed.
+		// When the undo failed, the caller's transaction is not as fn's
+		// error may promise (a refusal fn passed on, such as a nested
+		// call's ErrInProgress): as in fail, the undo's error is the
+		// call's, and fn's is named in words only.
 		if undoErr != nil {
-			return errors.Join(err, unavailableIf(isUnavailable(undoErr), errorf("idem: %w", undoErr)))
+			return unavailableIf(isUnavailable(undoErr),
+				errorf("idem: %w (Do's savepoint was not undone; fn had failed: %s)", undoErr, quiet{err}.Error()))
 		}
 		return err
 	}
