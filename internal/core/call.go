@@ -316,7 +316,7 @@ func (c *Client[TTx, TDB]) failFn(ctx context.Context, s driver.Span[TTx], own b
 // transaction back when the context it began with ends, so nothing of the
 // call's committed and nothing was stored. (pgx never ends a transaction
 // for its context: there fn did, and, should it have committed, the next
-// DoInTx or Reserve of the key marks its claim.)
+// DoInTx or Reserve of the key with the same fingerprint marks its claim.)
 func (c *Client[TTx, TDB]) endedWithCtx(ctx context.Context, own bool, cl *call) error {
 	if own {
 		return errorf("idem: %w before DoInTx's COMMIT: database/sql rolled the transaction back, and nothing was stored", context.Cause(ctx))
