@@ -376,3 +376,119 @@ func TestFnCommittingWhileARetryMarksTheRecord(t *testing.T) {
 		t.Fatalf("row %+v, fn ran %d times", row, calls.Load())
 	}
 }
+
+// An fn that commits or rolls back the transaction it was given, when that
+// is a savepoint of an enclosing transaction (a pgx.Tx begun on a pgx.Tx,
+// given to Do; or DoInTx on a pgx.Tx, which runs Do in such a savepoint):
+// pgx's Commit is RELEASE SAVEPOINT, which keeps fn's writes and the claim
+// in the enclosing transaction. The call gets ErrInvalidArgument, naming
+// itself and saying which. After a COMMIT the enclosing transaction is
+// aborted, so it cannot commit the claim without an outcome: its COMMIT
+// rolls back, and nothing of fn's or of the key remains. After a ROLLBACK
+// the enclosing transaction is usable, and the key is free. A COMMIT that
+// failed (fn left the transaction aborted) leaves it aborted, and the call
+// cannot tell which.
+func TestFnEndingASavepointOfTheCallersTransaction(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Release()
+	var calls atomic.Int64
+	fn := func(key, end string) func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+		return func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+			resp, err := recordEffect(&calls, key)(ctx, tx)
+			if err != nil {
+				return resp, err
+			}
+			switch end {
+			case "commit":
+				err = tx.Commit(ctx)
+			case "rollback":
+				err = tx.Rollback(ctx)
+			case "failed commit":
+				if _, err := tx.Exec(ctx, `SELECT 1/0`); err == nil {
+					t.Errorf("%s: 1/0 did not fail", key)
+				}
+				if err = tx.Commit(ctx); err == nil {
+					t.Errorf("%s: the COMMIT of an aborted transaction succeeded", key)
+				}
+				err = nil
+			}
+			if err != nil {
+				t.Errorf("%s: %s: %v", key, end, err)
+			}
+			return resp, nil
+		}
+	}
+	said := map[string]string{"commit": "fn committed the", "rollback": "fn rolled back the", "failed commit": "fn committed or rolled back the"}
+	for _, outer := range []string{"pool", "conn"} {
+		for _, call := range []string{"Do", "DoInTx"} {
+			for _, end := range []string{"commit", "rollback", "failed commit"} {
+				key := strings.ReplaceAll(outer+"-"+call+"-"+end, " ", "-")
+				var db idem.Beginner = pool
+				if outer == "conn" {
+					db = conn.Conn()
+				}
+				tx, err := db.Begin(ctx)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if _, err := tx.Exec(ctx, `INSERT INTO effects (key, note) VALUES ($1, 'before')`, key); err != nil {
+					t.Fatal(err)
+				}
+				if call == "Do" {
+					var nested pgx.Tx
+					if nested, err = tx.Begin(ctx); err != nil {
+						t.Fatal(err)
+					}
+					_, err = idem.Do(ctx, nested, scope, key, fpA, fn(key, end))
+				} else {
+					_, err = idem.DoInTx(ctx, tx, scope, key, fpA, fn(key, end))
+				}
+				usable := end == "rollback"
+				if !errors.Is(err, idem.ErrInvalidArgument) || !strings.Contains(err.Error(), said[end]+" transaction that "+call+" runs in") {
+					t.Errorf("%s: err = %v, want ErrInvalidArgument naming %s, saying %q", key, err, call, said[end])
+				}
+				if !usable && (!strings.Contains(err.Error(), "aborted") || strings.Contains(err.Error(), "durable")) {
+					t.Errorf("%s: err = %v, want it to say the enclosing transaction is aborted", key, err)
+				}
+				if got := aborted(tx); got == usable {
+					t.Errorf("%s: the enclosing transaction aborted: %v, want %v", key, got, !usable)
+				}
+				if commitErr := tx.Commit(ctx); (commitErr == nil) != usable {
+					t.Errorf("%s: the enclosing transaction's COMMIT: %v", key, commitErr)
+				}
+				if n := count(t, pool, `SELECT count(*) FROM effects WHERE key = $1 AND note IS NULL`, key); n != 0 {
+					t.Errorf("%s: %d of fn's effects committed", key, n)
+				}
+				if n, want := count(t, pool, `SELECT count(*) FROM effects WHERE key = $1 AND note = 'before'`, key), map[bool]int{true: 1}[usable]; n != want {
+					t.Errorf("%s: %d of the caller's own writes committed, want %d", key, n, want)
+				}
+				if row := readRow(t, pool, scope, key); row.Found {
+					t.Errorf("%s: key row %+v committed", key, row)
+				}
+				if res, err := idem.DoInTx(ctx, pool, scope, key, fpA, recordEffect(&calls, key)); err != nil || res.Replayed {
+					t.Errorf("%s: the key again: %+v, %v; want fn to run", key, res, err)
+				}
+			}
+		}
+	}
+
+	// Do on the connection's own transaction: fn's COMMIT is a COMMIT, the
+	// connection is idle after it, and nothing is sent on it.
+	tx, err := conn.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = idem.Do(ctx, tx, scope, "top", fpA, fn("top", "commit"))
+	if !errors.Is(err, idem.ErrInvalidArgument) || !strings.Contains(err.Error(), "fn committed or rolled back the caller's transaction that Do runs in") {
+		t.Errorf("top: err = %v", err)
+	}
+	if row := readRow(t, pool, scope, "top"); row.Status != "processing" {
+		t.Errorf("top: row %+v, want the claim fn committed", row)
+	}
+}

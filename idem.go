@@ -84,7 +84,9 @@ var defaultClient = func() *Client {
 //     undone, nothing is stored, and the error (or panic) is passed on. The
 //     key is free again. This undo runs even when ctx is done (bounded by 5
 //     seconds), so a transaction the caller commits anyway holds nothing of
-//     fn's.
+//     fn's. Should the connection break during that undo, the error is
+//     ErrUnavailable, and names fn's error in words only (errors.Is finds
+//     no refusal fn passed on: tx is gone).
 //   - A key past its TTL counts as a new request.
 //   - A key held by a reservation (Reserve): ErrInProgress while its lease
 //     lasts, ErrOutcomeUnknown once the lease ran out or its outcome is
@@ -96,7 +98,8 @@ var defaultClient = func() *Client {
 // ErrResponseTooLarge or ErrInvalidResponse.
 //
 // When Do returns ErrInProgress, ErrKeyReused, ErrOutcomeUnknown,
-// ErrInvalidArgument or a replay, tx is as it was before the call: also on a
+// ErrInvalidArgument (except when fn ended tx itself, below) or a replay,
+// tx is as it was before the call: also on a
 // connection that has not run Do before, in every exec mode of pgx. The
 // claim, its lock wait and the question whether the database is Citus run
 // inside Do's savepoint, which Do undoes on the way out. On a connection
@@ -118,11 +121,18 @@ var defaultClient = func() *Client {
 // connection it is gone. Either way the retry replays or runs.
 //
 // fn must not commit or roll back tx: Do then returns an error wrapping
-// ErrInvalidArgument. After a COMMIT there, fn's writes and the claim are
-// durable without an outcome; Do cannot tell that row from its own
-// caller's claim and answers ErrInProgress to the key, while a DoInTx or
-// Reserve of the key, in a transaction of its own, turns it unknown and
-// answers ErrOutcomeUnknown (see DoInTx).
+// ErrInvalidArgument, which says which when Do can tell. After a COMMIT
+// there, fn's writes and the claim are durable without an outcome; Do
+// cannot tell that row from its own caller's claim and answers
+// ErrInProgress to the key, while a DoInTx or Reserve of the key with the
+// same fingerprint, in a transaction of its own, turns it unknown and
+// answers ErrOutcomeUnknown (see DoInTx); another fingerprint gets
+// ErrKeyReused and leaves the row as it is. When tx is a savepoint of a
+// transaction (begun on a pgx.Tx), fn's Commit is RELEASE SAVEPOINT: fn's
+// writes and the claim stay pending in the enclosing transaction, and Do
+// aborts that transaction, so that they cannot commit without an outcome:
+// roll it back. After fn's Rollback of such a tx, the enclosing
+// transaction is usable and the key free.
 //
 // Each Do uses a subtransaction; keep the number of Do calls in one
 // transaction well under 64, PostgreSQL's per-backend subtransaction cache.
@@ -154,13 +164,19 @@ func (c *Client) Do(ctx context.Context, tx pgx.Tx, scope Scope, key string, fp 
 // back and returns ErrKeyRowChanged: nothing of fn's is committed.
 //
 // fn must not commit or roll back tx. If it does, DoInTx returns an error
-// wrapping ErrInvalidArgument that says which. After a ROLLBACK nothing of
-// fn's or of the claim remains, and the key is free. After a COMMIT fn's
-// writes and the claim are durable without an outcome: DoInTx turns the
-// key's record unknown, in a statement of its own (should the process stop
-// first, the next DoInTx or Reserve of the key does it), so that retries
-// get ErrOutcomeUnknown and never run fn again, ListUnknown lists the
-// record, and Resolve settles it.
+// wrapping ErrInvalidArgument that says which (unless marking the record,
+// below, failed). After a ROLLBACK nothing of fn's or of the claim remains,
+// and the key is free. After a COMMIT fn's writes and the claim are
+// durable without an outcome: DoInTx turns the key's record unknown, in a
+// statement of its own (should the process stop first, the next DoInTx or
+// Reserve of the key with the same fingerprint does it; another
+// fingerprint gets ErrKeyReused and leaves the row as it is), so that
+// retries get ErrOutcomeUnknown and never run fn again, ListUnknown lists
+// the record, and Resolve settles it. On a pgx.Tx, fn's tx is a savepoint
+// of the caller's transaction, as in Do: after fn's Commit (RELEASE
+// SAVEPOINT) DoInTx aborts the caller's transaction, which holds fn's
+// writes and the claim pending, so that they cannot commit without an
+// outcome: roll it back.
 //
 // On a *pgxpool.Pool or a *pgx.Conn, DoInTx sends BEGIN with the claim and
 // COMMIT with the stored response, so the transaction costs no round trip

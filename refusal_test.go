@@ -329,35 +329,57 @@ func (cutAtUndo) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData
 // A refusal whose savepoint cannot be undone (the connection broke at the
 // rollback) is no refusal: the caller's transaction is gone, so the error
 // is the undo's (ErrUnavailable) and does not wrap ErrInProgress, which
-// promises a transaction as it was.
+// promises a transaction as it was. The same holds for fn's error, when fn
+// passes on a refusal of its own (a nested call's ErrInProgress): it is
+// named in words only, while on a connection that survives the undo it is
+// returned as it is.
 func TestRefusalWhoseUndoFailsIsNoRefusal(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool, url, calls := refusalPool(t)
 	release := hold(t, pool, callertest.HoldKey, scope.Actor, scope.Operation, fpA[:])
 	defer release()
-	cfg, err := pgx.ParseConfig(url)
-	if err != nil {
-		t.Fatal(err)
+	nestedRefusal := func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+		if _, err := recordEffect(calls, "nested")(ctx, tx); err != nil {
+			return idem.Response{}, err
+		}
+		return idem.Response{}, fmt.Errorf("a nested call: %w", &idem.InProgressError{RetryAfter: time.Second})
 	}
-	cfg.Tracer = cutAtUndo{}
-	conn, err := pgx.ConnectConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = conn.Close(ctx) }()
-	tx, err := conn.Begin(ctx)
-	if err != nil {
-		t.Fatal(err)
-	}
-	_, err = waitingClient(t, 20*time.Millisecond).Do(ctx, tx, scope, "held", fpA, recordEffect(calls, "held"))
-	if err == nil || errors.Is(err, idem.ErrInProgress) || !errors.Is(err, idem.ErrUnavailable) {
-		t.Fatalf("err = %v; want ErrUnavailable, not ErrInProgress", err)
-	}
-	if !strings.Contains(err.Error(), "in progress") {
-		t.Errorf("err = %v; want the refusal named in words", err)
-	}
-	if !conn.IsClosed() {
-		t.Errorf("the connection survived")
+	for _, c := range []struct {
+		name, key string
+		fn        func(ctx context.Context, tx pgx.Tx) (idem.Response, error)
+		cut       bool
+	}{
+		{"the claim's refusal", "held", recordEffect(calls, "held"), true},
+		{"fn's refusal", "free", nestedRefusal, true},
+		{"fn's refusal, undone", "free", nestedRefusal, false},
+	} {
+		cfg, err := pgx.ParseConfig(url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if c.cut {
+			cfg.Tracer = cutAtUndo{}
+		}
+		conn, err := pgx.ConnectConfig(ctx, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tx, err := conn.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = waitingClient(t, 20*time.Millisecond).Do(ctx, tx, scope, c.key, fpA, c.fn)
+		switch {
+		case !c.cut && (!errors.Is(err, idem.ErrInProgress) || idem.Unavailable(err) || aborted(tx)):
+			t.Errorf("%s: err = %v (transaction aborted: %v); want fn's ErrInProgress, the transaction usable", c.name, err, aborted(tx))
+		case c.cut && (err == nil || errors.Is(err, idem.ErrInProgress) || !errors.Is(err, idem.ErrUnavailable)):
+			t.Errorf("%s: err = %v; want ErrUnavailable, not ErrInProgress", c.name, err)
+		case c.cut && !strings.Contains(err.Error(), "in progress"):
+			t.Errorf("%s: err = %v; want the refusal named in words", c.name, err)
+		case c.cut && !conn.IsClosed():
+			t.Errorf("%s: the connection survived", c.name)
+		}
+		_ = conn.Close(ctx)
 	}
 }

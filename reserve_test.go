@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"maps"
 	"net/http"
 	"net/http/httptest"
 	"reflect"
@@ -194,7 +195,8 @@ var stateErrors = map[string]error{
 
 // TestStateTable puts a key into every state and applies every event to it.
 // The cells of the Do columns depend on the core's side of the state
-// machine.
+// machine: they are DoInTx's, and Do in a caller's transaction (rolled
+// back) must answer the same, but for a claim fn committed (ErrInProgress).
 func TestStateTable(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -283,6 +285,7 @@ func TestStateTable(t *testing.T) {
 	type outcome struct {
 		replayed, ran, resumed, listed bool
 		err                            error
+		do                             *outcome // the Do events: Do's own outcome
 	}
 	// event applies an event.
 	event := func(t *testing.T, name, key string, owner idem.Reservation) outcome {
@@ -349,11 +352,26 @@ func TestStateTable(t *testing.T) {
 			if name != "Do" {
 				fp = fpB
 			}
+			// Do first, in a transaction of the caller's that rolls back:
+			// it leaves nothing, and its outcome is checked against
+			// DoInTx's (the cell).
+			tx, err := pool.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			doRes, doErr := c.Do(ctx, tx, payScope, key, fp, fn)
+			if err := tx.Rollback(ctx); err != nil {
+				t.Fatal(err)
+			}
+			do := &outcome{replayed: doRes.Replayed, ran: runs.Swap(0) == 1, err: doErr}
 			res, err := c.DoInTx(ctx, pool, payScope, key, fp, fn)
 			if n := runs.Load(); (err == nil && !res.Replayed) != (n == 1) || n > 1 {
 				t.Fatalf("%s: fn ran %d times, result %+v, err %v", name, n, res, err)
 			}
-			return outcome{replayed: res.Replayed, ran: runs.Load() == 1, err: err}
+			if do.replayed && (doRes.Status != res.Status || string(doRes.Body) != string(res.Body)) {
+				t.Fatalf("%s: Do replayed %+v, DoInTx %+v", name, doRes.Response, res.Response)
+			}
+			return outcome{replayed: res.Replayed, ran: runs.Load() == 1, err: err, do: do}
 		case "ListUnknown", "ListResumable":
 			list := c.ListUnknown
 			if name == "ListResumable" {
@@ -398,6 +416,21 @@ func TestStateTable(t *testing.T) {
 				if got.replayed != (want == "replay") || got.ran != (want == "run" || want == "resume") ||
 					got.resumed != (want == "resume") || got.listed != (want == "listed") {
 					t.Fatalf("%s on %s: %+v; want %s", name, row.state, got, cell)
+				}
+				// Do, in the caller's transaction, decides as DoInTx, but
+				// for a claim that fn committed: it cannot tell that from
+				// its caller's own claim (ErrInProgress).
+				if do := got.do; do != nil {
+					wantDo := outcome{replayed: got.replayed, ran: got.ran, err: got.err}
+					if row.state == "processing (Do, fn committed)" && name == "Do" {
+						wantDo = outcome{err: idem.ErrInProgress}
+					}
+					if do.replayed != wantDo.replayed || do.ran != wantDo.ran || (do.err == nil) != (wantDo.err == nil) ||
+						slices.ContainsFunc(slices.Collect(maps.Values(stateErrors)), func(e error) bool {
+							return errors.Is(do.err, e) != errors.Is(wantDo.err, e)
+						}) {
+						t.Fatalf("Do in the caller's transaction on %s: %+v; want %+v", row.state, *do, wantDo)
+					}
 				}
 				var inProgress *idem.InProgressError
 				if errors.As(err, &inProgress) && (inProgress.RetryAfter < time.Second || inProgress.RetryAfter > time.Minute) {

@@ -5,7 +5,12 @@ import (
 	"database/sql"
 	"errors"
 	"strings"
+	"sync"
 	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/stdlib"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemsql"
@@ -166,4 +171,90 @@ func TestFnEndingItsTransaction(t *testing.T) {
 			t.Errorf("fn ran %d times, want 5", runs)
 		}
 	})
+}
+
+// cancelAfterCompletion is a pgx tracer that cancels a call's context once
+// its completion (KeyComplete) succeeded, before DoInTx commits; database/sql
+// then rolls the transaction back. It records the statements sent after
+// that.
+type cancelAfterCompletion struct {
+	cancel context.CancelFunc
+	mu     sync.Mutex
+	ran    bool     // the completion ran
+	after  []string // statements sent after it
+}
+
+type tracedSQL struct{}
+
+func (c *cancelAfterCompletion) TraceQueryStart(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryStartData) context.Context {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.ran {
+		c.after = append(c.after, data.SQL)
+	}
+	return context.WithValue(ctx, tracedSQL{}, data.SQL)
+}
+
+func (c *cancelAfterCompletion) TraceQueryEnd(ctx context.Context, _ *pgx.Conn, data pgx.TraceQueryEndData) {
+	sql, _ := ctx.Value(tracedSQL{}).(string)
+	if data.Err != nil || !strings.Contains(sql, "name: KeyComplete ") {
+		return
+	}
+	c.mu.Lock()
+	c.ran = true
+	c.mu.Unlock()
+	c.cancel()
+	// database/sql marks the transaction done as soon as its context ends
+	// (its ROLLBACK then waits for this statement to end); give it that
+	// moment, so that DoInTx's Commit finds the transaction done, not only
+	// the context.
+	time.Sleep(200 * time.Millisecond)
+}
+
+// DoInTx whose context ends after the completion, before its COMMIT:
+// database/sql has rolled the transaction back, and Commit answers
+// sql.ErrTxDone. The call returns the context's error (nothing was stored,
+// nothing of fn's committed), does not blame fn, and sends nothing more.
+func TestDoInTxCancelledBeforeCommit(t *testing.T) {
+	t.Parallel()
+	url, setup := refusalSetup(t)
+	cfg, err := pgx.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	tracer := &cancelAfterCompletion{cancel: cancel}
+	cfg.Tracer = tracer
+	db := stdlib.OpenDB(*cfg)
+	defer func() { _ = db.Close() }()
+	ran := false
+	_, err = idemsql.DoInTx(ctx, db, scope, "cancelled", fpOf("a"), func(ctx context.Context, tx *sql.Tx) (idem.Response, error) {
+		ran = true
+		_, err := tx.ExecContext(ctx, `INSERT INTO effects VALUES ('cancelled')`)
+		return created, err
+	})
+	if !ran || !tracer.ran {
+		t.Fatalf("fn ran: %v, the completion ran: %v (err %v)", ran, tracer.ran, err)
+	}
+	if !errors.Is(err, context.Canceled) || errors.Is(err, idem.ErrInvalidArgument) || strings.Contains(err.Error(), "fn ") {
+		t.Errorf("err = %v; want the context's error, not fn blamed", err)
+	}
+	tracer.mu.Lock()
+	after := tracer.after
+	tracer.mu.Unlock()
+	for _, sql := range after {
+		if !strings.EqualFold(sql, "rollback") { // database/sql's own
+			t.Errorf("sent after the completion: %s", sql)
+		}
+	}
+	var keys, effects int
+	if err := setup.QueryRowContext(context.Background(),
+		`SELECT (SELECT count(*) FROM idem_keys WHERE idem_key = 'cancelled'), (SELECT count(*) FROM effects WHERE key = 'cancelled')`).
+		Scan(&keys, &effects); err != nil {
+		t.Fatal(err)
+	}
+	if keys != 0 || effects != 0 {
+		t.Errorf("%d key rows, %d effects committed", keys, effects)
+	}
 }

@@ -53,7 +53,9 @@ func (c *Client) Do(ctx context.Context, tx *sql.Tx, scope idem.Scope, key strin
 // fn must not commit or roll back tx: as idem.DoInTx, DoInTx then returns
 // an error wrapping idem.ErrInvalidArgument that says which, and after a
 // COMMIT turns the key's record unknown (idem.ErrOutcomeUnknown to
-// retries; ListUnknown, Resolve).
+// retries; ListUnknown, Resolve). (A *sql.Tx is never a savepoint of
+// another transaction, so Do's and DoInTx's fn cannot leave its writes
+// pending in an enclosing one, as fn can with pgx's nested transactions.)
 //
 // Unlike idem.DoInTx on a pgx pool, concurrent duplicates in one process
 // are not coalesced: they meet at the primary key (the first runs fn, the

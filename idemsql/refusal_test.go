@@ -285,7 +285,10 @@ func (cutAtUndo) TraceQueryEnd(context.Context, *pgx.Conn, pgx.TraceQueryEndData
 
 // A refusal whose savepoint cannot be undone (the connection broke at the
 // rollback) is no refusal: the error is the undo's (idem.ErrUnavailable)
-// and does not wrap idem.ErrInProgress.
+// and does not wrap idem.ErrInProgress. The same holds for fn's error when
+// fn passes on a refusal of its own (a nested call's ErrInProgress): named
+// in words only, while on a connection that survives the undo it is
+// returned as it is.
 func TestRefusalWhoseUndoFailsIsNoRefusal(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -293,27 +296,51 @@ func TestRefusalWhoseUndoFailsIsNoRefusal(t *testing.T) {
 	fp := fpOf("a")
 	release := other(t, setup, callertest.HoldKey, scope.Actor, scope.Operation, fp[:])
 	defer release()
-	cfg, err := pgx.ParseConfig(url)
-	if err != nil {
-		t.Fatal(err)
+	nestedRefusal := func(ctx context.Context, tx *sql.Tx) (idem.Response, error) {
+		if _, err := tx.ExecContext(ctx, `INSERT INTO effects VALUES ('nested')`); err != nil {
+			return idem.Response{}, err
+		}
+		return idem.Response{}, fmt.Errorf("a nested call: %w", &idem.InProgressError{RetryAfter: time.Second})
 	}
-	cfg.Tracer = cutAtUndo{}
-	db := stdlib.OpenDB(*cfg)
-	defer func() { _ = db.Close() }()
-	tx, err := db.BeginTx(ctx, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = tx.Rollback() }()
 	c, err := idemsql.New(idem.Config{Wait: 20 * time.Millisecond})
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, err = c.Do(ctx, tx, scope, "held", fpOf("a"), okFn)
-	if err == nil || errors.Is(err, idem.ErrInProgress) || !errors.Is(err, idem.ErrUnavailable) {
-		t.Fatalf("err = %v; want ErrUnavailable, not ErrInProgress", err)
-	}
-	if !strings.Contains(err.Error(), "in progress") {
-		t.Errorf("err = %v; want the refusal named in words", err)
+	for _, tc := range []struct {
+		name, key string
+		fn        func(ctx context.Context, tx *sql.Tx) (idem.Response, error)
+		cut       bool
+	}{
+		{"the claim's refusal", "held", okFn, true},
+		{"fn's refusal", "free", nestedRefusal, true},
+		{"fn's refusal, undone", "free", nestedRefusal, false},
+	} {
+		cfg, err := pgx.ParseConfig(url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if tc.cut {
+			cfg.Tracer = cutAtUndo{}
+		}
+		db := stdlib.OpenDB(*cfg)
+		tx, err := db.BeginTx(ctx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = c.Do(ctx, tx, scope, tc.key, fp, tc.fn)
+		switch {
+		case !tc.cut && (!errors.Is(err, idem.ErrInProgress) || idem.Unavailable(err)):
+			t.Errorf("%s: err = %v; want fn's ErrInProgress", tc.name, err)
+		case !tc.cut:
+			if _, err := tx.ExecContext(ctx, `SELECT 1`); err != nil {
+				t.Errorf("%s: the transaction is not usable: %v", tc.name, err)
+			}
+		case err == nil || errors.Is(err, idem.ErrInProgress) || !errors.Is(err, idem.ErrUnavailable):
+			t.Errorf("%s: err = %v; want ErrUnavailable, not ErrInProgress", tc.name, err)
+		case !strings.Contains(err.Error(), "in progress"):
+			t.Errorf("%s: err = %v; want the refusal named in words", tc.name, err)
+		}
+		_ = tx.Rollback()
+		_ = db.Close()
 	}
 }

@@ -170,3 +170,21 @@ SET status           = 'unknown',
 WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
   AND status = 'processing' AND idem_keys.token = 0 AND lease_expires_at IS NULL
   AND fingerprint = @fingerprint;
+
+-- Runs in the caller's transaction after fn ended the savepoint that Do ran
+-- it in, when that savepoint was nested in a transaction still open (pgx's
+-- Begin on a pgx.Tx: its Commit is RELEASE SAVEPOINT, which also releases
+-- Do's own savepoint and keeps the claim and fn's writes in the enclosing
+-- transaction). When the claim is there ('processing', no token, no lease,
+-- the claim's fingerprint), the statement fails (a cast of its message to
+-- integer, as in KeyComplete), which aborts the enclosing transaction: it
+-- cannot commit the claim without an outcome. Otherwise (fn rolled back to
+-- its savepoint, and the claim with it) it returns 0 and changes nothing.
+-- name: KeyAbortIfClaimed :one
+SELECT CASE WHEN count(*) = 0 THEN 0
+            ELSE ('idem: fn released its claim into the enclosing transaction (' || count(*) || ')')::integer
+       END::integer AS claimed
+FROM idem_keys
+WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
+  AND status = 'processing' AND token = 0 AND lease_expires_at IS NULL
+  AND fingerprint = @fingerprint;

@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
@@ -87,6 +88,52 @@ func settle(t *testing.T, p *pgxpool.Pool, want int, resolve func(idem.Record, i
 		err := resolve(rec, idem.Resolution{Token: rec.Token, Retryable: true, Reason: "checked"})
 		if err != nil && !errors.Is(err, idem.ErrNotFound) {
 			t.Fatalf("Resolve %s: %v", rec.Key, err)
+		}
+	}
+}
+
+// An fn that commits a savepoint of the caller's transaction (a pgx.Tx
+// begun on a pgx.Tx, given to Do), through the coordinator: the RELEASE
+// leaves fn's writes and the claim pending in the caller's transaction,
+// which Do aborts (its COMMIT rolls back): nothing of fn's, and no claim,
+// commits. After fn's ROLLBACK the caller's transaction stays usable.
+func TestFnEndingASavepointOfTheCallersTransaction(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, p := newDB(t)
+	scope := idem.Scope{Actor: "alice", Operation: "order"}
+	for _, end := range []string{"commit", "rollback"} {
+		key := "nested-" + end
+		tx, err := p.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		nested, err := tx.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = idem.Do(ctx, nested, scope, key, fp("book"), func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+			resp, err := order("alice", key, "book")(ctx, tx)
+			if err == nil && end == "commit" {
+				err = tx.Commit(ctx)
+			} else if err == nil {
+				err = tx.Rollback(ctx)
+			}
+			return resp, err
+		})
+		isErr(t, "Do's fn ends its savepoint: "+end, err, idem.ErrInvalidArgument)
+		if said := map[string]string{"commit": "fn committed the", "rollback": "fn rolled back the"}[end]; !strings.Contains(err.Error(), said) {
+			t.Errorf("%s: err = %v, want it to say %q", end, err, said)
+		}
+		commitErr := tx.Commit(ctx)
+		if (commitErr == nil) != (end == "rollback") {
+			t.Errorf("%s: the caller's COMMIT: %v", end, commitErr)
+		}
+		if n := ordersOf(t, p, "alice", key); n != 0 {
+			t.Errorf("%s: %d orders committed", end, n)
+		}
+		if n := count(t, p, `SELECT count(*) FROM idem_keys WHERE idem_key = $1`, key); n != 0 {
+			t.Errorf("%s: %d key rows committed", end, n)
 		}
 	}
 }

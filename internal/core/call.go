@@ -214,14 +214,14 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 			if out.status == "" {
 				out, err = c.runFn(ctx, s, fn, cl)
 				if err != nil {
-					return Result{}, c.failFn(ctx, s, own, k, fp, err)
+					return Result{}, c.failFn(ctx, s, own, k, fp, err, cl)
 				}
 				if out.status == StatusRejected {
 					// Undo fn's writes (and the claim), then store the
 					// refusal in a claim of its own.
 					switch err := s.Undo(ctx); {
 					case c.drv.TxClosed(err) && ctx.Err() == nil:
-						return Result{}, c.fnEnded(ctx, s, own, k, fp, nil)
+						return Result{}, c.fnEnded(ctx, s, own, k, fp, nil, cl)
 					case err != nil && !own:
 						return Result{}, errorf("idem: %w", err)
 					}
@@ -235,8 +235,15 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 			switch {
 			case keyRowChanged(err):
 				err = ErrKeyRowChanged
-			case c.drv.TxClosed(err): // nothing was sent
-				return Result{}, c.fnEnded(ctx, s, own, k, fp, nil)
+			case c.drv.TxClosed(err) && ctx.Err() == nil:
+				// fn ended the transaction: pgx sent nothing on it;
+				// database/sql ran the completion, then found it ended
+				// at COMMIT or RELEASE.
+				return Result{}, c.fnEnded(ctx, s, own, k, fp, nil, cl)
+			case c.drv.TxClosed(err):
+				// database/sql rolled the transaction back when ctx
+				// ended, after the completion ran (as failFn).
+				return Result{}, c.endedWithCtx(ctx, own, cl)
 			}
 			if err != nil {
 				return Result{}, c.fail(ctx, s, own, errorf("idem: %w", unsupportedIf(err)))
@@ -282,22 +289,40 @@ func (c *Client[TTx, TDB]) fail(ctx context.Context, s driver.Span[TTx], own boo
 
 // failFn undoes the span after fn failed with err (or its response cannot
 // be stored), and returns err: for DoInTx, an ErrUnavailable when the
-// connection was lost or the server said it cannot serve. When fn had
-// ended the transaction itself, the call's error says so (fnEnded).
-func (c *Client[TTx, TDB]) failFn(ctx context.Context, s driver.Span[TTx], own bool, k driver.Key, fp Fingerprint, err error) error {
+// connection was lost or the server said it cannot serve; for Do, when the
+// undo failed, the undo's error, naming err in words only (as fail). When
+// fn had ended the transaction itself, the call's error says so (fnEnded).
+func (c *Client[TTx, TDB]) failFn(ctx context.Context, s driver.Span[TTx], own bool, k driver.Key, fp Fingerprint, err error, cl *call) error {
 	undoErr := s.Undo(ctx)
 	if c.drv.TxClosed(undoErr) && ctx.Err() == nil { // (with ctx done, database/sql ends the transaction itself)
-		return c.fnEnded(ctx, s, own, k, fp, err)
+		return c.fnEnded(ctx, s, own, k, fp, err, cl)
 	}
 	if !own {
-		// fn's error stays in the chain, joined with the undo's if that
-		// failed.
+		// When the undo failed, the caller's transaction is not as fn's
+		// error may promise (a refusal fn passed on, such as a nested
+		// call's ErrInProgress): as in fail, the undo's error is the
+		// call's, and fn's is named in words only.
 		if undoErr != nil {
-			return errors.Join(err, unavailableIf(isUnavailable(undoErr), errorf("idem: %w", undoErr)))
+			return unavailableIf(isUnavailable(undoErr),
+				errorf("idem: %w (Do's savepoint was not undone; fn had failed: %s)", undoErr, quiet{err}.Error()))
 		}
 		return err
 	}
 	return unavailableIf(s.Lost() || serverSaidUnavailable(err), err)
+}
+
+// endedWithCtx is the error of a call whose transaction had ended when its
+// outcome was to be committed, once ctx had ended too: database/sql rolls a
+// transaction back when the context it began with ends, so nothing of the
+// call's committed and nothing was stored. (pgx never ends a transaction
+// for its context: there fn did, and, should it have committed, the next
+// DoInTx or Reserve of the key with the same fingerprint marks its claim.)
+func (c *Client[TTx, TDB]) endedWithCtx(ctx context.Context, own bool, cl *call) error {
+	if own {
+		return errorf("idem: %w before DoInTx's COMMIT: database/sql rolled the transaction back, and nothing was stored", context.Cause(ctx))
+	}
+	return errorf("idem: %w before %s's savepoint was released: the caller's transaction had ended (database/sql rolls it "+
+		"back when its context ends), and nothing was stored", context.Cause(ctx), cl.api())
 }
 
 // orphanReason is the last_error of a record whose claim was committed
@@ -316,26 +341,24 @@ var errOrphaned = errorf("idem: %w (its claim was committed without an outcome: 
 // statement of its own, so that the key's retries get ErrOutcomeUnknown
 // and an operator finds it (ListUnknown) and settles it (Resolve). Do has
 // no connection of its own to do that on: the next DoInTx or Reserve of
-// the key does it.
-func (c *Client[TTx, TDB]) fnEnded(ctx context.Context, s driver.Span[TTx], own bool, k driver.Key, fp Fingerprint, fnErr error) error {
+// the key with the same fingerprint does it. (fnSavepointEnded: Do's
+// transaction was a savepoint of an enclosing one.)
+func (c *Client[TTx, TDB]) fnEnded(ctx context.Context, s driver.Span[TTx], own bool, k driver.Key, fp Fingerprint, fnErr error, cl *call) error {
 	after := ""
 	if fnErr != nil {
 		after = ", and then returned an error"
 	}
 	if !own {
-		return errorf("idem: %w: fn committed or rolled back the caller's transaction that Do runs in%s (fn must leave it open; "+
-			"on database/sql, its context may have ended): nothing was stored; if it committed, fn's writes and the key's claim are durable "+
-			"and the key answers ErrOutcomeUnknown to DoInTx and Reserve, which mark it unknown for Resolve%w",
-			ErrInvalidArgument, after, joinedText(fnErr))
+		return c.fnSavepointEnded(ctx, s, k, fp, fnErr, cl.api(), after)
 	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), driver.CleanupTimeout)
 	defer cancel()
 	committed, err := s.Orphaned(ctx, k, fp, orphanReason)
 	switch {
 	case err != nil:
-		return errorf("idem: %w: fn committed or rolled back DoInTx's transaction itself%s: nothing was stored; if it committed, "+
-			"fn's writes and the key's claim are durable, and marking the key's record unknown failed (the next DoInTx or Reserve "+
-			"of the key does it): %w%w", ErrInvalidArgument, after, err, joinedText(fnErr))
+		return errorf("idem: %w: fn committed or rolled back DoInTx's transaction itself%s (idem could not tell which: marking "+
+			"the key's record failed): nothing was stored; if it committed, fn's writes and the key's claim are durable, and the next DoInTx or "+
+			"Reserve of the key with the same fingerprint marks the record unknown: %w%w", ErrInvalidArgument, after, err, joinedText(fnErr))
 	case committed:
 		return errorf("idem: %w: fn committed DoInTx's transaction itself%s: fn's writes are durable, but no outcome was stored; "+
 			"the key's record is now unknown (retries get ErrOutcomeUnknown; ListUnknown lists it, Resolve settles it)%w",
@@ -343,6 +366,41 @@ func (c *Client[TTx, TDB]) fnEnded(ctx context.Context, s driver.Span[TTx], own 
 	}
 	return errorf("idem: %w: fn rolled back DoInTx's transaction itself%s: fn's writes and the claim are gone, nothing was stored, "+
 		"and the key is free%w", ErrInvalidArgument, after, joinedText(fnErr))
+}
+
+// fnSavepointEnded is fnEnded for Do, whose transaction is a savepoint of
+// the caller's (as is DoInTx's on a caller's transaction: api names the
+// call the caller made). When that transaction was itself a savepoint of a
+// transaction still open (pgx's Begin on a pgx.Tx), fn's COMMIT released
+// the claim and fn's writes into that enclosing transaction, pending: the
+// driver aborts it (Span.Enclosing), so that it cannot commit them without
+// an outcome.
+func (c *Client[TTx, TDB]) fnSavepointEnded(ctx context.Context, s driver.Span[TTx], k driver.Key, fp Fingerprint,
+	fnErr error, api, after string) error {
+	enc, err := s.Enclosing(ctx, k, fp)
+	switch enc {
+	case driver.EnclosingAborted:
+		return errorf("idem: %w: fn committed the transaction that %s runs in%s, a savepoint of an enclosing transaction: "+
+			"that released fn's writes and the key's claim into the enclosing transaction, pending, and idem has aborted it so "+
+			"that they cannot commit without an outcome: roll it back; nothing of fn's is committed and nothing was stored%w",
+			ErrInvalidArgument, api, after, joinedText(fnErr))
+	case driver.EnclosingUsable:
+		return errorf("idem: %w: fn rolled back the transaction that %s runs in%s, a savepoint of an enclosing transaction: "+
+			"fn's writes and the claim are gone, nothing was stored, the key is free, and the enclosing transaction is usable%w",
+			ErrInvalidArgument, api, after, joinedText(fnErr))
+	case driver.EnclosingUnknown:
+		why := ""
+		if err != nil {
+			why = " (" + quiet{err}.Error() + ")"
+		}
+		return unavailableIf(isUnavailable(err), errorf("idem: %w: fn committed or rolled back the transaction that %s runs in%s, "+
+			"a savepoint of an enclosing transaction, which is aborted%s: roll it back; nothing of fn's is committed and nothing "+
+			"was stored%w", ErrInvalidArgument, api, after, why, joinedText(fnErr)))
+	}
+	return errorf("idem: %w: fn committed or rolled back the caller's transaction that %s runs in%s (fn must leave it open; "+
+		"on database/sql, its context may have ended): nothing was stored; if it committed, fn's writes and the key's claim "+
+		"are durable, and the key answers ErrOutcomeUnknown to DoInTx and Reserve with the same fingerprint, which mark it "+
+		"unknown for Resolve%w", ErrInvalidArgument, api, after, joinedText(fnErr))
 }
 
 // joinedText is ": " and err for a message that wraps it, or nothing for
@@ -912,6 +970,15 @@ func (o *observer) begin(ctx context.Context, name, spanName string, scope Scope
 			trace.WithAttributes(attribute.String("idem.operation", scope.Operation)))
 	}
 	return ctx, cl
+}
+
+// api names the public call observed: Do, or DoInTx (which runs Do on a
+// caller's transaction).
+func (cl *call) api() string {
+	if cl.name == "do_in_tx" {
+		return "DoInTx"
+	}
+	return "Do"
 }
 
 // timeFn runs f and adds its duration to the call's time in fn.

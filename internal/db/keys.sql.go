@@ -11,6 +11,44 @@ import (
 	"github.com/jackc/pgx/v5/pgtype"
 )
 
+const KeyAbortIfClaimed = `-- name: KeyAbortIfClaimed :one
+SELECT CASE WHEN count(*) = 0 THEN 0
+            ELSE ('idem: fn released its claim into the enclosing transaction (' || count(*) || ')')::integer
+       END::integer AS claimed
+FROM idem_keys
+WHERE actor = $1 AND operation = $2 AND idem_key = $3
+  AND status = 'processing' AND token = 0 AND lease_expires_at IS NULL
+  AND fingerprint = $4
+`
+
+type KeyAbortIfClaimedParams struct {
+	Actor       string
+	Operation   string
+	IdemKey     string
+	Fingerprint []byte
+}
+
+// Runs in the caller's transaction after fn ended the savepoint that Do ran
+// it in, when that savepoint was nested in a transaction still open (pgx's
+// Begin on a pgx.Tx: its Commit is RELEASE SAVEPOINT, which also releases
+// Do's own savepoint and keeps the claim and fn's writes in the enclosing
+// transaction). When the claim is there ('processing', no token, no lease,
+// the claim's fingerprint), the statement fails (a cast of its message to
+// integer, as in KeyComplete), which aborts the enclosing transaction: it
+// cannot commit the claim without an outcome. Otherwise (fn rolled back to
+// its savepoint, and the claim with it) it returns 0 and changes nothing.
+func (q *Queries) KeyAbortIfClaimed(ctx context.Context, db DBTX, arg KeyAbortIfClaimedParams) (int32, error) {
+	row := db.QueryRow(ctx, KeyAbortIfClaimed,
+		arg.Actor,
+		arg.Operation,
+		arg.IdemKey,
+		arg.Fingerprint,
+	)
+	var claimed int32
+	err := row.Scan(&claimed)
+	return claimed, err
+}
+
 const KeyClaim = `-- name: KeyClaim :one
 
 INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at)

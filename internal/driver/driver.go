@@ -137,12 +137,44 @@ type Span[TTx any] interface {
 	// with it. For a savepoint, which
 	// has no connection of its own to run it on, it is an error.
 	Orphaned(ctx context.Context, k Key, fp [32]byte, reason string) (committed bool, err error)
+	// Enclosing runs after fn ended the savepoint Do runs it in (never for
+	// a transaction of the call's own). When that savepoint was nested in a
+	// transaction still open on its connection (pgx: a pgx.Tx begun on a
+	// pgx.Tx, whose Commit is RELEASE SAVEPOINT: it releases Do's savepoint
+	// too, and keeps the claim and fn's writes in the enclosing
+	// transaction), it makes sure that transaction cannot commit the claim
+	// without an outcome: in it, a statement that fails when the claim is
+	// there (KeyAbortIfClaimed), which aborts it. It runs even when ctx is
+	// done. err is a failure of that statement other than the one it is
+	// meant to have (Enclosing then says EnclosingUnknown).
+	Enclosing(ctx context.Context, k Key, fp [32]byte) (Enclosing, error)
 	// Lost reports whether the connection of the call's own transaction is
 	// gone (false for a savepoint).
 	Lost() bool
 	// Close gives back what the span holds (a pooled connection).
 	Close()
 }
+
+// Enclosing is what Span.Enclosing found of a transaction enclosing the
+// savepoint that fn ended.
+type Enclosing int
+
+const (
+	// NoEnclosing: the connection is not in a transaction, or the driver
+	// cannot tell (it does not read a connection it may have given back).
+	NoEnclosing Enclosing = iota
+	// EnclosingUsable: the claim is not in the enclosing transaction (fn
+	// rolled back to its savepoint, and the claim with it), which is
+	// usable.
+	EnclosingUsable
+	// EnclosingAborted: the claim was in the enclosing transaction (fn's
+	// COMMIT released it there), which is now aborted.
+	EnclosingAborted
+	// EnclosingUnknown: the enclosing transaction was aborted already, or
+	// the statement failed otherwise; whether fn committed or rolled back
+	// is not known.
+	EnclosingUnknown
+)
 
 // Key names a key row.
 type Key struct{ Actor, Operation, Key string }

@@ -5,7 +5,10 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"reflect"
+	"strings"
 
+	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
@@ -404,6 +407,62 @@ func markUnknown(ctx context.Context, q db.DBTX, k driver.Key, fp [32]byte, reas
 	return queries.KeyMarkUnknown(ctx, planned{q}, db.KeyMarkUnknownParams{
 		Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key, Fingerprint: fp[:], Reason: reason,
 	})
+}
+
+// Enclosing makes sure that a transaction enclosing Do's savepoint, which
+// fn ended, cannot commit the claim (see driver.Span): when tx was a
+// savepoint of a transaction still open on its connection, KeyAbortIfClaimed
+// runs in that transaction, and aborts it when the claim is there. The
+// connection is read only when it is still the caller's (callersConn).
+func (s *span) Enclosing(ctx context.Context, k driver.Key, fp [32]byte) (driver.Enclosing, error) {
+	conn := callersConn(s.tx)
+	if s.conn != nil || conn == nil {
+		return driver.NoEnclosing, nil
+	}
+	switch conn.PgConn().TxStatus() {
+	case 'T':
+	case 'E': // aborted already: it cannot commit
+		return driver.EnclosingUnknown, nil
+	default: // idle: tx was the connection's transaction itself
+		return driver.NoEnclosing, nil
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), driver.CleanupTimeout)
+	defer cancel()
+	_, err := queries.KeyAbortIfClaimed(ctx, planned{conn}, db.KeyAbortIfClaimedParams{
+		Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key, Fingerprint: fp[:],
+	})
+	switch {
+	case err == nil:
+		return driver.EnclosingUsable, nil
+	case claimReleased(err):
+		return driver.EnclosingAborted, nil
+	}
+	return driver.EnclosingUnknown, fmt.Errorf("abort the enclosing transaction: %w", err)
+}
+
+// claimReleased reports whether err is KeyAbortIfClaimed's own failure: the
+// claim was in the enclosing transaction.
+func claimReleased(err error) bool {
+	var pgErr *pgconn.PgError
+	return errors.As(err, &pgErr) && pgErr.Code == pgerrcode.InvalidTextRepresentation &&
+		strings.Contains(pgErr.Message, "fn released its claim into the enclosing transaction")
+}
+
+// pgxPackage is the import path of pgx's own transactions.
+var pgxPackage = reflect.TypeFor[pgx.Conn]().PkgPath()
+
+// callersConn returns the connection of tx, ended by fn, when the caller
+// still holds it: tx is one of pgx's own transactions (a *pgx.Conn's, or a
+// savepoint begun on a pgx.Tx), which give nothing back when they end. A
+// *pgxpool.Tx gives its connection back to the pool when it ends, and a
+// pgx.Tx of another making may too: their connection may serve another
+// call by now, and is never read (nil).
+func callersConn(tx pgx.Tx) *pgx.Conn {
+	t := reflect.TypeOf(tx)
+	if t == nil || t.Kind() != reflect.Pointer || t.Elem().PkgPath() != pgxPackage {
+		return nil
+	}
+	return tx.Conn()
 }
 
 // Lost reports whether DoInTx's connection is closed: the server went away

@@ -101,7 +101,8 @@ func (d *Driver) claim(ctx context.Context, tx *sql.Tx, c driver.Claim) (claimed
 	return claimed, err
 }
 
-// Complete stores the outcome, then sends RELEASE (or COMMIT).
+// Complete stores the outcome, then sends RELEASE (or COMMIT): unlike
+// pgx's, the completion has run when the end finds the transaction ended.
 func (s *span) Complete(ctx context.Context, out driver.Outcome) error {
 	k, r := out.Key, out.Reply
 	err := queries.KeyComplete(ctx, s.tx, dbsql.KeyCompleteParams{
@@ -113,6 +114,9 @@ func (s *span) Complete(ctx context.Context, out driver.Outcome) error {
 		return fmt.Errorf("store response: %w", err)
 	}
 	if s.db != nil {
+		// After the completion ran: sql.ErrTxDone when fn ended the
+		// transaction, or when ctx ended meanwhile (database/sql then
+		// rolled it back; the core tells them apart by ctx).
 		if err := s.tx.Commit(); err != nil {
 			return fmt.Errorf("commit: %w", err)
 		}
@@ -228,6 +232,13 @@ func markUnknown(ctx context.Context, q dbsql.DBTX, k driver.Key, fp [32]byte, r
 	return queries.KeyMarkUnknown(ctx, q, dbsql.KeyMarkUnknownParams{
 		Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key, Fingerprint: fp[:], Reason: reason,
 	})
+}
+
+// Enclosing finds none: a *sql.Tx is never a savepoint of another
+// transaction (database/sql has no nested transactions, and its Commit is
+// COMMIT), so a transaction that fn ended is over on its connection.
+func (s *span) Enclosing(context.Context, driver.Key, [32]byte) (driver.Enclosing, error) {
+	return driver.NoEnclosing, nil
 }
 
 // Lost reports whether a ROLLBACK of DoInTx's found the connection gone.
