@@ -7,7 +7,9 @@
 //
 //	idem-bench [-smoke] [-latency D] [-stale] [flags]
 //
-// It recreates the database idem_bench (dropped at the end unless -keep)
+// It recreates the database idem_bench (dropped at the end unless -keep;
+// it refuses a database of that name that it did not create, or that a
+// session uses)
 // and runs the workloads bare, floor, do, doInTx, replay and two-tx over two
 // business transactions, light (two UPDATEs and an INSERT) and draw
 // (internal/draw), in interleaved rounds: every round runs each workload

@@ -205,7 +205,7 @@ func (b *bench) analyze(ctx context.Context) error {
 }
 
 // close closes the pools and the relay and drops the database unless
-// -keep (srv nil: drop nothing).
+// -keep (srv nil: drop nothing): the database this run created (recreate).
 func (b *bench) close(srv *pgserver.Server) {
 	for _, p := range b.pools {
 		p.Close()
@@ -224,14 +224,41 @@ func (b *bench) close(srv *pgserver.Server) {
 	}
 }
 
+// benchMark is the comment idem-bench puts on the database it creates: only
+// a database that carries it is ever dropped.
+const benchMark = "idem-bench's database: dropped and recreated by every run"
+
+// recreate creates the database called name, marked as idem-bench's. A
+// database of that name that exists already is dropped first only when it
+// is idem-bench's (a run's with -keep, or one that stopped early) and no
+// session uses it; anything else is refused and left as it is.
 func recreate(ctx context.Context, srv *pgserver.Server, name string) error {
 	conn, err := pgx.Connect(ctx, srv.URL)
 	if err != nil {
 		return fmt.Errorf("connect to %s: %w", srv.Source, err)
 	}
 	defer conn.Close(context.Background())
+	var exists bool
+	var mark string
+	var sessions int
+	err = conn.QueryRow(ctx, `SELECT true, coalesce(shobj_description(d.oid, 'pg_database'), ''),
+			(SELECT count(*) FROM pg_stat_activity a WHERE a.datid = d.oid)
+		FROM pg_database d WHERE d.datname = $1`, name).Scan(&exists, &mark, &sessions)
+	if err != nil && !errors.Is(err, pgx.ErrNoRows) {
+		return err
+	}
 	ident := pgx.Identifier{name}.Sanitize()
-	for _, sql := range []string{"DROP DATABASE IF EXISTS " + ident + " WITH (FORCE)", "CREATE DATABASE " + ident} {
+	switch {
+	case exists && mark != benchMark:
+		return fmt.Errorf("database %s exists and is not idem-bench's (it never drops a database it did not create): pass -database with another name", name)
+	case exists && sessions > 0:
+		return fmt.Errorf("database %s is idem-bench's but %d session(s) use it (another run?): pass -database with another name", name, sessions)
+	}
+	sqls := []string{"CREATE DATABASE " + ident, "COMMENT ON DATABASE " + ident + " IS '" + strings.ReplaceAll(benchMark, "'", "''") + "'"}
+	if exists {
+		sqls = append([]string{"DROP DATABASE " + ident}, sqls...)
+	}
+	for _, sql := range sqls {
 		if _, err := conn.Exec(ctx, sql); err != nil {
 			return fmt.Errorf("%s: %w", sql, err)
 		}

@@ -1,0 +1,74 @@
+package main
+
+import (
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgidem/idem/internal/pgtest"
+)
+
+// recreate drops only a database idem-bench created, that no session uses:
+// another database of the name is refused and keeps its data.
+func TestRecreateDropsOnlyItsOwnDatabase(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	srv := pgtest.Server(t)
+	admin, err := pgx.Connect(ctx, srv.URL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer admin.Close(ctx)
+	name := fmt.Sprintf("idembenchtest_%d", time.Now().UnixNano())
+	ident := pgx.Identifier{name}.Sanitize()
+	t.Cleanup(func() { _, _ = admin.Exec(ctx, "DROP DATABASE IF EXISTS "+ident+" WITH (FORCE)") })
+	connectTo := func() *pgx.Conn {
+		t.Helper()
+		cfg, err := pgx.ParseConfig(srv.URL)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg.Database = name
+		c, err := pgx.ConnectConfig(ctx, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c
+	}
+
+	// Someone else's database of that name: refused, its table kept.
+	if _, err := admin.Exec(ctx, "CREATE DATABASE "+ident); err != nil {
+		t.Fatal(err)
+	}
+	c := connectTo()
+	if _, err := c.Exec(ctx, "CREATE TABLE theirs (id int)"); err != nil {
+		t.Fatal(err)
+	}
+	c.Close(ctx)
+	if err := recreate(ctx, srv, name); err == nil || !strings.Contains(err.Error(), "not idem-bench's") {
+		t.Fatalf("recreate over another database: %v", err)
+	}
+	c = connectTo()
+	if _, err := c.Exec(ctx, "SELECT FROM theirs"); err != nil {
+		t.Fatalf("the other database lost its table: %v", err)
+	}
+	c.Close(ctx)
+
+	// idem-bench's own: recreated, and refused while a session uses it.
+	if _, err := admin.Exec(ctx, "DROP DATABASE "+ident); err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		if err := recreate(ctx, srv, name); err != nil {
+			t.Fatalf("recreate: %v", err)
+		}
+	}
+	c = connectTo()
+	defer c.Close(ctx)
+	if err := recreate(ctx, srv, name); err == nil || !strings.Contains(err.Error(), "session(s) use it") {
+		t.Fatalf("recreate of a database in use: %v", err)
+	}
+}
