@@ -635,22 +635,17 @@ func registerPayments(mux *http.ServeMux, s *payments, log *slog.Logger) {
 	}))
 }
 
-// paymentKey reads the Idempotency-Key header: one line, a bare key or a
-// quoted string, valid for idem.
+// paymentKey reads the Idempotency-Key header as the middleware does (a bare
+// key or an RFC 8941 string), valid for idem; its error, without the
+// package's prefix, is the answer's detail.
 func paymentKey(r *http.Request) (string, error) {
-	values := r.Header.Values(idemhttp.HeaderKey)
-	if len(values) != 1 {
-		return "", errors.New("send exactly one Idempotency-Key header")
+	key, err := idemhttp.ParseKey(r.Header)
+	if err == nil {
+		err = idem.ValidateKey(key)
 	}
-	key := strings.TrimSpace(values[0])
-	if unquoted, ok := strings.CutPrefix(key, `"`); ok {
-		key, ok = strings.CutSuffix(unquoted, `"`)
-		if !ok {
-			return "", errors.New("malformed Idempotency-Key header")
-		}
-	}
-	if err := idem.ValidateKey(key); err != nil {
-		return "", errors.New("invalid Idempotency-Key: " + strings.TrimPrefix(err.Error(), "idem: "))
+	if err != nil {
+		detail := strings.TrimPrefix(strings.TrimPrefix(err.Error(), "idemhttp: "), "idem: ")
+		return "", errors.New(strings.ToUpper(detail[:1]) + detail[1:] + ".")
 	}
 	return key, nil
 }

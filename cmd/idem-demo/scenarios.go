@@ -72,6 +72,11 @@ type demo struct {
 // how many rows failed.
 func runScenarios(ctx context.Context, out io.Writer, pool *pgxpool.Pool) (failed int) {
 	d := &demo{pool: pool, svc: draw.NewService(pool)}
+	defer func() {
+		if d.pay != nil {
+			d.pay.gw.close() // payNoWindow shares it
+		}
+	}()
 	tw := tabwriter.NewWriter(out, 0, 0, 2, ' ', 0)
 	fmt.Fprintln(tw, "scenario\twhat happened\tpoints\tstock\tbatches\tdebits\tcheck")
 	fmt.Fprintln(tw, "--------\t-------------\t------\t-----\t-------\t------\t-----")
