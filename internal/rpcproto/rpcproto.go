@@ -329,3 +329,15 @@ func Status(f *rpcidem.Failure) *spb.Status {
 	}
 	return st
 }
+
+// RetryInfo is what rpcidem.Judge reads of a status's RetryInfo detail
+// info (nil: none).
+func RetryInfo(info *errdetails.RetryInfo) *rpcidem.RetryInfo {
+	if info == nil {
+		return nil
+	}
+	if d := info.GetRetryDelay(); d != nil {
+		return &rpcidem.RetryInfo{Delay: d.AsDuration(), HasDelay: true}
+	}
+	return &rpcidem.RetryInfo{}
+}
