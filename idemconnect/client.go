@@ -9,6 +9,8 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/callretry"
+	"github.com/pgidem/idem/internal/rpcidem"
+	"github.com/pgidem/idem/internal/rpcproto"
 )
 
 // NewClientInterceptor returns a client interceptor for calls to servers
@@ -126,25 +128,5 @@ func judgeError(err error, conn *callretry.Conn) callretry.Verdict {
 			}
 		}
 	}
-	var v callretry.Verdict
-	switch connect.CodeOf(err) {
-	case connect.CodeUnavailable:
-		if v = callretry.Network(err, conn); !v.Retry {
-			return v
-		}
-	case connect.CodeAborted:
-		if info == nil { // not "in progress": another conflict, the server's answer
-			return callretry.Verdict{Answered: true}
-		}
-		v = callretry.Verdict{Retry: true, Answered: true, MaybeDone: true}
-	case connect.CodeDeadlineExceeded, connect.CodeCanceled:
-		// Not retried; sent unless the attempt never got a connection.
-		return callretry.Verdict{MaybeDone: callretry.Network(err, conn).MaybeDone}
-	default: // an answer, nil included
-		return callretry.Verdict{Answered: true}
-	}
-	if info.GetRetryDelay() != nil {
-		v.After, v.HasAfter = info.GetRetryDelay().AsDuration(), true
-	}
-	return v
+	return rpcidem.Judge(uint32(connect.CodeOf(err)), callretry.Network(err, conn), rpcproto.RetryInfo(info))
 }

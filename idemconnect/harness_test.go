@@ -50,7 +50,7 @@ func interceptor(db rpctest.DB, o rpctest.Options) connect.Interceptor {
 	}
 	return rpctest.Build(db, idemconnect.Options{Scope: rpctest.Scope(o, scopeFromHeader, deny),
 		StoredHeaders: o.StoredHeaders, StoredTrailers: o.StoredTrailers, RequireKey: o.RequireKey, KeyField: o.KeyField,
-		Procedures: o.Covered, RefusalCodes: rpctest.Codes[connect.Code](o.RefusalCodes), Config: o.Config, Logger: o.Logger},
+		Procedures: o.Covered, RefusalCodes: rpctest.Codes[connect.Code](o.RefusalCodes), Config: o.Config, Logger: o.Logger, Citus: o.Citus},
 		idemconnect.NewInterceptor, idemconnect.NewInterceptorSQL)
 }
 

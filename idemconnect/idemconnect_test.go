@@ -25,6 +25,10 @@ import (
 // database/sql with pgx's stdlib driver and lib/pq.
 func TestSuite(t *testing.T) { rpctest.Run(t, transport{}) }
 
+// NewInterceptorSQL on a Citus coordinator, with and without Options.Citus
+// (skipped without IDEM_CITUS_URL; .ci/citus starts a cluster).
+func TestCitusSQL(t *testing.T) { rpctest.RunCitus(t, transport{}) }
+
 // pgxDB is a pool on a fresh database, as rpctest's suite reaches it.
 func pgxDB(t *testing.T) (rpctest.DB, *pgxpool.Pool) {
 	pool := pgtest.Pool(t, rpctest.Migrate)

@@ -5,13 +5,14 @@ import (
 
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/callretry"
+	"github.com/pgidem/idem/internal/rpcidem"
+	"github.com/pgidem/idem/internal/rpcproto"
 )
 
 // UnaryClientInterceptor returns a client interceptor for calls to servers
@@ -105,22 +106,5 @@ func judgeStatus(sent bool, err error) callretry.Verdict {
 			info = i
 		}
 	}
-	var v callretry.Verdict
-	switch st.Code() {
-	case codes.Unavailable:
-		v = callretry.Verdict{Retry: true, MaybeDone: sent}
-	case codes.Aborted:
-		if info == nil { // not "in progress": another conflict, the server's answer
-			return callretry.Verdict{Answered: true}
-		}
-		v = callretry.Verdict{Retry: true, Answered: true, MaybeDone: true}
-	case codes.DeadlineExceeded, codes.Canceled:
-		return callretry.Verdict{MaybeDone: sent}
-	default:
-		return callretry.Verdict{Answered: true}
-	}
-	if info.GetRetryDelay() != nil {
-		v.After, v.HasAfter = info.GetRetryDelay().AsDuration(), true
-	}
-	return v
+	return rpcidem.Judge(uint32(st.Code()), callretry.Verdict{Retry: true, MaybeDone: sent}, rpcproto.RetryInfo(info))
 }

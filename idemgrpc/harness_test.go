@@ -45,7 +45,7 @@ func interceptor(db rpctest.DB, o rpctest.Options) grpc.UnaryServerInterceptor {
 	}
 	return rpctest.Build(db, idemgrpc.Options{Scope: rpctest.Scope(o, scopeFromMetadata, deny),
 		StoredHeaders: o.StoredHeaders, StoredTrailers: o.StoredTrailers, RequireKey: o.RequireKey, KeyField: o.KeyField,
-		Methods: o.Covered, RefusalCodes: rpctest.Codes[codes.Code](o.RefusalCodes), Config: o.Config, Logger: o.Logger},
+		Methods: o.Covered, RefusalCodes: rpctest.Codes[codes.Code](o.RefusalCodes), Config: o.Config, Logger: o.Logger, Citus: o.Citus},
 		idemgrpc.UnaryServerInterceptor, idemgrpc.UnaryServerInterceptorSQL)
 }
 

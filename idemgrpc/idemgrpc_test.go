@@ -14,6 +14,10 @@ import (
 // database/sql with pgx's stdlib driver and lib/pq.
 func TestSuite(t *testing.T) { rpctest.Run(t, transport{}) }
 
+// UnaryServerInterceptorSQL on a Citus coordinator, with and without Options.Citus
+// (skipped without IDEM_CITUS_URL; .ci/citus starts a cluster).
+func TestCitusSQL(t *testing.T) { rpctest.RunCitus(t, transport{}) }
+
 // OK is not a refusal: UnaryServerInterceptor panics at start-up.
 func TestOKRefusalPanics(t *testing.T) {
 	defer func() {

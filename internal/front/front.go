@@ -124,24 +124,28 @@ type pgxStore struct {
 func (s pgxStore) DoInTx(ctx context.Context, scope idem.Scope, key string, fp idem.Fingerprint,
 	fn func(ctx context.Context) (idem.Response, error)) (idem.Result, error) {
 	return s.c.DoInTx(ctx, s.db, scope, key, fp, func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
-		wt := watchtx.New(tx)
-		resp, err := fn(s.slot.With(ctx, wt))
-		if lost := wt.Retryable(); lost != nil {
-			return idem.Response{}, lost
-		}
-		return resp, err
+		return watched(ctx, s.slot, tx, fn)
 	})
 }
 
 func (s pgxStore) InTx(ctx context.Context, fn func(ctx context.Context) error) error {
 	return s.c.InTx(ctx, s.db, func(ctx context.Context, tx pgx.Tx) error {
-		wt := watchtx.New(tx)
-		err := fn(s.slot.With(ctx, wt))
-		if lost := wt.Retryable(); lost != nil {
-			return lost
-		}
+		_, err := watched(ctx, s.slot, tx, func(ctx context.Context) (struct{}, error) { return struct{}{}, fn(ctx) })
 		return err
 	})
+}
+
+// watched runs fn with tx, watched (watchtx), in slot of its context, and
+// returns its result, or the retryable error of a connection that tx lost
+// while fn ran.
+func watched[T any](ctx context.Context, slot *slot[pgx.Tx], tx pgx.Tx, fn func(ctx context.Context) (T, error)) (T, error) {
+	wt := watchtx.New(tx)
+	v, err := fn(slot.With(ctx, wt))
+	if lost := wt.Retryable(); lost != nil {
+		var zero T
+		return zero, lost
+	}
+	return v, err
 }
 
 func (s pgxStore) Lookup(ctx context.Context, scope idem.Scope, key string) (idem.Record, error) {

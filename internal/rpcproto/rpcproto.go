@@ -41,7 +41,8 @@ import (
 type Server struct {
 	core     *rpcidem.Core
 	keyField protoreflect.Name
-	types    sync.Map // protoreflect.FullName -> protoreflect.MessageType, of stored replies
+	types    sync.Map // protoreflect.FullName -> protoreflect.MessageType, of stored replies registered in GlobalTypes
+	dynamic  sync.Map // procedure -> protoreflect.MessageType, dynamicpb, of the procedure's reply type
 }
 
 // New returns the Server of an interceptor with opts, whose store open
@@ -232,9 +233,17 @@ func (c call[R]) Refusal(err error) (map[string][]string, []byte, error) {
 // earlier version stored it) decodes into, for a call of req: the type
 // registered under name in protoregistry.GlobalTypes, or else a dynamicpb
 // type of the reply type of the procedure's method, when that is name.
+// Only the former holds for every procedure: the latter is cached under
+// the procedure, so that another procedure returning the same
+// unregistered type is refused, as its replay after a restart would be.
 func (s *Server) replyType(name protoreflect.FullName, req Request) (protoreflect.MessageType, error) {
 	if t, ok := s.types.Load(name); ok {
 		return t.(protoreflect.MessageType), nil
+	}
+	if t, ok := s.dynamic.Load(req.Procedure); ok {
+		if t := t.(protoreflect.MessageType); name == "" || t.Descriptor().FullName() == name {
+			return t, nil
+		}
 	}
 	method := req.Schema
 	if method == nil {
@@ -252,13 +261,14 @@ func (s *Server) replyType(name protoreflect.FullName, req Request) (protoreflec
 	t, err := protoregistry.GlobalTypes.FindMessageByName(name)
 	switch {
 	case err == nil:
+		s.types.Store(name, t)
 	case method != nil && method.Output().FullName() == name:
 		t = dynamicpb.NewMessageType(method.Output())
+		s.dynamic.Store(req.Procedure, t)
 	default:
 		return nil, fmt.Errorf("%s: the reply of %s is a %s, which is neither registered in protoregistry.GlobalTypes nor the reply type of the procedure's schema: a retry could not replay it (import the message's generated package, or give the handler its schema)",
 			s.core.Name(), req.Procedure, name)
 	}
-	s.types.Store(name, t)
 	return t, nil
 }
 
@@ -318,4 +328,16 @@ func Status(f *rpcidem.Failure) *spb.Status {
 		}
 	}
 	return st
+}
+
+// RetryInfo is what rpcidem.Judge reads of a status's RetryInfo detail
+// info (nil: none).
+func RetryInfo(info *errdetails.RetryInfo) *rpcidem.RetryInfo {
+	if info == nil {
+		return nil
+	}
+	if d := info.GetRetryDelay(); d != nil {
+		return &rpcidem.RetryInfo{Delay: d.AsDuration(), HasDelay: true}
+	}
+	return &rpcidem.RetryInfo{}
 }

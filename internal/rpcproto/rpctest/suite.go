@@ -82,6 +82,9 @@ type Options struct {
 	// Procedure is the procedure Serve serves h as: "" (Transfer), or
 	// Unlisted, served without a schema.
 	Procedure string
+
+	// Citus is the interceptor's Options.Citus.
+	Citus bool
 }
 
 // Scope is the Options.Scope of an interceptor that o asks for: scope (the
