@@ -89,10 +89,12 @@ const MaxBufferedBody = 1 << 20
 // Bound the whole call, retries included, with the request's context
 // (context.WithTimeout): a deadline that passes during an attempt that may
 // have reached the receiver gives the *idem.CallError. Do not use
-// http.Client.Timeout for that: when it fires, net/http replaces the
-// transport's error with its own timeout error, which does not wrap it, so
-// the CallError is lost and errors.Is(err, idem.ErrOutcomeUnknown) is false
-// although the request may have been processed. Bound one attempt with
+// http.Client.Timeout for that: when it fires, net/http may replace the
+// transport's error with its own timeout error, which does not wrap it
+// (whether it does depends on which of its goroutines sees the timeout
+// first), so the CallError can be lost and errors.Is(err,
+// idem.ErrOutcomeUnknown) false although the request may have been
+// processed. Bound one attempt with
 // Base's timeouts (a dialer's, ResponseHeaderTimeout). Transport never
 // changes the caller's request: each
 // attempt sends a clone. The bodies of answers it retries are read (up to a

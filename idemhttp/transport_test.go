@@ -455,10 +455,11 @@ func TestTransportGivesUp(t *testing.T) {
 
 // Bound a call with its context's deadline: when it passes while an
 // attempt is under way, the error is the transport's idem.CallError. Not
-// with http.Client.Timeout: net/http replaces the transport's error with
-// its own timeout error, which does not wrap it, so the CallError is lost
-// although the request reached the server (as docs/calling.md and
-// Transport's doc say; if this part fails, net/http changed: fix them).
+// with http.Client.Timeout: net/http may replace the transport's error with
+// its own timeout error, which does not wrap it (a race inside net/http
+// decides), so the CallError can be lost although the request reached the
+// server, as docs/calling.md and Transport's doc say. Over 20 tries at
+// least one must lose it (if none does, net/http changed: fix the docs).
 func TestTransportDeadline(t *testing.T) {
 	t.Parallel()
 	var arrived atomic.Int64
@@ -482,13 +483,22 @@ func TestTransportDeadline(t *testing.T) {
 		t.Errorf("context deadline: %v", err)
 	}
 
-	timed := &http.Client{Timeout: 200 * time.Millisecond, Transport: &idemhttp.Transport{Policy: fastPolicy}}
-	_, err = post(t, t.Context(), timed, srv.URL+"/timeout", "x")
-	if errors.As(err, &ce) || errors.Is(err, idem.ErrOutcomeUnknown) || !errors.Is(err, context.DeadlineExceeded) {
-		t.Errorf("Client.Timeout: %v", err)
+	timed := &http.Client{Timeout: 50 * time.Millisecond, Transport: &idemhttp.Transport{Policy: fastPolicy}}
+	lost := 0
+	for range 20 {
+		_, err = post(t, t.Context(), timed, srv.URL+"/timeout", "x")
+		if !errors.Is(err, context.DeadlineExceeded) {
+			t.Fatalf("Client.Timeout: %v", err)
+		}
+		if !errors.As(err, &ce) && !errors.Is(err, idem.ErrOutcomeUnknown) {
+			lost++
+		}
 	}
-	if n := arrived.Load(); n != 2 {
-		t.Errorf("%d requests reached the server, want 2", n)
+	if lost == 0 {
+		t.Errorf("Client.Timeout kept the CallError in 20 of 20 calls: net/http changed, fix the docs")
+	}
+	if n := arrived.Load(); n < 2 {
+		t.Errorf("%d requests reached the server, want at least 2", n)
 	}
 }
 
