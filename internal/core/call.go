@@ -1019,8 +1019,9 @@ func (cl *call) end(ctx context.Context, res Result, err error) {
 	o := cl.o
 	outcome := outcomeOf(res, err, cl.rejected)
 	elapsed := time.Since(cl.start)
-	o.counters[outcome].Add(ctx, 1, o.attrSet(cl.name, cl.scope.Operation, "").add...)
-	withOutcome := o.attrSet(cl.name, cl.scope.Operation, outcome).record
+	m := o.measuresOf(cl.name, cl.scope.Operation, outcome)
+	m.counter.Add(ctx, 1, m.add...)
+	withOutcome := m.record
 	switch outcome {
 	case outcomeReplay, outcomeInProgress:
 		o.wait.Record(ctx, elapsed.Seconds(), withOutcome...)
@@ -1086,6 +1087,7 @@ var errPanicked = errors.New("idem: fn panicked")
 // count adds n to the counter of a maintenance or reservation event.
 func (o *observer) count(ctx context.Context, event, callName, operation string, n int64) {
 	if n != 0 {
-		o.counters[event].Add(ctx, n, o.attrSet(callName, operation, "").add...)
+		m := o.measuresOf(callName, operation, event)
+		m.counter.Add(ctx, n, m.add...)
 	}
 }
