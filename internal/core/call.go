@@ -88,9 +88,10 @@ func (c *Client[TTx, TDB]) coalesced(ctx context.Context, db TDB, scope Scope, k
 	if !ok {
 		// A connection serves one call at a time, and other handles have
 		// no identity to share a flight by.
-		return c.doInTx(ctx, db, scope, key, fp, fn, cl)
+		return c.doInTx(ctx, db, newKey(scope, key), fp, fn, cl)
 	}
-	fk := flightKey{handle: handle, key: scope.Actor + "\x00" + scope.Operation + "\x00" + key}
+	k := newKey(scope, key)
+	fk := flightKey{handle: handle, k: k}
 	fl, leader := c.flights.join(fk, fp)
 	if leader {
 		finished := false
@@ -99,7 +100,7 @@ func (c *Client[TTx, TDB]) coalesced(ctx context.Context, db TDB, scope Scope, k
 				c.flights.finish(fk, fl, Result{}, errLeaderPanicked)
 			}
 		}()
-		res, err := c.doInTx(ctx, db, scope, key, fp, fn, cl)
+		res, err := c.doInTx(ctx, db, k, fp, fn, cl)
 		finished = true
 		c.flights.finish(fk, fl, res, err)
 		return res, err
@@ -109,13 +110,13 @@ func (c *Client[TTx, TDB]) coalesced(ctx context.Context, db TDB, scope Scope, k
 		return Result{}, err
 	}
 	switch {
-	case heldElsewhere(fl.err, scope, key):
+	case heldElsewhere(fl.err, k):
 		// The leader's claim of this very key waited in vain: waiting again
 		// in the database would double the bound.
 		return Result{}, c.inProgress()
 	case fl.err != nil:
 		// Nothing was stored: let the database decide for this call.
-		return c.doInTx(ctx, db, scope, key, fp, fn, cl)
+		return c.doInTx(ctx, db, k, fp, fn, cl)
 	case fl.fp != fp:
 		return Result{}, ErrKeyReused
 	}
@@ -149,7 +150,7 @@ func (c *Client[TTx, TDB]) await(ctx context.Context, fl *flight) error {
 // transactions of its own, run again after a serialization failure or a
 // deadlock; or, on a handle that cannot give one (a caller's transaction),
 // Do in a transaction of InTx.
-func (c *Client[TTx, TDB]) doInTx(ctx context.Context, db TDB, scope Scope, key string, fp Fingerprint,
+func (c *Client[TTx, TDB]) doInTx(ctx context.Context, db TDB, k driver.Key, fp Fingerprint,
 	fn func(ctx context.Context, tx TTx) (Response, error), cl *call) (res Result, err error) {
 	s, own, err := c.drv.OwnSpan(ctx, db)
 	if err != nil {
@@ -157,7 +158,7 @@ func (c *Client[TTx, TDB]) doInTx(ctx context.Context, db TDB, scope Scope, key 
 	}
 	if !own {
 		err = c.InTx(ctx, db, func(ctx context.Context, tx TTx) (err error) {
-			res, err = c.do(ctx, tx, scope, key, fp, fn, cl)
+			res, err = c.call(ctx, c.drv.SavepointSpan(tx), false, k, fp, fn, cl)
 			return err
 		})
 		if err != nil {
@@ -166,7 +167,6 @@ func (c *Client[TTx, TDB]) doInTx(ctx context.Context, db TDB, scope Scope, key 
 		return res, nil
 	}
 	defer s.Close()
-	k := newKey(scope, key)
 	err = c.retry(ctx, false, func() (err error) { res, err = c.call(ctx, s, true, k, fp, fn, cl); return err })
 	return res, err
 }
@@ -550,7 +550,7 @@ func (c *Client[TTx, TDB]) inProgress() error {
 // inProgressOn is inProgress for the claim of k, which a twin holds.
 func (c *Client[TTx, TDB]) inProgressOn(k driver.Key) error {
 	e := &InProgressError{RetryAfter: c.retryAfter}
-	e.held.actor, e.held.operation, e.held.key = k.Actor, k.Operation, k.Key
+	e.held = k
 	return e
 }
 
@@ -1019,8 +1019,9 @@ func (cl *call) end(ctx context.Context, res Result, err error) {
 	o := cl.o
 	outcome := outcomeOf(res, err, cl.rejected)
 	elapsed := time.Since(cl.start)
-	o.counters[outcome].Add(ctx, 1, o.attrSet(cl.name, cl.scope.Operation, "").add...)
-	withOutcome := o.attrSet(cl.name, cl.scope.Operation, outcome).record
+	m := o.measuresOf(cl.name, cl.scope.Operation, outcome)
+	m.counter.Add(ctx, 1, m.add...)
+	withOutcome := m.record
 	switch outcome {
 	case outcomeReplay, outcomeInProgress:
 		o.wait.Record(ctx, elapsed.Seconds(), withOutcome...)
@@ -1086,6 +1087,7 @@ var errPanicked = errors.New("idem: fn panicked")
 // count adds n to the counter of a maintenance or reservation event.
 func (o *observer) count(ctx context.Context, event, callName, operation string, n int64) {
 	if n != 0 {
-		o.counters[event].Add(ctx, n, o.attrSet(callName, operation, "").add...)
+		m := o.measuresOf(callName, operation, event)
+		m.counter.Add(ctx, n, m.add...)
 	}
 }

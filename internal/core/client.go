@@ -99,7 +99,6 @@ type Client[TTx, TDB any] struct {
 	drv        driver.Driver[TTx, TDB]
 	flights    flights // DoInTx calls in progress, by handle, scope and key
 	cfg        Config
-	ttlMicros  int64
 	retryAfter time.Duration
 	obs        *observer
 	// The span names of the observed calls (idem.Do, idemsql.Do, ...).
@@ -150,13 +149,12 @@ func New[TTx, TDB any](cfg Config, name string, newDriver func(driver.Settings) 
 	wait := max(cfg.Wait, time.Millisecond) // lock_timeout 0 would mean "wait forever"
 	c := &Client[TTx, TDB]{
 		cfg:        cfg,
-		ttlMicros:  cfg.TTL.Microseconds(),
 		retryAfter: max(time.Second, wait.Round(time.Second)),
 		obs:        newObserver(cfg),
 		spanDo:     name + ".Do", spanDoInTx: name + ".DoInTx", spanReserve: name + ".Reserve",
 	}
 	c.drv = newDriver(driver.Settings{
-		TTLMicros:      c.ttlMicros,
+		TTLMicros:      cfg.TTL.Microseconds(),
 		LockTimeout:    fmt.Sprintf("%dms", wait.Milliseconds()),
 		IsolationLevel: string(cfg.IsolationLevel),
 	})

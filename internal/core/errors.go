@@ -163,10 +163,9 @@ type InProgressError struct {
 	// retries (the HTTP Retry-After header).
 	RetryAfter time.Duration
 
-	// held names the key whose claim waited in vain, when known. (A copy,
-	// not the key itself: keeping that would move every call's key to the
-	// heap.)
-	held struct{ actor, operation, key string }
+	// held names the key whose claim waited in vain, when known (its Key
+	// is "" when not).
+	held driver.Key
 }
 
 func (e *InProgressError) Error() string {

@@ -6,6 +6,8 @@ import (
 	"maps"
 	"slices"
 	"sync"
+
+	"github.com/pgidem/idem/internal/driver"
 )
 
 // flights coalesces concurrent DoInTx calls of one Client on one pool that
@@ -31,7 +33,7 @@ type flights struct {
 // pools (databases) are unrelated.
 type flightKey struct {
 	handle any
-	key    string
+	k      driver.Key
 }
 
 // flight is one leader's call in progress.
@@ -96,9 +98,8 @@ func cloneResult(res Result) Result {
 var errLeaderPanicked = errors.New("idem: the concurrent call with this key panicked")
 
 // heldElsewhere reports whether err is the in-progress error of a claim of
-// scope and key (and not, say, fn passing on a nested Do's).
-func heldElsewhere(err error, scope Scope, key string) bool {
+// k (and not, say, fn passing on a nested Do's).
+func heldElsewhere(err error, k driver.Key) bool {
 	var ipe *InProgressError
-	return errors.As(err, &ipe) && ipe.held.key != "" &&
-		ipe.held.actor == scope.Actor && ipe.held.operation == scope.Operation && ipe.held.key == key
+	return errors.As(err, &ipe) && ipe.held.Key != "" && ipe.held == k
 }

@@ -39,7 +39,8 @@ const (
 
 // observer holds a client's instruments. The zero cost path: with no
 // Logger, no TracerProvider and the global MeterProvider left as the
-// OpenTelemetry no-op, a call costs a map lookup and a few no-op calls.
+// OpenTelemetry no-op, a call costs one map lookup (under a read lock) and a
+// few no-op calls.
 type observer struct {
 	log      *slog.Logger // nil: silent
 	hash     *loghash.Hasher
@@ -49,10 +50,10 @@ type observer struct {
 	overhead metric.Float64Histogram
 
 	mu    sync.RWMutex
-	attrs map[attrKey]measureOpts // per call and operation, built once
+	cache map[measureKey]measures // per call, operation and outcome, built once
 }
 
-type attrKey struct{ call, operation, outcome string }
+type measureKey struct{ call, operation, outcome string }
 
 // counterNames lists every counter, by the name a call's count uses.
 var counterNames = map[string]string{
@@ -93,7 +94,7 @@ var counterHelp = map[string]string{
 }
 
 func newObserver(cfg Config) *observer {
-	o := &observer{log: cfg.Logger, hash: loghash.New(cfg.LogHashKey), attrs: make(map[attrKey]measureOpts)}
+	o := &observer{log: cfg.Logger, hash: loghash.New(cfg.LogHashKey), cache: make(map[measureKey]measures)}
 	if cfg.TracerProvider != nil {
 		o.tracer = cfg.TracerProvider.Tracer(instrumentationName)
 	}
@@ -116,36 +117,40 @@ func newObserver(cfg Config) *observer {
 
 const instrumentationName = "github.com/pgidem/idem"
 
-// measureOpts are the options that give a measurement its attribute set,
-// ready to pass: built once, so that a call allocates none.
-type measureOpts struct {
-	add    []metric.AddOption
-	record []metric.RecordOption
+// measures is what a call's end needs for one call name, operation and
+// outcome: the outcome's counter with the options of the attribute set
+// (call, operation), and the options of the set (call, operation, outcome)
+// for the histograms. Built once, so that a call allocates none.
+type measures struct {
+	counter metric.Int64Counter
+	add     []metric.AddOption    // for counter: call, operation
+	record  []metric.RecordOption // for the histograms: call, operation, outcome
 }
 
-// attrSet returns the options of the attribute set of a call name, an
-// operation and (for the histograms) an outcome, built once for each
-// combination.
-func (o *observer) attrSet(callName, operation, outcome string) measureOpts {
-	k := attrKey{callName, operation, outcome}
+// measuresOf returns the measures of a call name, an operation and an
+// outcome (or a counted event), built once for each combination.
+func (o *observer) measuresOf(callName, operation, outcome string) measures {
+	k := measureKey{callName, operation, outcome}
 	o.mu.RLock()
-	opts, ok := o.attrs[k]
+	m, ok := o.cache[k]
 	o.mu.RUnlock()
 	if ok {
-		return opts
+		return m
 	}
-	kvs := []attribute.KeyValue{attribute.String("call", callName), attribute.String("operation", operation)}
-	if outcome != "" {
-		kvs = append(kvs, attribute.String("outcome", outcome))
+	call, op := attribute.String("call", callName), attribute.String("operation", operation)
+	counterSet := metric.WithAttributeSet(attribute.NewSet(call, op))
+	histSet := metric.WithAttributeSet(attribute.NewSet(call, op, attribute.String("outcome", outcome)))
+	m = measures{
+		counter: o.counters[outcome],
+		add:     []metric.AddOption{counterSet},
+		record:  []metric.RecordOption{histSet},
 	}
-	set := metric.WithAttributeSet(attribute.NewSet(kvs...))
-	opts = measureOpts{add: []metric.AddOption{set}, record: []metric.RecordOption{set}}
 	o.mu.Lock()
-	if len(o.attrs) < maxAttrSets {
-		o.attrs[k] = opts
+	if len(o.cache) < maxAttrSets {
+		o.cache[k] = m
 	}
 	o.mu.Unlock()
-	return opts
+	return m
 }
 
 // maxAttrSets bounds the cache of attribute sets: operations come from the

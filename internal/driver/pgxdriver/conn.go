@@ -9,6 +9,8 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/pgidem/idem/internal/driver"
 )
 
 // connState is what the driver knows of one connection: made once per
@@ -49,12 +51,29 @@ func (st *connState) learn(citus bool) {
 	st.mu.Unlock()
 }
 
-// isWarm reports whether the last claim batch of form succeeded on the
-// connection.
-func (st *connState) isWarm(form string) bool {
+// claimState reports, under one lock, whether the connection's database
+// runs Citus, whether that is known (from this connection, or else from
+// d's Client-wide knowledge, which it then learns), and whether the claim
+// batch of c was warm on the connection then.
+func (d *Driver) claimState(st *connState, c driver.Claim) (citus, known, warm bool) {
+	st.mu.Lock()
+	citus, known = st.citus, st.known
+	if known {
+		warm = st.warm[d.claimForm(citus, c)]
+	}
+	st.mu.Unlock()
+	if known {
+		return citus, true, warm
+	}
+	v, ok := d.citus.Load(st.db)
+	if !ok {
+		return false, false, false
+	}
+	citus = v.(bool)
 	st.mu.Lock()
 	defer st.mu.Unlock()
-	return st.warm[form]
+	st.known, st.citus = true, citus
+	return citus, true, st.warm[d.claimForm(citus, c)]
 }
 
 // sent records that a claim batch of form was sent on st's connection and
@@ -73,10 +92,12 @@ func (st *connState) sent(form string, err error) {
 	}
 	st.mu.Lock()
 	defer st.mu.Unlock()
-	if err == nil {
-		st.warm[form] = true
-	} else {
-		delete(st.warm, form)
+	if warm := err == nil; warm != st.warm[form] {
+		if warm {
+			st.warm[form] = true
+		} else {
+			delete(st.warm, form)
+		}
 	}
 }
 
@@ -87,9 +108,8 @@ func (st *connState) sent(form string, err error) {
 // connections, the case sync.Map reads without a lock.
 var conns sync.Map // weak.Pointer[pgconn.PgConn] -> *connState
 
-// state returns what the driver knows of conn, sending nothing: whether it
-// runs Citus is known when this connection or this Client learnt it before.
-// It reads nothing of conn that changes while another call uses it.
+// state returns what the driver knows of conn, sending nothing. It reads
+// nothing of conn that changes while another call uses it.
 func (d *Driver) state(conn *pgx.Conn) *connState {
 	pc := conn.PgConn()
 	k := weak.Make(pc)
@@ -101,13 +121,7 @@ func (d *Driver) state(conn *pgx.Conn) *connState {
 			runtime.AddCleanup(pc, forgetConn, k)
 		}
 	}
-	st := v.(*connState)
-	if _, known := st.citusKnown(); !known {
-		if citus, ok := d.citus.Load(st.db); ok {
-			st.learn(citus.(bool))
-		}
-	}
-	return st
+	return v.(*connState)
 }
 
 // newConnState is the state of a connection the driver has not seen yet.
@@ -132,6 +146,10 @@ func forgetConn(k weak.Pointer[pgconn.PgConn]) { conns.Delete(k) }
 func (d *Driver) isCitus(ctx context.Context, st *connState, q Querier) (bool, error) {
 	if citus, known := st.citusKnown(); known {
 		return citus, nil
+	}
+	if citus, ok := d.citus.Load(st.db); ok {
+		st.learn(citus.(bool))
+		return citus.(bool), nil
 	}
 	citus, err := HasCitus(ctx, q)
 	if err != nil {

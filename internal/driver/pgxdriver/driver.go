@@ -55,7 +55,6 @@ type txBeginner interface {
 type Driver struct {
 	ttlMicros   int64
 	lockTimeout string
-	level       pgx.TxIsoLevel
 	txOptions   pgx.TxOptions
 	// sqlSetWait is SET LOCAL lock_timeout = Wait: Reserve's bound, where
 	// set_config would not reach Citus's workers.
@@ -78,11 +77,10 @@ func New(s driver.Settings) driver.Driver[pgx.Tx, Beginner] {
 	d := &Driver{
 		ttlMicros:    s.TTLMicros,
 		lockTimeout:  s.LockTimeout,
-		level:        pgx.TxIsoLevel(s.IsolationLevel),
+		txOptions:    pgx.TxOptions{IsoLevel: pgx.TxIsoLevel(s.IsolationLevel)},
 		sqlSetWait:   "SET LOCAL lock_timeout = '" + s.LockTimeout + "'",
 		sqlClaimWait: "SET LOCAL lock_timeout TO '" + s.LockTimeout + "'",
 	}
-	d.txOptions = pgx.TxOptions{IsoLevel: d.level}
 	d.claimForms = [2][2]string{{"claim", "take-over"}, {"citus claim " + s.LockTimeout, "citus take-over " + s.LockTimeout}}
 	return d
 }

@@ -16,7 +16,7 @@ import (
 // Begin starts a transaction on db, at the configured isolation level
 // unless db is a pgx.Tx (a savepoint runs at its transaction's level).
 func (d *Driver) Begin(ctx context.Context, db Beginner) (pgx.Tx, error) {
-	if _, nested := db.(pgx.Tx); d.level == "" || nested {
+	if _, nested := db.(pgx.Tx); d.txOptions.IsoLevel == "" || nested {
 		return db.Begin(ctx)
 	}
 	if tb, ok := db.(txBeginner); ok {
@@ -26,7 +26,7 @@ func (d *Driver) Begin(ctx context.Context, db Beginner) (pgx.Tx, error) {
 	if err != nil {
 		return nil, err
 	}
-	if _, err := tx.Exec(ctx, "SET TRANSACTION ISOLATION LEVEL "+string(d.level)); err != nil {
+	if _, err := tx.Exec(ctx, "SET TRANSACTION ISOLATION LEVEL "+string(d.txOptions.IsoLevel)); err != nil {
 		rollback(ctx, tx)
 		return nil, err
 	}

@@ -133,9 +133,9 @@ func (s *span) Claim(ctx context.Context, c driver.Claim) (claimed, begun bool, 
 		// now: its state is read under its lock, and the batch that
 		// finds the transaction closed changes nothing (connState.sent).
 		st = s.d.state(conn)
-		var known bool
-		citus, known = st.citusKnown()
-		warm = known && (!st.prepares || st.isWarm(s.d.claimForm(citus, c)))
+		var known, formWarm bool
+		citus, known, formWarm = s.d.claimState(st, c)
+		warm = known && (!st.prepares || formWarm)
 	}
 	if warm {
 		b.Queue(sqlSavepoint)
