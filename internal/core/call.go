@@ -1,6 +1,7 @@
 package core
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"log/slog"
@@ -353,7 +354,7 @@ func (c *Client[TTx, TDB]) fnEnded(ctx context.Context, s driver.Span[TTx], own 
 	}
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), driver.CleanupTimeout)
 	defer cancel()
-	committed, err := s.Orphaned(ctx, k, fp, orphanReason)
+	committed, err := orphanedRow(ctx, s, k, fp)
 	switch {
 	case err != nil:
 		return errorf("idem: %w: fn committed or rolled back DoInTx's transaction itself%s (idem could not tell which: marking "+
@@ -423,11 +424,26 @@ type prefixed struct{ err error }
 func (p prefixed) Error() string { return ": " + quiet(p).Error() }
 func (p prefixed) Unwrap() error { return p.err }
 
+// orphanedRow marks the row of k that fn's COMMIT left without an outcome
+// unknown, and reports whether there was such a row: marked now, or by
+// another call of the key first (unknown with orphanReason, fingerprint
+// fp, no outcome); false when fn rolled back, and the claim with it.
+func orphanedRow[TTx any](ctx context.Context, s driver.Span[TTx], k driver.Key, fp Fingerprint) (bool, error) {
+	n, now, err := s.Orphaned(ctx, k, fp, orphanReason)
+	switch {
+	case errors.Is(err, driver.ErrNoRows):
+		return false, nil
+	case err != nil || n == 1:
+		return n == 1, err
+	}
+	return now.Status == "unknown" && now.LastError == orphanReason && now.CompletedAt.IsZero() && bytes.Equal(now.Fingerprint, fp[:]), nil
+}
+
 // orphaned marks the row of k, found committed by a claim without an
 // outcome, unknown (the same statement as fnEnded), and returns what the
 // call answers: ErrOutcomeUnknown.
 func (c *Client[TTx, TDB]) orphaned(ctx context.Context, s driver.Span[TTx], k driver.Key, fp Fingerprint) error {
-	if _, err := s.Orphaned(ctx, k, fp, orphanReason); err != nil {
+	if _, _, err := s.Orphaned(ctx, k, fp, orphanReason); err != nil && !errors.Is(err, driver.ErrNoRows) {
 		return errorf("idem: %w (marking it unknown failed: %w)", errOrphaned, unsupportedIf(err))
 	}
 	return errOrphaned

@@ -131,12 +131,12 @@ type Span[TTx any] interface {
 	// when a claim's row was found committed without an outcome. In a
 	// statement of its own, outside any transaction, it turns the key's
 	// row that a claim with fingerprint fp left committed ('processing', no
-	// token, no lease) 'unknown' with reason (KeyMarkUnknown). committed
-	// reports whether such a row was there, or had been marked so by
-	// another call of the key: false when fn rolled back, and the claim
-	// with it. For a savepoint, which
-	// has no connection of its own to run it on, it is an error.
-	Orphaned(ctx context.Context, k Key, fp [32]byte, reason string) (committed bool, err error)
+	// token, no lease) 'unknown' with reason (KeyMarkUnknown), and returns
+	// the rows it changed; when it changed none, the key's row as it is
+	// now (ErrNoRows: none), for the core to judge whether another call
+	// marked it first. For a savepoint, which has no connection of its own
+	// to run it on, it is an error.
+	Orphaned(ctx context.Context, k Key, fp [32]byte, reason string) (marked int64, now Record, err error)
 	// Enclosing runs after fn ended the savepoint Do runs it in (never for
 	// a transaction of the call's own). When that savepoint was nested in a
 	// transaction still open on its connection (pgx: a pgx.Tx begun on a

@@ -1,7 +1,6 @@
 package pgxdriver
 
 import (
-	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -380,26 +379,18 @@ func rollback(ctx context.Context, tx pgx.Tx) error {
 }
 
 // Orphaned turns the row a committed claim left without an outcome
-// unknown, on DoInTx's connection (idle: fn's COMMIT or ROLLBACK, or the
-// COMMIT of Read, ended its transaction).
-func (s *span) Orphaned(ctx context.Context, k driver.Key, fp [32]byte, reason string) (bool, error) {
+// unknown, in a statement of its own on DoInTx's own connection, and reads
+// the row when it marked none.
+func (s *span) Orphaned(ctx context.Context, k driver.Key, fp [32]byte, reason string) (int64, driver.Record, error) {
 	if s.conn == nil {
-		return false, errors.New("a savepoint has no connection of its own")
+		return 0, driver.Record{}, errors.New("a savepoint has no connection of its own")
 	}
 	n, err := markUnknown(ctx, s.conn, k, fp, reason)
 	if err != nil || n == 1 {
-		return n == 1, err
+		return n, driver.Record{}, err
 	}
-	// Nothing to mark: fn rolled back, or another call of the key marked
-	// the row first (the update waited for its transaction, then found the
-	// row changed).
 	row, err := queries.KeyLookup(ctx, planned{s.conn}, db.KeyLookupParams{Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key})
-	if errors.Is(err, pgx.ErrNoRows) {
-		return false, nil
-	}
-	r := row.IdemKey
-	marked := r.Status == "unknown" && r.LastError.String == reason && !r.CompletedAt.Valid && bytes.Equal(r.Fingerprint, fp[:])
-	return err == nil && marked, err
+	return 0, record(row.IdemKey), noRows(err)
 }
 
 // markUnknown runs KeyMarkUnknown on q.

@@ -1,7 +1,6 @@
 package sqldriver
 
 import (
-	"bytes"
 	"context"
 	"database/sql"
 	"errors"
@@ -206,25 +205,18 @@ func rollback(tx *sql.Tx) error {
 }
 
 // Orphaned turns the row a committed claim left without an outcome
-// unknown, in a statement of its own on DoInTx's *sql.DB.
-func (s *span) Orphaned(ctx context.Context, k driver.Key, fp [32]byte, reason string) (bool, error) {
+// unknown, in a statement of its own on DoInTx's *sql.DB, and reads
+// the row when it marked none.
+func (s *span) Orphaned(ctx context.Context, k driver.Key, fp [32]byte, reason string) (int64, driver.Record, error) {
 	if s.db == nil {
-		return false, errors.New("a savepoint has no connection of its own")
+		return 0, driver.Record{}, errors.New("a savepoint has no connection of its own")
 	}
 	n, err := markUnknown(ctx, s.db, k, fp, reason)
 	if err != nil || n == 1 {
-		return n == 1, err
+		return n, driver.Record{}, err
 	}
-	// Nothing to mark: fn rolled back, or another call of the key marked
-	// the row first (the update waited for its transaction, then found the
-	// row changed).
 	row, err := queries.KeyLookup(ctx, s.db, dbsql.KeyLookupParams{Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key})
-	if errors.Is(err, sql.ErrNoRows) {
-		return false, nil
-	}
-	r := row.IdemKey
-	marked := r.Status == "unknown" && r.LastError.String == reason && !r.CompletedAt.Valid && bytes.Equal(r.Fingerprint, fp[:])
-	return err == nil && marked, err
+	return 0, record(row.IdemKey), noRows(err)
 }
 
 // markUnknown runs KeyMarkUnknown on q.
