@@ -295,6 +295,7 @@ func (b *attempts) send() (*http.Response, error) {
 	if r.Header == nil {
 		r.Header = http.Header{}
 	}
+	b.setKey(r)
 	if b.before != nil {
 		if err := b.before(r, b.sent); err != nil {
 			cancel()
@@ -303,13 +304,7 @@ func (b *attempts) send() (*http.Response, error) {
 			}
 			return nil, &errBefore{b.sent, err}
 		}
-	}
-	if b.header != "" { // set (back) after BeforeAttempt: it cannot change the key
-		r.Header.Set(HeaderKey, b.header)
-	} else if len(b.keyValues) > 0 {
-		r.Header[HeaderKey] = b.keyValues
-	} else {
-		r.Header.Del(HeaderKey)
+		b.setKey(r) // set back: BeforeAttempt cannot change the key
 	}
 	var timer *time.Timer
 	var timedOut atomic.Bool
@@ -334,6 +329,18 @@ func (b *attempts) send() (*http.Response, error) {
 	}
 	resp.Body = &cancelBody{resp.Body, cancel}
 	return resp, nil
+}
+
+// setKey sets r's Idempotency-Key header to the call's key.
+func (b *attempts) setKey(r *http.Request) {
+	switch {
+	case b.header != "":
+		r.Header.Set(HeaderKey, b.header)
+	case len(b.keyValues) > 0:
+		r.Header[HeaderKey] = b.keyValues
+	default:
+		r.Header.Del(HeaderKey)
+	}
 }
 
 // judge says what the last attempt's outcome means (see Transport).
