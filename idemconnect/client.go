@@ -42,10 +42,10 @@ import (
 // RetryInfo (another kind of conflict), and failed_precondition (the key
 // was used for another request, or an outcome to reconcile) and
 // invalid_argument, which are bugs or decisions, not accidents. The
-// retries stop at p's bounds and when the call's context ends. aborted with
-// RetryInfo does not count toward p.MaxAttempts (unless it is 1): the call
-// waits the other one out. p.AttemptTimeout bounds each attempt: one cut at
-// it is retried with the same key, as a lost reply is.
+// retries stop at p's bounds and when the call's context ends.
+// p.AttemptTimeout bounds each attempt: one cut at it (a stalled connection
+// or server) is retried with the same key, as a lost reply is, and counts
+// as may-have-happened when it got a connection.
 //
 // When the call ends without an answer (unavailable after the last attempt,
 // or deadline_exceeded or canceled while an attempt was under way) after an

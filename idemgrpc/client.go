@@ -43,7 +43,9 @@ import (
 // FAILED_PRECONDITION (the key was used for another request, or an outcome
 // to reconcile) and INVALID_ARGUMENT, which are bugs or decisions, not
 // accidents. The retries stop at p's bounds and when the call's context
-// ends.
+// ends. p.AttemptTimeout bounds each attempt: one cut at it (a stalled
+// connection or server) is retried with the same key, as a lost reply is,
+// and counts as may-have-happened when it reached a server.
 //
 // When the call ends without an answer (UNAVAILABLE after the last attempt,
 // or DEADLINE_EXCEEDED or CANCELLED while an attempt was under way) after
@@ -57,8 +59,8 @@ import (
 // or never became ready, no address could be picked, the context ended
 // while the connection was being made), nothing was sent, and the last
 // status is returned wrapped so that errors.Is(err, idem.ErrNotSent) is
-// true (status.Code still reads it). An answer (ABORTED too, when the retries run
-// out on it) is returned as it is.
+// true (status.Code still reads it). An answer (ABORTED too, when the
+// retries run out on it) is returned as it is.
 //
 // Streaming calls are not intercepted. Leave gRPC's own retries (a
 // retryPolicy in the service config) off for the methods it intercepts:

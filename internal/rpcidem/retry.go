@@ -27,8 +27,6 @@ type RetryInfo struct {
 //   - an attempt cut at idem.RetryPolicy.AttemptTimeout (timedOut: its own
 //     deadline passed, not the call's) is retried as network says, whatever
 //     its code, like a lost reply;
-//   - ABORTED with RetryInfo is in progress: it does not count toward
-//     MaxAttempts (callretry.Verdict.InProgress);
 //   - a retried attempt waits RetryInfo's delay, when it sets one.
 func Judge(code uint32, network callretry.Verdict, info *RetryInfo, timedOut bool) callretry.Verdict {
 	if timedOut {
@@ -44,7 +42,7 @@ func Judge(code uint32, network callretry.Verdict, info *RetryInfo, timedOut boo
 		if info == nil {
 			return callretry.Verdict{Answered: true}
 		}
-		v = callretry.Verdict{Retry: true, Answered: true, MaybeDone: true, InProgress: true}
+		v = callretry.Verdict{Retry: true, Answered: true, MaybeDone: true}
 	case CodeDeadlineExceeded, CodeCanceled:
 		return callretry.Verdict{MaybeDone: network.MaybeDone}
 	default:
