@@ -138,4 +138,3 @@ func apiViolations(f *ast.File) []string {
 	}
 	return out
 }
-

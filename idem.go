@@ -11,45 +11,50 @@ import (
 
 // Scope is the namespace of a key: (Actor, Operation, key) is unique. The same
 // key under another actor or operation is an independent request, and a
-// stored response is never replayed across scopes. Its fields are Actor, the
-// authenticated tenant or user (take it from authentication, never from the
-// request body), and Operation, which separates kinds of request, such as
-// "draw" or "payment.create".
-type Scope = core.Scope
+// stored response is never replayed across scopes.
+type Scope struct {
+	// Actor is the authenticated tenant or user. Take it from authentication,
+	// never from the request body.
+	Actor string
+	// Operation separates kinds of request, such as "draw" or
+	// "payment.create".
+	Operation string
+}
 
-// Response is the outcome of a request as it is stored and replayed: Status
-// (replayed as stored: 200, 201, 402, ...; 0 or 100..999), Header (optional,
-// replayed as stored) and Body (replayed byte for byte).
-type Response = core.Response
+// Response is the outcome of a request as it is stored and replayed.
+type Response struct {
+	Status int                 // replayed as stored (200, 201, 402, ...; 0 or 100..999)
+	Header map[string][]string // optional, replayed as stored
+	Body   []byte              // replayed byte for byte
+}
 
 // Result is what Do returns: the response, and whether it was replayed.
-// Replayed is true when fn did not run and Response is the stored outcome of
-// an earlier call with the same key.
-type Result = core.Result
-
-// Beginner starts transactions. *pgxpool.Pool, *pgx.Conn and pgx.Tx (which
-// begins a savepoint) satisfy it.
-type Beginner = pgxdriver.Beginner
+type Result struct {
+	Response
+	// Replayed is true when fn did not run and Response is the stored outcome
+	// of an earlier call with the same key.
+	Replayed bool
+}
 
 // Client is a configured form of the package-level API. It holds no
 // connections: every call takes the transaction or database handle to use.
 // A Client is safe for concurrent use.
 type Client struct {
-	c *core.Client[pgx.Tx, Beginner]
+	c *core.Client[pgx.Tx, pgxdriver.Beginner]
 }
 
 // New returns a Client for cfg, with zero fields replaced by their defaults.
 // A field out of range gives an error wrapping ErrInvalidConfig.
 func New(cfg Config) (*Client, error) {
-	c, err := core.New(cfg, "idem", pgxdriver.New)
+	c, err := core.New(coreConfig(cfg), "idem", pgxdriver.New)
 	if err != nil {
-		return nil, err
+		return nil, publicErr(err)
 	}
 	return &Client{c}, nil
 }
 
 // Config returns the client's configuration with defaults filled in.
-func (c *Client) Config() Config { return c.c.Config() }
+func (c *Client) Config() Config { return config(c.c.Config()) }
 
 var defaultClient = func() *Client {
 	c, err := New(Config{})
@@ -140,13 +145,14 @@ var defaultClient = func() *Client {
 // Do uses the package defaults; see Config and New for the configurable form.
 func Do(ctx context.Context, tx pgx.Tx, scope Scope, key string, fp Fingerprint,
 	fn func(ctx context.Context, tx pgx.Tx) (Response, error)) (Result, error) {
-	return defaultClient.c.Do(ctx, tx, scope, key, fp, fn)
+	return defaultClient.Do(ctx, tx, scope, key, fp, fn)
 }
 
 // Do is the package-level Do with this client's configuration.
 func (c *Client) Do(ctx context.Context, tx pgx.Tx, scope Scope, key string, fp Fingerprint,
 	fn func(ctx context.Context, tx pgx.Tx) (Response, error)) (Result, error) {
-	return c.c.Do(ctx, tx, scope, key, fp, fn)
+	res, err := c.c.Do(ctx, tx, core.Scope(scope), key, core.Fingerprint(fp), coreFn(fn))
+	return result(res), publicErr(err)
 }
 
 // DoInTx runs Do in a transaction of its own begun on db, and commits it
@@ -195,40 +201,25 @@ func (c *Client) Do(ctx context.Context, tx pgx.Tx, scope Scope, key string, fp 
 // primary key as always.
 func DoInTx(ctx context.Context, db Beginner, scope Scope, key string, fp Fingerprint,
 	fn func(ctx context.Context, tx pgx.Tx) (Response, error)) (Result, error) {
-	return defaultClient.c.DoInTx(ctx, db, scope, key, fp, fn)
+	return defaultClient.DoInTx(ctx, db, scope, key, fp, fn)
 }
 
 // DoInTx is the package-level DoInTx with this client's configuration.
 func (c *Client) DoInTx(ctx context.Context, db Beginner, scope Scope, key string, fp Fingerprint,
 	fn func(ctx context.Context, tx pgx.Tx) (Response, error)) (Result, error) {
-	return c.c.DoInTx(ctx, db, scope, key, fp, fn)
+	res, err := c.c.DoInTx(ctx, db, core.Scope(scope), key, core.Fingerprint(fp), coreFn(fn))
+	return result(res), publicErr(err)
 }
 
-// InTx runs fn in a transaction begun on db and commits it when fn returns
-// nil; when fn returns an error or panics the transaction is rolled back and
-// the error (or panic) is passed on.
-//
-// After a serialization failure (40001) or a deadlock (40P01), anywhere in
-// fn or at commit, the whole transaction is rolled back and run again, up to
-// Config.MaxRetries times with jittered exponential backoff, so fn must be
-// safe to run again: everything it did in the rolled-back transaction is
-// gone. On a pgx.Tx, InTx runs fn in a savepoint and does not retry: such a
-// failure dooms the caller's whole transaction, which only the caller can
-// run again.
-//
-// fn's errors are returned as they are, except when the store failed under
-// them (the connection broke, or the server answered that it cannot serve:
-// see Unavailable): then InTx returns an error that wraps both
-// ErrUnavailable and fn's error. Failures to begin or commit because the
-// server cannot be reached are ErrUnavailable too.
-//
-// InTx uses the package defaults; see Client.InTx.
-func InTx(ctx context.Context, db Beginner, fn func(ctx context.Context, tx pgx.Tx) error) error {
-	return defaultClient.c.InTx(ctx, db, fn)
-}
-
-// InTx is the package-level InTx with this client's isolation level and
-// retry budget.
-func (c *Client) InTx(ctx context.Context, db Beginner, fn func(ctx context.Context, tx pgx.Tx) error) error {
-	return c.c.InTx(ctx, db, fn)
+// coreFn is fn as the protocol calls it: the same function, with the
+// protocol's Response. (The closure does not escape the call: no
+// allocation.)
+func coreFn(fn func(ctx context.Context, tx pgx.Tx) (Response, error)) func(ctx context.Context, tx pgx.Tx) (core.Response, error) {
+	if fn == nil {
+		return nil
+	}
+	return func(ctx context.Context, tx pgx.Tx) (core.Response, error) {
+		resp, err := fn(ctx, tx)
+		return core.Response(resp), err
+	}
 }
