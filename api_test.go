@@ -55,13 +55,21 @@ const Fine = 2 * time.Second
 var ErrX = core.ErrX
 var ErrY = fmt(core.ErrX)
 var errZ = core.ErrX
+type Options struct {
+	Name  string
+	Store core.Store
+	inner core.Store
+}
+func Open(c core.Config) error { return nil }
+func open(c core.Config) error { return nil }
+func (o *Options) Use(c core.Config) {}
 `
 	f, err := parser.ParseFile(token.NewFileSet(), "p.go", src, parser.SkipObjectResolution)
 	if err != nil {
 		t.Fatal(err)
 	}
 	got := apiViolations(f)
-	want := []string{"Config", "Scope", "Local", "DefaultTTL", "ErrX", "ErrY"}
+	want := []string{"Config", "Scope", "Local", "DefaultTTL", "ErrX", "ErrY", "Options", "Open", "Use"}
 	if len(got) != len(want) {
 		t.Fatalf("violations %q, want one for each of %q", got, want)
 	}
@@ -103,6 +111,14 @@ func apiViolations(f *ast.File) []string {
 	}
 	var out []string
 	for _, d := range f.Decls {
+		if fn, ok := d.(*ast.FuncDecl); ok {
+			if fn.Name.IsExported() && (fn.Recv == nil || exportedRecv(fn.Recv)) {
+				if pkg := namesInternal(fn.Type); pkg != "" {
+					out = append(out, fn.Name.Name+" has "+pkg+", an internal type, in its signature")
+				}
+			}
+			continue
+		}
 		g, ok := d.(*ast.GenDecl)
 		if !ok {
 			continue
@@ -117,6 +133,16 @@ func apiViolations(f *ast.File) []string {
 					out = append(out, s.Name.Name+" is a type alias; define the type here")
 				} else if sel, ok := s.Type.(*ast.SelectorExpr); ok && namesInternal(sel) != "" {
 					out = append(out, s.Name.Name+" is defined as "+namesInternal(sel)+", an internal type")
+				} else if st, ok := s.Type.(*ast.StructType); ok {
+					for _, field := range st.Fields.List {
+						exported := len(field.Names) == 0 // embedded
+						for _, n := range field.Names {
+							exported = exported || n.IsExported()
+						}
+						if pkg := namesInternal(field.Type); exported && pkg != "" {
+							out = append(out, s.Name.Name+" has a field of "+pkg+", an internal type")
+						}
+					}
 				}
 			case *ast.ValueSpec:
 				for i, name := range s.Names {
@@ -137,4 +163,17 @@ func apiViolations(f *ast.File) []string {
 		}
 	}
 	return out
+}
+
+// exportedRecv reports whether a method's receiver type is exported.
+func exportedRecv(recv *ast.FieldList) bool {
+	t := recv.List[0].Type
+	if star, ok := t.(*ast.StarExpr); ok {
+		t = star.X
+	}
+	if idx, ok := t.(*ast.IndexExpr); ok {
+		t = idx.X
+	}
+	id, ok := t.(*ast.Ident)
+	return ok && id.IsExported()
 }
