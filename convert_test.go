@@ -3,7 +3,12 @@ package idem_test
 import (
 	"errors"
 	"fmt"
+	"go/ast"
+	"go/parser"
+	"go/token"
+	"path/filepath"
 	"reflect"
+	"strings"
 	"testing"
 	"time"
 
@@ -88,6 +93,16 @@ func TestErrorsOfTheProtocolAreIdems(t *testing.T) {
 		{idem.ErrPreparedStatements, core.ErrPreparedStatements}, {idem.ErrNotResolvable, core.ErrNotResolvable},
 		{idem.ErrUnsupported, core.ErrUnsupported}, {idem.ErrStoredValue, core.ErrStoredValue},
 	}
+	// Every sentinel of the protocol has its counterpart here.
+	paired := map[error]bool{}
+	for _, p := range pairs {
+		paired[p.internal] = true
+	}
+	for name, err := range coreSentinels(t) {
+		if !paired[err] {
+			t.Errorf("core.%s has no counterpart in package idem (convert.go's sentinels, and this test's pairs)", name)
+		}
+	}
 	for _, p := range pairs {
 		if p.public.Error() != p.internal.Error() {
 			t.Errorf("%q, the protocol's %q", p.public, p.internal)
@@ -127,4 +142,52 @@ func TestErrorsOfTheProtocolAreIdems(t *testing.T) {
 	if idem.PublicErr(nil) != nil {
 		t.Error("nil became an error")
 	}
+}
+
+// coreSentinels are the exported Err variables of internal/core, by name,
+// as its source declares them.
+func coreSentinels(t *testing.T) map[string]error {
+	byName := map[string]error{
+		"ErrKeyReused": core.ErrKeyReused, "ErrInProgress": core.ErrInProgress, "ErrInvalidKey": core.ErrInvalidKey,
+		"ErrInvalidScope": core.ErrInvalidScope, "ErrInvalidResponse": core.ErrInvalidResponse,
+		"ErrResponseTooLarge": core.ErrResponseTooLarge, "ErrInvalidJSON": core.ErrInvalidJSON,
+		"ErrInvalidConfig": core.ErrInvalidConfig, "ErrUnavailable": core.ErrUnavailable,
+		"ErrInvalidArgument": core.ErrInvalidArgument, "ErrOutcomeUnknown": core.ErrOutcomeUnknown,
+		"ErrNotFound": core.ErrNotFound, "ErrFenced": core.ErrFenced, "ErrKeyRowChanged": core.ErrKeyRowChanged,
+		"ErrPreparedStatements": core.ErrPreparedStatements, "ErrNotResolvable": core.ErrNotResolvable,
+		"ErrUnsupported": core.ErrUnsupported, "ErrStoredValue": core.ErrStoredValue,
+	}
+	files, err := filepath.Glob("internal/core/*.go")
+	if err != nil {
+		t.Fatal(err)
+	}
+	out := map[string]error{}
+	for _, name := range files {
+		if strings.HasSuffix(name, "_test.go") {
+			continue
+		}
+		f, err := parser.ParseFile(token.NewFileSet(), name, nil, parser.SkipObjectResolution)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, d := range f.Decls {
+			g, ok := d.(*ast.GenDecl)
+			if !ok || g.Tok != token.VAR {
+				continue
+			}
+			for _, spec := range g.Specs {
+				for _, n := range spec.(*ast.ValueSpec).Names {
+					if !n.IsExported() || !strings.HasPrefix(n.Name, "Err") {
+						continue
+					}
+					if byName[n.Name] == nil {
+						t.Errorf("core.%s is new: give package idem its counterpart and list it here", n.Name)
+						continue
+					}
+					out[n.Name] = byName[n.Name]
+				}
+			}
+		}
+	}
+	return out
 }
