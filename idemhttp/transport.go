@@ -37,82 +37,44 @@ const MaxBufferedBody = 1 << 20
 //	resp, err := client.Do(req) // errors.Is(err, idem.ErrOutcomeUnknown): it may have been charged
 //
 // Every attempt of one RoundTrip carries the same Idempotency-Key: the
-// request's own header (sent as it is); else the context's call key
-// (idem.WithCallKey); else, for POST and PATCH, a key minted once for this
-// RoundTrip (idem.NewCallKey). Other methods without a key are sent without
-// one. A key that idem would refuse (idem.ValidateKey; an empty context key,
-// as Reservation.CallKey returns for an invalid step), or a Policy with a
-// negative field, is refused before anything is sent, with an error
-// wrapping idem.ErrInvalidKey or idem.ErrInvalidArgument.
+// request's own header; else the context's call key (idem.WithCallKey);
+// else, for POST and PATCH, a key minted once (idem.NewCallKey). A key that
+// idem.ValidateKey refuses (such as the empty key Reservation.CallKey
+// returns for an invalid step), or a Policy with a negative field, is
+// refused before anything is sent (idem.ErrInvalidKey,
+// idem.ErrInvalidArgument).
 //
-// An attempt is retried, within Policy, when:
+// Within Policy, an attempt is retried after no answer (a connection that
+// failed, broke or timed out, or no answer's headers within
+// Policy.AttemptTimeout), a 5xx other than 501, a 429, or a 409 (the
+// receiver's "in progress", with or without Retry-After, as the IETF draft
+// and Stripe send it). A 409 does not count toward Policy.MaxAttempts
+// (unless it is 1): the call waits the other request out, within
+// Policy.MaxElapsed and the context. A 409 whose problem body's code is
+// IDEMPOTENCY_OUTCOME_UNKNOWN (idemhttp's), and every 409 when
+// NoConflictRetry is set, is returned at once. On a 4xx or 5xx,
+// Stripe-Should-Retry: true retries and false stops at once. Any other
+// answer (2xx, 3xx, 422, 400, other 4xx) is returned at once. Only a
+// request with a key or an idempotent method is retried.
 //
-//   - it failed without an answer: the connection could not be made, or
-//     broke, or timed out (a Base timeout such as ResponseHeaderTimeout);
-//     not a TLS certificate the client refuses, nor a server that does not
-//     speak TLS;
-//   - the answer is 5xx other than 501 Not Implemented;
-//   - the answer is 429 Too Many Requests;
-//   - the answer is 409 Conflict: the receiver's "a request with this key
-//     is in progress" (idemhttp's, with Retry-After; the IETF draft's and
-//     Stripe's, without). Such an answer does not count toward
-//     Policy.MaxAttempts (unless it is 1): the call waits the other request
-//     out, within Policy.MaxElapsed and the context, and ends with its
-//     stored answer. A 409 whose problem body's code is
-//     IDEMPOTENCY_OUTCOME_UNKNOWN (idemhttp's: it will not run again until
-//     reconciled) is returned at once, as is every 409 when
-//     NoConflictRetry is set;
-//   - the answer (4xx or 5xx) says Stripe-Should-Retry: true. Stripe-Should-Retry:
-//     false stops at once, whatever the status: the answer is returned.
+// When the retries run out on an answer, that answer is returned (a final
+// 409 too: the request may still be running). When they run out without
+// one, or the context ends, after an attempt that may have reached the
+// receiver, the error is an *idem.CallError: errors.Is(err,
+// idem.ErrOutcomeUnknown) is true and its Key field holds the key; keep the
+// operation pending with that key and retry or reconcile it later, never
+// with a new key. When no attempt reached the receiver (refused, no name,
+// a refused certificate, the context ended before a connection was made),
+// the error matches idem.ErrNotSent, never ErrOutcomeUnknown.
 //
-// Any other answer is returned at once: 2xx, 3xx, 422 (the key was used
-// for another request: a bug to fix, not to retry), 400 and every other
-// 4xx. The wait before a retry is the answer's Retry-After (seconds or an
-// HTTP date), capped by Policy.MaxDelay, or else Policy's backoff. Only a
-// request that carries a key, or whose method is idempotent (GET, HEAD,
-// OPTIONS, TRACE, PUT, DELETE), is retried; any other is sent once.
-//
-// The body is sent again through the request's GetBody. A body without
-// GetBody is read into memory first, up to MaxBufferedBody bytes; a longer
-// one is sent once, without retries.
-//
-// When the retries run out on an answer, that answer is returned, as a
-// plain http.Transport would return it (a final 409 too: the request may
-// still be running; retry later with the same key). When they run out without one (or
-// the context ends while an attempt is under way or during a wait) after an
-// attempt that may have reached the receiver (no answer, a 5xx, or a 409
-// in progress), the error is an *idem.CallError: errors.Is(err,
-// idem.ErrOutcomeUnknown) is true, its message says that the request may
-// have been processed and to retry later with the same key, and its Key
-// field holds that key (the message does not: messages end up in logs).
-// Keep the operation pending with its key and retry or reconcile it later;
-// never start over with a new key. When no attempt can have reached the
-// receiver, the last error is returned wrapped so that errors.Is(err,
-// idem.ErrNotSent) is true (never ErrOutcomeUnknown then): no attempt got a
-// connection (the dial or the TLS handshake failed, or the context ended
-// before a connection was made). Transport learns that from the client
-// trace of each attempt's context (net/http/httptrace: GetConn without
-// GotConn), adding its hooks to those the context already has; with a Base
-// that calls no trace hooks, only a failed dial or name lookup, a refused
-// certificate or a server that does not speak TLS count as not sent.
-//
-// Bound each attempt with Policy.AttemptTimeout: an attempt without the
-// answer's headers by then is cut and retried with the same key. Bound the
-// whole call, retries and the body included, with the request's context
-// (context.WithTimeout), or build the client with NewClient, which does it
-// for every request: a deadline that passes during an attempt that may
-// have reached the receiver gives the *idem.CallError. Do not use
-// http.Client.Timeout for that: when it fires, net/http may replace the
-// transport's error with its own timeout error, which does not wrap it
-// (whether it does depends on which of its goroutines sees the timeout
-// first), so the CallError can be lost and errors.Is(err,
-// idem.ErrOutcomeUnknown) false although the request may have been
-// processed. Transport never changes the caller's request: each attempt
-// sends a clone, which BeforeAttempt may change (all but its key). The bodies of answers it retries are read (up to a
-// few KiB, so the connection can be reused) and closed.
-//
-// Use it for calls whose receiver deduplicates by key, or whose method is
-// idempotent. A Transport is safe for concurrent use.
+// Bound each attempt with Policy.AttemptTimeout and the whole call with
+// the request's context or NewClient, not with http.Client.Timeout (which
+// can hide the CallError). Transport never changes the caller's request:
+// each attempt sends a clone, which BeforeAttempt may change (all but its
+// key). A Transport is safe for concurrent use. docs/calling.md has the
+// full story: Retry-After and backoff, bodies without GetBody
+// (MaxBufferedBody), how an attempt that never reached the receiver is told
+// apart.
 type Transport struct {
 	// Base sends each attempt. Default http.DefaultTransport.
 	Base http.RoundTripper
