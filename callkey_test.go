@@ -120,10 +120,11 @@ func TestRetryPolicyValidate(t *testing.T) {
 		t.Fatal(err)
 	}
 	for name, p := range map[string]idem.RetryPolicy{
-		"MaxAttempts": {MaxAttempts: -1},
-		"MaxElapsed":  {MaxElapsed: -1},
-		"BaseDelay":   {BaseDelay: -1},
-		"MaxDelay":    {MaxDelay: -1},
+		"MaxAttempts":    {MaxAttempts: -1},
+		"MaxElapsed":     {MaxElapsed: -1},
+		"BaseDelay":      {BaseDelay: -1},
+		"MaxDelay":       {MaxDelay: -1},
+		"AttemptTimeout": {AttemptTimeout: -1},
 	} {
 		err := p.Validate()
 		if !errors.Is(err, idem.ErrInvalidArgument) || !strings.Contains(err.Error(), "RetryPolicy."+name) {

@@ -116,8 +116,10 @@ func (c *Client) ExpireLeases(ctx context.Context, db Beginner, limit int) (int6
 	return n, publicErr(err)
 }
 
-// ListUnknown returns at most limit 'unknown' records that need a person,
-// oldest first (by CreatedAt, then scope and key): those of keys reserved
+// ListUnknown returns at most limit records in doubt that need a person,
+// oldest first (by CreatedAt, then scope and key): 'unknown', and
+// 'processing' whose lease ran out (a crashed worker's; listed at once, no
+// ExpireLeases needed first; Resolve takes either), of keys reserved
 // without a window, or whose window (ReserveOptions.ResumeWithin) has
 // ended. An unknown record inside its window is ListResumable's. Pass nil
 // for the first page and the last record of a page for the next; an empty

@@ -145,7 +145,7 @@ var stateTable = []struct {
 	{"processing", [15]string{"InProgress", "KeyReused", "InProgress", "ok>succeeded", "ok>failed_retryable", "ok>unknown", "ok>processing",
 		"Fenced", "ok", "NotResolvable", "NotResolvable", "InProgress", "KeyReused", "ok", "ok"}},
 	{"processing, lease ran out", [15]string{"OutcomeUnknown>unknown", "KeyReused", "OutcomeUnknown>unknown", "ok>succeeded", "ok>failed_retryable", "ok>unknown", "Fenced",
-		"Fenced", "ok>unknown", "ok>succeeded+", "ok>failed_retryable+", "OutcomeUnknown>*", "KeyReused", "ok", "ok"}},
+		"Fenced", "ok>unknown", "ok>succeeded+", "ok>failed_retryable+", "OutcomeUnknown>*", "KeyReused", "listed", "ok"}},
 	{"succeeded", [15]string{"replay", "KeyReused", "replay", "Fenced", "Fenced", "Fenced", "Fenced",
 		"Fenced", "ok", "NotResolvable", "NotResolvable", "replay", "KeyReused", "ok", "ok"}},
 	{"rejected (Do)", [15]string{"replay", "KeyReused", "replay", "Fenced", "Fenced", "Fenced", "Fenced",
@@ -174,7 +174,7 @@ var stateTable = []struct {
 	{"failed_retryable, in window", [15]string{"run>processing", "KeyReused", "run>processing", "Fenced", "Fenced", "Fenced", "Fenced",
 		"Fenced", "ok", "NotResolvable", "NotResolvable", "run>succeeded", "KeyReused", "ok", "ok"}},
 	{"processing, lease ran out, past window", [15]string{"OutcomeUnknown>unknown", "KeyReused", "OutcomeUnknown>unknown", "ok>succeeded", "ok>failed_retryable", "ok>unknown", "Fenced",
-		"Fenced", "ok>unknown", "ok>succeeded+", "ok>failed_retryable+", "OutcomeUnknown", "KeyReused", "ok", "ok"}},
+		"Fenced", "ok>unknown", "ok>succeeded+", "ok>failed_retryable+", "OutcomeUnknown", "KeyReused", "listed", "ok"}},
 	{"unknown, past window", [15]string{"OutcomeUnknown", "KeyReused", "OutcomeUnknown", "Fenced", "Fenced", "ok>unknown", "Fenced",
 		"Fenced", "ok", "ok>succeeded+", "ok>failed_retryable+", "OutcomeUnknown", "KeyReused", "listed", "ok"}},
 	// Keys whose fn committed the transaction of Do or DoInTx itself: the

@@ -1,9 +1,19 @@
 package idem
 
 import (
+	"errors"
 	"fmt"
 	"time"
 )
+
+// ErrNotSent means no attempt of an outgoing call made by one of idem's
+// clients (idemhttp.Transport, the gRPC and Connect client interceptors)
+// reached the receiver: the connection was refused, the name did not
+// resolve, the certificate was refused, or the context ended before a
+// connection was made. The request certainly had no effect: it may be
+// sent again, also with a new key. An error that matches ErrNotSent never
+// matches ErrOutcomeUnknown; the chain holds the last attempt's error.
+var ErrNotSent = errors.New("idem: the call was not sent (no attempt reached the receiver)")
 
 // RetryPolicy bounds the retries of an outgoing call made through one of
 // idem's clients: idemhttp.Transport, idemgrpc.UnaryClientInterceptor and
@@ -18,8 +28,10 @@ import (
 // MaxAttempts attempts, when the next attempt would start more than
 // MaxElapsed after the first one, or when the call's context ends (also when
 // the context's deadline would pass during the wait). MaxElapsed does not
-// cut an attempt short: bound those with the context or the transport's
-// timeouts.
+// cut an attempt short: AttemptTimeout does. An answer that says the
+// request is in progress (HTTP 409, gRPC and Connect ABORTED with RetryInfo)
+// does not count toward MaxAttempts, unless it is 1: such a call is waited
+// out within MaxElapsed and the context.
 type RetryPolicy struct {
 	// MaxAttempts is the most attempts of one call, the first included.
 	// 1 means no retry. Default DefaultRetryMaxAttempts.
@@ -32,6 +44,16 @@ type RetryPolicy struct {
 	// MaxDelay caps every wait, the receiver's requests included.
 	// Default DefaultRetryMaxDelay.
 	MaxDelay time.Duration
+	// AttemptTimeout bounds each attempt: an attempt still unanswered after
+	// it is cut and, like a lost reply, retried with the same key (and
+	// counts as may-have-happened when it was sent; as the last attempt,
+	// the call ends with a CallError). idemhttp.Transport bounds the wait
+	// for the answer's headers (the body is read after); the gRPC and
+	// Connect client interceptors the whole unary call. Default 0: no bound
+	// but the context's. Make it longer than the receiver's usual work, or
+	// every attempt is cut and the receiver's in-progress answers are
+	// waited out instead.
+	AttemptTimeout time.Duration
 }
 
 // Defaults of RetryPolicy.
@@ -54,6 +76,7 @@ func (p RetryPolicy) Validate() error {
 		{"MaxElapsed", p.MaxElapsed < 0, p.MaxElapsed},
 		{"BaseDelay", p.BaseDelay < 0, p.BaseDelay},
 		{"MaxDelay", p.MaxDelay < 0, p.MaxDelay},
+		{"AttemptTimeout", p.AttemptTimeout < 0, p.AttemptTimeout},
 	} {
 		if f.neg {
 			return fmt.Errorf("%w: RetryPolicy.%s is %v; it must not be negative (0 means the default)", ErrInvalidArgument, f.name, f.v)

@@ -43,6 +43,9 @@ import (
 // was used for another request, or an outcome to reconcile) and
 // invalid_argument, which are bugs or decisions, not accidents. The
 // retries stop at p's bounds and when the call's context ends.
+// p.AttemptTimeout bounds each attempt: one cut at it (a stalled connection
+// or server) is retried with the same key, as a lost reply is, and counts
+// as may-have-happened when it got a connection.
 //
 // When the call ends without an answer (unavailable after the last attempt,
 // or deadline_exceeded or canceled while an attempt was under way) after an
@@ -52,8 +55,9 @@ import (
 // idem.ErrOutcomeUnknown) is true, connect.CodeOf(err) is the last error's
 // code, its message says that the call may have been processed and to
 // retry later with the same key, and its Key field holds that key. When no
-// attempt can have reached the server, the last error is returned as it
-// is: no attempt got a connection (the dial or the TLS handshake failed,
+// attempt can have reached the server, the last error is returned wrapped
+// so that errors.Is(err, idem.ErrNotSent) is true (connect.CodeOf still
+// reads it): no attempt got a connection (the dial or the TLS handshake failed,
 // or the context ended before a connection was made), as the client trace
 // of each attempt's context tells (net/http/httptrace: GetConn without
 // GotConn; the interceptor adds its hooks to those the context already
@@ -96,12 +100,20 @@ func (c *clientInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc 
 			defer req.Header().Del(HeaderKey)
 		}
 		var conn *callretry.Conn // the last attempt's connection, as its client trace saw it
+		timedOut := false        // the last attempt was cut at the policy's AttemptTimeout
 		return callretry.Run(ctx, c.policy, key, func() (connect.AnyResponse, error) {
 			var attemptCtx context.Context
 			attemptCtx, conn = callretry.TraceConn(ctx)
-			return next(attemptCtx, req)
+			cancel := context.CancelFunc(func() {})
+			if d := c.policy.AttemptTimeout(); d > 0 {
+				attemptCtx, cancel = context.WithTimeout(attemptCtx, d)
+			}
+			defer cancel()
+			resp, err := next(attemptCtx, req)
+			timedOut = err != nil && attemptCtx.Err() != nil && ctx.Err() == nil
+			return resp, err
 		}, func(_ connect.AnyResponse, err error) callretry.Verdict {
-			return judgeError(err, conn)
+			return judgeError(err, conn, timedOut)
 		}, func(connect.AnyResponse) {})
 	}
 }
@@ -116,7 +128,7 @@ func (c *clientInterceptor) WrapStreamingHandler(next connect.StreamingHandlerFu
 
 // judgeError says what one attempt's error means (see
 // NewClientInterceptor); conn is the attempt's connection.
-func judgeError(err error, conn *callretry.Conn) callretry.Verdict {
+func judgeError(err error, conn *callretry.Conn, timedOut bool) callretry.Verdict {
 	var info *errdetails.RetryInfo
 	var ce *connect.Error
 	if errors.As(err, &ce) {
@@ -128,5 +140,5 @@ func judgeError(err error, conn *callretry.Conn) callretry.Verdict {
 			}
 		}
 	}
-	return rpcidem.Judge(uint32(connect.CodeOf(err)), callretry.Network(err, conn), rpcproto.RetryInfo(info))
+	return rpcidem.Judge(uint32(connect.CodeOf(err)), callretry.Network(err, conn), rpcproto.RetryInfo(info), timedOut)
 }

@@ -216,7 +216,7 @@ func TestClientInterceptorNothingSent(t *testing.T) {
 	closed := "http://" + ln.Addr().String()
 	_ = ln.Close()
 	a := call(t.Context(), closed, http.DefaultClient, "alice", nil, rpctest.Request("x", 1), withRetries(quickPolicy))
-	if connect.CodeOf(a.Err) != connect.CodeUnavailable || errors.Is(a.Err, idem.ErrOutcomeUnknown) {
+	if connect.CodeOf(a.Err) != connect.CodeUnavailable || errors.Is(a.Err, idem.ErrOutcomeUnknown) || !errors.Is(a.Err, idem.ErrNotSent) {
 		t.Errorf("closed port: %v", a.Err)
 	}
 
@@ -227,7 +227,37 @@ func TestClientInterceptorNothingSent(t *testing.T) {
 	ctx, cancel := context.WithTimeout(t.Context(), 200*time.Millisecond)
 	defer cancel()
 	a = call(ctx, "http://127.0.0.1:1", blocked, "alice", nil, rpctest.Request("x", 1), withRetries(quickPolicy))
-	if connect.CodeOf(a.Err) != connect.CodeDeadlineExceeded || errors.Is(a.Err, idem.ErrOutcomeUnknown) {
+	if connect.CodeOf(a.Err) != connect.CodeDeadlineExceeded || errors.Is(a.Err, idem.ErrOutcomeUnknown) || !errors.Is(a.Err, idem.ErrNotSent) {
 		t.Errorf("the context ended during the dial: %v", a.Err)
+	}
+}
+
+// A stalled attempt (the server committed; the relay holds its reply far
+// longer than the attempt may take) is cut at RetryPolicy.AttemptTimeout,
+// well before the call's deadline, and retried with the same key: the
+// retry replays. One run.
+func TestClientInterceptorAttemptTimeout(t *testing.T) {
+	t.Parallel()
+	pool := pgtest.Pool(t, rpctest.Migrate)
+	var runs atomic.Int64
+	url := plainServer(t, rpctest.Insert(&runs), idemconnect.NewInterceptor(pool, idemconnect.Options{Scope: scopeFromHeader}))
+	relay := httprelay.New(t, url, func(_ *http.Request, attempt int) httprelay.Action {
+		if attempt == 1 {
+			return httprelay.Action{Delay: time.Minute}
+		}
+		return httprelay.Action{}
+	})
+	p := quickPolicy
+	p.AttemptTimeout = 300 * time.Millisecond
+	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
+	defer cancel()
+	hc := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
+	a := call(ctx, relay.URL, hc, "alice", nil, rpctest.Request("stalled", 1), withRetries(p))
+	keys := relay.Keys()
+	if a.Err != nil || !a.Replayed() {
+		t.Fatalf("%v, replayed %t", a.Err, a.Replayed())
+	}
+	if len(keys) != 2 || keys[0] != keys[1] || keys[0] == "" || runs.Load() != 1 {
+		t.Fatalf("keys %q, %d runs", keys, runs.Load())
 	}
 }

@@ -43,7 +43,9 @@ import (
 // FAILED_PRECONDITION (the key was used for another request, or an outcome
 // to reconcile) and INVALID_ARGUMENT, which are bugs or decisions, not
 // accidents. The retries stop at p's bounds and when the call's context
-// ends.
+// ends. p.AttemptTimeout bounds each attempt: one cut at it (a stalled
+// connection or server) is retried with the same key, as a lost reply is,
+// and counts as may-have-happened when it reached a server.
 //
 // When the call ends without an answer (UNAVAILABLE after the last attempt,
 // or DEADLINE_EXCEEDED or CANCELLED while an attempt was under way) after
@@ -56,8 +58,9 @@ import (
 // that key. When no attempt reached a server (the connection was refused
 // or never became ready, no address could be picked, the context ended
 // while the connection was being made), nothing was sent, and the last
-// status is returned as it is. An answer (ABORTED too, when the retries run
-// out on it) is returned as it is.
+// status is returned wrapped so that errors.Is(err, idem.ErrNotSent) is
+// true (status.Code still reads it). An answer (ABORTED too, when the
+// retries run out on it) is returned as it is.
 //
 // Streaming calls are not intercepted. Leave gRPC's own retries (a
 // retryPolicy in the service config) off for the methods it intercepts:
@@ -81,13 +84,22 @@ func UnaryClientInterceptor(p idem.RetryPolicy) grpc.UnaryClientInterceptor {
 			ctx = metadata.AppendToOutgoingContext(ctx, MetadataKey, key)
 		}
 		opts = opts[:len(opts):len(opts)] // each attempt appends its own grpc.Peer
+		timedOut := false                 // the last attempt was cut at policy.AttemptTimeout
 		_, err = callretry.Run(ctx, policy, key, func() (bool, error) {
 			// grpc.Peer fills p only when the attempt got a stream on a
 			// connection; without one, nothing of the call was sent.
 			var p peer.Peer
-			err := invoker(ctx, method, req, reply, cc, append(opts, grpc.Peer(&p))...)
+			actx, cancel := ctx, context.CancelFunc(func() {})
+			if d := policy.AttemptTimeout(); d > 0 {
+				actx, cancel = context.WithTimeout(ctx, d)
+			}
+			defer cancel()
+			err := invoker(actx, method, req, reply, cc, append(opts, grpc.Peer(&p))...)
+			timedOut = err != nil && actx.Err() != nil && ctx.Err() == nil
 			return p.Addr != nil, err
-		}, judgeStatus, func(bool) {})
+		}, func(sent bool, err error) callretry.Verdict {
+			return judgeStatus(sent, err, timedOut)
+		}, func(bool) {})
 		return err
 	}
 }
@@ -95,7 +107,7 @@ func UnaryClientInterceptor(p idem.RetryPolicy) grpc.UnaryClientInterceptor {
 // judgeStatus says what one attempt's status means (see
 // UnaryClientInterceptor); sent reports whether the attempt got a stream on
 // a connection to a server.
-func judgeStatus(sent bool, err error) callretry.Verdict {
+func judgeStatus(sent bool, err error, timedOut bool) callretry.Verdict {
 	if err == nil {
 		return callretry.Verdict{Answered: true}
 	}
@@ -106,5 +118,5 @@ func judgeStatus(sent bool, err error) callretry.Verdict {
 			info = i
 		}
 	}
-	return rpcidem.Judge(uint32(st.Code()), callretry.Verdict{Retry: true, MaybeDone: sent}, rpcproto.RetryInfo(info))
+	return rpcidem.Judge(uint32(st.Code()), callretry.Verdict{Retry: true, MaybeDone: sent}, rpcproto.RetryInfo(info), timedOut)
 }

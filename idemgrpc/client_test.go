@@ -289,7 +289,7 @@ func TestClientInterceptorNothingSent(t *testing.T) {
 	closed := ln.Addr().String()
 	_ = ln.Close()
 	a := client{conn: dial(closed), procedure: rpctest.Transfer}.Call(t.Context(), "alice", nil, rpctest.Request("x", 1))
-	if status.Code(a.Err) != codes.Unavailable || errors.Is(a.Err, idem.ErrOutcomeUnknown) {
+	if status.Code(a.Err) != codes.Unavailable || errors.Is(a.Err, idem.ErrOutcomeUnknown) || !errors.Is(a.Err, idem.ErrNotSent) {
 		t.Errorf("closed port: %v", a.Err)
 	}
 
@@ -312,7 +312,43 @@ func TestClientInterceptorNothingSent(t *testing.T) {
 	ctx, cancel := context.WithTimeout(t.Context(), 300*time.Millisecond)
 	defer cancel()
 	a = client{conn: dial(silent.Addr().String()), procedure: rpctest.Transfer}.Call(ctx, "alice", nil, rpctest.Request("x", 1))
-	if status.Code(a.Err) != codes.DeadlineExceeded || errors.Is(a.Err, idem.ErrOutcomeUnknown) {
+	if status.Code(a.Err) != codes.DeadlineExceeded || errors.Is(a.Err, idem.ErrOutcomeUnknown) || !errors.Is(a.Err, idem.ErrNotSent) {
 		t.Errorf("never connected: %v", a.Err)
+	}
+}
+
+// A stalled attempt (the server ran the call, committed, and its reply
+// hangs) is cut at RetryPolicy.AttemptTimeout, well before the call's
+// deadline, and retried with the same key: the retry replays. One run.
+func TestClientInterceptorAttemptTimeout(t *testing.T) {
+	t.Parallel()
+	pool := pgtest.Pool(t, rpctest.Migrate)
+	var runs, stalls atomic.Int64
+	seen := &seenKeys{}
+	p := quickPolicy
+	p.AttemptTimeout = 300 * time.Millisecond
+	conn := clientServer(t, p, rpctest.Insert(&runs), func(l *cutter) []grpc.UnaryServerInterceptor {
+		return []grpc.UnaryServerInterceptor{
+			seen.record(l, func(int) bool { return false }),
+			func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+				resp, err := handler(ctx, req)
+				if stalls.Add(1) == 1 { // the first reply hangs until the client gives up on it
+					<-ctx.Done()
+					return nil, status.FromContextError(ctx.Err()).Err()
+				}
+				return resp, err
+			},
+			idemgrpc.UnaryServerInterceptor(pool, idemgrpc.Options{Scope: scopeFromMetadata}),
+		}
+	})
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	a := conn.Call(ctx, "alice", nil, rpctest.Request("stalled", 1))
+	keys := seen.all()
+	if a.Err != nil || !a.Replayed() {
+		t.Fatalf("%v, replayed %t", a.Err, a.Replayed())
+	}
+	if len(keys) != 2 || keys[0] != keys[1] || keys[0] == "" || runs.Load() != 1 {
+		t.Fatalf("keys %q, %d runs", keys, runs.Load())
 	}
 }

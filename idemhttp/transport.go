@@ -2,6 +2,7 @@ package idemhttp
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
 	"io"
@@ -9,6 +10,7 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/pgidem/idem"
@@ -43,29 +45,54 @@ const MaxBufferedBody = 1 << 20
 // idem.ErrInvalidArgument).
 //
 // Within Policy, an attempt is retried after no answer (a connection that
-// failed, broke or timed out), a 5xx other than 501, a 429, or a 409 with
-// Retry-After (the receiver's "in progress"); any other answer (2xx, 3xx,
-// 422, 400, other 4xx, a 409 without Retry-After) is returned at once. Only
-// a request with a key or an idempotent method is retried. When the
-// retries run out on an answer, that answer is returned. When they run out
-// without one, or the context ends, after an attempt that may have reached
-// the receiver, the error is an *idem.CallError: errors.Is(err, idem.ErrOutcomeUnknown) is
-// true and its Key field holds the key; keep the operation pending with
-// that key and retry or reconcile it later, never with a new key. An error
-// that is not a CallError means nothing reached the receiver.
+// failed, broke or timed out, or no answer's headers within
+// Policy.AttemptTimeout), a 5xx other than 501, a 429, or a 409 (the
+// receiver's "in progress", with or without Retry-After, as the IETF draft
+// and Stripe send it). A 409 does not count toward Policy.MaxAttempts
+// (unless it is 1): the call waits the other request out, within
+// Policy.MaxElapsed and the context. A 409 whose problem body's code is
+// IDEMPOTENCY_OUTCOME_UNKNOWN (idemhttp's), and every 409 when
+// NoConflictRetry is set, is returned at once. On a 4xx or 5xx,
+// Stripe-Should-Retry: true retries and false stops at once. Any other
+// answer (2xx, 3xx, 422, 400, other 4xx) is returned at once. Only a
+// request with a key or an idempotent method is retried.
 //
-// Bound the whole call with the request's context, not with
-// http.Client.Timeout (which can hide the CallError), and one attempt with
-// Base's timeouts. Transport never changes the caller's request. A
-// Transport is safe for concurrent use. docs/calling.md has the full story:
-// Retry-After and backoff, bodies without GetBody (MaxBufferedBody), how an
-// attempt that never reached the receiver is told apart.
+// When the retries run out on an answer, that answer is returned (a final
+// 409 too: the request may still be running). When they run out without
+// one, or the context ends, after an attempt that may have reached the
+// receiver, the error is an *idem.CallError: errors.Is(err,
+// idem.ErrOutcomeUnknown) is true and its Key field holds the key; keep the
+// operation pending with that key and retry or reconcile it later, never
+// with a new key. When no attempt reached the receiver (refused, no name,
+// a refused certificate, the context ended before a connection was made),
+// the error matches idem.ErrNotSent, never ErrOutcomeUnknown.
+//
+// Bound each attempt with Policy.AttemptTimeout and the whole call with
+// the request's context or NewClient, not with http.Client.Timeout (which
+// can hide the CallError). Transport never changes the caller's request:
+// each attempt sends a clone, which BeforeAttempt may change (all but its
+// key). A Transport is safe for concurrent use. docs/calling.md has the
+// full story: Retry-After and backoff, bodies without GetBody
+// (MaxBufferedBody), how an attempt that never reached the receiver is told
+// apart.
 type Transport struct {
 	// Base sends each attempt. Default http.DefaultTransport.
 	Base http.RoundTripper
-	// Policy bounds the retries (see idem.RetryPolicy). Zero fields mean
-	// their defaults.
+	// Policy bounds the retries and each attempt (see idem.RetryPolicy).
+	// Zero fields mean their defaults.
 	Policy idem.RetryPolicy
+	// BeforeAttempt, when set, is called before each attempt (attempt
+	// counts from 1) with the request that attempt sends, a clone of the
+	// caller's, to refresh its headers: a new signature and timestamp, a
+	// fresh token. It cannot change the key: the Idempotency-Key header is
+	// set back after it returns. An error stops the call before that
+	// attempt is sent; RoundTrip returns it (wrapped in an *idem.CallError
+	// when an earlier attempt may have reached the receiver, else matching
+	// idem.ErrNotSent).
+	BeforeAttempt func(req *http.Request, attempt int) error
+	// NoConflictRetry turns off the retries of 409 Conflict: every 409 is
+	// returned at once, as a plain answer.
+	NoConflictRetry bool
 }
 
 // Replayed reports whether resp is a replay of a stored response: its
@@ -82,7 +109,7 @@ const discardLimit = 4 << 10
 // RoundTrip sends req, and again with the same key while another attempt
 // may succeed (see Transport). It closes req's body, also on errors.
 func (t *Transport) RoundTrip(req *http.Request) (*http.Response, error) {
-	b := &attempts{req: req, base: t.Base}
+	b := &attempts{req: req, base: t.Base, before: t.BeforeAttempt, noConflict: t.NoConflictRetry}
 	if b.base == nil {
 		b.base = http.DefaultTransport
 	}
@@ -109,6 +136,11 @@ type attempts struct {
 	closed  bool                          // the request's body, once buffered
 	sent    int
 	conn    *callretry.Conn // the last attempt's connection, as its client trace saw it
+
+	keyValues  []string // the request's own Idempotency-Key entries, when header is ""
+	timeout    time.Duration
+	before     func(*http.Request, int) error
+	noConflict bool
 }
 
 // prepare checks the policy and the key and makes the body re-readable. It
@@ -118,7 +150,9 @@ func (b *attempts) prepare(p idem.RetryPolicy) (callretry.Policy, string, error)
 	if err != nil {
 		return policy, "", err
 	}
-	key, err := callretry.Own(b.req.Header.Values(HeaderKey), HeaderKey+" header")
+	b.timeout = policy.AttemptTimeout()
+	b.keyValues = b.req.Header.Values(HeaderKey)
+	key, err := callretry.Own(b.keyValues, HeaderKey+" header")
 	if err != nil {
 		return policy, "", err
 	}
@@ -169,6 +203,42 @@ type errBody struct{ err error }
 func (e *errBody) Error() string { return "idemhttp: get the request body again: " + e.err.Error() }
 func (e *errBody) Unwrap() error { return e.err }
 
+// errBefore marks an error of BeforeAttempt: not sent, not retried.
+type errBefore struct {
+	attempt int
+	err     error
+}
+
+func (e *errBefore) Error() string {
+	return fmt.Sprintf("idemhttp: BeforeAttempt refused attempt %d: %v", e.attempt, e.err)
+}
+func (e *errBefore) Unwrap() error { return e.err }
+
+// attemptTimeoutError is the error of an attempt cut at
+// Policy.AttemptTimeout.
+type attemptTimeoutError struct {
+	timeout time.Duration
+	err     error
+}
+
+func (e *attemptTimeoutError) Error() string {
+	return fmt.Sprintf("idemhttp: no answer within RetryPolicy.AttemptTimeout (%s): %v", e.timeout, e.err)
+}
+func (e *attemptTimeoutError) Unwrap() error { return e.err }
+func (e *attemptTimeoutError) Timeout() bool { return true }
+
+// cancelBody releases an attempt's context when its answer's body is closed.
+type cancelBody struct {
+	io.ReadCloser
+	cancel context.CancelFunc
+}
+
+func (c *cancelBody) Close() error {
+	err := c.ReadCloser.Close()
+	c.cancel()
+	return err
+}
+
 // send makes one attempt.
 func (b *attempts) send() (*http.Response, error) {
 	b.sent++
@@ -181,41 +251,150 @@ func (b *attempts) send() (*http.Response, error) {
 	}
 	ctx, conn := callretry.TraceConn(b.req.Context())
 	b.conn = conn
+	ctx, cancel := context.WithCancel(ctx)
 	r := b.req.Clone(ctx)
 	r.Body, r.GetBody, r.ContentLength = body, b.getBody, b.length
-	if b.header != "" {
-		if r.Header == nil {
-			r.Header = http.Header{}
+	if r.Header == nil {
+		r.Header = http.Header{}
+	}
+	b.setKey(r)
+	if b.before != nil {
+		if err := b.before(r, b.sent); err != nil {
+			cancel()
+			if body != nil {
+				_ = body.Close()
+			}
+			return nil, &errBefore{b.sent, err}
 		}
-		r.Header.Set(HeaderKey, b.header)
+		b.setKey(r) // set back: BeforeAttempt cannot change the key
+	}
+	var timer *time.Timer
+	var timedOut atomic.Bool
+	if b.timeout > 0 {
+		timer = time.AfterFunc(b.timeout, func() { timedOut.Store(true); cancel() })
 	}
 	resp, err := b.base.RoundTrip(r)
 	if err == nil && resp == nil {
 		err = errors.New("idemhttp: Base returned neither a response nor an error")
 	}
-	return resp, err
+	if timer != nil && !timer.Stop() && err == nil {
+		// The bound passed as the answer came: its body cannot be read.
+		_ = resp.Body.Close()
+		resp, err = nil, context.Canceled
+	}
+	if err != nil {
+		cancel()
+		if timedOut.Load() && b.req.Context().Err() == nil {
+			err = &attemptTimeoutError{b.timeout, err}
+		}
+		return nil, err
+	}
+	resp.Body = &cancelBody{resp.Body, cancel}
+	return resp, nil
+}
+
+// setKey sets r's Idempotency-Key header to the call's key.
+func (b *attempts) setKey(r *http.Request) {
+	switch {
+	case b.header != "":
+		r.Header.Set(HeaderKey, b.header)
+	case len(b.keyValues) > 0:
+		r.Header[HeaderKey] = b.keyValues
+	default:
+		r.Header.Del(HeaderKey)
+	}
 }
 
 // judge says what the last attempt's outcome means (see Transport).
 func (b *attempts) judge(resp *http.Response, err error) callretry.Verdict {
 	var bodyErr *errBody
+	var beforeErr *errBefore
 	switch {
-	case errors.As(err, &bodyErr):
+	case errors.As(err, &bodyErr), errors.As(err, &beforeErr):
 		return callretry.Verdict{}
 	case err != nil:
 		return callretry.Network(err, b.conn)
 	}
 	v := callretry.Verdict{Answered: true}
 	v.After, v.HasAfter = retryAfter(resp.Header.Get("Retry-After"))
-	switch code := resp.StatusCode; {
+	code := resp.StatusCode
+	switch {
 	case code >= 500 && code != http.StatusNotImplemented:
 		v.Retry, v.MaybeDone = true, true
 	case code == http.StatusTooManyRequests:
 		v.Retry = true
-	case code == http.StatusConflict && v.HasAfter: // in progress; without a Retry-After it can read, another conflict
-		v.Retry, v.MaybeDone = true, true
+	case code == http.StatusConflict:
+		if b.noConflict || outcomeUnknown(resp) {
+			return v
+		}
+		v.Retry, v.MaybeDone, v.InProgress = true, true, true
+	}
+	if code >= 400 {
+		switch strings.ToLower(strings.TrimSpace(resp.Header.Get(HeaderStripeShouldRetry))) {
+		case "false":
+			v.Retry = false
+		case "true":
+			v.Retry = true
+			v.MaybeDone = v.MaybeDone || code >= 500
+		}
 	}
 	return v
+}
+
+// HeaderStripeShouldRetry is Stripe's answer header that says whether a
+// retry may succeed ("true") or not ("false"); Transport obeys it.
+const HeaderStripeShouldRetry = "Stripe-Should-Retry"
+
+// outcomeUnknown reports whether resp, a 409, is idemhttp's
+// IDEMPOTENCY_OUTCOME_UNKNOWN problem: the first few KiB of its body are
+// read, and put back.
+func outcomeUnknown(resp *http.Response) bool {
+	if !strings.HasPrefix(resp.Header.Get("Content-Type"), ContentTypeProblem) || resp.Body == nil {
+		return false
+	}
+	head, err := io.ReadAll(io.LimitReader(resp.Body, discardLimit))
+	resp.Body = &struct {
+		io.Reader
+		io.Closer
+	}{io.MultiReader(bytes.NewReader(head), resp.Body), resp.Body}
+	return err == nil && bytes.Contains(head, []byte(`"`+CodeOutcomeUnknown+`"`))
+}
+
+// NewClient returns an http.Client that sends through t (a Transport with
+// its zero value when nil) and bounds every call, retries and the answer's
+// body included, by timeout: the request's context gets that deadline
+// (its own, when earlier, stays). Unlike http.Client.Timeout, whose error
+// can replace the Transport's, its errors keep the *idem.CallError
+// (idem.ErrOutcomeUnknown) and idem.ErrNotSent. timeout <= 0 means no
+// bound but the request's context. Bound each attempt with
+// t.Policy.AttemptTimeout.
+//
+//	client := idemhttp.NewClient(&idemhttp.Transport{Policy: idem.RetryPolicy{AttemptTimeout: 5 * time.Second}}, 30*time.Second)
+func NewClient(t *Transport, timeout time.Duration) *http.Client {
+	if t == nil {
+		t = &Transport{}
+	}
+	return &http.Client{Transport: &boundTransport{t, timeout}}
+}
+
+// boundTransport is NewClient's RoundTripper.
+type boundTransport struct {
+	t       *Transport
+	timeout time.Duration
+}
+
+func (b *boundTransport) RoundTrip(req *http.Request) (*http.Response, error) {
+	if b.timeout <= 0 {
+		return b.t.RoundTrip(req)
+	}
+	ctx, cancel := context.WithTimeout(req.Context(), b.timeout)
+	resp, err := b.t.RoundTrip(req.WithContext(ctx))
+	if err != nil {
+		cancel()
+		return nil, err
+	}
+	resp.Body = &cancelBody{resp.Body, cancel}
+	return resp, nil
 }
 
 // discard reads a little of a retried answer's body and closes it.

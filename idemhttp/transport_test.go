@@ -288,8 +288,9 @@ func TestTransportRetriesByStatus(t *testing.T) {
 		{"504", []func(http.ResponseWriter){status(504, ""), status(504, ""), ok}, 3, 201},
 		{"429", []func(http.ResponseWriter){status(429, "0"), ok}, 2, 201},
 		{"409 in progress", []func(http.ResponseWriter){status(409, "0"), status(409, "0"), ok}, 3, 201},
-		{"409", []func(http.ResponseWriter){status(409, ""), ok}, 1, 409},
-		{"409 unreadable Retry-After", []func(http.ResponseWriter){status(409, "soon"), ok}, 1, 409},
+		{"409", []func(http.ResponseWriter){status(409, ""), ok}, 2, 201},
+		{"409 unreadable Retry-After", []func(http.ResponseWriter){status(409, "soon"), ok}, 2, 201},
+		{"409 past MaxAttempts", []func(http.ResponseWriter){status(409, ""), status(409, ""), status(409, ""), status(409, ""), status(409, ""), ok}, 6, 201},
 		{"503 unreadable Retry-After", []func(http.ResponseWriter){status(503, "soon"), ok}, 2, 201},
 		{"501", []func(http.ResponseWriter){status(501, ""), ok}, 1, 501},
 		{"422", []func(http.ResponseWriter){status(422, ""), ok}, 1, 422},
@@ -520,7 +521,7 @@ func TestTransportNothingSent(t *testing.T) {
 	defer cancel()
 	client := &http.Client{Transport: &idemhttp.Transport{Base: blocked, Policy: fastPolicy}}
 	_, err := post(t, ctx, client, "http://127.0.0.1:1/never", "x")
-	if err == nil || errors.Is(err, idem.ErrOutcomeUnknown) || !errors.Is(err, context.DeadlineExceeded) {
+	if err == nil || errors.Is(err, idem.ErrOutcomeUnknown) || !errors.Is(err, context.DeadlineExceeded) || !errors.Is(err, idem.ErrNotSent) {
 		t.Errorf("the context ended during the dial: %v", err)
 	}
 	if dials.Load() != 1 || gets.Load() != 1 {
@@ -534,9 +535,9 @@ func TestTransportNothingSent(t *testing.T) {
 		return http.DefaultTransport.RoundTrip(r)
 	})}}
 	_, err = post(t, t.Context(), tlsClient, "https"+strings.TrimPrefix(plain.URL, "http")+"/tls", "x")
-	// (http.Client turns the transport's tls.RecordHeaderError into
-	// ErrSchemeMismatch.)
-	if !errors.Is(err, http.ErrSchemeMismatch) || errors.Is(err, idem.ErrOutcomeUnknown) || attempts.Load() != 1 {
+	// (idem.ErrNotSent's wrapper keeps http.Client from turning the
+	// transport's tls.RecordHeaderError into ErrSchemeMismatch.)
+	if !errors.Is(err, idem.ErrNotSent) || errors.Is(err, idem.ErrOutcomeUnknown) || attempts.Load() != 1 {
 		t.Errorf("a server that does not speak TLS: %v after %d attempts", err, attempts.Load())
 	}
 }

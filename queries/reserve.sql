@@ -157,15 +157,18 @@ WHERE k.actor = expired.actor AND k.operation = expired.operation AND k.idem_key
   AND k.status = 'processing' AND k.lease_expires_at <= now()
   AND (k.resume_until IS NULL OR k.resume_until <= now());
 
--- Pages through 'unknown' records that need a person (no window, or one
--- that ended), oldest first, after the given position ('-infinity' and
+-- Pages through the records in doubt that need a person (no window, or one
+-- that ended): 'unknown', and 'processing' whose lease ran out (a crashed
+-- worker's, which ExpireLeases would mark unknown: listed without waiting
+-- for it), oldest first, after the given position ('-infinity' and the
 -- empty names for the first page). It walks idem_keys_open_created_idx: its
 -- WHERE repeats the index predicate (open reservations: a lease, no
 -- outcome).
 -- name: ReserveListUnknown :many
 SELECT *
 FROM idem_keys
-WHERE status = 'unknown' AND lease_expires_at IS NOT NULL AND completed_at IS NULL
+WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
+  AND (status = 'unknown' OR (status = 'processing' AND lease_expires_at <= now()))
   AND (resume_until IS NULL OR resume_until <= now())
   AND (created_at, actor, operation, idem_key)
       > (sqlc.arg(after_created_at)::timestamptz, sqlc.arg(after_actor)::text,

@@ -677,7 +677,7 @@ func unknownList(ctx context.Context, e *env, args []string, limit int) error {
 }
 
 // expireLeasesHint ends the text output of unknown list.
-const expireLeasesHint = "(reservations whose lease ran out are listed once `idem expire-leases` has turned them unknown)\n"
+const expireLeasesHint = "(reservations whose lease ran out are listed at once, still processing; `idem expire-leases` turns them unknown and fences their late workers)\n"
 
 func expireLeases(ctx context.Context, e *env, args []string, batch int) error {
 	if err := wantArgs(args, 0, "no arguments"); err != nil {

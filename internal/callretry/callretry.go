@@ -28,6 +28,7 @@ type Policy struct {
 	maxElapsed  time.Duration
 	baseDelay   time.Duration
 	maxDelay    time.Duration
+	attempt     time.Duration // each attempt's bound, 0 for none
 }
 
 // New returns p with its zero fields replaced by their defaults, or p's
@@ -47,12 +48,17 @@ func New(p idem.RetryPolicy) (Policy, error) {
 		maxElapsed:  or(p.MaxElapsed, idem.DefaultRetryMaxElapsed),
 		baseDelay:   or(p.BaseDelay, idem.DefaultRetryBaseDelay),
 		maxDelay:    or(p.MaxDelay, idem.DefaultRetryMaxDelay),
+		attempt:     p.AttemptTimeout,
 	}
 	if out.maxAttempts == 0 {
 		out.maxAttempts = idem.DefaultRetryMaxAttempts
 	}
 	return out, nil
 }
+
+// AttemptTimeout is the bound on each attempt (idem.RetryPolicy's), 0 for
+// none.
+func (p Policy) AttemptTimeout() time.Duration { return p.attempt }
 
 // Once is p with a single attempt.
 func (p Policy) Once() Policy {
@@ -115,6 +121,30 @@ type Verdict struct {
 	// next attempt (Retry-After, RetryInfo).
 	After    time.Duration
 	HasAfter bool
+	// InProgress: the receiver answered that a request with this key is
+	// in progress (HTTP 409, ABORTED with RetryInfo). Such an attempt does
+	// not count toward MaxAttempts (unless it is 1): the call waits it out
+	// within MaxElapsed and its context.
+	InProgress bool
+}
+
+// notSent is the error of a call none of whose attempts reached the
+// receiver: it matches idem.ErrNotSent and wraps the last attempt's error.
+type notSent struct{ err error }
+
+func (e *notSent) Error() string {
+	return idem.ErrNotSent.Error() + ": " + e.err.Error()
+}
+func (e *notSent) Unwrap() error        { return e.err }
+func (e *notSent) Is(target error) bool { return target == idem.ErrNotSent }
+
+// NotSent wraps err, the error of a call of which nothing was sent, so
+// that it matches idem.ErrNotSent (nil stays nil).
+func NotSent(err error) error {
+	if err == nil {
+		return nil
+	}
+	return &notSent{err}
 }
 
 // Run makes the attempts of one call whose attempts all carry key ("" for
@@ -125,29 +155,39 @@ type Verdict struct {
 //
 // A call that ends without an answer, after an attempt that may have taken
 // effect, returns an *idem.CallError (idem.ErrOutcomeUnknown) wrapping the
-// last error; one that certainly had no effect returns the last error as
-// it is. When ctx ends during a wait, the last error is ctx's joined with
+// last error; one none of whose attempts reached the receiver (no answer,
+// nothing that may have taken effect) returns the last error wrapped so
+// that it matches idem.ErrNotSent. When ctx ends during a wait, the last error is ctx's joined with
 // the last attempt's, so that errors.Is finds ctx's error and errors.As
 // (gRPC's status.Code, connect.CodeOf) the attempt's. A ctx that ended
-// before the first attempt returns its error and sends nothing.
+// before the first attempt returns its error (matching idem.ErrNotSent)
+// and sends nothing.
 func Run[T any](ctx context.Context, p Policy, key string, attempt func() (T, error), judge func(T, error) Verdict, discard func(T)) (T, error) {
 	var zero T
 	if err := ctx.Err(); err != nil {
-		return zero, err
+		return zero, NotSent(err)
 	}
 	start := time.Now()
-	maybeDone := false
+	maybeDone, answered := false, false
 	giveUp := func(n int, err error) error {
-		if maybeDone {
+		switch {
+		case maybeDone:
 			return &idem.CallError{Key: key, Attempts: n, Err: err}
+		case !answered:
+			return NotSent(err)
 		}
 		return err
 	}
+	counted := 0 // the attempts that count toward maxAttempts
 	for n := 1; ; n++ {
 		res, err := attempt()
 		v := judge(res, err)
 		maybeDone = maybeDone || v.MaybeDone
-		wait, again := p.next(ctx, start, n, v)
+		if !v.InProgress || p.maxAttempts == 1 {
+			counted++
+		}
+		wait, again := p.next(ctx, start, counted, n, v)
+		answered = answered || v.Answered
 		if !again {
 			if v.Answered {
 				return res, err
@@ -188,9 +228,9 @@ func (e *endedError) Error() string {
 func (e *endedError) Unwrap() []error { return []error{e.ctx, e.last} }
 
 // next reports whether attempt n+1 follows attempt n, judged v, and after
-// what wait.
-func (p Policy) next(ctx context.Context, start time.Time, n int, v Verdict) (time.Duration, bool) {
-	if !v.Retry || n >= p.maxAttempts || ctx.Err() != nil {
+// what wait; counted of the n count toward maxAttempts.
+func (p Policy) next(ctx context.Context, start time.Time, counted, n int, v Verdict) (time.Duration, bool) {
+	if !v.Retry || counted >= p.maxAttempts || ctx.Err() != nil {
 		return 0, false
 	}
 	wait := p.wait(n, v)

@@ -20,7 +20,7 @@ func TestNewDefaults(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := Policy{idem.DefaultRetryMaxAttempts, idem.DefaultRetryMaxElapsed, idem.DefaultRetryBaseDelay, idem.DefaultRetryMaxDelay}
+	want := Policy{idem.DefaultRetryMaxAttempts, idem.DefaultRetryMaxElapsed, idem.DefaultRetryBaseDelay, idem.DefaultRetryMaxDelay, 0}
 	if p != want {
 		t.Fatalf("%+v, want %+v", p, want)
 	}
@@ -75,26 +75,26 @@ func TestNext(t *testing.T) {
 	retry := Verdict{Retry: true, HasAfter: true, After: time.Second}
 	p := Policy{maxAttempts: 3, maxElapsed: time.Minute, baseDelay: time.Millisecond, maxDelay: time.Minute}
 	now := time.Now()
-	if w, ok := p.next(ctx, now, 2, retry); !ok || w != time.Second {
+	if w, ok := p.next(ctx, now, 2, 2, retry); !ok || w != time.Second {
 		t.Fatalf("attempt 2 of 3: %s %t", w, ok)
 	}
-	if _, ok := p.next(ctx, now, 3, retry); ok {
+	if _, ok := p.next(ctx, now, 3, 3, retry); ok {
 		t.Fatal("retried past MaxAttempts")
 	}
-	if _, ok := p.next(ctx, now, 1, Verdict{Answered: true}); ok {
+	if _, ok := p.next(ctx, now, 1, 1, Verdict{Answered: true}); ok {
 		t.Fatal("retried a final answer")
 	}
-	if _, ok := p.next(ctx, now.Add(-59*time.Second-500*time.Millisecond), 1, retry); ok {
+	if _, ok := p.next(ctx, now.Add(-59*time.Second-500*time.Millisecond), 1, 1, retry); ok {
 		t.Fatal("retried past MaxElapsed")
 	}
 	short, cancel := context.WithTimeout(ctx, 500*time.Millisecond)
 	defer cancel()
-	if _, ok := p.next(short, now, 1, retry); ok {
+	if _, ok := p.next(short, now, 1, 1, retry); ok {
 		t.Fatal("waited past the context's deadline")
 	}
 	done, cancel2 := context.WithCancel(ctx)
 	cancel2()
-	if _, ok := p.next(done, now, 1, Verdict{Retry: true}); ok {
+	if _, ok := p.next(done, now, 1, 1, Verdict{Retry: true}); ok {
 		t.Fatal("retried after the context ended")
 	}
 }
@@ -117,7 +117,7 @@ func TestRun(t *testing.T) {
 	}
 	refused := &net.OpError{Op: "dial", Err: errors.New("connection refused")}
 	_, err = Run(ctx, p, "k2", func() (int, error) { return 0, refused }, func(_ int, err error) Verdict { return Network(err, nil) }, func(int) {})
-	if err != refused {
+	if !errors.Is(err, idem.ErrNotSent) || errors.Is(err, idem.ErrOutcomeUnknown) || !errors.Is(err, refused) {
 		t.Fatalf("refused dials: %v", err)
 	}
 	discarded := 0
@@ -252,5 +252,45 @@ func TestTraceConn(t *testing.T) {
 	trace.GotConn(httptrace.GotConnInfo{})
 	if !c.got.Load() || !Network(context.Canceled, c).MaybeDone || strings.Join(theirs, ",") != "get,got" {
 		t.Fatalf("after GotConn: %+v, the caller's hooks saw %q", Network(context.Canceled, c), theirs)
+	}
+}
+
+// In-progress answers do not count toward MaxAttempts: a call that finds
+// its request in progress three times, with MaxAttempts 2, still gets the
+// final answer; with MaxAttempts 1 it gets the first in-progress answer.
+func TestRunInProgress(t *testing.T) {
+	ctx := context.Background()
+	p := Policy{maxAttempts: 2, maxElapsed: time.Minute, baseDelay: time.Millisecond, maxDelay: time.Millisecond}
+	n := 0
+	judge := func(code int, _ error) Verdict {
+		if code == 409 {
+			return Verdict{Retry: true, Answered: true, MaybeDone: true, InProgress: true}
+		}
+		return Verdict{Answered: true}
+	}
+	res, err := Run(ctx, p, "k", func() (int, error) {
+		if n++; n <= 3 {
+			return 409, nil
+		}
+		return 201, nil
+	}, judge, func(int) {})
+	if err != nil || res != 201 || n != 4 {
+		t.Fatalf("%d %v after %d attempts", res, err, n)
+	}
+	n = 0
+	res, err = Run(ctx, p.Once(), "k", func() (int, error) { n++; return 409, nil }, judge, func(int) {})
+	if err != nil || res != 409 || n != 1 {
+		t.Fatalf("Once: %d %v after %d attempts", res, err, n)
+	}
+}
+
+// A context that ended before the first attempt: nothing sent, ErrNotSent.
+func TestRunEndedContext(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	p, _ := New(idem.RetryPolicy{})
+	_, err := Run(ctx, p, "k", func() (int, error) { t.Fatal("sent"); return 0, nil }, func(int, error) Verdict { return Verdict{} }, func(int) {})
+	if !errors.Is(err, idem.ErrNotSent) || !errors.Is(err, context.Canceled) || errors.Is(err, idem.ErrOutcomeUnknown) {
+		t.Fatalf("%v", err)
 	}
 }

@@ -393,7 +393,8 @@ func (q *Queries) ReserveListResumable(ctx context.Context, db DBTX, arg Reserve
 const ReserveListUnknown = `-- name: ReserveListUnknown :many
 SELECT actor, operation, idem_key, fingerprint, status, response_status, response_headers, response_body, created_at, completed_at, expires_at, token, lease_expires_at, last_error, resolve_reason, resume_until
 FROM idem_keys
-WHERE status = 'unknown' AND lease_expires_at IS NOT NULL AND completed_at IS NULL
+WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
+  AND (status = 'unknown' OR (status = 'processing' AND lease_expires_at <= now()))
   AND (resume_until IS NULL OR resume_until <= now())
   AND (created_at, actor, operation, idem_key)
       > ($1::timestamptz, $2::text,
@@ -410,8 +411,10 @@ type ReserveListUnknownParams struct {
 	MaxRows        int32
 }
 
-// Pages through 'unknown' records that need a person (no window, or one
-// that ended), oldest first, after the given position ('-infinity' and
+// Pages through the records in doubt that need a person (no window, or one
+// that ended): 'unknown', and 'processing' whose lease ran out (a crashed
+// worker's, which ExpireLeases would mark unknown: listed without waiting
+// for it), oldest first, after the given position ('-infinity' and the
 // empty names for the first page). It walks idem_keys_open_created_idx: its
 // WHERE repeats the index predicate (open reservations: a lease, no
 // outcome).

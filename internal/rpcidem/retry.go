@@ -24,8 +24,14 @@ type RetryInfo struct {
 //     server's answer;
 //   - DEADLINE_EXCEEDED and CANCELLED are not retried, and may have taken
 //     effect when network says the attempt was sent;
+//   - an attempt cut at idem.RetryPolicy.AttemptTimeout (timedOut: its own
+//     deadline passed, not the call's) is retried as network says, whatever
+//     its code, like a lost reply;
 //   - a retried attempt waits RetryInfo's delay, when it sets one.
-func Judge(code uint32, network callretry.Verdict, info *RetryInfo) callretry.Verdict {
+func Judge(code uint32, network callretry.Verdict, info *RetryInfo, timedOut bool) callretry.Verdict {
+	if timedOut {
+		return network
+	}
 	var v callretry.Verdict
 	switch code {
 	case CodeUnavailable:
