@@ -104,6 +104,11 @@ var (
 	// not in the request (HTTP 500).
 	ErrKeyRowChanged = errors.New("idem: fn changed or deleted the idem_keys row of its own key; nothing was stored")
 
+	// ErrTxAborted means fn returned a response although one of its
+	// statements had failed and aborted its transaction (SQLSTATE 25P02
+	// when the outcome was stored): nothing was stored.
+	ErrTxAborted = errors.New("idem: fn's transaction was aborted by a statement it did not report; nothing was stored")
+
 	// ErrPreparedStatements means the server lost or mixed up pgx's cached
 	// prepared statements (SQLSTATE 26000 or 42P05 on a statement named
 	// stmtcache_…): the connection goes through a transaction pooler, such

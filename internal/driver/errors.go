@@ -12,6 +12,33 @@ import (
 	"github.com/jackc/puddle/v2"
 )
 
+// ErrTxAborted means a statement of idem's ran into a transaction that an
+// earlier statement had aborted (SQLSTATE 25P02): one of fn's failed, and
+// fn went on as though it had not. The server's error stays in the chain.
+var ErrTxAborted = errors.New("the transaction was aborted by an earlier statement")
+
+// txAborted returns err wrapped with ErrTxAborted when the server refused
+// the statement because the transaction was aborted already.
+func txAborted(err error) error {
+	if err != nil && SQLState(err) == "25P02" {
+		return abortedError{err}
+	}
+	return err
+}
+
+// abortedError is a statement's error in an aborted transaction: it is
+// ErrTxAborted, and wraps the server's error.
+type abortedError struct{ err error }
+
+func (e abortedError) Error() string        { return e.err.Error() }
+func (e abortedError) Unwrap() error        { return e.err }
+func (e abortedError) Is(target error) bool { return target == ErrTxAborted }
+
+// Interpret turns an error of one of idem's statements into the driver
+// package's terms, keeping the database's error in the chain: a
+// transaction aborted before the statement is ErrTxAborted.
+func Interpret(err error) error { return txAborted(err) }
+
 // SQLState returns the SQLSTATE of err if it is (or wraps) a PostgreSQL
 // error: pgx's *pgconn.PgError, or another driver's error with an SQLState
 // method (lib/pq's *pq.Error), so that every driver classifies alike.
