@@ -109,7 +109,7 @@ var (
 	// was stored, and a retry runs fn again. It is a bug in fn (HTTP 500).
 	// The server's error (SQLSTATE 25P02) stays in the chain: errors.As
 	// finds the driver's error (*pgconn.PgError, *pq.Error).
-	ErrTxAborted = core.ErrTxAborted
+	ErrTxAborted = errors.New("idem: fn's transaction was aborted by a statement it did not report; nothing was stored")
 
 	// ErrPreparedStatements means the server lost or mixed up pgx's cached
 	// prepared statements (SQLSTATE 26000 or 42P05 on a statement named
