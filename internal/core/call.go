@@ -8,7 +8,6 @@ import (
 	"math/rand/v2"
 	"time"
 
-	"github.com/jackc/pgerrcode"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
@@ -456,7 +455,7 @@ func (c *Client[TTx, TDB]) orphaned(ctx context.Context, s driver.Span[TTx], k d
 // claimError turns the failure of a claim into the error a call returns: a
 // wait for a twin that ran out is ErrInProgress.
 func (c *Client[TTx, TDB]) claimError(err error, k driver.Key) error {
-	if pgCode(err) == pgerrcode.LockNotAvailable {
+	if driver.LockNotAvailable(err) {
 		return c.inProgressOn(k)
 	}
 	return errorf("idem: %w", unsupportedIf(err))
@@ -741,7 +740,7 @@ func (c *Client[TTx, TDB]) reserveTx(ctx context.Context, db TDB, req driver.Res
 		return err
 	})
 	switch {
-	case err != nil && pgCode(err) == pgerrcode.LockNotAvailable:
+	case err != nil && driver.LockNotAvailable(err):
 		// Another transaction holds the key (a Do in flight, a Complete
 		// not yet committed, another Reserve resuming it) and did not
 		// finish within Config.Wait.
