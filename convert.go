@@ -104,6 +104,7 @@ var sentinels = [...]struct{ public, core error }{
 	{ErrNotFound, core.ErrNotFound},
 	{ErrFenced, core.ErrFenced},
 	{ErrKeyRowChanged, core.ErrKeyRowChanged},
+	{ErrTxAborted, core.ErrTxAborted},
 	{ErrPreparedStatements, core.ErrPreparedStatements},
 	{ErrNotResolvable, core.ErrNotResolvable},
 	{ErrUnsupported, core.ErrUnsupported},

@@ -90,6 +90,7 @@ func TestErrorsOfTheProtocolAreIdems(t *testing.T) {
 		{idem.ErrUnavailable, core.ErrUnavailable}, {idem.ErrInvalidArgument, core.ErrInvalidArgument},
 		{idem.ErrOutcomeUnknown, core.ErrOutcomeUnknown}, {idem.ErrNotFound, core.ErrNotFound},
 		{idem.ErrFenced, core.ErrFenced}, {idem.ErrKeyRowChanged, core.ErrKeyRowChanged},
+		{idem.ErrTxAborted, core.ErrTxAborted},
 		{idem.ErrPreparedStatements, core.ErrPreparedStatements}, {idem.ErrNotResolvable, core.ErrNotResolvable},
 		{idem.ErrUnsupported, core.ErrUnsupported}, {idem.ErrStoredValue, core.ErrStoredValue},
 	}
@@ -154,6 +155,7 @@ func coreSentinels(t *testing.T) map[string]error {
 		"ErrInvalidConfig": core.ErrInvalidConfig, "ErrUnavailable": core.ErrUnavailable,
 		"ErrInvalidArgument": core.ErrInvalidArgument, "ErrOutcomeUnknown": core.ErrOutcomeUnknown,
 		"ErrNotFound": core.ErrNotFound, "ErrFenced": core.ErrFenced, "ErrKeyRowChanged": core.ErrKeyRowChanged,
+		"ErrTxAborted":          core.ErrTxAborted,
 		"ErrPreparedStatements": core.ErrPreparedStatements, "ErrNotResolvable": core.ErrNotResolvable,
 		"ErrUnsupported": core.ErrUnsupported, "ErrStoredValue": core.ErrStoredValue,
 	}

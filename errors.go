@@ -101,6 +101,16 @@ var (
 	// not in the request (HTTP 500).
 	ErrKeyRowChanged = errors.New("idem: fn changed or deleted the idem_keys row of its own key; nothing was stored")
 
+	// ErrTxAborted means fn returned a response although a statement it ran
+	// had failed and aborted its transaction (fn swallowed the error, such
+	// as a unique violation, without a savepoint of its own): the outcome
+	// could not be stored. The call failed as a whole: fn's writes and the
+	// claim were undone (Do's caller's transaction stays usable), nothing
+	// was stored, and a retry runs fn again. It is a bug in fn (HTTP 500).
+	// The server's error (SQLSTATE 25P02) stays in the chain: errors.As
+	// finds the driver's error (*pgconn.PgError, *pq.Error).
+	ErrTxAborted = errors.New("idem: fn's transaction was aborted by a statement it did not report; nothing was stored")
+
 	// ErrPreparedStatements means the server lost or mixed up pgx's cached
 	// prepared statements (SQLSTATE 26000 or 42P05 on a statement named
 	// stmtcache_…): the connection goes through a transaction pooler, such

@@ -174,6 +174,13 @@ func newEnv(t *testing.T, cfg envConfig) *env {
 	handle("GET /items", func(w http.ResponseWriter, r *http.Request) {
 		fmt.Fprintf(w, "list tx=%t", idemhttp.Tx(r.Context()) != nil)
 	})
+	// /hide writes, runs a statement that fails, swallows its error and
+	// answers 201 (a handler bug: its transaction is aborted).
+	handle("POST /hide", func(w http.ResponseWriter, r *http.Request) {
+		effect(r)
+		_, _ = idemhttp.Tx(r.Context()).Exec(r.Context(), `SELECT 1/0`)
+		w.WriteHeader(http.StatusCreated)
+	})
 	// /refuse: a deterministic refusal after a write.
 	handle("POST /refuse", func(w http.ResponseWriter, r *http.Request) {
 		effect(r)

@@ -632,6 +632,11 @@ func (m *middleware) fail(ctx context.Context, w http.ResponseWriter, r *http.Re
 		m.log.LogAttrs(ctx, slog.LevelError, "idemhttp: request timed out", attrs...)
 		writeProblem(w, http.StatusServiceUnavailable, CodeTimeout,
 			"The request did not finish in time; retry later with the same key.", time.Second)
+	case errors.Is(err, idem.ErrTxAborted):
+		// A bug of the handler's: it swallowed a failed statement and
+		// answered as though it had not.
+		m.log.LogAttrs(ctx, slog.LevelError, "idemhttp: the handler's transaction was aborted by a statement it did not report; nothing stored", attrs...)
+		writeProblem(w, http.StatusInternalServerError, CodeInternal, "The request failed; nothing was stored.", 0)
 	case status == http.StatusServiceUnavailable:
 		m.log.LogAttrs(ctx, slog.LevelError, "idemhttp: store unavailable", attrs...)
 		writeProblem(w, http.StatusServiceUnavailable, CodeStoreUnavailable,

@@ -108,6 +108,7 @@ var sentinels = [...]struct{ public, core error }{
 	{idem.ErrNotFound, core.ErrNotFound},
 	{idem.ErrFenced, core.ErrFenced},
 	{idem.ErrKeyRowChanged, core.ErrKeyRowChanged},
+	{idem.ErrTxAborted, core.ErrTxAborted},
 	{idem.ErrPreparedStatements, core.ErrPreparedStatements},
 	{idem.ErrNotResolvable, core.ErrNotResolvable},
 	{idem.ErrUnsupported, core.ErrUnsupported},

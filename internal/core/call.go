@@ -8,7 +8,6 @@ import (
 	"math/rand/v2"
 	"time"
 
-	"github.com/jackc/pgerrcode"
 	"go.opentelemetry.io/otel/attribute"
 	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/trace"
@@ -213,7 +212,7 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 		if claimed {
 			out := decided
 			if out.status == "" {
-				out, err = c.runFn(ctx, s, fn, cl)
+				out, err = c.runFn(ctx, s, own, k, fp, fn, cl)
 				if err != nil {
 					return Result{}, c.failFn(ctx, s, own, k, fp, err, cl)
 				}
@@ -236,6 +235,10 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 			switch {
 			case keyRowChanged(err):
 				err = ErrKeyRowChanged
+			case errors.Is(err, driver.ErrTxAborted):
+				// fn swallowed a failed statement and returned a response:
+				// its transaction cannot store it.
+				return Result{}, c.fail(ctx, s, own, errorf("idem: %w: %w", ErrTxAborted, err))
 			case c.drv.TxClosed(err) && ctx.Err() == nil:
 				// fn ended the transaction: pgx sent nothing on it;
 				// database/sql ran the completion, then found it ended
@@ -452,20 +455,24 @@ func (c *Client[TTx, TDB]) orphaned(ctx context.Context, s driver.Span[TTx], k d
 // claimError turns the failure of a claim into the error a call returns: a
 // wait for a twin that ran out is ErrInProgress.
 func (c *Client[TTx, TDB]) claimError(err error, k driver.Key) error {
-	if pgCode(err) == pgerrcode.LockNotAvailable {
+	if driver.LockNotAvailable(err) {
 		return c.inProgressOn(k)
 	}
 	return errorf("idem: %w", unsupportedIf(err))
 }
 
 // runFn runs fn in the span and decides the outcome to store. If fn panics,
-// its writes and the claim are undone before the panic goes on.
-func (c *Client[TTx, TDB]) runFn(ctx context.Context, s driver.Span[TTx],
+// the call ends as it would have had fn returned an error: its writes and
+// the claim are undone, and when fn had ended the transaction itself, a
+// claim its COMMIT made durable is marked unknown (DoInTx) or an enclosing
+// transaction that holds it is aborted (Do, fnEnded); then the panic goes
+// on.
+func (c *Client[TTx, TDB]) runFn(ctx context.Context, s driver.Span[TTx], own bool, k driver.Key, fp Fingerprint,
 	fn func(ctx context.Context, tx TTx) (Response, error), cl *call) (outcome, error) {
 	panicked := true
 	defer func() {
 		if panicked {
-			_ = s.Undo(ctx)
+			cl.panicErr = c.failFn(ctx, s, own, k, fp, errPanicked, cl)
 		}
 	}()
 	var resp Response
@@ -733,7 +740,7 @@ func (c *Client[TTx, TDB]) reserveTx(ctx context.Context, db TDB, req driver.Res
 		return err
 	})
 	switch {
-	case err != nil && pgCode(err) == pgerrcode.LockNotAvailable:
+	case err != nil && driver.LockNotAvailable(err):
 		// Another transaction holds the key (a Do in flight, a Complete
 		// not yet committed, another Reserve resuming it) and did not
 		// finish within Config.Wait.
@@ -973,6 +980,7 @@ type call struct {
 	start    time.Time
 	fnTime   time.Duration // time spent in fn
 	rejected bool          // the stored outcome is a refusal made by this call
+	panicErr error         // what the call would have returned, had fn returned its panic as an error
 	ended    bool
 	span     trace.Span // nil without a TracerProvider
 }
@@ -1094,7 +1102,11 @@ func (cl *call) end(ctx context.Context, res Result, err error) {
 // runs when fn panicked, and the panic goes on.
 func (cl *call) endIfPanicking(ctx context.Context) {
 	if !cl.ended {
-		cl.end(ctx, Result{}, errPanicked)
+		err := cl.panicErr
+		if err == nil {
+			err = errPanicked
+		}
+		cl.end(ctx, Result{}, err)
 	}
 }
 

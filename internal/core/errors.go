@@ -6,9 +6,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/jackc/pgerrcode"
-	"github.com/jackc/pgx/v5/pgconn"
-
 	"github.com/pgidem/idem/internal/driver"
 )
 
@@ -104,6 +101,11 @@ var (
 	// not in the request (HTTP 500).
 	ErrKeyRowChanged = errors.New("idem: fn changed or deleted the idem_keys row of its own key; nothing was stored")
 
+	// ErrTxAborted means fn returned a response although one of its
+	// statements had failed and aborted its transaction (SQLSTATE 25P02
+	// when the outcome was stored): nothing was stored.
+	ErrTxAborted = errors.New("idem: fn's transaction was aborted by a statement it did not report; nothing was stored")
+
 	// ErrPreparedStatements means the server lost or mixed up pgx's cached
 	// prepared statements (SQLSTATE 26000 or 42P05 on a statement named
 	// stmtcache_…): the connection goes through a transaction pooler, such
@@ -196,10 +198,6 @@ func RejectedResponse(err error) (Response, bool) {
 // idem.Reject).
 func Reject(resp Response) error { return &rejection{resp: resp} }
 
-// pgCode returns the SQLSTATE of err if it is (or wraps) a PostgreSQL error
-// of either driver.
-func pgCode(err error) string { return driver.SQLState(err) }
-
 // Unavailable reports whether err means the database could not serve the
 // request (see idem.Unavailable, the one classification of idem and its
 // adapters).
@@ -213,7 +211,7 @@ func isUnavailable(err error) bool { return driver.Unavailable(err) }
 // serverSaidUnavailable reports whether err holds a server error (of either
 // driver) that says it cannot serve now.
 func serverSaidUnavailable(err error) bool {
-	code := pgCode(err)
+	code := driver.SQLState(err)
 	return code != "" && driver.ServerUnavailable(code)
 }
 
@@ -228,11 +226,7 @@ func unavailableIf(lost bool, err error) error {
 // isRetryable reports whether err is a serialization failure or a deadlock,
 // after which the whole transaction may be run again.
 func isRetryable(err error) bool {
-	switch pgCode(err) {
-	case pgerrcode.SerializationFailure, pgerrcode.DeadlockDetected:
-		return true
-	}
-	return false
+	return driver.Retryable(err)
 }
 
 // preparedStatementsLost returns err wrapped with ErrPreparedStatements and
@@ -244,10 +238,7 @@ func preparedStatementsLost(err error, fix string) error {
 	if err == nil { // first: the PgError below escapes to the heap
 		return nil
 	}
-	var pgErr *pgconn.PgError
-	if !errors.As(err, &pgErr) || errors.Is(err, ErrPreparedStatements) ||
-		(pgErr.Code != pgerrcode.InvalidSQLStatementName && pgErr.Code != pgerrcode.DuplicatePreparedStatement) ||
-		!strings.Contains(pgErr.Message, "stmtcache_") {
+	if errors.Is(err, ErrPreparedStatements) || !driver.PreparedStatementsLost(err) {
 		return err
 	}
 	return errorf("idem: %w (a transaction pooler such as PgBouncer in transaction mode?): "+
@@ -266,12 +257,12 @@ func unsupportedIf(err error) error {
 	if err == nil || errors.Is(err, ErrUnsupported) {
 		return err
 	}
-	switch code := pgCode(err); {
-	case code == pgerrcode.FeatureNotSupported:
+	switch driver.UnsupportedOf(err) {
+	case driver.FeatureNotSupported:
 		return errorf("idem: %w: %w", ErrUnsupported, err)
-	case code == pgerrcode.UndefinedTable && strings.Contains(err.Error(), "idem_keys_token_seq"):
+	case driver.NoTokenSequence:
 		return errorf("idem: %w (on Citus, connect to the coordinator; otherwise run idem.Migrate): %w", ErrUnsupported, err)
-	case code == pgerrcode.UndefinedObject && strings.Contains(err.Error(), "idem.lock_timeout"):
+	case driver.NoLockTimeoutSetting:
 		// PostgreSQL's claim run on Citus's worker, where the setting it
 		// saves the caller's lock_timeout in is not known: package idemsql
 		// cannot tell a Citus coordinator by itself.
@@ -292,8 +283,7 @@ func Errorf(format string, args ...any) error { return errorf(format, args...) }
 // outcome because fn changed the claimed row (KeyComplete raises it as a
 // failed cast of its message to integer, SQLSTATE 22P02).
 func keyRowChanged(err error) bool {
-	return err != nil && pgCode(err) == pgerrcode.InvalidTextRepresentation &&
-		strings.Contains(err.Error(), "idem_keys row changed under fn")
+	return driver.KeyRowChanged(err)
 }
 
 // txUnusable returns err wrapped with ErrInvalidArgument when it says that
@@ -306,7 +296,7 @@ func txUnusable(err error, closed func(error) bool) error {
 		return err
 	case closed(err):
 		return errorf("idem: %w: the transaction is closed (committed or rolled back): %w", ErrInvalidArgument, err)
-	case pgCode(err) == pgerrcode.InFailedSQLTransaction:
+	case driver.InFailedTx(err):
 		return errorf("idem: %w: the transaction is aborted (a statement failed in it; roll it back): %w", ErrInvalidArgument, err)
 	}
 	return err

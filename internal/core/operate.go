@@ -5,8 +5,6 @@ import (
 	"errors"
 	"math"
 
-	"github.com/jackc/pgerrcode"
-
 	"github.com/pgidem/idem/internal/driver"
 )
 
@@ -205,7 +203,7 @@ func (c *Client[TTx, TDB]) Forget(ctx context.Context, db TDB, scope Scope, key 
 		switch {
 		case errors.Is(err, driver.ErrNoRows):
 			return ErrNotFound
-		case pgCode(err) == pgerrcode.LockNotAvailable:
+		case driver.LockNotAvailable(err):
 			return c.inProgress()
 		case err != nil:
 			return err

@@ -357,6 +357,11 @@ func (c *Core) storeError(ctx context.Context, procedure, key string, err error)
 			code = CodeDeadlineExceeded
 		}
 		return &Failure{Code: code, Message: ctx.Err().Error(), Cause: ctx.Err()}
+	case errors.Is(err, idem.ErrTxAborted):
+		// A bug of the handler's: it swallowed a failed statement and
+		// answered as though it had not.
+		c.logFailure(ctx, c.opts.Name+": the handler's transaction was aborted by a statement it did not report; nothing stored", procedure, key, err)
+		return &Failure{Code: CodeInternal, Message: c.opts.Name + ": the call failed; nothing was stored: " + errorText(err)}
 	case idem.Unavailable(err):
 		c.logFailure(ctx, c.opts.Name+": store unavailable", procedure, key, err)
 		return &Failure{Code: CodeUnavailable, Reason: ReasonStoreUnavailable,

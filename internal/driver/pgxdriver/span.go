@@ -275,7 +275,7 @@ func (s *span) Complete(ctx context.Context, out driver.Outcome) error {
 	br := s.tx.SendBatch(ctx, b)
 	err := queries.KeyComplete(context.Background(), batchRead{br}, db.KeyCompleteParams{})
 	if err != nil {
-		err = fmt.Errorf("store response: %w", err)
+		err = fmt.Errorf("store response: %w", driver.Interpret(err))
 	} else {
 		err = s.ended(br.Exec())
 	}

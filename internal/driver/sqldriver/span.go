@@ -110,7 +110,7 @@ func (s *span) Complete(ctx context.Context, out driver.Outcome) error {
 		ResponseHeaders: sql.NullString{String: r.Headers, Valid: r.HasHeaders}, ResponseBody: r.Body,
 	})
 	if err != nil {
-		return fmt.Errorf("store response: %w", err)
+		return fmt.Errorf("store response: %w", driver.Interpret(err))
 	}
 	if s.db != nil {
 		// After the completion ran: sql.ErrTxDone when fn ended the

@@ -315,6 +315,7 @@ func Run(t *testing.T, tr Transport) {
 				{"StoredForm", testStoredForm},
 				{"ReplyTooLarge", testReplyTooLarge},
 				{"HandlerSerializationFailure", testHandlerSerializationFailure},
+				{"HandlerHidingAFailedStatement", testHandlerHidingAFailedStatement},
 				{"ScopeErrors", testScopeErrors},
 				{"NoSchema", testNoSchema},
 				{"UnresolvableReplyType", testUnresolvableReplyType},
@@ -784,6 +785,37 @@ func testHandlerSerializationFailure(e *env) {
 	}
 	if a.Err != nil || a.Replayed() || runs.Load() != 2 || e.transfers() != 1 {
 		t.Errorf("%s, %d runs, %d rows", a, runs.Load(), e.transfers())
+	}
+}
+
+// A handler that swallows a failed statement and replies: INTERNAL (a
+// server error, idem.ErrTxAborted), the reason logged, nothing stored;
+// concurrent duplicates get the same, or wait.
+func testHandlerHidingAFailedStatement(e *env) {
+	t, ctx := e.t, e.t.Context()
+	var runs atomic.Int64
+	insert := Insert(&runs)
+	var logs testlog.Buffer
+	srv := e.serve(Options{Logger: slog.New(slog.NewTextHandler(&logs, nil))}, func(ctx context.Context, tx Tx, req *dynamicpb.Message) Outcome {
+		out := insert(ctx, tx, req)
+		_ = tx.Exec(ctx, `SELECT 1/0`) // swallowed
+		return out
+	})
+	var wg sync.WaitGroup
+	for range 4 {
+		wg.Go(func() {
+			a := srv.Call(ctx, "alice", []string{"hidden-1"}, Request("h", 1))
+			if a.Code() != codeInternal && a.Code() != codeAborted {
+				t.Errorf("%s, want INTERNAL", a)
+			}
+		})
+	}
+	wg.Wait()
+	if out := logs.String(); !strings.Contains(out, "aborted by a statement it did not report") {
+		t.Errorf("the reason is not logged:\n%s", out)
+	}
+	if n := e.count(`SELECT count(*) FROM idem_keys`); n != 0 || e.transfers() != 0 {
+		t.Errorf("%d keys, %d rows", n, e.transfers())
 	}
 }
 

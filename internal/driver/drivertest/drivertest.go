@@ -1,0 +1,246 @@
+// Package drivertest is the conformance suite of idem's drivers: one set
+// of tests of the Driver, Span and Executor contract (package driver),
+// which every driver runs (pgxdriver; sqldriver with pgx's stdlib and with
+// lib/pq) against a real PostgreSQL. Exercise is its entry.
+package drivertest
+
+import (
+	"context"
+	"errors"
+	"testing"
+
+	"github.com/pgidem/idem/internal/driver"
+)
+
+// Harness is what a driver's test gives the suite.
+type Harness[TTx, TDB any] struct {
+	// New returns the driver under test with settings s.
+	New func(s driver.Settings) driver.Driver[TTx, TDB]
+	// DB opens a handle on a fresh database migrated by idem, closed when
+	// the test ends.
+	DB func(t *testing.T) TDB
+	// Exec runs a statement of fn's in tx, as fn would.
+	Exec func(ctx context.Context, tx TTx, sql string) error
+	// Commit commits tx as fn would, through the database package.
+	Commit func(ctx context.Context, tx TTx) error
+	// Count runs a count(*) query on db, outside any call.
+	Count func(t *testing.T, db TDB, query string) int
+}
+
+// settings are the suite's: a day's TTL, a short wait.
+var settings = driver.Settings{TTLMicros: 86_400_000_000, LockTimeout: "200ms"}
+
+func key(name string) driver.Key { return driver.Key{Actor: "alice", Operation: "op", Key: name} }
+
+var fpA = [32]byte{1}
+
+var reply = driver.Reply{Status: 201, Headers: `{"Content-Type":["text/plain"]}`, HasHeaders: true, Body: []byte("ok")}
+
+// Exercise runs the suite against h.
+func Exercise[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
+	t.Run("CheckDBAndNilTx", func(t *testing.T) {
+		d := h.New(settings)
+		var zeroDB TDB
+		if d.CheckDB(zeroDB, false) == nil || d.CheckDB(zeroDB, true) == nil {
+			t.Error("CheckDB accepts a nil handle")
+		}
+		var zeroTx TTx
+		if !d.NilTx(zeroTx) {
+			t.Error("NilTx(nil) = false")
+		}
+		if d.TxClosed(nil) || d.TxClosed(errors.New("other")) {
+			t.Error("TxClosed of an unrelated error")
+		}
+	})
+	t.Run("OwnSpanClaimCompleteRead", func(t *testing.T) {
+		ctx := t.Context()
+		d := h.New(settings)
+		db := h.DB(t)
+		s := ownSpan(t, d, db)
+		claimed, begun, err := s.Claim(ctx, driver.Claim{Key: key("k"), Fingerprint: fpA})
+		if err != nil || !claimed || !begun {
+			t.Fatalf("Claim: %v %v %v", claimed, begun, err)
+		}
+		if err := s.Complete(ctx, driver.Outcome{Key: key("k"), Fingerprint: fpA, Status: "succeeded", Reply: reply}); err != nil {
+			t.Fatalf("Complete: %v", err)
+		}
+		// The key is held by a committed row: the next claim claims
+		// nothing, and Read reads the row and ends the span.
+		claimed, begun, err = s.Claim(ctx, driver.Claim{Key: key("k"), Fingerprint: fpA})
+		if err != nil || claimed || !begun {
+			t.Fatalf("Claim of a held key: %v %v %v", claimed, begun, err)
+		}
+		row, found, err := s.Read(ctx, key("k"))
+		if err != nil || !found || row.Status != "succeeded" || !row.Stored.Valid || row.Stored.Status != 201 ||
+			string(row.Stored.Body) != "ok" || [32]byte(row.Fingerprint) != fpA || row.Expired || row.Leased {
+			t.Fatalf("Read: %+v %v %v", row, found, err)
+		}
+		claimed, _, err = s.Claim(ctx, driver.Claim{Key: key("gone"), Fingerprint: fpA})
+		if err != nil || !claimed {
+			t.Fatalf("Claim: %v %v", claimed, err)
+		}
+		if err := s.Undo(ctx); err != nil {
+			t.Fatalf("Undo: %v", err)
+		}
+		if n := h.Count(t, db, `SELECT count(*) FROM idem_keys`); n != 1 {
+			t.Fatalf("%d rows after Undo, want 1", n)
+		}
+	})
+	t.Run("CompleteInAbortedTxIsErrTxAborted", func(t *testing.T) {
+		ctx := t.Context()
+		d := h.New(settings)
+		db := h.DB(t)
+		s := ownSpan(t, d, db)
+		if _, _, err := s.Claim(ctx, driver.Claim{Key: key("a"), Fingerprint: fpA}); err != nil {
+			t.Fatal(err)
+		}
+		if err := h.Exec(ctx, s.Tx(), `SELECT 1/0`); err == nil {
+			t.Fatal("1/0 succeeded")
+		}
+		err := s.Complete(ctx, driver.Outcome{Key: key("a"), Fingerprint: fpA, Status: "succeeded", Reply: reply})
+		if !errors.Is(err, driver.ErrTxAborted) || driver.SQLState(err) != "25P02" || driver.Unavailable(err) {
+			t.Fatalf("Complete: %v (SQLSTATE %q), want ErrTxAborted with 25P02", err, driver.SQLState(err))
+		}
+		if err := s.Undo(ctx); err != nil {
+			t.Fatalf("Undo: %v", err)
+		}
+		if n := h.Count(t, db, `SELECT count(*) FROM idem_keys`); n != 0 {
+			t.Fatalf("%d rows", n)
+		}
+	})
+	t.Run("FnCommitsThenOrphaned", func(t *testing.T) {
+		ctx := t.Context()
+		d := h.New(settings)
+		db := h.DB(t)
+		s := ownSpan(t, d, db)
+		if _, _, err := s.Claim(ctx, driver.Claim{Key: key("o"), Fingerprint: fpA}); err != nil {
+			t.Fatal(err)
+		}
+		if err := h.Commit(ctx, s.Tx()); err != nil {
+			t.Fatal(err)
+		}
+		if err := s.Undo(ctx); !d.TxClosed(err) {
+			t.Fatalf("Undo after fn's COMMIT: %v, want TxClosed", err)
+		}
+		n, _, err := s.Orphaned(ctx, key("o"), fpA, "why")
+		if err != nil || n != 1 {
+			t.Fatalf("Orphaned: %d, %v", n, err)
+		}
+		n, now, err := s.Orphaned(ctx, key("o"), fpA, "why")
+		if err != nil || n != 0 || now.Status != "unknown" || now.LastError != "why" {
+			t.Fatalf("Orphaned again: %d, %+v, %v", n, now, err)
+		}
+		if _, _, err := s.Orphaned(ctx, key("none"), fpA, "why"); !errors.Is(err, driver.ErrNoRows) {
+			t.Fatalf("Orphaned of no row: %v, want ErrNoRows", err)
+		}
+	})
+	t.Run("ClaimWaitsAtMostWait", func(t *testing.T) {
+		ctx := t.Context()
+		d := h.New(settings)
+		db := h.DB(t)
+		holder := ownSpan(t, d, db)
+		if claimed, _, err := holder.Claim(ctx, driver.Claim{Key: key("w"), Fingerprint: fpA}); err != nil || !claimed {
+			t.Fatal(claimed, err)
+		}
+		defer func() { _ = holder.Undo(ctx) }()
+		s := ownSpan(t, d, db)
+		_, begun, err := s.Claim(ctx, driver.Claim{Key: key("w"), Fingerprint: fpA})
+		if driver.SQLState(err) != "55P03" || !begun {
+			t.Fatalf("Claim of a key in flight: begun %v, %v; want 55P03", begun, err)
+		}
+		if err := s.Undo(ctx); err != nil {
+			t.Fatalf("Undo: %v", err)
+		}
+	})
+	t.Run("SavepointSpan", func(t *testing.T) {
+		ctx := t.Context()
+		d := h.New(settings)
+		db := h.DB(t)
+		tx, err := d.Begin(ctx, db)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s := d.SavepointSpan(tx)
+		if claimed, begun, err := s.Claim(ctx, driver.Claim{Key: key("s"), Fingerprint: fpA}); err != nil || !claimed || !begun {
+			t.Fatal(claimed, begun, err)
+		}
+		if err := s.Undo(ctx); err != nil {
+			t.Fatalf("Undo: %v", err)
+		}
+		if claimed, _, err := s.Claim(ctx, driver.Claim{Key: key("s"), Fingerprint: fpA}); err != nil || !claimed {
+			t.Fatal(claimed, err)
+		}
+		if err := s.Complete(ctx, driver.Outcome{Key: key("s"), Fingerprint: fpA, Status: "rejected", Reply: reply}); err != nil {
+			t.Fatalf("Complete: %v", err)
+		}
+		if s.Lost() {
+			t.Error("a savepoint span is lost")
+		}
+		if _, _, err := s.Orphaned(ctx, key("s"), fpA, "why"); err == nil {
+			t.Error("Orphaned on a savepoint span succeeded")
+		}
+		if err := d.Commit(ctx, tx); err != nil {
+			t.Fatal(err)
+		}
+		if n := h.Count(t, db, `SELECT count(*) FROM idem_keys WHERE status = 'rejected'`); n != 1 {
+			t.Fatalf("%d rows", n)
+		}
+	})
+	t.Run("Executor", func(t *testing.T) {
+		ctx := t.Context()
+		d := h.New(settings)
+		db := h.DB(t)
+		tx, err := d.Begin(ctx, db)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer d.Rollback(ctx, db, tx)
+		ex := d.Executor(tx)
+		if err := ex.UseIndexes(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := ex.KeyLookup(ctx, key("none")); !errors.Is(err, driver.ErrNoRows) {
+			t.Errorf("KeyLookup of no row: %v, want ErrNoRows", err)
+		}
+		r := driver.Reserve{Key: key("r"), Fingerprint: fpA, Lease: 60e9}
+		got, err := ex.ReserveInsertOrLock(ctx, r)
+		if err != nil || !got.Inserted || got.Token <= 0 || got.LeaseExpiresAt.IsZero() {
+			t.Fatalf("ReserveInsertOrLock: %+v, %v", got, err)
+		}
+		again, err := ex.ReserveInsertOrLock(ctx, r)
+		if err != nil || again.Inserted || !again.Found || again.Row.Token != got.Token || again.Row.Status != "processing" {
+			t.Fatalf("ReserveInsertOrLock again: %+v, %v", again, err)
+		}
+		if _, err := ex.ReserveHeartbeat(ctx, key("r"), got.Token+1, 60e9, false); !errors.Is(err, driver.ErrNoRows) {
+			t.Errorf("ReserveHeartbeat with a stale token: %v, want ErrNoRows", err)
+		}
+		if n, err := ex.ReserveComplete(ctx, key("r"), got.Token+1, reply); err != nil || n != 0 {
+			t.Errorf("ReserveComplete with a stale token: %d, %v", n, err)
+		}
+		if n, err := ex.ReserveComplete(ctx, key("r"), got.Token, reply); err != nil || n != 1 {
+			t.Errorf("ReserveComplete: %d, %v", n, err)
+		}
+		rec, err := ex.KeyLookup(ctx, key("r"))
+		if err != nil || rec.Status != "succeeded" || rec.Token != got.Token || !rec.Stored.Valid {
+			t.Errorf("KeyLookup: %+v, %v", rec, err)
+		}
+		stats, err := ex.KeyStats(ctx)
+		if err != nil || len(stats) != 1 || stats[0].Status != "succeeded" || stats[0].Keys != 1 {
+			t.Errorf("KeyStats: %+v, %v", stats, err)
+		}
+		if n, err := ex.KeyPrune(ctx, 10); err != nil || n != 0 {
+			t.Errorf("KeyPrune: %d, %v", n, err)
+		}
+	})
+}
+
+// ownSpan is DoInTx's span on db, closed when the test ends.
+func ownSpan[TTx, TDB any](t *testing.T, d driver.Driver[TTx, TDB], db TDB) driver.Span[TTx] {
+	t.Helper()
+	s, ok, err := d.OwnSpan(t.Context(), db)
+	if err != nil || !ok {
+		t.Fatalf("OwnSpan: %v %v", ok, err)
+	}
+	t.Cleanup(s.Close)
+	return s
+}

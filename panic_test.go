@@ -1,0 +1,218 @@
+package idem_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
+
+	"github.com/pgidem/idem"
+)
+
+// errFnPanic is what the panicking fns of these tests panic with.
+var errFnPanic = errors.New("fn's panic")
+
+// recovered runs f and returns the value it panicked with (nil: none).
+func recovered(f func()) (v any) {
+	defer func() { v = recover() }()
+	f()
+	return nil
+}
+
+// An fn that commits DoInTx's own transaction and then panics gets what
+// its return gets: the claim fn's COMMIT made durable is marked unknown,
+// so ListUnknown lists it at once and retries get ErrOutcomeUnknown; and
+// the panic goes on, unchanged. Concurrent duplicates (coalesced on one
+// pool, or not: another Client) never run fn again.
+func TestFnCommittingThenPanickingInDoInTx(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	var calls atomic.Int64
+	fn := func(key string) func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+		return func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+			if _, err := recordEffect(&calls, key)(ctx, tx); err != nil {
+				return idem.Response{}, err
+			}
+			if err := tx.Commit(ctx); err != nil {
+				t.Errorf("%s: commit: %v", key, err)
+			}
+			panic(errFnPanic)
+		}
+	}
+	other := waitingClient(t, 0)
+	const dups = 8
+	for _, key := range []string{"panic-a", "panic-b", "panic-c"} {
+		var wg sync.WaitGroup
+		for i := range dups {
+			wg.Go(func() {
+				var err error
+				v := recovered(func() {
+					if i%2 == 0 {
+						_, err = idem.DoInTx(ctx, pool, scope, key, fpA, fn(key))
+					} else {
+						_, err = other.DoInTx(ctx, pool, scope, key, fpA, fn(key))
+					}
+				})
+				switch {
+				case v != nil && v != errFnPanic:
+					t.Errorf("%s: panicked with %v, want fn's panic", key, v)
+				case v == nil && !errors.Is(err, idem.ErrOutcomeUnknown) && !errors.Is(err, idem.ErrInProgress):
+					t.Errorf("%s: a duplicate: err = %v, want ErrOutcomeUnknown or ErrInProgress", key, err)
+				}
+			})
+		}
+		wg.Wait()
+		if row := readRow(t, pool, scope, key); row.Status != "unknown" || row.LastError == nil || !strings.Contains(*row.LastError, "fn committed") {
+			t.Errorf("%s: row %+v, want an unknown record", key, row)
+		}
+		if n := count(t, pool, `SELECT count(*) FROM effects WHERE key = $1`, key); n != 1 {
+			t.Errorf("%s: %d effects, want 1", key, n)
+		}
+	}
+	if n := calls.Load(); n != 3 {
+		t.Errorf("fn ran %d times, want 3 (once per key)", n)
+	}
+	page, err := idem.ListUnknown(ctx, pool, 10, nil)
+	if err != nil || len(page) != 3 {
+		t.Fatalf("ListUnknown: %d records, %v; want 3", len(page), err)
+	}
+
+	// fn that panics without ending its transaction: nothing remains, and
+	// the key runs again.
+	v := recovered(func() {
+		_, _ = idem.DoInTx(ctx, pool, scope, "panic-open", fpA, func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+			_, _ = recordEffect(&calls, "panic-open")(ctx, tx)
+			panic(errFnPanic)
+		})
+	})
+	if v != errFnPanic {
+		t.Fatalf("panic-open: panicked with %v", v)
+	}
+	if row := readRow(t, pool, scope, "panic-open"); row.Found {
+		t.Errorf("panic-open: row %+v", row)
+	}
+	if res, err := idem.DoInTx(ctx, pool, scope, "panic-open", fpA, recordEffect(&calls, "panic-open")); err != nil || res.Replayed {
+		t.Errorf("panic-open again: %+v, %v", res, err)
+	}
+}
+
+// An fn that commits the savepoint of a caller's transaction it runs in
+// (Do on a pgx.Tx begun on a pgx.Tx; DoInTx on a pgx.Tx) and then panics:
+// the enclosing transaction is aborted, so a caller that recovers the
+// panic and commits commits nothing of fn's and no claim. Concurrent
+// duplicates, each in a transaction of its own.
+func TestFnCommittingThenPanickingInCallersTx(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	var calls atomic.Int64
+	for _, call := range []string{"Do", "DoInTx"} {
+		key := "panic-tx-" + call
+		var wg sync.WaitGroup
+		var committed atomic.Int64
+		for range 6 {
+			wg.Go(func() {
+				tx, err := pool.Begin(ctx)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				defer func() { _ = tx.Rollback(ctx) }()
+				fn := func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+					if _, err := recordEffect(&calls, key)(ctx, tx); err != nil {
+						return idem.Response{}, err
+					}
+					if err := tx.Commit(ctx); err != nil {
+						t.Errorf("%s: commit: %v", key, err)
+					}
+					panic(errFnPanic)
+				}
+				var callErr error
+				v := recovered(func() {
+					if call == "Do" {
+						nested, err := tx.Begin(ctx)
+						if err != nil {
+							t.Error(err)
+							return
+						}
+						_, callErr = idem.Do(ctx, nested, scope, key, fpA, fn)
+					} else {
+						_, callErr = idem.DoInTx(ctx, tx, scope, key, fpA, fn)
+					}
+				})
+				if v != errFnPanic {
+					t.Errorf("%s: panicked with %v (err %v), want fn's panic", key, v, callErr)
+				}
+				// The caller recovers, and commits.
+				if err := tx.Commit(ctx); err == nil {
+					committed.Add(1)
+				}
+			})
+		}
+		wg.Wait()
+		if n := count(t, pool, `SELECT count(*) FROM effects WHERE key = $1`, key); n != 0 {
+			t.Errorf("%s: %d of fn's effects committed", key, n)
+		}
+		if row := readRow(t, pool, scope, key); row.Found {
+			t.Errorf("%s: key row %+v committed (%d callers' COMMITs succeeded)", key, row, committed.Load())
+		}
+	}
+}
+
+// An fn that swallows a failed statement and returns a response: nothing
+// is stored, the call returns ErrTxAborted with the server's SQLSTATE
+// 25P02 in the chain, Do's caller's transaction stays usable, and the key
+// runs again. Concurrent duplicates get the same, or wait.
+func TestFnHidingAFailedStatement(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	hiding := func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+		_, _ = tx.Exec(ctx, `SELECT 1/0`) // swallowed
+		return idem.Response{Status: 200}, nil
+	}
+	check := func(name string, err error) {
+		t.Helper()
+		var pgErr *pgconn.PgError
+		if !errors.Is(err, idem.ErrTxAborted) || !errors.As(err, &pgErr) || pgErr.Code != "25P02" || idem.Unavailable(err) {
+			t.Errorf("%s: err = %v, want ErrTxAborted with SQLSTATE 25P02", name, err)
+		}
+	}
+	var wg sync.WaitGroup
+	for i := range 6 {
+		wg.Go(func() {
+			key := fmt.Sprintf("hidden-%d", i%2)
+			_, err := idem.DoInTx(ctx, pool, scope, key, fpA, hiding)
+			check("DoInTx "+key, err)
+			tx, err := pool.Begin(ctx)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			defer func() { _ = tx.Rollback(ctx) }()
+			_, err = idem.Do(ctx, tx, scope, key+"-do", fpA, hiding)
+			if errors.Is(err, idem.ErrInProgress) {
+				return
+			}
+			check("Do "+key, err)
+			if aborted(tx) {
+				t.Errorf("Do %s: the caller's transaction is aborted", key)
+			}
+		})
+	}
+	wg.Wait()
+	if n := keyRows(t, pool); n != 0 {
+		t.Errorf("%d key rows", n)
+	}
+	var calls atomic.Int64
+	if res, err := idem.DoInTx(ctx, pool, scope, "hidden-0", fpA, recordEffect(&calls, "hidden-0")); err != nil || res.Replayed {
+		t.Errorf("hidden-0 again: %+v, %v", res, err)
+	}
+}
