@@ -29,11 +29,14 @@ import (
 // a finished key row), read from pg_walinspect and counted for the
 // benchmark database only.
 
-// storageLimit is the most bytes per retained key (working size: heap,
-// indexes and TOAST) the storage run accepts; beyond it the run fails.
-// storageGoal is issue 34's goal, reported as MISS only.
+// storageLimit is the most bytes per retained key the layout may take
+// compact (after VACUUM FULL: heap, indexes and TOAST); beyond it the run
+// fails. It asserts the layout, which the run's speed does not move.
+// storageGoal is issue 34's goal for the working size in steady state,
+// reported as MISS only: the working size depends on how far the run got
+// to its steady state, which a loaded machine decides.
 const (
-	storageLimit = 720
+	storageLimit = 600
 	storageGoal  = 300
 )
 
@@ -257,11 +260,6 @@ func (b *bench) runStorage(ctx context.Context, out io.Writer) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	wal, err := b.walPerCall(ctx, sp, client)
-	if err != nil {
-		return 0, err
-	}
-
 	fmt.Fprintf(out, "calls %d (%.0f/s; %d dropped: every worker busy), pruned %d, VACUUMs %d; retained keys %d\n",
 		calls.Load(), float64(calls.Load())/(2*ttl).Seconds(), behind.Load(), pruned.Load(), vacuums.Load(), working.rows)
 	fmt.Fprintf(out, "%-32s %14s %10s %14s %10s\n", "bytes per retained key", "working", "per key", "compact", "per key")
@@ -273,16 +271,21 @@ func (b *bench) runStorage(ctx context.Context, out io.Writer) (int, error) {
 	fmt.Fprintf(out, "%-32s %14d %10.1f %14d %10.1f\n", "total (heap, indexes, TOAST)", wt, working.perKey(wt), ct, compact.perKey(ct))
 	share := float64(hot) / float64(max(upd, 1))
 	fmt.Fprintf(out, "HOT updates: %d of %d (%.1f%%); completions: %d calls\n", hot, upd, 100*share, calls.Load())
+	wal, err := b.walPerCall(ctx, sp, client)
+	if err != nil {
+		return 0, err
+	}
 	wal.print(out)
 
 	failures := 0
 	perKey := working.perKey(wt)
+	if c := compact.perKey(ct); c > storageLimit {
+		fmt.Fprintf(out, "FAIL  %.0f bytes per retained key compact, more than the layout allows (%d)\n", c, storageLimit)
+		failures++
+	}
 	switch {
 	case working.rows == 0:
 		fmt.Fprintln(out, "FAIL  no key retained")
-		failures++
-	case perKey > storageLimit:
-		fmt.Fprintf(out, "FAIL  %.0f bytes per retained key, more than the layout allows (%d)\n", perKey, storageLimit)
 		failures++
 	case perKey > storageGoal:
 		fmt.Fprintf(out, "MISS  %.0f bytes per retained key (goal: at most %d)\n", perKey, storageGoal)
@@ -368,29 +371,54 @@ func (b *bench) walPerCall(ctx context.Context, sp *pgxpool.Pool, client *idem.C
 				return w, fmt.Errorf("%s: %w", wl.name, err)
 			}
 		}
-		var start, end string
-		if err := conn.QueryRow(ctx, `SELECT pg_current_wal_insert_lsn()::text`).Scan(&start); err != nil {
-			return w, err
-		}
-		for range n {
-			if err := wl.call(); err != nil {
-				return w, fmt.Errorf("%s: %w", wl.name, err)
-			}
-		}
-		if err := conn.QueryRow(ctx, `SELECT pg_current_wal_insert_lsn()::text`).Scan(&end); err != nil {
-			return w, err
-		}
+		// In chunks, each read at once: on a busy server the segments of
+		// a long stretch are recycled before they can be read.
 		var bytes, fpi int64
-		if inspect {
-			// pg_walinspect reads only flushed WAL.
-			for i := 0; i < 100; i++ {
-				var flushed bool
-				if err := conn.QueryRow(ctx, `SELECT pg_current_wal_flush_lsn() >= $1::pg_lsn`, end).Scan(&flushed); err != nil || flushed {
-					break
+		for done := 0; done < n; {
+			chunk := min(50, n-done)
+			b, f, err := walOf(ctx, conn, inspect, func() error {
+				for range chunk {
+					if err := wl.call(); err != nil {
+						return fmt.Errorf("%s: %w", wl.name, err)
+					}
 				}
-				time.Sleep(10 * time.Millisecond)
+				return nil
+			})
+			if err != nil {
+				return w, err
 			}
-			err = conn.QueryRow(ctx, `
+			bytes, fpi, done = bytes+b, fpi+f, done+chunk
+		}
+		w.rows = append(w.rows, walRow{name: wl.name, bytes: float64(bytes) / float64(n), fpi: float64(fpi) / float64(n)})
+	}
+	return w, nil
+}
+
+// walOf runs calls and returns the WAL bytes they wrote, and the
+// full-page images among them (see walPerCall).
+func walOf(ctx context.Context, conn *pgx.Conn, inspect bool, calls func() error) (bytes, fpi int64, err error) {
+	var start, end string
+	if err := conn.QueryRow(ctx, `SELECT pg_current_wal_insert_lsn()::text`).Scan(&start); err != nil {
+		return 0, 0, err
+	}
+	if err := calls(); err != nil {
+		return 0, 0, err
+	}
+	if err := conn.QueryRow(ctx, `SELECT pg_current_wal_insert_lsn()::text`).Scan(&end); err != nil {
+		return 0, 0, err
+	}
+	if !inspect {
+		err = conn.QueryRow(ctx, `SELECT ($2::pg_lsn - $1::pg_lsn)::bigint`, start, end).Scan(&bytes)
+		return bytes, 0, err
+	}
+	for range 100 { // pg_walinspect reads only flushed WAL
+		var flushed bool
+		if err := conn.QueryRow(ctx, `SELECT pg_current_wal_flush_lsn() >= $1::pg_lsn`, end).Scan(&flushed); err != nil || flushed {
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	err = conn.QueryRow(ctx, `
 				WITH r AS (
 					SELECT * FROM pg_get_wal_records_info($1::pg_lsn, $2::pg_lsn)
 				), mine AS (
@@ -401,15 +429,10 @@ func (b *bench) walPerCall(ctx context.Context, sp *pgxpool.Pool, client *idem.C
 				FROM r
 				WHERE start_lsn IN (SELECT start_lsn FROM mine)
 				   OR (xid <> 0 AND xid IN (SELECT xid FROM mine))`, start, end).Scan(&bytes, &fpi)
-		} else {
-			err = conn.QueryRow(ctx, `SELECT ($2::pg_lsn - $1::pg_lsn)::bigint`, start, end).Scan(&bytes)
-		}
-		if err != nil {
-			return w, fmt.Errorf("WAL of %s: %w", wl.name, err)
-		}
-		w.rows = append(w.rows, walRow{name: wl.name, bytes: float64(bytes) / float64(n), fpi: float64(fpi) / float64(n)})
+	if err != nil {
+		return 0, 0, fmt.Errorf("WAL count: %w", err)
 	}
-	return w, nil
+	return bytes, fpi, nil
 }
 
 // storageCheck checks the storage flags.
