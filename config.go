@@ -9,6 +9,11 @@ import "github.com/pgidem/idem/internal/core"
 //     claimed (for a reservation, also at least a TTL after its outcome is
 //     recorded). Past it a finished key counts as a new request. Default 24
 //     hours.
+//   - TTLFor (func(operation string) time.Duration), when set, gives the
+//     TTL of an operation's keys (Scope.Operation) in place of TTL; 0 means
+//     TTL. Called on every call: fast, safe for concurrent use. A value
+//     under a microsecond fails the call with ErrInvalidConfig before
+//     anything is written. A key keeps the TTL it was claimed with.
 //   - Wait (time.Duration) bounds how long a call waits for a concurrent
 //     transaction that holds the same key before it gives up with
 //     ErrInProgress. (On Citus the wait happens on a worker, which the bound
