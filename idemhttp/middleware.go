@@ -534,11 +534,14 @@ func (m *middleware) serveKeyed(ctx context.Context, w http.ResponseWriter, r *h
 	case errors.Is(err, errPanicked):
 		// guard answered already.
 	case err == nil && res.Replayed:
+		w.Header().Set(HeaderKeyLifetime, m.lifetime(scope.Operation))
 		writeReplay(w, res.Response, m.stored)
 	case errors.Is(err, errNotStored) && timedOut(ctx, buf):
 		m.fail(ctx, w, r, key, context.Cause(ctx))
-	case err == nil, errors.Is(err, errNotStored):
-		writeBuffered(w, buf)
+	case err == nil:
+		writeBuffered(w, buf, m.lifetime(scope.Operation))
+	case errors.Is(err, errNotStored):
+		writeBuffered(w, buf, "")
 	case errors.Is(err, idem.ErrKeyReused):
 		writeProblem(w, http.StatusUnprocessableEntity, CodeKeyReused,
 			"This Idempotency-Key was used for a different request.", 0)
@@ -583,7 +586,7 @@ func (m *middleware) serveUnkeyed(ctx context.Context, w http.ResponseWriter, r 
 	case errors.Is(err, errNotStored) && timedOut(ctx, buf):
 		m.fail(ctx, w, r, "", context.Cause(ctx))
 	case err == nil, errors.Is(err, errNotStored):
-		writeBuffered(w, buf)
+		writeBuffered(w, buf, "")
 	default:
 		m.fail(ctx, w, r, "", err)
 	}
@@ -671,6 +674,19 @@ func (m *middleware) storedHeader(h http.Header) map[string][]string {
 	return out
 }
 
+// lifetime is the value of HeaderKeyLifetime for a key of operation: its
+// TTL (Config.TTLFor, else Config.TTL) in whole seconds, rounded up.
+func (m *middleware) lifetime(operation string) string {
+	cfg := m.client.Config()
+	ttl := cfg.TTL
+	if cfg.TTLFor != nil {
+		if t := cfg.TTLFor(operation); t > 0 {
+			ttl = t
+		}
+	}
+	return strconv.FormatInt(int64((ttl+time.Second-1)/time.Second), 10)
+}
+
 // storeStatus classifies an error of the store with idem.Unavailable: 503
 // when the database could not serve (the client should retry with the same
 // key), 500 otherwise.
@@ -681,13 +697,17 @@ func storeStatus(err error) int {
 	return http.StatusInternalServerError
 }
 
-// writeBuffered writes the handler's response as it buffered it.
-func writeBuffered(w http.ResponseWriter, buf *bufferWriter) {
+// writeBuffered writes the handler's response as it buffered it, with
+// HeaderKeyLifetime when lifetime is not "" (the response was stored).
+func writeBuffered(w http.ResponseWriter, buf *bufferWriter, lifetime string) {
 	status, header := buf.result()
 	h := w.Header()
 	clear(h)
 	for name, v := range header {
 		h[name] = v
+	}
+	if lifetime != "" {
+		h.Set(HeaderKeyLifetime, lifetime)
 	}
 	writeBody(w, status, buf.body.Bytes())
 }
