@@ -134,7 +134,8 @@ func (o *options) shrink(set map[string]bool) {
 		"scale-rows":        func() { o.scaleRows = 20_000 },
 		"expired-rows":      func() { o.expiredRows = 15_000 },
 		"alloc-calls":       func() { o.allocs = 50 },
-		"storage-keys":      func() { o.storageKeys = 3_000 },
+		"storage-keys":      func() { o.storageKeys = 2_000 },
+		"storage-rate":      func() { o.storageRate = 250 },
 		"storage-wal-calls": func() { o.storageWALCalls = 200 },
 	} {
 		if !set[name] {
