@@ -57,4 +57,27 @@ func NewCallKey() string { return uuid.NewString() }
 
 // MaxStepLength is the longest step, in bytes, that Reservation.CallKey
 // takes.
-const MaxStepLength = core.MaxStepLength
+const MaxStepLength = 255
+
+// CallKey returns the idempotency key for the outgoing call step ("charge",
+// "refund", "email") of this reservation's request: the same for every
+// attempt, token, worker, process and restart of the request, different for
+// another step, key or scope. It is a UUID (36 characters), a valid key for
+// idem and for providers that limit keys to a UUID, and reveals neither the
+// actor nor the key (a one-way hash of them; someone who can guess both can
+// confirm the guess).
+//
+// Send it with the call (WithCallKey with idem's clients, or the provider's
+// own key parameter), so that the receiver deduplicates every retry of the
+// call. CallKey returns "" when step is empty, longer than MaxStepLength
+// bytes, not valid UTF-8 or holds a control character, or when r has no key
+// or scope (a zero Reservation); idem's clients refuse a call with an empty
+// key, before sending anything, with an error wrapping ErrInvalidKey.
+//
+// Past the key's TTL (Config.TTL) a new request under the same key derives
+// the same call keys: keep the TTL at least as long as the receivers
+// remember keys, or let clients use a key per operation that is never
+// reused.
+func (r Reservation) CallKey(step string) string {
+	return core.Reservation{Scope: core.Scope(r.Scope), Key: r.Key}.CallKey(step)
+}

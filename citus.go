@@ -2,6 +2,7 @@ package idem
 
 import (
 	"context"
+	"errors"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -25,7 +26,7 @@ import (
 // needs: Distribute on a database without the citus extension or with
 // idem's tables distributed otherwise, or a connection to a Citus worker
 // instead of the coordinator. Nothing was stored. It is a deployment error, not a request's (HTTP 500).
-var ErrUnsupported = core.ErrUnsupported
+var ErrUnsupported = errors.New("idem: not supported by this database")
 
 // DistributionColumn is the column Distribute shards idem_keys and
 // idem_audit by: the tenant column. Co-locate the service's tables with

@@ -1,67 +1,92 @@
 package idem
 
-import "github.com/pgidem/idem/internal/core"
+import (
+	"log/slog"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"go.opentelemetry.io/otel/metric"
+	"go.opentelemetry.io/otel/trace"
+)
 
 // Config configures a Client. The zero value of every field means its
 // default; the package-level functions (Do, DoInTx, InTx) use Config{}.
-//
-//   - TTL (time.Duration) is how long a key is remembered after it is
-//     claimed (for a reservation, also at least a TTL after its outcome is
-//     recorded). Past it a finished key counts as a new request. Default 24
-//     hours.
-//   - TTLFor (func(operation string) time.Duration), when set, gives the
-//     TTL of an operation's keys (Scope.Operation) in place of TTL; 0 means
-//     TTL. Called on every call: fast, safe for concurrent use. A value
-//     under a microsecond fails the call with ErrInvalidConfig before
-//     anything is written. A key keeps the TTL it was claimed with.
-//   - Wait (time.Duration) bounds how long a call waits for a concurrent
-//     transaction that holds the same key before it gives up with
-//     ErrInProgress. (On Citus the wait happens on a worker, which the bound
-//     reaches only when citus.propagate_set_commands is 'local': see
-//     Distribute.) Default 2 seconds; a negative value means wait at most a
-//     millisecond (PostgreSQL's lock_timeout cannot be zero: that means
-//     forever).
-//   - MinKeyLength and MaxKeyLength (int) bound the key length in bytes.
-//     Defaults 1 and 255 (Stripe's limit); MaxKeyLength may be at most 1024.
-//   - MaxResponseBytes (int) bounds the stored response: body plus header
-//     names and values. Default 1 MiB. Keep responses small and free of
-//     secrets.
-//   - IsolationLevel (pgx.TxIsoLevel) is the isolation level of the
-//     transactions InTx and DoInTx begin. Default: the server's default
-//     (READ COMMITTED unless configured otherwise). On a pgx.Tx they run in
-//     a savepoint, which has the isolation level of the caller's
-//     transaction.
-//   - MeterProvider (metric.MeterProvider) receives idem's metrics: a
-//     counter per outcome (idem.reserve.created, .replay, .in_progress,
-//     .key_misuse, ..., idem.store.error, idem.ttl_pruned) and the
-//     histograms idem.duplicate.wait and idem.overhead, with the attributes
-//     "call" and "operation" (the scope's Operation), never a key or an
-//     actor. nil means OpenTelemetry's global provider, a no-op until the
-//     application installs one.
-//   - TracerProvider (trace.TracerProvider), when set, gets one span per Do,
-//     DoInTx and Reserve call (idem.Do, idem.DoInTx, idem.Reserve) with its
-//     outcome. nil means no spans. A tracer set on pgx's connection config
-//     keeps tracing idem's statements either way.
-//   - Logger (*slog.Logger) receives a record per replay, refusal (in
-//     progress, key misuse, unknown outcome) and store error, carrying
-//     keyed hashes of the key and the actor (key_hash, actor_hash), never
-//     their values. nil means silent.
-//   - LogHashKey ([]byte) is the HMAC-SHA256 key of those hashes. Give every
-//     instance the same secret to follow one key across their logs; empty
-//     means a random key per Client.
-//   - MaxRetries (int) is how many times InTx and DoInTx run a transaction
-//     again after a serialization failure (40001) or a deadlock (40P01),
-//     with jittered exponential backoff. Default 5; a negative value
-//     disables retries. On a pgx.Tx there are none: the caller's
-//     transaction is lost.
-type Config = core.Config
+type Config struct {
+	// TTL is how long a key is remembered after it is claimed (for a
+	// reservation, also at least a TTL after its outcome is recorded). Past
+	// it a finished key counts as a new request. Default 24 hours.
+	TTL time.Duration
+
+	// TTLFor, when set, gives the TTL of the keys of an operation
+	// (Scope.Operation), in place of TTL: a short one for a payment
+	// attempt, a long one for an order. 0 means TTL. It is called on every
+	// call, so it must be fast and safe for concurrent use; a value under a
+	// microsecond (negative) fails the call with ErrInvalidConfig before
+	// anything is written. A key keeps the TTL it was claimed with.
+	TTLFor func(operation string) time.Duration
+
+	// Wait bounds how long a call waits for a concurrent transaction that
+	// holds the same key before it gives up with ErrInProgress. (On Citus
+	// the wait happens on a worker, which the bound reaches only when
+	// citus.propagate_set_commands is 'local': see Distribute.) Default 2
+	// seconds; a negative value means wait at most a millisecond
+	// (PostgreSQL's lock_timeout cannot be zero: that means forever).
+	Wait time.Duration
+
+	// MinKeyLength and MaxKeyLength bound the key length in bytes. Defaults
+	// 1 and 255 (Stripe's limit); MaxKeyLength may be at most 1024.
+	MinKeyLength int
+	MaxKeyLength int
+
+	// MaxResponseBytes bounds the stored response: body plus header names
+	// and values. Default 1 MiB. Keep responses small and free of secrets.
+	MaxResponseBytes int
+
+	// IsolationLevel is the isolation level of the transactions InTx and
+	// DoInTx begin. Default: the server's default (READ COMMITTED unless
+	// configured otherwise). On a pgx.Tx they run in a savepoint, which has
+	// the isolation level of the caller's transaction.
+	IsolationLevel pgx.TxIsoLevel
+
+	// MeterProvider receives idem's metrics: a counter per outcome
+	// (idem.reserve.created, .replay, .in_progress, .key_misuse, ...,
+	// idem.store.error, idem.ttl_pruned) and the histograms
+	// idem.duplicate.wait and idem.overhead, with the attributes "call" and
+	// "operation" (the scope's Operation), never a key or an actor. nil means
+	// OpenTelemetry's global provider, a no-op until the application
+	// installs one.
+	MeterProvider metric.MeterProvider
+
+	// TracerProvider, when set, gets one span per Do, DoInTx and Reserve
+	// call (idem.Do, idem.DoInTx, idem.Reserve) with its outcome. nil means
+	// no spans. A tracer set on pgx's connection config keeps tracing idem's
+	// statements either way.
+	TracerProvider trace.TracerProvider
+
+	// Logger receives a record per replay, refusal (in progress, key
+	// misuse, unknown outcome) and store error, carrying keyed hashes of the
+	// key and the actor (key_hash, actor_hash), never their values. nil
+	// means silent.
+	Logger *slog.Logger
+
+	// LogHashKey is the HMAC-SHA256 key of those hashes. Give every
+	// instance the same secret to follow one key across their logs; empty
+	// means a random key per Client.
+	LogHashKey []byte
+
+	// MaxRetries is how many times InTx and DoInTx run a transaction again
+	// after a serialization failure (40001) or a deadlock (40P01), with
+	// jittered exponential backoff. Default 5; a negative value disables
+	// retries. On a pgx.Tx there are none: the caller's transaction is lost.
+	MaxRetries int
+}
 
 // Defaults of Config.
 const (
-	DefaultTTL              = core.DefaultTTL
-	DefaultWait             = core.DefaultWait
-	DefaultMinKeyLength     = core.DefaultMinKeyLength
-	DefaultMaxKeyLength     = core.DefaultMaxKeyLength
-	DefaultMaxResponseBytes = core.DefaultMaxResponseBytes
-	DefaultMaxRetries       = core.DefaultMaxRetries
+	DefaultTTL              = 24 * time.Hour
+	DefaultWait             = 2 * time.Second
+	DefaultMinKeyLength     = 1
+	DefaultMaxKeyLength     = 255
+	DefaultMaxResponseBytes = 1 << 20
+	DefaultMaxRetries       = 5
 )

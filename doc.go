@@ -66,6 +66,7 @@
 // pgxdriver, driver.go (the handle and the transaction) and batch.go
 // (statements queued in a batch and read back); and the queries sqlc
 // generated in internal/db. The public types (Scope, Response, Result,
-// Record, Reservation, Config, the errors, ...) are declared once in
-// internal/core and named here.
+// Record, Reservation, Config, the errors, ...) are defined here, with the
+// fields of internal/core's own, and convert.go carries values across at no
+// cost per call; InTx and Beginner live in tx.go.
 package idem

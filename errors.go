@@ -1,6 +1,12 @@
 package idem
 
-import "github.com/pgidem/idem/internal/core"
+import (
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/pgidem/idem/internal/core"
+)
 
 // Errors returned by Do and its relatives. Check them with errors.Is; the
 // returned error usually wraps one of these with a more specific message.
@@ -9,40 +15,40 @@ var (
 	// ErrKeyReused means the key was already used under the same scope for a
 	// request with a different fingerprint: a client bug (HTTP 422). fn did not
 	// run and nothing changed.
-	ErrKeyReused = core.ErrKeyReused
+	ErrKeyReused = errors.New("idem: idempotency key reused with a different request")
 
 	// ErrInProgress means another transaction holds the key and did not finish
 	// within the configured wait, or a reservation's lease still holds it
 	// (HTTP 409 with Retry-After). fn did not run, and the caller's
 	// transaction is as it was before Do. The error is an *InProgressError
 	// carrying a retry hint.
-	ErrInProgress = core.ErrInProgress
+	ErrInProgress = errors.New("idem: a request with this idempotency key is in progress")
 
 	// ErrInvalidKey means the idempotency key is empty, too long, or holds a
 	// character outside visible ASCII (0x21-0x7E). Nothing was touched.
-	ErrInvalidKey = core.ErrInvalidKey
+	ErrInvalidKey = errors.New("idem: invalid idempotency key")
 
 	// ErrInvalidScope means the scope's Actor or Operation is empty, too long
 	// or not valid text. Nothing was touched.
-	ErrInvalidScope = core.ErrInvalidScope
+	ErrInvalidScope = errors.New("idem: invalid scope")
 
 	// ErrInvalidResponse means fn returned a Response that cannot be stored
 	// and replayed exactly (a status outside 0 and 100..999, a header name
 	// that is not an RFC 9110 token, a header value that is not valid text
 	// or holds CR, LF or NUL).
 	// fn's writes and the claim were undone; nothing was stored.
-	ErrInvalidResponse = core.ErrInvalidResponse
+	ErrInvalidResponse = errors.New("idem: invalid response")
 
 	// ErrResponseTooLarge means fn returned a Response over the configured
 	// size limit. fn's writes and the claim were undone; nothing was stored.
-	ErrResponseTooLarge = core.ErrResponseTooLarge
+	ErrResponseTooLarge = errors.New("idem: response too large to store")
 
 	// ErrInvalidJSON means FingerprintJSON was given something that is not
 	// valid JSON (or could not be marshalled to JSON).
-	ErrInvalidJSON = core.ErrInvalidJSON
+	ErrInvalidJSON = errors.New("idem: invalid JSON")
 
 	// ErrInvalidConfig means a Config field is out of range.
-	ErrInvalidConfig = core.ErrInvalidConfig
+	ErrInvalidConfig = errors.New("idem: invalid config")
 
 	// ErrUnavailable means the database could not be reached, or dropped
 	// the connection before the transaction's outcome was known. Fail closed
@@ -50,7 +56,7 @@ var (
 	// replays if the first attempt did commit, and runs otherwise. InTx and
 	// DoInTx wrap such failures with it; the underlying error stays in the
 	// chain.
-	ErrUnavailable = core.ErrUnavailable
+	ErrUnavailable = errors.New("idem: store unavailable")
 
 	// ErrInvalidArgument means a required argument (transaction, function,
 	// database handle) is nil, or a value such as a lease, a window
@@ -60,7 +66,7 @@ var (
 	// DoInTx also return it when fn committed or rolled back the
 	// transaction it runs in, which fn must leave to them: the error says
 	// which, and what became of fn's writes (see DoInTx).
-	ErrInvalidArgument = core.ErrInvalidArgument
+	ErrInvalidArgument = errors.New("idem: invalid argument")
 
 	// ErrOutcomeUnknown means the key belongs to a reservation whose work
 	// outside the database may or may not have happened: its owner marked it
@@ -72,18 +78,18 @@ var (
 	// Connect client interceptors) return, as an *idem.CallError, for an
 	// outgoing call that got no answer after an attempt that may have
 	// reached the receiver.
-	ErrOutcomeUnknown = core.ErrOutcomeUnknown
+	ErrOutcomeUnknown = errors.New("idem: the outcome of the request with this idempotency key is unknown")
 
 	// ErrNotFound means no record holds the key (it was never used, it was
 	// pruned or forgotten). Nothing changed.
-	ErrNotFound = core.ErrNotFound
+	ErrNotFound = errors.New("idem: no record for this idempotency key")
 
 	// ErrFenced means a Reservation is no longer the owner of its key: its
 	// token is stale, or the record is no longer this reservation's
 	// 'processing' (the lease ran out and the key was taken over, or an
 	// operator resolved it). Whatever the caller was about to record must be
 	// rolled back.
-	ErrFenced = core.ErrFenced
+	ErrFenced = errors.New("idem: reservation fenced: no longer the owner of the key")
 
 	// ErrKeyRowChanged means fn changed or deleted idem's own row of the key
 	// it ran under (the idem_keys row: its status, fingerprint, token, lease
@@ -93,7 +99,7 @@ var (
 	// transaction stays usable), nothing was stored, and the key is free: a
 	// retry runs fn again. fn must not write idem_keys; this is a bug in fn,
 	// not in the request (HTTP 500).
-	ErrKeyRowChanged = core.ErrKeyRowChanged
+	ErrKeyRowChanged = errors.New("idem: fn changed or deleted the idem_keys row of its own key; nothing was stored")
 
 	// ErrPreparedStatements means the server lost or mixed up pgx's cached
 	// prepared statements (SQLSTATE 26000 or 42P05 on a statement named
@@ -105,18 +111,30 @@ var (
 	// QueryExecModeCacheDescribe or QueryExecModeSimpleProtocol), or run
 	// PgBouncer 1.21 or newer with max_prepared_statements > 0. Nothing was
 	// stored (HTTP 500).
-	ErrPreparedStatements = core.ErrPreparedStatements
+	ErrPreparedStatements = errors.New("idem: prepared statements lost behind a connection pooler")
 )
 
 // InProgressError is returned when the key is held by a transaction that did
 // not finish within the wait. errors.Is(err, ErrInProgress) reports true.
-// RetryAfter is a hint for how long the client should wait before it
-// retries (the HTTP Retry-After header).
-type InProgressError = core.InProgressError
+type InProgressError struct {
+	// RetryAfter is a hint for how long the client should wait before it
+	// retries (the HTTP Retry-After header).
+	RetryAfter time.Duration
+}
+
+func (e *InProgressError) Error() string {
+	return fmt.Sprintf("%s (retry after %s)", ErrInProgress.Error(), e.RetryAfter)
+}
+
+// Is makes errors.Is(err, ErrInProgress) true.
+func (e *InProgressError) Is(target error) bool { return target == ErrInProgress }
 
 // RejectedResponse reports whether err is (or wraps) a refusal made with
 // Reject, and returns the refusal's response.
-func RejectedResponse(err error) (Response, bool) { return core.RejectedResponse(err) }
+func RejectedResponse(err error) (Response, bool) {
+	resp, ok := core.RejectedResponse(err)
+	return Response(resp), ok
+}
 
 // Reject is returned by fn to refuse a request deterministically, for example
 // for insufficient funds. Do undoes fn's writes (they ran in a savepoint),
@@ -127,7 +145,7 @@ func RejectedResponse(err error) (Response, bool) { return core.RejectedResponse
 // Reject is for refusals that would come out the same on every retry. A
 // transient failure should be returned as an ordinary error instead: then
 // nothing is stored and the key is free again once the caller rolls back.
-func Reject(resp Response) error { return core.Reject(resp) }
+func Reject(resp Response) error { return core.Reject(core.Response(resp)) }
 
 // Unavailable reports whether err means the database could not serve the
 // request, through no fault of the request itself: err wraps
@@ -150,4 +168,4 @@ func Reject(resp Response) error { return core.Reject(resp) }
 // net.Error of another service's client is Unavailable too. Wrap such
 // errors in an error of your own that does not unwrap to them when they
 // are not the database's.
-func Unavailable(err error) bool { return core.Unavailable(err) }
+func Unavailable(err error) bool { return errors.Is(err, ErrUnavailable) || core.Unavailable(err) }

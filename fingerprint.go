@@ -5,6 +5,7 @@ import (
 	"crypto/sha256"
 	"encoding"
 	"encoding/binary"
+	"encoding/hex"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -15,15 +16,15 @@ import (
 	"strconv"
 	"unicode/utf16"
 	"unicode/utf8"
-
-	"github.com/pgidem/idem/internal/core"
 )
 
 // Fingerprint identifies the content of a request: the SHA-256 of its
 // canonical form. The same key with the same fingerprint is a retry; the same
 // key with a different fingerprint is refused with ErrKeyReused.
-// Its String method returns it in lowercase hex.
-type Fingerprint = core.Fingerprint
+type Fingerprint [32]byte
+
+// String returns the fingerprint in lowercase hex.
+func (f Fingerprint) String() string { return hex.EncodeToString(f[:]) }
 
 // FingerprintJSON returns the SHA-256 of the canonical form of the JSON value
 // v. Two requests get one fingerprint exactly when they hold the same JSON

@@ -4,15 +4,13 @@ import (
 	"context"
 
 	"github.com/jackc/pgx/v5"
-
-	"github.com/pgidem/idem/internal/core"
 )
 
 // InboxOperation is the Scope.Operation under which Inbox records the
 // messages it processed: a message is the key (InboxKey(messageID)) in
 // Scope{Actor: consumer, Operation: InboxOperation}. Operations beginning
 // with "idem." are the library's; do not use them for requests.
-const InboxOperation = core.InboxOperation
+const InboxOperation = "idem.inbox"
 
 // Inbox processes a message or webhook delivery at most once per consumer and
 // message id: it runs fn in tx and records the message as processed in tx,
@@ -59,13 +57,14 @@ const InboxOperation = core.InboxOperation
 // those of Do. Inbox uses the package defaults; see Client.Inbox.
 func Inbox(ctx context.Context, tx pgx.Tx, consumer, messageID string, payload []byte,
 	fn func(ctx context.Context, tx pgx.Tx) error) (duplicate bool, err error) {
-	return defaultClient.c.Inbox(ctx, tx, consumer, messageID, payload, fn)
+	return defaultClient.Inbox(ctx, tx, consumer, messageID, payload, fn)
 }
 
 // Inbox is the package-level Inbox with this client's configuration.
 func (c *Client) Inbox(ctx context.Context, tx pgx.Tx, consumer, messageID string, payload []byte,
 	fn func(ctx context.Context, tx pgx.Tx) error) (duplicate bool, err error) {
-	return c.c.Inbox(ctx, tx, consumer, messageID, payload, fn)
+	dup, err := c.c.Inbox(ctx, tx, consumer, messageID, payload, fn)
+	return dup, publicErr(err)
 }
 
 // InboxInTx is Inbox in a transaction of its own begun on db, committed
@@ -79,14 +78,15 @@ func (c *Client) Inbox(ctx context.Context, tx pgx.Tx, consumer, messageID strin
 // InboxInTx uses the package defaults; see Client.InboxInTx.
 func InboxInTx(ctx context.Context, db Beginner, consumer, messageID string, payload []byte,
 	fn func(ctx context.Context, tx pgx.Tx) error) (duplicate bool, err error) {
-	return defaultClient.c.InboxInTx(ctx, db, consumer, messageID, payload, fn)
+	return defaultClient.InboxInTx(ctx, db, consumer, messageID, payload, fn)
 }
 
 // InboxInTx is the package-level InboxInTx with this client's
 // configuration.
 func (c *Client) InboxInTx(ctx context.Context, db Beginner, consumer, messageID string, payload []byte,
 	fn func(ctx context.Context, tx pgx.Tx) error) (duplicate bool, err error) {
-	return c.c.InboxInTx(ctx, db, consumer, messageID, payload, fn)
+	dup, err := c.c.InboxInTx(ctx, db, consumer, messageID, payload, fn)
+	return dup, publicErr(err)
 }
 
 // InboxKey returns the idempotency key under which Inbox records messageID,
@@ -98,9 +98,12 @@ func (c *Client) InboxInTx(ctx context.Context, db Beginner, consumer, messageID
 // with an id kept as it is. An empty id is refused with ErrInvalidKey.
 //
 // InboxKey uses the package defaults; see Client.InboxKey.
-func InboxKey(messageID string) (string, error) { return defaultClient.c.InboxKey(messageID) }
+func InboxKey(messageID string) (string, error) { return defaultClient.InboxKey(messageID) }
 
 // InboxKey is the package-level InboxKey with this client's key length
 // bounds: an id outside them is hashed. With MaxKeyLength below 71 (the
 // length of a hashed key) such an id is refused with ErrInvalidKey.
-func (c *Client) InboxKey(messageID string) (string, error) { return c.c.InboxKey(messageID) }
+func (c *Client) InboxKey(messageID string) (string, error) {
+	key, err := c.c.InboxKey(messageID)
+	return key, publicErr(err)
+}

@@ -2,6 +2,10 @@ package idem
 
 import (
 	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"github.com/pgidem/idem/internal/driver/pgxdriver"
 
 	"github.com/jackc/pgx/v5"
 
@@ -13,17 +17,30 @@ import (
 // string is now a number), or the scope's operation was also used with Do
 // and holds bytes that are not the JSON of a T. Nothing ran and nothing
 // changed; the error wraps the encoding/json error.
-var ErrStoredValue = core.ErrStoredValue
+var ErrStoredValue = errors.New("idem: stored value does not decode into the requested type")
 
 // RejectedError is the refusal of a request made with RejectJSON (or Reject),
 // as DoJSON and DoInTxJSON return it: on the call whose fn refused, and on
 // every replay of the refusal. Check for it with errors.As.
-//
-// Status is the status given to RejectJSON (100 to 999); Body is the JSON
-// of the value given to RejectJSON, exactly as stored. Its Decode method
-// decodes the refusal's value into v (a pointer), with encoding/json; a body
-// that does not decode into v gives an error wrapping ErrStoredValue.
-type RejectedError = core.RejectedError
+type RejectedError struct {
+	// Status is the status given to RejectJSON (100 to 999).
+	Status int
+	// Body is the JSON of the value given to RejectJSON, exactly as stored.
+	Body []byte
+}
+
+func (e *RejectedError) Error() string {
+	return fmt.Sprintf("idem: request rejected with status %d", e.Status)
+}
+
+// Decode decodes the refusal's value into v (a pointer), with encoding/json.
+// A body that does not decode into v gives an error wrapping ErrStoredValue.
+func (e *RejectedError) Decode(v any) error {
+	if err := json.Unmarshal(e.Body, v); err != nil {
+		return fmt.Errorf("idem: %w: refusal (%T): %w", ErrStoredValue, v, err)
+	}
+	return nil
+}
 
 // RejectJSON is Reject with v marshalled as the body: fn returns it to refuse
 // a request deterministically, and the refusal is stored and replayed as
@@ -35,7 +52,7 @@ type RejectedError = core.RejectedError
 // otherwise RejectJSON returns an error wrapping ErrInvalidResponse instead,
 // which fn returns like any other error: fn's writes and the claim are
 // undone and nothing is stored.
-func RejectJSON(status int, v any) error { return core.RejectJSON(status, v) }
+func RejectJSON(status int, v any) error { return publicErr(core.RejectJSON(status, v)) }
 
 // DoJSON is Do for code that deals in values rather than bytes: fn returns a
 // T, which is stored as its JSON (encoding/json), and DoJSON returns the T
@@ -77,7 +94,7 @@ func DoJSON[T any](ctx context.Context, tx pgx.Tx, scope Scope, key string, fp F
 // type parameters. A nil c is refused with ErrInvalidArgument.
 func DoJSONWith[T any](ctx context.Context, c *Client, tx pgx.Tx, scope Scope, key string, fp Fingerprint,
 	fn func(ctx context.Context, tx pgx.Tx) (T, error)) (T, bool, error) {
-	return core.DoJSON(ctx, c.core(), tx, scope, key, fp, fn)
+	return typed(core.DoJSON(ctx, c.core(), tx, core.Scope(scope), key, core.Fingerprint(fp), fn))
 }
 
 // DoInTxJSON is DoInTx for code that deals in values: DoJSON in a
@@ -97,13 +114,21 @@ func DoInTxJSON[T any](ctx context.Context, db Beginner, scope Scope, key string
 // retries, TTL, wait, limits). A nil c is refused with ErrInvalidArgument.
 func DoInTxJSONWith[T any](ctx context.Context, c *Client, db Beginner, scope Scope, key string, fp Fingerprint,
 	fn func(ctx context.Context, tx pgx.Tx) (T, error)) (T, bool, error) {
-	return core.DoInTxJSON(ctx, c.core(), db, scope, key, fp, fn)
+	return typed(core.DoInTxJSON(ctx, c.core(), pgxdriver.Beginner(db), core.Scope(scope), key, core.Fingerprint(fp), fn))
 }
 
 // core is c's protocol; nil for a nil c, which the typed calls refuse.
-func (c *Client) core() *core.Client[pgx.Tx, Beginner] {
+func (c *Client) core() *core.Client[pgx.Tx, pgxdriver.Beginner] {
 	if c == nil {
 		return nil
 	}
 	return c.c
+}
+
+// typed is the outcome of the protocol's DoJSON as this package returns it.
+func typed[T any](v T, replayed bool, err error) (T, bool, error) {
+	if rej, ok := err.(*core.RejectedError); ok {
+		return v, replayed, &RejectedError{Status: rej.Status, Body: rej.Body}
+	}
+	return v, replayed, publicErr(err)
 }

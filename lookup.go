@@ -1,6 +1,9 @@
 package idem
 
-import "context"
+import (
+	"context"
+	"github.com/pgidem/idem/internal/core"
+)
 
 // Lookup returns the committed record of (scope, key): its status,
 // fingerprint, timestamps, lease and token, and the stored response. It
@@ -9,12 +12,13 @@ import "context"
 // asks: an HTTP endpoint that shows records must check that the caller is
 // scope.Actor first (idemhttp.StatusHandler does).
 func Lookup(ctx context.Context, db Beginner, scope Scope, key string) (Record, error) {
-	return defaultClient.c.Lookup(ctx, db, scope, key)
+	return defaultClient.Lookup(ctx, db, scope, key)
 }
 
 // Lookup is the package-level Lookup with this client's key limits.
 func (c *Client) Lookup(ctx context.Context, db Beginner, scope Scope, key string) (Record, error) {
-	return c.c.Lookup(ctx, db, scope, key)
+	r, err := c.c.Lookup(ctx, db, core.Scope(scope), key)
+	return record(r), publicErr(err)
 }
 
 // Forget deletes the record of a finished key (succeeded, rejected or
@@ -29,10 +33,10 @@ func (c *Client) Lookup(ctx context.Context, db Beginner, scope Scope, key strin
 // twice). ErrNotFound when no committed record holds the key. Nothing
 // changes on an error.
 func Forget(ctx context.Context, db Beginner, scope Scope, key string) error {
-	return defaultClient.c.Forget(ctx, db, scope, key)
+	return defaultClient.Forget(ctx, db, scope, key)
 }
 
 // Forget is the package-level Forget with this client's key limits.
 func (c *Client) Forget(ctx context.Context, db Beginner, scope Scope, key string) error {
-	return c.c.Forget(ctx, db, scope, key)
+	return publicErr(c.c.Forget(ctx, db, core.Scope(scope), key))
 }

@@ -18,7 +18,7 @@ import (
 
 // MigrationTable is the goose version table that records idem's own
 // migrations, kept apart from an application's goose_db_version table.
-const MigrationTable = migrate.Table
+const MigrationTable = "idem_goose_db_version"
 
 // MigrationLockTable is the table that serializes concurrent runs of Migrate
 // and MigrateDown (goose's table-based lock: a row with a lease, renewed
@@ -26,13 +26,13 @@ const MigrationTable = migrate.Table
 // that migrating works through a transaction pooler such as PgBouncer in
 // transaction mode, which would run the lock and the unlock on different
 // server connections.
-const MigrationLockTable = migrate.LockTable
+const MigrationLockTable = "idem_goose_lock"
 
 // MigrationLockID is the id of idem's row in MigrationLockTable. (Before
 // the table lock it was the id of a PostgreSQL advisory lock.) It differs
 // from goose's default lock id, so idem's migrations and the application's
 // own goose migrations never block each other.
-const MigrationLockID int64 = migrate.LockID // "idem"
+const MigrationLockID int64 = 0x6964656d // "idem"
 
 // ErrDowngradeDeletesRecords means MigrateDown refused to revert a migration
 // because its Down would delete records whose outcome may have happened

@@ -7,14 +7,21 @@ import (
 )
 
 // PruneOptions configures Prune. The zero value means the defaults.
-// BatchSize is the most rows one DELETE (one transaction) removes (default
-// 1000; small batches keep locks and WAL bursts short); MaxBatches bounds
-// the batches of one call (0 means until no expired finished row is left);
-// DryRun counts the rows Prune would delete now, and deletes nothing.
-type PruneOptions = core.PruneOptions
+type PruneOptions struct {
+	// BatchSize is the most rows one DELETE (one transaction) removes.
+	// Default 1000. Small batches keep locks and WAL bursts short.
+	BatchSize int
+
+	// MaxBatches bounds the batches of one call; 0 means until no expired
+	// finished row is left.
+	MaxBatches int
+
+	// DryRun counts the rows Prune would delete now, and deletes nothing.
+	DryRun bool
+}
 
 // DefaultPruneBatchSize is PruneOptions.BatchSize's default.
-const DefaultPruneBatchSize = core.DefaultPruneBatchSize
+const DefaultPruneBatchSize = 1000
 
 // Prune deletes finished keys past their TTL (succeeded, rejected and
 // failed_retryable rows whose expiry has passed), oldest first, in batches
@@ -38,10 +45,11 @@ const DefaultPruneBatchSize = core.DefaultPruneBatchSize
 // When ctx ends between batches Prune returns what it deleted so far with
 // the context's error.
 func Prune(ctx context.Context, db Beginner, opts PruneOptions) (int64, error) {
-	return defaultClient.c.Prune(ctx, db, opts)
+	return defaultClient.Prune(ctx, db, opts)
 }
 
 // Prune is the package-level Prune.
 func (c *Client) Prune(ctx context.Context, db Beginner, opts PruneOptions) (int64, error) {
-	return c.c.Prune(ctx, db, opts)
+	n, err := c.c.Prune(ctx, db, core.PruneOptions(opts))
+	return n, publicErr(err)
 }

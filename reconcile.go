@@ -2,6 +2,8 @@ package idem
 
 import (
 	"context"
+	"errors"
+	"time"
 
 	"github.com/pgidem/idem/internal/core"
 )
@@ -9,59 +11,84 @@ import (
 // ErrNotResolvable means Resolve was asked to reconcile a record whose
 // outcome is not in doubt: a live lease still holds it, or it is finished
 // (succeeded, rejected, failed_retryable). Nothing changed.
-var ErrNotResolvable = core.ErrNotResolvable
+var ErrNotResolvable = errors.New("idem: the record with this idempotency key is not awaiting reconciliation")
 
 // Status is the state of a key's record.
-type Status = core.Status
+type Status string
 
 // The states of a record. Do writes succeeded and rejected records (its
 // processing claim never commits); the reservation mode adds the others.
 const (
 	// StatusProcessing: a reservation holds the key with a lease.
-	StatusProcessing = core.StatusProcessing
+	StatusProcessing Status = "processing"
 	// StatusSucceeded: the outcome is stored and replayed.
-	StatusSucceeded = core.StatusSucceeded
+	StatusSucceeded Status = "succeeded"
 	// StatusRejected: Do stored a deterministic refusal, replayed.
-	StatusRejected = core.StatusRejected
+	StatusRejected Status = "rejected"
 	// StatusFailedRetryable: the work certainly did not happen; the next
 	// Reserve with the same fingerprint executes again.
-	StatusFailedRetryable = core.StatusFailedRetryable
+	StatusFailedRetryable Status = "failed_retryable"
 	// StatusUnknown: the work may have happened; nothing runs again until
 	// Resolve reconciles it, or, inside the window of a key reserved with
 	// ReserveOptions.ResumeWithin, until the next Reserve resumes it.
-	StatusUnknown = core.StatusUnknown
+	StatusUnknown Status = "unknown"
 )
 
-// Record is a key's record as stored: its Scope, Key, Status and
-// Fingerprint; Token, the fencing token of the reservation that last held
-// the key (0 for records Do wrote); LastError, why the record failed or
-// became unknown (empty when there is nothing to say; Resolve keeps it);
-// ResolveReason, the operator's reason (Resolution.Reason) when Resolve
-// reconciled the record; CreatedAt, when the key was claimed or reserved
-// (for a reservation, its latest attempt); CompletedAt, when an outcome was
-// recorded (zero when none was); ExpiresAt, the end of the TTL (past it a
-// finished record is a new request); LeaseExpiresAt, the end of the last
-// reservation's lease (zero for records Do wrote); ResumeUntil, the end of
-// the key's window (ReserveOptions.ResumeWithin from the first reservation
-// of its TTL generation), before which an attempt in doubt resumes instead
-// of waiting for a person (zero without one, and for records Do wrote);
-// Response, the stored outcome (nil when none is stored).
-type Record = core.Record
+// Record is a key's record as stored.
+type Record struct {
+	Scope       Scope
+	Key         string
+	Status      Status
+	Fingerprint Fingerprint
+	// Token is the fencing token of the reservation that last held the key
+	// (0 for records Do wrote).
+	Token int64
+	// LastError says why the record failed or became unknown; empty when
+	// there is nothing to say. Resolve keeps it.
+	LastError string
+	// ResolveReason is the operator's reason (Resolution.Reason) when
+	// Resolve reconciled the record; empty otherwise.
+	ResolveReason string
+	// CreatedAt is when the key was claimed or reserved (for a reservation,
+	// its latest attempt).
+	CreatedAt time.Time
+	// CompletedAt is when an outcome was recorded; zero when none was.
+	CompletedAt time.Time
+	// ExpiresAt is the end of the TTL: past it a finished record is a new
+	// request.
+	ExpiresAt time.Time
+	// LeaseExpiresAt is the end of the last reservation's lease; zero for
+	// records Do wrote.
+	LeaseExpiresAt time.Time
+	// ResumeUntil is the end of the key's window
+	// (ReserveOptions.ResumeWithin from the first reservation of its TTL
+	// generation): before it, an attempt in doubt is resumed rather than
+	// left for a person. Zero when the key was reserved without one, and for
+	// records Do wrote.
+	ResumeUntil time.Time
+	// Response is the stored outcome; nil when none is stored.
+	Response *Response
+}
 
 // Resolution is an operator's verdict on a record whose outcome was unknown,
 // after looking at the outside system. Set exactly one of Succeeded and
-// Retryable, and the Token of the attempt the verdict is about:
-//   - Token is the fencing token of the attempt being resolved, as
-//     ListUnknown and Lookup show it (Record.Token). Required: a verdict
-//     about one attempt must never land on a later one, so Resolve refuses
-//     a token that is not the record's current one with ErrFenced.
-//   - Succeeded is the response to store and replay: the work did happen.
-//   - Retryable says the work certainly did not happen: the next Reserve
-//     with the same fingerprint executes again.
-//   - Reason is stored as the record's ResolveReason (at most
-//     MaxReasonLength bytes), for the audit trail, beside the LastError
-//     that says why the record became unknown.
-type Resolution = core.Resolution
+// Retryable, and the Token of the attempt the verdict is about.
+type Resolution struct {
+	// Token is the fencing token of the attempt being resolved, as
+	// ListUnknown and Lookup show it (Record.Token). Required: a verdict
+	// about one attempt must never land on a later one, so Resolve refuses
+	// a token that is not the record's current one with ErrFenced.
+	Token int64
+	// Succeeded is the response to store and replay: the work did happen.
+	Succeeded *Response
+	// Retryable says the work certainly did not happen: the next Reserve with
+	// the same fingerprint executes again.
+	Retryable bool
+	// Reason is stored as the record's ResolveReason (at most
+	// MaxReasonLength bytes), for the audit trail, beside the LastError
+	// that says why the record became unknown.
+	Reason string
+}
 
 // ExpireLeases turns at most limit 'processing' records whose lease ran out
 // (by the database clock) into 'unknown', oldest lease first, in one
@@ -79,13 +106,14 @@ type Resolution = core.Resolution
 // unknown on its own when it meets it, so ExpireLeases is about finding
 // them early, not about correctness. limit <= 0 is ErrInvalidArgument.
 func ExpireLeases(ctx context.Context, db Beginner, limit int) (int64, error) {
-	return defaultClient.c.ExpireLeases(ctx, db, limit)
+	return defaultClient.ExpireLeases(ctx, db, limit)
 }
 
 // ExpireLeases is the package-level ExpireLeases with this client's
 // configuration.
 func (c *Client) ExpireLeases(ctx context.Context, db Beginner, limit int) (int64, error) {
-	return c.c.ExpireLeases(ctx, db, limit)
+	n, err := c.c.ExpireLeases(ctx, db, limit)
+	return n, publicErr(err)
 }
 
 // ListUnknown returns at most limit 'unknown' records that need a person,
@@ -97,13 +125,13 @@ func (c *Client) ExpireLeases(ctx context.Context, db Beginner, limit int) (int6
 // or hold NUL, or whose CreatedAt is outside PostgreSQL's range, is
 // ErrInvalidArgument.
 func ListUnknown(ctx context.Context, db Beginner, limit int, after *Record) ([]Record, error) {
-	return defaultClient.c.ListUnknown(ctx, db, limit, after)
+	return defaultClient.ListUnknown(ctx, db, limit, after)
 }
 
 // ListUnknown is the package-level ListUnknown with this client's
 // configuration.
 func (c *Client) ListUnknown(ctx context.Context, db Beginner, limit int, after *Record) ([]Record, error) {
-	return c.c.ListUnknown(ctx, db, limit, after)
+	return records(c.c.ListUnknown(ctx, db, limit, coreRecord(after)))
 }
 
 // ListResumable returns at most limit records that a recovery worker
@@ -123,13 +151,13 @@ func (c *Client) ListUnknown(ctx context.Context, db Beginner, limit int, after 
 // (ListUnknown lists those). Paging and the refusals of limit and after are
 // ListUnknown's.
 func ListResumable(ctx context.Context, db Beginner, limit int, after *Record) ([]Record, error) {
-	return defaultClient.c.ListResumable(ctx, db, limit, after)
+	return defaultClient.ListResumable(ctx, db, limit, after)
 }
 
 // ListResumable is the package-level ListResumable with this client's
 // configuration.
 func (c *Client) ListResumable(ctx context.Context, db Beginner, limit int, after *Record) ([]Record, error) {
-	return c.c.ListResumable(ctx, db, limit, after)
+	return records(c.c.ListResumable(ctx, db, limit, coreRecord(after)))
 }
 
 // Resolve reconciles the record of (scope, key) whose outcome was in doubt
@@ -154,10 +182,10 @@ func (c *Client) ListResumable(ctx context.Context, db Beginner, limit int, afte
 // anything runs. The record keeps its LastError; res.Reason is stored as its
 // ResolveReason.
 func Resolve(ctx context.Context, db Beginner, scope Scope, key string, res Resolution) error {
-	return defaultClient.c.Resolve(ctx, db, scope, key, res)
+	return defaultClient.Resolve(ctx, db, scope, key, res)
 }
 
 // Resolve is the package-level Resolve with this client's configuration.
 func (c *Client) Resolve(ctx context.Context, db Beginner, scope Scope, key string, res Resolution) error {
-	return c.c.Resolve(ctx, db, scope, key, res)
+	return publicErr(c.c.Resolve(ctx, db, core.Scope(scope), key, coreResolution(res)))
 }

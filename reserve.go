@@ -62,63 +62,64 @@ import (
 // window.
 
 // Reservation is the right to execute a request's outside work, or the
-// stored outcome of an earlier execution (Replayed true, Token 0). Its
-// Result holds the stored Response when Replayed is true; Scope and Key name
-// the key; Token is the fencing token of this execution, greater than zero:
-// no other reservation of any key ever had it, and Complete,
-// FailRetryable, MarkUnknown and Heartbeat succeed only while the record
-// still holds it; LeaseExpiresAt is when the lease runs out, by the
-// database clock (after it, Reserve and ExpireLeases turn the record
-// unknown, or, inside the key's window, the next Reserve resumes it; a
-// resumed reservation's lease ends no later than the window); Resumed is
-// true when this reservation took over an attempt in doubt inside the key's
-// window (see ReserveOptions.ResumeWithin): that attempt may have made its
-// outside calls, so make them again with the same call keys, never with new
-// ones. Its method CallKey(step) returns the idempotency key of the
-// outgoing call step of the reservation's request, the same for every
-// attempt (see WithCallKey).
-type Reservation = core.Reservation
+// stored outcome of an earlier execution (Replayed true, Token 0).
+type Reservation struct {
+	// Result holds the stored Response when Replayed is true.
+	Result
+	Scope Scope
+	Key   string
+	// Token is the fencing token of this execution, greater than zero: no
+	// other reservation of any key ever had it. Complete, FailRetryable,
+	// MarkUnknown and Heartbeat succeed only while the record still holds it.
+	Token int64
+	// LeaseExpiresAt is when the lease runs out, by the database clock.
+	// After it, Reserve and ExpireLeases turn the record unknown, or,
+	// inside the key's window (ReserveOptions.ResumeWithin), the next
+	// Reserve resumes it. A resumed reservation's lease ends no later than
+	// the window.
+	LeaseExpiresAt time.Time
+	// Resumed is true when this reservation took over an attempt in doubt
+	// (its lease ran out, or its worker marked it unknown) inside the key's
+	// window: that attempt may have made its outside calls. Make them again
+	// with the same call keys (CallKey), which the receiver deduplicates,
+	// never with new ones.
+	Resumed bool
+}
 
-// ReserveOptions configures ReserveWith. The zero value means a lease of
-// DefaultLease and no window.
-//
-// Lease is how long the reservation holds the key before it counts as
-// stuck (extend it with Heartbeat): DefaultLease when zero, otherwise at
-// least 1µs.
-//
-// ResumeWithin is the window in which an attempt in doubt resumes by
-// itself; 0, the default, means none. Setting it promises that every
-// outside call made under the reservation carries its call key
-// (Reservation.CallKey, sent with WithCallKey or as the provider's key
-// parameter) and that the receiver deduplicates by that key for at least
-// ResumeWithin from the key's first reservation (Stripe keeps keys 24
-// hours: a window of 23 hours leaves an hour for clocks and delays). Then,
-// until the window ends, an attempt whose lease ran out, or that its worker
-// marked unknown, is not a case for a person: the next Reserve with the
-// same fingerprint (a retry of the client, or a recovery worker fed by
-// ListResumable) takes it over with a new token and Resumed true, and makes
-// the calls again with the same keys; the receiver answers them with what
-// it did the first time. Past the window such an attempt turns unknown and
-// waits for Resolve, as without one.
-//
-// The window is measured from the first reservation of the key's TTL
-// generation, stored with the record (Record.ResumeUntil), and never
-// extended: resumes and new attempts after FailRetryable keep it, and every
-// Reserve and ReserveWith of the same generation honours the stored window,
-// whatever its own options say (ResumeWithin is read only by a reservation
-// that starts a generation: a free key, or one past its TTL). ResumeWithin
-// must be at least the lease: a window that ends before the first lease
-// could never resume anything. A resumed reservation's lease, Heartbeat
-// included, ends no later than the window, so that every call it makes
-// while it holds the lease reaches a receiver that still remembers the key.
-type ReserveOptions = core.ReserveOptions
+// ReserveOptions configures ReserveWith. The zero value means the
+// defaults: a lease of DefaultLease and no window.
+type ReserveOptions struct {
+	// Lease is how long the reservation holds the key before it counts as
+	// stuck (extend it with Heartbeat). Default DefaultLease; otherwise at
+	// least 1µs.
+	Lease time.Duration
+
+	// ResumeWithin is the window in which an attempt in doubt resumes by
+	// itself. Setting it promises that every outside call made under the
+	// reservation carries its call key (Reservation.CallKey) and that the
+	// receiver deduplicates by that key for at least ResumeWithin from the
+	// key's first reservation. Then, until the window ends, an attempt
+	// whose lease ran out, or that its worker marked unknown, is not a case
+	// for a person: the next Reserve (a retry of the client, or a recovery
+	// worker that ListResumable feeds) takes it over with a new token and
+	// Resumed true, and makes the calls again with the same keys. Past the
+	// window such an attempt is unknown, for a person, as without one.
+	//
+	// The window is measured from the first reservation of the key's TTL
+	// generation and stored with the record; resumes and new attempts after
+	// FailRetryable keep it and never extend it, and a Reserve of the same
+	// generation, with or without ResumeWithin, honours the stored window.
+	// 0, the default, means no window; otherwise it must be at least the
+	// lease, since a lease that outlives the window could never resume.
+	ResumeWithin time.Duration
+}
 
 // DefaultLease is ReserveOptions.Lease's default.
-const DefaultLease = core.DefaultLease
+const DefaultLease = 30 * time.Second
 
 // MaxReasonLength is the longest reason, in bytes, that FailRetryable,
 // MarkUnknown and Resolve store.
-const MaxReasonLength = core.MaxReasonLength
+const MaxReasonLength = 1024
 
 // Reserve reserves (scope, key) for outside work. In a short transaction of
 // its own, committed before it returns, it records the key as 'processing'
@@ -151,12 +152,13 @@ const MaxReasonLength = core.MaxReasonLength
 // Reserve needs a pool or a connection (it commits); a pgx.Tx, lease < 1µs,
 // an invalid scope or key are refused before anything runs.
 func Reserve(ctx context.Context, db Beginner, scope Scope, key string, fp Fingerprint, lease time.Duration) (Reservation, error) {
-	return defaultClient.c.Reserve(ctx, db, scope, key, fp, lease)
+	return defaultClient.Reserve(ctx, db, scope, key, fp, lease)
 }
 
 // Reserve is the package-level Reserve with this client's configuration.
 func (c *Client) Reserve(ctx context.Context, db Beginner, scope Scope, key string, fp Fingerprint, lease time.Duration) (Reservation, error) {
-	return c.c.Reserve(ctx, db, scope, key, fp, lease)
+	r, err := c.c.Reserve(ctx, db, core.Scope(scope), key, core.Fingerprint(fp), lease)
+	return reservation(r), publicErr(err)
 }
 
 // ReserveWith is Reserve with options: opts.Lease (DefaultLease when zero)
@@ -173,13 +175,14 @@ func (c *Client) Reserve(ctx context.Context, db Beginner, scope Scope, key stri
 // are refused with ErrInvalidArgument (ErrInvalidScope, ErrInvalidKey)
 // before anything runs.
 func ReserveWith(ctx context.Context, db Beginner, scope Scope, key string, fp Fingerprint, opts ReserveOptions) (Reservation, error) {
-	return defaultClient.c.ReserveWith(ctx, db, scope, key, fp, opts)
+	return defaultClient.ReserveWith(ctx, db, scope, key, fp, opts)
 }
 
 // ReserveWith is the package-level ReserveWith with this client's
 // configuration.
 func (c *Client) ReserveWith(ctx context.Context, db Beginner, scope Scope, key string, fp Fingerprint, opts ReserveOptions) (Reservation, error) {
-	return c.c.ReserveWith(ctx, db, scope, key, fp, opts)
+	r, err := c.c.ReserveWith(ctx, db, core.Scope(scope), key, core.Fingerprint(fp), core.ReserveOptions(opts))
+	return reservation(r), publicErr(err)
 }
 
 // Complete records the outcome of the reservation's work as 'succeeded'
@@ -196,12 +199,12 @@ func (c *Client) ReserveWith(ctx context.Context, db Beginner, scope Scope, key 
 // ErrResponseTooLarge; a zero or replayed Reservation, or a nil tx,
 // ErrInvalidArgument. After a database error tx is aborted.
 func Complete(ctx context.Context, tx pgx.Tx, r Reservation, resp Response) error {
-	return defaultClient.c.Complete(ctx, tx, r, resp)
+	return defaultClient.Complete(ctx, tx, r, resp)
 }
 
 // Complete is the package-level Complete with this client's configuration.
 func (c *Client) Complete(ctx context.Context, tx pgx.Tx, r Reservation, resp Response) error {
-	return c.c.Complete(ctx, tx, r, resp)
+	return publicErr(c.c.Complete(ctx, tx, coreReservation(r), core.Response(resp)))
 }
 
 // FailRetryable records that the reservation's work certainly did not
@@ -220,13 +223,13 @@ func (c *Client) Complete(ctx context.Context, tx pgx.Tx, r Reservation, resp Re
 // it holds nothing under the call key, use MarkUnknown (inside the window
 // the record stays resumable) or let the lease run out.
 func FailRetryable(ctx context.Context, db Beginner, r Reservation, reason string) error {
-	return defaultClient.c.FailRetryable(ctx, db, r, reason)
+	return defaultClient.FailRetryable(ctx, db, r, reason)
 }
 
 // FailRetryable is the package-level FailRetryable with this client's
 // configuration.
 func (c *Client) FailRetryable(ctx context.Context, db Beginner, r Reservation, reason string) error {
-	return c.c.FailRetryable(ctx, db, r, reason)
+	return publicErr(c.c.FailRetryable(ctx, db, coreReservation(r), reason))
 }
 
 // MarkUnknown records that the reservation's work may have happened (a
@@ -242,13 +245,13 @@ func (c *Client) FailRetryable(ctx context.Context, db Beginner, r Reservation, 
 // its lease ran out first) stays unknown and takes the new reason. ErrFenced
 // when the record has moved on otherwise; nothing changes.
 func MarkUnknown(ctx context.Context, db Beginner, r Reservation, reason string) error {
-	return defaultClient.c.MarkUnknown(ctx, db, r, reason)
+	return defaultClient.MarkUnknown(ctx, db, r, reason)
 }
 
 // MarkUnknown is the package-level MarkUnknown with this client's
 // configuration.
 func (c *Client) MarkUnknown(ctx context.Context, db Beginner, r Reservation, reason string) error {
-	return c.c.MarkUnknown(ctx, db, r, reason)
+	return publicErr(c.c.MarkUnknown(ctx, db, coreReservation(r), reason))
 }
 
 // Heartbeat extends the reservation's live lease to at least extend from now
@@ -264,10 +267,11 @@ func (c *Client) MarkUnknown(ctx context.Context, db Beginner, r Reservation, re
 // database clock is now(), the start of the transaction: on a pgx.Tx that is
 // the caller's, so call Heartbeat on a pool or a connection.
 func Heartbeat(ctx context.Context, db Beginner, r Reservation, extend time.Duration) (Reservation, error) {
-	return defaultClient.c.Heartbeat(ctx, db, r, extend)
+	return defaultClient.Heartbeat(ctx, db, r, extend)
 }
 
 // Heartbeat is the package-level Heartbeat with this client's configuration.
 func (c *Client) Heartbeat(ctx context.Context, db Beginner, r Reservation, extend time.Duration) (Reservation, error) {
-	return c.c.Heartbeat(ctx, db, r, extend)
+	next, err := c.c.Heartbeat(ctx, db, coreReservation(r), extend)
+	return reservation(next), publicErr(err)
 }

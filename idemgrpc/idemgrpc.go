@@ -29,16 +29,16 @@ const MetadataReplayed = "idempotent-replayed"
 
 // ErrorDomain is the domain of the ErrorInfo detail of the interceptor's
 // own errors, whose reason is one of the Reason constants.
-const ErrorDomain = rpcidem.ErrorDomain
+const ErrorDomain = "github.com/pgidem/idem"
 
 // The reasons of the ErrorInfo detail of the interceptor's own errors.
 const (
-	ReasonKeyMissing       = rpcidem.ReasonKeyMissing       // INVALID_ARGUMENT: Options.RequireKey and no key
-	ReasonKeyInvalid       = rpcidem.ReasonKeyInvalid       // INVALID_ARGUMENT: a malformed key, two keys, or one idem.ValidateKey refuses
-	ReasonKeyReused        = rpcidem.ReasonKeyReused        // FAILED_PRECONDITION: the same key with a different request
-	ReasonInProgress       = rpcidem.ReasonInProgress       // ABORTED, with RetryInfo: a call with the key is still running
-	ReasonOutcomeUnknown   = rpcidem.ReasonOutcomeUnknown   // FAILED_PRECONDITION: a reservation's outcome must be reconciled first
-	ReasonStoreUnavailable = rpcidem.ReasonStoreUnavailable // UNAVAILABLE, with RetryInfo: the database could not serve
+	ReasonKeyMissing       = "IDEMPOTENCY_KEY_MISSING"     // INVALID_ARGUMENT: Options.RequireKey and no key
+	ReasonKeyInvalid       = "IDEMPOTENCY_KEY_INVALID"     // INVALID_ARGUMENT: a malformed key, two keys, or one idem.ValidateKey refuses
+	ReasonKeyReused        = "IDEMPOTENCY_KEY_REUSED"      // FAILED_PRECONDITION: the same key with a different request
+	ReasonInProgress       = "REQUEST_IN_PROGRESS"         // ABORTED, with RetryInfo: a call with the key is still running
+	ReasonOutcomeUnknown   = "IDEMPOTENCY_OUTCOME_UNKNOWN" // FAILED_PRECONDITION: a reservation's outcome must be reconciled first
+	ReasonStoreUnavailable = "STORE_UNAVAILABLE"           // UNAVAILABLE, with RetryInfo: the database could not serve
 )
 
 // DefaultRefusalCodes are the status codes stored as deterministic refusals

@@ -35,73 +35,31 @@ const MaxBufferedBody = 1 << 20
 //	resp, err := client.Do(req) // errors.Is(err, idem.ErrOutcomeUnknown): it may have been charged
 //
 // Every attempt of one RoundTrip carries the same Idempotency-Key: the
-// request's own header (sent as it is); else the context's call key
-// (idem.WithCallKey); else, for POST and PATCH, a key minted once for this
-// RoundTrip (idem.NewCallKey). Other methods without a key are sent without
-// one. A key that idem would refuse (idem.ValidateKey; an empty context key,
-// as Reservation.CallKey returns for an invalid step), or a Policy with a
-// negative field, is refused before anything is sent, with an error
-// wrapping idem.ErrInvalidKey or idem.ErrInvalidArgument.
+// request's own header; else the context's call key (idem.WithCallKey);
+// else, for POST and PATCH, a key minted once (idem.NewCallKey). A key that
+// idem.ValidateKey refuses (such as the empty key Reservation.CallKey
+// returns for an invalid step), or a Policy with a negative field, is
+// refused before anything is sent (idem.ErrInvalidKey,
+// idem.ErrInvalidArgument).
 //
-// An attempt is retried, within Policy, when:
+// Within Policy, an attempt is retried after no answer (a connection that
+// failed, broke or timed out), a 5xx other than 501, a 429, or a 409 with
+// Retry-After (the receiver's "in progress"); any other answer (2xx, 3xx,
+// 422, 400, other 4xx, a 409 without Retry-After) is returned at once. Only
+// a request with a key or an idempotent method is retried. When the
+// retries run out on an answer, that answer is returned. When they run out
+// without one, or the context ends, after an attempt that may have reached
+// the receiver, the error is an *idem.CallError: errors.Is(err, idem.ErrOutcomeUnknown) is
+// true and its Key field holds the key; keep the operation pending with
+// that key and retry or reconcile it later, never with a new key. An error
+// that is not a CallError means nothing reached the receiver.
 //
-//   - it failed without an answer: the connection could not be made, or
-//     broke, or timed out (a Base timeout such as ResponseHeaderTimeout);
-//     not a TLS certificate the client refuses, nor a server that does not
-//     speak TLS;
-//   - the answer is 5xx other than 501 Not Implemented;
-//   - the answer is 429 Too Many Requests;
-//   - the answer is 409 Conflict with a Retry-After header: the receiver's
-//     "a request with this key is in progress" (idemhttp's, the IETF
-//     draft's). A 409 without Retry-After, or with one that is neither a
-//     number of seconds nor an HTTP date, is another kind of conflict (such
-//     as idemhttp's IDEMPOTENCY_OUTCOME_UNKNOWN) and is returned as it is.
-//
-// Any other answer is returned at once: 2xx, 3xx, 422 (the key was used
-// for another request: a bug to fix, not to retry), 400 and every other
-// 4xx. The wait before a retry is the answer's Retry-After (seconds or an
-// HTTP date), capped by Policy.MaxDelay, or else Policy's backoff. Only a
-// request that carries a key, or whose method is idempotent (GET, HEAD,
-// OPTIONS, TRACE, PUT, DELETE), is retried; any other is sent once.
-//
-// The body is sent again through the request's GetBody. A body without
-// GetBody is read into memory first, up to MaxBufferedBody bytes; a longer
-// one is sent once, without retries.
-//
-// When the retries run out on an answer, that answer is returned, as a
-// plain http.Transport would return it. When they run out without one (or
-// the context ends while an attempt is under way or during a wait) after an
-// attempt that may have reached the receiver (no answer, a 5xx, or a 409
-// in progress), the error is an *idem.CallError: errors.Is(err,
-// idem.ErrOutcomeUnknown) is true, its message says that the request may
-// have been processed and to retry later with the same key, and its Key
-// field holds that key (the message does not: messages end up in logs).
-// Keep the operation pending with its key and retry or reconcile it later;
-// never start over with a new key. When no attempt can have reached the
-// receiver, the last error is returned as it is: no attempt got a
-// connection (the dial or the TLS handshake failed, or the context ended
-// before a connection was made). Transport learns that from the client
-// trace of each attempt's context (net/http/httptrace: GetConn without
-// GotConn), adding its hooks to those the context already has; with a Base
-// that calls no trace hooks, only a failed dial or name lookup, a refused
-// certificate or a server that does not speak TLS count as not sent.
-//
-// Bound the whole call, retries included, with the request's context
-// (context.WithTimeout): a deadline that passes during an attempt that may
-// have reached the receiver gives the *idem.CallError. Do not use
-// http.Client.Timeout for that: when it fires, net/http may replace the
-// transport's error with its own timeout error, which does not wrap it
-// (whether it does depends on which of its goroutines sees the timeout
-// first), so the CallError can be lost and errors.Is(err,
-// idem.ErrOutcomeUnknown) false although the request may have been
-// processed. Bound one attempt with
-// Base's timeouts (a dialer's, ResponseHeaderTimeout). Transport never
-// changes the caller's request: each
-// attempt sends a clone. The bodies of answers it retries are read (up to a
-// few KiB, so the connection can be reused) and closed.
-//
-// Use it for calls whose receiver deduplicates by key, or whose method is
-// idempotent. A Transport is safe for concurrent use.
+// Bound the whole call with the request's context, not with
+// http.Client.Timeout (which can hide the CallError), and one attempt with
+// Base's timeouts. Transport never changes the caller's request. A
+// Transport is safe for concurrent use. docs/calling.md has the full story:
+// Retry-After and backoff, bodies without GetBody (MaxBufferedBody), how an
+// attempt that never reached the receiver is told apart.
 type Transport struct {
 	// Base sends each attempt. Default http.DefaultTransport.
 	Base http.RoundTripper

@@ -35,17 +35,17 @@ func New(cfg idem.Config) (*Client, error) { return newClient(cfg, false) }
 func NewCitus(cfg idem.Config) (*Client, error) { return newClient(cfg, true) }
 
 func newClient(cfg idem.Config, citus bool) (*Client, error) {
-	c, err := core.New(cfg, "idemsql", func(s driver.Settings) driver.Driver[*sql.Tx, *sql.DB] {
+	c, err := core.New(coreConfig(cfg), "idemsql", func(s driver.Settings) driver.Driver[*sql.Tx, *sql.DB] {
 		return sqldriver.New(s, citus)
 	})
 	if err != nil {
-		return nil, err
+		return nil, publicErr(err)
 	}
 	return &Client{c}, nil
 }
 
 // Config returns the client's configuration with defaults filled in.
-func (c *Client) Config() idem.Config { return c.c.Config() }
+func (c *Client) Config() idem.Config { return config(c.c.Config()) }
 
 var defaultClient = func() *Client {
 	c, err := New(idem.Config{})
@@ -73,18 +73,18 @@ var defaultClient = func() *Client {
 //
 // InTx uses the package defaults; see Client.InTx.
 func InTx(ctx context.Context, db *sql.DB, fn func(ctx context.Context, tx *sql.Tx) error) error {
-	return defaultClient.c.InTx(ctx, db, fn)
+	return defaultClient.InTx(ctx, db, fn)
 }
 
 // InTx is the package-level InTx with this client's isolation level and
 // retry budget.
 func (c *Client) InTx(ctx context.Context, db *sql.DB, fn func(ctx context.Context, tx *sql.Tx) error) error {
-	return c.c.InTx(ctx, db, fn)
+	return publicErr(c.c.InTx(ctx, db, fn))
 }
 
 // ValidateKey is idem.Client.ValidateKey: whether key is a valid
 // idempotency key under this client's key length bounds (ErrInvalidKey).
-func (c *Client) ValidateKey(key string) error { return c.c.ValidateKey(key) }
+func (c *Client) ValidateKey(key string) error { return publicErr(c.c.ValidateKey(key)) }
 
 // ValidateScope is idem.ValidateScope (ErrInvalidScope): a scope's limits
 // do not depend on the client's Config.

@@ -3,6 +3,7 @@ package idemsql
 import (
 	"context"
 	"database/sql"
+	"github.com/pgidem/idem/internal/core"
 
 	"github.com/pgidem/idem"
 )
@@ -28,13 +29,14 @@ import (
 // Do uses the package defaults; see Client.Do.
 func Do(ctx context.Context, tx *sql.Tx, scope idem.Scope, key string, fp idem.Fingerprint,
 	fn func(ctx context.Context, tx *sql.Tx) (idem.Response, error)) (idem.Result, error) {
-	return defaultClient.c.Do(ctx, tx, scope, key, fp, fn)
+	return defaultClient.Do(ctx, tx, scope, key, fp, fn)
 }
 
 // Do is the package-level Do with this client's configuration.
 func (c *Client) Do(ctx context.Context, tx *sql.Tx, scope idem.Scope, key string, fp idem.Fingerprint,
 	fn func(ctx context.Context, tx *sql.Tx) (idem.Response, error)) (idem.Result, error) {
-	return c.c.Do(ctx, tx, scope, key, fp, fn)
+	res, err := c.c.Do(ctx, tx, core.Scope(scope), key, core.Fingerprint(fp), coreFn(fn))
+	return result(res), publicErr(err)
 }
 
 // DoInTx is idem.DoInTx on a *sql.DB: Do in a transaction of its own begun
@@ -62,11 +64,12 @@ func (c *Client) Do(ctx context.Context, tx *sql.Tx, scope idem.Scope, key strin
 // others wait at most Config.Wait and replay).
 func DoInTx(ctx context.Context, db *sql.DB, scope idem.Scope, key string, fp idem.Fingerprint,
 	fn func(ctx context.Context, tx *sql.Tx) (idem.Response, error)) (idem.Result, error) {
-	return defaultClient.c.DoInTx(ctx, db, scope, key, fp, fn)
+	return defaultClient.DoInTx(ctx, db, scope, key, fp, fn)
 }
 
 // DoInTx is the package-level DoInTx with this client's configuration.
 func (c *Client) DoInTx(ctx context.Context, db *sql.DB, scope idem.Scope, key string, fp idem.Fingerprint,
 	fn func(ctx context.Context, tx *sql.Tx) (idem.Response, error)) (idem.Result, error) {
-	return c.c.DoInTx(ctx, db, scope, key, fp, fn)
+	res, err := c.c.DoInTx(ctx, db, core.Scope(scope), key, core.Fingerprint(fp), coreFn(fn))
+	return result(res), publicErr(err)
 }

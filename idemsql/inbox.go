@@ -19,13 +19,14 @@ import (
 // Inbox uses the package defaults; see Client.Inbox.
 func Inbox(ctx context.Context, tx *sql.Tx, consumer, messageID string, payload []byte,
 	fn func(ctx context.Context, tx *sql.Tx) error) (duplicate bool, err error) {
-	return defaultClient.c.Inbox(ctx, tx, consumer, messageID, payload, fn)
+	return defaultClient.Inbox(ctx, tx, consumer, messageID, payload, fn)
 }
 
 // Inbox is the package-level Inbox with this client's configuration.
 func (c *Client) Inbox(ctx context.Context, tx *sql.Tx, consumer, messageID string, payload []byte,
 	fn func(ctx context.Context, tx *sql.Tx) error) (duplicate bool, err error) {
-	return c.c.Inbox(ctx, tx, consumer, messageID, payload, fn)
+	dup, err := c.c.Inbox(ctx, tx, consumer, messageID, payload, fn)
+	return dup, publicErr(err)
 }
 
 // InboxInTx is idem.InboxInTx on a *sql.DB: Inbox in a transaction of its
@@ -37,21 +38,25 @@ func (c *Client) Inbox(ctx context.Context, tx *sql.Tx, consumer, messageID stri
 // InboxInTx uses the package defaults; see Client.InboxInTx.
 func InboxInTx(ctx context.Context, db *sql.DB, consumer, messageID string, payload []byte,
 	fn func(ctx context.Context, tx *sql.Tx) error) (duplicate bool, err error) {
-	return defaultClient.c.InboxInTx(ctx, db, consumer, messageID, payload, fn)
+	return defaultClient.InboxInTx(ctx, db, consumer, messageID, payload, fn)
 }
 
 // InboxInTx is the package-level InboxInTx with this client's
 // configuration.
 func (c *Client) InboxInTx(ctx context.Context, db *sql.DB, consumer, messageID string, payload []byte,
 	fn func(ctx context.Context, tx *sql.Tx) error) (duplicate bool, err error) {
-	return c.c.InboxInTx(ctx, db, consumer, messageID, payload, fn)
+	dup, err := c.c.InboxInTx(ctx, db, consumer, messageID, payload, fn)
+	return dup, publicErr(err)
 }
 
 // InboxKey is idem.InboxKey: the idempotency key under which Inbox records
 // messageID (the id itself, or "sha256:" and its hash), for Lookup and
 // Forget.
-func InboxKey(messageID string) (string, error) { return defaultClient.c.InboxKey(messageID) }
+func InboxKey(messageID string) (string, error) { return defaultClient.InboxKey(messageID) }
 
 // InboxKey is the package-level InboxKey with this client's key length
 // bounds (see idem.Client.InboxKey).
-func (c *Client) InboxKey(messageID string) (string, error) { return c.c.InboxKey(messageID) }
+func (c *Client) InboxKey(messageID string) (string, error) {
+	key, err := c.c.InboxKey(messageID)
+	return key, publicErr(err)
+}

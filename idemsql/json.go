@@ -22,7 +22,7 @@ func DoJSON[T any](ctx context.Context, tx *sql.Tx, scope idem.Scope, key string
 // idem.ErrInvalidArgument.
 func DoJSONWith[T any](ctx context.Context, c *Client, tx *sql.Tx, scope idem.Scope, key string, fp idem.Fingerprint,
 	fn func(ctx context.Context, tx *sql.Tx) (T, error)) (T, bool, error) {
-	return core.DoJSON(ctx, c.core(), tx, scope, key, fp, fn)
+	return typed(core.DoJSON(ctx, c.core(), tx, core.Scope(scope), key, core.Fingerprint(fp), fn))
 }
 
 // DoInTxJSON is idem.DoInTxJSON on a *sql.DB: DoJSON in a transaction of
@@ -37,7 +37,7 @@ func DoInTxJSON[T any](ctx context.Context, db *sql.DB, scope idem.Scope, key st
 // with idem.ErrInvalidArgument.
 func DoInTxJSONWith[T any](ctx context.Context, c *Client, db *sql.DB, scope idem.Scope, key string, fp idem.Fingerprint,
 	fn func(ctx context.Context, tx *sql.Tx) (T, error)) (T, bool, error) {
-	return core.DoInTxJSON(ctx, c.core(), db, scope, key, fp, fn)
+	return typed(core.DoInTxJSON(ctx, c.core(), db, core.Scope(scope), key, core.Fingerprint(fp), fn))
 }
 
 // core is c's protocol; nil for a nil c, which the typed calls refuse.

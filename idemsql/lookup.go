@@ -35,12 +35,13 @@ func Migrate(ctx context.Context, db *sql.DB) error {
 // Lookup is idem.Lookup on a *sql.DB: the committed record of (scope,
 // key), or idem.ErrNotFound. It does not check who asks.
 func Lookup(ctx context.Context, db *sql.DB, scope idem.Scope, key string) (idem.Record, error) {
-	return defaultClient.c.Lookup(ctx, db, scope, key)
+	return defaultClient.Lookup(ctx, db, scope, key)
 }
 
 // Lookup is the package-level Lookup with this client's key limits.
 func (c *Client) Lookup(ctx context.Context, db *sql.DB, scope idem.Scope, key string) (idem.Record, error) {
-	return c.c.Lookup(ctx, db, scope, key)
+	r, err := c.c.Lookup(ctx, db, core.Scope(scope), key)
+	return record(r), publicErr(err)
 }
 
 // Forget is idem.Forget on a *sql.DB: it deletes the record of a finished
@@ -49,12 +50,12 @@ func (c *Client) Lookup(ctx context.Context, db *sql.DB, scope idem.Scope, key s
 // it instead), idem.ErrNotFound when no record holds the key; nothing
 // changes on an error.
 func Forget(ctx context.Context, db *sql.DB, scope idem.Scope, key string) error {
-	return defaultClient.c.Forget(ctx, db, scope, key)
+	return defaultClient.Forget(ctx, db, scope, key)
 }
 
 // Forget is the package-level Forget with this client's key limits.
 func (c *Client) Forget(ctx context.Context, db *sql.DB, scope idem.Scope, key string) error {
-	return c.c.Forget(ctx, db, scope, key)
+	return publicErr(c.c.Forget(ctx, db, core.Scope(scope), key))
 }
 
 // Prune is idem.Prune on a *sql.DB: it deletes finished keys past their
@@ -63,23 +64,25 @@ func (c *Client) Forget(ctx context.Context, db *sql.DB, scope idem.Scope, key s
 // skip each other's rows. When ctx ends between batches Prune returns what
 // it deleted so far with the context's error.
 func Prune(ctx context.Context, db *sql.DB, opts idem.PruneOptions) (int64, error) {
-	return defaultClient.c.Prune(ctx, db, opts)
+	return defaultClient.Prune(ctx, db, opts)
 }
 
 // Prune is the package-level Prune.
 func (c *Client) Prune(ctx context.Context, db *sql.DB, opts idem.PruneOptions) (int64, error) {
-	return c.c.Prune(ctx, db, opts)
+	n, err := c.c.Prune(ctx, db, core.PruneOptions(opts))
+	return n, publicErr(err)
 }
 
 // ReadStats is idem.ReadStats on a *sql.DB: the keys in each status, the
 // oldest in flight and unknown, and the table's size. It counts every row:
 // run it from operators' tools, not on a request path.
 func ReadStats(ctx context.Context, db *sql.DB) (idem.Stats, error) {
-	return defaultClient.c.ReadStats(ctx, db)
+	return defaultClient.ReadStats(ctx, db)
 }
 
 // ReadStats is the package-level ReadStats, in a transaction at this
 // client's isolation level.
 func (c *Client) ReadStats(ctx context.Context, db *sql.DB) (idem.Stats, error) {
-	return c.c.ReadStats(ctx, db)
+	s, err := c.c.ReadStats(ctx, db)
+	return stats(s), publicErr(err)
 }

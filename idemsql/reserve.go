@@ -3,6 +3,7 @@ package idemsql
 import (
 	"context"
 	"database/sql"
+	"github.com/pgidem/idem/internal/core"
 	"time"
 
 	"github.com/pgidem/idem"
@@ -22,12 +23,13 @@ import (
 // window (r.Resumed) as it does. lease < 1µs, an invalid scope or key, or a nil db
 // are refused before anything runs.
 func Reserve(ctx context.Context, db *sql.DB, scope idem.Scope, key string, fp idem.Fingerprint, lease time.Duration) (idem.Reservation, error) {
-	return defaultClient.c.Reserve(ctx, db, scope, key, fp, lease)
+	return defaultClient.Reserve(ctx, db, scope, key, fp, lease)
 }
 
 // Reserve is the package-level Reserve with this client's configuration.
 func (c *Client) Reserve(ctx context.Context, db *sql.DB, scope idem.Scope, key string, fp idem.Fingerprint, lease time.Duration) (idem.Reservation, error) {
-	return c.c.Reserve(ctx, db, scope, key, fp, lease)
+	r, err := c.c.Reserve(ctx, db, core.Scope(scope), key, core.Fingerprint(fp), lease)
+	return reservation(r), publicErr(err)
 }
 
 // ReserveWith is idem.ReserveWith on a *sql.DB: Reserve with options
@@ -40,13 +42,14 @@ func (c *Client) Reserve(ctx context.Context, db *sql.DB, scope idem.Scope, key 
 // key, or a nil db are refused with idem.ErrInvalidArgument (or
 // idem.ErrInvalidScope, idem.ErrInvalidKey) before anything runs.
 func ReserveWith(ctx context.Context, db *sql.DB, scope idem.Scope, key string, fp idem.Fingerprint, opts idem.ReserveOptions) (idem.Reservation, error) {
-	return defaultClient.c.ReserveWith(ctx, db, scope, key, fp, opts)
+	return defaultClient.ReserveWith(ctx, db, scope, key, fp, opts)
 }
 
 // ReserveWith is the package-level ReserveWith with this client's
 // configuration.
 func (c *Client) ReserveWith(ctx context.Context, db *sql.DB, scope idem.Scope, key string, fp idem.Fingerprint, opts idem.ReserveOptions) (idem.Reservation, error) {
-	return c.c.ReserveWith(ctx, db, scope, key, fp, opts)
+	r, err := c.c.ReserveWith(ctx, db, core.Scope(scope), key, core.Fingerprint(fp), core.ReserveOptions(opts))
+	return reservation(r), publicErr(err)
 }
 
 // Complete is idem.Complete on a *sql.Tx: it records the outcome of the
@@ -58,12 +61,12 @@ func (c *Client) ReserveWith(ctx context.Context, db *sql.DB, scope idem.Scope, 
 // replayed Reservation, or a nil, closed or aborted tx,
 // idem.ErrInvalidArgument.
 func Complete(ctx context.Context, tx *sql.Tx, r idem.Reservation, resp idem.Response) error {
-	return defaultClient.c.Complete(ctx, tx, r, resp)
+	return defaultClient.Complete(ctx, tx, r, resp)
 }
 
 // Complete is the package-level Complete with this client's configuration.
 func (c *Client) Complete(ctx context.Context, tx *sql.Tx, r idem.Reservation, resp idem.Response) error {
-	return c.c.Complete(ctx, tx, r, resp)
+	return publicErr(c.c.Complete(ctx, tx, coreReservation(r), core.Response(resp)))
 }
 
 // FailRetryable is idem.FailRetryable on a *sql.DB: the reservation's work
@@ -71,13 +74,13 @@ func (c *Client) Complete(ctx context.Context, tx *sql.Tx, r idem.Reservation, r
 // reason, in a transaction of its own. idem.ErrFenced when the record is no
 // longer this reservation's 'processing'.
 func FailRetryable(ctx context.Context, db *sql.DB, r idem.Reservation, reason string) error {
-	return defaultClient.c.FailRetryable(ctx, db, r, reason)
+	return defaultClient.FailRetryable(ctx, db, r, reason)
 }
 
 // FailRetryable is the package-level FailRetryable with this client's
 // configuration.
 func (c *Client) FailRetryable(ctx context.Context, db *sql.DB, r idem.Reservation, reason string) error {
-	return c.c.FailRetryable(ctx, db, r, reason)
+	return publicErr(c.c.FailRetryable(ctx, db, coreReservation(r), reason))
 }
 
 // MarkUnknown is idem.MarkUnknown on a *sql.DB: the reservation's work may
@@ -85,13 +88,13 @@ func (c *Client) FailRetryable(ctx context.Context, db *sql.DB, r idem.Reservati
 // resolves it (or, inside the key's window, the next Reserve resumes it).
 // idem.ErrFenced when the record has moved on.
 func MarkUnknown(ctx context.Context, db *sql.DB, r idem.Reservation, reason string) error {
-	return defaultClient.c.MarkUnknown(ctx, db, r, reason)
+	return defaultClient.MarkUnknown(ctx, db, r, reason)
 }
 
 // MarkUnknown is the package-level MarkUnknown with this client's
 // configuration.
 func (c *Client) MarkUnknown(ctx context.Context, db *sql.DB, r idem.Reservation, reason string) error {
-	return c.c.MarkUnknown(ctx, db, r, reason)
+	return publicErr(c.c.MarkUnknown(ctx, db, coreReservation(r), reason))
 }
 
 // Heartbeat is idem.Heartbeat on a *sql.DB: it extends the reservation's
@@ -100,13 +103,14 @@ func (c *Client) MarkUnknown(ctx context.Context, db *sql.DB, r idem.Reservation
 // lease has run out or the record moved on; extend < 1µs is
 // idem.ErrInvalidArgument.
 func Heartbeat(ctx context.Context, db *sql.DB, r idem.Reservation, extend time.Duration) (idem.Reservation, error) {
-	return defaultClient.c.Heartbeat(ctx, db, r, extend)
+	return defaultClient.Heartbeat(ctx, db, r, extend)
 }
 
 // Heartbeat is the package-level Heartbeat with this client's
 // configuration.
 func (c *Client) Heartbeat(ctx context.Context, db *sql.DB, r idem.Reservation, extend time.Duration) (idem.Reservation, error) {
-	return c.c.Heartbeat(ctx, db, r, extend)
+	next, err := c.c.Heartbeat(ctx, db, coreReservation(r), extend)
+	return reservation(next), publicErr(err)
 }
 
 // ExpireLeases is idem.ExpireLeases on a *sql.DB: it turns at most limit
@@ -114,13 +118,14 @@ func (c *Client) Heartbeat(ctx context.Context, db *sql.DB, r idem.Reservation, 
 // into 'unknown', oldest lease first, and returns how many. limit <= 0 is
 // idem.ErrInvalidArgument.
 func ExpireLeases(ctx context.Context, db *sql.DB, limit int) (int64, error) {
-	return defaultClient.c.ExpireLeases(ctx, db, limit)
+	return defaultClient.ExpireLeases(ctx, db, limit)
 }
 
 // ExpireLeases is the package-level ExpireLeases with this client's
 // configuration.
 func (c *Client) ExpireLeases(ctx context.Context, db *sql.DB, limit int) (int64, error) {
-	return c.c.ExpireLeases(ctx, db, limit)
+	n, err := c.c.ExpireLeases(ctx, db, limit)
+	return n, publicErr(err)
 }
 
 // ListUnknown is idem.ListUnknown on a *sql.DB: at most limit 'unknown'
@@ -130,13 +135,13 @@ func (c *Client) ExpireLeases(ctx context.Context, db *sql.DB, limit int) (int64
 // text, a CreatedAt outside PostgreSQL's range), is
 // idem.ErrInvalidArgument.
 func ListUnknown(ctx context.Context, db *sql.DB, limit int, after *idem.Record) ([]idem.Record, error) {
-	return defaultClient.c.ListUnknown(ctx, db, limit, after)
+	return defaultClient.ListUnknown(ctx, db, limit, after)
 }
 
 // ListUnknown is the package-level ListUnknown with this client's
 // configuration.
 func (c *Client) ListUnknown(ctx context.Context, db *sql.DB, limit int, after *idem.Record) ([]idem.Record, error) {
-	return c.c.ListUnknown(ctx, db, limit, after)
+	return records(c.c.ListUnknown(ctx, db, limit, coreRecord(after)))
 }
 
 // ListResumable is idem.ListResumable on a *sql.DB: at most limit records
@@ -144,13 +149,13 @@ func (c *Client) ListUnknown(ctx context.Context, db *sql.DB, limit int, after *
 // 'processing' whose lease ran out, or 'unknown'), oldest first, paged as
 // ListUnknown; ReserveWith resumes each.
 func ListResumable(ctx context.Context, db *sql.DB, limit int, after *idem.Record) ([]idem.Record, error) {
-	return defaultClient.c.ListResumable(ctx, db, limit, after)
+	return defaultClient.ListResumable(ctx, db, limit, after)
 }
 
 // ListResumable is the package-level ListResumable with this client's
 // configuration.
 func (c *Client) ListResumable(ctx context.Context, db *sql.DB, limit int, after *idem.Record) ([]idem.Record, error) {
-	return c.c.ListResumable(ctx, db, limit, after)
+	return records(c.c.ListResumable(ctx, db, limit, coreRecord(after)))
 }
 
 // Resolve is idem.Resolve on a *sql.DB: it reconciles the record of (scope,
@@ -164,10 +169,10 @@ func (c *Client) ListResumable(ctx context.Context, db *sql.DB, limit int, after
 // verdict) are refused before anything runs. The record keeps its
 // LastError; res.Reason is stored as its ResolveReason.
 func Resolve(ctx context.Context, db *sql.DB, scope idem.Scope, key string, res idem.Resolution) error {
-	return defaultClient.c.Resolve(ctx, db, scope, key, res)
+	return defaultClient.Resolve(ctx, db, scope, key, res)
 }
 
 // Resolve is the package-level Resolve with this client's configuration.
 func (c *Client) Resolve(ctx context.Context, db *sql.DB, scope idem.Scope, key string, res idem.Resolution) error {
-	return c.c.Resolve(ctx, db, scope, key, res)
+	return publicErr(c.c.Resolve(ctx, db, core.Scope(scope), key, coreResolution(res)))
 }

@@ -68,10 +68,10 @@ type Action string
 // action column holds these names.
 const (
 	ActionView         Action = "view"
-	ActionResolve      Action = audit.ActionResolve
-	ActionForget       Action = audit.ActionForget
-	ActionExpireLeases Action = audit.ActionExpireLeases
-	ActionPrune        Action = audit.ActionPrune
+	ActionResolve      Action = "resolve"
+	ActionForget       Action = "forget"
+	ActionExpireLeases Action = "expire_leases"
+	ActionPrune        Action = "prune"
 )
 
 // Options configure the console.

@@ -6,7 +6,6 @@ import (
 	"math"
 	"time"
 
-	"github.com/jackc/pgx/v5"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
 
@@ -50,7 +49,7 @@ type Config struct {
 	// DoInTx begin. Default: the server's default (READ COMMITTED unless
 	// configured otherwise). On a pgx.Tx they run in a savepoint, which has
 	// the isolation level of the caller's transaction.
-	IsolationLevel pgx.TxIsoLevel
+	IsolationLevel IsolationLevel
 
 	// MeterProvider receives idem's metrics: a counter per outcome
 	// (idem.reserve.created, .replay, .in_progress, .key_misuse, ...,
@@ -84,6 +83,11 @@ type Config struct {
 	// retries. On a pgx.Tx there are none: the caller's transaction is lost.
 	MaxRetries int
 }
+
+// IsolationLevel is a transaction isolation level as PostgreSQL spells it
+// ("read committed", "repeatable read", "serializable", "read
+// uncommitted"); "" means the server's default. idem.Config takes pgx's.
+type IsolationLevel string
 
 // Defaults of Config.
 const (
@@ -150,7 +154,7 @@ func New[TTx, TDB any](cfg Config, name string, newDriver func(driver.Settings) 
 		return nil, errorf("idem: %w: MaxResponseBytes %d must not be negative", ErrInvalidConfig, cfg.MaxResponseBytes)
 	}
 	switch cfg.IsolationLevel {
-	case "", pgx.ReadCommitted, pgx.RepeatableRead, pgx.Serializable, pgx.ReadUncommitted:
+	case "", "read committed", "repeatable read", "serializable", "read uncommitted":
 	default:
 		return nil, errorf("idem: %w: unknown IsolationLevel %q", ErrInvalidConfig, cfg.IsolationLevel)
 	}

@@ -5,9 +5,9 @@ import (
 	"time"
 )
 
-// The public types of idem, declared once here: package idem names each of
-// them (type aliases with the same documentation), and package idemsql
-// uses idem's names.
+// The protocol's types. Package idem defines the public types with the same
+// fields (idemsql uses idem's) and converts at the boundary; its tests keep
+// the two in step (docs/development.md, Layers).
 
 // Fingerprint identifies the content of a request: the SHA-256 of its
 // canonical form. The same key with the same fingerprint is a retry; the same

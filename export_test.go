@@ -1,0 +1,4 @@
+package idem
+
+// PublicErr is publicErr, for the tests of the conversion.
+var PublicErr = publicErr
