@@ -259,6 +259,8 @@ type middleware struct {
 	keyOptional bool
 	maxBody     int64
 	maxResponse int
+	ttl         time.Duration                        // Config.TTL, with its default
+	ttlFor      func(operation string) time.Duration // Config.TTLFor
 	timeout     time.Duration
 	challenge   string
 	log         *slog.Logger
@@ -315,6 +317,8 @@ func newMiddleware(opts Options, open front.Open) (*middleware, error) {
 		keyOptional: opts.KeyOptional,
 		maxBody:     opts.MaxBodyBytes,
 		maxResponse: client.Config().MaxResponseBytes,
+		ttl:         client.Config().TTL,
+		ttlFor:      opts.Config.TTLFor,
 		timeout:     opts.Timeout,
 		log:         opts.Logger,
 		hash:        loghash.New(opts.Config.LogHashKey),
@@ -677,10 +681,9 @@ func (m *middleware) storedHeader(h http.Header) map[string][]string {
 // lifetime is the value of HeaderKeyLifetime for a key of operation: its
 // TTL (Config.TTLFor, else Config.TTL) in whole seconds, rounded up.
 func (m *middleware) lifetime(operation string) string {
-	cfg := m.client.Config()
-	ttl := cfg.TTL
-	if cfg.TTLFor != nil {
-		if t := cfg.TTLFor(operation); t > 0 {
+	ttl := m.ttl
+	if m.ttlFor != nil {
+		if t := m.ttlFor(operation); t > 0 {
 			ttl = t
 		}
 	}
