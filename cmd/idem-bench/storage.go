@@ -127,6 +127,11 @@ func (b *bench) runStorage(ctx context.Context, out io.Writer) (int, error) {
 	}
 	fmt.Fprintf(out, "\nstorage: %.0f calls/s for %s, TTL %s (steady state: %d keys), Prune every %s, VACUUM after 50 + 20%% of the keys were pruned\n",
 		o.storageRate, (2 * ttl).Round(time.Second), ttl.Round(time.Millisecond), o.storageKeys, (ttl / 20).Round(time.Millisecond))
+	// Only the storage run's keys: -smoke's workloads ran before it on
+	// the same table.
+	if err := execSQL(ctx, pool, `TRUNCATE idem_keys`); err != nil {
+		return 0, err
+	}
 	if o.storageFillfactor != 0 {
 		if err := execSQL(ctx, pool, fmt.Sprintf(`ALTER TABLE idem_keys SET (fillfactor = %d)`, o.storageFillfactor)); err != nil {
 			return 0, err
