@@ -13,6 +13,14 @@ const HeaderKey = "Idempotency-Key"
 // HeaderReplayed is the response header set to "true" on a replayed response.
 const HeaderReplayed = "Idempotent-Replayed"
 
+// HeaderKeyLifetime is idem's own response header (not the IETF draft's)
+// telling the client how long the server remembers its key: the key's TTL
+// (Config.TTLFor, else Config.TTL) in whole seconds, counted from the first
+// request that carried the key. The middleware sets it on every stored
+// response, fresh or replayed; within that time a retry with the same key
+// gets the stored response, after it the key is a new request.
+const HeaderKeyLifetime = "Idem-Key-Lifetime"
+
 // Errors of the Idempotency-Key header, returned by ParseKey. The
 // middleware answers them with a 400 problem.
 var (

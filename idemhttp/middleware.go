@@ -259,6 +259,8 @@ type middleware struct {
 	keyOptional bool
 	maxBody     int64
 	maxResponse int
+	ttl         time.Duration                        // Config.TTL, with its default
+	ttlFor      func(operation string) time.Duration // Config.TTLFor
 	timeout     time.Duration
 	challenge   string
 	log         *slog.Logger
@@ -315,6 +317,8 @@ func newMiddleware(opts Options, open front.Open) (*middleware, error) {
 		keyOptional: opts.KeyOptional,
 		maxBody:     opts.MaxBodyBytes,
 		maxResponse: client.Config().MaxResponseBytes,
+		ttl:         client.Config().TTL,
+		ttlFor:      opts.Config.TTLFor,
 		timeout:     opts.Timeout,
 		log:         opts.Logger,
 		hash:        loghash.New(opts.Config.LogHashKey),
@@ -534,11 +538,14 @@ func (m *middleware) serveKeyed(ctx context.Context, w http.ResponseWriter, r *h
 	case errors.Is(err, errPanicked):
 		// guard answered already.
 	case err == nil && res.Replayed:
+		w.Header().Set(HeaderKeyLifetime, m.lifetime(scope.Operation))
 		writeReplay(w, res.Response, m.stored)
 	case errors.Is(err, errNotStored) && timedOut(ctx, buf):
 		m.fail(ctx, w, r, key, context.Cause(ctx))
-	case err == nil, errors.Is(err, errNotStored):
-		writeBuffered(w, buf)
+	case err == nil:
+		writeBuffered(w, buf, m.lifetime(scope.Operation))
+	case errors.Is(err, errNotStored):
+		writeBuffered(w, buf, "")
 	case errors.Is(err, idem.ErrKeyReused):
 		writeProblem(w, http.StatusUnprocessableEntity, CodeKeyReused,
 			"This Idempotency-Key was used for a different request.", 0)
@@ -583,7 +590,7 @@ func (m *middleware) serveUnkeyed(ctx context.Context, w http.ResponseWriter, r 
 	case errors.Is(err, errNotStored) && timedOut(ctx, buf):
 		m.fail(ctx, w, r, "", context.Cause(ctx))
 	case err == nil, errors.Is(err, errNotStored):
-		writeBuffered(w, buf)
+		writeBuffered(w, buf, "")
 	default:
 		m.fail(ctx, w, r, "", err)
 	}
@@ -676,6 +683,18 @@ func (m *middleware) storedHeader(h http.Header) map[string][]string {
 	return out
 }
 
+// lifetime is the value of HeaderKeyLifetime for a key of operation: its
+// TTL (Config.TTLFor, else Config.TTL) in whole seconds, rounded up.
+func (m *middleware) lifetime(operation string) string {
+	ttl := m.ttl
+	if m.ttlFor != nil {
+		if t := m.ttlFor(operation); t > 0 {
+			ttl = t
+		}
+	}
+	return strconv.FormatInt(int64((ttl+time.Second-1)/time.Second), 10)
+}
+
 // storeStatus classifies an error of the store with idem.Unavailable: 503
 // when the database could not serve (the client should retry with the same
 // key), 500 otherwise.
@@ -686,13 +705,17 @@ func storeStatus(err error) int {
 	return http.StatusInternalServerError
 }
 
-// writeBuffered writes the handler's response as it buffered it.
-func writeBuffered(w http.ResponseWriter, buf *bufferWriter) {
+// writeBuffered writes the handler's response as it buffered it, with
+// HeaderKeyLifetime when lifetime is not "" (the response was stored).
+func writeBuffered(w http.ResponseWriter, buf *bufferWriter, lifetime string) {
 	status, header := buf.result()
 	h := w.Header()
 	clear(h)
 	for name, v := range header {
 		h[name] = v
+	}
+	if lifetime != "" {
+		h.Set(HeaderKeyLifetime, lifetime)
 	}
 	writeBody(w, status, buf.body.Bytes())
 }

@@ -153,7 +153,7 @@ func FuzzResponseWriter(f *testing.F) {
 		// What the client gets: the captured response with a
 		// Content-Length.
 		out := httptest.NewRecorder()
-		writeBuffered(out, buf)
+		writeBuffered(out, buf, "")
 		wantHeader := res.Header.Clone()
 		if bodyAllowedForStatus(res.StatusCode) {
 			wantHeader.Set("Content-Length", strconv.Itoa(rec.Body.Len()))

@@ -19,6 +19,12 @@
 // compares DoInTx's p99 on an empty key table with its p99 on one holding
 // -scale-rows keys while idem.Prune deletes the expired ones beside it.
 //
+// -storage runs only the storage run (storage.go): bytes per retained key
+// of the heap, each index and TOAST in steady state and after VACUUM FULL,
+// the HOT share of completions, and WAL per fresh call against the
+// floor's. -smoke runs a small one after the rest, and fails when a
+// retained key takes more bytes than the layout allows.
+//
 // -latency D puts the database behind an in-process relay that adds D to
 // every round trip. -stale runs the light workloads twice in every round:
 // against a key table analyzed between rounds, and against one analyzed
@@ -58,6 +64,10 @@ type options struct {
 	scaleRows, expiredRows, allocs int
 	prunePause                     time.Duration
 	stale, smoke, keep             bool
+	storage                        bool // the storage run alone (-smoke runs it after the rest)
+	storageKeys, storageWALCalls   int
+	storageFillfactor              int
+	storageRate                    float64
 }
 
 func main() {
@@ -79,6 +89,11 @@ func main() {
 	flag.DurationVar(&o.prunePause, "prune-pause", 0, "pause between Prune's batches of 1000 in the scale run (0: back to back)")
 	flag.IntVar(&o.allocs, "alloc-calls", 1_000, "calls per allocation count")
 	flag.BoolVar(&o.smoke, "smoke", false, "everything tiny, to prove the benchmark works (seconds)")
+	flag.BoolVar(&o.storage, "storage", false, "only the storage run: bytes per retained key, HOT share, WAL per call (-smoke runs a small one too)")
+	flag.IntVar(&o.storageKeys, "storage-keys", 100_000, "keys the storage run retains in steady state (its TTL is -storage-keys / -storage-rate)")
+	flag.Float64Var(&o.storageRate, "storage-rate", 1000, "fresh calls per second in the storage run")
+	flag.IntVar(&o.storageWALCalls, "storage-wal-calls", 2_000, "calls per workload in the storage run's WAL count")
+	flag.IntVar(&o.storageFillfactor, "storage-fillfactor", 0, "fillfactor of idem_keys in the storage run (0: the migrations')")
 	flag.BoolVar(&o.keep, "keep", false, "keep the database after the run")
 	flag.Parse()
 	if flag.NArg() > 0 {
@@ -90,7 +105,7 @@ func main() {
 	if o.smoke {
 		o.shrink(set)
 	}
-	if (o.latency > 0 || o.stale) && !set["scale-rows"] {
+	if (o.latency > 0 || o.stale || o.storage) && !set["scale-rows"] {
 		o.scaleRows, o.expiredRows = 0, 0 // the scale goal is a local, fresh one
 	}
 	if err := o.check(); err != nil {
@@ -108,17 +123,20 @@ func main() {
 // shrink sets the smoke sizes of every flag not given.
 func (o *options) shrink(set map[string]bool) {
 	for name, apply := range map[string]func(){
-		"round":        func() { o.round = 150 * time.Millisecond },
-		"rounds":       func() { o.rounds = 2 },
-		"warmup":       func() { o.warmup = 50 * time.Millisecond },
-		"workers":      func() { o.workers = 4 },
-		"storm":        func() { o.storm = 16 },
-		"users":        func() { o.users = 2_000 },
-		"boxes":        func() { o.boxes = 200 },
-		"replay-keys":  func() { o.replayKeys = 100 },
-		"scale-rows":   func() { o.scaleRows = 20_000 },
-		"expired-rows": func() { o.expiredRows = 15_000 },
-		"alloc-calls":  func() { o.allocs = 50 },
+		"round":             func() { o.round = 150 * time.Millisecond },
+		"rounds":            func() { o.rounds = 2 },
+		"warmup":            func() { o.warmup = 50 * time.Millisecond },
+		"workers":           func() { o.workers = 4 },
+		"storm":             func() { o.storm = 16 },
+		"users":             func() { o.users = 2_000 },
+		"boxes":             func() { o.boxes = 200 },
+		"replay-keys":       func() { o.replayKeys = 100 },
+		"scale-rows":        func() { o.scaleRows = 20_000 },
+		"expired-rows":      func() { o.expiredRows = 15_000 },
+		"alloc-calls":       func() { o.allocs = 50 },
+		"storage-keys":      func() { o.storageKeys = 2_000 },
+		"storage-rate":      func() { o.storageRate = 250 },
+		"storage-wal-calls": func() { o.storageWALCalls = 200 },
 	} {
 		if !set[name] {
 			apply()
@@ -139,7 +157,7 @@ func (o *options) check() error {
 	case o.latency < 0:
 		return errors.New("-latency must not be negative")
 	}
-	return nil
+	return o.storageCheck()
 }
 
 // run resolves the server, prepares the database, measures and reports.
@@ -167,11 +185,21 @@ func run(ctx context.Context, out io.Writer, o options) error {
 		return err
 	}
 	defer b.close(srv)
-	rep, err := b.measure(ctx, out)
-	if err != nil {
-		return err
+	failures := 0
+	if !o.storage {
+		rep, err := b.measure(ctx, out)
+		if err != nil {
+			return err
+		}
+		failures += rep.print(out)
 	}
-	failures := rep.print(out)
+	if o.storage || o.smoke {
+		n, err := b.runStorage(ctx, out)
+		if err != nil {
+			return err
+		}
+		failures += n
+	}
 	fmt.Fprintf(out, "\ntotal time %s\n", time.Since(started).Round(time.Second))
 	if failures > 0 {
 		return fmt.Errorf("%d correctness check(s) failed", failures)

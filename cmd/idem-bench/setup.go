@@ -272,7 +272,16 @@ const autovacuumOff = `ALTER TABLE idem_keys SET (autovacuum_enabled = off)`
 
 // migrateSchema creates schema and runs idem.Migrate in it.
 func migrateSchema(ctx context.Context, url, schema string) error {
-	p, err := openPool(ctx, url, 2, schema, "")
+	// The schema alone on the search_path: with public behind it, the
+	// migrations' DROP INDEX IF EXISTS (00003) would find and drop
+	// public's indexes of the same name.
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		return err
+	}
+	cfg.MaxConns = 2
+	cfg.ConnConfig.RuntimeParams["search_path"] = schema
+	p, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
 		return err
 	}

@@ -72,3 +72,27 @@ func TestRecreateDropsOnlyItsOwnDatabase(t *testing.T) {
 		t.Fatalf("recreate of a database in use: %v", err)
 	}
 }
+
+// The storage run's flags are checked before anything runs.
+func TestStorageFlagsChecked(t *testing.T) {
+	t.Parallel()
+	good := options{workers: 1, rounds: 1, round: time.Second, storm: 2, users: 1, boxes: 1, replayKeys: 1, allocs: 1,
+		storageKeys: 1, storageRate: 1, storageWALCalls: 1}
+	if err := good.check(); err != nil {
+		t.Fatalf("good options refused: %v", err)
+	}
+	for name, bad := range map[string]func(*options){
+		"no keys":        func(o *options) { o.storageKeys = 0 },
+		"no rate":        func(o *options) { o.storageRate = 0 },
+		"negative rate":  func(o *options) { o.storageRate = -1 },
+		"no WAL calls":   func(o *options) { o.storageWALCalls = 0 },
+		"fillfactor 5":   func(o *options) { o.storageFillfactor = 5 },
+		"fillfactor 101": func(o *options) { o.storageFillfactor = 101 },
+	} {
+		o := good
+		bad(&o)
+		if err := o.check(); err == nil || !strings.Contains(err.Error(), "-storage") {
+			t.Errorf("%s: got %v, want an error naming the -storage flag", name, err)
+		}
+	}
+}

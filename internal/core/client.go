@@ -20,6 +20,14 @@ type Config struct {
 	// it a finished key counts as a new request. Default 24 hours.
 	TTL time.Duration
 
+	// TTLFor, when set, gives the TTL of the keys of an operation
+	// (Scope.Operation), in place of TTL: a short one for a payment
+	// attempt, a long one for an order. 0 means TTL. It is called on every
+	// call, so it must be fast and safe for concurrent use; a value under a
+	// microsecond (negative) fails the call with ErrInvalidConfig before
+	// anything is written. A key keeps the TTL it was claimed with.
+	TTLFor func(operation string) time.Duration
+
 	// Wait bounds how long a call waits for a concurrent transaction that
 	// holds the same key before it gives up with ErrInProgress. (On Citus
 	// the wait happens on a worker, which the bound reaches only when
@@ -159,6 +167,7 @@ func New[TTx, TDB any](cfg Config, name string, newDriver func(driver.Settings) 
 	}
 	c.drv = newDriver(driver.Settings{
 		TTLMicros:      cfg.TTL.Microseconds(),
+		TTLFor:         cfg.TTLFor,
 		LockTimeout:    fmt.Sprintf("%dms", wait.Milliseconds()),
 		IsolationLevel: string(cfg.IsolationLevel),
 	})

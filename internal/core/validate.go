@@ -11,7 +11,15 @@ func (c *Client[TTx, TDB]) checkTarget(scope Scope, key string) error {
 	if err := c.ValidateKey(key); err != nil {
 		return err
 	}
-	return ValidateScope(scope)
+	if err := ValidateScope(scope); err != nil {
+		return err
+	}
+	if c.cfg.TTLFor != nil {
+		if t := c.cfg.TTLFor(scope.Operation); t != 0 && t < time.Microsecond {
+			return errorf("idem: %w: TTLFor(%q) is %s; a TTL must be positive", ErrInvalidConfig, scope.Operation, t)
+		}
+	}
+	return nil
 }
 
 // ValidateScope reports whether scope can be used: Actor and Operation must be

@@ -33,12 +33,27 @@ var ErrNoRows = errors.New("no rows")
 type Settings struct {
 	// TTLMicros is Config.TTL in microseconds.
 	TTLMicros int64
+	// TTLFor is Config.TTLFor: nil, or the TTL of an operation's keys (0:
+	// TTLMicros).
+	TTLFor func(operation string) time.Duration
 	// LockTimeout is Config.Wait as a lock_timeout value ("2000ms"), at
 	// least a millisecond.
 	LockTimeout string
 	// IsolationLevel is Config.IsolationLevel ("" for the server's
 	// default), the level of the transactions the driver begins.
 	IsolationLevel string
+}
+
+// TTL is the TTL in microseconds of the keys of operation: TTLFor's when it
+// gives one, TTLMicros otherwise. The calls refused a TTLFor value under a
+// microsecond before any statement ran (ErrInvalidConfig).
+func (s *Settings) TTL(operation string) int64 {
+	if s.TTLFor != nil {
+		if t := s.TTLFor(operation).Microseconds(); t > 0 {
+			return t
+		}
+	}
+	return s.TTLMicros
 }
 
 // Driver wraps one database package: TTx is its transaction (pgx.Tx,

@@ -53,7 +53,7 @@ type txBeginner interface {
 
 // Driver is the pgx driver of one Client.
 type Driver struct {
-	ttlMicros   int64
+	ttl         driver.Settings // TTL and TTLFor: ttl.TTL(operation) is a key's TTL
 	lockTimeout string
 	txOptions   pgx.TxOptions
 	// sqlSetWait is SET LOCAL lock_timeout = Wait: Reserve's bound, where
@@ -75,7 +75,7 @@ var _ driver.Driver[pgx.Tx, Beginner] = (*Driver)(nil)
 // New returns the pgx driver for a Client's settings.
 func New(s driver.Settings) driver.Driver[pgx.Tx, Beginner] {
 	d := &Driver{
-		ttlMicros:    s.TTLMicros,
+		ttl:          driver.Settings{TTLMicros: s.TTLMicros, TTLFor: s.TTLFor},
 		lockTimeout:  s.LockTimeout,
 		txOptions:    pgx.TxOptions{IsoLevel: pgx.TxIsoLevel(s.IsolationLevel)},
 		sqlSetWait:   "SET LOCAL lock_timeout = '" + s.LockTimeout + "'",

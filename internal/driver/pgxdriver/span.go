@@ -221,19 +221,19 @@ func (d *Driver) queueClaim(b *pgx.Batch, c driver.Claim, fp []byte, citus bool)
 	case citus && c.TakeOver:
 		b.Queue(d.sqlClaimWait)
 		_, _ = queries.KeyTakeOverCitus(ctx, q, db.KeyTakeOverCitusParams{Actor: k.Actor, Operation: k.Operation,
-			IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttlMicros})
+			IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttl.TTL(k.Operation)})
 		b.Queue(sqlWaitDefault)
 	case citus:
 		b.Queue(d.sqlClaimWait)
 		_, _ = queries.KeyClaimCitus(ctx, q, db.KeyClaimCitusParams{Actor: k.Actor, Operation: k.Operation,
-			IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttlMicros})
+			IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttl.TTL(k.Operation)})
 		b.Queue(sqlWaitDefault)
 	case c.TakeOver:
 		_, _ = queries.KeyTakeOver(ctx, q, db.KeyTakeOverParams{Actor: k.Actor, Operation: k.Operation,
-			IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttlMicros, LockTimeout: d.lockTimeout})
+			IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttl.TTL(k.Operation), LockTimeout: d.lockTimeout})
 	default:
 		_, _ = queries.KeyClaim(ctx, q, db.KeyClaimParams{Actor: k.Actor, Operation: k.Operation,
-			IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttlMicros, LockTimeout: d.lockTimeout})
+			IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttl.TTL(k.Operation), LockTimeout: d.lockTimeout})
 	}
 }
 
@@ -264,7 +264,7 @@ func (s *span) Complete(ctx context.Context, out driver.Outcome) error {
 	k, r := out.Key, out.Reply
 	_ = queries.KeyComplete(context.Background(), queuer{b}, db.KeyCompleteParams{
 		Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key, Fingerprint: s.fp[:],
-		Status: out.Status, TtlMicros: s.d.ttlMicros, ResponseStatus: r.Status,
+		Status: out.Status, TtlMicros: s.d.ttl.TTL(k.Operation), ResponseStatus: r.Status,
 		ResponseHeaders: pgtype.Text{String: r.Headers, Valid: r.HasHeaders}, ResponseBody: r.Body,
 	})
 	if s.conn == nil {

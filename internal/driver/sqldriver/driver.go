@@ -28,7 +28,7 @@ import (
 
 // Driver is the database/sql driver of one Client.
 type Driver struct {
-	ttlMicros   int64
+	ttl         driver.Settings // TTL and TTLFor: ttl.TTL(operation) is a key's TTL
 	lockTimeout string
 	txOptions   *sql.TxOptions
 	// sqlSetWait is SET LOCAL lock_timeout = Wait: Reserve's bound, and
@@ -44,7 +44,7 @@ var _ driver.Driver[*sql.Tx, *sql.DB] = (*Driver)(nil)
 // waits on its workers.
 func New(s driver.Settings, citus bool) *Driver {
 	d := &Driver{
-		ttlMicros:   s.TTLMicros,
+		ttl:         driver.Settings{TTLMicros: s.TTLMicros, TTLFor: s.TTLFor},
 		lockTimeout: s.LockTimeout,
 		sqlSetWait:  "SET LOCAL lock_timeout = '" + s.LockTimeout + "'",
 		citus:       citus,

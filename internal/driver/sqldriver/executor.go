@@ -81,7 +81,7 @@ func (e *executor) ReserveInsertOrLock(ctx context.Context, r driver.Reserve) (d
 	k := r.Key
 	ins, err := queries.ReserveInsert(ctx, e.tx, dbsql.ReserveInsertParams{
 		Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key, Fingerprint: r.Fingerprint[:],
-		LeaseMicros: r.Lease.Microseconds(), TtlMicros: e.d.ttlMicros, ResumeMicros: r.ResumeWithin.Microseconds(),
+		LeaseMicros: r.Lease.Microseconds(), TtlMicros: e.d.ttl.TTL(k.Operation), ResumeMicros: r.ResumeWithin.Microseconds(),
 	})
 	if err == nil {
 		return driver.Reserved{Inserted: true, Token: ins.Token, LeaseExpiresAt: ins.LeaseExpiresAt.Time}, nil
@@ -98,7 +98,7 @@ func (e *executor) ReserveInsertOrLock(ctx context.Context, r driver.Reserve) (d
 
 func (e *executor) ReserveAcquire(ctx context.Context, r driver.Reserve, token int64, a driver.Attempt) (int64, time.Time, error) {
 	acq, err := queries.ReserveAcquire(ctx, e.tx, dbsql.ReserveAcquireParams{
-		Fingerprint: r.Fingerprint[:], TtlMicros: e.d.ttlMicros, LeaseMicros: r.Lease.Microseconds(),
+		Fingerprint: r.Fingerprint[:], TtlMicros: e.d.ttl.TTL(r.Key.Operation), LeaseMicros: r.Lease.Microseconds(),
 		Resume: a == driver.Resume, NewWindow: a == driver.NewRequest, ResumeMicros: r.ResumeWithin.Microseconds(),
 		Actor: r.Key.Actor, Operation: r.Key.Operation, IdemKey: r.Key.Key, Token: token,
 	})
@@ -114,14 +114,14 @@ func (e *executor) ReserveMarkUnknown(ctx context.Context, k driver.Key, token i
 func (e *executor) ReserveComplete(ctx context.Context, k driver.Key, token int64, r driver.Reply) (int64, error) {
 	return queries.ReserveComplete(ctx, e.tx, dbsql.ReserveCompleteParams{
 		ResponseStatus: r.Status, ResponseHeaders: sql.NullString{String: r.Headers, Valid: r.HasHeaders},
-		ResponseBody: r.Body, TtlMicros: e.d.ttlMicros,
+		ResponseBody: r.Body, TtlMicros: e.d.ttl.TTL(k.Operation),
 		Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key, Token: token,
 	})
 }
 
 func (e *executor) ReserveFailRetryable(ctx context.Context, k driver.Key, token int64, reason string) (int64, error) {
 	return queries.ReserveFailRetryable(ctx, e.tx, dbsql.ReserveFailRetryableParams{
-		Reason: reason, TtlMicros: e.d.ttlMicros, Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key, Token: token,
+		Reason: reason, TtlMicros: e.d.ttl.TTL(k.Operation), Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key, Token: token,
 	})
 }
 
@@ -144,7 +144,7 @@ func (e *executor) ReserveLock(ctx context.Context, k driver.Key) (driver.Row, e
 
 func (e *executor) ReserveResolve(ctx context.Context, k driver.Key, token int64, r driver.Resolve) (int64, error) {
 	arg := dbsql.ReserveResolveParams{
-		Status: r.Status, Reason: r.Reason, TtlMicros: e.d.ttlMicros,
+		Status: r.Status, Reason: r.Reason, TtlMicros: e.d.ttl.TTL(k.Operation),
 		Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key, Token: token,
 	}
 	if r.Reply != nil {

@@ -77,10 +77,10 @@ func (d *Driver) claim(ctx context.Context, tx *sql.Tx, c driver.Claim) (claimed
 		}
 		if c.TakeOver {
 			claimed, err = queries.KeyTakeOverCitus(ctx, tx, dbsql.KeyTakeOverCitusParams{Actor: k.Actor, Operation: k.Operation,
-				IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttlMicros})
+				IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttl.TTL(k.Operation)})
 		} else {
 			claimed, err = queries.KeyClaimCitus(ctx, tx, dbsql.KeyClaimCitusParams{Actor: k.Actor, Operation: k.Operation,
-				IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttlMicros})
+				IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttl.TTL(k.Operation)})
 		}
 		if err == nil || errors.Is(err, sql.ErrNoRows) {
 			if _, waitErr := tx.ExecContext(ctx, sqlWaitDefault); waitErr != nil {
@@ -89,10 +89,10 @@ func (d *Driver) claim(ctx context.Context, tx *sql.Tx, c driver.Claim) (claimed
 		}
 	case c.TakeOver:
 		claimed, err = queries.KeyTakeOver(ctx, tx, dbsql.KeyTakeOverParams{Actor: k.Actor, Operation: k.Operation,
-			IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttlMicros, LockTimeout: d.lockTimeout})
+			IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttl.TTL(k.Operation), LockTimeout: d.lockTimeout})
 	default:
 		claimed, err = queries.KeyClaim(ctx, tx, dbsql.KeyClaimParams{Actor: k.Actor, Operation: k.Operation,
-			IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttlMicros, LockTimeout: d.lockTimeout})
+			IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttl.TTL(k.Operation), LockTimeout: d.lockTimeout})
 	}
 	if errors.Is(err, sql.ErrNoRows) {
 		return false, nil
@@ -106,7 +106,7 @@ func (s *span) Complete(ctx context.Context, out driver.Outcome) error {
 	k, r := out.Key, out.Reply
 	err := queries.KeyComplete(ctx, s.tx, dbsql.KeyCompleteParams{
 		Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key, Fingerprint: out.Fingerprint[:],
-		Status: out.Status, TtlMicros: s.d.ttlMicros, ResponseStatus: r.Status,
+		Status: out.Status, TtlMicros: s.d.ttl.TTL(k.Operation), ResponseStatus: r.Status,
 		ResponseHeaders: sql.NullString{String: r.Headers, Valid: r.HasHeaders}, ResponseBody: r.Body,
 	})
 	if err != nil {
