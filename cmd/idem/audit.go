@@ -7,8 +7,11 @@ import (
 	"fmt"
 	"os"
 	"os/user"
+	"strconv"
 	"strings"
 	"time"
+	"unicode"
+	"unicode/utf8"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/audit"
@@ -87,23 +90,23 @@ func auditList(ctx context.Context, e *env, args []string, f audit.ListFilter) e
 	var sb strings.Builder
 	for _, a := range entries {
 		out = append(out, entryJSON(a))
-		fmt.Fprintf(&sb, "%s  %s  %s", a.At.UTC().Format(time.RFC3339), a.Operator, a.Action)
+		fmt.Fprintf(&sb, "%s  %s  %s", a.At.UTC().Format(time.RFC3339), shown(a.Operator), shown(a.Action))
 		if a.Key != "" {
-			fmt.Fprintf(&sb, "  %s %s %s", a.Scope.Actor, a.Scope.Operation, a.Key)
+			fmt.Fprintf(&sb, "  %s %s %s", shown(a.Scope.Actor), shown(a.Scope.Operation), shown(a.Key))
 		}
 		switch {
 		case a.HasBefore && a.HasAfter:
-			fmt.Fprintf(&sb, "  token %d -> %d  %s -> %s", a.TokenBefore, a.TokenAfter, a.StatusBefore, a.StatusAfter)
+			fmt.Fprintf(&sb, "  token %d -> %d  %s -> %s", a.TokenBefore, a.TokenAfter, shown(string(a.StatusBefore)), shown(string(a.StatusAfter)))
 		case a.HasBefore:
-			fmt.Fprintf(&sb, "  token %d  %s -> deleted", a.TokenBefore, a.StatusBefore)
+			fmt.Fprintf(&sb, "  token %d  %s -> deleted", a.TokenBefore, shown(string(a.StatusBefore)))
 		default:
 			fmt.Fprintf(&sb, "  %d records", a.Changed)
 		}
 		if a.Verdict != "" {
-			fmt.Fprintf(&sb, "  verdict %s", a.Verdict)
+			fmt.Fprintf(&sb, "  verdict %s", shown(string(a.Verdict)))
 		}
 		if a.Reason != "" {
-			fmt.Fprintf(&sb, "  reason %q", a.Reason)
+			fmt.Fprintf(&sb, "  reason %s", strconv.QuoteToGraphic(a.Reason))
 		}
 		sb.WriteByte('\n')
 	}
@@ -112,6 +115,23 @@ func auditList(ctx context.Context, e *env, args []string, f audit.ListFilter) e
 	}
 	e.print(out, sb.String())
 	return nil
+}
+
+// shown is a stored string as a line of the trail prints it: as it is when
+// every rune is a graphic character other than space, quote or backslash;
+// otherwise quoted, Go style, with control characters, invalid UTF-8 and
+// other invisible runes escaped. A stored string can then never move the
+// cursor, recolour, hide or forge a line of the terminal showing it.
+func shown(s string) string {
+	if s == "" {
+		return `""`
+	}
+	for _, r := range s {
+		if !unicode.IsGraphic(r) || unicode.IsSpace(r) || r == '"' || r == '\\' || r == utf8.RuneError {
+			return strconv.QuoteToGraphic(s)
+		}
+	}
+	return s
 }
 
 // entryJSON is a row of the trail as --json prints it.

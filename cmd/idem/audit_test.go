@@ -198,3 +198,55 @@ func TestUICredentialsMarkTheToken(t *testing.T) {
 		}
 	}
 }
+
+// audit list prints stored strings with their control characters escaped:
+// a hostile actor, key, operator or reason never reaches the terminal raw,
+// so it cannot forge, hide or recolour a line; --json keeps them exact.
+func TestCLIAuditEscapes(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := pgtest.URL(t, idem.Migrate)
+	pool, err := pgxpool.New(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	forged := "\r\x1b[2K2026-01-01T00:00:00Z  dana.kim  resolve"
+	hostile := []string{
+		"mallory" + forged,          // actor
+		"pay\x1b[8m",                // operation
+		"k\u202e\x07\x00\xff",       // key: bidi override, bell, NUL (stripped below), invalid UTF-8
+		"dana.kim\x1b[8m (token)",   // operator
+		"ok\nforged line\x1b]0;t\a", // reason
+	}
+	hostile[2] = strings.ReplaceAll(hostile[2], "\x00", "") // text cannot hold NUL
+	hostile[2] = strings.ToValidUTF8(hostile[2], "")        // nor invalid UTF-8
+	if _, err := pool.Exec(ctx, `INSERT INTO idem_audit (actor, operation, idem_key, operator, action, reason, changed,
+		token_before, status_before) VALUES ($1, $2, $3, $4, 'forget', $5, 1, 7, 'succeeded')`,
+		hostile[0], hostile[1], hostile[2], hostile[3], hostile[4]); err != nil {
+		t.Fatal(err)
+	}
+	out, stderr, code := cli(t, url, "audit", "list")
+	if code != 0 {
+		t.Fatalf("audit list: exit %d %s", code, stderr)
+	}
+	line := strings.TrimSuffix(out, "\n")
+	for i, r := range line {
+		if r < 0x20 || r == 0x7f || (r >= 0x80 && r < 0xa0) || r == '\u202e' {
+			t.Fatalf("a raw control character %U at byte %d:\n%q", r, i, out)
+		}
+	}
+	for _, want := range []string{`\x1b[2K`, `\r`, `\u202e`, `\a`, `"dana.kim\x1b[8m (token)"`, `\nforged line`} {
+		if !strings.Contains(line, want) {
+			t.Errorf("%s is not shown escaped:\n%s", want, line)
+		}
+	}
+	out, _, code = cli(t, url, "audit", "list", "--json")
+	var rows []struct{ Actor, Operation, Key, Operator, Reason string }
+	if err := json.Unmarshal([]byte(out), &rows); code != 0 || err != nil || len(rows) != 1 {
+		t.Fatalf("audit list --json: exit %d %v %s", code, err, out)
+	}
+	if got := []string{rows[0].Actor, rows[0].Operation, rows[0].Key, rows[0].Operator, rows[0].Reason}; strings.Join(got, "|") != strings.Join(hostile, "|") {
+		t.Fatalf("--json changed the stored strings: %q", got)
+	}
+}

@@ -15,6 +15,7 @@ import (
 	"errors"
 	"fmt"
 	"time"
+	"unicode"
 	"unicode/utf8"
 
 	"github.com/jackc/pgerrcode"
@@ -453,6 +454,11 @@ func check(c *idem.Client, db idem.Beginner, operator string) (*idem.Client, err
 	}
 	if err := checkText(operator, MaxOperatorLength); err != nil {
 		return nil, fmt.Errorf("%w: operator name %v", idem.ErrInvalidArgument, err)
+	}
+	for i, r := range operator {
+		if unicode.IsControl(r) {
+			return nil, fmt.Errorf("%w: operator name holds the control character %U at byte %d: it could forge what a terminal shows", idem.ErrInvalidArgument, r, i)
+		}
 	}
 	if c == nil {
 		c = defaultClient

@@ -56,7 +56,7 @@ func TestOperatorChecked(t *testing.T) {
 	ctx := context.Background()
 	pool, r := unknownRecord(t)
 	before := rows(t, pool)
-	for _, op := range []string{"", "a\x00b", "\xff", strings.Repeat("o", audit.MaxOperatorLength+1)} {
+	for _, op := range []string{"", "a\x00b", "\xff", "dana.kim\x1b[8m", "a\nb", "a\u0085b", strings.Repeat("o", audit.MaxOperatorLength+1)} {
 		_, _, err := audit.Resolve(ctx, pool, nil, op, scope, "k", idem.Resolution{Token: r.Token, Retryable: true})
 		if !errors.Is(err, idem.ErrInvalidArgument) {
 			t.Errorf("operator %q: %v", op, err)
