@@ -162,7 +162,7 @@ func readModFile(m mod) (*modfile.File, error) {
 	if err != nil {
 		return nil, err
 	}
-	return modfile.ParseLax(name, data, nil)
+	return modfile.Parse(name, data, nil)
 }
 
 // workReplacements points go.work's replacements of the project's modules
