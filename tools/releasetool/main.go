@@ -14,6 +14,10 @@ package main
 import (
 	"fmt"
 	"os"
+	"path"
+	"slices"
+
+	"golang.org/x/mod/modfile"
 )
 
 // mod is one module of the repository.
@@ -36,12 +40,42 @@ var modules = []mod{
 	{path: "github.com/pgidem/idem/uitest", dir: "uitest"},
 }
 
+// checkModules fails when go.work's modules are not the ones listed in
+// modules (a module added, moved or removed): the list must follow.
+func checkModules() error {
+	data, err := os.ReadFile("go.work")
+	if err != nil {
+		return err
+	}
+	wf, err := modfile.ParseWork("go.work", data, nil)
+	if err != nil {
+		return err
+	}
+	var used, listed []string
+	for _, u := range wf.Use {
+		used = append(used, path.Clean(u.Path))
+	}
+	for _, m := range modules {
+		listed = append(listed, m.dir)
+	}
+	slices.Sort(used)
+	slices.Sort(listed)
+	if !slices.Equal(used, listed) {
+		return fmt.Errorf("go.work uses %v, but tools/releasetool/main.go lists the modules %v: update its list (and the release order)", used, listed)
+	}
+	return nil
+}
+
 func main() {
 	if len(os.Args) < 2 {
 		fmt.Fprintln(os.Stderr, "usage: releasetool api [-check] | prepare VERSION | hygiene")
 		os.Exit(2)
 	}
-	var err error
+	err := checkModules()
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "releasetool: "+err.Error())
+		os.Exit(1)
+	}
 	switch os.Args[1] {
 	case "api":
 		check := len(os.Args) > 2 && os.Args[2] == "-check"
