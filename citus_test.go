@@ -10,7 +10,7 @@ import (
 
 // On PostgreSQL without the citus extension, Distribute refuses with
 // ErrUnsupported and changes nothing; idem_keys stays a plain table and
-// every call keeps working. (The Citus suite is internal/citustest.)
+// every call keeps working. (The Citus suite is internal/testkit/citustest.)
 func TestDistributeWithoutCitus(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()

@@ -27,9 +27,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/callertest"
-	"github.com/pgidem/idem/internal/ledgertest"
-	"github.com/pgidem/idem/internal/pgserver"
+	"github.com/pgidem/idem/internal/testkit/callertest"
+	"github.com/pgidem/idem/internal/testkit/ledgertest"
+	"github.com/pgidem/idem/internal/testkit/pgserver"
 )
 
 // soak reports whether the long form of the fault tests was asked for.

@@ -10,7 +10,7 @@ import (
 	"github.com/pressly/goose/v3"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
 )
 
 // The completion of a key claimed by DoInTx or Do is a HOT update: it

@@ -10,7 +10,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/callertest"
+	"github.com/pgidem/idem/internal/testkit/callertest"
 )
 
 // changeKeyRow is an fn that writes an effects row and then changes its own

@@ -16,7 +16,7 @@ import (
 	"github.com/pressly/goose/v3"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
 )
 
 // noMigrate leaves a fresh database empty.

@@ -15,7 +15,7 @@ import (
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/testlog"
+	"github.com/pgidem/idem/internal/testkit/testlog"
 )
 
 // counts returns the sum of every counter the reader holds, by metric name

@@ -22,8 +22,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/callertest"
-	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/testkit/callertest"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
 )
 
 // poolerModes are the exec modes that work through a transaction pooler

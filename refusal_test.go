@@ -13,7 +13,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/callertest"
+	"github.com/pgidem/idem/internal/testkit/callertest"
 )
 
 // execModes are every query exec mode of pgx.

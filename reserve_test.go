@@ -23,7 +23,7 @@ import (
 	"go.opentelemetry.io/otel/sdk/trace/tracetest"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
 )
 
 var payScope = idem.Scope{Actor: "alice", Operation: "payment.create"}

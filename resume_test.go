@@ -3,7 +3,7 @@ package idem_test
 import (
 	"testing"
 
-	"github.com/pgidem/idem/internal/callertest"
+	"github.com/pgidem/idem/internal/testkit/callertest"
 )
 
 // Reservations made with a window, through idem on pgx: see

@@ -20,10 +20,10 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/ledgertest"
-	"github.com/pgidem/idem/internal/pgserver"
-	"github.com/pgidem/idem/internal/pgtest"
-	"github.com/pgidem/idem/internal/relay"
+	"github.com/pgidem/idem/internal/testkit/ledgertest"
+	"github.com/pgidem/idem/internal/testkit/pgserver"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
+	"github.com/pgidem/idem/internal/testkit/relay"
 )
 
 var lostScope = idem.Scope{Actor: "tenant-1", Operation: "lost"}

@@ -19,8 +19,8 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemconnect"
-	"github.com/pgidem/idem/internal/httprelay"
-	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/testkit/httprelay"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
 	"github.com/pgidem/idem/internal/rpcproto/rpctest"
 )
 

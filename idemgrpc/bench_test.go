@@ -9,7 +9,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"google.golang.org/protobuf/types/dynamicpb"
 
-	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
 	"github.com/pgidem/idem/internal/rpcproto/rpctest"
 )
 

@@ -21,7 +21,7 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemgrpc"
-	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
 	"github.com/pgidem/idem/internal/rpcproto/rpctest"
 )
 

@@ -30,7 +30,7 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemhttp"
-	"github.com/pgidem/idem/internal/ledgertest"
+	"github.com/pgidem/idem/internal/testkit/ledgertest"
 )
 
 // transfer is one client intent, sent as the request body.

@@ -22,8 +22,8 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemhttp"
-	"github.com/pgidem/idem/internal/pgtest"
-	"github.com/pgidem/idem/internal/testlog"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
+	"github.com/pgidem/idem/internal/testkit/testlog"
 )
 
 func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }

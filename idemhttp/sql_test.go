@@ -17,7 +17,7 @@ import (
 	_ "github.com/lib/pq"              // the "postgres" driver
 
 	"github.com/pgidem/idem/idemhttp"
-	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
 )
 
 // MiddlewareSQL and StatusHandlerSQL with both database/sql drivers: the

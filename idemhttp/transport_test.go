@@ -22,8 +22,8 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemhttp"
-	"github.com/pgidem/idem/internal/httprelay"
-	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/testkit/httprelay"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
 )
 
 // fastPolicy retries quickly, so that the tests do not wait.

@@ -14,8 +14,8 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemsql"
-	"github.com/pgidem/idem/internal/pgtest"
-	"github.com/pgidem/idem/internal/relay"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
+	"github.com/pgidem/idem/internal/testkit/relay"
 )
 
 // BenchmarkRoundTrips measures what a call costs in round trips, side by

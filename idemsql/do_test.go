@@ -17,7 +17,7 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemsql"
-	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
 )
 
 var scope = idem.Scope{Actor: "tenant-1", Operation: "payment.create"}

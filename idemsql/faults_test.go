@@ -2,7 +2,7 @@ package idemsql_test
 
 // Faults with both drivers: a backend terminated under a call
 // (pg_terminate_backend), a connection cut right after the server
-// acknowledged COMMIT (internal/relay), and that cut under concurrent load
+// acknowledged COMMIT (internal/testkit/relay), and that cut under concurrent load
 // with duplicates and deadlocks. Each time the error is ErrUnavailable and a
 // retry with the same key replays what committed, or runs what did not.
 
@@ -20,8 +20,8 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemsql"
-	"github.com/pgidem/idem/internal/callertest"
-	"github.com/pgidem/idem/internal/ledgertest"
+	"github.com/pgidem/idem/internal/testkit/callertest"
+	"github.com/pgidem/idem/internal/testkit/ledgertest"
 )
 
 var ledgerScope = idem.Scope{Actor: "tenant-1", Operation: "transfer"}

@@ -20,8 +20,8 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemsql"
-	"github.com/pgidem/idem/internal/callertest"
-	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/testkit/callertest"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
 )
 
 // pgx's stdlib driver in its default exec mode (named prepared statements)

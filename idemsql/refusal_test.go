@@ -14,8 +14,8 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemsql"
-	"github.com/pgidem/idem/internal/callertest"
-	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/testkit/callertest"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
 )
 
 // handles are the ways these tests open a *sql.DB on a fresh connection:

@@ -3,7 +3,7 @@ package idemsql_test
 import (
 	"testing"
 
-	"github.com/pgidem/idem/internal/callertest"
+	"github.com/pgidem/idem/internal/testkit/callertest"
 )
 
 // Reservations made with a window, through idemsql with both drivers: see

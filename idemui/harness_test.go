@@ -17,7 +17,7 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemui"
-	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
 )
 
 func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }

@@ -18,7 +18,7 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemui"
-	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
 )
 
 // scaleKeys is how many keys the plan checks run on.

@@ -12,7 +12,7 @@
 // session uses)
 // and runs the workloads bare, floor, do, doInTx, replay and two-tx over two
 // business transactions, light (two UPDATEs and an INSERT) and draw
-// (internal/draw), in interleaved rounds: every round runs each workload
+// (internal/demo/draw), in interleaved rounds: every round runs each workload
 // for -round with -workers workers, in an order that rotates from round to
 // round. Ratios are the median of the per-round ratios. The storm sends
 // -storm same-key calls at once from separate Clients; the scale run
@@ -52,7 +52,7 @@ import (
 	"time"
 
 	_ "github.com/pgidem/idem/cmd/internal/pgcontainer" // Resolve may start a Docker container
-	"github.com/pgidem/idem/internal/pgserver"
+	"github.com/pgidem/idem/internal/testkit/pgserver"
 )
 
 // options are the command-line settings.

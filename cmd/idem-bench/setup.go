@@ -16,9 +16,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/draw"
-	"github.com/pgidem/idem/internal/pgserver"
-	"github.com/pgidem/idem/internal/relay"
+	"github.com/pgidem/idem/internal/demo/draw"
+	"github.com/pgidem/idem/internal/testkit/pgserver"
+	"github.com/pgidem/idem/internal/testkit/relay"
 )
 
 // Schemas holding key tables besides public.idem_keys. Each gets its own

@@ -40,7 +40,7 @@ const (
 	storageGoal  = 300
 )
 
-// storageRequest is the workload of issue 34: a draw (internal/draw) whose
+// storageRequest is the workload of issue 34: a draw (internal/demo/draw) whose
 // stored response is a JSON body of about 50 bytes with Content-Type and
 // Location.
 func storageRequest(user string, box int64) request {

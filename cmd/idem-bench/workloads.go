@@ -19,7 +19,7 @@ import (
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/draw"
+	"github.com/pgidem/idem/internal/demo/draw"
 )
 
 // ttlMicros is the key lifetime floor and two-tx write: idem's default.
@@ -78,7 +78,7 @@ func lightRequest(account, item int) request {
 	}
 }
 
-// drawRequest is one draw of internal/draw by user from box.
+// drawRequest is one draw of internal/demo/draw by user from box.
 func drawRequest(user string, box int64) request {
 	body := fmt.Appendf(nil, `{"box_id":%d,"quantity":1}`, box)
 	req := draw.Request{BoxID: box, Quantity: 1}

@@ -7,7 +7,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
 )
 
 // The demo serves the operator's console at /idem/ to its operator: the

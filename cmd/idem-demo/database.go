@@ -16,8 +16,8 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/cmd/internal/pgadvice"
-	"github.com/pgidem/idem/internal/draw"
-	"github.com/pgidem/idem/internal/pgserver"
+	"github.com/pgidem/idem/internal/demo/draw"
+	"github.com/pgidem/idem/internal/testkit/pgserver"
 )
 
 // defaultDatabase is the database run and serve use unless -db names

@@ -14,8 +14,8 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/cmd/internal/pgadvice"
-	"github.com/pgidem/idem/internal/pgserver"
-	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/testkit/pgserver"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
 )
 
 // emptyDatabase returns the name and URL of a fresh empty database, dropped

@@ -14,8 +14,8 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemhttp"
-	"github.com/pgidem/idem/internal/httprelay"
-	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/testkit/httprelay"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
 )
 
 // relayedPayments is a payment service whose gateway is reached through a

@@ -75,7 +75,7 @@ import (
 	"syscall"
 
 	_ "github.com/pgidem/idem/cmd/internal/pgcontainer" // Resolve may start a Docker container
-	"github.com/pgidem/idem/internal/pgserver"
+	"github.com/pgidem/idem/internal/testkit/pgserver"
 )
 
 func main() {

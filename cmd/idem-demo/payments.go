@@ -42,7 +42,7 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemhttp"
-	"github.com/pgidem/idem/internal/draw"
+	"github.com/pgidem/idem/internal/demo/draw"
 )
 
 // paymentOperation is the operation of the payment keys' scope.

@@ -16,8 +16,8 @@ import (
 
 	"github.com/hashicorp/go-retryablehttp"
 
-	"github.com/pgidem/idem/internal/draw"
-	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/demo/draw"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
 )
 
 // faults is outer middleware that drops connections by a script: for each

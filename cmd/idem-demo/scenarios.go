@@ -16,7 +16,7 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/cmd/internal/pgadvice"
-	"github.com/pgidem/idem/internal/draw"
+	"github.com/pgidem/idem/internal/demo/draw"
 )
 
 // duplicates is how many copies of one request the concurrent scenario sends

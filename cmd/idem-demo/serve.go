@@ -20,8 +20,8 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemhttp"
-	"github.com/pgidem/idem/internal/draw"
-	"github.com/pgidem/idem/internal/pgserver"
+	"github.com/pgidem/idem/internal/demo/draw"
+	"github.com/pgidem/idem/internal/testkit/pgserver"
 )
 
 // The users serve knows: the bearer token is the user name.

@@ -22,9 +22,9 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/draw"
-	"github.com/pgidem/idem/internal/pgserver"
-	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/demo/draw"
+	"github.com/pgidem/idem/internal/testkit/pgserver"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
 )
 
 // TestMain runs the tests, or, with IDEM_DEMO_MAIN=1 in the environment,

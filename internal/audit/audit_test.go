@@ -13,7 +13,7 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/audit"
-	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
 )
 
 func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }

@@ -18,7 +18,7 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/front"
-	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
 )
 
 func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }

@@ -22,7 +22,7 @@ import (
 	"strings"
 	"time"
 
-	"github.com/pgidem/idem/internal/pgserver"
+	"github.com/pgidem/idem/internal/testkit/pgserver"
 	"github.com/testcontainers/testcontainers-go"
 	tclog "github.com/testcontainers/testcontainers-go/log"
 	tcpostgres "github.com/testcontainers/testcontainers-go/modules/postgres"

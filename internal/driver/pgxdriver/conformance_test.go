@@ -9,7 +9,7 @@ import (
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/driver/drivertest"
 	"github.com/pgidem/idem/internal/driver/pgxdriver"
-	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
 )
 
 // The driver conformance suite, on a pgx pool.

@@ -12,7 +12,7 @@ import (
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/db"
 	"github.com/pgidem/idem/internal/driver/pgxdriver"
-	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
 )
 
 // The statements Do and DoInTx run on every call find the key through the

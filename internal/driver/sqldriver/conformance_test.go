@@ -13,7 +13,7 @@ import (
 	"github.com/pgidem/idem/internal/driver"
 	"github.com/pgidem/idem/internal/driver/drivertest"
 	"github.com/pgidem/idem/internal/driver/sqldriver"
-	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
 )
 
 func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }

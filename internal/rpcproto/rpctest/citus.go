@@ -13,12 +13,12 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 	"google.golang.org/protobuf/types/dynamicpb"
 
-	"github.com/pgidem/idem/internal/citustest"
-	"github.com/pgidem/idem/internal/testlog"
+	"github.com/pgidem/idem/internal/testkit/citustest"
+	"github.com/pgidem/idem/internal/testkit/testlog"
 )
 
 // RunCitus runs on tr, with each database/sql driver, what Options.Citus
-// promises on the coordinator of a Citus cluster (internal/citustest's,
+// promises on the coordinator of a Citus cluster (internal/testkit/citustest's,
 // named by IDEM_CITUS_URL; without it the test is skipped): with Citus, a
 // call runs once and replays, its write on the actor's worker; without it,
 // a call with a key is answered INTERNAL, idem.ErrUnsupported is logged

@@ -23,10 +23,10 @@ import (
 	"google.golang.org/protobuf/types/known/anypb"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/pgtest"
-	"github.com/pgidem/idem/internal/relay"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
+	"github.com/pgidem/idem/internal/testkit/relay"
 	"github.com/pgidem/idem/internal/rpcidem"
-	"github.com/pgidem/idem/internal/testlog"
+	"github.com/pgidem/idem/internal/testkit/testlog"
 )
 
 // Transport is an interceptor under test, with its transport.

@@ -14,7 +14,7 @@ import (
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemui"
 	"github.com/pgidem/idem/internal/audit"
-	"github.com/pgidem/idem/internal/citustest"
+	"github.com/pgidem/idem/internal/testkit/citustest"
 )
 
 // The console on Citus, with idem_audit distributed by actor and

@@ -13,7 +13,7 @@ import (
 	"github.com/jackc/pgx/v5"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/relay"
+	"github.com/pgidem/idem/internal/testkit/relay"
 )
 
 // Duplicates from two pools (two processes, as far as idem can tell), each

@@ -11,7 +11,7 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/audit"
-	"github.com/pgidem/idem/internal/citustest"
+	"github.com/pgidem/idem/internal/testkit/citustest"
 )
 
 // A service that already stores keys moves to Citus: idem_keys, the audit

@@ -12,7 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/citustest"
+	"github.com/pgidem/idem/internal/testkit/citustest"
 )
 
 // The Citus suite: every public call through the coordinator of a real

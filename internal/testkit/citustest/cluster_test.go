@@ -15,7 +15,7 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/audit"
-	"github.com/pgidem/idem/internal/citustest"
+	"github.com/pgidem/idem/internal/testkit/citustest"
 )
 
 // ReadStats reports the size of idem_keys' shards on the workers, not the
@@ -200,7 +200,7 @@ func TestTwoActorsOneTransaction(t *testing.T) {
 // commit). The three run in turn, so each gets the machine's same mood;
 // each reports its mean as ms/<name>. The figures are in docs/citus.md:
 //
-//	go test -run '^$' -bench Citus -benchtime 600x ./internal/citustest
+//	go test -run '^$' -bench Citus -benchtime 600x ./internal/testkit/citustest
 func BenchmarkCitus(b *testing.B) {
 	ctx := context.Background()
 	_, p := newDB(b)

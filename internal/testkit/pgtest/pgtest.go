@@ -69,7 +69,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/pgidem/idem/internal/pgserver"
+	"github.com/pgidem/idem/internal/testkit/pgserver"
 )
 
 // MigrateFunc brings an empty database to the current schema. It is passed

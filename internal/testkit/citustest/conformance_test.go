@@ -7,7 +7,7 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/pgidem/idem/internal/citustest"
+	"github.com/pgidem/idem/internal/testkit/citustest"
 	"github.com/pgidem/idem/internal/driver"
 	"github.com/pgidem/idem/internal/driver/drivertest"
 	"github.com/pgidem/idem/internal/driver/pgxdriver"

@@ -16,8 +16,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/draw"
-	"github.com/pgidem/idem/internal/pgtest"
+	"github.com/pgidem/idem/internal/demo/draw"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
 )
 
 func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }

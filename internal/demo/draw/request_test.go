@@ -5,7 +5,7 @@ import (
 	"strings"
 	"testing"
 
-	"github.com/pgidem/idem/internal/draw"
+	"github.com/pgidem/idem/internal/demo/draw"
 )
 
 // Every malformed body gets a *RequestError whose reason is a sentence of

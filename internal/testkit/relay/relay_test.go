@@ -13,8 +13,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
 
-	"github.com/pgidem/idem/internal/pgtest"
-	"github.com/pgidem/idem/internal/relay"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
+	"github.com/pgidem/idem/internal/testkit/relay"
 )
 
 func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }

@@ -4,7 +4,7 @@ import (
 	"database/sql"
 	"testing"
 
-	"github.com/pgidem/idem/internal/callertest"
+	"github.com/pgidem/idem/internal/testkit/callertest"
 )
 
 // Reservations made with a window through the coordinator: resumed inside

@@ -18,8 +18,8 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/pgtest"
-	"github.com/pgidem/idem/internal/relay"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
+	"github.com/pgidem/idem/internal/testkit/relay"
 )
 
 const (
