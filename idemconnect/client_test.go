@@ -19,9 +19,9 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemconnect"
+	"github.com/pgidem/idem/internal/rpcproto/rpctest"
 	"github.com/pgidem/idem/internal/testkit/httprelay"
 	"github.com/pgidem/idem/internal/testkit/pgtest"
-	"github.com/pgidem/idem/internal/rpcproto/rpctest"
 )
 
 // quickPolicy retries quickly, so that the tests do not wait.

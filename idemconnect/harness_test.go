@@ -22,8 +22,8 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemconnect"
-	"github.com/pgidem/idem/internal/testkit/pgtest"
 	"github.com/pgidem/idem/internal/rpcproto/rpctest"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
 )
 
 func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }

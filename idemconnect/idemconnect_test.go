@@ -17,8 +17,8 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemconnect"
-	"github.com/pgidem/idem/internal/testkit/pgtest"
 	"github.com/pgidem/idem/internal/rpcproto/rpctest"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
 )
 
 // The behaviour idemconnect shares with idemgrpc, on a pgx pool and on

@@ -9,8 +9,8 @@ import (
 	"github.com/jackc/pgx/v5"
 	"google.golang.org/protobuf/types/dynamicpb"
 
-	"github.com/pgidem/idem/internal/testkit/pgtest"
 	"github.com/pgidem/idem/internal/rpcproto/rpctest"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
 )
 
 // BenchmarkCall measures a call over a real connection on 127.0.0.1 whose

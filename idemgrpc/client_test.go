@@ -21,8 +21,8 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemgrpc"
-	"github.com/pgidem/idem/internal/testkit/pgtest"
 	"github.com/pgidem/idem/internal/rpcproto/rpctest"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
 )
 
 // quickPolicy retries quickly, so that the tests do not wait.

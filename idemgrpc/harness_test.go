@@ -21,8 +21,8 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemgrpc"
-	"github.com/pgidem/idem/internal/testkit/pgtest"
 	"github.com/pgidem/idem/internal/rpcproto/rpctest"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
 )
 
 func TestMain(m *testing.M) { os.Exit(pgtest.Main(m)) }

@@ -23,9 +23,9 @@ import (
 	"google.golang.org/protobuf/types/known/anypb"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/rpcidem"
 	"github.com/pgidem/idem/internal/testkit/pgtest"
 	"github.com/pgidem/idem/internal/testkit/relay"
-	"github.com/pgidem/idem/internal/rpcidem"
 	"github.com/pgidem/idem/internal/testkit/testlog"
 )
 

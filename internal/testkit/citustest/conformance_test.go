@@ -7,11 +7,11 @@ import (
 
 	"github.com/jackc/pgx/v5"
 
-	"github.com/pgidem/idem/internal/testkit/citustest"
 	"github.com/pgidem/idem/internal/driver"
 	"github.com/pgidem/idem/internal/driver/drivertest"
 	"github.com/pgidem/idem/internal/driver/pgxdriver"
 	"github.com/pgidem/idem/internal/driver/sqldriver"
+	"github.com/pgidem/idem/internal/testkit/citustest"
 )
 
 // The driver conformance suite through a Citus coordinator: pgx, and
