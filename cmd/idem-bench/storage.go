@@ -297,9 +297,16 @@ func (b *bench) runStorage(ctx context.Context, out io.Writer) (int, error) {
 	default:
 		fmt.Fprintf(out, "ok    %.0f bytes per retained key (goal: at most %d)\n", perKey, storageGoal)
 	}
-	if share < 0.99 {
+	// A completion that is not HOT because its page was full depends on when
+	// pruning and VACUUM ran (the machine's load), so below 99% is a MISS;
+	// a layout that stops completions from being HOT at all (an index on a
+	// column the completion writes) falls far below 90%, and fails.
+	switch {
+	case share < 0.90:
 		fmt.Fprintf(out, "FAIL  %.1f%% of the updates were HOT (every completion should be)\n", 100*share)
 		failures++
+	case share < 0.99:
+		fmt.Fprintf(out, "MISS  %.1f%% of the updates were HOT (goal: every completion; full pages depend on when VACUUM ran)\n", 100*share)
 	}
 	return failures, nil
 }
