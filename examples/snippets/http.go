@@ -10,9 +10,11 @@ import (
 	"errors"
 	"io"
 	"net/http"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgxpool"
 
+	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemhttp"
 )
 
@@ -61,3 +63,6 @@ func writeProblem(w http.ResponseWriter, status int, detail string) {
 
 // orders is the handler of POST /v1/orders (see createOrder in docs/http.md).
 var orders http.Handler = http.NotFoundHandler()
+
+// paymentAttempts is the handler of POST /v1/payment-attempts.
+var paymentAttempts http.Handler = http.NotFoundHandler()
