@@ -1,0 +1,326 @@
+package idemhttp
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"net/url"
+	"strconv"
+	"strings"
+	"time"
+
+	standardwebhooks "github.com/standard-webhooks/standard-webhooks/libraries/go"
+
+	"github.com/pgidem/idem"
+)
+
+// The headers of Standard Webhooks (standardwebhooks.com) that
+// WebhookSender sends and WebhookHandler verifies.
+const (
+	// HeaderWebhookID carries the event's ID, the same on every attempt:
+	// the receiver deduplicates by it.
+	HeaderWebhookID = "webhook-id"
+	// HeaderWebhookTimestamp carries the attempt's time in Unix seconds,
+	// fresh on every attempt and covered by the signature.
+	HeaderWebhookTimestamp = "webhook-timestamp"
+	// HeaderWebhookSignature carries the signatures of the attempt, one
+	// "v1,<base64 HMAC-SHA256>" per secret, separated by spaces.
+	HeaderWebhookSignature = "webhook-signature"
+)
+
+// secretPrefix begins every secret in Standard Webhooks' form.
+const secretPrefix = "whsec_"
+
+// ErrInvalidSecret is the error (wrapped) of a webhook secret that is not in
+// Standard Webhooks' form, "whsec_" followed by the standard base64 of a
+// non-empty key (whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw), or of an empty
+// list of secrets. Neither side uses such a secret: WebhookSender sends
+// nothing, WebhookHandler panics at construction.
+var ErrInvalidSecret = errors.New("idemhttp: invalid webhook secret")
+
+// parseSecrets returns a signer for each secret, in order. Its errors never
+// hold a secret.
+func parseSecrets(secrets []string) ([]*standardwebhooks.Webhook, error) {
+	if len(secrets) == 0 {
+		return nil, fmt.Errorf("%w: no secret", ErrInvalidSecret)
+	}
+	keys := make([]*standardwebhooks.Webhook, 0, len(secrets))
+	for i, s := range secrets {
+		if !strings.HasPrefix(s, secretPrefix) {
+			return nil, fmt.Errorf("%w: secret %d does not begin with %q", ErrInvalidSecret, i, secretPrefix)
+		}
+		key, err := standardwebhooks.NewWebhook(s)
+		if err != nil {
+			return nil, fmt.Errorf("%w: secret %d is not %q and the standard base64 of a non-empty key", ErrInvalidSecret, i, secretPrefix)
+		}
+		keys = append(keys, key)
+	}
+	return keys, nil
+}
+
+// Endpoint is where WebhookSender sends the events of a destination.
+type Endpoint struct {
+	// URL receives each event as a POST: an absolute http or https URL.
+	URL string
+	// Secrets sign every attempt, each in Standard Webhooks' form
+	// ("whsec_" and the standard base64 of the key). During a rotation give
+	// the new secret and the old one: each attempt carries a signature for
+	// each, and a receiver that knows either accepts it. At least one.
+	Secrets []string
+}
+
+// Defaults of the Client that WebhookSender uses when its own is nil.
+const (
+	// DefaultWebhookAttemptTimeout bounds each attempt: the wait for the
+	// answer's headers (idem.RetryPolicy.AttemptTimeout).
+	DefaultWebhookAttemptTimeout = 15 * time.Second
+	// DefaultWebhookTimeout bounds one Send, its retries and the answer
+	// included (NewClient's timeout).
+	DefaultWebhookTimeout = time.Minute
+)
+
+// WebhookSender is an idem.Sender that delivers each event as a Standard
+// Webhook (standardwebhooks.com): a POST of the event's Payload, byte for
+// byte, to the URL of its destination's Endpoint, with
+//
+//   - webhook-id: the event's ID, the same on every attempt and every Send
+//     of the event, and Idempotency-Key: the same value (so receivers that
+//     deduplicate by either recognise a redelivery);
+//   - webhook-timestamp: the attempt's time in Unix seconds, fresh on every
+//     attempt, also the retries inside one Send;
+//   - webhook-signature: "v1,<base64 HMAC-SHA256 of id.timestamp.body>" for
+//     each of the endpoint's secrets, separated by spaces;
+//   - Content-Type: application/json, unless the event's Header sets one;
+//     and the event's Header (which cannot change the four headers above).
+//
+// Send returns nil when the endpoint answered 2xx. Otherwise:
+//
+//   - 410 Gone: idem.Permanent(*WebhookError): the endpoint is gone and the
+//     relay stops at once;
+//   - 422 with idemhttp's IDEMPOTENCY_KEY_REUSED problem (WebhookHandler's
+//     answer when it processed another body under this webhook-id):
+//     permanent too, since no retry of the same id and body can succeed;
+//   - any other answer (3xx, 400, 401, 403, 404, 413, every other 4xx and
+//     5xx): a *WebhookError, retried on the relay's schedule. Standard
+//     Webhooks counts every non-2xx as a failure, and these are the answers
+//     of an endpoint being deployed or misconfigured (a route missing, a
+//     secret not rotated yet), which someone fixes within the schedule;
+//   - no answer: the Client's error (with the default Client, an
+//     *idem.CallError, or one matching idem.ErrNotSent), retried on the
+//     schedule;
+//   - an Endpoint that fails or is unusable (an invalid URL, no secret, a
+//     secret not in whsec_ form): an *EndpointError, before anything is
+//     sent, retried on the schedule (an Endpoint function may return
+//     idem.Permanent(err) for a destination that will never exist);
+//   - an event ID that is not a valid Idempotency-Key (idem.ValidateKey: 1
+//     to 255 bytes of visible ASCII; idem.EventID's are): permanent, before
+//     anything is sent.
+//
+// Inside one Send, the Client's idemhttp.Transport retries what another
+// attempt may fix (no answer, a cut attempt, 429, 5xx other than 501, 409
+// in progress) with the same webhook-id and a new timestamp and signature
+// for each attempt (Transport.BeforeAttempt), waiting what Retry-After
+// asks, up to its Policy.MaxDelay; after its last attempt the *WebhookError
+// keeps the answer's Retry-After (WebhookError.RetryAfter). The relay's
+// schedule covers the longer outages. WebhookSender is safe for concurrent
+// use.
+type WebhookSender struct {
+	// Client sends the webhooks. A Client whose Transport is an
+	// idemhttp.Transport, or one of NewClient, gets a fresh timestamp and
+	// signature on every attempt (they are set after the Transport's own
+	// BeforeAttempt, if any); another Client sends the signature made when
+	// Send began on each of its attempts. nil means NewClient(&Transport{
+	// Policy: idem.RetryPolicy{AttemptTimeout:
+	// DefaultWebhookAttemptTimeout}}, DefaultWebhookTimeout), which follows
+	// no redirect (a 3xx is a failure).
+	Client *http.Client
+	// Endpoint returns the endpoint of a destination (idem.Event's
+	// Destination); it is called on every Send, so a rotated secret or a
+	// moved URL is used from the next attempt on. Required.
+	Endpoint func(ctx context.Context, destination string) (Endpoint, error)
+}
+
+// EndpointError is the error of WebhookSender.Send when the endpoint of the
+// event's destination could not be had or cannot be used: the Endpoint
+// function failed (Err is its error; idem.IsPermanent sees through), or
+// gave an invalid URL or secret (Err wraps idem.ErrInvalidArgument or
+// ErrInvalidSecret). Nothing was sent.
+type EndpointError struct {
+	Destination string
+	Err         error
+}
+
+func (e *EndpointError) Error() string {
+	return fmt.Sprintf("idemhttp: endpoint of destination %q: %v", e.Destination, e.Err)
+}
+
+func (e *EndpointError) Unwrap() error { return e.Err }
+
+// WebhookError is the error of WebhookSender.Send when the endpoint
+// answered with a status other than 2xx (after the Transport's retries).
+type WebhookError struct {
+	// StatusCode is the answer's status.
+	StatusCode int
+	// Header is the answer's header.
+	Header http.Header
+	// Body is the beginning of the answer's body, at most 1 KiB.
+	Body []byte
+}
+
+func (e *WebhookError) Error() string {
+	msg := fmt.Sprintf("idemhttp: webhook endpoint answered %d %s", e.StatusCode, http.StatusText(e.StatusCode))
+	if body := strings.TrimSpace(strings.ToValidUTF8(string(e.Body), "?")); body != "" {
+		msg += ": " + body
+	}
+	return msg
+}
+
+// RetryAfter is the wait the answer asked for with Retry-After (seconds or
+// an HTTP date, from now), or 0 when it asked none.
+func (e *WebhookError) RetryAfter() time.Duration {
+	d, _ := retryAfter(e.Header.Get("Retry-After"))
+	return d
+}
+
+// webhookErrorBody bounds WebhookError.Body.
+const webhookErrorBody = 1 << 10
+
+// Send sends d's event to its destination's endpoint (see WebhookSender).
+func (s WebhookSender) Send(ctx context.Context, d idem.Delivery) error {
+	ev := d.Event
+	if err := idem.ValidateKey(ev.ID); err != nil {
+		return idem.Permanent(fmt.Errorf("idemhttp: event ID is not a valid webhook-id and Idempotency-Key: %w", err))
+	}
+	target, keys, err := s.endpoint(ctx, ev.Destination)
+	if err != nil {
+		return err
+	}
+	sign := func(req *http.Request, _ int) error {
+		return signWebhook(req.Header, keys, ev.ID, time.Now(), ev.Payload)
+	}
+	client, resigns := s.client(sign)
+
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, target, bytes.NewReader(ev.Payload))
+	if err != nil {
+		return &EndpointError{ev.Destination, fmt.Errorf("%w: %v", idem.ErrInvalidArgument, err)}
+	}
+	for name, values := range ev.Header {
+		for _, v := range values {
+			req.Header.Add(name, v)
+		}
+	}
+	if req.Header.Get("Content-Type") == "" {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	req.Header.Set(HeaderKey, ev.ID)
+	if !resigns {
+		if err := sign(req, 1); err != nil {
+			return err
+		}
+	}
+
+	resp, err := client.Do(req)
+	if err != nil {
+		return err
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode >= 200 && resp.StatusCode < 300 {
+		_, _ = io.CopyN(io.Discard, resp.Body, discardLimit) // so the connection is used again
+		return nil
+	}
+	head, _ := io.ReadAll(io.LimitReader(resp.Body, discardLimit))
+	werr := &WebhookError{StatusCode: resp.StatusCode, Header: resp.Header, Body: head[:min(len(head), webhookErrorBody)]}
+	switch {
+	case resp.StatusCode == http.StatusGone:
+		return idem.Permanent(werr)
+	case resp.StatusCode == http.StatusUnprocessableEntity &&
+		strings.HasPrefix(resp.Header.Get("Content-Type"), ContentTypeProblem) &&
+		bytes.Contains(head, []byte(`"`+CodeKeyReused+`"`)):
+		return idem.Permanent(werr)
+	}
+	return werr
+}
+
+// endpoint resolves destination and checks its endpoint: the URL to send
+// to and a signer per secret.
+func (s WebhookSender) endpoint(ctx context.Context, destination string) (string, []*standardwebhooks.Webhook, error) {
+	if s.Endpoint == nil {
+		return "", nil, &EndpointError{destination, fmt.Errorf("%w: WebhookSender.Endpoint is nil", idem.ErrInvalidArgument)}
+	}
+	ep, err := s.Endpoint(ctx, destination)
+	if err != nil {
+		return "", nil, &EndpointError{destination, err}
+	}
+	u, err := url.Parse(ep.URL)
+	if err != nil || (u.Scheme != "http" && u.Scheme != "https") || u.Host == "" {
+		return "", nil, &EndpointError{destination, fmt.Errorf("%w: URL is not an absolute http or https URL", idem.ErrInvalidArgument)}
+	}
+	keys, err := parseSecrets(ep.Secrets)
+	if err != nil {
+		return "", nil, &EndpointError{destination, err}
+	}
+	return ep.URL, keys, nil
+}
+
+// client returns the client of one Send, and whether it calls sign before
+// each attempt.
+func (s WebhookSender) client(sign func(*http.Request, int) error) (*http.Client, bool) {
+	if s.Client == nil {
+		c := NewClient(&Transport{
+			Policy:        idem.RetryPolicy{AttemptTimeout: DefaultWebhookAttemptTimeout},
+			BeforeAttempt: sign,
+		}, DefaultWebhookTimeout)
+		c.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
+		return c, true
+	}
+	rt, ok := signing(s.Client.Transport, sign)
+	if !ok {
+		return s.Client, false
+	}
+	c := *s.Client
+	c.Transport = rt
+	return &c, true
+}
+
+// signing returns a copy of rt that calls sign before each attempt, after
+// rt's own BeforeAttempt, when rt is a Transport or NewClient's; else it
+// reports false.
+func signing(rt http.RoundTripper, sign func(*http.Request, int) error) (http.RoundTripper, bool) {
+	switch t := rt.(type) {
+	case *Transport:
+		c := *t
+		before := t.BeforeAttempt
+		c.BeforeAttempt = func(req *http.Request, attempt int) error {
+			if before != nil {
+				if err := before(req, attempt); err != nil {
+					return err
+				}
+			}
+			return sign(req, attempt)
+		}
+		return &c, true
+	case *boundTransport:
+		inner, _ := signing(t.t, sign)
+		return &boundTransport{inner.(*Transport), t.timeout}, true
+	}
+	return rt, false
+}
+
+// signWebhook sets the webhook headers of one attempt made at now.
+func signWebhook(h http.Header, keys []*standardwebhooks.Webhook, id string, now time.Time, body []byte) error {
+	sigs := make([]string, len(keys))
+	for i, key := range keys {
+		sig, err := key.Sign(id, now, body)
+		if err != nil {
+			return fmt.Errorf("idemhttp: sign the webhook: %w", err)
+		}
+		sigs[i] = sig
+	}
+	h.Set(HeaderWebhookID, id)
+	h.Set(HeaderWebhookTimestamp, strconv.FormatInt(now.Unix(), 10))
+	h.Set(HeaderWebhookSignature, strings.Join(sigs, " "))
+	return nil
+}
