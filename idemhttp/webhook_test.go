@@ -571,3 +571,71 @@ func TestWebhookSenderToHandler(t *testing.T) {
 		t.Fatalf("other body: %v", err)
 	}
 }
+
+// A panic of fn is rolled back and answered 500; fn running past Timeout is
+// rolled back and answered 503. The next delivery runs fn again.
+func TestWebhookHandlerPanicAndTimeout(t *testing.T) {
+	pool := newPool(t, migrateWebhooks)
+	var runs atomic.Int64
+	var mode atomic.Value // "panic", "stall" or ""
+	mode.Store("panic")
+	h := idemhttp.WebhookHandler(pool, idemhttp.WebhookOptions{Secrets: []string{oldSecret}, Timeout: 500 * time.Millisecond,
+		Logger: slog.New(slog.DiscardHandler)},
+		func(ctx context.Context, tx pgx.Tx, w idemhttp.Webhook) error {
+			runs.Add(1)
+			if _, err := tx.Exec(ctx, `INSERT INTO received (id, body) VALUES ($1, $2)`, w.ID, string(w.Body)); err != nil {
+				return err
+			}
+			switch mode.Load() {
+			case "panic":
+				panic("the receiver's handler panicked")
+			case "stall":
+				_, err := tx.Exec(ctx, `SELECT pg_sleep(10)`)
+				return err
+			}
+			return nil
+		})
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+	body := []byte(`{}`)
+	count := func() (n int) {
+		if err := pool.QueryRow(context.Background(), `SELECT (SELECT count(*) FROM received) + (SELECT count(*) FROM idem_keys)`).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
+	}
+	for _, c := range []struct {
+		mode   string
+		status int
+		code   string
+	}{{"panic", 500, idemhttp.CodeInternal}, {"stall", 503, idemhttp.CodeTimeout}} {
+		mode.Store(c.mode)
+		status, code, _ := postWebhook(t, srv.URL, sign(t, oldSecret, "evt-p", time.Now(), body), body)
+		if status != c.status || code != c.code || count() != 0 {
+			t.Fatalf("%s: %d %s, %d rows; want %d %s and nothing committed", c.mode, status, code, count(), c.status, c.code)
+		}
+	}
+	mode.Store("")
+	if status, _, _ := postWebhook(t, srv.URL, sign(t, oldSecret, "evt-p", time.Now(), body), body); status != 204 || runs.Load() != 3 || count() != 2 {
+		t.Fatalf("redelivery: %d, fn ran %d times, %d rows", status, runs.Load(), count())
+	}
+}
+
+// A Client that is not an idemhttp.Transport sends the signature made when
+// Send began, once; the default Client follows no redirect.
+func TestWebhookSenderClients(t *testing.T) {
+	ctx := context.Background()
+	rc := newReceiver(t, idemhttp.WebhookOptions{})
+	if err := (idemhttp.WebhookSender{Client: &http.Client{}, Endpoint: endpointOf(rc.srv.URL, oldSecret)}).Send(ctx, delivery("evt-plain", `{}`)); err != nil {
+		t.Fatal(err)
+	}
+	if rc.received(t, "evt-plain") != 1 {
+		t.Fatal("not received")
+	}
+	s := newEndpointScript(t, scriptAnswer{status: 308, header: map[string]string{"Location": rc.srv.URL}})
+	err := idemhttp.WebhookSender{Endpoint: endpointOf(s.srv.URL, oldSecret)}.Send(ctx, delivery("evt-moved", `{}`))
+	var werr *idemhttp.WebhookError
+	if !errors.As(err, &werr) || werr.StatusCode != 308 || idem.IsPermanent(err) || rc.received(t, "evt-moved") != 0 {
+		t.Fatalf("redirect: %v", err)
+	}
+}
