@@ -122,20 +122,23 @@ const (
 // Inside one Send, the Client's idemhttp.Transport retries what another
 // attempt may fix (no answer, a cut attempt, 429, 5xx other than 501, 409
 // in progress) with the same webhook-id and a new timestamp and signature
-// for each attempt (Transport.BeforeAttempt), waiting what Retry-After
-// asks, up to its Policy.MaxDelay; after its last attempt the *WebhookError
-// keeps the answer's Retry-After (WebhookError.RetryAfter). The relay's
-// schedule covers the longer outages. WebhookSender is safe for concurrent
-// use.
+// for each attempt (Transport.BeforeAttempt). The default Client honours
+// Retry-After exactly: it waits what the answer asks when that fits in its
+// Policy.MaxElapsed (30 s) and the Send's deadline, and otherwise returns
+// the answer at once, as a *WebhookError whose RetryAfter method reads it.
+// The relay's schedule covers the longer outages. WebhookSender is safe for
+// concurrent use.
 type WebhookSender struct {
 	// Client sends the webhooks. A Client whose Transport is an
 	// idemhttp.Transport, or one of NewClient, gets a fresh timestamp and
 	// signature on every attempt (they are set after the Transport's own
 	// BeforeAttempt, if any); another Client sends the signature made when
 	// Send began on each of its attempts. nil means NewClient(&Transport{
-	// Policy: idem.RetryPolicy{AttemptTimeout:
-	// DefaultWebhookAttemptTimeout}}, DefaultWebhookTimeout), which follows
-	// no redirect (a 3xx is a failure).
+	// Policy: idem.RetryPolicy{AttemptTimeout: DefaultWebhookAttemptTimeout,
+	// MaxDelay: idem.DefaultRetryMaxElapsed}}, DefaultWebhookTimeout), which
+	// follows no redirect (a 3xx is a failure). Its MaxDelay lets every
+	// Retry-After that fits in MaxElapsed be waited in full: a longer one
+	// ends the Send with the answer rather than a retry before its time.
 	Client *http.Client
 	// Endpoint returns the endpoint of a destination (idem.Event's
 	// Destination); it is called on every Send, so a rotated secret or a
@@ -270,7 +273,7 @@ func (s WebhookSender) endpoint(ctx context.Context, destination string) (string
 func (s WebhookSender) client(sign func(*http.Request, int) error) (*http.Client, bool) {
 	if s.Client == nil {
 		c := NewClient(&Transport{
-			Policy:        idem.RetryPolicy{AttemptTimeout: DefaultWebhookAttemptTimeout},
+			Policy:        idem.RetryPolicy{AttemptTimeout: DefaultWebhookAttemptTimeout, MaxDelay: idem.DefaultRetryMaxElapsed},
 			BeforeAttempt: sign,
 		}, DefaultWebhookTimeout)
 		c.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }

@@ -443,22 +443,31 @@ func TestWebhookSenderStatuses(t *testing.T) {
 			t.Errorf("%s: %v: status %d, permanent %v, RetryAfter %s", c.name, err, werr.StatusCode, idem.IsPermanent(err), werr.RetryAfter())
 		}
 	}
-	// Retry-After of one second was waited: the second attempt's timestamp
-	// is a later second than the first's, each signed afresh.
+	// The default Client waited a Retry-After of one second: the second
+	// attempt's timestamp is a later second than the first's, each signed
+	// afresh.
 	s := newEndpointScript(t, scriptAnswer{status: 429, header: map[string]string{"Retry-After": "1"}}, scriptAnswer{status: 200})
-	if err := (idemhttp.WebhookSender{Client: fastClientWithDelay(2 * time.Second), Endpoint: endpointOf(s.srv.URL, oldSecret)}).Send(ctx, delivery("evt-fresh", `{}`)); err != nil {
+	if err := (idemhttp.WebhookSender{Endpoint: endpointOf(s.srv.URL, oldSecret)}).Send(ctx, delivery("evt-fresh", `{}`)); err != nil {
 		t.Fatal(err)
 	}
 	got := s.attempts()
+	if len(got) != 2 {
+		t.Fatalf("%d attempts, want 2", len(got))
+	}
 	t1, _ := strconv.ParseInt(got[0].Get("webhook-timestamp"), 10, 64)
 	t2, _ := strconv.ParseInt(got[1].Get("webhook-timestamp"), 10, 64)
-	if len(got) != 2 || t2 <= t1 || got[0].Get("webhook-signature") == got[1].Get("webhook-signature") {
+	if t2 <= t1 || got[0].Get("webhook-signature") == got[1].Get("webhook-signature") {
 		t.Fatalf("attempts %v: the second attempt is not signed afresh", got)
 	}
-}
 
-func fastClientWithDelay(maxDelay time.Duration) *http.Client {
-	return idemhttp.NewClient(&idemhttp.Transport{Policy: idem.RetryPolicy{MaxAttempts: 3, BaseDelay: time.Millisecond, MaxDelay: maxDelay}}, 30*time.Second)
+	// It does not retry before a Retry-After that does not fit in its 30
+	// seconds: the answer comes back at once, for the relay's schedule.
+	s = newEndpointScript(t, scriptAnswer{status: 503, header: map[string]string{"Retry-After": "120"}})
+	err := idemhttp.WebhookSender{Endpoint: endpointOf(s.srv.URL, oldSecret)}.Send(ctx, delivery("evt-later", `{}`))
+	var werr *idemhttp.WebhookError
+	if !errors.As(err, &werr) || werr.RetryAfter() != 2*time.Minute || len(s.attempts()) != 1 {
+		t.Fatalf("Retry-After 120: %v after %d attempts", err, len(s.attempts()))
+	}
 }
 
 // Bad endpoints and ids are refused before anything is sent, with typed
