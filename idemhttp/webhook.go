@@ -94,7 +94,8 @@ const (
 //   - webhook-signature: "v1,<base64 HMAC-SHA256 of id.timestamp.body>" for
 //     each of the endpoint's secrets, separated by spaces;
 //   - Content-Type: application/json, unless the event's Header sets one;
-//     and the event's Header (which cannot change the four headers above).
+//   - the event's Header, which cannot replace webhook-id, Idempotency-Key,
+//     webhook-timestamp or webhook-signature.
 //
 // Send returns nil when the endpoint answered 2xx. Otherwise:
 //
