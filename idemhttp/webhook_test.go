@@ -53,6 +53,7 @@ type receiver struct {
 	runs atomic.Int64 // fn's runs, committed or not
 	fail atomic.Int64 // fn fails (after its write) while positive, counting down
 	slow atomic.Bool  // fn sleeps a little, so that duplicates overlap
+	rej  atomic.Bool  // fn refuses the webhook for good (idem.Reject)
 	logs testlog.Buffer
 }
 
@@ -70,6 +71,9 @@ func newReceiver(t *testing.T, opts idemhttp.WebhookOptions) *receiver {
 		}
 		if rc.slow.Load() {
 			time.Sleep(50 * time.Millisecond)
+		}
+		if rc.rej.Load() {
+			return idem.Reject(idem.Response{})
 		}
 		if rc.fail.Add(-1) >= 0 {
 			return errors.New("the receiver's handler failed")
@@ -257,6 +261,19 @@ func TestWebhookHandlerFnError(t *testing.T) {
 	}
 	if !strings.Contains(rc.logs.String(), "the receiver's handler failed") {
 		t.Fatalf("fn's error not logged:\n%s", rc.logs.String())
+	}
+
+	// idem.Reject: fn's writes undone, the id recorded, 204; a redelivery
+	// does not run fn.
+	rc.rej.Store(true)
+	for i, replayed := range []bool{false, true} {
+		status, code, rep := postWebhook(t, rc.srv.URL, sign(t, oldSecret, "evt-poison", time.Now(), body), body)
+		if status != http.StatusNoContent || rep != replayed {
+			t.Fatalf("rejected, delivery %d: %d %s replayed %v", i+1, status, code, rep)
+		}
+	}
+	if rc.runs.Load() != 3 || rc.received(t, "evt-poison") != 0 {
+		t.Fatalf("rejected: fn ran %d times in all, %d rows", rc.runs.Load(), rc.received(t, "evt-poison"))
 	}
 }
 
