@@ -134,12 +134,14 @@ type WebhookSender struct {
 	// idemhttp.Transport, or one of NewClient, gets a fresh timestamp and
 	// signature on every attempt (they are set after the Transport's own
 	// BeforeAttempt, if any); another Client sends the signature made when
-	// Send began on each of its attempts. nil means NewClient(&Transport{
-	// Policy: idem.RetryPolicy{AttemptTimeout: DefaultWebhookAttemptTimeout,
-	// MaxDelay: idem.DefaultRetryMaxElapsed}}, DefaultWebhookTimeout), which
-	// follows no redirect (a 3xx is a failure). Its MaxDelay lets every
-	// Retry-After that fits in MaxElapsed be waited in full: a longer one
-	// ends the Send with the answer rather than a retry before its time.
+	// Send began on each of its attempts. No Client follows a redirect,
+	// whatever its CheckRedirect (Send uses a copy): a 3xx is a failure, as
+	// Standard Webhooks says. nil means NewClient(&Transport{Policy:
+	// idem.RetryPolicy{AttemptTimeout: DefaultWebhookAttemptTimeout,
+	// MaxDelay: idem.DefaultRetryMaxElapsed}}, DefaultWebhookTimeout). Its
+	// MaxDelay lets every Retry-After that fits in MaxElapsed be waited in
+	// full: a longer one ends the Send with the answer rather than a retry
+	// before its time.
 	Client *http.Client
 	// Endpoint returns the endpoint of a destination (idem.Event's
 	// Destination); it is called on every Send, so a rotated secret or a
@@ -270,24 +272,29 @@ func (s WebhookSender) endpoint(ctx context.Context, destination string) (string
 }
 
 // client returns the client of one Send, and whether it calls sign before
-// each attempt.
+// each attempt. It follows no redirect, whatever s.Client's CheckRedirect.
 func (s WebhookSender) client(sign func(*http.Request, int) error) (*http.Client, bool) {
 	if s.Client == nil {
 		c := NewClient(&Transport{
 			Policy:        idem.RetryPolicy{AttemptTimeout: DefaultWebhookAttemptTimeout, MaxDelay: idem.DefaultRetryMaxElapsed},
 			BeforeAttempt: sign,
 		}, DefaultWebhookTimeout)
-		c.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
+		c.CheckRedirect = noRedirect
 		return c, true
 	}
+	c := *s.Client // a copy: the caller's Client is not changed
+	c.CheckRedirect = noRedirect
 	rt, ok := signing(s.Client.Transport, sign)
-	if !ok {
-		return s.Client, false
-	}
-	c := *s.Client
 	c.Transport = rt
-	return &c, true
+	return &c, ok
 }
+
+// noRedirect is the CheckRedirect of WebhookSender's clients: the 3xx
+// itself is the answer. Standard Webhooks counts a 3xx as a failure (the
+// endpoint's URL is to be updated), and following one would turn the signed
+// POST into a GET without the payload for 301, 302 and 303, whose 2xx would
+// then count as delivered.
+func noRedirect(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
 
 // signing returns a copy of rt that calls sign before each attempt, after
 // rt's own BeforeAttempt, when rt is a Transport or NewClient's; else it
