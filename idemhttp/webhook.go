@@ -117,8 +117,10 @@ const (
 //     sent, retried on the schedule (an Endpoint function may return
 //     idem.Permanent(err) for a destination that will never exist);
 //   - an event ID that is not a valid Idempotency-Key (idem.ValidateKey: 1
-//     to 255 bytes of visible ASCII; idem.EventID's are): permanent, before
-//     anything is sent.
+//     to 255 bytes of visible ASCII) or holds a "." (which Standard
+//     Webhooks forbids: the signed id.timestamp.body would split another
+//     way too): permanent, matching idem.ErrInvalidKey, before anything is
+//     sent. idem.EventID's are UUIDs, which are neither.
 //
 // Inside one Send, the Client's idemhttp.Transport retries what another
 // attempt may fix (no answer, a cut attempt, 429, 5xx other than 501, 409
@@ -199,6 +201,12 @@ func (s WebhookSender) Send(ctx context.Context, d idem.Delivery) error {
 	ev := d.Event
 	if err := idem.ValidateKey(ev.ID); err != nil {
 		return idem.Permanent(fmt.Errorf("idemhttp: event ID is not a valid webhook-id and Idempotency-Key: %w", err))
+	}
+	if strings.Contains(ev.ID, ".") {
+		// The signature covers id.timestamp.body: with a "." in the id those
+		// bytes also read as another id, timestamp and body (Standard
+		// Webhooks: ids "not be allowed to include any '.'").
+		return idem.Permanent(fmt.Errorf("%w: event ID holds a \".\", which Standard Webhooks forbids in a webhook-id: its signature would also verify a forged id, timestamp and body", idem.ErrInvalidKey))
 	}
 	target, keys, err := s.endpoint(ctx, ev.Destination)
 	if err != nil {

@@ -5,8 +5,10 @@ import (
 	"errors"
 	"net/http"
 	"net/http/httptest"
+	"strconv"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemhttp"
@@ -45,3 +47,44 @@ func TestWebhookSenderFollowsNoRedirect(t *testing.T) {
 		t.Fatal("the caller's Client was changed")
 	}
 }
+
+// An event ID holding a "." is refused before anything is sent, for good:
+// Standard Webhooks signs id.timestamp.body, and with a "." in the id the
+// signed bytes split another way too. A capture of the webhook
+// "pay.<T1>" sent at T2 with body B verifies as the webhook "pay" sent at
+// T1 with body "<T2>.B", within the tolerance whenever T1 is.
+func TestWebhookSenderRefusesDottedID(t *testing.T) {
+	ctx := context.Background()
+	rc := newReceiver(t, idemhttp.WebhookOptions{})
+	now := time.Now()
+	t1 := now.Add(-time.Minute).Unix()
+	body := []byte(`{"type":"payment.succeeded"}`)
+	// The split, by hand: the capture's signature over the forged fields.
+	captured := sign(t, oldSecret, "pay."+itoa(t1), now, body)
+	forgedBody := []byte(itoa(now.Unix()) + "." + string(body))
+	forged := sign(t, oldSecret, "pay", time.Unix(t1, 0), forgedBody)
+	if forged.Get("webhook-signature") != captured.Get("webhook-signature") {
+		t.Fatal("the signed bytes do not split: the test is wrong")
+	}
+	if status, _, _ := postWebhook(t, rc.srv.URL, forged, forgedBody); status != http.StatusNoContent {
+		t.Fatalf("the forgery got %d: the receiver cannot tell it, only the sender can prevent it", status)
+	}
+
+	s := newEndpointScript(t, scriptAnswer{status: 204})
+	for _, id := range []string{"pay." + itoa(t1), "evt.1", "."} {
+		err := idemhttp.WebhookSender{Endpoint: endpointOf(s.srv.URL, oldSecret)}.Send(ctx, delivery(id, string(body)))
+		if !errors.Is(err, idem.ErrInvalidKey) || !idem.IsPermanent(err) {
+			t.Errorf("id %q: %v; want a permanent ErrInvalidKey", id, err)
+		}
+	}
+	if n := len(s.attempts()); n != 0 {
+		t.Fatalf("%d requests sent for dotted ids", n)
+	}
+	// idem.EventID's are UUIDs: never a ".".
+	id := idem.EventID(idem.Scope{Actor: "alice", Operation: "POST /v1/payments"}, "k.1", "payment.succeeded")
+	if err := (idemhttp.WebhookSender{Endpoint: endpointOf(s.srv.URL, oldSecret)}).Send(ctx, delivery(id, string(body))); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func itoa(n int64) string { return strconv.FormatInt(n, 10) }
