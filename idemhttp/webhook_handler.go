@@ -67,10 +67,13 @@ type WebhookOptions struct {
 	Timeout time.Duration
 
 	// Config configures the idempotency store of the Inbox (see
-	// idem.Config). Its TTL is how long a webhook-id is remembered: a
-	// redelivery after it runs fn again, so it must outlast the sender's
-	// retries. Default TTL: DefaultWebhookTTL, 72 hours (Standard Webhooks'
-	// schedule retries for about 27.5 hours).
+	// idem.Config). Its TTL (or TTLFor(idem.InboxOperation), asked once at
+	// construction) is how long a webhook-id is remembered: a redelivery
+	// after it runs fn again, so it must outlast the sender's retries, and
+	// it may not be under twice the Tolerance (the span in which one signed
+	// request verifies), or a replayed capture would run fn again. Default
+	// TTL: DefaultWebhookTTL, 72 hours (Standard Webhooks' schedule retries
+	// for about 27.5 hours).
 	Config idem.Config
 
 	// Logger receives a record for each webhook refused as unverified and
@@ -144,8 +147,9 @@ const (
 //
 // WebhookHandler panics if db or fn is nil or opts is invalid (no secret, a
 // secret not in whsec_ form, a negative duration or limit, a Consumer that
-// idem.ValidateScope refuses, a Config that idem.New refuses): a
-// programming error to find at start-up, as with Middleware.
+// idem.ValidateScope refuses, a Config that idem.New refuses, a TTL under
+// twice the Tolerance, which wraps idem.ErrInvalidConfig): a programming
+// error to find at start-up, as with Middleware.
 func WebhookHandler(db idem.Beginner, opts WebhookOptions,
 	fn func(ctx context.Context, tx pgx.Tx, w Webhook) error) http.Handler {
 	h, err := newWebhookHandler(db, opts, fn)
@@ -212,6 +216,20 @@ func newWebhookHandler(db idem.Beginner, opts WebhookOptions,
 	cfg := opts.Config
 	if cfg.TTL == 0 {
 		cfg.TTL = DefaultWebhookTTL
+	}
+	ttl := cfg.TTL
+	if cfg.TTLFor != nil {
+		if t := cfg.TTLFor(idem.InboxOperation); t > 0 {
+			ttl = t
+		}
+	}
+	if ttl < 2*h.tolerance {
+		// One signed request is accepted for 2×Tolerance (its timestamp
+		// may be Tolerance ahead of the receiver's clock, then Tolerance
+		// behind): a shorter TTL forgets its id while a replay still
+		// verifies, and fn runs again.
+		return nil, fmt.Errorf("idemhttp: WebhookOptions.Config: %w: the TTL of the Inbox's ids, %s, is under twice the Tolerance (%s): a captured webhook replayed after its id is forgotten would still verify and run fn again",
+			idem.ErrInvalidConfig, ttl, 2*h.tolerance)
 	}
 	if len(cfg.LogHashKey) == 0 {
 		cfg.LogHashKey = loghash.NewSecret() // one secret for idem's logs and the handler's

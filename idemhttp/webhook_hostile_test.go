@@ -6,10 +6,12 @@ import (
 	"net/http"
 	"net/http/httptest"
 	"strconv"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemhttp"
 )
@@ -88,3 +90,45 @@ func TestWebhookSenderRefusesDottedID(t *testing.T) {
 }
 
 func itoa(n int64) string { return strconv.FormatInt(n, 10) }
+
+// A TTL that forgets a webhook-id while a capture of its webhook is still
+// within the tolerance would let a replay run fn again: WebhookHandler
+// refuses a TTL (or TTLFor of the Inbox's operation) under twice the
+// Tolerance, the span in which one signed request is accepted.
+func TestWebhookHandlerRefusesTTLUnderTolerance(t *testing.T) {
+	pool := newPool(t, migrateWebhooks)
+	fn := func(context.Context, pgx.Tx, idemhttp.Webhook) error { return nil }
+	for _, c := range []struct {
+		name string
+		opts idemhttp.WebhookOptions
+		ok   bool
+	}{
+		{"TTL 1 min, default tolerance", idemhttp.WebhookOptions{Config: idem.Config{TTL: time.Minute}}, false},
+		{"TTL 9 min, default tolerance", idemhttp.WebhookOptions{Config: idem.Config{TTL: 9 * time.Minute}}, false},
+		{"TTL 10 min, default tolerance", idemhttp.WebhookOptions{Config: idem.Config{TTL: 10 * time.Minute}}, true},
+		{"TTL 1 h, tolerance 1 h", idemhttp.WebhookOptions{Tolerance: time.Hour, Config: idem.Config{TTL: time.Hour}}, false},
+		{"default TTL, tolerance 48 h", idemhttp.WebhookOptions{Tolerance: 48 * time.Hour}, false},
+		{"TTLFor the inbox 1 min", idemhttp.WebhookOptions{Config: idem.Config{TTLFor: func(op string) time.Duration {
+			if op == idem.InboxOperation {
+				return time.Minute
+			}
+			return 0
+		}}}, false},
+		{"TTLFor another operation", idemhttp.WebhookOptions{Config: idem.Config{TTLFor: func(string) time.Duration { return 0 }}}, true},
+	} {
+		c.opts.Secrets = []string{oldSecret}
+		func() {
+			defer func() {
+				v := recover()
+				err, _ := v.(error)
+				switch {
+				case c.ok && v != nil:
+					t.Errorf("%s: panic %v", c.name, v)
+				case !c.ok && (!errors.Is(err, idem.ErrInvalidConfig) || !strings.Contains(err.Error(), "Tolerance")):
+					t.Errorf("%s: panic %v; want ErrInvalidConfig naming the Tolerance", c.name, v)
+				}
+			}()
+			idemhttp.WebhookHandler(pool, c.opts, fn)
+		}()
+	}
+}
