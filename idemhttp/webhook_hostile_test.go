@@ -3,10 +3,13 @@ package idemhttp_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"slices"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -14,6 +17,7 @@ import (
 	"github.com/jackc/pgx/v5"
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemhttp"
+	"github.com/pgidem/idem/internal/testkit/httprelay"
 )
 
 // The review's tests: a hostile sender, a hostile network and a busy relay.
@@ -130,5 +134,107 @@ func TestWebhookHandlerRefusesTTLUnderTolerance(t *testing.T) {
 			}()
 			idemhttp.WebhookHandler(pool, c.opts, fn)
 		}()
+	}
+}
+
+// A relay's workers share one WebhookSender and call Send at once: 40
+// events, each sent twice (the relay's next attempt after a lost reply),
+// by 16 goroutines, through a proxy that loses the first reply of every
+// webhook-id. Every Send succeeds, every attempt is signed for itself, and
+// the receiver's fn runs once per event. Run with -race.
+func TestWebhookSenderConcurrentSends(t *testing.T) {
+	ctx := context.Background()
+	rc := newReceiver(t, idemhttp.WebhookOptions{Secrets: []string{newSecret}})
+	proxy := httprelay.New(t, rc.srv.URL, func(r *http.Request, attempt int) httprelay.Action {
+		if attempt == 1 {
+			return httprelay.Action{Fault: httprelay.DropReply}
+		}
+		return httprelay.Action{}
+	})
+	var before atomic.Int64
+	client := idemhttp.NewClient(&idemhttp.Transport{
+		Policy: idem.RetryPolicy{MaxAttempts: 5, BaseDelay: time.Millisecond, MaxDelay: 20 * time.Millisecond},
+		BeforeAttempt: func(req *http.Request, attempt int) error {
+			before.Add(1)
+			req.Header.Set("X-Attempt", strconv.Itoa(attempt))
+			return nil
+		}}, 30*time.Second)
+	senders := []idemhttp.WebhookSender{
+		{Client: client, Endpoint: endpointOf(proxy.URL, newSecret, oldSecret)},
+		{Endpoint: endpointOf(proxy.URL, newSecret)}, // the default Client
+	}
+	const events, workers = 40, 16
+	jobs := make(chan idem.Delivery)
+	errs := make(chan error, 2*events)
+	var wg sync.WaitGroup
+	for w := range workers {
+		sender := senders[w%len(senders)]
+		wg.Go(func() {
+			for d := range jobs {
+				if err := sender.Send(ctx, d); err != nil {
+					errs <- fmt.Errorf("%s attempt %d: %w", d.Event.ID, d.Attempt, err)
+				}
+			}
+		})
+	}
+	for attempt := 1; attempt <= 2; attempt++ {
+		for i := range events {
+			d := delivery(fmt.Sprintf("evt-c%02d", i), fmt.Sprintf(`{"n":%d}`, i))
+			d.Attempt = attempt
+			jobs <- d
+		}
+	}
+	close(jobs)
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+	for i := range events {
+		if n := rc.received(t, fmt.Sprintf("evt-c%02d", i)); n != 1 {
+			t.Errorf("evt-c%02d processed %d times", i, n)
+		}
+	}
+	if rc.runs.Load() != events {
+		t.Fatalf("fn ran %d times for %d events", rc.runs.Load(), events)
+	}
+	// Each request carries the signature of its own id, timestamp and body.
+	for _, r := range proxy.Requests() {
+		var i int
+		if _, err := fmt.Sscanf(r.Header.Get("webhook-id"), "evt-c%02d", &i); err != nil {
+			t.Fatal(err)
+		}
+		ts, _ := strconv.ParseInt(r.Header.Get("webhook-timestamp"), 10, 64)
+		want := sign(t, newSecret, r.Header.Get("webhook-id"), time.Unix(ts, 0), fmt.Appendf(nil, `{"n":%d}`, i)).Get("webhook-signature")
+		if !slices.Contains(strings.Fields(r.Header.Get("webhook-signature")), want) {
+			t.Fatalf("request %v: signature %q, want %q among them", r.Header.Get("webhook-id"), r.Header.Get("webhook-signature"), want)
+		}
+	}
+	if before.Load() == 0 {
+		t.Fatal("the Client's own BeforeAttempt never ran")
+	}
+}
+
+// A captured webhook replayed byte for byte within the tolerance, at once
+// and concurrently, is a redelivery: 204 Idempotent-Replayed, fn does not
+// run again.
+func TestWebhookHandlerReplayedCapture(t *testing.T) {
+	rc := newReceiver(t, idemhttp.WebhookOptions{})
+	body := []byte(`{"type":"payment.succeeded","amount":100}`)
+	captured := sign(t, oldSecret, "evt-captured", time.Now(), body)
+	if status, code, rep := postWebhook(t, rc.srv.URL, captured.Clone(), body); status != http.StatusNoContent || rep {
+		t.Fatalf("first delivery: %d %s replayed %v", status, code, rep)
+	}
+	var wg sync.WaitGroup
+	for range 8 {
+		wg.Go(func() {
+			if status, code, rep := postWebhook(t, rc.srv.URL, captured.Clone(), body); status != http.StatusNoContent || !rep {
+				t.Errorf("replay: %d %s replayed %v", status, code, rep)
+			}
+		})
+	}
+	wg.Wait()
+	if rc.runs.Load() != 1 || rc.received(t, "evt-captured") != 1 {
+		t.Fatalf("fn ran %d times, %d rows; want 1", rc.runs.Load(), rc.received(t, "evt-captured"))
 	}
 }
