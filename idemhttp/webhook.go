@@ -120,7 +120,10 @@ const (
 //     to 255 bytes of visible ASCII) or holds a "." (which Standard
 //     Webhooks forbids: the signed id.timestamp.body would split another
 //     way too): permanent, matching idem.ErrInvalidKey, before anything is
-//     sent. idem.EventID's are UUIDs, which are neither.
+//     sent. idem.EventID's are UUIDs, which are neither;
+//   - an event Header that no HTTP request can carry (a name that is not a
+//     token, a value with a control character): permanent, matching
+//     idem.ErrInvalidArgument, before anything is sent.
 //
 // Inside one Send, the Client's idemhttp.Transport retries what another
 // attempt may fix (no answer, a cut attempt, 429, 5xx other than 501, 409
@@ -208,6 +211,9 @@ func (s WebhookSender) Send(ctx context.Context, d idem.Delivery) error {
 		// Webhooks: ids "not be allowed to include any '.'").
 		return idem.Permanent(fmt.Errorf("%w: event ID holds a \".\", which Standard Webhooks forbids in a webhook-id: its signature would also verify a forged id, timestamp and body", idem.ErrInvalidKey))
 	}
+	if err := checkHeader(ev.Header); err != nil {
+		return idem.Permanent(err)
+	}
 	target, keys, err := s.endpoint(ctx, ev.Destination)
 	if err != nil {
 		return err
@@ -256,6 +262,26 @@ func (s WebhookSender) Send(ctx context.Context, d idem.Delivery) error {
 		return idem.Permanent(werr)
 	}
 	return werr
+}
+
+// checkHeader refuses an event's Header that no HTTP request can carry: a
+// name that is not a token, or a value with a control character other
+// than tab (RFC 9110 sections 5.1 and 5.5; net/http's own test). The error
+// names the header, never its value.
+func checkHeader(h map[string][]string) error {
+	for name, values := range h {
+		if name == "" || strings.ContainsFunc(name, func(r rune) bool {
+			return r <= ' ' || r >= 0x7f || strings.ContainsRune(`"(),/:;<=>?@[\]{}`, r)
+		}) {
+			return fmt.Errorf("%w: event Header: %q is not a valid header name", idem.ErrInvalidArgument, name)
+		}
+		for _, v := range values {
+			if strings.ContainsFunc(v, func(r rune) bool { return (r < ' ' && r != '\t') || r == 0x7f }) {
+				return fmt.Errorf("%w: event Header: the value of %q holds a control character", idem.ErrInvalidArgument, name)
+			}
+		}
+	}
+	return nil
 }
 
 // endpoint resolves destination and checks its endpoint: the URL to send

@@ -238,3 +238,38 @@ func TestWebhookHandlerReplayedCapture(t *testing.T) {
 		t.Fatalf("fn ran %d times, %d rows; want 1", rc.runs.Load(), rc.received(t, "evt-captured"))
 	}
 }
+
+// An event whose Header no HTTP request can carry is a permanent failure,
+// matching idem.ErrInvalidArgument, before anything is sent; the error
+// never shows the value. (Sent as it was, net/http refused every attempt,
+// and the Send failed as "outcome unknown", retried for the whole
+// schedule.)
+func TestWebhookSenderRefusesBadHeader(t *testing.T) {
+	s := newEndpointScript(t, scriptAnswer{status: 204})
+	for _, h := range []map[string][]string{
+		{"X-Token": {"sk_live_1\r\nX-Injected: 1"}}, {"X-Nul": {"a\x00b"}}, {"X-Del": {"a\x7fb"}},
+		{"Bad Name": {"v"}}, {"": {"v"}}, {"X-Colon:": {"v"}}, {"X-é": {"v"}},
+	} {
+		d := delivery("evt-header", `{}`)
+		d.Event.Header = h
+		err := idemhttp.WebhookSender{Client: fastClient(), Endpoint: endpointOf(s.srv.URL, oldSecret)}.Send(context.Background(), d)
+		if !errors.Is(err, idem.ErrInvalidArgument) || !idem.IsPermanent(err) || errors.Is(err, idem.ErrOutcomeUnknown) {
+			t.Errorf("%q: %v; want a permanent ErrInvalidArgument", h, err)
+		}
+		if err != nil && strings.Contains(err.Error(), "sk_live") {
+			t.Errorf("the error shows the value: %v", err)
+		}
+	}
+	if n := len(s.attempts()); n != 0 {
+		t.Fatalf("%d requests sent", n)
+	}
+	// Tabs, spaces and UTF-8 in a value are sent as they are.
+	d := delivery("evt-header-ok", `{}`)
+	d.Event.Header = map[string][]string{"X-Note": {"a\tb c", "café"}}
+	if err := (idemhttp.WebhookSender{Endpoint: endpointOf(s.srv.URL, oldSecret)}).Send(context.Background(), d); err != nil {
+		t.Fatal(err)
+	}
+	if got := s.attempts()[0].Values("X-Note"); len(got) != 2 || got[0] != "a\tb c" || got[1] != "café" {
+		t.Fatalf("X-Note %q", got)
+	}
+}
