@@ -109,9 +109,10 @@ const (
 //     Webhooks counts every non-2xx as a failure, and these are the answers
 //     of an endpoint being deployed or misconfigured (a route missing, a
 //     secret not rotated yet), which someone fixes within the schedule;
-//   - no answer: the Client's error (with the default Client, an
-//     *idem.CallError, or one matching idem.ErrNotSent), retried on the
-//     schedule;
+//   - no answer: the Client's error, a *url.Error whose URL is cut to its
+//     scheme and host (a webhook URL's path or query may hold a token),
+//     wrapping, with the default Client, an *idem.CallError or an error
+//     matching idem.ErrNotSent; retried on the schedule;
 //   - an Endpoint that fails or is unusable (an invalid URL, no secret, a
 //     secret not in whsec_ form): an *EndpointError, before anything is
 //     sent, retried on the schedule (an Endpoint function may return
@@ -244,7 +245,7 @@ func (s WebhookSender) Send(ctx context.Context, d idem.Delivery) error {
 
 	resp, err := client.Do(req)
 	if err != nil {
-		return err
+		return redactURL(err)
 	}
 	defer resp.Body.Close()
 	if resp.StatusCode >= 200 && resp.StatusCode < 300 {
@@ -262,6 +263,25 @@ func (s WebhookSender) Send(ctx context.Context, d idem.Delivery) error {
 		return idem.Permanent(werr)
 	}
 	return werr
+}
+
+// redactURL returns err, the error of http.Client.Do (a *url.Error), with
+// its URL cut to the scheme and host: webhook URLs often hold a token in
+// their path or query (Slack's, a "?token="), and Send's error ends up in
+// the relay's attempt log and in logs. The chain below is kept.
+func redactURL(err error) error {
+	uerr, ok := err.(*url.Error)
+	if !ok {
+		return err
+	}
+	short := "(a URL that does not parse)"
+	if u, perr := url.Parse(uerr.URL); perr == nil {
+		short = u.Scheme + "://" + u.Host
+		if (u.Path != "" && u.Path != "/") || u.RawQuery != "" || u.Fragment != "" {
+			short += "/…"
+		}
+	}
+	return &url.Error{Op: uerr.Op, URL: short, Err: uerr.Err}
 }
 
 // checkHeader refuses an event's Header that no HTTP request can carry: a

@@ -6,6 +6,7 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
+	"net/url"
 	"slices"
 	"strconv"
 	"strings"
@@ -271,5 +272,28 @@ func TestWebhookSenderRefusesBadHeader(t *testing.T) {
 	}
 	if got := s.attempts()[0].Values("X-Note"); len(got) != 2 || got[0] != "a\tb c" || got[1] != "café" {
 		t.Fatalf("X-Note %q", got)
+	}
+}
+
+// Send's error, which the relay records in its attempt log, holds no more
+// of the endpoint's URL than its scheme and host: webhook URLs often carry
+// a token in their path or query. The chain is intact.
+func TestWebhookSenderErrorHidesURLToken(t *testing.T) {
+	down := httptest.NewServer(http.NotFoundHandler())
+	down.Close() // nothing listens there now: refused
+	for name, client := range map[string]*http.Client{"default": nil, "NewClient": fastClient(), "plain": {}} {
+		err := idemhttp.WebhookSender{Client: client, Endpoint: endpointOf(down.URL+"/services/T0/B0/s3cr3tpath?token=s3cr3tquery", oldSecret)}.
+			Send(context.Background(), delivery("evt-down", `{}`))
+		var uerr *url.Error
+		switch {
+		case err == nil || strings.Contains(err.Error(), "s3cr3t"):
+			t.Errorf("%s Client: %v", name, err)
+		case !errors.As(err, &uerr) || !strings.Contains(err.Error(), down.URL):
+			t.Errorf("%s Client: %v: want a *url.Error naming the scheme and host", name, err)
+		case client != nil && client.Transport == nil:
+			// A plain Client: net/http's own error.
+		case !errors.Is(err, idem.ErrNotSent):
+			t.Errorf("%s Client: %v: want ErrNotSent", name, err)
+		}
 	}
 }
