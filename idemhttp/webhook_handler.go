@@ -217,25 +217,25 @@ func newWebhookHandler(db idem.Beginner, opts WebhookOptions,
 	if cfg.TTL == 0 {
 		cfg.TTL = DefaultWebhookTTL
 	}
+	if len(cfg.LogHashKey) == 0 {
+		cfg.LogHashKey = loghash.NewSecret() // one secret for idem's logs and the handler's
+	}
+	if h.client, err = idem.New(cfg); err != nil {
+		return nil, fmt.Errorf("idemhttp: WebhookOptions.Config: %w", err)
+	}
 	ttl := cfg.TTL
 	if cfg.TTLFor != nil {
 		if t := cfg.TTLFor(idem.InboxOperation); t > 0 {
 			ttl = t
 		}
 	}
-	if ttl < 2*h.tolerance {
+	if ttl/2 < h.tolerance { // ttl < 2×Tolerance, without overflow
 		// One signed request is accepted for 2×Tolerance (its timestamp
 		// may be Tolerance ahead of the receiver's clock, then Tolerance
 		// behind): a shorter TTL forgets its id while a replay still
 		// verifies, and fn runs again.
-		return nil, fmt.Errorf("idemhttp: WebhookOptions.Config: %w: the TTL of the Inbox's ids, %s, is under twice the Tolerance (%s): a captured webhook replayed after its id is forgotten would still verify and run fn again",
-			idem.ErrInvalidConfig, ttl, 2*h.tolerance)
-	}
-	if len(cfg.LogHashKey) == 0 {
-		cfg.LogHashKey = loghash.NewSecret() // one secret for idem's logs and the handler's
-	}
-	if h.client, err = idem.New(cfg); err != nil {
-		return nil, fmt.Errorf("idemhttp: WebhookOptions.Config: %w", err)
+		return nil, fmt.Errorf("idemhttp: WebhookOptions.Config: %w: the TTL of the Inbox's ids, %s, is under twice the Tolerance, %s: a captured webhook replayed after its id is forgotten would still verify and run fn again",
+			idem.ErrInvalidConfig, ttl, h.tolerance)
 	}
 	if cfg = h.client.Config(); cfg.Wait > h.timeout/2 {
 		cfg.Wait = max(h.timeout/2, time.Nanosecond)

@@ -119,6 +119,7 @@ func TestWebhookHandlerRefusesTTLUnderTolerance(t *testing.T) {
 			}
 			return 0
 		}}}, false},
+		{"tolerance past half the longest Duration", idemhttp.WebhookOptions{Tolerance: 1 << 62}, false},
 		{"TTLFor another operation", idemhttp.WebhookOptions{Config: idem.Config{TTLFor: func(string) time.Duration { return 0 }}}, true},
 	} {
 		c.opts.Secrets = []string{oldSecret}
