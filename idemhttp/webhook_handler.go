@@ -90,9 +90,9 @@ const (
 )
 
 // Problem codes of WebhookHandler, beside CodeKeyReused (422),
-// CodeInProgress (409), CodeBodyTooLarge (413), CodeBodyUnreadable (400),
-// CodeMethodNotAllowed (405), CodeStoreUnavailable and CodeTimeout (503)
-// and CodeInternal (500).
+// CodeKeyInvalid (400), CodeInProgress (409), CodeBodyTooLarge (413),
+// CodeBodyUnreadable (400), CodeMethodNotAllowed (405),
+// CodeStoreUnavailable and CodeTimeout (503) and CodeInternal (500).
 const (
 	// CodeWebhookUnverified (401): the webhook-id, webhook-timestamp or
 	// webhook-signature header is missing or malformed, or no signature
@@ -137,6 +137,9 @@ const (
 //   - 503 (CodeStoreUnavailable, CodeTimeout): the database failed or the
 //     webhook ran out of WebhookOptions.Timeout; rolled back, or its
 //     commit's outcome unknown: a redelivery runs fn or is a duplicate.
+//   - 400 (CodeKeyInvalid): the webhook-id cannot be an Inbox key (see
+//     idem.InboxKey: only with a Config.MaxKeyLength under 71). Nothing
+//     ran.
 //   - 413, 400: the body is too large or unreadable; 405 for other
 //     methods. Nothing ran.
 //
@@ -282,6 +285,9 @@ func (h *webhookHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			w.Header().Set(HeaderReplayed, "true")
 		}
 		w.WriteHeader(http.StatusNoContent)
+	case errors.Is(err, idem.ErrInvalidKey):
+		writeProblem(w, http.StatusBadRequest, CodeKeyInvalid,
+			"This webhook-id cannot be recorded: "+errorText(err), 0)
 	case errors.Is(err, idem.ErrKeyReused):
 		writeProblem(w, http.StatusUnprocessableEntity, CodeKeyReused,
 			"This webhook-id was processed before with a different body.", 0)

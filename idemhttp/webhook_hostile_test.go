@@ -298,3 +298,19 @@ func TestWebhookSenderErrorHidesURLToken(t *testing.T) {
 		}
 	}
 }
+
+// A verified webhook whose id the Inbox cannot key (over a MaxKeyLength
+// below a hashed key's 71 bytes) is a 400 IDEMPOTENCY_KEY_INVALID: nothing
+// ran, and it is no server error.
+func TestWebhookHandlerRefusesUnkeyableID(t *testing.T) {
+	rc := newReceiver(t, idemhttp.WebhookOptions{Config: idem.Config{MaxKeyLength: 64}})
+	body := []byte(`{}`)
+	long := strings.Repeat("m", 100)
+	status, code, _ := postWebhook(t, rc.srv.URL, sign(t, oldSecret, long, time.Now(), body), body)
+	if status != http.StatusBadRequest || code != idemhttp.CodeKeyInvalid || rc.runs.Load() != 0 || rc.inboxRows(t) != 0 {
+		t.Fatalf("id of 100 bytes: %d %s, fn ran %d times, %d rows", status, code, rc.runs.Load(), rc.inboxRows(t))
+	}
+	if status, code, _ := postWebhook(t, rc.srv.URL, sign(t, oldSecret, "evt-short", time.Now(), body), body); status != http.StatusNoContent {
+		t.Fatalf("short id: %d %s", status, code)
+	}
+}
