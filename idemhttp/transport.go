@@ -214,6 +214,48 @@ func (e *errBefore) Error() string {
 }
 func (e *errBefore) Unwrap() error { return e.err }
 
+// headerError is the error of a request whose header net/http would
+// refuse to send: not sent, not retried.
+type headerError struct {
+	name string
+	why  string
+}
+
+func (e *headerError) Error() string {
+	return fmt.Sprintf("%v: idemhttp: the request's header %q %s; nothing was sent", idem.ErrInvalidArgument, e.name, e.why)
+}
+func (e *headerError) Unwrap() error { return idem.ErrInvalidArgument }
+
+// checkHeader refuses a header that net/http would refuse to send, so
+// that the call ends as not sent instead of as an attempt whose outcome is
+// unknown.
+func checkHeader(h http.Header) error {
+	if name, why := headerProblem(h); name != "" || why != "" {
+		return &headerError{name, why}
+	}
+	return nil
+}
+
+// headerProblem finds in h what no HTTP request can carry (RFC 9110
+// sections 5.1 and 5.5; net/http's own test): a name that is not a token,
+// or a value holding a control character other than tab. It returns the
+// header's name and what is wrong with it (never its value), or "", "".
+func headerProblem(h map[string][]string) (name, why string) {
+	for name, values := range h {
+		if name == "" || strings.ContainsFunc(name, func(r rune) bool {
+			return r <= ' ' || r >= 0x7f || strings.ContainsRune(`"(),/:;<=>?@[\]{}`, r)
+		}) {
+			return name, "is not a valid header name"
+		}
+		for _, v := range values {
+			if strings.ContainsFunc(v, func(r rune) bool { return (r < ' ' && r != '\t') || r == 0x7f }) {
+				return name, "holds a control character in its value"
+			}
+		}
+	}
+	return "", ""
+}
+
 // attemptTimeoutError is the error of an attempt cut at
 // Policy.AttemptTimeout.
 type attemptTimeoutError struct {
@@ -268,6 +310,13 @@ func (b *attempts) send() (*http.Response, error) {
 		}
 		b.setKey(r) // set back: BeforeAttempt cannot change the key
 	}
+	if err := checkHeader(r.Header); err != nil {
+		cancel()
+		if body != nil {
+			_ = body.Close()
+		}
+		return nil, err
+	}
 	var timer *time.Timer
 	var timedOut atomic.Bool
 	if b.timeout > 0 {
@@ -309,8 +358,9 @@ func (b *attempts) setKey(r *http.Request) {
 func (b *attempts) judge(resp *http.Response, err error) callretry.Verdict {
 	var bodyErr *errBody
 	var beforeErr *errBefore
+	var headerErr *headerError
 	switch {
-	case errors.As(err, &bodyErr), errors.As(err, &beforeErr):
+	case errors.As(err, &bodyErr), errors.As(err, &beforeErr), errors.As(err, &headerErr):
 		return callretry.Verdict{}
 	case err != nil:
 		return callretry.Network(err, b.conn)

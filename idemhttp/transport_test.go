@@ -803,3 +803,53 @@ func BenchmarkTransportOverhead(b *testing.B) {
 	b.ReportMetric(float64(spent[1].Nanoseconds())/float64(i), "idem-ns/call")
 	b.ReportMetric(float64(spent[1])/float64(spent[0]), "ratio")
 }
+
+// A header net/http refuses to send (a name that is not a token, a value
+// holding a control character), on the request or set by BeforeAttempt,
+// ends the call at once as not sent and invalid, not as an outcome unknown
+// retried until MaxElapsed; after an attempt that may have taken effect,
+// the call is still an outcome unknown. The error never shows the value.
+func TestTransportRefusesBadHeader(t *testing.T) {
+	t.Parallel()
+	srv := newScripted(t, nil)
+	srv.set("late", status(http.StatusServiceUnavailable, ""))
+	for _, tc := range []struct {
+		name, header, value string
+	}{
+		{"name", "Bad Name", "v"},
+		{"value", "X-Token", "secret\r\nX-Injected: 1"},
+		{"nul", "X-Token", "secret\x00"},
+	} {
+		req, err := http.NewRequestWithContext(t.Context(), "POST", srv.URL+"/"+tc.name, strings.NewReader("x"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		req.Header[tc.header] = []string{tc.value}
+		client := &http.Client{Transport: &idemhttp.Transport{Policy: fastPolicy}}
+		_, err = client.Do(req)
+		if !errors.Is(err, idem.ErrNotSent) || !errors.Is(err, idem.ErrInvalidArgument) || errors.Is(err, idem.ErrOutcomeUnknown) {
+			t.Errorf("%s: %v, want ErrNotSent and ErrInvalidArgument", tc.name, err)
+		}
+		if err != nil && strings.Contains(err.Error(), "secret") {
+			t.Errorf("%s: the error shows the header's value: %v", tc.name, err)
+		}
+		if n := len(srv.attempts(tc.name)); n != 0 {
+			t.Errorf("%s: %d attempts reached the server", tc.name, n)
+		}
+	}
+
+	// BeforeAttempt sets a bad header on the second attempt, after a 503.
+	client := &http.Client{Transport: &idemhttp.Transport{Policy: fastPolicy, BeforeAttempt: func(r *http.Request, attempt int) error {
+		if attempt == 2 {
+			r.Header.Set("X-Sig", "a\nb")
+		}
+		return nil
+	}}}
+	_, err := post(t, t.Context(), client, srv.URL+"/late", "x")
+	if !errors.Is(err, idem.ErrOutcomeUnknown) || !errors.Is(err, idem.ErrInvalidArgument) {
+		t.Errorf("a bad header after a 503: %v, want ErrOutcomeUnknown wrapping ErrInvalidArgument", err)
+	}
+	if n := len(srv.attempts("late")); n != 1 {
+		t.Errorf("%d attempts reached the server, want 1", n)
+	}
+}
