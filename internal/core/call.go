@@ -47,7 +47,7 @@ func (c *Client[TTx, TDB]) Do(ctx context.Context, tx TTx, scope Scope, key stri
 	ctx, cl := c.obs.begin(ctx, "do", c.spanDo, scope, key)
 	defer cl.endIfPanicking(ctx)
 	res, err := c.do(ctx, tx, scope, key, fp, fn, &cl)
-	err = preparedStatementsLost(err, c.drv.PreparedStatementsFix())
+	err = c.preparedStatementsLost(err)
 	cl.end(ctx, res, err)
 	return res, err
 }
@@ -75,7 +75,7 @@ func (c *Client[TTx, TDB]) DoInTx(ctx context.Context, db TDB, scope Scope, key 
 	ctx, cl := c.obs.begin(ctx, "do_in_tx", c.spanDoInTx, scope, key)
 	defer cl.endIfPanicking(ctx)
 	res, err := c.coalesced(ctx, db, scope, key, fp, fn, &cl)
-	err = preparedStatementsLost(err, c.drv.PreparedStatementsFix())
+	err = c.preparedStatementsLost(err)
 	cl.end(ctx, res, err)
 	return res, err
 }
@@ -154,7 +154,7 @@ func (c *Client[TTx, TDB]) doInTx(ctx context.Context, db TDB, k driver.Key, fp 
 	fn func(ctx context.Context, tx TTx) (Response, error), cl *call) (res Result, err error) {
 	s, own, err := c.drv.OwnSpan(ctx, db)
 	if err != nil {
-		return Result{}, unavailableIf(isUnavailable(err), errorf("idem: begin: %w", err))
+		return Result{}, unavailableIf(c.isUnavailable(err), errorf("idem: begin: %w", err))
 	}
 	if !own {
 		err = c.InTx(ctx, db, func(ctx context.Context, tx TTx) (err error) {
@@ -201,10 +201,10 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 			// Do's savepoint did not begin: the failure happened in the
 			// caller's transaction itself, which a refusal would promise
 			// is untouched. Never one here.
-			return Result{}, txUnusable(errorf("idem: %w", unsupportedIf(err)), c.drv.TxClosed)
+			return Result{}, c.txUnusable(errorf("idem: %w", c.unsupportedIf(err)))
 		case err != nil && !begun:
 			// DoInTx's transaction did not begin: nothing to undo.
-			return Result{}, unavailableIf(s.Lost() || isUnavailable(err), c.claimError(err, k))
+			return Result{}, unavailableIf(s.Lost() || c.isUnavailable(err), c.claimError(err, k))
 		case err != nil:
 			return Result{}, c.fail(ctx, s, own, c.claimError(err, k))
 		}
@@ -233,7 +233,7 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 			// Round trip 2: store the outcome, and end.
 			err := s.Complete(ctx, driver.Outcome{Key: k, Fingerprint: fp, Status: string(out.status), Reply: out.reply})
 			switch {
-			case keyRowChanged(err):
+			case c.keyRowChanged(err):
 				err = ErrKeyRowChanged
 			case errors.Is(err, driver.ErrTxAborted):
 				// fn swallowed a failed statement and returned a response:
@@ -250,7 +250,7 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 				return Result{}, c.endedWithCtx(ctx, own, cl)
 			}
 			if err != nil {
-				return Result{}, c.fail(ctx, s, own, errorf("idem: %w", unsupportedIf(err)))
+				return Result{}, c.fail(ctx, s, own, errorf("idem: %w", c.unsupportedIf(err)))
 			}
 			return out.result(), nil
 		}
@@ -283,12 +283,12 @@ func (c *Client[TTx, TDB]) fail(ctx context.Context, s driver.Span[TTx], own boo
 	undoErr := s.Undo(ctx)
 	if !own {
 		if undoErr != nil {
-			return unavailableIf(isUnavailable(undoErr),
+			return unavailableIf(c.isUnavailable(undoErr),
 				errorf("idem: %w (Do's savepoint was not undone; the call had failed: %s)", undoErr, quiet{err}.Error()))
 		}
 		return err
 	}
-	return unavailableIf(s.Lost() || isUnavailable(err), err)
+	return unavailableIf(s.Lost() || c.isUnavailable(err), err)
 }
 
 // failFn undoes the span after fn failed with err (or its response cannot
@@ -307,12 +307,12 @@ func (c *Client[TTx, TDB]) failFn(ctx context.Context, s driver.Span[TTx], own b
 		// call's ErrInProgress): as in fail, the undo's error is the
 		// call's, and fn's is named in words only.
 		if undoErr != nil {
-			return unavailableIf(isUnavailable(undoErr),
+			return unavailableIf(c.isUnavailable(undoErr),
 				errorf("idem: %w (Do's savepoint was not undone; fn had failed: %s)", undoErr, quiet{err}.Error()))
 		}
 		return err
 	}
-	return unavailableIf(s.Lost() || serverSaidUnavailable(err), err)
+	return unavailableIf(s.Lost() || c.serverSaidUnavailable(err), err)
 }
 
 // endedWithCtx is the error of a call whose transaction had ended when its
@@ -397,7 +397,7 @@ func (c *Client[TTx, TDB]) fnSavepointEnded(ctx context.Context, s driver.Span[T
 		if err != nil {
 			why = " (" + quiet{err}.Error() + ")"
 		}
-		return unavailableIf(isUnavailable(err), errorf("idem: %w: fn committed or rolled back the transaction that %s runs in%s, "+
+		return unavailableIf(c.isUnavailable(err), errorf("idem: %w: fn committed or rolled back the transaction that %s runs in%s, "+
 			"a savepoint of an enclosing transaction, which is aborted%s: roll it back; nothing of fn's is committed and nothing "+
 			"was stored%w", ErrInvalidArgument, api, after, why, joinedText(fnErr)))
 	}
@@ -447,7 +447,7 @@ func orphanedRow[TTx any](ctx context.Context, s driver.Span[TTx], k driver.Key,
 // call answers: ErrOutcomeUnknown.
 func (c *Client[TTx, TDB]) orphaned(ctx context.Context, s driver.Span[TTx], k driver.Key, fp Fingerprint) error {
 	if _, _, err := s.Orphaned(ctx, k, fp, orphanReason); err != nil && !errors.Is(err, driver.ErrNoRows) {
-		return errorf("idem: %w (marking it unknown failed: %w)", errOrphaned, unsupportedIf(err))
+		return errorf("idem: %w (marking it unknown failed: %w)", errOrphaned, c.unsupportedIf(err))
 	}
 	return errOrphaned
 }
@@ -455,10 +455,10 @@ func (c *Client[TTx, TDB]) orphaned(ctx context.Context, s driver.Span[TTx], k d
 // claimError turns the failure of a claim into the error a call returns: a
 // wait for a twin that ran out is ErrInProgress.
 func (c *Client[TTx, TDB]) claimError(err error, k driver.Key) error {
-	if driver.LockNotAvailable(err) {
+	if c.lockNotAvailable(err) {
 		return c.inProgressOn(k)
 	}
-	return errorf("idem: %w", unsupportedIf(err))
+	return errorf("idem: %w", c.unsupportedIf(err))
 }
 
 // runFn runs fn in the span and decides the outcome to store. If fn panics,
@@ -592,8 +592,7 @@ func (c *Client[TTx, TDB]) InTx(ctx context.Context, db TDB, fn func(ctx context
 	if fn == nil {
 		return errNilFn
 	}
-	return preparedStatementsLost(c.retry(ctx, c.drv.Nested(db), func() error { return c.inTx(ctx, db, fn) }),
-		c.drv.PreparedStatementsFix())
+	return c.preparedStatementsLost(c.retry(ctx, c.drv.Nested(db), func() error { return c.inTx(ctx, db, fn) }))
 }
 
 // retry runs once until it succeeds, fails with an error other than a
@@ -603,7 +602,7 @@ func (c *Client[TTx, TDB]) InTx(ctx context.Context, db TDB, fn func(ctx context
 func (c *Client[TTx, TDB]) retry(ctx context.Context, nested bool, once func() error) error {
 	for attempt := 0; ; attempt++ {
 		err := once()
-		if err == nil || !isRetryable(err) || nested || attempt >= c.cfg.MaxRetries {
+		if err == nil || !c.isRetryable(err) || nested || attempt >= c.cfg.MaxRetries {
 			return err
 		}
 		if sleepErr := sleep(ctx, backoff(attempt)); sleepErr != nil {
@@ -618,9 +617,9 @@ func (c *Client[TTx, TDB]) retry(ctx context.Context, nested bool, once func() e
 func (c *Client[TTx, TDB]) inTx(ctx context.Context, db TDB, fn func(ctx context.Context, tx TTx) error) error {
 	tx, err := c.drv.Begin(ctx, db)
 	if err != nil {
-		err = unavailableIf(isUnavailable(err), errorf("idem: begin: %w", err))
+		err = unavailableIf(c.isUnavailable(err), errorf("idem: begin: %w", err))
 		if c.drv.Nested(db) { // a savepoint of the caller's transaction
-			err = txUnusable(err, c.drv.TxClosed)
+			err = c.txUnusable(err)
 		}
 		return err
 	}
@@ -633,10 +632,10 @@ func (c *Client[TTx, TDB]) inTx(ctx context.Context, db TDB, fn func(ctx context
 	err = fn(ctx, tx)
 	ended = true
 	if err != nil {
-		return unavailableIf(c.drv.Rollback(ctx, db, tx) || serverSaidUnavailable(err), err)
+		return unavailableIf(c.drv.Rollback(ctx, db, tx) || c.serverSaidUnavailable(err), err)
 	}
 	if err := c.drv.Commit(ctx, tx); err != nil {
-		return unavailableIf(isUnavailable(err), errorf("idem: commit: %w", err))
+		return unavailableIf(c.isUnavailable(err), errorf("idem: commit: %w", err))
 	}
 	return nil
 }
@@ -704,7 +703,7 @@ func (c *Client[TTx, TDB]) reserveWith(ctx context.Context, db TDB, scope Scope,
 	}
 	ctx, cl := c.obs.begin(ctx, "reserve", c.spanReserve, scope, key)
 	r, err := c.reserveTx(ctx, db, driver.Reserve{Key: newKey(scope, key), Fingerprint: fp, Lease: opts.Lease, ResumeWithin: opts.ResumeWithin})
-	err = preparedStatementsLost(err, c.drv.PreparedStatementsFix())
+	err = c.preparedStatementsLost(err)
 	cl.end(ctx, r.Result, err)
 	return r, err
 }
@@ -740,13 +739,13 @@ func (c *Client[TTx, TDB]) reserveTx(ctx context.Context, db TDB, req driver.Res
 		return err
 	})
 	switch {
-	case err != nil && driver.LockNotAvailable(err):
+	case err != nil && c.lockNotAvailable(err):
 		// Another transaction holds the key (a Do in flight, a Complete
 		// not yet committed, another Reserve resuming it) and did not
 		// finish within Config.Wait.
 		return Reservation{}, c.inProgressOn(req.Key)
 	case err != nil:
-		return Reservation{}, errorf("idem: reserve: %w", unsupportedIf(err))
+		return Reservation{}, errorf("idem: reserve: %w", c.unsupportedIf(err))
 	case refusal == errLeaseRanOut:
 		c.obs.count(ctx, "zombie_key", "reserve", req.Key.Operation, 1)
 		return Reservation{}, refusal
@@ -846,7 +845,7 @@ func (c *Client[TTx, TDB]) Complete(ctx context.Context, tx TTx, r Reservation, 
 	n, err := c.drv.Executor(tx).ReserveComplete(ctx, newKey(r.Scope, r.Key), r.Token, reply)
 	switch {
 	case err != nil:
-		err = txUnusable(errorf("idem: complete: %w", unsupportedIf(err)), c.drv.TxClosed)
+		err = c.txUnusable(errorf("idem: complete: %w", c.unsupportedIf(err)))
 	case n != 1:
 		err = ErrFenced
 	}
@@ -895,7 +894,7 @@ func (c *Client[TTx, TDB]) Heartbeat(ctx context.Context, db TDB, r Reservation,
 	case errors.Is(err, driver.ErrNoRows):
 		err = ErrFenced
 	case err != nil:
-		err = errorf("idem: heartbeat: %w", unsupportedIf(err))
+		err = errorf("idem: heartbeat: %w", c.unsupportedIf(err))
 	}
 	c.countEnd(ctx, "heartbeat", r.Scope, err, "")
 	if err != nil {
@@ -918,7 +917,7 @@ func (c *Client[TTx, TDB]) fence(ctx context.Context, db TDB, call string, scope
 	})
 	switch {
 	case err != nil:
-		err = errorf("idem: %s: %w", call, unsupportedIf(err))
+		err = errorf("idem: %s: %w", call, c.unsupportedIf(err))
 	case n != 1:
 		err = ErrFenced
 	}
@@ -936,7 +935,7 @@ func (c *Client[TTx, TDB]) countEnd(ctx context.Context, call string, scope Scop
 		c.obs.count(ctx, event, call, scope.Operation, 1)
 	case errors.Is(err, ErrFenced):
 		c.obs.count(ctx, outcomeFenced, call, scope.Operation, 1)
-	case Unavailable(err):
+	case c.obs.unavailable(err):
 		c.obs.count(ctx, outcomeStoreError, call, scope.Operation, 1)
 	}
 }
@@ -1013,7 +1012,7 @@ func (cl *call) timeFn(f func()) {
 }
 
 // outcomeOf names the outcome of a call that returned res and err.
-func outcomeOf(res Result, err error, rejected bool) string {
+func (o *observer) outcomeOf(res Result, err error, rejected bool) string {
 	switch {
 	case err == nil && res.Replayed:
 		return outcomeReplay
@@ -1029,7 +1028,7 @@ func outcomeOf(res Result, err error, rejected bool) string {
 		return outcomeUnknown
 	case errors.Is(err, ErrFenced):
 		return outcomeFenced
-	case Unavailable(err):
+	case o.unavailable(err):
 		return outcomeStoreError
 	default:
 		return outcomeFailed
@@ -1041,7 +1040,7 @@ func outcomeOf(res Result, err error, rejected bool) string {
 func (cl *call) end(ctx context.Context, res Result, err error) {
 	cl.ended = true
 	o := cl.o
-	outcome := outcomeOf(res, err, cl.rejected)
+	outcome := o.outcomeOf(res, err, cl.rejected)
 	elapsed := time.Since(cl.start)
 	m := o.measuresOf(cl.name, cl.scope.Operation, outcome)
 	m.counter.Add(ctx, 1, m.add...)

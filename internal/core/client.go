@@ -171,6 +171,7 @@ func New[TTx, TDB any](cfg Config, name string, newDriver func(driver.Settings) 
 		LockTimeout:    fmt.Sprintf("%dms", wait.Milliseconds()),
 		IsolationLevel: string(cfg.IsolationLevel),
 	})
+	c.obs.interpret = c.drv.Interpret
 	return c, nil
 }
 

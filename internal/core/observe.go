@@ -1,6 +1,7 @@
 package core
 
 import (
+	"errors"
 	"log/slog"
 	"sync"
 
@@ -9,6 +10,7 @@ import (
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/pgidem/idem/internal/driver"
 	"github.com/pgidem/idem/internal/loghash"
 )
 
@@ -42,18 +44,27 @@ const (
 // OpenTelemetry no-op, a call costs one map lookup (under a read lock) and a
 // few no-op calls.
 type observer struct {
-	log      *slog.Logger // nil: silent
-	hash     *loghash.Hasher
-	tracer   trace.Tracer // nil: no spans
-	counters map[string]metric.Int64Counter
-	wait     metric.Float64Histogram
-	overhead metric.Float64Histogram
+	log    *slog.Logger // nil: silent
+	hash   *loghash.Hasher
+	tracer trace.Tracer // nil: no spans
+	// interpret is the driver's Interpret, for outcomes of calls that
+	// failed with a database's error (nil: none read).
+	interpret func(error) error
+	counters  map[string]metric.Int64Counter
+	wait      metric.Float64Histogram
+	overhead  metric.Float64Histogram
 
 	mu    sync.RWMutex
 	cache map[measureKey]measures // per call, operation and outcome, built once
 }
 
 type measureKey struct{ call, operation, outcome string }
+
+// unavailable reports whether err means the database could not serve:
+// ErrUnavailable, or a database's error that the driver says is one.
+func (o *observer) unavailable(err error) bool {
+	return errors.Is(err, ErrUnavailable) || o.interpret != nil && errors.Is(o.interpret(err), driver.ErrUnavailable)
+}
 
 // counterNames lists every counter, by the name a call's count uses.
 var counterNames = map[string]string{

@@ -16,7 +16,10 @@
 //
 // Errors come back as the database package gave them (ErrNoRows for a row
 // that is not there), labelled with the step that failed ("claim: ...",
-// "commit: ...") and never with "idem: ", which the core adds once.
+// "commit: ...") and never with "idem: ", which the core adds once. What
+// the core tells apart in them it asks the driver (Interpret), in this
+// package's terms (errors.go): the core imports no database package and
+// reads no SQLSTATE and no message text.
 package driver
 
 import (
@@ -73,6 +76,12 @@ type Driver[TTx, TDB any] interface {
 	// TxClosed reports whether err says the caller's transaction was
 	// already committed or rolled back.
 	TxClosed(err error) bool
+	// Interpret translates an error of the database package (of one of
+	// the driver's statements, or of fn's) into the driver package's terms:
+	// an *Error that matches the faults it shows (ErrUnavailable,
+	// ErrLockNotAvailable, ...) with errors.Is and wraps err; err itself
+	// when it shows none (nil for nil). It sends nothing.
+	Interpret(err error) error
 	// PreparedStatementsFix names, in this driver's terms, the setting that
 	// stops a transaction pooler from losing prepared statements ("" for
 	// none beyond the core's).

@@ -30,6 +30,15 @@ type Harness[TTx, TDB any] struct {
 // settings are the suite's: a day's TTL, a short wait.
 var settings = driver.Settings{TTLMicros: 86_400_000_000, LockTimeout: "200ms"}
 
+// sqlState is the SQLSTATE an interpreted error keeps ("" for none).
+func sqlState(err error) string {
+	var de *driver.Error
+	if errors.As(err, &de) {
+		return de.SQLState
+	}
+	return ""
+}
+
 func key(name string) driver.Key { return driver.Key{Actor: "alice", Operation: "op", Key: name} }
 
 var fpA = [32]byte{1}
@@ -98,8 +107,8 @@ func Exercise[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 			t.Fatal("1/0 succeeded")
 		}
 		err := s.Complete(ctx, driver.Outcome{Key: key("a"), Fingerprint: fpA, Status: "succeeded", Reply: reply})
-		if !errors.Is(err, driver.ErrTxAborted) || driver.SQLState(err) != "25P02" || driver.Unavailable(err) {
-			t.Fatalf("Complete: %v (SQLSTATE %q), want ErrTxAborted with 25P02", err, driver.SQLState(err))
+		if !errors.Is(err, driver.ErrTxAborted) || sqlState(err) != "25P02" || errors.Is(d.Interpret(err), driver.ErrUnavailable) {
+			t.Fatalf("Complete: %v (SQLSTATE %q), want ErrTxAborted with 25P02", err, sqlState(err))
 		}
 		if err := s.Undo(ctx); err != nil {
 			t.Fatalf("Undo: %v", err)
@@ -145,7 +154,7 @@ func Exercise[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 		defer func() { _ = holder.Undo(ctx) }()
 		s := ownSpan(t, d, db)
 		_, begun, err := s.Claim(ctx, driver.Claim{Key: key("w"), Fingerprint: fpA})
-		if driver.SQLState(err) != "55P03" || !begun {
+		if !errors.Is(d.Interpret(err), driver.ErrLockNotAvailable) || sqlState(d.Interpret(err)) != "55P03" || !begun {
 			t.Fatalf("Claim of a key in flight: begun %v, %v; want 55P03", begun, err)
 		}
 		if err := s.Undo(ctx); err != nil {

@@ -5,9 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"reflect"
-	"strings"
 
-	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
@@ -15,6 +13,7 @@ import (
 
 	"github.com/pgidem/idem/internal/db"
 	"github.com/pgidem/idem/internal/driver"
+	"github.com/pgidem/idem/internal/driver/dberr"
 )
 
 // Statements that are not table queries. idem_do is the savepoint that Do
@@ -275,7 +274,7 @@ func (s *span) Complete(ctx context.Context, out driver.Outcome) error {
 	br := s.tx.SendBatch(ctx, b)
 	err := queries.KeyComplete(context.Background(), batchRead{br}, db.KeyCompleteParams{})
 	if err != nil {
-		err = fmt.Errorf("store response: %w", driver.Interpret(err))
+		err = fmt.Errorf("store response: %w", dberr.Interpret(err))
 	} else {
 		err = s.ended(br.Exec())
 	}
@@ -425,18 +424,10 @@ func (s *span) Enclosing(ctx context.Context, k driver.Key, fp [32]byte) (driver
 	switch {
 	case err == nil:
 		return driver.EnclosingUsable, nil
-	case claimReleased(err):
+	case errors.Is(dberr.Interpret(err), driver.ErrClaimReleased):
 		return driver.EnclosingAborted, nil
 	}
 	return driver.EnclosingUnknown, fmt.Errorf("abort the enclosing transaction: %w", err)
-}
-
-// claimReleased reports whether err is KeyAbortIfClaimed's own failure: the
-// claim was in the enclosing transaction.
-func claimReleased(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == pgerrcode.InvalidTextRepresentation &&
-		strings.Contains(pgErr.Message, "fn released its claim into the enclosing transaction")
 }
 
 // pgxPackage is the import path of pgx's own transactions.
