@@ -213,26 +213,27 @@ func (s *span) reset() *pgx.Batch {
 // bound is set, and the caller's lock_timeout restored, by the statement
 // itself (see KeyClaim). On Citus the wait happens on the worker, which
 // only SET LOCAL statements reach: lock_timeout is set to Wait before the
-// claim and back to its default after it.
+// claim and back to its default after it. The statements are sqlc's (their
+// text and the order of their arguments: internal/db's KeyClaim,
+// KeyTakeOver, KeyClaimCitus, KeyTakeOverCitus), queued here rather than
+// through the generated methods, so that a call reads its round trips in
+// this file (docs/development.md, the walk of a call).
 func (d *Driver) queueClaim(b *pgx.Batch, c driver.Claim, fp []byte, citus bool) {
-	ctx, q, k := context.Background(), queuer{b}, c.Key
+	k := c.Key
+	ttl := d.ttl.TTL(k.Operation)
 	switch {
 	case citus && c.TakeOver:
 		b.Queue(d.sqlClaimWait)
-		_, _ = queries.KeyTakeOverCitus(ctx, q, db.KeyTakeOverCitusParams{Actor: k.Actor, Operation: k.Operation,
-			IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttl.TTL(k.Operation)})
+		b.Queue(db.KeyTakeOverCitus, k.Actor, k.Operation, k.Key, fp, ttl)
 		b.Queue(sqlWaitDefault)
 	case citus:
 		b.Queue(d.sqlClaimWait)
-		_, _ = queries.KeyClaimCitus(ctx, q, db.KeyClaimCitusParams{Actor: k.Actor, Operation: k.Operation,
-			IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttl.TTL(k.Operation)})
+		b.Queue(db.KeyClaimCitus, k.Actor, k.Operation, k.Key, fp, ttl)
 		b.Queue(sqlWaitDefault)
 	case c.TakeOver:
-		_, _ = queries.KeyTakeOver(ctx, q, db.KeyTakeOverParams{Actor: k.Actor, Operation: k.Operation,
-			IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttl.TTL(k.Operation), LockTimeout: d.lockTimeout})
+		b.Queue(db.KeyTakeOver, k.Actor, k.Operation, k.Key, fp, ttl, d.lockTimeout)
 	default:
-		_, _ = queries.KeyClaim(ctx, q, db.KeyClaimParams{Actor: k.Actor, Operation: k.Operation,
-			IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttl.TTL(k.Operation), LockTimeout: d.lockTimeout})
+		b.Queue(db.KeyClaim, k.Actor, k.Operation, k.Key, fp, ttl, d.lockTimeout)
 	}
 }
 
@@ -245,7 +246,7 @@ func readClaim(br pgx.BatchResults, citus bool) (claimed bool, err error) {
 			return false, err
 		}
 	}
-	claimed, err = queries.KeyClaim(context.Background(), batchRead{br}, db.KeyClaimParams{})
+	err = br.QueryRow().Scan(&claimed)
 	if errors.Is(err, pgx.ErrNoRows) {
 		claimed, err = false, nil
 	}
@@ -261,18 +262,16 @@ func readClaim(br pgx.BatchResults, citus bool) (claimed bool, err error) {
 func (s *span) Complete(ctx context.Context, out driver.Outcome) error {
 	b := s.reset()
 	k, r := out.Key, out.Reply
-	_ = queries.KeyComplete(context.Background(), queuer{b}, db.KeyCompleteParams{
-		Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key, Fingerprint: s.fp[:],
-		Status: out.Status, TtlMicros: s.d.ttl.TTL(k.Operation), ResponseStatus: r.Status,
-		ResponseHeaders: pgtype.Text{String: r.Headers, Valid: r.HasHeaders}, ResponseBody: r.Body,
-	})
+	// internal/db's KeyComplete, queued and read here (as queueClaim).
+	b.Queue(db.KeyComplete, k.Actor, k.Operation, k.Key, s.fp[:], out.Status, s.d.ttl.TTL(k.Operation),
+		r.Status, pgtype.Text{String: r.Headers, Valid: r.HasHeaders}, r.Body)
 	if s.conn == nil {
 		b.Queue(sqlRelease)
 	} else {
 		b.Queue("COMMIT")
 	}
 	br := s.tx.SendBatch(ctx, b)
-	err := queries.KeyComplete(context.Background(), batchRead{br}, db.KeyCompleteParams{})
+	_, err := br.Exec()
 	if err != nil {
 		err = fmt.Errorf("store response: %w", dberr.Interpret(err))
 	} else {
@@ -475,4 +474,13 @@ func HasCitus(ctx context.Context, q Querier) (bool, error) {
 	var citus bool
 	err := q.QueryRow(ctx, sqlHasCitus, pgx.QueryExecModeSimpleProtocol).Scan(&citus)
 	return citus, err
+}
+
+// closeBatch closes br and returns err, or the error of closing when err is
+// nil: the first error of the batch.
+func closeBatch(br pgx.BatchResults, err error) error {
+	if closeErr := br.Close(); err == nil {
+		err = closeErr
+	}
+	return err
 }
