@@ -25,6 +25,10 @@ type Harness[TTx, TDB any] struct {
 	Commit func(ctx context.Context, tx TTx) error
 	// Count runs a count(*) query on db, outside any call.
 	Count func(t *testing.T, db TDB, query string) int
+	// Nest gives tx as a handle that transactions are begun on (as
+	// savepoints of tx), when the database package has such handles (pgx:
+	// a pgx.Tx is a Beginner); nil when it has none (database/sql).
+	Nest func(tx TTx) TDB
 }
 
 // settings are the suite's: a day's TTL, a short wait.
@@ -47,6 +51,9 @@ var reply = driver.Reply{Status: 201, Headers: `{"Content-Type":["text/plain"]}`
 
 // Exercise runs the suite against h.
 func Exercise[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
+	exerciseErrors(t, h)
+	exerciseFnEnded(t, h)
+	exerciseExecutor(t, h)
 	t.Run("CheckDBAndNilTx", func(t *testing.T) {
 		d := h.New(settings)
 		var zeroDB TDB
