@@ -38,9 +38,15 @@ func (c *Client[TTx, TDB]) Do(ctx context.Context, tx TTx, scope Scope, key stri
 		return Result{}, errNilTx
 	}
 	ctx, cl := c.obs.begin(ctx, "do", c.spanDo, scope, key)
-	defer cl.endIfPanicking(ctx)
+	defer func() {
+		if !cl.ended {
+			cl.endIfPanicking(ctx)
+		}
+	}()
 	res, err := c.do(ctx, tx, scope, key, fp, fn, &cl)
-	err = c.preparedStatementsLost(err)
+	if err != nil {
+		err = c.preparedStatementsLost(err)
+	}
 	cl.end(ctx, res, err)
 	return res, err
 }
@@ -66,11 +72,25 @@ func (c *Client[TTx, TDB]) DoInTx(ctx context.Context, db TDB, scope Scope, key 
 		return Result{}, err
 	}
 	ctx, cl := c.obs.begin(ctx, "do_in_tx", c.spanDoInTx, scope, key)
-	defer cl.endIfPanicking(ctx)
+	defer func() {
+		if !cl.ended {
+			cl.endIfPanicking(ctx)
+		}
+	}()
 	res, err := c.coalesced(ctx, db, scope, key, fp, fn, &cl)
-	err = c.preparedStatementsLost(err)
+	if err != nil {
+		err = c.preparedStatementsLost(err)
+	}
 	cl.end(ctx, res, err)
 	return res, err
+}
+
+// checkDB refuses a database handle the driver cannot use.
+func (c *Client[TTx, TDB]) checkDB(db TDB, commits bool) error {
+	if err := c.drv.CheckDB(db, commits); err != nil {
+		return errorf("idem: %w: %w", ErrInvalidArgument, err)
+	}
+	return nil
 }
 
 // coalesced runs DoInTx for scope and key once per concurrent group of
@@ -225,6 +245,9 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 			cl.rejected = out.status == StatusRejected
 			// Round trip 2: store the outcome, and end.
 			err := s.Complete(ctx, driver.Outcome{Key: k, Fingerprint: fp, Status: string(out.status), Reply: out.reply})
+			if err == nil {
+				return out.result(), nil
+			}
 			switch {
 			case c.keyRowChanged(err):
 				err = ErrKeyRowChanged
@@ -242,10 +265,7 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 				// ended, after the completion ran (as failFn).
 				return Result{}, c.endedWithCtx(ctx, own, cl)
 			}
-			if err != nil {
-				return Result{}, c.fail(ctx, s, own, errorf("idem: %w", c.unsupportedIf(err)))
-			}
-			return out.result(), nil
+			return Result{}, c.fail(ctx, s, own, errorf("idem: %w", c.unsupportedIf(err)))
 		}
 
 		// Round trip 2: read the row that holds the key, and end.
@@ -326,14 +346,15 @@ func (c *Client[TTx, TDB]) claimError(err error, k driver.Key) error {
 func (c *Client[TTx, TDB]) runFn(ctx context.Context, s driver.Span[TTx], own bool, k driver.Key, fp Fingerprint,
 	fn func(ctx context.Context, tx TTx) (Response, error), cl *call) (outcome, error) {
 	panicked := true
+	start := time.Now() // fn's time, which the call's overhead leaves out
 	defer func() {
 		if panicked {
+			cl.fnTime += time.Since(start)
 			cl.panicErr = c.failFn(ctx, s, own, k, fp, errPanicked, cl)
 		}
 	}()
-	var resp Response
-	var err error
-	cl.timeFn(func() { resp, err = fn(ctx, s.Tx()) })
+	resp, err := fn(ctx, s.Tx())
+	cl.fnTime += time.Since(start)
 	panicked = false
 	return c.decide(resp, err)
 }

@@ -210,12 +210,6 @@ func (cl *call) api() string {
 	return "Do"
 }
 
-// timeFn runs f and adds its duration to the call's time in fn.
-func (cl *call) timeFn(f func()) {
-	start := time.Now()
-	defer func() { cl.fnTime += time.Since(start) }()
-	f()
-}
 
 // outcomeOf names the outcome of a call that returned res and err.
 func (o *observer) outcomeOf(res Result, err error, rejected bool) string {

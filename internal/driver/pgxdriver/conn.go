@@ -159,3 +159,11 @@ func (d *Driver) isCitus(ctx context.Context, st *connState, q Querier) (bool, e
 	st.learn(citus)
 	return citus, nil
 }
+
+// connCitus is state and isCitus for conn, in one call: DoInTx's claim
+// reads both before it sends anything.
+func (d *Driver) connCitus(ctx context.Context, conn *pgx.Conn) (*connState, bool, error) {
+	st := d.state(conn)
+	citus, err := d.isCitus(ctx, st, conn)
+	return st, citus, err
+}

@@ -114,8 +114,7 @@ func (s *span) Claim(ctx context.Context, c driver.Claim) (claimed, begun bool, 
 	s.fp = c.Fingerprint
 	b := s.reset()
 	if s.conn != nil {
-		st := s.d.state(s.conn)
-		citus, err := s.d.isCitus(ctx, st, s.conn)
+		st, citus, err := s.d.connCitus(ctx, s.conn)
 		if err != nil {
 			return false, false, fmt.Errorf("claim: %w", err)
 		}
