@@ -210,7 +210,6 @@ func (cl *call) api() string {
 	return "Do"
 }
 
-
 // outcomeOf names the outcome of a call that returned res and err.
 func (o *observer) outcomeOf(res Result, err error, rejected bool) string {
 	switch {
