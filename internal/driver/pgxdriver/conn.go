@@ -2,7 +2,6 @@ package pgxdriver
 
 import (
 	"context"
-	"errors"
 	"runtime"
 	"sync"
 	"weak"
@@ -76,31 +75,6 @@ func (d *Driver) claimState(st *connState, c driver.Claim) (citus, known, warm b
 	return citus, true, st.warm[d.claimForm(citus, c)]
 }
 
-// sent records that a claim batch of form was sent on st's connection and
-// ended with err. pgx keeps the statements of a batch that succeeded in its
-// cache, and drops every statement of a batch that failed, whatever failed
-// (a lock wait that ran out, a cancellation, SAVEPOINT or BEGIN): so the
-// form is warm exactly when its last batch succeeded. The claim's
-// statements go in claim batches only (see Driver.sqlClaimWait), so no
-// other batch's failure drops them. A batch refused because its
-// transaction was closed (pgx.ErrTxClosed) was never sent, on a connection
-// that may serve another call by now: it changes nothing. st is nil for a
-// pgx.Tx without a connection.
-func (st *connState) sent(form string, err error) {
-	if st == nil || !st.caches || errors.Is(err, pgx.ErrTxClosed) {
-		return
-	}
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	if warm := err == nil; warm != st.warm[form] {
-		if warm {
-			st.warm[form] = true
-		} else {
-			delete(st.warm, form)
-		}
-	}
-}
-
 // conns holds the state of every connection the driver has seen (of every
 // Client: what pgx caches is the connection's), by a weak pointer to its
 // pgconn.PgConn. An entry goes when its connection is garbage collected.
@@ -158,12 +132,4 @@ func (d *Driver) isCitus(ctx context.Context, st *connState, q Querier) (bool, e
 	d.citus.Store(st.db, citus)
 	st.learn(citus)
 	return citus, nil
-}
-
-// connCitus is state and isCitus for conn, in one call: DoInTx's claim
-// reads both before it sends anything.
-func (d *Driver) connCitus(ctx context.Context, conn *pgx.Conn) (*connState, bool, error) {
-	st := d.state(conn)
-	citus, err := d.isCitus(ctx, st, conn)
-	return st, citus, err
 }

@@ -179,6 +179,39 @@ func (s *span) sendClaim(ctx context.Context, q batchSender, st *connState, form
 	return claimed, true, claimError(err)
 }
 
+// connCitus is state and isCitus for conn, in one call: DoInTx's claim
+// reads both before it sends anything.
+func (d *Driver) connCitus(ctx context.Context, conn *pgx.Conn) (*connState, bool, error) {
+	st := d.state(conn)
+	citus, err := d.isCitus(ctx, st, conn)
+	return st, citus, err
+}
+
+// sent records that a claim batch of form was sent on st's connection and
+// ended with err. pgx keeps the statements of a batch that succeeded in its
+// cache, and drops every statement of a batch that failed, whatever failed
+// (a lock wait that ran out, a cancellation, SAVEPOINT or BEGIN): so the
+// form is warm exactly when its last batch succeeded. The claim's
+// statements go in claim batches only (see Driver.sqlClaimWait), so no
+// other batch's failure drops them. A batch refused because its
+// transaction was closed (pgx.ErrTxClosed) was never sent, on a connection
+// that may serve another call by now: it changes nothing. st is nil for a
+// pgx.Tx without a connection.
+func (st *connState) sent(form string, err error) {
+	if st == nil || !st.caches || errors.Is(err, pgx.ErrTxClosed) {
+		return
+	}
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if warm := err == nil; warm != st.warm[form] {
+		if warm {
+			st.warm[form] = true
+		} else {
+			delete(st.warm, form)
+		}
+	}
+}
+
 // claimForm names the claim batch of c (Driver.claimForms).
 func (d *Driver) claimForm(citus bool, c driver.Claim) string {
 	return d.claimForms[b2i(citus)][b2i(c.TakeOver)]
