@@ -69,7 +69,7 @@ func exerciseErrors[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 			if claimed, _, err := s.Claim(ctx, driver.Claim{Key: k, Fingerprint: fpA}); err != nil || !claimed {
 				t.Fatal(claimed, err)
 			}
-			if err := h.Exec(ctx, s.Tx(), `UPDATE idem_keys SET expires_at = expires_at + interval '1 second' WHERE idem_key = 'changed'`); err != nil {
+			if err := h.Exec(ctx, s.Tx(), `UPDATE idem_keys SET fingerprint = '\x00' WHERE actor = 'alice' AND idem_key = 'changed'`); err != nil {
 				t.Fatal(err)
 			}
 			err := s.Complete(ctx, driver.Outcome{Key: k, Fingerprint: fpA, Status: "succeeded", Reply: reply})
