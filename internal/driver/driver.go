@@ -137,7 +137,10 @@ type Span[TTx any] interface {
 	Tx() TTx
 	// Complete stores the outcome of the claimed key and ends the span
 	// (RELEASE, or COMMIT): on pgx one round trip, in which the end does
-	// not run when the completion fails.
+	// not run when the completion fails. Its errors, once interpreted:
+	// ErrKeyRowChanged when fn changed or deleted the claimed row (the span
+	// is still there to undo), ErrTxAborted when a statement of fn's had
+	// aborted the transaction; TxClosed is true when fn ended it.
 	Complete(ctx context.Context, out Outcome) error
 	// Read reads the committed row that holds k as an index lookup and
 	// ends the span without keeping anything of it (its planner setting,
