@@ -2,7 +2,6 @@ package core
 
 import (
 	"context"
-	"errors"
 	"time"
 
 	"github.com/pgidem/idem/internal/driver"
@@ -251,7 +250,7 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 			switch {
 			case c.keyRowChanged(err):
 				err = ErrKeyRowChanged
-			case errors.Is(err, driver.ErrTxAborted):
+			case c.fault(err, driver.ErrTxAborted):
 				// fn swallowed a failed statement and returned a response:
 				// its transaction cannot store it.
 				return Result{}, c.fail(ctx, s, own, errorf("idem: %w: %w", ErrTxAborted, err))
