@@ -8,6 +8,7 @@ import (
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem/internal/core"
+	"github.com/pgidem/idem/internal/driver/dberr"
 	"github.com/pgidem/idem/internal/driver/pgxdriver"
 )
 
@@ -37,7 +38,9 @@ const DistributionColumn = "actor"
 // Distribute makes idem_keys a Citus distributed table, sharded by actor
 // (DistributionColumn), and idem_audit, the operators' audit trail
 // (migration 00005), a distributed table sharded by actor co-located with
-// it, so that a change to a key and its audit row commit on one worker. The
+// it, so that a change to a key and its audit row commit on one worker;
+// and it creates idem's function idem_refuse (migration 00008) on every
+// worker, where the statements that raise idem's SQLSTATEs run. The
 // database of pool must be the Citus coordinator's. Run it after Migrate:
 // it distributes what is not distributed yet and does nothing to a table
 // distributed as it would do it, so running it again, or after a Migrate
@@ -99,6 +102,12 @@ func Distribute(ctx context.Context, pool *pgxpool.Pool) error {
 				return core.Errorf("idem: %w: idem_keys is a Citus table distributed by %q, not by %s",
 					ErrUnsupported, keys.column, DistributionColumn)
 			}
+			// idem_refuse (migration 00008) on every worker, where the
+			// statements that call it run: Citus creates a function there
+			// by itself only when its extension was there first.
+			if _, err := tx.Exec(ctx, sqlDistributeRefuse); err != nil {
+				return err
+			}
 			audit, err := distribution(ctx, tx, "idem_audit")
 			switch {
 			case err != nil || !audit.exists:
@@ -118,7 +127,7 @@ func Distribute(ctx context.Context, pool *pgxpool.Pool) error {
 		})
 	})
 	if err != nil {
-		return core.Errorf("idem: distribute: %w", core.UnsupportedIf(err))
+		return core.Errorf("idem: distribute: %w", core.UnsupportedIf(dberr.Interpret(err)))
 	}
 	return nil
 }
@@ -159,6 +168,10 @@ const (
 		FROM to_regclass($1) r LEFT JOIN pg_dist_partition p ON p.logicalrelid = r`
 	sqlDistribute      = "SELECT create_distributed_table('idem_keys', '" + DistributionColumn + "')"
 	sqlDistributeAudit = "SELECT create_distributed_table('idem_audit', '" + DistributionColumn + "', colocate_with => 'idem_keys')"
+	// idem_refuse on the workers (and on workers added later), when the
+	// database has it (migrated to 00008).
+	sqlDistributeRefuse = "SELECT create_distributed_function('idem_refuse(text,text)') " +
+		"WHERE to_regprocedure('idem_refuse(text,text)') IS NOT NULL"
 )
 
 // errWorker is the error of a call made on a Citus worker.

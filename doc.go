@@ -55,16 +55,16 @@
 //	          (sqlc, generated twice from queries/)
 //
 // Following its ctx, a call of DoInTx or Do passes through three files:
-// idem.go, internal/core/call.go (the call loop, its retries and its
-// observation) and internal/driver/pgxdriver/span.go (each round trip);
-// Reserve and ReserveWith through reserve.go, call.go and
-// pgxdriver/executor.go. On the way, DoInTx and Do call helpers that take no
-// ctx: in internal/core, validate.go (the key and the scope), response.go (a
-// response as it is stored), errors.go (the errors a call returns, with
-// internal/driver/errors.go classifying the database's) and, for DoInTx,
-// client.go (the handle) and flight.go (concurrent duplicates coalesced); in
-// pgxdriver, driver.go (the handle and the transaction) and batch.go
-// (statements queued in a batch and read back); and the queries sqlc
+// idem.go, internal/core/call.go (the call loop and its retries) and
+// internal/driver/pgxdriver/span.go (each round trip, its statements queued
+// and read there); Reserve and ReserveWith through internal/core/reserve.go
+// and pgxdriver/executor.go. On the way, DoInTx calls helpers that take no
+// ctx: in internal/core, validate.go (the key and the scope), observe.go
+// (the call's span, metrics and log record), flight.go (concurrent
+// duplicates coalesced) and response.go (a response as it is stored); in
+// pgxdriver, driver.go (the handle). A failing call also reads
+// internal/core/errors.go and fnended.go, and convert.go here
+// (docs/development.md walks a call file by file). The statements are sqlc's,
 // generated in internal/db. The public types (Scope, Response, Result,
 // Record, Reservation, Config, the errors, ...) are defined here, with the
 // fields of internal/core's own, and convert.go carries values across at no

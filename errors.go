@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/pgidem/idem/internal/core"
+	"github.com/pgidem/idem/internal/driver/dberr"
 )
 
 // Errors returned by Do and its relatives. Check them with errors.Is; the
@@ -178,4 +179,6 @@ func Reject(resp Response) error { return core.Reject(core.Response(resp)) }
 // net.Error of another service's client is Unavailable too. Wrap such
 // errors in an error of your own that does not unwrap to them when they
 // are not the database's.
-func Unavailable(err error) bool { return errors.Is(err, ErrUnavailable) || core.Unavailable(err) }
+func Unavailable(err error) bool {
+	return errors.Is(err, ErrUnavailable) || errors.Is(err, core.ErrUnavailable) || dberr.Unavailable(err)
+}

@@ -131,7 +131,10 @@ func DoInTx(ctx context.Context, db Beginner, scope Scope, key string, fp Finger
 func (c *Client) DoInTx(ctx context.Context, db Beginner, scope Scope, key string, fp Fingerprint,
 	fn func(ctx context.Context, tx pgx.Tx) (Response, error)) (Result, error) {
 	res, err := c.c.DoInTx(ctx, db, core.Scope(scope), key, core.Fingerprint(fp), coreFn(fn))
-	return result(res), publicErr(err)
+	if err != nil {
+		return result(res), publicErr(err)
+	}
+	return Result{Response: Response(res.Response), Replayed: res.Replayed}, nil
 }
 
 // coreFn is fn as the protocol calls it: the same function, with the

@@ -230,6 +230,11 @@ func TestMigrateDownKeepsWindows(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	for appliedVersion(t, pool) > 6 { // the later migrations revert without a refusal
+		if _, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{}); err != nil {
+			t.Fatal(err)
+		}
+	}
 	if v := appliedVersion(t, pool); v != 6 {
 		t.Fatalf("applied version %d, want 6", v)
 	}
@@ -257,5 +262,40 @@ func TestMigrateDownKeepsWindows(t *testing.T) {
 	}
 	if rec, err := c.Lookup(ctx, pool, payScope, "done"); err != nil || rec.Status != idem.StatusSucceeded {
 		t.Fatalf("the finished record: %+v, %v", rec, err)
+	}
+}
+
+// Migration 00008 adds idem_refuse, through which the completion refuses
+// with idem's own SQLSTATE. Reverted, it is gone: a call of version 8's
+// code fails with ErrUnsupported naming it, stores nothing and leaves the
+// service's writes undone; migrated again, the same call runs.
+func TestMigrateDownFrom8(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t, idem.Migrate)
+	if v, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{}); err != nil || v != 8 {
+		t.Fatalf("MigrateDown: %d, %v", v, err)
+	}
+	if _, err := pool.Exec(ctx, `CREATE TABLE charges (id text)`); err != nil {
+		t.Fatal(err)
+	}
+	charge := func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+		_, err := tx.Exec(ctx, `INSERT INTO charges VALUES ('c1')`)
+		return idem.Response{Status: 201}, err
+	}
+	_, err := idem.DoInTx(ctx, pool, payScope, "k8", fpA, charge)
+	if !errors.Is(err, idem.ErrUnsupported) || !strings.Contains(err.Error(), "idem_refuse") {
+		t.Fatalf("DoInTx at version 7: %v, want ErrUnsupported naming idem_refuse", err)
+	}
+	var keys, charges int
+	if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM idem_keys), (SELECT count(*) FROM charges)`).Scan(&keys, &charges); err != nil ||
+		keys != 0 || charges != 0 {
+		t.Fatalf("after the refusal: %d keys, %d charges, %v", keys, charges, err)
+	}
+	if err := idem.Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	if res, err := idem.DoInTx(ctx, pool, payScope, "k8", fpA, charge); err != nil || res.Status != 201 {
+		t.Fatalf("DoInTx at version 8: %+v, %v", res, err)
 	}
 }

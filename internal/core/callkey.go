@@ -3,10 +3,10 @@ package core
 import (
 	"crypto/sha256"
 	"encoding/binary"
+	"encoding/hex"
+	"strings"
 	"unicode"
 	"unicode/utf8"
-
-	"github.com/google/uuid"
 )
 
 // The call keys of a reservation's outgoing calls (see idem.WithCallKey for
@@ -46,7 +46,7 @@ const MaxStepLength = 255
 
 // callKeySpace is the UUID namespace of derived call keys. It is part of
 // the derivation: changing it changes every derived key.
-var callKeySpace = uuid.MustParse("249c946d-56e2-43ff-a5b0-cabd9168bf49")
+var callKeySpace = mustUUID("249c946d-56e2-43ff-a5b0-cabd9168bf49")
 
 // callKeyLabel separates this derivation (its version) from any other
 // hash of the same parts.
@@ -75,7 +75,39 @@ func deriveCallKey(scope Scope, key, step string) string {
 		data = binary.AppendUvarint(data, uint64(len(p)))
 		data = append(data, p...)
 	}
-	return uuid.NewHash(sha256.New(), callKeySpace, data, 8).String()
+	return hashUUID(callKeySpace, data)
+}
+
+// hashUUID is the name-based UUID of data in namespace space, version 8
+// (RFC 9562), from SHA-256 (as github.com/google/uuid's NewHash with
+// version 8 makes it; written here because that package imports
+// database/sql/driver, and the core imports no database package:
+// TestHashUUIDIsGoogleUUIDs).
+func hashUUID(space [16]byte, data []byte) string {
+	h := sha256.New()
+	h.Write(space[:])
+	h.Write(data)
+	var u [16]byte
+	copy(u[:], h.Sum(nil))
+	u[6] = u[6]&0x0f | 8<<4 // version 8
+	u[8] = u[8]&0x3f | 0x80 // the RFC's variant
+	var b [36]byte
+	hex.Encode(b[0:8], u[0:4])
+	hex.Encode(b[9:13], u[4:6])
+	hex.Encode(b[14:18], u[6:8])
+	hex.Encode(b[19:23], u[8:10])
+	hex.Encode(b[24:36], u[10:16])
+	b[8], b[13], b[18], b[23] = '-', '-', '-', '-'
+	return string(b[:])
+}
+
+// mustUUID parses a UUID written with hyphens.
+func mustUUID(s string) [16]byte {
+	var u [16]byte
+	if n, err := hex.Decode(u[:], []byte(strings.ReplaceAll(s, "-", ""))); err != nil || n != 16 {
+		panic("idem: bad UUID " + s)
+	}
+	return u
 }
 
 // validStep reports whether step can name a call: 1 to MaxStepLength

@@ -171,16 +171,9 @@ func New[TTx, TDB any](cfg Config, name string, newDriver func(driver.Settings) 
 		LockTimeout:    fmt.Sprintf("%dms", wait.Milliseconds()),
 		IsolationLevel: string(cfg.IsolationLevel),
 	})
+	c.obs.interpret = c.drv.Interpret
 	return c, nil
 }
 
 // Config returns the client's configuration with defaults filled in.
 func (c *Client[TTx, TDB]) Config() Config { return c.cfg }
-
-// checkDB refuses a database handle the driver cannot use.
-func (c *Client[TTx, TDB]) checkDB(db TDB, commits bool) error {
-	if err := c.drv.CheckDB(db, commits); err != nil {
-		return errorf("idem: %w: %w", ErrInvalidArgument, err)
-	}
-	return nil
-}

@@ -20,13 +20,16 @@
 //	             │                      │
 //	queries   internal/db              internal/dbsql             sqlc, from queries/
 //
-// Files: call.go (Do, DoInTx, InTx: the loop; and the reservation mode:
-// Reserve and ReserveWith, which judge decides for like Do and which
-// resumes inside a window, Complete, FailRetryable, MarkUnknown,
-// Heartbeat), operate.go (the operators' calls: ExpireLeases, ListUnknown
-// and ListResumable, Resolve, Lookup, Forget, Prune, ReadStats),
-// callkey.go, inbox.go, json.go (typed replay), response.go (what can be
-// stored, and replayed), validate.go, flight.go (coalescing DoInTx in a
-// process), observe.go, errors.go, types.go (the public types, which
-// package idem names), client.go (Config, New).
+// Files, by concern: call.go (Do and DoInTx: the call loop, its retries,
+// judge), fnended.go (fn that ends its own transaction), intx.go (InTx),
+// reserve.go (the reservation mode: Reserve and ReserveWith, which judge
+// decides for like Do and which resumes inside a window, Complete,
+// FailRetryable, MarkUnknown, Heartbeat), observe.go (how a call is
+// observed: its span, metrics and log record), operate.go (the operators'
+// calls: ExpireLeases, ListUnknown and ListResumable, Resolve, Lookup,
+// Forget, Prune, ReadStats), callkey.go, inbox.go, json.go (typed replay),
+// response.go (what can be stored, and replayed), validate.go, flight.go
+// (coalescing DoInTx in a process), errors.go (and what the core tells
+// apart in a database's errors, in the driver's terms), types.go (the
+// public types, which package idem names), client.go (Config, New).
 package core

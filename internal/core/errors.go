@@ -198,21 +198,21 @@ func RejectedResponse(err error) (Response, bool) {
 // idem.Reject).
 func Reject(resp Response) error { return &rejection{resp: resp} }
 
-// Unavailable reports whether err means the database could not serve the
-// request (see idem.Unavailable, the one classification of idem and its
-// adapters).
-func Unavailable(err error) bool {
-	return err != nil && (errors.Is(err, ErrUnavailable) || driver.Unavailable(err))
+// fault reports whether err shows f, in the driver's terms: the driver
+// translates the database's error (Driver.Interpret), and the core reads
+// nothing of it but the driver package's faults.
+func (c *Client[TTx, TDB]) fault(err error, f driver.Fault) bool {
+	return err != nil && errors.Is(c.drv.Interpret(err), f)
 }
 
-// isUnavailable is Unavailable without the ErrUnavailable check.
-func isUnavailable(err error) bool { return driver.Unavailable(err) }
+// isUnavailable reports whether err says the database could not serve
+// (driver.ErrUnavailable: the connection, the pool, the server).
+func (c *Client[TTx, TDB]) isUnavailable(err error) bool { return c.fault(err, driver.ErrUnavailable) }
 
-// serverSaidUnavailable reports whether err holds a server error (of either
-// driver) that says it cannot serve now.
-func serverSaidUnavailable(err error) bool {
-	code := driver.SQLState(err)
-	return code != "" && driver.ServerUnavailable(code)
+// serverSaidUnavailable reports whether err holds a server error that says
+// it cannot serve now.
+func (c *Client[TTx, TDB]) serverSaidUnavailable(err error) bool {
+	return c.fault(err, driver.ErrServerUnavailable)
 }
 
 // unavailableIf wraps err with ErrUnavailable when lost is true.
@@ -225,44 +225,56 @@ func unavailableIf(lost bool, err error) error {
 
 // isRetryable reports whether err is a serialization failure or a deadlock,
 // after which the whole transaction may be run again.
-func isRetryable(err error) bool {
-	return driver.Retryable(err)
+func (c *Client[TTx, TDB]) isRetryable(err error) bool { return c.fault(err, driver.ErrRetryable) }
+
+// lockNotAvailable reports whether err is a wait for a lock that ran out.
+func (c *Client[TTx, TDB]) lockNotAvailable(err error) bool {
+	return c.fault(err, driver.ErrLockNotAvailable)
 }
 
 // preparedStatementsLost returns err wrapped with ErrPreparedStatements and
-// the fix (fix adds the driver's words for it) when it is pgx's cached
-// prepared statement missing (26000) or already there (42P05) on the server
-// connection: what a transaction pooler without prepared-statement support
-// does to pgx's default exec mode.
-func preparedStatementsLost(err error, fix string) error {
-	if err == nil { // first: the PgError below escapes to the heap
-		return nil
-	}
-	if errors.Is(err, ErrPreparedStatements) || !driver.PreparedStatementsLost(err) {
+// the fix (the driver adds its words for it) when it is pgx's cached
+// prepared statement missing or already there on the server connection:
+// what a transaction pooler without prepared-statement support does to
+// pgx's default exec mode.
+func (c *Client[TTx, TDB]) preparedStatementsLost(err error) error {
+	if err == nil || errors.Is(err, ErrPreparedStatements) || !c.fault(err, driver.ErrPreparedStatementsLost) {
 		return err
 	}
 	return errorf("idem: %w (a transaction pooler such as PgBouncer in transaction mode?): "+
 		"set the pool's DefaultQueryExecMode to pgx.QueryExecModeExec, QueryExecModeCacheDescribe or "+
-		"QueryExecModeSimpleProtocol, or run PgBouncer 1.21 or newer with max_prepared_statements > 0"+fix+": %w",
-		ErrPreparedStatements, err)
+		"QueryExecModeSimpleProtocol, or run PgBouncer 1.21 or newer with max_prepared_statements > 0"+
+		c.drv.PreparedStatementsFix()+": %w", ErrPreparedStatements, err)
 }
 
-// unsupportedIf wraps err with ErrUnsupported when the server refused one
-// of idem's statements as a feature it does not support (0A000: Citus
-// refuses statements it cannot distribute that way), or when the token
-// sequence is missing: the connection is to a Citus worker, where idem's
-// sequence does not exist (only the coordinator's tables are distributed).
-// Use it only on errors of idem's own statements, never on fn's.
-func unsupportedIf(err error) error {
-	if err == nil || errors.Is(err, ErrUnsupported) {
-		return err
+// unsupportedIf is UnsupportedIf for an error of one of idem's statements
+// as the driver gave it.
+func (c *Client[TTx, TDB]) unsupportedIf(err error) error {
+	if err == nil {
+		return nil
 	}
-	switch driver.UnsupportedOf(err) {
-	case driver.FeatureNotSupported:
+	return unsupportedIf(c.drv.Interpret(err))
+}
+
+// unsupportedIf wraps err, an error in the driver's terms
+// (Driver.Interpret), with ErrUnsupported when the server refused one of
+// idem's statements as a feature it does not support (Citus refuses
+// statements it cannot distribute that way), or when the token sequence is
+// missing: the connection is to a Citus worker, where idem's sequence does
+// not exist (only the coordinator's tables are distributed). Use it only
+// on errors of idem's own statements, never on fn's.
+func unsupportedIf(err error) error {
+	switch {
+	case err == nil || errors.Is(err, ErrUnsupported):
+		return err
+	case errors.Is(err, driver.ErrFeatureNotSupported):
 		return errorf("idem: %w: %w", ErrUnsupported, err)
-	case driver.NoTokenSequence:
+	case errors.Is(err, driver.ErrNoTokenSequence):
 		return errorf("idem: %w (on Citus, connect to the coordinator; otherwise run idem.Migrate): %w", ErrUnsupported, err)
-	case driver.NoLockTimeoutSetting:
+	case errors.Is(err, driver.ErrNoRefusal):
+		return errorf("idem: %w (idem's function idem_refuse is missing: run idem.Migrate; on Citus, run Distribute "+
+			"again, which creates it on the workers): %w", ErrUnsupported, err)
+	case errors.Is(err, driver.ErrNoLockTimeoutSetting):
 		// PostgreSQL's claim run on Citus's worker, where the setting it
 		// saves the caller's lock_timeout in is not known: package idemsql
 		// cannot tell a Citus coordinator by itself.
@@ -272,7 +284,7 @@ func unsupportedIf(err error) error {
 }
 
 // UnsupportedIf is unsupportedIf, for the Citus setup calls of package idem
-// (Distribute, Migrate).
+// (Distribute, Migrate), on an error in the driver's terms.
 func UnsupportedIf(err error) error { return unsupportedIf(err) }
 
 // Errorf is errorf, for the calls of the fronts that are not the protocol's
@@ -280,23 +292,21 @@ func UnsupportedIf(err error) error { return unsupportedIf(err) }
 func Errorf(format string, args ...any) error { return errorf(format, args...) }
 
 // keyRowChanged reports whether err is the completion's refusal to store an
-// outcome because fn changed the claimed row (KeyComplete raises it as a
-// failed cast of its message to integer, SQLSTATE 22P02).
-func keyRowChanged(err error) bool {
-	return driver.KeyRowChanged(err)
+// outcome because fn changed the claimed row.
+func (c *Client[TTx, TDB]) keyRowChanged(err error) bool {
+	return c.fault(err, driver.ErrKeyRowChanged)
 }
 
 // txUnusable returns err wrapped with ErrInvalidArgument when it says that
 // the caller's transaction could not run the call: it was closed
-// (committed or rolled back: closed reports it in the driver's terms) or is
-// aborted (a statement failed in it).
-func txUnusable(err error, closed func(error) bool) error {
+// (committed or rolled back) or is aborted (a statement failed in it).
+func (c *Client[TTx, TDB]) txUnusable(err error) error {
 	switch {
 	case err == nil || errors.Is(err, ErrInvalidArgument):
 		return err
-	case closed(err):
+	case c.drv.TxClosed(err):
 		return errorf("idem: %w: the transaction is closed (committed or rolled back): %w", ErrInvalidArgument, err)
-	case driver.InFailedTx(err):
+	case c.fault(err, driver.ErrTxAborted):
 		return errorf("idem: %w: the transaction is aborted (a statement failed in it; roll it back): %w", ErrInvalidArgument, err)
 	}
 	return err

@@ -1,21 +1,26 @@
 package core
 
 import (
+	"context"
+	"errors"
 	"log/slog"
 	"sync"
+	"time"
 
 	"go.opentelemetry.io/otel"
 	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/codes"
 	"go.opentelemetry.io/otel/metric"
 	"go.opentelemetry.io/otel/trace"
 
+	"github.com/pgidem/idem/internal/driver"
 	"github.com/pgidem/idem/internal/loghash"
 )
 
 // Metrics, logs and spans: the instruments of a Client. Every call of Do,
 // DoInTx, Reserve and the reservation and maintenance calls ends in one
-// place (a call's end method, or count for the maintenance calls, in
-// call.go beside the calls they observe), which turns its result into one
+// place (a call's end method, or count for the maintenance calls, below),
+// which turns its result into one
 // counter, the histograms, one log record and the span's outcome.
 //
 // Metric names follow seed 003's: idem.<step>.<outcome>, one counter per
@@ -42,18 +47,27 @@ const (
 // OpenTelemetry no-op, a call costs one map lookup (under a read lock) and a
 // few no-op calls.
 type observer struct {
-	log      *slog.Logger // nil: silent
-	hash     *loghash.Hasher
-	tracer   trace.Tracer // nil: no spans
-	counters map[string]metric.Int64Counter
-	wait     metric.Float64Histogram
-	overhead metric.Float64Histogram
+	log    *slog.Logger // nil: silent
+	hash   *loghash.Hasher
+	tracer trace.Tracer // nil: no spans
+	// interpret is the driver's Interpret, for outcomes of calls that
+	// failed with a database's error (nil: none read).
+	interpret func(error) error
+	counters  map[string]metric.Int64Counter
+	wait      metric.Float64Histogram
+	overhead  metric.Float64Histogram
 
 	mu    sync.RWMutex
 	cache map[measureKey]measures // per call, operation and outcome, built once
 }
 
 type measureKey struct{ call, operation, outcome string }
+
+// unavailable reports whether err means the database could not serve:
+// ErrUnavailable, or a database's error that the driver says is one.
+func (o *observer) unavailable(err error) bool {
+	return errors.Is(err, ErrUnavailable) || o.interpret != nil && errors.Is(o.interpret(err), driver.ErrUnavailable)
+}
 
 // counterNames lists every counter, by the name a call's count uses.
 var counterNames = map[string]string{
@@ -157,3 +171,149 @@ func (o *observer) measuresOf(callName, operation, outcome string) measures {
 // application's code, but a service that builds them from input must not
 // grow memory without bound.
 const maxAttrSets = 4096
+
+// How a call is observed: begin starts its clock and span, end turns its
+// result into a counter, the histograms, a log record and the span's
+// outcome.
+
+// call is one observed call in progress.
+type call struct {
+	o        *observer
+	name     string // do, do_in_tx, reserve, ...
+	scope    Scope
+	key      string
+	start    time.Time
+	fnTime   time.Duration // time spent in fn
+	rejected bool          // the stored outcome is a refusal made by this call
+	panicErr error         // what the call would have returned, had fn returned its panic as an error
+	ended    bool
+	span     trace.Span // nil without a TracerProvider
+}
+
+// begin starts observing a call: its clock and, with a TracerProvider, its
+// span (named idem.<Name>, for example idem.DoInTx).
+func (o *observer) begin(ctx context.Context, name, spanName string, scope Scope, key string) (context.Context, call) {
+	cl := call{o: o, name: name, scope: scope, key: key, start: time.Now()}
+	if o.tracer != nil {
+		ctx, cl.span = o.tracer.Start(ctx, spanName, trace.WithSpanKind(trace.SpanKindInternal),
+			trace.WithAttributes(attribute.String("idem.operation", scope.Operation)))
+	}
+	return ctx, cl
+}
+
+// api names the public call observed: Do, or DoInTx (which runs Do on a
+// caller's transaction).
+func (cl *call) api() string {
+	if cl.name == "do_in_tx" {
+		return "DoInTx"
+	}
+	return "Do"
+}
+
+// outcomeOf names the outcome of a call that returned res and err.
+func (o *observer) outcomeOf(res Result, err error, rejected bool) string {
+	switch {
+	case err == nil && res.Replayed:
+		return outcomeReplay
+	case err == nil && rejected:
+		return outcomeRejected
+	case err == nil:
+		return outcomeCreated
+	case errors.Is(err, ErrInProgress):
+		return outcomeInProgress
+	case errors.Is(err, ErrKeyReused):
+		return outcomeKeyMisuse
+	case errors.Is(err, ErrOutcomeUnknown):
+		return outcomeUnknown
+	case errors.Is(err, ErrFenced):
+		return outcomeFenced
+	case o.unavailable(err):
+		return outcomeStoreError
+	default:
+		return outcomeFailed
+	}
+}
+
+// end records the call's outcome: its counter, the histograms, a log
+// record and the span.
+func (cl *call) end(ctx context.Context, res Result, err error) {
+	cl.ended = true
+	o := cl.o
+	outcome := o.outcomeOf(res, err, cl.rejected)
+	elapsed := time.Since(cl.start)
+	m := o.measuresOf(cl.name, cl.scope.Operation, outcome)
+	m.counter.Add(ctx, 1, m.add...)
+	withOutcome := m.record
+	switch outcome {
+	case outcomeReplay, outcomeInProgress:
+		o.wait.Record(ctx, elapsed.Seconds(), withOutcome...)
+	}
+	o.overhead.Record(ctx, (elapsed - cl.fnTime).Seconds(), withOutcome...)
+	if cl.span != nil {
+		cl.span.SetAttributes(attribute.String("idem.outcome", outcome))
+		if outcome == outcomeStoreError || outcome == outcomeFailed {
+			cl.span.RecordError(err)
+			cl.span.SetStatus(codes.Error, outcome)
+		}
+		cl.span.End()
+	}
+	if o.log == nil {
+		return
+	}
+	level, msg := slog.LevelDebug, ""
+	switch outcome {
+	case outcomeReplay:
+		level, msg = slog.LevelInfo, "idem: replayed a stored outcome"
+	case outcomeInProgress:
+		level, msg = slog.LevelInfo, "idem: refused, the key is in progress"
+	case outcomeKeyMisuse:
+		level, msg = slog.LevelWarn, "idem: refused, the key was used for a different request"
+	case outcomeUnknown:
+		level, msg = slog.LevelWarn, "idem: refused, the key's outcome is unknown; reconcile it"
+	case outcomeFenced:
+		level, msg = slog.LevelWarn, "idem: refused, the reservation no longer owns its key"
+	case outcomeStoreError:
+		level, msg = slog.LevelError, "idem: the store is unavailable"
+	case outcomeFailed:
+		level, msg = slog.LevelDebug, "idem: the call failed; nothing was stored"
+	default:
+		level, msg = slog.LevelDebug, "idem: stored a new outcome"
+	}
+	if !o.log.Enabled(ctx, level) {
+		return
+	}
+	attrs := []slog.Attr{
+		slog.String("call", cl.name),
+		slog.String("operation", cl.scope.Operation),
+		slog.String("key_hash", o.hash.Sum(cl.key)),
+		slog.String("actor_hash", o.hash.Sum(cl.scope.Actor)),
+		slog.String("outcome", outcome),
+		slog.Duration("duration", elapsed),
+	}
+	if err != nil && (outcome == outcomeStoreError || outcome == outcomeFailed) {
+		attrs = append(attrs, slog.String("error", err.Error()))
+	}
+	o.log.LogAttrs(ctx, level, msg, attrs...)
+}
+
+// endIfPanicking records a call that did not end as failed: deferred, it
+// runs when fn panicked, and the panic goes on.
+func (cl *call) endIfPanicking(ctx context.Context) {
+	if !cl.ended {
+		err := cl.panicErr
+		if err == nil {
+			err = errPanicked
+		}
+		cl.end(ctx, Result{}, err)
+	}
+}
+
+var errPanicked = errors.New("idem: fn panicked")
+
+// count adds n to the counter of a maintenance or reservation event.
+func (o *observer) count(ctx context.Context, event, callName, operation string, n int64) {
+	if n != 0 {
+		m := o.measuresOf(callName, operation, event)
+		m.counter.Add(ctx, n, m.add...)
+	}
+}

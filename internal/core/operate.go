@@ -27,7 +27,7 @@ func (c *Client[TTx, TDB]) ExpireLeases(ctx context.Context, db TDB, limit int) 
 		return err
 	})
 	if err != nil {
-		err = errorf("idem: expire leases: %w", unsupportedIf(err))
+		err = errorf("idem: expire leases: %w", c.unsupportedIf(err))
 		c.countEnd(ctx, "expire_leases", Scope{}, err, "")
 		return 0, err
 	}
@@ -70,7 +70,7 @@ func (c *Client[TTx, TDB]) list(ctx context.Context, db TDB, limit int, after *R
 		return err
 	})
 	if err != nil {
-		return nil, errorf("idem: %s: %w", call, unsupportedIf(err))
+		return nil, errorf("idem: %s: %w", call, c.unsupportedIf(err))
 	}
 	records := make([]Record, 0, len(rows))
 	for _, row := range rows {
@@ -128,7 +128,7 @@ func (c *Client[TTx, TDB]) Resolve(ctx context.Context, db TDB, scope Scope, key
 		return err
 	})
 	if err != nil && !errors.Is(err, ErrNotFound) && !errors.Is(err, ErrNotResolvable) && !errors.Is(err, ErrFenced) {
-		err = errorf("idem: resolve: %w", unsupportedIf(err))
+		err = errorf("idem: resolve: %w", c.unsupportedIf(err))
 	}
 	if err != nil {
 		c.obs.count(ctx, "reconcile_failed", "resolve", scope.Operation, 1)
@@ -184,7 +184,7 @@ func (c *Client[TTx, TDB]) Lookup(ctx context.Context, db TDB, scope Scope, key 
 	case errors.Is(err, ErrNotFound):
 		return Record{}, err
 	case err != nil:
-		return Record{}, errorf("idem: lookup: %w", unsupportedIf(err))
+		return Record{}, errorf("idem: lookup: %w", c.unsupportedIf(err))
 	}
 	return rec, nil
 }
@@ -203,7 +203,7 @@ func (c *Client[TTx, TDB]) Forget(ctx context.Context, db TDB, scope Scope, key 
 		switch {
 		case errors.Is(err, driver.ErrNoRows):
 			return ErrNotFound
-		case driver.LockNotAvailable(err):
+		case c.lockNotAvailable(err):
 			return c.inProgress()
 		case err != nil:
 			return err
@@ -217,7 +217,7 @@ func (c *Client[TTx, TDB]) Forget(ctx context.Context, db TDB, scope Scope, key 
 	case errors.Is(err, ErrNotFound), errors.Is(err, ErrInProgress), errors.Is(err, ErrOutcomeUnknown):
 		return err
 	case err != nil:
-		return errorf("idem: forget: %w", unsupportedIf(err))
+		return errorf("idem: forget: %w", c.unsupportedIf(err))
 	}
 	return nil
 }
@@ -261,7 +261,7 @@ func (c *Client[TTx, TDB]) Prune(ctx context.Context, db TDB, opts PruneOptions)
 			return err
 		})
 		if err != nil {
-			return 0, errorf("idem: prune: %w", unsupportedIf(err))
+			return 0, errorf("idem: prune: %w", c.unsupportedIf(err))
 		}
 		return n, nil
 	}
@@ -276,7 +276,7 @@ func (c *Client[TTx, TDB]) Prune(ctx context.Context, db TDB, opts PruneOptions)
 			return err
 		})
 		if err != nil {
-			return total, errorf("idem: prune: %w", unsupportedIf(err))
+			return total, errorf("idem: prune: %w", c.unsupportedIf(err))
 		}
 		total += n
 		c.obs.count(ctx, "ttl_pruned", "prune", "", n)
@@ -331,7 +331,7 @@ func (c *Client[TTx, TDB]) ReadStats(ctx context.Context, db TDB) (Stats, error)
 		return err
 	})
 	if err != nil {
-		return Stats{}, errorf("idem: stats: %w", unsupportedIf(err))
+		return Stats{}, errorf("idem: stats: %w", c.unsupportedIf(err))
 	}
 	return st, nil
 }

@@ -13,7 +13,7 @@ import (
 
 const KeyAbortIfClaimed = `-- name: KeyAbortIfClaimed :one
 SELECT CASE WHEN count(*) = 0 THEN 0
-            ELSE ('idem: fn released its claim into the enclosing transaction (' || count(*) || ')')::integer
+            ELSE idem_refuse('IDMCR', 'fn released its claim into the enclosing transaction (' || count(*) || ')')
        END::integer AS claimed
 FROM idem_keys
 WHERE actor = $1 AND operation = $2 AND idem_key = $3
@@ -33,8 +33,8 @@ type KeyAbortIfClaimedParams struct {
 // Begin on a pgx.Tx: its Commit is RELEASE SAVEPOINT, which also releases
 // Do's own savepoint and keeps the claim and fn's writes in the enclosing
 // transaction). When the claim is there ('processing', no token, no lease,
-// the claim's fingerprint), the statement fails (a cast of its message to
-// integer, as in KeyComplete), which aborts the enclosing transaction: it
+// the claim's fingerprint), the statement fails (idem_refuse, SQLSTATE
+// IDMCR, as in KeyComplete), which aborts the enclosing transaction: it
 // cannot commit the claim without an outcome. Otherwise (fn rolled back to
 // its savepoint, and the claim with it) it returns 0 and changes nothing.
 func (q *Queries) KeyAbortIfClaimed(ctx context.Context, db DBTX, arg KeyAbortIfClaimedParams) (int32, error) {
@@ -162,7 +162,7 @@ WITH stored AS (
     RETURNING k.token
 )
 SELECT CASE WHEN min(token) = 0 THEN 1
-            ELSE ('idem_keys row changed under fn (' || count(*) || ')')::integer
+            ELSE idem_refuse('IDMRC', 'idem_keys row changed under fn (' || count(*) || ')')
        END::integer AS stored
 FROM stored
 `
@@ -182,8 +182,8 @@ type KeyCompleteParams struct {
 // Stores the final outcome of a key this transaction claimed, and fails
 // when the claimed row is not there as the claim left it: fn changed it
 // (its status, fingerprint, token, lease or expiry) or deleted it. The
-// failure is an error of this very statement (a cast of the message to
-// integer), so that nothing sent after it in the same round trip runs: not
+// failure is an error of this very statement (idem_refuse, SQLSTATE IDMRC,
+// migration 8), so that nothing sent after it in the same round trip runs: not
 // the COMMIT of DoInTx, not the RELEASE of Do's savepoint. The call then
 // undoes fn's writes and the claim (ErrKeyRowChanged).
 //

@@ -16,7 +16,10 @@
 //
 // Errors come back as the database package gave them (ErrNoRows for a row
 // that is not there), labelled with the step that failed ("claim: ...",
-// "commit: ...") and never with "idem: ", which the core adds once.
+// "commit: ...") and never with "idem: ", which the core adds once. What
+// the core tells apart in them it asks the driver (Interpret), in this
+// package's terms (errors.go): the core imports no database package and
+// reads no SQLSTATE and no message text.
 package driver
 
 import (
@@ -73,6 +76,12 @@ type Driver[TTx, TDB any] interface {
 	// TxClosed reports whether err says the caller's transaction was
 	// already committed or rolled back.
 	TxClosed(err error) bool
+	// Interpret translates an error of the database package (of one of
+	// the driver's statements, or of fn's) into the driver package's terms:
+	// an *Error that matches the faults it shows (ErrUnavailable,
+	// ErrLockNotAvailable, ...) with errors.Is and wraps err; err itself
+	// when it shows none (nil for nil). It sends nothing.
+	Interpret(err error) error
 	// PreparedStatementsFix names, in this driver's terms, the setting that
 	// stops a transaction pooler from losing prepared statements ("" for
 	// none beyond the core's).
@@ -128,7 +137,10 @@ type Span[TTx any] interface {
 	Tx() TTx
 	// Complete stores the outcome of the claimed key and ends the span
 	// (RELEASE, or COMMIT): on pgx one round trip, in which the end does
-	// not run when the completion fails.
+	// not run when the completion fails. Its errors, once interpreted:
+	// ErrKeyRowChanged when fn changed or deleted the claimed row (the span
+	// is still there to undo), ErrTxAborted when a statement of fn's had
+	// aborted the transaction; TxClosed is true when fn ended it.
 	Complete(ctx context.Context, out Outcome) error
 	// Read reads the committed row that holds k as an index lookup and
 	// ends the span without keeping anything of it (its planner setting,

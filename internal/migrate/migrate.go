@@ -11,7 +11,7 @@ import (
 	"github.com/pressly/goose/v3"
 	"github.com/pressly/goose/v3/lock"
 
-	"github.com/pgidem/idem/internal/driver"
+	"github.com/pgidem/idem/internal/driver/dberr"
 )
 
 // The names idem's migrations run under (see idem.MigrationTable,
@@ -32,7 +32,7 @@ func WithProvider(db *sql.DB, fsys fs.FS, fn func(*goose.Provider) error) error 
 		// another run holds the lock; a store failure ends the wait at
 		// once (idem.Unavailable is true for it).
 		lock.WithTableLockTimeout(200*time.Millisecond, 1500),
-		lock.WithTableRetryPolicy(func(err error) bool { return !driver.Unavailable(err) }),
+		lock.WithTableRetryPolicy(func(err error) bool { return !dberr.Unavailable(err) }),
 	)
 	if err != nil {
 		return err

@@ -25,10 +25,23 @@ type Harness[TTx, TDB any] struct {
 	Commit func(ctx context.Context, tx TTx) error
 	// Count runs a count(*) query on db, outside any call.
 	Count func(t *testing.T, db TDB, query string) int
+	// Nest gives tx as a handle that transactions are begun on (as
+	// savepoints of tx), when the database package has such handles (pgx:
+	// a pgx.Tx is a Beginner); nil when it has none (database/sql).
+	Nest func(tx TTx) TDB
 }
 
 // settings are the suite's: a day's TTL, a short wait.
 var settings = driver.Settings{TTLMicros: 86_400_000_000, LockTimeout: "200ms"}
+
+// sqlState is the SQLSTATE an interpreted error keeps ("" for none).
+func sqlState(err error) string {
+	var de *driver.Error
+	if errors.As(err, &de) {
+		return de.SQLState
+	}
+	return ""
+}
 
 func key(name string) driver.Key { return driver.Key{Actor: "alice", Operation: "op", Key: name} }
 
@@ -38,6 +51,9 @@ var reply = driver.Reply{Status: 201, Headers: `{"Content-Type":["text/plain"]}`
 
 // Exercise runs the suite against h.
 func Exercise[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
+	exerciseErrors(t, h)
+	exerciseFnEnded(t, h)
+	exerciseExecutor(t, h)
 	t.Run("CheckDBAndNilTx", func(t *testing.T) {
 		d := h.New(settings)
 		var zeroDB TDB
@@ -98,8 +114,8 @@ func Exercise[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 			t.Fatal("1/0 succeeded")
 		}
 		err := s.Complete(ctx, driver.Outcome{Key: key("a"), Fingerprint: fpA, Status: "succeeded", Reply: reply})
-		if !errors.Is(err, driver.ErrTxAborted) || driver.SQLState(err) != "25P02" || driver.Unavailable(err) {
-			t.Fatalf("Complete: %v (SQLSTATE %q), want ErrTxAborted with 25P02", err, driver.SQLState(err))
+		if !errors.Is(err, driver.ErrTxAborted) || sqlState(err) != "25P02" || errors.Is(d.Interpret(err), driver.ErrUnavailable) {
+			t.Fatalf("Complete: %v (SQLSTATE %q), want ErrTxAborted with 25P02", err, sqlState(err))
 		}
 		if err := s.Undo(ctx); err != nil {
 			t.Fatalf("Undo: %v", err)
@@ -145,7 +161,7 @@ func Exercise[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 		defer func() { _ = holder.Undo(ctx) }()
 		s := ownSpan(t, d, db)
 		_, begun, err := s.Claim(ctx, driver.Claim{Key: key("w"), Fingerprint: fpA})
-		if driver.SQLState(err) != "55P03" || !begun {
+		if !errors.Is(d.Interpret(err), driver.ErrLockNotAvailable) || sqlState(d.Interpret(err)) != "55P03" || !begun {
 			t.Fatalf("Claim of a key in flight: begun %v, %v; want 55P03", begun, err)
 		}
 		if err := s.Undo(ctx); err != nil {

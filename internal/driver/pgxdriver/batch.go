@@ -71,12 +71,3 @@ func (p planned) Query(ctx context.Context, sql string, args ...any) (pgx.Rows, 
 func (p planned) QueryRow(ctx context.Context, sql string, args ...any) pgx.Row {
 	return p.db.QueryRow(ctx, sql, append([]any{pgx.QueryExecModeExec}, args...)...)
 }
-
-// closeBatch closes br and returns err, or the error of closing when err is
-// nil: the first error of the batch.
-func closeBatch(br pgx.BatchResults, err error) error {
-	if closeErr := br.Close(); err == nil {
-		err = closeErr
-	}
-	return err
-}

@@ -13,7 +13,7 @@ import (
 // engines wherever Citus accepts them at no cost to PostgreSQL. Where they
 // differ, this driver picks per connection (whether its database has the
 // citus extension, asked once per Client and database, and kept in the
-// driver's state of the connection, conn.go):
+// driver's state of the connection, span.go):
 //   - the claim: Citus waits for a twin on the worker, which set_config
 //     never reaches; SET LOCAL lock_timeout statements around a plain claim
 //     bound the wait there (KeyClaimCitus, KeyTakeOverCitus). Reserve uses

@@ -22,6 +22,7 @@ func TestConformance(t *testing.T) {
 			return err
 		},
 		Commit: func(ctx context.Context, tx pgx.Tx) error { return tx.Commit(ctx) },
+		Nest:   func(tx pgx.Tx) pgxdriver.Beginner { return tx },
 		Count: func(t *testing.T, db pgxdriver.Beginner, query string) int {
 			var n int
 			tx, err := db.Begin(t.Context())

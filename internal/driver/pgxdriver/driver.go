@@ -37,6 +37,7 @@ import (
 
 	"github.com/pgidem/idem/internal/db"
 	"github.com/pgidem/idem/internal/driver"
+	"github.com/pgidem/idem/internal/driver/dberr"
 )
 
 // Beginner starts transactions. *pgxpool.Pool, *pgx.Conn and pgx.Tx (which
@@ -121,6 +122,9 @@ func (d *Driver) NilTx(tx pgx.Tx) bool { return isNil(tx) }
 
 // TxClosed reports pgx's error of a transaction already ended.
 func (d *Driver) TxClosed(err error) bool { return errors.Is(err, pgx.ErrTxClosed) }
+
+// Interpret translates pgx's errors into the driver package's terms.
+func (d *Driver) Interpret(err error) error { return dberr.Interpret(err) }
 
 // PreparedStatementsFix adds nothing: the core's words are pgx's.
 func (d *Driver) PreparedStatementsFix() string { return "" }

@@ -5,9 +5,10 @@ import (
 	"errors"
 	"fmt"
 	"reflect"
-	"strings"
+	"runtime"
+	"sync"
+	"weak"
 
-	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
@@ -15,6 +16,7 @@ import (
 
 	"github.com/pgidem/idem/internal/db"
 	"github.com/pgidem/idem/internal/driver"
+	"github.com/pgidem/idem/internal/driver/dberr"
 )
 
 // Statements that are not table queries. idem_do is the savepoint that Do
@@ -115,8 +117,7 @@ func (s *span) Claim(ctx context.Context, c driver.Claim) (claimed, begun bool, 
 	s.fp = c.Fingerprint
 	b := s.reset()
 	if s.conn != nil {
-		st := s.d.state(s.conn)
-		citus, err := s.d.isCitus(ctx, st, s.conn)
+		st, citus, err := s.d.connCitus(ctx, s.conn)
 		if err != nil {
 			return false, false, fmt.Errorf("claim: %w", err)
 		}
@@ -181,6 +182,39 @@ func (s *span) sendClaim(ctx context.Context, q batchSender, st *connState, form
 	return claimed, true, claimError(err)
 }
 
+// connCitus is state and isCitus for conn, in one call: DoInTx's claim
+// reads both before it sends anything.
+func (d *Driver) connCitus(ctx context.Context, conn *pgx.Conn) (*connState, bool, error) {
+	st := d.state(conn)
+	citus, err := d.isCitus(ctx, st, conn)
+	return st, citus, err
+}
+
+// sent records that a claim batch of form was sent on st's connection and
+// ended with err. pgx keeps the statements of a batch that succeeded in its
+// cache, and drops every statement of a batch that failed, whatever failed
+// (a lock wait that ran out, a cancellation, SAVEPOINT or BEGIN): so the
+// form is warm exactly when its last batch succeeded. The claim's
+// statements go in claim batches only (see Driver.sqlClaimWait), so no
+// other batch's failure drops them. A batch refused because its
+// transaction was closed (pgx.ErrTxClosed) was never sent, on a connection
+// that may serve another call by now: it changes nothing. st is nil for a
+// pgx.Tx without a connection.
+func (st *connState) sent(form string, err error) {
+	if st == nil || !st.caches || errors.Is(err, pgx.ErrTxClosed) {
+		return
+	}
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if warm := err == nil; warm != st.warm[form] {
+		if warm {
+			st.warm[form] = true
+		} else {
+			delete(st.warm, form)
+		}
+	}
+}
+
 // claimForm names the claim batch of c (Driver.claimForms).
 func (d *Driver) claimForm(citus bool, c driver.Claim) string {
 	return d.claimForms[b2i(citus)][b2i(c.TakeOver)]
@@ -214,27 +248,40 @@ func (s *span) reset() *pgx.Batch {
 // bound is set, and the caller's lock_timeout restored, by the statement
 // itself (see KeyClaim). On Citus the wait happens on the worker, which
 // only SET LOCAL statements reach: lock_timeout is set to Wait before the
-// claim and back to its default after it.
+// claim and back to its default after it. The statements are sqlc's (their
+// text and the order of their arguments: internal/db's KeyClaim,
+// KeyTakeOver, KeyClaimCitus, KeyTakeOverCitus), queued here rather than
+// through the generated methods, so that a call reads its round trips in
+// this file (docs/development.md, the walk of a call).
 func (d *Driver) queueClaim(b *pgx.Batch, c driver.Claim, fp []byte, citus bool) {
-	ctx, q, k := context.Background(), queuer{b}, c.Key
+	k := c.Key
+	ttl := d.ttlOf(k.Operation)
 	switch {
 	case citus && c.TakeOver:
 		b.Queue(d.sqlClaimWait)
-		_, _ = queries.KeyTakeOverCitus(ctx, q, db.KeyTakeOverCitusParams{Actor: k.Actor, Operation: k.Operation,
-			IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttl.TTL(k.Operation)})
+		b.Queue(db.KeyTakeOverCitus, k.Actor, k.Operation, k.Key, fp, ttl)
 		b.Queue(sqlWaitDefault)
 	case citus:
 		b.Queue(d.sqlClaimWait)
-		_, _ = queries.KeyClaimCitus(ctx, q, db.KeyClaimCitusParams{Actor: k.Actor, Operation: k.Operation,
-			IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttl.TTL(k.Operation)})
+		b.Queue(db.KeyClaimCitus, k.Actor, k.Operation, k.Key, fp, ttl)
 		b.Queue(sqlWaitDefault)
 	case c.TakeOver:
-		_, _ = queries.KeyTakeOver(ctx, q, db.KeyTakeOverParams{Actor: k.Actor, Operation: k.Operation,
-			IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttl.TTL(k.Operation), LockTimeout: d.lockTimeout})
+		b.Queue(db.KeyTakeOver, k.Actor, k.Operation, k.Key, fp, ttl, d.lockTimeout)
 	default:
-		_, _ = queries.KeyClaim(ctx, q, db.KeyClaimParams{Actor: k.Actor, Operation: k.Operation,
-			IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttl.TTL(k.Operation), LockTimeout: d.lockTimeout})
+		b.Queue(db.KeyClaim, k.Actor, k.Operation, k.Key, fp, ttl, d.lockTimeout)
 	}
+}
+
+// ttlOf is the TTL of operation's keys in microseconds, as Settings.TTL
+// gives it (TestTTLOfIsSettingsTTL), spelled out here so that a call's
+// round trips read in this file.
+func (d *Driver) ttlOf(operation string) int64 {
+	if d.ttl.TTLFor != nil {
+		if t := d.ttl.TTLFor(operation).Microseconds(); t > 0 {
+			return t
+		}
+	}
+	return d.ttl.TTLMicros
 }
 
 // readClaim reads the results of what queueClaim queued: whether the key is
@@ -246,7 +293,7 @@ func readClaim(br pgx.BatchResults, citus bool) (claimed bool, err error) {
 			return false, err
 		}
 	}
-	claimed, err = queries.KeyClaim(context.Background(), batchRead{br}, db.KeyClaimParams{})
+	err = br.QueryRow().Scan(&claimed)
 	if errors.Is(err, pgx.ErrNoRows) {
 		claimed, err = false, nil
 	}
@@ -262,20 +309,18 @@ func readClaim(br pgx.BatchResults, citus bool) (claimed bool, err error) {
 func (s *span) Complete(ctx context.Context, out driver.Outcome) error {
 	b := s.reset()
 	k, r := out.Key, out.Reply
-	_ = queries.KeyComplete(context.Background(), queuer{b}, db.KeyCompleteParams{
-		Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key, Fingerprint: s.fp[:],
-		Status: out.Status, TtlMicros: s.d.ttl.TTL(k.Operation), ResponseStatus: r.Status,
-		ResponseHeaders: pgtype.Text{String: r.Headers, Valid: r.HasHeaders}, ResponseBody: r.Body,
-	})
+	// internal/db's KeyComplete, queued and read here (as queueClaim).
+	b.Queue(db.KeyComplete, k.Actor, k.Operation, k.Key, s.fp[:], out.Status, s.d.ttlOf(k.Operation),
+		r.Status, pgtype.Text{String: r.Headers, Valid: r.HasHeaders}, r.Body)
 	if s.conn == nil {
 		b.Queue(sqlRelease)
 	} else {
 		b.Queue("COMMIT")
 	}
 	br := s.tx.SendBatch(ctx, b)
-	err := queries.KeyComplete(context.Background(), batchRead{br}, db.KeyCompleteParams{})
+	_, err := br.Exec()
 	if err != nil {
-		err = fmt.Errorf("store response: %w", driver.Interpret(err))
+		err = fmt.Errorf("store response: %w", dberr.Interpret(err))
 	} else {
 		err = s.ended(br.Exec())
 	}
@@ -425,18 +470,10 @@ func (s *span) Enclosing(ctx context.Context, k driver.Key, fp [32]byte) (driver
 	switch {
 	case err == nil:
 		return driver.EnclosingUsable, nil
-	case claimReleased(err):
+	case errors.Is(dberr.Interpret(err), driver.ErrClaimReleased):
 		return driver.EnclosingAborted, nil
 	}
 	return driver.EnclosingUnknown, fmt.Errorf("abort the enclosing transaction: %w", err)
-}
-
-// claimReleased reports whether err is KeyAbortIfClaimed's own failure: the
-// claim was in the enclosing transaction.
-func claimReleased(err error) bool {
-	var pgErr *pgconn.PgError
-	return errors.As(err, &pgErr) && pgErr.Code == pgerrcode.InvalidTextRepresentation &&
-		strings.Contains(pgErr.Message, "fn released its claim into the enclosing transaction")
 }
 
 // pgxPackage is the import path of pgx's own transactions.
@@ -484,4 +521,139 @@ func HasCitus(ctx context.Context, q Querier) (bool, error) {
 	var citus bool
 	err := q.QueryRow(ctx, sqlHasCitus, pgx.QueryExecModeSimpleProtocol).Scan(&citus)
 	return citus, err
+}
+
+// closeBatch closes br and returns err, or the error of closing when err is
+// nil: the first error of the batch.
+func closeBatch(br pgx.BatchResults, err error) error {
+	if closeErr := br.Close(); err == nil {
+		err = closeErr
+	}
+	return err
+}
+
+// What the driver knows of a connection: the span reads
+// it before each claim and records what the claim batch left in pgx's
+// caches.
+
+// connState is what the driver knows of one connection: made once per
+// connection, then read on every call. It is safe for concurrent use: Do
+// on a caller's transaction reads the state of the transaction's connection
+// before it knows whether the transaction is still open, and a pool's
+// transaction that was committed or rolled back has given its connection to
+// other calls already (pgxpool.Tx.Conn still returns it).
+type connState struct {
+	db citusKey
+	// prepares: pgx prepares or describes a batch's statements that it has
+	// not cached in a round trip of its own before the batch (its exec
+	// modes cache_statement, cache_describe, describe_exec); caches: and
+	// keeps them (not describe_exec).
+	prepares, caches bool
+
+	mu    sync.Mutex
+	known bool // citus is known
+	citus bool
+	// warm names the claim batches (Driver.claimForms) whose last run on
+	// this connection succeeded: their statements are in pgx's cache
+	// unless it evicted them since (see sent).
+	warm map[string]bool
+}
+
+// citusKnown returns whether the connection's database runs Citus, and
+// whether that is known.
+func (st *connState) citusKnown() (citus, known bool) {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	return st.citus, st.known
+}
+
+// learn records whether the connection's database runs Citus.
+func (st *connState) learn(citus bool) {
+	st.mu.Lock()
+	st.known, st.citus = true, citus
+	st.mu.Unlock()
+}
+
+// claimState reports, under one lock, whether the connection's database
+// runs Citus, whether that is known (from this connection, or else from
+// d's Client-wide knowledge, which it then learns), and whether the claim
+// batch of c was warm on the connection then.
+func (d *Driver) claimState(st *connState, c driver.Claim) (citus, known, warm bool) {
+	st.mu.Lock()
+	citus, known = st.citus, st.known
+	if known {
+		warm = st.warm[d.claimForm(citus, c)]
+	}
+	st.mu.Unlock()
+	if known {
+		return citus, true, warm
+	}
+	v, ok := d.citus.Load(st.db)
+	if !ok {
+		return false, false, false
+	}
+	citus = v.(bool)
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	st.known, st.citus = true, citus
+	return citus, true, st.warm[d.claimForm(citus, c)]
+}
+
+// conns holds the state of every connection the driver has seen (of every
+// Client: what pgx caches is the connection's), by a weak pointer to its
+// pgconn.PgConn. An entry goes when its connection is garbage collected.
+// A sync.Map: every call reads it, and its keys live as long as their
+// connections, the case sync.Map reads without a lock.
+var conns sync.Map // weak.Pointer[pgconn.PgConn] -> *connState
+
+// state returns what the driver knows of conn, sending nothing. It reads
+// nothing of conn that changes while another call uses it.
+func (d *Driver) state(conn *pgx.Conn) *connState {
+	pc := conn.PgConn()
+	k := weak.Make(pc)
+	v, ok := conns.Load(k)
+	if !ok {
+		var loaded bool
+		v, loaded = conns.LoadOrStore(k, newConnState(conn))
+		if !loaded {
+			runtime.AddCleanup(pc, forgetConn, k)
+		}
+	}
+	return v.(*connState)
+}
+
+// newConnState is the state of a connection the driver has not seen yet.
+func newConnState(conn *pgx.Conn) *connState {
+	cfg := conn.Config() // a copy: once per connection
+	st := &connState{db: citusKey{host: cfg.Host, port: cfg.Port, database: cfg.Database}, warm: map[string]bool{}}
+	switch cfg.DefaultQueryExecMode {
+	case pgx.QueryExecModeCacheStatement, pgx.QueryExecModeCacheDescribe:
+		st.prepares, st.caches = true, true
+	case pgx.QueryExecModeDescribeExec:
+		st.prepares = true
+	}
+	return st
+}
+
+// forgetConn drops the state of a connection that was garbage collected.
+func forgetConn(k weak.Pointer[pgconn.PgConn]) { conns.Delete(k) }
+
+// isCitus reports whether the database of st's connection has the citus
+// extension, asking q (the connection, or a transaction on it) when neither
+// the connection nor this Client knows.
+func (d *Driver) isCitus(ctx context.Context, st *connState, q Querier) (bool, error) {
+	if citus, known := st.citusKnown(); known {
+		return citus, nil
+	}
+	if citus, ok := d.citus.Load(st.db); ok {
+		st.learn(citus.(bool))
+		return citus.(bool), nil
+	}
+	citus, err := HasCitus(ctx, q)
+	if err != nil {
+		return false, err
+	}
+	d.citus.Store(st.db, citus)
+	st.learn(citus)
+	return citus, nil
 }

@@ -24,6 +24,7 @@ import (
 
 	"github.com/pgidem/idem/internal/dbsql"
 	"github.com/pgidem/idem/internal/driver"
+	"github.com/pgidem/idem/internal/driver/dberr"
 )
 
 // Driver is the database/sql driver of one Client.
@@ -84,6 +85,10 @@ func (d *Driver) NilTx(tx *sql.Tx) bool { return tx == nil }
 
 // TxClosed reports database/sql's error of a transaction already ended.
 func (d *Driver) TxClosed(err error) bool { return errors.Is(err, sql.ErrTxDone) }
+
+// Interpret translates the errors of database/sql and its driver (pgx's
+// stdlib, lib/pq) into the driver package's terms.
+func (d *Driver) Interpret(err error) error { return dberr.Interpret(err) }
 
 // PreparedStatementsFix names the fix in pgx's connection string.
 func (d *Driver) PreparedStatementsFix() string {

@@ -8,6 +8,7 @@ import (
 
 	"github.com/pgidem/idem/internal/dbsql"
 	"github.com/pgidem/idem/internal/driver"
+	"github.com/pgidem/idem/internal/driver/dberr"
 )
 
 // Begin begins a transaction on db at the configured isolation level.
@@ -21,7 +22,7 @@ func (d *Driver) Commit(_ context.Context, tx *sql.Tx) error { return tx.Commit(
 // Rollback rolls tx back and reports whether the connection is gone.
 func (d *Driver) Rollback(_ context.Context, _ *sql.DB, tx *sql.Tx) bool {
 	err := rollback(tx)
-	return err != nil && driver.Unavailable(err)
+	return err != nil && dberr.Unavailable(err)
 }
 
 // executor runs the reservation and operator statements in one

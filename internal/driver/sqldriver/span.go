@@ -8,6 +8,7 @@ import (
 
 	"github.com/pgidem/idem/internal/dbsql"
 	"github.com/pgidem/idem/internal/driver"
+	"github.com/pgidem/idem/internal/driver/dberr"
 )
 
 // Statements that are not table queries (as pgx's driver sends them).
@@ -110,7 +111,7 @@ func (s *span) Complete(ctx context.Context, out driver.Outcome) error {
 		ResponseHeaders: sql.NullString{String: r.Headers, Valid: r.HasHeaders}, ResponseBody: r.Body,
 	})
 	if err != nil {
-		return fmt.Errorf("store response: %w", driver.Interpret(err))
+		return fmt.Errorf("store response: %w", dberr.Interpret(err))
 	}
 	if s.db != nil {
 		// After the completion ran: sql.ErrTxDone when fn ended the
@@ -169,7 +170,7 @@ func (s *span) Undo(ctx context.Context) error {
 			if err := s.tx.Rollback(); errors.Is(err, sql.ErrTxDone) {
 				return fmt.Errorf("rollback: %w", err)
 			} else if err != nil {
-				s.lost = s.lost || driver.Unavailable(err)
+				s.lost = s.lost || dberr.Unavailable(err)
 			}
 		}
 		return nil
@@ -189,7 +190,7 @@ func (s *span) rollback() error {
 		return nil
 	}
 	err := rollback(s.tx)
-	s.lost = s.lost || err != nil && driver.Unavailable(err)
+	s.lost = s.lost || err != nil && dberr.Unavailable(err)
 	return err
 }
 

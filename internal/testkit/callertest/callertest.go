@@ -21,7 +21,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn/ctxwatch"
 
 	"github.com/pgidem/idem"
-	"github.com/pgidem/idem/internal/driver"
+	"github.com/pgidem/idem/internal/driver/dberr"
 )
 
 // KeyRowChanges are the ways fn can change the idem_keys row of the key it
@@ -125,7 +125,7 @@ func CancelRequests(cfg *pgx.ConnConfig) {
 
 // Aborted reports whether err, the answer to a statement in the caller's
 // transaction, says the transaction is aborted (25P02).
-func Aborted(err error) bool { return driver.SQLState(err) == pgerrcode.InFailedSQLTransaction }
+func Aborted(err error) bool { return dberr.SQLState(err) == pgerrcode.InFailedSQLTransaction }
 
 // IsRefusal reports whether err is a refusal that promises the caller's
 // transaction is as it was before the call.

@@ -375,3 +375,35 @@ func TestDistributeAuditOtherwise(t *testing.T) {
 		t.Fatal("idem_audit is not co-located with idem_keys after the fix")
 	}
 }
+
+// Distribute creates idem_refuse (migration 00008) on the workers when the
+// database was migrated before Citus could propagate it (simulated: the
+// workers' copies dropped), so that a completion that must refuse raises
+// idem's SQLSTATE there: fn that changes its key row gets ErrKeyRowChanged,
+// and nothing is stored.
+func TestDistributeCreatesRefuseOnWorkers(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, p := newDB(t)
+	if _, err := p.Exec(ctx, `SELECT run_command_on_workers($$DROP FUNCTION idem_refuse(text, text)$$)`); err != nil {
+		t.Fatal(err)
+	}
+	if err := idem.Distribute(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	var onWorkers int
+	if err := p.QueryRow(ctx, `SELECT count(*) FROM run_command_on_workers(
+		$$SELECT count(*) FROM pg_proc WHERE proname = 'idem_refuse'$$) WHERE success AND result = '1'`).Scan(&onWorkers); err != nil || onWorkers != 2 {
+		t.Fatalf("idem_refuse on %d workers, %v; want 2", onWorkers, err)
+	}
+	scope := idem.Scope{Actor: "alice", Operation: "order"}
+	_, err := idem.DoInTx(ctx, p, scope, "k", fp("book"), func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+		_, err := tx.Exec(ctx, `UPDATE idem_keys SET fingerprint = '\x00' WHERE actor = 'alice' AND idem_key = 'k'`)
+		return idem.Response{Status: 200}, err
+	})
+	isErr(t, "fn changed its key row", err, idem.ErrKeyRowChanged)
+	var n int
+	if err := p.QueryRow(ctx, `SELECT count(*) FROM idem_keys WHERE actor = 'alice'`).Scan(&n); err != nil || n != 0 {
+		t.Fatalf("%d rows after ErrKeyRowChanged, %v", n, err)
+	}
+}

@@ -1,0 +1,152 @@
+package core
+
+import (
+	"bytes"
+	"context"
+	"errors"
+
+	"github.com/pgidem/idem/internal/driver"
+)
+
+// When fn ends the transaction it runs in itself (a COMMIT or ROLLBACK of
+// its own, or, on database/sql, its context ending), the call cannot store
+// an outcome: these decide what the call answers and what is left of the
+// claim (marked unknown for DoInTx, the enclosing transaction aborted for
+// Do).
+
+// endedWithCtx is the error of a call whose transaction had ended when its
+// outcome was to be committed, once ctx had ended too: database/sql rolls a
+// transaction back when the context it began with ends, so nothing of the
+// call's committed and nothing was stored. (pgx never ends a transaction
+// for its context: there fn did, and, should it have committed, the next
+// DoInTx or Reserve of the key with the same fingerprint marks its claim.)
+func (c *Client[TTx, TDB]) endedWithCtx(ctx context.Context, own bool, cl *call) error {
+	if own {
+		return errorf("idem: %w before DoInTx's COMMIT: database/sql rolled the transaction back, and nothing was stored", context.Cause(ctx))
+	}
+	return errorf("idem: %w before %s's savepoint was released: the caller's transaction had ended (database/sql rolls it "+
+		"back when its context ends), and nothing was stored", context.Cause(ctx), cl.api())
+}
+
+// orphanReason is the last_error of a record whose claim was committed
+// without an outcome.
+const orphanReason = "the claim was committed without an outcome (fn committed the transaction of Do or DoInTx itself): fn's writes may be durable"
+
+// errOrphaned is the answer for a key whose claim was committed without an
+// outcome.
+var errOrphaned = errorf("idem: %w (its claim was committed without an outcome: fn committed the transaction of Do or DoInTx itself; reconcile it with Resolve)",
+	ErrOutcomeUnknown)
+
+// fnEnded is the error of a call whose fn committed or rolled back the
+// transaction it runs in (found closed when the call went on with it,
+// after fn returned fnErr: nil when it succeeded). For DoInTx the row of
+// the claim, when fn's COMMIT made it durable, is marked unknown in a
+// statement of its own, so that the key's retries get ErrOutcomeUnknown
+// and an operator finds it (ListUnknown) and settles it (Resolve). Do has
+// no connection of its own to do that on: the next DoInTx or Reserve of
+// the key with the same fingerprint does it. (fnSavepointEnded: Do's
+// transaction was a savepoint of an enclosing one.)
+func (c *Client[TTx, TDB]) fnEnded(ctx context.Context, s driver.Span[TTx], own bool, k driver.Key, fp Fingerprint, fnErr error, cl *call) error {
+	after := ""
+	if fnErr != nil {
+		after = ", and then returned an error"
+	}
+	if !own {
+		return c.fnSavepointEnded(ctx, s, k, fp, fnErr, cl.api(), after)
+	}
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), driver.CleanupTimeout)
+	defer cancel()
+	committed, err := orphanedRow(ctx, s, k, fp)
+	switch {
+	case err != nil:
+		return errorf("idem: %w: fn committed or rolled back DoInTx's transaction itself%s (idem could not tell which: marking "+
+			"the key's record failed): nothing was stored; if it committed, fn's writes and the key's claim are durable, and the next DoInTx or "+
+			"Reserve of the key with the same fingerprint marks the record unknown: %w%w", ErrInvalidArgument, after, err, joinedText(fnErr))
+	case committed:
+		return errorf("idem: %w: fn committed DoInTx's transaction itself%s: fn's writes are durable, but no outcome was stored; "+
+			"the key's record is now unknown (retries get ErrOutcomeUnknown; ListUnknown lists it, Resolve settles it)%w",
+			ErrInvalidArgument, after, joinedText(fnErr))
+	}
+	return errorf("idem: %w: fn rolled back DoInTx's transaction itself%s: fn's writes and the claim are gone, nothing was stored, "+
+		"and the key is free%w", ErrInvalidArgument, after, joinedText(fnErr))
+}
+
+// fnSavepointEnded is fnEnded for Do, whose transaction is a savepoint of
+// the caller's (as is DoInTx's on a caller's transaction: api names the
+// call the caller made). When that transaction was itself a savepoint of a
+// transaction still open (pgx's Begin on a pgx.Tx), fn's COMMIT released
+// the claim and fn's writes into that enclosing transaction, pending: the
+// driver aborts it (Span.Enclosing), so that it cannot commit them without
+// an outcome.
+func (c *Client[TTx, TDB]) fnSavepointEnded(ctx context.Context, s driver.Span[TTx], k driver.Key, fp Fingerprint,
+	fnErr error, api, after string) error {
+	enc, err := s.Enclosing(ctx, k, fp)
+	switch enc {
+	case driver.EnclosingAborted:
+		return errorf("idem: %w: fn committed the transaction that %s runs in%s, a savepoint of an enclosing transaction: "+
+			"that released fn's writes and the key's claim into the enclosing transaction, pending, and idem has aborted it so "+
+			"that they cannot commit without an outcome: roll it back; nothing of fn's is committed and nothing was stored%w",
+			ErrInvalidArgument, api, after, joinedText(fnErr))
+	case driver.EnclosingUsable:
+		return errorf("idem: %w: fn rolled back the transaction that %s runs in%s, a savepoint of an enclosing transaction: "+
+			"fn's writes and the claim are gone, nothing was stored, the key is free, and the enclosing transaction is usable%w",
+			ErrInvalidArgument, api, after, joinedText(fnErr))
+	case driver.EnclosingUnknown:
+		why := ""
+		if err != nil {
+			why = " (" + quiet{err}.Error() + ")"
+		}
+		return unavailableIf(c.isUnavailable(err), errorf("idem: %w: fn committed or rolled back the transaction that %s runs in%s, "+
+			"a savepoint of an enclosing transaction, which is aborted%s: roll it back; nothing of fn's is committed and nothing "+
+			"was stored%w", ErrInvalidArgument, api, after, why, joinedText(fnErr)))
+	}
+	return errorf("idem: %w: fn committed or rolled back the caller's transaction that %s runs in%s (fn must leave it open; "+
+		"on database/sql, its context may have ended): nothing was stored; if it committed, fn's writes and the key's claim "+
+		"are durable, and the key answers ErrOutcomeUnknown to DoInTx and Reserve with the same fingerprint, which mark it "+
+		"unknown for Resolve%w", ErrInvalidArgument, api, after, joinedText(fnErr))
+}
+
+// joinedText is ": " and err for a message that wraps it, or nothing for
+// nil.
+func joinedText(err error) error {
+	if err == nil {
+		return noText{}
+	}
+	return prefixed{err}
+}
+
+// noText is an error that writes nothing and wraps nothing.
+type noText struct{}
+
+func (noText) Error() string { return "" }
+
+// prefixed writes ": " before err and wraps it.
+type prefixed struct{ err error }
+
+func (p prefixed) Error() string { return ": " + quiet(p).Error() }
+func (p prefixed) Unwrap() error { return p.err }
+
+// orphanedRow marks the row of k that fn's COMMIT left without an outcome
+// unknown, and reports whether there was such a row: marked now, or by
+// another call of the key first (unknown with orphanReason, fingerprint
+// fp, no outcome); false when fn rolled back, and the claim with it.
+func orphanedRow[TTx any](ctx context.Context, s driver.Span[TTx], k driver.Key, fp Fingerprint) (bool, error) {
+	n, now, err := s.Orphaned(ctx, k, fp, orphanReason)
+	switch {
+	case errors.Is(err, driver.ErrNoRows):
+		return false, nil
+	case err != nil || n == 1:
+		return n == 1, err
+	}
+	return now.Status == "unknown" && now.LastError == orphanReason && now.CompletedAt.IsZero() && bytes.Equal(now.Fingerprint, fp[:]), nil
+}
+
+// orphaned marks the row of k, found committed by a claim without an
+// outcome, unknown (the same statement as fnEnded), and returns what the
+// call answers: ErrOutcomeUnknown.
+func (c *Client[TTx, TDB]) orphaned(ctx context.Context, s driver.Span[TTx], k driver.Key, fp Fingerprint) error {
+	if _, _, err := s.Orphaned(ctx, k, fp, orphanReason); err != nil && !errors.Is(err, driver.ErrNoRows) {
+		return errorf("idem: %w (marking it unknown failed: %w)", errOrphaned, c.unsupportedIf(err))
+	}
+	return errOrphaned
+}

@@ -1,0 +1,67 @@
+package core
+
+import (
+	"context"
+	"errors"
+	"math/rand/v2"
+	"time"
+)
+
+// InTx runs fn in a transaction begun on db and commits it when fn returns
+// nil, running it again after a serialization failure or a deadlock (see
+// idem.InTx).
+func (c *Client[TTx, TDB]) InTx(ctx context.Context, db TDB, fn func(ctx context.Context, tx TTx) error) error {
+	if err := c.checkDB(db, false); err != nil {
+		return err
+	}
+	if fn == nil {
+		return errNilFn
+	}
+	return c.preparedStatementsLost(c.retry(ctx, c.drv.Nested(db), func() error { return c.inTx(ctx, db, fn) }))
+}
+
+// inTx is one transaction of InTx. fn's errors come back as they are,
+// unless the store failed under them: the connection is gone, or the
+// server said it cannot serve.
+func (c *Client[TTx, TDB]) inTx(ctx context.Context, db TDB, fn func(ctx context.Context, tx TTx) error) error {
+	tx, err := c.drv.Begin(ctx, db)
+	if err != nil {
+		err = unavailableIf(c.isUnavailable(err), errorf("idem: begin: %w", err))
+		if c.drv.Nested(db) { // a savepoint of the caller's transaction
+			err = c.txUnusable(err)
+		}
+		return err
+	}
+	ended := false
+	defer func() {
+		if !ended { // fn panicked
+			c.drv.Rollback(ctx, db, tx)
+		}
+	}()
+	err = fn(ctx, tx)
+	ended = true
+	if err != nil {
+		return unavailableIf(c.drv.Rollback(ctx, db, tx) || c.serverSaidUnavailable(err), err)
+	}
+	if err := c.drv.Commit(ctx, tx); err != nil {
+		return unavailableIf(c.isUnavailable(err), errorf("idem: commit: %w", err))
+	}
+	return nil
+}
+
+// backoff returns a jittered exponential delay for retry number attempt.
+func backoff(attempt int) time.Duration {
+	d := 5 * time.Millisecond << min(attempt, 6)
+	return d/2 + rand.N(d/2+1)
+}
+
+func sleep(ctx context.Context, d time.Duration) error {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-t.C:
+		return nil
+	case <-ctx.Done():
+		return errors.Join(ctx.Err(), context.Cause(ctx))
+	}
+}

@@ -1,0 +1,136 @@
+// Package dberr reads the errors of PostgreSQL's Go packages (pgx, pgx's
+// stdlib, lib/pq, database/sql) and translates them into package driver's
+// terms (driver.Error). The drivers and the fronts import it; the core
+// never does, so that it imports no database package.
+package dberr
+
+import (
+	"database/sql"
+	sqldriver "database/sql/driver"
+	"errors"
+	"io"
+	"net"
+	"strings"
+
+	"github.com/jackc/pgx/v5/pgconn"
+	"github.com/jackc/puddle/v2"
+
+	"github.com/pgidem/idem/internal/driver"
+)
+
+// Interpret returns err as a *driver.Error when it shows one of the faults
+// the core tells apart, keeping err in the chain (nil, an error without
+// such a fault and an error interpreted already come back as they are).
+func Interpret(err error) error {
+	if err == nil {
+		return nil
+	}
+	var de *driver.Error
+	if errors.As(err, &de) {
+		return err
+	}
+	code := SQLState(err)
+	f := faults(err, code)
+	if f == 0 {
+		return err
+	}
+	return &driver.Error{Faults: f, SQLState: code, Err: err}
+}
+
+// faults are the faults err (of SQLSTATE code) shows.
+func faults(err error, code string) driver.Fault {
+	var f driver.Fault
+	if Unavailable(err) {
+		f |= driver.ErrUnavailable
+	}
+	if code != "" && ServerUnavailable(code) {
+		f |= driver.ErrServerUnavailable
+	}
+	switch code {
+	case "":
+	case "55P03":
+		f |= driver.ErrLockNotAvailable
+	case "40001", "40P01":
+		f |= driver.ErrRetryable
+	case "25P02":
+		f |= driver.ErrTxAborted
+	case driver.StateKeyRowChanged:
+		f |= driver.ErrKeyRowChanged
+	case driver.StateClaimReleased:
+		f |= driver.ErrClaimReleased
+	case "26000", "42P05":
+		var pgErr *pgconn.PgError
+		if errors.As(err, &pgErr) && strings.Contains(pgErr.Message, "stmtcache_") {
+			f |= driver.ErrPreparedStatementsLost
+		}
+	case "0A000":
+		f |= driver.ErrFeatureNotSupported
+	case "42P01":
+		if strings.Contains(err.Error(), "idem_keys_token_seq") {
+			f |= driver.ErrNoTokenSequence
+		}
+	case "42704":
+		if strings.Contains(err.Error(), "idem.lock_timeout") {
+			f |= driver.ErrNoLockTimeoutSetting
+		}
+	case "42883":
+		if strings.Contains(err.Error(), "idem_refuse") {
+			f |= driver.ErrNoRefusal
+		}
+	}
+	return f
+}
+
+// SQLState returns the SQLSTATE of err if it is (or wraps) a PostgreSQL
+// error: pgx's *pgconn.PgError, or another driver's error with an SQLState
+// method (lib/pq's *pq.Error), so that every driver classifies alike.
+func SQLState(err error) string {
+	var pgErr *pgconn.PgError
+	if errors.As(err, &pgErr) {
+		return pgErr.Code
+	}
+	var stateErr interface{ SQLState() string }
+	if errors.As(err, &stateErr) {
+		return stateErr.SQLState()
+	}
+	return ""
+}
+
+// Unavailable reports whether err says the database could not serve,
+// through no fault of the statement: the server could not be reached, or
+// dropped the connection (pgx's "conn closed", database/sql's
+// driver.ErrBadConn and sql.ErrConnDone), the pool is closed, a deadline ran
+// out on the way, or the server answered with SQLSTATE class 08, 53, 57 or
+// 58 (ServerUnavailable). It reads the whole chain: another server error
+// does not hide a lost connection further down.
+func Unavailable(err error) bool {
+	if err == nil {
+		return false
+	}
+	if errors.Is(err, driver.ErrUnavailable) {
+		return true
+	}
+	if code := SQLState(err); code != "" && ServerUnavailable(code) {
+		return true
+	}
+	var connectErr *pgconn.ConnectError
+	var netErr net.Error
+	return errors.As(err, &connectErr) || errors.As(err, &netErr) || pgconn.Timeout(err) ||
+		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, net.ErrClosed) ||
+		errors.Is(err, pgconn.ErrConnClosed) ||
+		errors.Is(err, sqldriver.ErrBadConn) || errors.Is(err, sql.ErrConnDone) ||
+		errors.Is(err, puddle.ErrClosedPool)
+}
+
+// ServerUnavailable reports whether SQLSTATE code says the server cannot
+// serve now: class 08 (connection exception), 53 (insufficient resources),
+// 57 (operator intervention: a shutdown, a cancelled or timed-out
+// statement) or 58 (system error).
+func ServerUnavailable(code string) bool {
+	switch {
+	case strings.HasPrefix(code, "08"), strings.HasPrefix(code, "53"),
+		strings.HasPrefix(code, "57"), strings.HasPrefix(code, "58"):
+		return true
+	}
+	return false
+}

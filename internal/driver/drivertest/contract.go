@@ -1,0 +1,440 @@
+package drivertest
+
+import (
+	"errors"
+	"testing"
+	"time"
+
+	"github.com/pgidem/idem/internal/driver"
+)
+
+// The rest of the contract: what each method answers and each error it
+// can return, in the driver package's terms (Driver.Interpret); fn that
+// ends its transaction (TxClosed, Orphaned, Enclosing); every statement of
+// the Executor.
+
+// exerciseErrors: Interpret, and the errors of the spans' statements that
+// the core tells apart.
+func exerciseErrors[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
+	t.Run("InterpretLeavesOtherErrors", func(t *testing.T) {
+		d := h.New(settings)
+		other := errors.New("other")
+		if d.Interpret(nil) != nil || d.Interpret(other) != other {
+			t.Error("Interpret changed nil or an error of no database")
+		}
+		if got := d.Interpret(driver.ErrNoRows); got != driver.ErrNoRows {
+			t.Errorf("Interpret(ErrNoRows) = %v", got)
+		}
+	})
+	t.Run("ClaimWaitIsErrLockNotAvailable", func(t *testing.T) {
+		ctx := t.Context()
+		d := h.New(settings)
+		db := h.DB(t)
+		holder := ownSpan(t, d, db)
+		if claimed, _, err := holder.Claim(ctx, driver.Claim{Key: key("w"), Fingerprint: fpA}); err != nil || !claimed {
+			t.Fatal(claimed, err)
+		}
+		defer func() { _ = holder.Undo(ctx) }()
+		s := ownSpan(t, d, db)
+		_, begun, err := s.Claim(ctx, driver.Claim{Key: key("w"), Fingerprint: fpA})
+		ierr := d.Interpret(err)
+		if !begun || !errors.Is(ierr, driver.ErrLockNotAvailable) || errors.Is(ierr, driver.ErrUnavailable) ||
+			!errors.Is(ierr, err) || d.Interpret(ierr) != ierr {
+			t.Fatalf("Claim of a key in flight: begun %v, %v; want ErrLockNotAvailable keeping the error", begun, ierr)
+		}
+		if s.Lost() {
+			t.Error("a lock wait lost the connection")
+		}
+		if err := s.Undo(ctx); err != nil {
+			t.Fatalf("Undo: %v", err)
+		}
+	})
+	t.Run("CompleteWhenFnChangedTheRowIsErrKeyRowChanged", func(t *testing.T) {
+		ctx := t.Context()
+		d := h.New(settings)
+		db := h.DB(t)
+		for _, own := range []bool{true, false} {
+			var s driver.Span[TTx]
+			var tx TTx
+			if own {
+				s = ownSpan(t, d, db)
+			} else {
+				var err error
+				if tx, err = d.Begin(ctx, db); err != nil {
+					t.Fatal(err)
+				}
+				s = d.SavepointSpan(tx)
+			}
+			k := key("changed")
+			if claimed, _, err := s.Claim(ctx, driver.Claim{Key: k, Fingerprint: fpA}); err != nil || !claimed {
+				t.Fatal(claimed, err)
+			}
+			if err := h.Exec(ctx, s.Tx(), `UPDATE idem_keys SET fingerprint = '\x00' WHERE actor = 'alice' AND idem_key = 'changed'`); err != nil {
+				t.Fatal(err)
+			}
+			err := s.Complete(ctx, driver.Outcome{Key: k, Fingerprint: fpA, Status: "succeeded", Reply: reply})
+			if ierr := d.Interpret(err); !errors.Is(ierr, driver.ErrKeyRowChanged) || sqlState(ierr) != driver.StateKeyRowChanged ||
+				errors.Is(ierr, driver.ErrUnavailable) || d.TxClosed(err) {
+				t.Fatalf("own %v: Complete after fn changed the row: %v (SQLSTATE %q), want ErrKeyRowChanged", own, err, sqlState(ierr))
+			}
+			// The end did not run: the span is still there to undo.
+			if err := s.Undo(ctx); err != nil {
+				t.Fatalf("own %v: Undo: %v", own, err)
+			}
+			if !own {
+				if err := d.Commit(ctx, tx); err != nil {
+					t.Fatalf("the caller's transaction after ErrKeyRowChanged: %v", err)
+				}
+			}
+			if n := h.Count(t, db, `SELECT count(*) FROM idem_keys`); n != 0 {
+				t.Fatalf("own %v: %d rows after ErrKeyRowChanged", own, n)
+			}
+		}
+	})
+	t.Run("ReadOfAKeyNoRowHolds", func(t *testing.T) {
+		ctx := t.Context()
+		d := h.New(settings)
+		db := h.DB(t)
+		s := ownSpan(t, d, db)
+		if _, _, err := s.Claim(ctx, driver.Claim{Key: key("x"), Fingerprint: fpA}); err != nil {
+			t.Fatal(err)
+		}
+		if err := s.Complete(ctx, driver.Outcome{Key: key("x"), Fingerprint: fpA, Status: "succeeded", Reply: reply}); err != nil {
+			t.Fatal(err)
+		}
+		// A claim that claims nothing, then a Read that finds no row (the
+		// row went away in between, as after a Forget).
+		if claimed, _, err := s.Claim(ctx, driver.Claim{Key: key("x"), Fingerprint: fpA}); err != nil || claimed {
+			t.Fatal(claimed, err)
+		}
+		row, found, err := s.Read(ctx, key("none"))
+		if err != nil || found || row.Status != "" {
+			t.Fatalf("Read of no row: %+v, %v, %v", row, found, err)
+		}
+		// Read ended the span: the next round begins afresh.
+		if claimed, _, err := s.Claim(ctx, driver.Claim{Key: key("y"), Fingerprint: fpA}); err != nil || !claimed {
+			t.Fatalf("Claim after Read: %v, %v", claimed, err)
+		}
+		if err := s.Undo(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if n := h.Count(t, db, `SELECT count(*) FROM idem_keys`); n != 1 {
+			t.Fatalf("%d rows after Read and Undo, want x's", n)
+		}
+	})
+	t.Run("BeginCommitRollbackNested", func(t *testing.T) {
+		ctx := t.Context()
+		d := h.New(settings)
+		db := h.DB(t)
+		if d.Nested(db) {
+			t.Error("Nested of a pool or database")
+		}
+		if err := d.CheckDB(db, true); err != nil {
+			t.Errorf("CheckDB of a pool or database: %v", err)
+		}
+		if k1, ok1 := d.FlightKey(db); ok1 {
+			if k2, ok2 := d.FlightKey(db); !ok2 || k1 != k2 {
+				t.Error("FlightKey is not stable for one handle")
+			}
+		}
+		tx, err := d.Begin(ctx, db)
+		if err != nil || d.NilTx(tx) {
+			t.Fatalf("Begin: %v", err)
+		}
+		if err := h.Exec(ctx, tx, `INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, expires_at)
+			VALUES ('alice', 'op', 'b', '\x01', 'processing', now() + interval '1 hour')`); err != nil {
+			t.Fatal(err)
+		}
+		if lost := d.Rollback(ctx, db, tx); lost {
+			t.Error("Rollback says the connection is lost")
+		}
+		if err := d.Commit(ctx, tx); !d.TxClosed(err) {
+			t.Errorf("Commit after Rollback: %v, want TxClosed", err)
+		}
+		if n := h.Count(t, db, `SELECT count(*) FROM idem_keys`); n != 0 {
+			t.Fatalf("%d rows after Rollback", n)
+		}
+		if h.Nest == nil {
+			return
+		}
+		outer, err := d.Begin(ctx, db)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer d.Rollback(ctx, db, outer)
+		nest := h.Nest(outer)
+		if !d.Nested(nest) || d.CheckDB(nest, true) == nil || d.CheckDB(nest, false) != nil {
+			t.Error("a transaction as a handle: not Nested, or CheckDB lets Reserve commit in it, or refuses DoInTx")
+		}
+		if _, ok, err := d.OwnSpan(ctx, nest); ok || err != nil {
+			t.Errorf("OwnSpan of a transaction: %v, %v; want none", ok, err)
+		}
+	})
+}
+
+// exerciseFnEnded: fn commits or rolls back the transaction the span runs
+// it in.
+func exerciseFnEnded[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
+	t.Run("FnRollsBackOwnTx", func(t *testing.T) {
+		ctx := t.Context()
+		d := h.New(settings)
+		db := h.DB(t)
+		s := ownSpan(t, d, db)
+		if _, _, err := s.Claim(ctx, driver.Claim{Key: key("rb"), Fingerprint: fpA}); err != nil {
+			t.Fatal(err)
+		}
+		if err := d.Rollback(ctx, db, s.Tx()); err {
+			t.Fatal("lost")
+		}
+		err := s.Complete(ctx, driver.Outcome{Key: key("rb"), Fingerprint: fpA, Status: "succeeded", Reply: reply})
+		if !d.TxClosed(err) {
+			t.Fatalf("Complete after fn's ROLLBACK: %v, want TxClosed", err)
+		}
+		// Orphaned finds no row: the claim went with fn's rollback.
+		if _, _, err := s.Orphaned(ctx, key("rb"), fpA, "why"); !errors.Is(err, driver.ErrNoRows) {
+			t.Fatalf("Orphaned after fn's ROLLBACK: %v, want ErrNoRows", err)
+		}
+	})
+	t.Run("FnCommitsTheCallersTx", func(t *testing.T) {
+		ctx := t.Context()
+		d := h.New(settings)
+		db := h.DB(t)
+		tx, err := d.Begin(ctx, db)
+		if err != nil {
+			t.Fatal(err)
+		}
+		s := d.SavepointSpan(tx)
+		if _, _, err := s.Claim(ctx, driver.Claim{Key: key("c"), Fingerprint: fpA}); err != nil {
+			t.Fatal(err)
+		}
+		if err := h.Commit(ctx, s.Tx()); err != nil {
+			t.Fatal(err)
+		}
+		if err := s.Undo(ctx); !d.TxClosed(err) {
+			t.Fatalf("Undo after fn's COMMIT: %v, want TxClosed", err)
+		}
+		enc, err := s.Enclosing(ctx, key("c"), fpA)
+		if enc != driver.NoEnclosing || err != nil {
+			t.Fatalf("Enclosing of a transaction of its own: %v, %v; want NoEnclosing", enc, err)
+		}
+	})
+	if h.Nest == nil {
+		return
+	}
+	for _, commit := range []bool{true, false} {
+		name := "FnRollsBackASavepoint"
+		if commit {
+			name = "FnCommitsASavepoint"
+		}
+		t.Run(name, func(t *testing.T) {
+			ctx := t.Context()
+			d := h.New(settings)
+			db := h.DB(t)
+			outer, err := d.Begin(ctx, db)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer d.Rollback(ctx, db, outer)
+			inner, err := d.Begin(ctx, h.Nest(outer))
+			if err != nil {
+				t.Fatal(err)
+			}
+			s := d.SavepointSpan(inner)
+			if _, _, err := s.Claim(ctx, driver.Claim{Key: key("n"), Fingerprint: fpA}); err != nil {
+				t.Fatal(err)
+			}
+			if commit {
+				err = h.Commit(ctx, inner)
+			} else {
+				_ = d.Rollback(ctx, db, inner)
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			want := driver.EnclosingUsable
+			if commit {
+				want = driver.EnclosingAborted
+			}
+			if enc, err := s.Enclosing(ctx, key("n"), fpA); enc != want || err != nil {
+				t.Fatalf("Enclosing: %v, %v; want %v", enc, err, want)
+			}
+			err = h.Exec(ctx, outer, `SELECT 1`)
+			if aborted := errors.Is(d.Interpret(err), driver.ErrTxAborted); aborted != commit {
+				t.Fatalf("the enclosing transaction: %v; aborted %v, want %v", err, aborted, commit)
+			}
+			if commit {
+				// Aborted already: Enclosing cannot tell, and says so.
+				if enc, err := s.Enclosing(ctx, key("n"), fpA); enc != driver.EnclosingUnknown || err != nil {
+					t.Fatalf("Enclosing again: %v, %v; want EnclosingUnknown", enc, err)
+				}
+			}
+		})
+	}
+}
+
+// exerciseExecutor: every statement of the Executor, its answers and its
+// errors.
+func exerciseExecutor[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
+	t.Run("ExecutorLifecycle", func(t *testing.T) {
+		ctx := t.Context()
+		d := h.New(settings)
+		db := h.DB(t)
+		inTx := func(f func(ex driver.Executor) error) {
+			t.Helper()
+			tx, err := d.Begin(ctx, db)
+			if err != nil {
+				t.Fatal(err)
+			}
+			committed := false
+			defer func() { // also when f fails the test: the connection goes back
+				if !committed {
+					d.Rollback(ctx, db, tx)
+				}
+			}()
+			if err := f(d.Executor(tx)); err != nil {
+				t.Fatal(err)
+			}
+			committed = true
+			if err := d.Commit(ctx, tx); err != nil {
+				t.Fatal(err)
+			}
+		}
+		k := key("life")
+		r := driver.Reserve{Key: k, Fingerprint: fpA, Lease: time.Hour}
+		var token int64
+		inTx(func(ex driver.Executor) error {
+			got, err := ex.ReserveInsertOrLock(ctx, r)
+			if err != nil || !got.Inserted {
+				t.Fatalf("ReserveInsertOrLock: %+v, %v", got, err)
+			}
+			token = got.Token
+			if n, err := ex.ReserveFailRetryable(ctx, k, token, "certainly not sent"); err != nil || n != 1 {
+				t.Fatalf("ReserveFailRetryable: %d, %v", n, err)
+			}
+			return nil
+		})
+		inTx(func(ex driver.Executor) error {
+			found, err := ex.ReserveInsertOrLock(ctx, r)
+			if err != nil || found.Inserted || !found.Found || found.Row.Status != "failed_retryable" || found.Row.Token != token {
+				t.Fatalf("ReserveInsertOrLock of a failed_retryable row: %+v, %v", found, err)
+			}
+			next, lease, err := ex.ReserveAcquire(ctx, r, token, driver.NewAttempt)
+			if err != nil || next <= token || lease.IsZero() {
+				t.Fatalf("ReserveAcquire: %d, %v, %v", next, lease, err)
+			}
+			token = next
+			if _, err := ex.ReserveHeartbeat(ctx, k, token, time.Hour, false); err != nil {
+				t.Fatalf("ReserveHeartbeat: %v", err)
+			}
+			if n, err := ex.ReserveMarkUnknown(ctx, k, token+1, "stale"); err != nil || n != 0 {
+				t.Fatalf("ReserveMarkUnknown with a stale token: %d, %v", n, err)
+			}
+			if n, err := ex.ReserveMarkUnknown(ctx, k, token, "timeout"); err != nil || n != 1 {
+				t.Fatalf("ReserveMarkUnknown: %d, %v", n, err)
+			}
+			return nil
+		})
+		inTx(func(ex driver.Executor) error {
+			if err := ex.UseIndexes(ctx); err != nil {
+				return err
+			}
+			unknown, err := ex.ReserveListUnknown(ctx, nil, 10)
+			if err != nil || len(unknown) != 1 || unknown[0].Key != k || unknown[0].LastError != "timeout" {
+				t.Fatalf("ReserveListUnknown: %+v, %v", unknown, err)
+			}
+			after := &driver.Cursor{CreatedAt: unknown[0].CreatedAt, Key: k}
+			if more, err := ex.ReserveListUnknown(ctx, after, 10); err != nil || len(more) != 0 {
+				t.Fatalf("ReserveListUnknown after the last: %+v, %v", more, err)
+			}
+			if resumable, err := ex.ReserveListResumable(ctx, nil, 10); err != nil || len(resumable) != 0 {
+				t.Fatalf("ReserveListResumable without windows: %+v, %v", resumable, err)
+			}
+			row, err := ex.ReserveLock(ctx, k)
+			if err != nil || row.Status != "unknown" {
+				t.Fatalf("ReserveLock: %+v, %v", row, err)
+			}
+			if _, err := ex.ReserveLock(ctx, key("none")); !errors.Is(err, driver.ErrNoRows) {
+				t.Fatalf("ReserveLock of no row: %v, want ErrNoRows", err)
+			}
+			n, err := ex.ReserveResolve(ctx, k, row.Token, driver.Resolve{Status: "succeeded", Reply: &reply, Reason: "charged"})
+			if err != nil || n != 1 {
+				t.Fatalf("ReserveResolve: %d, %v", n, err)
+			}
+			rec, err := ex.KeyLookup(ctx, k)
+			if err != nil || rec.Status != "succeeded" || rec.ResolveReason != "charged" || string(rec.Stored.Body) != "ok" {
+				t.Fatalf("KeyLookup after Resolve: %+v, %v", rec, err)
+			}
+			if n, err := ex.KeyMarkUnknown(ctx, k, fpA, "why"); err != nil || n != 0 {
+				t.Fatalf("KeyMarkUnknown of a finished row: %d, %v", n, err)
+			}
+			return nil
+		})
+		// KeyLockForForget does not wait for a transaction that holds the
+		// row: ErrLockNotAvailable.
+		holder, err := d.Begin(ctx, db)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := d.Executor(holder).ReserveLock(ctx, k); err != nil {
+			t.Fatal(err)
+		}
+		tx, err := d.Begin(ctx, db)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, _, err = d.Executor(tx).KeyLockForForget(ctx, k)
+		d.Rollback(ctx, db, tx)
+		d.Rollback(ctx, db, holder)
+		if !errors.Is(d.Interpret(err), driver.ErrLockNotAvailable) || sqlState(d.Interpret(err)) != "55P03" {
+			t.Fatalf("KeyLockForForget of a held row: %v, want ErrLockNotAvailable", err)
+		}
+		inTx(func(ex driver.Executor) error {
+			status, ranOut, err := ex.KeyLockForForget(ctx, k)
+			if err != nil || status != "succeeded" || ranOut {
+				t.Fatalf("KeyLockForForget: %q, %v, %v", status, ranOut, err)
+			}
+			if _, _, err := ex.KeyLockForForget(ctx, key("none")); !errors.Is(err, driver.ErrNoRows) {
+				t.Fatalf("KeyLockForForget of no row: %v, want ErrNoRows", err)
+			}
+			return ex.KeyForget(ctx, k)
+		})
+		inTx(func(ex driver.Executor) error {
+			if _, err := ex.KeyLookup(ctx, k); !errors.Is(err, driver.ErrNoRows) {
+				t.Fatalf("KeyLookup after KeyForget: %v, want ErrNoRows", err)
+			}
+			if err := ex.WalkIndexes(ctx); err != nil {
+				return err
+			}
+			if n, err := ex.ReserveExpireLeases(ctx, "lease ran out", 10); err != nil || n != 0 {
+				t.Fatalf("ReserveExpireLeases: %d, %v", n, err)
+			}
+			if n, err := ex.KeyCountPrunable(ctx); err != nil || n != 0 {
+				t.Fatalf("KeyCountPrunable: %d, %v", n, err)
+			}
+			return nil
+		})
+		inTx(func(ex driver.Executor) error {
+			if table, index, err := ex.KeyTableSize(ctx); err != nil || table < 0 || index <= 0 {
+				t.Fatalf("KeyTableSize: %d, %d, %v", table, index, err)
+			}
+			return nil
+		})
+	})
+	t.Run("ExecutorInAbortedTx", func(t *testing.T) {
+		ctx := t.Context()
+		d := h.New(settings)
+		db := h.DB(t)
+		tx, err := d.Begin(ctx, db)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer d.Rollback(ctx, db, tx)
+		if err := h.Exec(ctx, tx, `SELECT 1/0`); err == nil {
+			t.Fatal("1/0 succeeded")
+		}
+		_, err = d.Executor(tx).KeyLookup(ctx, key("k"))
+		if ierr := d.Interpret(err); !errors.Is(ierr, driver.ErrTxAborted) || sqlState(ierr) != "25P02" || errors.Is(err, driver.ErrNoRows) {
+			t.Fatalf("KeyLookup in an aborted transaction: %v, want ErrTxAborted", err)
+		}
+	})
+}
