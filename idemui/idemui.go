@@ -132,13 +132,17 @@ func New(opts Options) (http.Handler, error) {
 	if err != nil {
 		return nil, err
 	}
+	favicon, err := fs.ReadFile(files, "static/favicon.svg")
+	if err != nil {
+		return nil, err
+	}
 	client := opts.Client
 	if client == nil {
 		if client, err = idem.New(idem.Config{}); err != nil {
 			return nil, err
 		}
 	}
-	return &console{opts: opts, client: client, pages: pages, css: css, cop: http.NewCrossOriginProtection()}, nil
+	return &console{opts: opts, client: client, pages: pages, css: css, favicon: favicon, cop: http.NewCrossOriginProtection()}, nil
 }
 
 // console is the handler New returns.
@@ -147,7 +151,10 @@ type console struct {
 	client *idem.Client // opts.Client, or one with the defaults
 	pages  map[string]*template.Template
 	css    []byte
-	cop    *http.CrossOriginProtection
+	// favicon is the console's icon (SVG).
+	favicon []byte
+	cop     *http.CrossOriginProtection
+	flashes flashes
 }
 
 // contentSecurityPolicy allows this origin's stylesheet and images, and
@@ -174,7 +181,7 @@ func (c *console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			Message: "This request came from another site, so it was refused. Nothing changed."})
 		return
 	}
-	rt := match(path)
+	rt := match(path, r.URL.Query())
 	safe := r.Method == http.MethodGet || r.Method == http.MethodHead
 	action := ActionView
 	if !safe && rt.action != "" {

@@ -178,16 +178,9 @@ func (in resolveInput) resolution() (idem.Resolution, error) {
 		return res, badRequest("invalid_token", "The token %q is not the positive number of an attempt (the record page shows it).", string(in.Token))
 	}
 	res.Token = token
-	reason := strings.TrimSpace(in.Reason)
-	switch {
-	case reason == "":
-		return res, badRequest("invalid_reason", "Say why (what you checked, and where): the reason is stored with the record and in the audit trail.")
-	case len(reason) > idem.MaxReasonLength:
-		return res, badRequest("invalid_reason", "The reason is longer than %d bytes.", idem.MaxReasonLength)
-	case !validText(reason):
-		return res, badRequest("invalid_reason", "The reason is not valid text.")
+	if res.Reason, err = reasonOf(in.Reason, "Say why (what you checked, and where): the reason is stored with the record and in the audit trail."); err != nil {
+		return res, err
 	}
-	res.Reason = reason
 	switch in.Verdict {
 	case audit.VerdictRetryable:
 		res.Retryable = true
@@ -218,12 +211,39 @@ func (in resolveInput) resolution() (idem.Resolution, error) {
 	return res, nil
 }
 
-// forgetInput names the attempt a forget is about.
+// reasonOf checks an operator's reason: required (missing says ask),
+// valid text, at most idem.MaxReasonLength bytes.
+func reasonOf(s, ask string) (string, error) {
+	reason := strings.TrimSpace(s)
+	switch {
+	case reason == "":
+		return "", badRequest("invalid_reason", "%s", ask)
+	case len(reason) > idem.MaxReasonLength:
+		return "", badRequest("invalid_reason", "The reason is longer than %d bytes.", idem.MaxReasonLength)
+	case !validText(reason):
+		return "", badRequest("invalid_reason", "The reason is not valid text.")
+	}
+	return reason, nil
+}
+
+// confirmed refuses a page's form for a destructive action that was not
+// confirmed (the box ticked): the API's callers confirm by calling.
+func confirmed(vs url.Values, what string) error {
+	if v, err := one(vs, "confirm"); err != nil || v != "yes" {
+		return badRequest("not_confirmed", "Tick the box to confirm that you mean to %s. Nothing changed.", what)
+	}
+	return nil
+}
+
+// forgetInput names the attempt a forget is about, and why.
 type forgetInput struct {
 	Token     json.Number `json:"token"`
 	CreatedAt string      `json:"created_at"`
+	Reason    string      `json:"reason"`
 }
 
+// forgetFromForm reads a forgetInput from the posted form, which must be
+// confirmed.
 func forgetFromForm(r *http.Request) (forgetInput, error) {
 	var in forgetInput
 	vs, err := postForm(r)
@@ -235,8 +255,18 @@ func forgetFromForm(r *http.Request) (forgetInput, error) {
 		return in, err
 	}
 	in.Token = json.Number(token)
-	in.CreatedAt, err = one(vs, "created_at")
-	return in, err
+	if in.CreatedAt, err = one(vs, "created_at"); err != nil {
+		return in, err
+	}
+	if in.Reason, err = one(vs, "reason"); err != nil {
+		return in, err
+	}
+	return in, confirmed(vs, "forget this key")
+}
+
+// forgetReason checks the reason of a forget.
+func (in forgetInput) reason() (string, error) {
+	return reasonOf(in.Reason, "Say why this key is forgotten (who asked, and what the client reused it for): the reason is kept in the audit trail with a copy of the record.")
 }
 
 // attempt checks in and returns the attempt it names.
@@ -286,12 +316,15 @@ func (in expireInput) check() (audit.Filter, time.Time, error) {
 	return f, cutoff, nil
 }
 
-// pruneInput bounds an audited prune.
+// pruneInput bounds an audited prune, and says why.
 type pruneInput struct {
 	BatchSize  json.Number `json:"batch_size"`
 	MaxBatches json.Number `json:"max_batches"`
+	Reason     string      `json:"reason"`
 }
 
+// pruneFromForm reads a pruneInput from the posted form, which must be
+// confirmed.
 func pruneFromForm(r *http.Request) (pruneInput, error) {
 	var in pruneInput
 	vs, err := postForm(r)
@@ -303,8 +336,14 @@ func pruneFromForm(r *http.Request) (pruneInput, error) {
 		return in, err
 	}
 	mb, err := one(vs, "max_batches")
+	if err != nil {
+		return in, err
+	}
 	in.BatchSize, in.MaxBatches = json.Number(bs), json.Number(mb)
-	return in, err
+	if in.Reason, err = one(vs, "reason"); err != nil {
+		return in, err
+	}
+	return in, confirmed(vs, "delete the expired keys")
 }
 
 // Defaults and bounds of an audited prune from the console.
@@ -313,7 +352,8 @@ const (
 	pruneMaxBatches = 10
 )
 
-func (in pruneInput) options() (idem.PruneOptions, error) {
+// options checks in and returns the options and the reason of the prune.
+func (in pruneInput) options() (idem.PruneOptions, string, error) {
 	opts := idem.PruneOptions{BatchSize: pruneBatchSize, MaxBatches: pruneMaxBatches}
 	for _, f := range []struct {
 		name string
@@ -326,11 +366,12 @@ func (in pruneInput) options() (idem.PruneOptions, error) {
 		}
 		n, err := strconv.Atoi(string(f.v))
 		if err != nil || n <= 0 || n > f.max {
-			return opts, badRequest("invalid_prune", "%s %q is not a number from 1 to %d.", f.name, string(f.v), f.max)
+			return opts, "", badRequest("invalid_prune", "%s %q is not a number from 1 to %d.", f.name, string(f.v), f.max)
 		}
 		*f.out = n
 	}
-	return opts, nil
+	reason, err := reasonOf(in.Reason, "Say why the expired keys are deleted now: the reason is kept in the audit trail.")
+	return opts, reason, err
 }
 
 // postForm parses the body of a form POST. Only

@@ -55,6 +55,9 @@ func problemOf(err error) *problem {
 	case errors.Is(err, idem.ErrNotResolvable):
 		return &problem{Status: http.StatusConflict, Code: "not_resolvable",
 			Message: "Refused: the outcome of this record is not in doubt (" + detail(err, idem.ErrNotResolvable) + "). Nothing changed."}
+	case errors.Is(err, audit.ErrBusy):
+		return &problem{Status: http.StatusConflict, Code: "busy",
+			Message: fmt.Sprintf("Refused: another transaction held this record for more than %s (a worker, or another operator). Nothing changed: try again in a moment.", audit.LockTimeout)}
 	case errors.Is(err, audit.ErrChanged):
 		return &problem{Status: http.StatusConflict, Code: "changed",
 			Message: "Refused: the record changed since it was shown (" + detail(err, audit.ErrChanged) + "). Nothing changed: look at it again."}

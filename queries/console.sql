@@ -89,8 +89,8 @@ WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
 -- ConsoleExpirableCount it acts on at most the rows counted (a lease that
 -- runs out, a window that ends or an attempt that ages past the filter
 -- after the count is past the cutoff; a lease that ran out cannot be
--- extended).
--- name: ConsoleExpireLeases :execrows
+-- extended). Returns each record it changed, for its own audit row.
+-- name: ConsoleExpireLeases :many
 UPDATE idem_keys
 SET status     = 'unknown',
     last_error = sqlc.arg(reason)::text
@@ -104,7 +104,8 @@ WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
   AND created_at <= least(sqlc.arg(cutoff)::timestamptz, now())
                     - (sqlc.arg(min_age_micros)::bigint * interval '1 microsecond')
   AND (sqlc.arg(error_text)::text = ''
-       OR strpos(lower(coalesce(last_error, '')), lower(sqlc.arg(error_text)::text)) > 0);
+       OR strpos(lower(coalesce(last_error, '')), lower(sqlc.arg(error_text)::text)) > 0)
+RETURNING actor, operation, idem_key, token, lease_expires_at;
 
 -- The open reservations, oldest first, up to @cap_rows of them: counts by
 -- kind and the oldest of each. The oldest are exact whatever the cap (the
@@ -191,9 +192,22 @@ VALUES (@actor, @operator, @action, @operation, @idem_key, sqlc.narg(token_befor
         sqlc.narg(detail)::text::jsonb)
 RETURNING id, acted_at;
 
+-- Writes one row of the trail for each record a bulk action changed, in
+-- the transaction of the change: @records is a JSON array of objects
+-- {actor, operation, idem_key, token, detail}, one a record.
+-- name: AuditInsertEach :execrows
+INSERT INTO idem_audit (actor, operator, action, operation, idem_key, token_before, token_after,
+                        status_before, status_after, reason, changed, detail)
+SELECT r.actor, @operator, @action, r.operation, r.idem_key, r.token, r.token,
+       @status_before::text, @status_after::text, @reason, 1, r.detail
+FROM jsonb_to_recordset(sqlc.arg(records)::text::jsonb)
+     AS r(actor text, operation text, idem_key text, token bigint, detail jsonb);
+
 -- Pages through the trail, newest first, before the given position
 -- ('infinity' for the first page), filtered: an empty value matches every
--- row.
+-- row; operator_prefix keeps the operators whose name starts with it;
+-- from_at and to_at keep the rows acted at from_at (included) to to_at
+-- (excluded), '-infinity' and 'infinity' for no bound.
 -- name: AuditList :many
 SELECT id, acted_at, operator, action, actor, operation, idem_key, token_before, token_after,
        status_before, status_after, verdict, reason, changed, coalesce(detail::text, '')::text AS detail
@@ -203,6 +217,8 @@ WHERE (sqlc.arg(operator)::text = '' OR operator = sqlc.arg(operator)::text)
   AND (sqlc.arg(actor)::text = '' OR actor = sqlc.arg(actor)::text)
   AND (sqlc.arg(operation)::text = '' OR operation = sqlc.arg(operation)::text)
   AND (sqlc.arg(idem_key)::text = '' OR idem_key = sqlc.arg(idem_key)::text)
+  AND (sqlc.arg(operator_prefix)::text = '' OR starts_with(operator, sqlc.arg(operator_prefix)::text))
+  AND acted_at >= sqlc.arg(from_at)::timestamptz AND acted_at < sqlc.arg(to_at)::timestamptz
   AND (acted_at, id) < (sqlc.arg(before_acted_at)::timestamptz, sqlc.arg(before_id)::bigint)
 ORDER BY acted_at DESC, id DESC
 LIMIT sqlc.arg(max_rows)::integer;

@@ -63,6 +63,42 @@ func (q *Queries) AuditInsert(ctx context.Context, db DBTX, arg AuditInsertParam
 	return i, err
 }
 
+const AuditInsertEach = `-- name: AuditInsertEach :execrows
+INSERT INTO idem_audit (actor, operator, action, operation, idem_key, token_before, token_after,
+                        status_before, status_after, reason, changed, detail)
+SELECT r.actor, $1, $2, r.operation, r.idem_key, r.token, r.token,
+       $3::text, $4::text, $5, 1, r.detail
+FROM jsonb_to_recordset($6::text::jsonb)
+     AS r(actor text, operation text, idem_key text, token bigint, detail jsonb)
+`
+
+type AuditInsertEachParams struct {
+	Operator     string
+	Action       string
+	StatusBefore string
+	StatusAfter  string
+	Reason       string
+	Records      string
+}
+
+// Writes one row of the trail for each record a bulk action changed, in
+// the transaction of the change: @records is a JSON array of objects
+// {actor, operation, idem_key, token, detail}, one a record.
+func (q *Queries) AuditInsertEach(ctx context.Context, db DBTX, arg AuditInsertEachParams) (int64, error) {
+	result, err := db.Exec(ctx, AuditInsertEach,
+		arg.Operator,
+		arg.Action,
+		arg.StatusBefore,
+		arg.StatusAfter,
+		arg.Reason,
+		arg.Records,
+	)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
 const AuditList = `-- name: AuditList :many
 SELECT id, acted_at, operator, action, actor, operation, idem_key, token_before, token_after,
        status_before, status_after, verdict, reason, changed, coalesce(detail::text, '')::text AS detail
@@ -72,20 +108,25 @@ WHERE ($1::text = '' OR operator = $1::text)
   AND ($3::text = '' OR actor = $3::text)
   AND ($4::text = '' OR operation = $4::text)
   AND ($5::text = '' OR idem_key = $5::text)
-  AND (acted_at, id) < ($6::timestamptz, $7::bigint)
+  AND ($6::text = '' OR starts_with(operator, $6::text))
+  AND acted_at >= $7::timestamptz AND acted_at < $8::timestamptz
+  AND (acted_at, id) < ($9::timestamptz, $10::bigint)
 ORDER BY acted_at DESC, id DESC
-LIMIT $8::integer
+LIMIT $11::integer
 `
 
 type AuditListParams struct {
-	Operator      string
-	Action        string
-	Actor         string
-	Operation     string
-	IdemKey       string
-	BeforeActedAt pgtype.Timestamptz
-	BeforeID      int64
-	MaxRows       int32
+	Operator       string
+	Action         string
+	Actor          string
+	Operation      string
+	IdemKey        string
+	OperatorPrefix string
+	FromAt         pgtype.Timestamptz
+	ToAt           pgtype.Timestamptz
+	BeforeActedAt  pgtype.Timestamptz
+	BeforeID       int64
+	MaxRows        int32
 }
 
 type AuditListRow struct {
@@ -108,7 +149,9 @@ type AuditListRow struct {
 
 // Pages through the trail, newest first, before the given position
 // ('infinity' for the first page), filtered: an empty value matches every
-// row.
+// row; operator_prefix keeps the operators whose name starts with it;
+// from_at and to_at keep the rows acted at from_at (included) to to_at
+// (excluded), '-infinity' and 'infinity' for no bound.
 func (q *Queries) AuditList(ctx context.Context, db DBTX, arg AuditListParams) ([]AuditListRow, error) {
 	rows, err := db.Query(ctx, AuditList,
 		arg.Operator,
@@ -116,6 +159,9 @@ func (q *Queries) AuditList(ctx context.Context, db DBTX, arg AuditListParams) (
 		arg.Actor,
 		arg.Operation,
 		arg.IdemKey,
+		arg.OperatorPrefix,
+		arg.FromAt,
+		arg.ToAt,
 		arg.BeforeActedAt,
 		arg.BeforeID,
 		arg.MaxRows,
@@ -253,7 +299,7 @@ func (q *Queries) ConsoleExpirableCount(ctx context.Context, db DBTX, arg Consol
 	return i, err
 }
 
-const ConsoleExpireLeases = `-- name: ConsoleExpireLeases :execrows
+const ConsoleExpireLeases = `-- name: ConsoleExpireLeases :many
 UPDATE idem_keys
 SET status     = 'unknown',
     last_error = $1::text
@@ -268,6 +314,7 @@ WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
                     - ($5::bigint * interval '1 microsecond')
   AND ($6::text = ''
        OR strpos(lower(coalesce(last_error, '')), lower($6::text)) > 0)
+RETURNING actor, operation, idem_key, token, lease_expires_at
 `
 
 type ConsoleExpireLeasesParams struct {
@@ -277,6 +324,14 @@ type ConsoleExpireLeasesParams struct {
 	Operation    string
 	MinAgeMicros int64
 	ErrorText    string
+}
+
+type ConsoleExpireLeasesRow struct {
+	Actor          string
+	Operation      string
+	IdemKey        string
+	Token          int64
+	LeaseExpiresAt pgtype.Timestamptz
 }
 
 // Turns the reservations that the filter matched at the instant
@@ -291,9 +346,9 @@ type ConsoleExpireLeasesParams struct {
 // ConsoleExpirableCount it acts on at most the rows counted (a lease that
 // runs out, a window that ends or an attempt that ages past the filter
 // after the count is past the cutoff; a lease that ran out cannot be
-// extended).
-func (q *Queries) ConsoleExpireLeases(ctx context.Context, db DBTX, arg ConsoleExpireLeasesParams) (int64, error) {
-	result, err := db.Exec(ctx, ConsoleExpireLeases,
+// extended). Returns each record it changed, for its own audit row.
+func (q *Queries) ConsoleExpireLeases(ctx context.Context, db DBTX, arg ConsoleExpireLeasesParams) ([]ConsoleExpireLeasesRow, error) {
+	rows, err := db.Query(ctx, ConsoleExpireLeases,
 		arg.Reason,
 		arg.Cutoff,
 		arg.Actor,
@@ -302,9 +357,27 @@ func (q *Queries) ConsoleExpireLeases(ctx context.Context, db DBTX, arg ConsoleE
 		arg.ErrorText,
 	)
 	if err != nil {
-		return 0, err
+		return nil, err
 	}
-	return result.RowsAffected(), nil
+	defer rows.Close()
+	var items []ConsoleExpireLeasesRow
+	for rows.Next() {
+		var i ConsoleExpireLeasesRow
+		if err := rows.Scan(
+			&i.Actor,
+			&i.Operation,
+			&i.IdemKey,
+			&i.Token,
+			&i.LeaseExpiresAt,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
 }
 
 const ConsoleNeedsPerson = `-- name: ConsoleNeedsPerson :many
