@@ -8,6 +8,7 @@ import (
 	"net/http/httptest"
 	"net/url"
 	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -226,4 +227,33 @@ func keyPath(scope idem.Scope, key string) string {
 		return url.PathEscape(s)
 	}
 	return "/idem/keys/" + esc(scope.Actor) + "/" + esc(scope.Operation) + "/" + esc(key)
+}
+
+// keyPage is the address of a record's page as the console links it: the
+// names in the query, which no browser cleans.
+func keyPage(scope idem.Scope, key string) string {
+	return "/idem/key?" + url.Values{"actor": {scope.Actor}, "operation": {scope.Operation}, "key": {key}}.Encode()
+}
+
+// flashed follows a redirect's Location (path and query) and returns the
+// page it leads to.
+func (e *env) flashed(res response) response {
+	e.t.Helper()
+	loc := res.header.Get("Location")
+	if res.status != http.StatusSeeOther || loc == "" {
+		e.t.Fatalf("not a redirect: %d %q\n%s", res.status, loc, res.body)
+	}
+	return e.get(loc)
+}
+
+// forgetForm is a confirmed forget of the attempt (token, created) with
+// reason.
+func forgetForm(token int64, created, reason string) url.Values {
+	return url.Values{"token": {strconv.FormatInt(token, 10)}, "created_at": {created}, "reason": {reason}, "confirm": {"yes"}}
+}
+
+// keyURLFor is the address of a record's action (resolve, forget) as the
+// record page's forms post it.
+func keyURLFor(scope idem.Scope, key, action string) string {
+	return strings.Replace(keyPage(scope, key), "/key?", "/key/"+action+"?", 1)
 }

@@ -2,6 +2,7 @@ package idemui_test
 
 import (
 	"context"
+	"encoding/csv"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -92,14 +93,18 @@ func TestEveryRouteAskedWithItsAction(t *testing.T) {
 		{"GET", "/idem/api/audit", "", "", idemui.ActionView, 200},
 		{"GET", keyPath(pay, "u1") + "/resolve", "", "", idemui.ActionView, 405},
 		{"POST", "/idem/", form, "", idemui.ActionView, 405},
-		{"POST", "/idem/prune", form, "max_batches=1", idemui.ActionPrune, 303},
+		{"POST", "/idem/prune", form, "max_batches=1&confirm=yes&reason=ttl", idemui.ActionPrune, 303},
 		{"POST", "/idem/expire-leases", form, "cutoff=" + url.QueryEscape(time.Now().UTC().Format(time.RFC3339Nano)), idemui.ActionExpireLeases, 303},
 		{"POST", "/idem/api/expire-leases", "application/json", `{"cutoff":"2020-01-01T00:00:00Z"}`, idemui.ActionExpireLeases, 200},
-		{"POST", "/idem/api/prune", "application/json", `{"max_batches":1}`, idemui.ActionPrune, 200},
+		{"POST", "/idem/api/prune", "application/json", `{"max_batches":1,"reason":"ttl"}`, idemui.ActionPrune, 200},
+		{"GET", keyPage(pay, "u1"), "", "", idemui.ActionView, 200},
+		{"GET", "/idem/audit.csv", "", "", idemui.ActionView, 200},
+		{"GET", "/idem/audit.json", "", "", idemui.ActionView, 200},
+		{"GET", "/idem/static/favicon.svg", "", "", idemui.ActionView, 200},
 		{"POST", keyPath(pay, "u1") + "/resolve", form,
 			fmt.Sprintf("token=%d&verdict=retryable&reason=no+charge+at+the+provider", u.Token), idemui.ActionResolve, 303},
 		{"POST", keyPath(pay, "done") + "/forget", form,
-			fmt.Sprintf("token=%d&created_at=%s", done.Token, url.QueryEscape(created)), idemui.ActionForget, 303},
+			forgetForm(done.Token, created, "client reused it").Encode(), idemui.ActionForget, 303},
 	} {
 		e.takeAsked()
 		res := e.do(tc.method, tc.path, tc.ctype, tc.body)
@@ -172,7 +177,7 @@ func TestVerdictFromTheForm(t *testing.T) {
 	u := e.unknown(pay, "order-1", "gateway timeout after 30s")
 
 	list := e.get("/idem/unknown")
-	link := html.EscapeString(keyPath(pay, "order-1"))
+	link := html.EscapeString(keyPage(pay, "order-1"))
 	if list.status != 200 || !strings.Contains(list.body, `href="`+link+`"`) {
 		t.Fatalf("the list does not link to the record %s:\n%s", link, list.body)
 	}
@@ -188,9 +193,10 @@ func TestVerdictFromTheForm(t *testing.T) {
 		"token": {strconv.FormatInt(u.Token, 10)}, "verdict": {"succeeded"}, "status": {"201"},
 		"content_type": {"application/json"}, "body": {"{\"charge\":\"ch_1\"}\r\n"}, "reason": {"  charge ch_1 captured (provider dashboard)  "},
 	})
-	if res.status != http.StatusSeeOther || res.header.Get("Location") != keyPath(pay, "order-1")+"?done=resolved" {
-		t.Fatalf("resolve: %d %s\n%s", res.status, res.header.Get("Location"), res.body)
+	if loc := res.header.Get("Location"); res.status != http.StatusSeeOther || !strings.HasPrefix(loc, keyPage(pay, "order-1")+"&flash=") {
+		t.Fatalf("resolve: %d %s\n%s", res.status, loc, res.body)
 	}
+	flashURL := res.header.Get("Location")
 	rec := e.lookup(pay, "order-1")
 	if rec.Status != idem.StatusSucceeded || rec.Response == nil || rec.Response.Status != 201 ||
 		string(rec.Response.Body) != "{\"charge\":\"ch_1\"}\n" || rec.ResolveReason != "charge ch_1 captured (provider dashboard)" ||
@@ -215,7 +221,7 @@ func TestVerdictFromTheForm(t *testing.T) {
 		row.TokenBefore != u.Token || row.TokenAfter != rec.Token || row.Changed != 1 || !row.At.Equal(row.Completed) {
 		t.Fatalf("audit row: %+v", row)
 	}
-	page = e.get(keyPath(pay, "order-1") + "?done=resolved")
+	page = e.get(flashURL)
 	for _, want := range []string{"Verdict recorded", "Succeeded", "verdict: it happened (succeeded)", "<b>alice</b>",
 		html.EscapeString(`"charge": "ch_1"`)} {
 		if !strings.Contains(page.body, want) {
@@ -284,7 +290,7 @@ func TestRefusedFormSaysWhichAttempt(t *testing.T) {
 		fmt.Sprintf("Record a verdict on attempt #%d", old.Token),
 		fmt.Sprintf(`name="token" value="%d"`, old.Token),
 		fmt.Sprintf("Your form was about attempt #%d, the record now holds #%d", old.Token, now.Token),
-		`href="` + html.EscapeString(keyPath(pay, "order-9")) + `"`,
+		`href="` + html.EscapeString(keyPage(pay, "order-9")) + `"`,
 	} {
 		if !strings.Contains(res.body, want) {
 			t.Errorf("the refused verdict's page lacks %q", want)
@@ -296,12 +302,11 @@ func TestRefusedFormSaysWhichAttempt(t *testing.T) {
 	// A forget: the key was forgotten and used again before this form is sent.
 	first := e.succeeded(pay, "paid", idem.Response{Status: 200})
 	firstAt := e.lookup(pay, "paid").CreatedAt.UTC().Format(time.RFC3339Nano)
-	if res := e.postJSON(apiPath("paid")+"/forget", map[string]any{"token": first.Token, "created_at": firstAt}); res.status != 200 {
+	if res := e.postJSON(apiPath("paid")+"/forget", map[string]any{"token": first.Token, "created_at": firstAt, "reason": "reused"}); res.status != 200 {
 		t.Fatalf("first forget: %d %s", res.status, res.body)
 	}
 	second := e.succeeded(pay, "paid", idem.Response{Status: 200})
-	res = e.postForm(keyPath(pay, "paid")+"/forget", url.Values{
-		"token": {strconv.FormatInt(first.Token, 10)}, "created_at": {firstAt}})
+	res = e.postForm(keyPath(pay, "paid")+"/forget", forgetForm(first.Token, firstAt, "reused again"))
 	if res.status != http.StatusConflict {
 		t.Fatalf("stale forget: %d\n%s", res.status, res.body)
 	}
@@ -378,6 +383,7 @@ func TestBadInputChangesNothing(t *testing.T) {
 	e := newEnv(t, nil)
 	u := e.unknown(pay, "order-3", "timeout")
 	done := e.succeeded(pay, "done", idem.Response{Status: 200, Body: []byte(`{}`)})
+	doneAt := e.lookup(pay, "done").CreatedAt.UTC().Format(time.RFC3339Nano)
 	tok := strconv.FormatInt(u.Token, 10)
 	resolve := keyPath(pay, "order-3") + "/resolve"
 	apiResolve := "/idem/api" + strings.TrimPrefix(resolve, "/idem")
@@ -418,8 +424,25 @@ func TestBadInputChangesNothing(t *testing.T) {
 		{"unknown JSON field", "POST", apiResolve, "application/json", `{"token":` + tok + `,"verdict":"retryable","reason":"r","force":true}`, "invalid_json"},
 		{"two JSON values", "POST", apiResolve, "application/json", `{"token":` + tok + `,"verdict":"retryable","reason":"r"} {}`, "invalid_json"},
 		{"oversized JSON", "POST", apiResolve, "application/json", `{"token":` + tok + `,"verdict":"succeeded","reason":"r","body":"` + strings.Repeat("x", 5<<20) + `"}`, "body_too_large"},
-		{"forget without attempt", "POST", keyPath(pay, "done") + "/forget", form, "token=" + strconv.FormatInt(done.Token, 10), "invalid_attempt"},
-		{"forget bad token", "POST", keyPath(pay, "done") + "/forget", form, "token=x&created_at=2026-01-01T00:00:00Z", "invalid_token"},
+		{"forget without attempt", "POST", keyPath(pay, "done") + "/forget", form, "confirm=yes&reason=r&token=" + strconv.FormatInt(done.Token, 10), "invalid_attempt"},
+		{"forget bad token", "POST", keyPath(pay, "done") + "/forget", form, "confirm=yes&reason=r&token=x&created_at=2026-01-01T00:00:00Z", "invalid_token"},
+		{"forget confirm twice", "POST", strings.Replace(keyPage(pay, "done"), "/key?", "/key/forget?", 1), form,
+			forgetForm(done.Token, doneAt, "reused").Encode() + "&confirm=no", "not_confirmed"},
+		{"forget page unconfirmed", "POST", strings.Replace(keyPage(pay, "done"), "/key?", "/key/forget?", 1), form,
+			url.Values{"token": {strconv.FormatInt(done.Token, 10)}, "created_at": {doneAt}, "reason": {"reused"}}.Encode(), "not_confirmed"},
+		{"forget page without reason", "POST", keyPath(pay, "done") + "/forget", form, forgetForm(done.Token, doneAt, "  ").Encode(), "invalid_reason"},
+		{"forget API without reason", "POST", "/idem/api" + strings.TrimPrefix(keyPath(pay, "done"), "/idem") + "/forget", "application/json",
+			`{"token":` + strconv.FormatInt(done.Token, 10) + `,"created_at":"` + doneAt + `"}`, "invalid_reason"},
+		{"forget API reason too long", "POST", "/idem/api" + strings.TrimPrefix(keyPath(pay, "done"), "/idem") + "/forget", "application/json",
+			`{"token":` + strconv.FormatInt(done.Token, 10) + `,"created_at":"` + doneAt + `","reason":"` + strings.Repeat("x", idem.MaxReasonLength+1) + `"}`, "invalid_reason"},
+		{"prune page unconfirmed", "POST", "/idem/prune", form, "reason=ttl", "not_confirmed"},
+		{"prune page without reason", "POST", "/idem/prune", form, "confirm=yes", "invalid_reason"},
+		{"prune API without reason", "POST", "/idem/api/prune", "application/json", `{"max_batches":1}`, "invalid_reason"},
+		{"key query without key", "GET", "/idem/key?actor=acme&operation=charge", "", "", "invalid_path"},
+		{"key query key twice", "GET", keyPage(pay, "done") + "&key=other", "", "", "invalid_form"},
+		{"audit bad from", "GET", "/idem/api/audit?from=yesterday", "", "", "invalid_filter"},
+		{"audit empty range", "GET", "/idem/api/audit?from=2026-12-05&to=2026-12-04", "", "", "invalid_filter"},
+		{"audit export bad to", "GET", "/idem/audit.csv?to=soon", "", "", "invalid_filter"},
 		{"expire without cutoff", "POST", "/idem/expire-leases", form, "actor=acme", "invalid_cutoff"},
 		{"expire bad age", "POST", "/idem/api/expire-leases", "application/json", `{"older_than":"-1h","cutoff":"2026-01-01T00:00:00Z"}`, "invalid_filter"},
 		{"expire NUL actor", "POST", "/idem/api/expire-leases", "application/json", `{"actor":"a\u0000b","cutoff":"2026-01-01T00:00:00Z"}`, "invalid_filter"},
@@ -428,7 +451,7 @@ func TestBadInputChangesNothing(t *testing.T) {
 		{"list bad limit", "GET", "/idem/api/unknown?limit=0", "", "", "invalid_limit"},
 		{"audit bad action", "GET", "/idem/api/audit?action=drop", "", "", "invalid_filter"},
 		{"audit bad cursor", "GET", "/idem/api/audit?before=bm9wZQ", "", "", "invalid_cursor"},
-		{"prune too many", "POST", "/idem/api/prune", "application/json", `{"max_batches":1000}`, "invalid_prune"},
+		{"prune too many", "POST", "/idem/api/prune", "application/json", `{"max_batches":1000,"reason":"r"}`, "invalid_prune"},
 		{"search key alone", "GET", "/idem/api/search?key=x", "", "", "invalid_search"},
 	} {
 		res := e.do(tc.method, tc.path, tc.ctype, tc.body)
@@ -581,7 +604,7 @@ func TestAuditFailureRollsBack(t *testing.T) {
 	rec := e.lookup(pay, "done")
 	for _, tc := range []struct{ path, body string }{
 		{keyPath(pay, "order-6") + "/resolve", fmt.Sprintf("token=%d&verdict=retryable&reason=x", u.Token)},
-		{keyPath(pay, "done") + "/forget", fmt.Sprintf("token=%d&created_at=%s", done.Token, url.QueryEscape(rec.CreatedAt.Format(time.RFC3339Nano)))},
+		{keyPath(pay, "done") + "/forget", forgetForm(done.Token, rec.CreatedAt.Format(time.RFC3339Nano), "reused").Encode()},
 		{"/idem/expire-leases", "cutoff=" + url.QueryEscape(time.Now().Add(time.Hour).UTC().Format(time.RFC3339Nano))},
 	} {
 		res := e.postForm(tc.path, mustParseQuery(t, tc.body))
@@ -604,16 +627,24 @@ func mustParseQuery(t *testing.T, s string) url.Values {
 }
 
 // Forget names the attempt it is about: a record that changed since is
-// refused; a finished one is forgotten with its audit row.
+// refused; a finished one is forgotten with its audit row, which keeps the
+// reason and a copy of the record, shown on the audit page. A refused form
+// keeps the reason typed.
 func TestForget(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
-	done := e.succeeded(pay, "done", idem.Response{Status: 200, Body: []byte(`{}`)})
+	done := e.succeeded(pay, "done", idem.Response{Status: 201, Header: map[string][]string{"Content-Type": {"application/json"}},
+		Body: []byte(`{"charge":"ch_9"}`)})
 	rec := e.lookup(pay, "done")
 	u := e.unknown(pay, "order-7", "timeout")
 	forget := func(key string, token int64, created time.Time) response {
-		return e.postForm(keyPath(pay, key)+"/forget", url.Values{"token": {strconv.FormatInt(token, 10)},
-			"created_at": {created.UTC().Format(time.RFC3339Nano)}})
+		return e.postForm(keyURLFor(pay, key, "forget"), forgetForm(token, created.UTC().Format(time.RFC3339Nano), "client reused order-7's key"))
+	}
+	page := e.get(keyPage(pay, "done"))
+	for _, want := range []string{`name="reason"`, `name="confirm" value="yes" required`, html.EscapeString(keyURLFor(pay, "done", "forget"))} {
+		if !strings.Contains(page.body, want) {
+			t.Errorf("the forget form lacks %q", want)
+		}
 	}
 	before := e.state()
 	if res := forget("done", done.Token+1, rec.CreatedAt); res.status != 409 || !strings.Contains(res.body, "changed since it was shown") {
@@ -629,6 +660,16 @@ func TestForget(t *testing.T) {
 	if after := e.state(); after != before {
 		t.Fatalf("a refused forget changed something:\n%s\n%s", before, after)
 	}
+	// Unconfirmed: refused, and the reason typed is still in the form.
+	unconfirmed := forgetForm(done.Token, rec.CreatedAt.UTC().Format(time.RFC3339Nano), "asked by ops <ticket 42>")
+	unconfirmed.Del("confirm")
+	if res := e.postForm(keyURLFor(pay, "done", "forget"), unconfirmed); res.status != 400 ||
+		!strings.Contains(res.body, `data-code="not_confirmed"`) || !strings.Contains(res.body, "asked by ops &lt;ticket 42&gt;</textarea>") {
+		t.Fatalf("an unconfirmed forget: %d\n%s", res.status, res.body)
+	}
+	if after := e.state(); after != before {
+		t.Fatalf("a refused forget changed something:\n%s\n%s", before, after)
+	}
 	res := forget("done", done.Token, rec.CreatedAt)
 	if res.status != http.StatusSeeOther {
 		t.Fatalf("forget: %d\n%s", res.status, res.body)
@@ -636,10 +677,26 @@ func TestForget(t *testing.T) {
 	if _, err := idem.Lookup(context.Background(), e.pool, pay, "done"); !errors.Is(err, idem.ErrNotFound) {
 		t.Fatalf("after forget: %v", err)
 	}
-	page := e.get(res.header.Get("Location"))
-	if !strings.Contains(page.body, "Key forgotten") || !strings.Contains(page.body, "forgot the key") ||
-		!strings.Contains(page.body, fmt.Sprintf("#%d", done.Token)) {
-		t.Fatalf("the audit page after forget:\n%s", page.body)
+	var reason, status, fingerprint, body string
+	var token int64
+	if err := e.pool.QueryRow(context.Background(), `SELECT reason, detail->'forgotten'->>'status', detail->'forgotten'->>'fingerprint',
+		(detail->'forgotten'->>'token')::bigint, detail->'forgotten'->'response'->>'body' FROM idem_audit WHERE action = 'forget'`).Scan(
+		&reason, &status, &fingerprint, &token, &body); err != nil {
+		t.Fatal(err)
+	}
+	if reason != "client reused order-7's key" || status != "succeeded" || fingerprint != rec.Fingerprint.String() ||
+		token != done.Token || body != `{"charge":"ch_9"}` {
+		t.Fatalf("the forget's row: reason %q, status %q, fingerprint %q, token %d, body %q", reason, status, fingerprint, token, body)
+	}
+	page = e.get(res.header.Get("Location"))
+	for _, want := range []string{"Key forgotten", "forgot the key", fmt.Sprintf("#%d", done.Token), "client reused order-7&#39;s key",
+		"Copy of the deleted record", rec.Fingerprint.String(), "status 201", html.EscapeString(`{\"charge\":\"ch_9\"}`)} {
+		if !strings.Contains(page.body, want) {
+			t.Errorf("the audit page after forget lacks %q", want)
+		}
+	}
+	if again := e.get(res.header.Get("Location")); strings.Contains(again.body, "Key forgotten") {
+		t.Error("the flash message is shown again on a refresh")
 	}
 	if res := forget("done", done.Token, rec.CreatedAt); res.status != 404 {
 		t.Fatalf("forget again: %d", res.status)
@@ -783,16 +840,37 @@ func TestExpireLeasesAsTheLibraryDoes(t *testing.T) {
 		t.Fatalf("a lease that ran out after the count was expired: %+v", rec)
 	}
 	var detail string
-	if err := con.pool.QueryRow(ctx, `SELECT operator || ' ' || action || ' ' || changed || ' ' || detail::text FROM idem_audit`).Scan(&detail); err != nil ||
+	var bulkID int64
+	if err := con.pool.QueryRow(ctx, `SELECT operator || ' ' || action || ' ' || changed || ' ' || detail::text, id FROM idem_audit
+		WHERE idem_key = ''`).Scan(&detail, &bulkID); err != nil ||
 		!strings.HasPrefix(detail, "alice expire_leases 2 ") || !strings.Contains(detail, c.Cutoff[:19]) {
 		t.Fatalf("audit row: %q, %v", detail, err)
+	}
+	// Each record it changed has a row of its own, and its page shows it.
+	var each string
+	if err := con.pool.QueryRow(ctx, `SELECT string_agg(format('%s %s %s %s>%s %s bulk:%s cutoff:%s lease:%s', operator, action, idem_key,
+		status_before, status_after, changed, (detail->>'bulk_id')::bigint = $1, detail->>'cutoff' IS NOT NULL,
+		detail->>'lease_expires_at' IS NOT NULL), E'\n' ORDER BY idem_key) FROM idem_audit WHERE idem_key <> ''`, bulkID).Scan(&each); err != nil ||
+		each != "alice expire_leases l1 processing>unknown 1 bulk:t cutoff:t lease:t\n"+
+			"alice expire_leases l2 processing>unknown 1 bulk:t cutoff:t lease:t" {
+		t.Fatalf("the records' rows:\n%s (%v)", each, err)
+	}
+	l1 := con.get(keyPage(pay, "l1"))
+	for _, want := range []string{"alice: expired the lease: the record became unknown", "The lease ran out", "<dt>Lease</dt><dd>ended", "Filter and cutoff"} {
+		if !strings.Contains(l1.body, want) {
+			t.Errorf("the page of an expired record lacks %q:\n%s", want, l1.body)
+		}
+	}
+	if strings.Contains(l1.body, "No operator has acted") || strings.Contains(l1.body, "<dt>Expires</dt>") {
+		t.Errorf("the page of an expired record says no operator acted, or that prune removes it:\n%s", l1.body)
 	}
 	// Filtered: only what the filter matches.
 	other := idem.Scope{Actor: "globex", Operation: "charge"}
 	con.lapsed(other, "g1")
 	res = con.postForm("/idem/expire-leases", url.Values{"actor": {"globex"},
 		"cutoff": {time.Now().Add(time.Minute).UTC().Format(time.RFC3339Nano)}})
-	if res.status != http.StatusSeeOther || !strings.Contains(res.header.Get("Location"), "done=expired&n=1") {
+	if res.status != http.StatusSeeOther || !strings.HasPrefix(res.header.Get("Location"), "/idem/unknown?actor=globex&flash=") ||
+		!strings.Contains(con.flashed(res).body, "1 reservation turned unknown") {
 		t.Fatalf("filtered expire: %d %s", res.status, res.header.Get("Location"))
 	}
 	if a, g := con.lookup(pay, "after-count"), con.lookup(other, "g1"); a.Status != idem.StatusProcessing || g.Status != idem.StatusUnknown {
@@ -802,7 +880,7 @@ func TestExpireLeasesAsTheLibraryDoes(t *testing.T) {
 	rows0 := con.auditRows()
 	res = con.postForm("/idem/expire-leases", url.Values{"actor": {"globex"},
 		"cutoff": {time.Now().UTC().Format(time.RFC3339Nano)}})
-	if res.status != http.StatusSeeOther || !strings.Contains(res.header.Get("Location"), "done=expired-none") || con.auditRows() != rows0 {
+	if res.status != http.StatusSeeOther || !strings.Contains(con.flashed(res).body, "No lease to expire") || con.auditRows() != rows0 {
 		t.Fatalf("expire with nothing to do: %d %s", res.status, res.header.Get("Location"))
 	}
 }
@@ -817,20 +895,36 @@ func TestPrune(t *testing.T) {
 		WHERE idem_key IN ('old', 'u')`); err != nil {
 		t.Fatal(err)
 	}
-	res := e.postForm("/idem/prune", url.Values{})
-	if res.status != http.StatusSeeOther || res.header.Get("Location") != "/idem/?done=pruned&n=1" {
+	before := e.state()
+	if res := e.postForm("/idem/prune", url.Values{"reason": {"ttl <past>"}}); res.status != 400 ||
+		!strings.Contains(res.body, "ttl &lt;past&gt;</textarea>") || e.state() != before {
+		t.Fatalf("an unconfirmed prune: %d\n%s", res.status, res.body)
+	}
+	res := e.postForm("/idem/prune", url.Values{"reason": {"ttl past"}, "confirm": {"yes"}})
+	if res.status != http.StatusSeeOther || !strings.HasPrefix(res.header.Get("Location"), "/idem/?flash=") {
 		t.Fatalf("prune: %d %s", res.status, res.header.Get("Location"))
 	}
+	flashURL := res.header.Get("Location")
 	if _, err := idem.Lookup(context.Background(), e.pool, pay, "old"); !errors.Is(err, idem.ErrNotFound) {
 		t.Fatal("the expired key was not pruned")
 	}
 	e.lookup(pay, "u")
-	res = e.postJSON("/idem/api/prune", map[string]any{})
+	res = e.postJSON("/idem/api/prune", map[string]any{"reason": "ttl"})
 	if res.status != 200 || !strings.Contains(res.body, `"pruned": 0`) || e.auditRows() != 1 {
 		t.Fatalf("prune with nothing to prune: %d %s (%d audit rows)", res.status, res.body, e.auditRows())
 	}
-	if page := e.get("/idem/?done=pruned&n=1"); !strings.Contains(page.body, "1 expired key deleted") {
+	if page := e.get(flashURL); !strings.Contains(page.body, "1 expired key deleted") {
 		t.Errorf("the overview after prune:\n%s", page.body)
+	}
+	// The message is shown once, and one made up in the address never.
+	for _, path := range []string{flashURL, "/idem/?done=pruned&n=99999", "/idem/?flash=AAAAAAAAAAAAAAAAAAAAAA"} {
+		if page := e.get(path); strings.Contains(page.body, `class="flash`) {
+			t.Errorf("%s shows a message:\n%s", path, page.body)
+		}
+	}
+	var reason string
+	if err := e.pool.QueryRow(context.Background(), `SELECT reason FROM idem_audit`).Scan(&reason); err != nil || reason != "ttl past" {
+		t.Fatalf("the prune's reason: %q, %v", reason, err)
 	}
 }
 
@@ -852,8 +946,11 @@ func TestKeyAddresses(t *testing.T) {
 	}
 	list := e.get("/idem/unknown")
 	for _, key := range []string{"a/b/c", ".", ".."} {
-		if link := html.EscapeString(keyPath(scope, key)); !strings.Contains(list.body, `href="`+link+`"`) {
+		if link := html.EscapeString(keyPage(scope, key)); !strings.Contains(list.body, `href="`+link+`"`) {
 			t.Errorf("the list does not link %q as %s", key, link)
+		}
+		if res := e.get(keyPage(scope, key)); res.status != 200 || !strings.Contains(res.body, "<code>"+html.EscapeString(key)+"</code>") {
+			t.Errorf("key %q at %s: %d", key, keyPage(scope, key), res.status)
 		}
 	}
 }
@@ -904,7 +1001,7 @@ func TestSearchAndAudit(t *testing.T) {
 		e.succeeded(pay, fmt.Sprintf("k%d", i), idem.Response{Status: 200})
 	}
 	res := e.get("/idem/search?actor=acme&operation=charge&key=k3")
-	if res.status != http.StatusSeeOther || res.header.Get("Location") != keyPath(pay, "k3") {
+	if res.status != http.StatusSeeOther || res.header.Get("Location") != keyPage(pay, "k3") {
 		t.Fatalf("search for a key: %d %s", res.status, res.header.Get("Location"))
 	}
 	if res := e.get("/idem/search?actor=acme&operation=charge&key=nope"); res.status != 404 || !strings.Contains(res.body, "No record holds this key") {
@@ -917,8 +1014,7 @@ func TestSearchAndAudit(t *testing.T) {
 	for i := range 3 {
 		rec := e.lookup(pay, fmt.Sprintf("k%d", i))
 		e.name = fmt.Sprintf("op%d", i%2)
-		r := e.postForm(keyPath(pay, rec.Key)+"/forget", url.Values{"token": {strconv.FormatInt(rec.Token, 10)},
-			"created_at": {rec.CreatedAt.Format(time.RFC3339Nano)}})
+		r := e.postForm(keyPath(pay, rec.Key)+"/forget", forgetForm(rec.Token, rec.CreatedAt.Format(time.RFC3339Nano), "reused"))
 		if r.status != http.StatusSeeOther {
 			t.Fatalf("forget: %d %s", r.status, r.body)
 		}
@@ -940,6 +1036,79 @@ func TestSearchAndAudit(t *testing.T) {
 	out.Entries = nil
 	if err := json.Unmarshal([]byte(res.body), &out); err != nil || len(out.Entries) != 1 || out.Entries[0].Key != "k1" {
 		t.Fatalf("audit by operator: %s", res.body)
+	}
+}
+
+// The trail filters by operator prefix and time range, and exports what
+// the filter matches as CSV and JSON.
+func TestAuditFiltersAndExport(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := newEnv(t, nil)
+	for i, op := range []string{"ops.dana", "ops.sam", "finance.kim"} {
+		key := fmt.Sprintf("k%d", i)
+		e.succeeded(pay, key, idem.Response{Status: 200})
+		rec := e.lookup(pay, key)
+		e.name = op
+		reason := "reused by the client"
+		if i == 1 {
+			reason = "=HYPERLINK(\"http://evil\")"
+		}
+		if r := e.postForm(keyURLFor(pay, key, "forget"), forgetForm(rec.Token, rec.CreatedAt.Format(time.RFC3339Nano), reason)); r.status != http.StatusSeeOther {
+			t.Fatalf("forget: %d %s", r.status, r.body)
+		}
+		// Each row a day apart, from 2026-01-01.
+		if _, err := e.pool.Exec(ctx, `UPDATE idem_audit SET acted_at = timestamptz '2026-01-01 12:00Z' + $1 * interval '1 day'
+			WHERE idem_key = $2`, i, key); err != nil {
+			t.Fatal(err)
+		}
+	}
+	keys := func(path string) string {
+		t.Helper()
+		res := e.get(path)
+		var out struct{ Entries []struct{ Key string } }
+		if err := json.Unmarshal([]byte(res.body), &out); err != nil || res.status != 200 {
+			t.Fatalf("%s: %d %s", path, res.status, res.body)
+		}
+		var ks []string
+		for _, en := range out.Entries {
+			ks = append(ks, en.Key)
+		}
+		return strings.Join(ks, " ")
+	}
+	for path, want := range map[string]string{
+		"/idem/api/audit?operator=ops.":                                   "k1 k0",
+		"/idem/api/audit?operator=ops.s":                                  "k1",
+		"/idem/api/audit?operator=OPS":                                    "",
+		"/idem/api/audit?from=2026-01-02":                                 "k2 k1",
+		"/idem/api/audit?to=2026-01-02T12:00":                             "k0",
+		"/idem/api/audit?from=2026-01-02T00:00:00Z&to=2026-01-03":         "k1",
+		"/idem/audit.json?operator=ops.&from=2026-01-01T12:00:00.000001Z": "k1",
+		"/idem/audit.json":                                                "k2 k1 k0",
+	} {
+		if got := keys(path); got != want {
+			t.Errorf("%s: keys %q, want %q", path, got, want)
+		}
+	}
+	res := e.get("/idem/audit.csv?operator=ops.")
+	if res.status != 200 || !strings.HasPrefix(res.header.Get("Content-Type"), "text/csv") ||
+		!strings.HasPrefix(res.header.Get("Content-Disposition"), "attachment;") {
+		t.Fatalf("CSV export: %d %v", res.status, res.header)
+	}
+	rows, err := csv.NewReader(strings.NewReader(res.body)).ReadAll()
+	if err != nil || len(rows) != 3 || rows[0][2] != "operator" || rows[1][2] != "ops.sam" || rows[2][2] != "ops.dana" ||
+		rows[1][12] != "'=HYPERLINK(\"http://evil\")" || !strings.Contains(rows[2][14], `"forgotten"`) {
+		t.Fatalf("CSV export: %v\n%s", err, res.body)
+	}
+	e.name = "viewer"
+	page := e.get("/idem/audit?operator=ops.&from=2026-01-02")
+	for _, want := range []string{`href="/idem/audit.csv?from=2026-01-02T00%3A00%3A00Z&amp;operator=ops."`, `value="2026-01-02"`, "ops.sam", "Copy of the deleted record"} {
+		if !strings.Contains(page.body, want) {
+			t.Errorf("the audit page lacks %q:\n%s", want, page.body)
+		}
+	}
+	if strings.Contains(page.body, "ops.dana") || strings.Contains(page.body, "finance.kim") {
+		t.Errorf("the filtered audit page shows rows outside the filter:\n%s", page.body)
 	}
 }
 
@@ -1002,7 +1171,7 @@ func TestResumingIsNotAPersons(t *testing.T) {
 	}
 	res = e.postForm("/idem/expire-leases", url.Values{"actor": {pay.Actor},
 		"cutoff": {time.Now().Add(time.Minute).UTC().Format(time.RFC3339Nano)}})
-	if res.status != http.StatusSeeOther || !strings.Contains(res.header.Get("Location"), "done=expired&n=1") {
+	if res.status != http.StatusSeeOther || !strings.Contains(e.flashed(res).body, "1 reservation turned unknown") {
 		t.Fatalf("filtered expire: %d %s", res.status, res.header.Get("Location"))
 	}
 	if rec := e.lookup(pay, "w-lapsed"); rec.Status != idem.StatusProcessing {
@@ -1062,10 +1231,10 @@ func TestAPIFieldsDocumented(t *testing.T) {
 			"token": decided.Token, "verdict": "succeeded", "status": 201, "body": `{"ok":true}`,
 			"content_type": "application/json", "reason": "captured"}), []string{"record", "audit"}},
 		{"POST api/keys/{actor}/{operation}/{key}/forget", e.postJSON(api("forget-me")+"/forget", map[string]any{
-			"token": forget.Token, "created_at": e.lookup(pay, "forget-me").CreatedAt.Format(time.RFC3339Nano)}), []string{"audit"}},
+			"token": forget.Token, "created_at": e.lookup(pay, "forget-me").CreatedAt.Format(time.RFC3339Nano), "reason": "reused"}), []string{"audit"}},
 		{"GET api/expire-leases", expirable, nil},
 		{"POST api/expire-leases", e.postJSON("/idem/api/expire-leases", map[string]any{"cutoff": count.Cutoff}), []string{"audit"}},
-		{"POST api/prune", e.postJSON("/idem/api/prune", map[string]any{}), []string{"audit"}},
+		{"POST api/prune", e.postJSON("/idem/api/prune", map[string]any{"reason": "ttl"}), []string{"audit"}},
 		{"GET api/overview", e.get("/idem/api/overview"), []string{"keys", "hourly"}},
 		{"GET api/unknown", e.get("/idem/api/unknown?limit=1"), nil},
 		{"GET api/keys/{actor}/{operation}/{key}", e.get(api("resuming")), []string{"audit", "header"}},

@@ -35,6 +35,7 @@ type page struct {
 type flash struct {
 	Kind string // "ok" or "error"
 	Text string
+	Code string // the problem's code, for an error
 }
 
 // pageNames are the templates: each is templates/NAME.html with the layout.
@@ -87,7 +88,11 @@ func (q *request) fail(err error) {
 func (q *request) url(path string, vs url.Values) string {
 	u := q.c.opts.Prefix + path
 	if len(vs) > 0 {
-		u += "?" + vs.Encode()
+		sep := "?"
+		if strings.Contains(path, "?") {
+			sep = "&"
+		}
+		u += sep + vs.Encode()
 	}
 	return u
 }
@@ -622,7 +627,7 @@ func (q *request) pruneRefused(err error, in pruneInput) {
 		}
 	}
 	q.c.render(q.w, q.r, p.Status, "overview", page{Title: "Overview", Nav: "overview", Operator: q.operator,
-		Flash: &flash{Kind: "error", Text: p.Message}, Body: v})
+		Flash: &flash{Kind: "error", Text: p.Message, Code: p.Code}, Body: v})
 }
 
 // Looking a key up.
