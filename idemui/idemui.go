@@ -162,14 +162,22 @@ type console struct {
 const contentSecurityPolicy = "default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; " +
 	"frame-ancestors 'none'; base-uri 'none'"
 
-func (c *console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	h := w.Header()
+// SetSecurityHeaders sets on h the headers that every answer of the
+// console carries (Content-Security-Policy, X-Frame-Options DENY,
+// X-Content-Type-Options nosniff, Referrer-Policy no-referrer,
+// Cache-Control no-store, Cross-Origin-Opener-Policy same-origin): for the
+// answers that a wrapper of the handler makes itself, such as its own 401.
+func SetSecurityHeaders(h http.Header) {
 	h.Set("Content-Security-Policy", contentSecurityPolicy)
 	h.Set("X-Frame-Options", "DENY")
 	h.Set("X-Content-Type-Options", "nosniff")
 	h.Set("Referrer-Policy", "no-referrer")
 	h.Set("Cache-Control", "no-store")
 	h.Set("Cross-Origin-Opener-Policy", "same-origin")
+}
+
+func (c *console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	SetSecurityHeaders(w.Header())
 
 	path, ok := strings.CutPrefix(r.URL.EscapedPath(), c.opts.Prefix)
 	if !ok || path == "" {
