@@ -492,3 +492,18 @@ func headerViews(h map[string][]string) []headerView {
 	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
 	return out
 }
+
+// readShape is the status and content type of a succeeded record of scope
+// (among its first keys): how the operation answers, which the verdict
+// form offers as its default. ok is false when none is known.
+func readShape(ctx context.Context, db idem.Beginner, scope idem.Scope) (status int, contentType string, ok bool, err error) {
+	err = audit.Read(ctx, db, func(ctx context.Context, q audit.Planned) error {
+		rows, err := queries.ConsoleScopeShape(ctx, q, store.ConsoleScopeShapeParams{Actor: scope.Actor, Operation: scope.Operation})
+		if err != nil || len(rows) == 0 {
+			return err
+		}
+		status, contentType, ok = int(rows[0].Status), rows[0].ContentType, true
+		return nil
+	})
+	return status, contentType, ok, err
+}

@@ -233,6 +233,34 @@ func TestVerdictFromTheForm(t *testing.T) {
 	}
 }
 
+// The verdict form offers the shape of the operation's answers (status and
+// content type of a succeeded record) as its default, and stores a 204
+// without a body.
+func TestVerdictFormShape(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	u := e.unknown(pay, "order-2", "timeout")
+	page := e.get(keyPage(pay, "order-2"))
+	if !strings.Contains(page.body, `name="status" value="200"`) || strings.Contains(page.body, "as other records of this operation") {
+		t.Fatalf("the form without another record:\n%s", page.body)
+	}
+	e.succeeded(pay, "order-1", idem.Response{Status: 201, Header: map[string][]string{"Content-Type": {"application/vnd.acme+json"}}, Body: []byte(`{}`)})
+	page = e.get(keyPage(pay, "order-2"))
+	for _, want := range []string{`name="status" value="201"`, `name="content_type" value="application/vnd.acme&#43;json"`, "as other records of this operation"} {
+		if !strings.Contains(page.body, want) {
+			t.Errorf("the form lacks %q", want)
+		}
+	}
+	res := e.postForm(keyURLFor(pay, "order-2", "resolve"), url.Values{"token": {strconv.FormatInt(u.Token, 10)}, "verdict": {"succeeded"},
+		"status": {"204"}, "content_type": {"application/json"}, "reason": {"deleted at the provider"}})
+	if res.status != http.StatusSeeOther {
+		t.Fatalf("a 204 verdict: %d\n%s", res.status, res.body)
+	}
+	if rec := e.lookup(pay, "order-2"); rec.Response == nil || rec.Response.Status != 204 || len(rec.Response.Body) != 0 {
+		t.Fatalf("the 204 stored: %+v", rec.Response)
+	}
+}
+
 // A verdict about an attempt that is no longer the record's is refused and
 // says why; nothing changes, and no audit row is written.
 func TestStaleTokenRefused(t *testing.T) {
@@ -419,6 +447,11 @@ func TestBadInputChangesNothing(t *testing.T) {
 		{"not a form", "POST", resolve, "text/plain", good.Encode(), "invalid_form"},
 		{"oversized body", "POST", resolve, form, with("body", strings.Repeat("x", 5<<20)), "body_too_large"},
 		{"bad status", "POST", apiResolve, "application/json", `{"token":` + tok + `,"verdict":"succeeded","status":42,"reason":"r"}`, "invalid_status"},
+		{"informational status", "POST", resolve, form, with("verdict", "succeeded") + "&status=101", "invalid_status"},
+		{"status 600", "POST", apiResolve, "application/json", `{"token":` + tok + `,"verdict":"succeeded","status":600,"reason":"r"}`, "invalid_status"},
+		{"status 199", "POST", apiResolve, "application/json", `{"token":` + tok + `,"verdict":"succeeded","status":199,"reason":"r"}`, "invalid_status"},
+		{"204 with a body", "POST", apiResolve, "application/json", `{"token":` + tok + `,"verdict":"succeeded","status":204,"body":"x","reason":"r"}`, "invalid_status"},
+		{"304 with a body", "POST", resolve, form, with("verdict", "succeeded") + "&status=304&body=x", "invalid_status"},
 		{"body not JSON", "POST", apiResolve, "application/json", `{"token":` + tok + `,"verdict":"succeeded","body":"{","content_type":"application/json","reason":"r"}`, "invalid_body"},
 		{"bad content type", "POST", apiResolve, "application/json", `{"token":` + tok + `,"verdict":"succeeded","body":"x","content_type":"a b","reason":"r"}`, "invalid_response"},
 		{"unknown JSON field", "POST", apiResolve, "application/json", `{"token":` + tok + `,"verdict":"retryable","reason":"r","force":true}`, "invalid_json"},

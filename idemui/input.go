@@ -144,7 +144,14 @@ type resolveInput struct {
 	Body        string      `json:"body"`
 	ContentType string      `json:"content_type"`
 	Reason      string      `json:"reason"`
+	// shaped: Status and ContentType are how other records of the
+	// operation were answered (the form's default).
+	shaped bool
 }
+
+// Shaped reports whether the form's status and content type are how other
+// records of the operation were answered.
+func (in resolveInput) Shaped() bool { return in.shaped }
 
 // resolveFromForm reads a resolveInput from a posted form. Browsers send a
 // textarea's line breaks as CRLF: the body's are turned into LF, as the
@@ -192,10 +199,13 @@ func (in resolveInput) resolution() (idem.Resolution, error) {
 	resp := &idem.Response{Status: http.StatusOK, Body: []byte(in.Body)}
 	if s := strings.TrimSpace(string(in.Status)); s != "" {
 		n, err := strconv.Atoi(s)
-		if err != nil || n < 100 || n > 999 {
-			return res, badRequest("invalid_status", "The response status %q is not a number from 100 to 999.", s)
+		if err != nil || n < 200 || n > 599 {
+			return res, badRequest("invalid_status", "The response status %q is not a status a client can be answered again: a number from 200 to 599.", s)
 		}
 		resp.Status = n
+	}
+	if (resp.Status == http.StatusNoContent || resp.Status == http.StatusNotModified) && in.Body != "" {
+		return res, badRequest("invalid_status", "A %d answer has no body, and this one has %d bytes: clear the body, or give the status the service answered with it.", resp.Status, len(in.Body))
 	}
 	if ct := strings.TrimSpace(in.ContentType); ct != "" && in.Body != "" {
 		mt, _, err := mime.ParseMediaType(ct)

@@ -343,8 +343,16 @@ type event struct {
 }
 
 func (q *request) keyPage() {
-	q.showKey(http.StatusOK, nil, resolveInput{Verdict: "", Status: "200", ContentType: "application/json"}, forgetInput{},
-		q.done())
+	form := resolveInput{Status: "200", ContentType: "application/json"}
+	status, ct, ok, err := readShape(q.r.Context(), q.c.opts.DB, q.params.scope)
+	if err != nil {
+		q.fail(err)
+		return
+	}
+	if ok {
+		form.Status, form.ContentType, form.shaped = json.Number(strconv.Itoa(status)), ct, true
+	}
+	q.showKey(http.StatusOK, nil, form, forgetInput{}, q.done())
 }
 
 // showKey renders the record page, with the problem of a refused action

@@ -222,3 +222,17 @@ WHERE (sqlc.arg(operator)::text = '' OR operator = sqlc.arg(operator)::text)
   AND (acted_at, id) < (sqlc.arg(before_acted_at)::timestamptz, sqlc.arg(before_id)::bigint)
 ORDER BY acted_at DESC, id DESC
 LIMIT sqlc.arg(max_rows)::integer;
+
+-- The shape of an answer of one operation: the status and content type of
+-- a succeeded record among the first 200 keys of the scope (a walk of the
+-- primary key), which a verdict's form offers as its default.
+-- name: ConsoleScopeShape :many
+SELECT response_status::integer AS status,
+       coalesce(response_headers->'Content-Type'->>0, '')::text AS content_type
+FROM (SELECT status, response_status, response_headers
+      FROM idem_keys
+      WHERE actor = sqlc.arg(actor)::text AND operation = sqlc.arg(operation)::text
+      ORDER BY actor, operation, idem_key
+      LIMIT 200) AS first_keys
+WHERE status = 'succeeded' AND response_status BETWEEN 200 AND 599
+LIMIT 1;

@@ -712,6 +712,54 @@ func (q *Queries) ConsoleScopeKeys(ctx context.Context, db DBTX, arg ConsoleScop
 	return items, nil
 }
 
+const ConsoleScopeShape = `-- name: ConsoleScopeShape :many
+SELECT response_status::integer AS status,
+       coalesce(response_headers->'Content-Type'->>0, '')::text AS content_type
+FROM (SELECT status, response_status, response_headers
+      FROM idem_keys
+      WHERE actor = $1::text AND operation = $2::text
+      ORDER BY actor, operation, idem_key
+      LIMIT 200) AS first_keys
+WHERE status = 'succeeded' AND response_status BETWEEN 200 AND 599
+LIMIT 1
+`
+
+type ConsoleScopeShapeParams struct {
+	Actor     string
+	Operation string
+}
+
+type ConsoleScopeShapeRow struct {
+	Status      int32
+	ContentType string
+}
+
+// The shape of an answer of one operation: the status and content type of
+// a succeeded record among the first 200 keys of the scope (a walk of the
+// primary key), which a verdict's form offers as its default.
+func (q *Queries) ConsoleScopeShape(ctx context.Context, db DBTX, arg ConsoleScopeShapeParams) ([]ConsoleScopeShapeRow, error) {
+	rows, err := db.QueryContext(ctx, ConsoleScopeShape, arg.Actor, arg.Operation)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []ConsoleScopeShapeRow
+	for rows.Next() {
+		var i ConsoleScopeShapeRow
+		if err := rows.Scan(&i.Status, &i.ContentType); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Close(); err != nil {
+		return nil, err
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const ConsoleTableSize = `-- name: ConsoleTableSize :one
 SELECT pg_table_size('idem_keys')::bigint AS table_bytes,
        pg_indexes_size('idem_keys')::bigint AS index_bytes,
