@@ -28,14 +28,16 @@ var fp = idem.FingerprintParts([]byte("charge 12000 KRW"))
 // env is a console mounted at /idem/ of a test server, on a fresh
 // database, with an Authorize that records what it was asked.
 type env struct {
-	t      *testing.T
-	pool   *pgxpool.Pool
-	srv    *httptest.Server
-	mu     sync.Mutex
-	asked  []idemui.Action
-	deny   bool   // Authorize refuses
-	name   string // the operator Authorize returns
-	client *http.Client
+	t       *testing.T
+	pool    *pgxpool.Pool
+	srv     *httptest.Server
+	mu      sync.Mutex
+	asked   []idemui.Action
+	deny    bool                   // Authorize refuses
+	refuse  map[idemui.Action]bool // Authorize refuses these actions
+	offered []idemui.Action        // what Authorize was asked to offer
+	name    string                 // the operator Authorize returns
+	client  *http.Client
 }
 
 func newEnv(t *testing.T, mod func(*idemui.Options)) *env {
@@ -57,11 +59,15 @@ func newEnv(t *testing.T, mod func(*idemui.Options)) *env {
 	return e
 }
 
-func (e *env) authorize(_ *http.Request, a idemui.Action) (string, error) {
+func (e *env) authorize(r *http.Request, a idemui.Action) (string, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	e.asked = append(e.asked, a)
-	if e.deny {
+	if idemui.IsOffer(r) {
+		e.offered = append(e.offered, a)
+	} else {
+		e.asked = append(e.asked, a)
+	}
+	if e.deny || e.refuse[a] {
 		return "", errSecret
 	}
 	return e.name, nil

@@ -197,8 +197,18 @@ func (c *console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	operator, err := c.opts.Authorize(r, action)
 	if err != nil {
-		c.fail(w, r, api, &problem{Status: http.StatusForbidden, Code: "forbidden",
-			Message: "You are not allowed to do this here. Nothing changed."})
+		forbidden := &problem{Status: http.StatusForbidden, Code: "forbidden", Message: "You are not allowed to do this here. Nothing changed."}
+		if !api && !safe && rt.problem == nil && (rt.action == ActionResolve || rt.action == ActionForget) && !c.opts.ReadOnly {
+			// A refused verdict or forget from the record's page: the page
+			// again, with what the operator typed, if they may see it.
+			if viewer, err := c.opts.Authorize(r, ActionView); err == nil {
+				r.Body = http.MaxBytesReader(w, r.Body, rt.maxBody)
+				req := &request{r: r, w: w, c: c, operator: viewer, params: rt.params}
+				req.refusedAction(rt.action, forbidden)
+				return
+			}
+		}
+		c.fail(w, r, api, forbidden)
 		return
 	}
 	if c.opts.ReadOnly && !safe {
@@ -237,6 +247,34 @@ func (c *console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	r.Body = http.MaxBytesReader(w, r.Body, rt.maxBody)
 	rt.post(req)
+}
+
+// offerKey marks the context of a request passed to Authorize only to ask
+// whether a page offers an action.
+type offerKey struct{}
+
+// IsOffer reports whether Authorize is called with r only to ask whether
+// the page being shown offers the action (its form, button or link):
+// nothing is done with it, and an error only hides that form. Every action
+// that is then sent is authorized again, as itself.
+func IsOffer(r *http.Request) bool {
+	v, _ := r.Context().Value(offerKey{}).(bool)
+	return v
+}
+
+// offers asks Authorize, for r, which of the actions that change records
+// a page may offer: none on a read-only console.
+func (c *console) offers(r *http.Request) map[string]bool {
+	out := make(map[string]bool, 4)
+	if c.opts.ReadOnly {
+		return out
+	}
+	ask := r.WithContext(context.WithValue(r.Context(), offerKey{}, true))
+	for _, a := range []Action{ActionResolve, ActionForget, ActionExpireLeases, ActionPrune} {
+		op, err := c.opts.Authorize(ask, a)
+		out[string(a)] = err == nil && checkOperator(op) == nil
+	}
+	return out
 }
 
 // checkOperator refuses an operator name the audit trail cannot hold.

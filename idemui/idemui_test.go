@@ -1333,3 +1333,54 @@ func fieldNames(v any, skip []string) []string {
 	}
 	return out
 }
+
+// Authorize is asked (with IsOffer) which actions a page offers: the forms
+// of the others are hidden, and a refused POST shows the page again with
+// what the operator typed, changing nothing.
+func TestAuthorizeDecidesWhatIsOffered(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	u := e.unknown(pay, "order-4", "timeout")
+	e.succeeded(pay, "done", idem.Response{Status: 200})
+	e.refuse = map[idemui.Action]bool{idemui.ActionResolve: true, idemui.ActionPrune: true}
+	before := e.state()
+
+	e.takeAsked()
+	page := e.get(keyPage(pay, "order-4"))
+	if page.status != 200 || strings.Contains(page.body, `name="verdict"`) {
+		t.Fatalf("the verdict form is offered to an operator who may not resolve:\n%s", page.body)
+	}
+	if asked := e.takeAsked(); !slices.Equal(asked, []idemui.Action{idemui.ActionView}) {
+		t.Errorf("the page was authorized as %v", asked)
+	}
+	e.mu.Lock()
+	offered := slices.Clone(e.offered)
+	e.mu.Unlock()
+	if !slices.Contains(offered, idemui.ActionResolve) {
+		t.Errorf("Authorize was not asked whether to offer a verdict: %v", offered)
+	}
+	if page := e.get(keyPage(pay, "done")); !strings.Contains(page.body, `name="confirm"`) {
+		t.Errorf("the forget form is hidden from an operator who may forget")
+	}
+	if page := e.get("/idem/"); strings.Contains(page.body, `action="/idem/prune"`) {
+		t.Errorf("the prune form is offered to an operator who may not prune")
+	}
+	if page := e.get("/idem/unknown"); !strings.Contains(page.body, "Count them") {
+		t.Errorf("the expire link is hidden from an operator who may expire leases")
+	}
+	res := e.postForm(keyURLFor(pay, "order-4", "resolve"), url.Values{"token": {strconv.FormatInt(u.Token, 10)},
+		"verdict": {"retryable"}, "reason": {"no charge in the provider's dashboard <ch_4>"}})
+	if res.status != http.StatusForbidden || !strings.Contains(res.body, "no charge in the provider&#39;s dashboard &lt;ch_4&gt;") ||
+		strings.Contains(res.body, errSecret.Error()) {
+		t.Fatalf("a refused verdict: %d\n%s", res.status, res.body)
+	}
+	e.mu.Lock()
+	e.refuse[idemui.ActionForget] = true
+	e.mu.Unlock()
+	if page := e.get(keyPage(pay, "done")); strings.Contains(page.body, `name="confirm"`) {
+		t.Errorf("the forget form is offered to an operator who may not forget")
+	}
+	if after := e.state(); after != before {
+		t.Fatalf("a refused action changed something:\n%s\n%s", before, after)
+	}
+}

@@ -29,6 +29,10 @@ type page struct {
 	Refresh  int // seconds until the page reloads itself; 0: never
 	Flash    *flash
 	Body     any
+	// Offers names the actions (Action values) whose forms the page
+	// shows: Authorize allows them (asked with IsOffer), and the console is
+	// not read-only.
+	Offers map[string]bool
 }
 
 // flash is a message at the top of a page: what just happened.
@@ -55,8 +59,11 @@ func parseTemplates() (map[string]*template.Template, error) {
 }
 
 // render writes the page name with status.
-func (c *console) render(w http.ResponseWriter, _ *http.Request, status int, name string, p page) {
+func (c *console) render(w http.ResponseWriter, r *http.Request, status int, name string, p page) {
 	p.Prefix, p.ReadOnly = c.opts.Prefix, c.opts.ReadOnly
+	if p.Offers == nil {
+		p.Offers = c.offers(r)
+	}
 	var buf bytes.Buffer
 	if err := c.pages[name].ExecuteTemplate(&buf, "layout", p); err != nil {
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
@@ -395,9 +402,10 @@ func (q *request) showKey(status int, p *problem, form resolveInput, forget forg
 			v.Attempt = resolvedAttempt(entries)
 		}
 		v.Timeline = timeline(rec, entries, v.Attempt, now)
-		v.CanResolve = (v.Rec.NeedsPerson || v.Rec.Resumable) && !q.c.opts.ReadOnly
+		offers := q.c.offers(q.r)
+		v.CanResolve = (v.Rec.NeedsPerson || v.Rec.Resumable) && offers[string(ActionResolve)]
 		v.CanForget = (rec.Status == idem.StatusSucceeded || rec.Status == idem.StatusRejected ||
-			rec.Status == idem.StatusFailedRetryable) && !q.c.opts.ReadOnly
+			rec.Status == idem.StatusFailedRetryable) && offers[string(ActionForget)]
 		token, createdAt := strconv.FormatInt(rec.Token, 10), rec.CreatedAt.UTC().Format(time.RFC3339Nano)
 		if form.Token == "" {
 			v.Form.Token = json.Number(token)
@@ -564,6 +572,19 @@ func (q *request) refusedWith(err error, form resolveInput, forget forgetInput) 
 		return
 	}
 	q.showKey(p.Status, p, form, forget, nil)
+}
+
+// refusedAction shows the record page again after Authorize refused the
+// verdict or forget it was sent (problem p), with the form as it was sent:
+// what the operator typed is not lost. Nothing is changed.
+func (q *request) refusedAction(a Action, p *problem) {
+	if a == ActionForget {
+		in, _ := forgetFromForm(q.r)
+		q.showKey(p.Status, p, resolveInput{}, in, nil)
+		return
+	}
+	in, _ := resolveFromForm(q.r)
+	q.showKey(p.Status, p, in, forgetInput{}, nil)
 }
 
 func (q *request) forgetPage() {
