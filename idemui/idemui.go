@@ -29,7 +29,14 @@
 //
 // Security: Authorize is called for every request, with the action it asks
 // for (ActionView for every GET), before anything is read; its error is a
-// 403 page that says nothing of the error. A request that changes something
+// 403 page that says nothing of the error. A page also asks it which
+// actions to offer (IsOffer reports such a call), and hides the forms of
+// the others. Forget and prune take a reason and, on the pages, a
+// confirmation; a verdict or forget waits at most a few seconds for a
+// record another transaction holds, then says it is busy (409). Messages
+// after an action are kept on the server and shown once, never read from
+// the address; records are linked with their names in the query, which no
+// browser cleans as it does "." and ".." path segments. A request that changes something
 // needs an operator name from Authorize, which goes into the audit trail.
 // Cross-origin POSTs are refused (http.CrossOriginProtection); every
 // response carries a Content-Security-Policy that allows only this origin's
@@ -93,7 +100,9 @@ type Options struct {
 	// Authorize decides every request: it is called with the request and
 	// the action it asks for, and returns the operator's name (recorded in
 	// the audit trail) or an error, which refuses the request with 403 and
-	// is not shown. Required. A request that changes something is refused
+	// is not shown. It is also asked, for a page being shown, which actions
+	// the page may offer (IsOffer(r) is then true, and an error only hides
+	// that action's form). Required. A request that changes something is refused
 	// too when the name is empty, longer than 255 bytes or not valid text.
 	Authorize func(r *http.Request, a Action) (operator string, err error)
 
