@@ -37,6 +37,9 @@ var funcs = template.FuncMap{
 	},
 	"action": actionText,
 	"detail": newDetailView,
+	"ref": func(actor, operation, key string, token int64) string {
+		return targetRef(idem.Scope{Actor: actor, Operation: operation}, key, token)
+	},
 }
 
 // detailView is an audit row's detail as the trail shows it: a summary,

@@ -2,6 +2,7 @@ package idemui_test
 
 import (
 	"context"
+	"encoding/base64"
 	"encoding/csv"
 	"encoding/json"
 	"errors"
@@ -101,6 +102,8 @@ func TestEveryRouteAskedWithItsAction(t *testing.T) {
 		{"GET", "/idem/audit.csv", "", "", idemui.ActionView, 200},
 		{"GET", "/idem/audit.json", "", "", idemui.ActionView, 200},
 		{"GET", "/idem/static/favicon.svg", "", "", idemui.ActionView, 200},
+		{"GET", "/idem/bulk-resolve?all=yes", "", "", idemui.ActionView, 200},
+		{"POST", "/idem/bulk-resolve", form, "all=yes&cutoff=2020-01-01T00:00:00Z&verdict=retryable&reason=r", idemui.ActionResolve, 303},
 		{"POST", keyPath(pay, "u1") + "/resolve", form,
 			fmt.Sprintf("token=%d&verdict=retryable&reason=no+charge+at+the+provider", u.Token), idemui.ActionResolve, 303},
 		{"POST", keyPath(pay, "done") + "/forget", form,
@@ -1383,4 +1386,101 @@ func TestAuthorizeDecidesWhatIsOffered(t *testing.T) {
 	if after := e.state(); after != before {
 		t.Fatalf("a refused action changed something:\n%s\n%s", before, after)
 	}
+}
+
+// One verdict over all that the filter matches: counted first, acted on as
+// of the count (a record that needs a person only after it is left; one
+// someone else settled meanwhile is left too), each record with its audit
+// row and one row for the action; then over a selection, where a record
+// whose attempt changed is left.
+func TestBulkVerdict(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := newEnv(t, nil)
+	other := idem.Scope{Actor: "globex", Operation: "charge"}
+	e.unknown(pay, "b1", "timeout")
+	e.unknown(pay, "b2", "timeout")
+	b3 := e.unknown(pay, "b3", "timeout")
+	e.lapsed(pay, "b4")
+	e.unknown(other, "g1", "timeout")
+
+	page := e.get("/idem/unknown?actor=acme")
+	if !strings.Contains(page.body, `action="/idem/bulk-resolve"`) || strings.Count(page.body, `name="r"`) != 4 {
+		t.Fatalf("the list offers no selection:\n%s", page.body)
+	}
+	confirm := e.get("/idem/bulk-resolve?actor=acme&all=yes")
+	m := regexp.MustCompile(`name="cutoff" value="([^"]+)"`).FindStringSubmatch(confirm.body)
+	if confirm.status != 200 || !strings.Contains(confirm.body, "<b>4</b> records need a person") || m == nil {
+		t.Fatalf("the confirmation:\n%s", confirm.body)
+	}
+	cutoff := m[1]
+	// After the count: another record needs a person, and someone settles b3.
+	time.Sleep(time.Millisecond)
+	e.unknown(pay, "b5", "timeout")
+	if err := idem.Resolve(ctx, e.pool, pay, "b3", idem.Resolution{Token: b3.Token, Retryable: true, Reason: "elsewhere"}); err != nil {
+		t.Fatal(err)
+	}
+	form := url.Values{"actor": {"acme"}, "all": {"yes"}, "cutoff": {cutoff}, "verdict": {"retryable"}, "reason": {"provider outage: nothing was charged"}}
+	before := e.state()
+	for name, bad := range map[string]url.Values{
+		"no reason":  {"actor": {"acme"}, "all": {"yes"}, "cutoff": {cutoff}, "verdict": {"retryable"}},
+		"no verdict": {"actor": {"acme"}, "all": {"yes"}, "cutoff": {cutoff}, "reason": {"r"}},
+		"no cutoff":  {"actor": {"acme"}, "all": {"yes"}, "verdict": {"retryable"}, "reason": {"r"}},
+		"nothing":    {"verdict": {"retryable"}, "reason": {"r"}},
+		"bad ref":    {"r": {"bm9wZQ"}, "verdict": {"retryable"}, "reason": {"r"}},
+		"bad status": {"actor": {"acme"}, "all": {"yes"}, "cutoff": {cutoff}, "verdict": {"succeeded"}, "status": {"101"}, "reason": {"kept <me>"}},
+	} {
+		res := e.postForm("/idem/bulk-resolve", bad)
+		if res.status != 400 {
+			t.Errorf("%s: %d\n%.400s", name, res.status, res.body)
+		}
+		if name == "bad status" && !strings.Contains(res.body, "kept &lt;me&gt;</textarea>") {
+			t.Errorf("a refused bulk verdict loses the reason typed:\n%s", res.body)
+		}
+	}
+	if after := e.state(); after != before {
+		t.Fatalf("a refused bulk verdict changed something:\n%s\n%s", before, after)
+	}
+	res := e.postForm("/idem/bulk-resolve", form)
+	if res.status != http.StatusSeeOther || !strings.Contains(e.flashed(res).body, "3 records settled with one verdict") {
+		t.Fatalf("the bulk verdict: %d %s", res.status, res.header.Get("Location"))
+	}
+	for key, want := range map[string]idem.Status{"b1": idem.StatusFailedRetryable, "b2": idem.StatusFailedRetryable,
+		"b4": idem.StatusFailedRetryable, "b5": idem.StatusUnknown} {
+		if rec := e.lookup(pay, key); rec.Status != want || (want != idem.StatusUnknown && rec.ResolveReason != "provider outage: nothing was charged") {
+			t.Errorf("%s after the bulk verdict: %s %q", key, rec.Status, rec.ResolveReason)
+		}
+	}
+	if rec := e.lookup(pay, "b3"); rec.ResolveReason != "elsewhere" {
+		t.Errorf("the record someone else settled was settled again: %+v", rec)
+	}
+	if rec := e.lookup(other, "g1"); rec.Status != idem.StatusUnknown {
+		t.Errorf("a record outside the filter was settled: %s", rec.Status)
+	}
+	var rows string
+	if err := e.pool.QueryRow(ctx, `SELECT string_agg(format('%s %s %s %s', action, coalesce(nullif(idem_key, ''), '*'), changed,
+		coalesce(detail->>'cutoff' IS NOT NULL, false)), E'\n' ORDER BY idem_key) FROM idem_audit`).Scan(&rows); err != nil {
+		t.Fatal(err)
+	}
+	if rows != "resolve * 3 t\nresolve b1 1 f\nresolve b2 1 f\nresolve b4 1 f" {
+		t.Fatalf("the audit rows:\n%s", rows)
+	}
+	// A selection: b5, and g1 about an attempt it no longer holds.
+	b5, g1 := e.lookup(pay, "b5"), e.lookup(other, "g1")
+	sel := url.Values{"verdict": {"succeeded"}, "status": {"201"}, "body": {`{"ok":true}`}, "content_type": {"application/json"},
+		"reason": {"captured"}, "r": {ref(pay, "b5", b5.Token), ref(other, "g1", g1.Token+1)}}
+	if page := e.get("/idem/bulk-resolve?" + url.Values{"r": sel["r"]}.Encode()); !strings.Contains(page.body, "<b>2</b> selected records") {
+		t.Fatalf("the confirmation of a selection:\n%s", page.body)
+	}
+	res = e.postForm("/idem/bulk-resolve", sel)
+	if res.status != http.StatusSeeOther || !strings.Contains(e.flashed(res).body, "1 record settled with one verdict: it happened") ||
+		e.lookup(pay, "b5").Status != idem.StatusSucceeded || e.lookup(other, "g1").Status != idem.StatusUnknown {
+		t.Fatalf("the selection's verdict: %d", res.status)
+	}
+}
+
+// ref is a record and its token as the list's checkboxes carry them.
+func ref(scope idem.Scope, key string, token int64) string {
+	b, _ := json.Marshal([]any{scope.Actor, scope.Operation, key, token})
+	return base64.RawURLEncoding.EncodeToString(b)
 }

@@ -43,7 +43,7 @@ type flash struct {
 }
 
 // pageNames are the templates: each is templates/NAME.html with the layout.
-var pageNames = []string{"overview", "unknown", "expire", "key", "search", "audit", "error"}
+var pageNames = []string{"overview", "unknown", "expire", "key", "search", "audit", "error", "bulk"}
 
 // parseTemplates parses every page with the layout.
 func parseTemplates() (map[string]*template.Template, error) {
@@ -192,7 +192,10 @@ type unknownView struct {
 	NextURL   string
 	FirstURL  string
 	ExpireURL string
-	Filtered  bool
+	// BulkAllURL is the confirmation of one verdict on every record the
+	// filter matches.
+	BulkAllURL string
+	Filtered   bool
 }
 
 type ageOption struct {
@@ -217,6 +220,9 @@ func (q *request) unknownPage() {
 	}
 	v := unknownView{Filter: in, Ages: ages, Page: p, ExpireURL: q.url("/expire-leases", in.query()),
 		Filtered: f != (audit.Filter{})}
+	all := in.query()
+	all.Set("all", "yes")
+	v.BulkAllURL = q.url("/bulk-resolve", all)
 	if p.Next != "" {
 		next := in.query()
 		next.Set("after", p.Next)
@@ -522,10 +528,14 @@ func resolvedAttempt(entries []audit.Entry) int64 {
 func actionText(e audit.Entry) string {
 	switch e.Action {
 	case audit.ActionResolve:
+		what := "verdict: it did not happen (retryable)"
 		if e.Verdict == audit.VerdictSucceeded {
-			return "verdict: it happened (succeeded)"
+			what = "verdict: it happened (succeeded)"
 		}
-		return "verdict: it did not happen (retryable)"
+		if e.Key == "" {
+			return "one " + what + ", on " + plural(e.Changed, "record")
+		}
+		return what
 	case audit.ActionForget:
 		return "forgot the key"
 	case audit.ActionExpireLeases:

@@ -66,6 +66,13 @@ func match(path string, vs url.Values) route {
 		p = pair{get: pick(api, (*request).expireConfirmPage, (*request).expireCountAPI),
 			post: pick(api, (*request).expirePage, (*request).expireAPI)}
 		action = ActionExpireLeases
+	case "/bulk-resolve":
+		if api {
+			return route{}
+		}
+		p = pair{get: (*request).bulkPage, post: (*request).bulkResolvePage}
+		action = ActionResolve
+		maxBody = maxVerdictBody
 	case "/prune":
 		p = pair{post: pick(api, (*request).prunePage, (*request).pruneAPI)}
 		action = ActionPrune

@@ -236,3 +236,30 @@ FROM (SELECT status, response_status, response_headers
       LIMIT 200) AS first_keys
 WHERE status = 'succeeded' AND response_status BETWEEN 200 AND 599
 LIMIT 1;
+
+-- The records that needed a person at the instant least(@cutoff, now())
+-- and that the filter matches, oldest first, up to @max_rows: what a bulk
+-- verdict "over the filter" acts on, each with its token now. Every
+-- condition on time is evaluated at that instant, as ConsoleExpireLeases
+-- does: a record whose attempt started after the count, or whose lease ran
+-- out or window ended after it, is not the count's.
+-- name: ConsoleNeedsPersonAt :many
+SELECT actor, operation, idem_key, token
+FROM idem_keys
+WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
+  -- needs a person, at the cutoff
+  AND (status = 'unknown' OR (status = 'processing' AND lease_expires_at <= least(sqlc.arg(cutoff)::timestamptz, now())))
+  AND (resume_until IS NULL OR resume_until <= least(sqlc.arg(cutoff)::timestamptz, now()))
+  AND (sqlc.arg(actor)::text = '' OR actor = sqlc.arg(actor)::text)
+  AND (sqlc.arg(operation)::text = '' OR operation = sqlc.arg(operation)::text)
+  AND created_at <= least(sqlc.arg(cutoff)::timestamptz, now())
+                    - (sqlc.arg(min_age_micros)::bigint * interval '1 microsecond')
+  AND (sqlc.arg(error_text)::text = ''
+       OR strpos(lower(coalesce(last_error, '')), lower(sqlc.arg(error_text)::text)) > 0)
+ORDER BY created_at, actor, operation, idem_key
+LIMIT sqlc.arg(max_rows)::integer;
+
+-- The database time now: the instant of a count made in the same
+-- transaction.
+-- name: ConsoleNow :one
+SELECT now()::timestamptz AS now;

@@ -664,3 +664,123 @@ func checkReason(reason string) error {
 	}
 	return nil
 }
+
+// Target names one record of a bulk verdict and the attempt it is about.
+type Target struct {
+	Scope idem.Scope
+	Key   string
+	Token int64
+}
+
+// MaxBulk bounds how many records one bulk verdict settles.
+const MaxBulk = 500
+
+// Bulk is what a bulk verdict did: the row of the whole action (Changed:
+// how many records it settled; ID 0 when none), and the records it left
+// because their outcome was no longer in doubt, or no longer the attempt
+// named (someone else decided, or a new attempt holds the key).
+type Bulk struct {
+	Entry   Entry
+	Skipped []Target
+}
+
+// ResolveMany records one verdict (res: Succeeded or Retryable, and the
+// Reason; its Token is ignored) on each of targets, about its attempt
+// (Target.Token), in one transaction: each as Resolve does, in a savepoint,
+// with its own audit row, and then one row for the whole action (action
+// resolve, no record; Detail: how the records were chosen, the detail
+// argument, and how many were left). A record that is fenced, not in doubt
+// any more or gone is left (Bulk.Skipped) and the others go on; any other
+// error rolls everything back. More than MaxBulk targets, none, or a bad
+// verdict is ErrInvalidArgument.
+func ResolveMany(ctx context.Context, db idem.Beginner, c *idem.Client, operator string, targets []Target, res idem.Resolution, detail map[string]any) (Bulk, error) {
+	c, err := check(c, db, operator)
+	if err != nil {
+		return Bulk{}, err
+	}
+	if len(targets) == 0 || len(targets) > MaxBulk {
+		return Bulk{}, fmt.Errorf("%w: a bulk verdict settles 1 to %d records, not %d", idem.ErrInvalidArgument, MaxBulk, len(targets))
+	}
+	if (res.Succeeded == nil) == !res.Retryable || res.Reason == "" {
+		return Bulk{}, fmt.Errorf("%w: a bulk verdict needs exactly one of Succeeded and Retryable, and a reason", idem.ErrInvalidArgument)
+	}
+	var out Bulk
+	err = write(ctx, c, db, func(ctx context.Context, tx pgx.Tx) error {
+		out = Bulk{}
+		for _, t := range targets {
+			one := res
+			one.Token = t.Token
+			_, _, err := Resolve(ctx, tx, c, operator, t.Scope, t.Key, one)
+			switch {
+			case errors.Is(err, idem.ErrFenced), errors.Is(err, idem.ErrNotResolvable), errors.Is(err, idem.ErrNotFound):
+				out.Skipped = append(out.Skipped, t)
+				continue
+			case err != nil:
+				return err
+			}
+			out.Entry.Changed++
+		}
+		if out.Entry.Changed == 0 {
+			return nil
+		}
+		d := map[string]any{"bulk": true, "records": len(targets), "skipped": len(out.Skipped)}
+		for k, v := range detail {
+			d[k] = v
+		}
+		if res.Succeeded != nil {
+			d["response_status"] = res.Succeeded.Status
+		}
+		b, err := json.Marshal(d)
+		if err != nil {
+			return err
+		}
+		out.Entry = Entry{Operator: operator, Action: ActionResolve, Verdict: VerdictRetryable, Reason: res.Reason,
+			Changed: out.Entry.Changed, Detail: b}
+		if res.Succeeded != nil {
+			out.Entry.Verdict = VerdictSucceeded
+		}
+		return insert(ctx, tx, &out.Entry)
+	})
+	if err != nil {
+		return Bulk{}, err
+	}
+	return out, nil
+}
+
+// NeedsPersonAt lists the records that needed a person at the instant
+// cutoff (or now, when cutoff is later) and that f matches, oldest first,
+// at most limit, each with its token now: what a bulk verdict over a
+// filter counted.
+func NeedsPersonAt(ctx context.Context, q Planned, f Filter, cutoff time.Time, limit int) ([]Target, error) {
+	if err := f.Check(); err != nil {
+		return nil, err
+	}
+	rows, err := queries.ConsoleNeedsPersonAt(ctx, q, store.ConsoleNeedsPersonAtParams{
+		Cutoff: pgtype.Timestamptz{Time: cutoff, Valid: true}, Actor: f.Actor, Operation: f.Operation,
+		MinAgeMicros: f.MinAgeMicros(), ErrorText: f.ErrorText, MaxRows: int32(limit),
+	})
+	if err != nil {
+		return nil, err
+	}
+	out := make([]Target, 0, len(rows))
+	for _, r := range rows {
+		out = append(out, Target{Scope: idem.Scope{Actor: r.Actor, Operation: r.Operation}, Key: r.IdemKey, Token: r.Token})
+	}
+	return out, nil
+}
+
+// NeedsPersonCount counts the records that need a person that f matches,
+// up to capRows, and returns the database time of the count.
+func NeedsPersonCount(ctx context.Context, q Planned, f Filter, capRows int) (int64, time.Time, error) {
+	if err := f.Check(); err != nil {
+		return 0, time.Time{}, err
+	}
+	n, err := queries.ConsoleNeedsPersonCount(ctx, q, store.ConsoleNeedsPersonCountParams{
+		Actor: f.Actor, Operation: f.Operation, MinAgeMicros: f.MinAgeMicros(), ErrorText: f.ErrorText, CapRows: int32(capRows),
+	})
+	if err != nil {
+		return 0, time.Time{}, err
+	}
+	now, err := queries.ConsoleNow(ctx, q)
+	return n, now.Time, err
+}

@@ -489,6 +489,77 @@ func (q *Queries) ConsoleNeedsPerson(ctx context.Context, db DBTX, arg ConsoleNe
 	return items, nil
 }
 
+const ConsoleNeedsPersonAt = `-- name: ConsoleNeedsPersonAt :many
+SELECT actor, operation, idem_key, token
+FROM idem_keys
+WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
+  -- needs a person, at the cutoff
+  AND (status = 'unknown' OR (status = 'processing' AND lease_expires_at <= least($1::timestamptz, now())))
+  AND (resume_until IS NULL OR resume_until <= least($1::timestamptz, now()))
+  AND ($2::text = '' OR actor = $2::text)
+  AND ($3::text = '' OR operation = $3::text)
+  AND created_at <= least($1::timestamptz, now())
+                    - ($4::bigint * interval '1 microsecond')
+  AND ($5::text = ''
+       OR strpos(lower(coalesce(last_error, '')), lower($5::text)) > 0)
+ORDER BY created_at, actor, operation, idem_key
+LIMIT $6::integer
+`
+
+type ConsoleNeedsPersonAtParams struct {
+	Cutoff       pgtype.Timestamptz
+	Actor        string
+	Operation    string
+	MinAgeMicros int64
+	ErrorText    string
+	MaxRows      int32
+}
+
+type ConsoleNeedsPersonAtRow struct {
+	Actor     string
+	Operation string
+	IdemKey   string
+	Token     int64
+}
+
+// The records that needed a person at the instant least(@cutoff, now())
+// and that the filter matches, oldest first, up to @max_rows: what a bulk
+// verdict "over the filter" acts on, each with its token now. Every
+// condition on time is evaluated at that instant, as ConsoleExpireLeases
+// does: a record whose attempt started after the count, or whose lease ran
+// out or window ended after it, is not the count's.
+func (q *Queries) ConsoleNeedsPersonAt(ctx context.Context, db DBTX, arg ConsoleNeedsPersonAtParams) ([]ConsoleNeedsPersonAtRow, error) {
+	rows, err := db.Query(ctx, ConsoleNeedsPersonAt,
+		arg.Cutoff,
+		arg.Actor,
+		arg.Operation,
+		arg.MinAgeMicros,
+		arg.ErrorText,
+		arg.MaxRows,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []ConsoleNeedsPersonAtRow
+	for rows.Next() {
+		var i ConsoleNeedsPersonAtRow
+		if err := rows.Scan(
+			&i.Actor,
+			&i.Operation,
+			&i.IdemKey,
+			&i.Token,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const ConsoleNeedsPersonCount = `-- name: ConsoleNeedsPersonCount :one
 SELECT count(*)::bigint FROM (
     SELECT 1
@@ -526,6 +597,19 @@ func (q *Queries) ConsoleNeedsPersonCount(ctx context.Context, db DBTX, arg Cons
 	var column_1 int64
 	err := row.Scan(&column_1)
 	return column_1, err
+}
+
+const ConsoleNow = `-- name: ConsoleNow :one
+SELECT now()::timestamptz AS now
+`
+
+// The database time now: the instant of a count made in the same
+// transaction.
+func (q *Queries) ConsoleNow(ctx context.Context, db DBTX) (pgtype.Timestamptz, error) {
+	row := db.QueryRow(ctx, ConsoleNow)
+	var now pgtype.Timestamptz
+	err := row.Scan(&now)
+	return now, err
 }
 
 const ConsoleOpen = `-- name: ConsoleOpen :one
