@@ -24,6 +24,7 @@ type bulkView struct {
 	Count    int64
 	Capped   bool   // more match than audit.MaxBulk: the oldest MaxBulk are settled
 	Cutoff   string // as the form sends it back
+	Counted  time.Time
 	Selected []bulkTarget
 	Form     resolveInput
 	Problem  *problem
@@ -147,7 +148,7 @@ func (q *request) showBulk(status int, in bulkInput, p *problem) {
 		if v.Count > audit.MaxBulk {
 			v.Count, v.Capped = audit.MaxBulk, true
 		}
-		v.Cutoff = cutoff.UTC().Format(time.RFC3339Nano)
+		v.Cutoff, v.Counted = cutoff.UTC().Format(time.RFC3339Nano), cutoff
 	case len(in.Refs) > 0:
 		for _, r := range in.Refs {
 			t, err := decodeTarget(r)

@@ -507,3 +507,22 @@ func readShape(ctx context.Context, db idem.Beginner, scope idem.Scope) (status 
 	})
 	return status, contentType, ok, err
 }
+
+// nextNeedsPerson is the oldest record that needs a person other than
+// (scope, key); ok is false when there is none.
+func nextNeedsPerson(ctx context.Context, db idem.Beginner, scope idem.Scope, key string) (item needsPersonItem, ok bool, err error) {
+	err = audit.Read(ctx, db, func(ctx context.Context, q audit.Planned) error {
+		rows, err := queries.ConsoleNeedsPerson(ctx, q, store.ConsoleNeedsPersonParams{
+			AfterCreatedAt: pgtype.Timestamptz{InfinityModifier: pgtype.NegativeInfinity, Valid: true}, MaxRows: 2,
+		})
+		for _, r := range rows {
+			if r.Actor == scope.Actor && r.Operation == scope.Operation && r.IdemKey == key {
+				continue
+			}
+			item, ok = needsPersonItem{Actor: r.Actor, Operation: r.Operation, Key: r.IdemKey}, true
+			break
+		}
+		return err
+	})
+	return item, ok, err
+}

@@ -234,6 +234,13 @@ func TestVerdictFromTheForm(t *testing.T) {
 	if strings.Contains(page.body, `name="verdict"`) {
 		t.Error("the record page still offers a verdict on a decided record")
 	}
+	if strings.Contains(page.body, "Next record that needs a person") {
+		t.Error("the page offers a next record when none needs a person")
+	}
+	e.unknown(pay, "order-2", "timeout")
+	if page := e.get(keyPage(pay, "order-1")); !strings.Contains(page.body, `href="`+html.EscapeString(keyPage(pay, "order-2"))+`" rel="next">Next record that needs a person`) {
+		t.Errorf("the page after the verdict does not lead to the next record:\n%s", page.body)
+	}
 }
 
 // The verdict form offers the shape of the operation's answers (status and

@@ -338,6 +338,9 @@ type keyView struct {
 	Forget  forgetInput
 	Problem *problem
 	Stale   *staleView // a form refused because the record holds another attempt now
+	// NextURL is the page of the oldest other record that needs a person;
+	// empty when none does.
+	NextURL string
 }
 
 // staleView says which attempt a refused form was about and which the
@@ -433,6 +436,12 @@ func (q *request) showKey(status int, p *problem, form resolveInput, forget forg
 				v.Stale = &sent
 			}
 		}
+	}
+	if next, ok, err := nextNeedsPerson(ctx, q.c.opts.DB, scope, key); err != nil {
+		q.fail(err)
+		return
+	} else if ok {
+		v.NextURL = q.c.opts.Prefix + keyURL(idem.Scope{Actor: next.Actor, Operation: next.Operation}, next.Key, "")
 	}
 	title := "Record " + key
 	q.page(status, "key", title, "", v, fl)

@@ -222,3 +222,38 @@ func TestFormsHiddenByAuthorize(t *testing.T) {
 		t.Errorf("the record page:\n%s", text(t, ctx))
 	}
 }
+
+// One verdict on every record a filter matches: counted, confirmed, and
+// recorded on each.
+func TestBulkVerdictOverAFilter(t *testing.T) {
+	ctx := browser(t)
+	c := newConsole(t, false)
+	c.seed(t)
+	step(t, ctx, "filter the list", chromedp.Navigate(c.url("/unknown?actor=shop-1024")), chromedp.WaitVisible(chromedp.CSS(".bulkbar")))
+	if _, err := chromedp.RunResponse(ctx, chromedp.Click(chromedp.CSS(".bulkbar a.button"))); err != nil {
+		t.Fatalf("open the confirmation: %v", err)
+	}
+	if txt := text(t, ctx); !strings.Contains(txt, "2 records need a person under the filter") {
+		t.Fatalf("the confirmation:\n%s", txt)
+	}
+	step(t, ctx, "give the verdict",
+		chromedp.Click(chromedp.CSS(`input[name="verdict"][value="retryable"]`)),
+		chromedp.SetValue(chromedp.CSS(`textarea[name="reason"]`), "Card network outage 14:00-14:20: no charge reached the provider (status page)"))
+	screenshot(t, ctx, "bulk")
+	res, err := chromedp.RunResponse(ctx, chromedp.Click(chromedp.CSS("button.primary")))
+	if err != nil || res.Status != http.StatusOK {
+		t.Fatalf("submit: %v, %v", res, err)
+	}
+	if txt := text(t, ctx); !strings.Contains(txt, "2 records settled with one verdict: it did not happen") {
+		t.Fatalf("after the bulk verdict:\n%s", txt)
+	}
+	for _, key := range []string{"pay_7Hq2c9XkLm", "pay_Q8sd02LkPz"} {
+		rec, err := idem.Lookup(context.Background(), c.pool, payments, key)
+		if err != nil || rec.Status != idem.StatusFailedRetryable {
+			t.Errorf("%s after the bulk verdict: %+v, %v", key, rec, err)
+		}
+	}
+	if rec, err := idem.Lookup(context.Background(), c.pool, refunds, "refund_c81f/attempt-2"); err != nil || rec.Status != idem.StatusUnknown {
+		t.Errorf("a record outside the filter: %+v, %v", rec, err)
+	}
+}
