@@ -252,3 +252,92 @@ func (q *request) bulkTargets(in bulkInput) ([]audit.Target, map[string]any, err
 	})
 	return out, map[string]any{"filter": f, "cutoff": cutoff.UTC()}, err
 }
+
+// bulkJSON is a bulk verdict as the API takes it: the records (each with
+// the token of its attempt), or all that the filter matched as of the
+// cutoff of a count (GET api/bulk-resolve), and the verdict.
+type bulkJSON struct {
+	filterInput
+	All     bool   `json:"all"`
+	Cutoff  string `json:"cutoff"`
+	Records []struct {
+		Actor     string `json:"actor"`
+		Operation string `json:"operation"`
+		Key       string `json:"key"`
+		Token     int64  `json:"token"`
+	} `json:"records"`
+	Verdict     string      `json:"verdict"`
+	Status      json.Number `json:"status"`
+	Body        string      `json:"body"`
+	ContentType string      `json:"content_type"`
+	Reason      string      `json:"reason"`
+}
+
+func (q *request) bulkCountAPI() {
+	in, err := filterFrom(q.r.URL.Query())
+	if err != nil {
+		q.fail(err)
+		return
+	}
+	f, err := in.filter()
+	if err != nil {
+		q.fail(err)
+		return
+	}
+	var n int64
+	var cutoff time.Time
+	err = audit.Read(q.r.Context(), q.c.opts.DB, func(ctx context.Context, db audit.Planned) error {
+		n, cutoff, err = audit.NeedsPersonCount(ctx, db, f, audit.MaxBulk+1)
+		return err
+	})
+	if err != nil {
+		q.fail(err)
+		return
+	}
+	q.ok(map[string]any{"records": min(n, audit.MaxBulk), "more": n > audit.MaxBulk, "cutoff": cutoff.UTC().Format(time.RFC3339Nano)})
+}
+
+func (q *request) bulkResolveAPI() {
+	var in bulkJSON
+	if err := decodeJSON(q.r, &in); err != nil {
+		q.fail(err)
+		return
+	}
+	if len(in.Records) > audit.MaxBulk {
+		q.fail(badRequest("invalid_json", "Give at most %d records for one verdict.", audit.MaxBulk))
+		return
+	}
+	b := bulkInput{filterInput: in.filterInput, All: in.All, Cutoff: in.Cutoff,
+		Form: resolveInput{Token: "1", Verdict: in.Verdict, Status: in.Status, Body: in.Body, ContentType: in.ContentType, Reason: in.Reason}}
+	for _, r := range in.Records {
+		b.Refs = append(b.Refs, targetRef(idem.Scope{Actor: r.Actor, Operation: r.Operation}, r.Key, r.Token))
+	}
+	res, err := b.Form.resolution()
+	if err != nil {
+		q.fail(err)
+		return
+	}
+	targets, detail, err := q.bulkTargets(b)
+	if err != nil {
+		q.fail(err)
+		return
+	}
+	out := map[string]any{"resolved": 0, "skipped": []any{}}
+	if len(targets) > 0 {
+		bulk, err := audit.ResolveMany(q.r.Context(), q.c.opts.DB, q.client(), q.operator, targets, res, detail)
+		if err != nil {
+			q.fail(err)
+			return
+		}
+		out["resolved"] = bulk.Entry.Changed
+		skipped := make([]map[string]any, 0, len(bulk.Skipped))
+		for _, s := range bulk.Skipped {
+			skipped = append(skipped, map[string]any{"actor": s.Scope.Actor, "operation": s.Scope.Operation, "key": s.Key, "token": s.Token})
+		}
+		out["skipped"] = skipped
+		if bulk.Entry.ID != 0 {
+			out["audit"] = newEntryJSON(bulk.Entry)
+		}
+	}
+	q.ok(out)
+}

@@ -1286,6 +1286,11 @@ func TestAPIFieldsDocumented(t *testing.T) {
 		{"GET api/search", e.get("/idem/api/search?actor=acme"), nil},
 		{"GET api/audit", e.get("/idem/api/audit?limit=1"), []string{"detail"}},
 		{"GET api/audit", e.get("/idem/api/audit?action=resolve"), []string{"detail"}},
+		{"GET api/key", e.get("/idem/api/key?actor=acme&operation=charge&key=decided"), []string{"record", "audit"}},
+		{"GET api/bulk-resolve", e.get("/idem/api/bulk-resolve?actor=acme"), nil},
+		{"POST api/bulk-resolve", e.postJSON("/idem/api/bulk-resolve", map[string]any{"verdict": "retryable", "reason": "outage",
+			"records": []map[string]any{{"actor": "acme", "operation": "charge", "key": "open", "token": e.lookup(pay, "open").Token},
+				{"actor": "acme", "operation": "charge", "key": "lapsed", "token": 999}}}), []string{"audit"}},
 	}
 	seen := map[string]bool{}
 	for _, a := range answers {

@@ -67,10 +67,7 @@ func match(path string, vs url.Values) route {
 			post: pick(api, (*request).expirePage, (*request).expireAPI)}
 		action = ActionExpireLeases
 	case "/bulk-resolve":
-		if api {
-			return route{}
-		}
-		p = pair{get: (*request).bulkPage, post: (*request).bulkResolvePage}
+		p = pair{get: pick(api, (*request).bulkPage, (*request).bulkCountAPI), post: pick(api, (*request).bulkResolvePage, (*request).bulkResolveAPI)}
 		action = ActionResolve
 		maxBody = maxVerdictBody
 	case "/prune":
