@@ -202,7 +202,7 @@ type needsPersonPage struct {
 func readNeedsPerson(ctx context.Context, db idem.Beginner, f audit.Filter, after string, limit int) (needsPersonPage, error) {
 	var p needsPersonPage
 	arg := store.ConsoleNeedsPersonParams{
-		Actor: f.Actor, Operation: f.Operation, MinAgeMicros: f.MinAgeMicros(), ErrorText: f.ErrorText,
+		Actor: f.Actor, Operation: f.Operation, MinAgeMicros: f.MinAgeMicros(), ErrorText: f.ErrorText, State: f.State,
 		AfterCreatedAt: pgtype.Timestamptz{InfinityModifier: pgtype.NegativeInfinity, Valid: true},
 		MaxRows:        int32(limit + 1),
 	}
@@ -219,7 +219,7 @@ func readNeedsPerson(ctx context.Context, db idem.Beginner, f audit.Filter, afte
 	}
 	err := audit.Read(ctx, db, func(ctx context.Context, q audit.Planned) error {
 		n, err := queries.ConsoleNeedsPersonCount(ctx, q, store.ConsoleNeedsPersonCountParams{
-			Actor: f.Actor, Operation: f.Operation, MinAgeMicros: f.MinAgeMicros(), ErrorText: f.ErrorText, CapRows: countCap,
+			Actor: f.Actor, Operation: f.Operation, MinAgeMicros: f.MinAgeMicros(), ErrorText: f.ErrorText, State: f.State, CapRows: countCap,
 		})
 		if err != nil {
 			return err

@@ -1496,3 +1496,42 @@ func ref(scope idem.Scope, key string, token int64) string {
 	b, _ := json.Marshal([]any{scope.Actor, scope.Operation, key, token})
 	return base64.RawURLEncoding.EncodeToString(b)
 }
+
+// The list of what needs a person filters by state, and the overview's
+// cards lead to it.
+func TestNeedsPersonByState(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	e.unknown(pay, "u1", "timeout")
+	e.lapsed(pay, "l1")
+	page := e.get("/idem/")
+	for _, want := range []string{`href="/idem/unknown?state=unknown"`, `href="/idem/unknown?state=lapsed"`} {
+		if !strings.Contains(page.body, want) {
+			t.Errorf("the overview lacks %s", want)
+		}
+	}
+	for state, want := range map[string]string{"unknown": "u1", "lapsed": "l1", "": "l1 u1"} {
+		res := e.get("/idem/api/unknown?state=" + state)
+		var out struct{ Records []struct{ Key string } }
+		if err := json.Unmarshal([]byte(res.body), &out); err != nil {
+			t.Fatal(err)
+		}
+		var keys []string
+		for _, r := range out.Records {
+			keys = append(keys, r.Key)
+		}
+		slices.Sort(keys)
+		if got := strings.Join(keys, " "); got != want {
+			t.Errorf("state %q: %q, want %q", state, got, want)
+		}
+	}
+	if res := e.get("/idem/api/unknown?state=maybe"); res.status != 400 || res.code() != "invalid_filter" {
+		t.Errorf("a bad state: %d %s", res.status, res.body)
+	}
+	if res := e.get("/idem/api/expire-leases?state=unknown"); !strings.Contains(res.body, `"leases": 0`) {
+		t.Errorf("leases to expire among unknown outcomes: %s", res.body)
+	}
+	if res := e.get("/idem/api/expire-leases?state=lapsed"); !strings.Contains(res.body, `"leases": 1`) {
+		t.Errorf("leases to expire among lapsed ones: %s", res.body)
+	}
+}

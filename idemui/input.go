@@ -41,6 +41,7 @@ type filterInput struct {
 	Operation string `json:"operation"`
 	OlderThan string `json:"older_than"` // a Go duration: 30m, 1h, 24h; empty for any age
 	Error     string `json:"error"`
+	State     string `json:"state"` // "unknown", "lapsed", or empty for both
 }
 
 // filterFrom reads a filterInput from vs.
@@ -50,7 +51,7 @@ func filterFrom(vs url.Values) (filterInput, error) {
 	for _, f := range []struct {
 		name string
 		v    *string
-	}{{"actor", &in.Actor}, {"operation", &in.Operation}, {"older_than", &in.OlderThan}, {"error", &in.Error}} {
+	}{{"actor", &in.Actor}, {"operation", &in.Operation}, {"older_than", &in.OlderThan}, {"error", &in.Error}, {"state", &in.State}} {
 		if *f.v, err = one(vs, f.name); err != nil {
 			return in, err
 		}
@@ -60,7 +61,8 @@ func filterFrom(vs url.Values) (filterInput, error) {
 
 // filter checks in and returns the audit.Filter it means.
 func (in filterInput) filter() (audit.Filter, error) {
-	f := audit.Filter{Actor: strings.TrimSpace(in.Actor), Operation: strings.TrimSpace(in.Operation), ErrorText: strings.TrimSpace(in.Error)}
+	f := audit.Filter{Actor: strings.TrimSpace(in.Actor), Operation: strings.TrimSpace(in.Operation), ErrorText: strings.TrimSpace(in.Error),
+		State: strings.TrimSpace(in.State)}
 	if s := strings.TrimSpace(in.OlderThan); s != "" {
 		d, err := time.ParseDuration(s)
 		if err != nil || d < 0 {
@@ -77,7 +79,7 @@ func (in filterInput) filter() (audit.Filter, error) {
 // query is in as a query string.
 func (in filterInput) query() url.Values {
 	vs := url.Values{}
-	for _, kv := range [][2]string{{"actor", in.Actor}, {"operation", in.Operation}, {"older_than", in.OlderThan}, {"error", in.Error}} {
+	for _, kv := range [][2]string{{"actor", in.Actor}, {"operation", in.Operation}, {"older_than", in.OlderThan}, {"error", in.Error}, {"state", in.State}} {
 		if kv[1] != "" {
 			vs.Set(kv[0], kv[1])
 		}

@@ -191,6 +191,8 @@ func TestPagesAtScale(t *testing.T) {
 		{"needs a person, page 2", "GET", "/idem/unknown?after=" + first.Next, ""},
 		{"needs a person, filtered", "GET", "/idem/unknown?actor=actor-1&older_than=1h&error=timeout", ""},
 		{"needs a person, no match", "GET", "/idem/unknown?error=no+such+error", ""},
+		{"needs a person, leases that ran out", "GET", "/idem/unknown?state=lapsed", ""},
+		{"one verdict on all: the count", "GET", "/idem/bulk-resolve?all=yes&actor=actor-3", ""},
 		{"expire leases: count", "GET", "/idem/expire-leases", ""},
 		{"expire leases: count, filtered", "GET", "/idem/expire-leases?operation=charge&older_than=24h", ""},
 		{"record", "GET", one, ""},
@@ -201,8 +203,9 @@ func TestPagesAtScale(t *testing.T) {
 		{"audit trail", "GET", "/idem/audit", ""},
 		{"audit trail, by operator", "GET", "/idem/audit?operator=operator-3", ""},
 		{"audit trail, of a key", "GET", "/idem/audit?actor=actor-1&operation=charge&key=key-1001", ""},
-		{"audit trail, a day by operator prefix", "GET", "/idem/audit?operator=op&from=2026-01-01&to=2026-01-02", ""},
-		{"audit trail, CSV export", "GET", "/idem/audit.csv?operator=op", ""},
+		{"audit trail, a day by operator prefix", "GET", "/idem/audit?operator=operator-&from=" + time.Now().UTC().AddDate(0, 0, -3).Format("2006-01-02") +
+			"&to=" + time.Now().UTC().AddDate(0, 0, -2).Format("2006-01-02"), ""},
+		{"audit trail, CSV export of 20,000 rows", "GET", "/idem/audit.csv?operator=operator-", ""},
 	}
 	var report strings.Builder
 	fmt.Fprintf(&report, "%-36s %9s %9s\n", "page at 3M keys", "first", "median")

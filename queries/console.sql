@@ -36,6 +36,8 @@ WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
   AND created_at <= now() - (sqlc.arg(min_age_micros)::bigint * interval '1 microsecond')
   AND (sqlc.arg(error_text)::text = ''
        OR strpos(lower(coalesce(last_error, '')), lower(sqlc.arg(error_text)::text)) > 0)
+  -- the state: '' any, 'unknown' the unknown outcomes, 'lapsed' the leases that ran out
+  AND (sqlc.arg(state)::text = '' OR (sqlc.arg(state)::text = 'unknown') = (status = 'unknown'))
   AND (created_at, actor, operation, idem_key)
       > (sqlc.arg(after_created_at)::timestamptz, sqlc.arg(after_actor)::text,
          sqlc.arg(after_operation)::text, sqlc.arg(after_key)::text)
@@ -57,6 +59,8 @@ SELECT count(*)::bigint FROM (
       AND created_at <= now() - (sqlc.arg(min_age_micros)::bigint * interval '1 microsecond')
       AND (sqlc.arg(error_text)::text = ''
            OR strpos(lower(coalesce(last_error, '')), lower(sqlc.arg(error_text)::text)) > 0)
+      -- the state: '' any, 'unknown' the unknown outcomes, 'lapsed' the leases that ran out
+      AND (sqlc.arg(state)::text = '' OR (sqlc.arg(state)::text = 'unknown') = (status = 'unknown'))
     LIMIT sqlc.arg(cap_rows)::integer) AS matched;
 
 -- Counts the reservations whose lease ran out (still 'processing') that
@@ -256,6 +260,8 @@ WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
                     - (sqlc.arg(min_age_micros)::bigint * interval '1 microsecond')
   AND (sqlc.arg(error_text)::text = ''
        OR strpos(lower(coalesce(last_error, '')), lower(sqlc.arg(error_text)::text)) > 0)
+  -- the state: '' any, 'unknown' the unknown outcomes, 'lapsed' the leases that ran out
+  AND (sqlc.arg(state)::text = '' OR (sqlc.arg(state)::text = 'unknown') = (status = 'unknown'))
 ORDER BY created_at, actor, operation, idem_key
 LIMIT sqlc.arg(max_rows)::integer;
 

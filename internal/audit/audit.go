@@ -106,7 +106,16 @@ type Filter struct {
 	// ErrorText keeps the records whose last error holds it, ignoring
 	// case; empty keeps all.
 	ErrorText string `json:"error_text,omitempty"`
+	// State keeps StateUnknown records or StateLapsed ones (a reservation
+	// whose lease ran out); empty keeps both.
+	State string `json:"state,omitempty"`
 }
+
+// The states of Filter.State.
+const (
+	StateUnknown = "unknown"
+	StateLapsed  = "lapsed"
+)
 
 // Check validates f: names and error text that PostgreSQL can hold, an
 // age that is not negative.
@@ -118,6 +127,9 @@ func (f Filter) Check() error {
 	}
 	if f.MinAge < 0 {
 		return fmt.Errorf("%w: filter age %s is negative", idem.ErrInvalidArgument, f.MinAge)
+	}
+	if f.State != "" && f.State != StateUnknown && f.State != StateLapsed {
+		return fmt.Errorf("%w: filter state %q is neither %q nor %q", idem.ErrInvalidArgument, f.State, StateUnknown, StateLapsed)
 	}
 	return nil
 }
@@ -332,6 +344,9 @@ func ExpireLeases(ctx context.Context, db idem.Beginner, c *idem.Client, operato
 		Cutoff time.Time `json:"cutoff"`
 	}{f, cutoff.UTC()})
 	e := Entry{Operator: operator, Action: ActionExpireLeases, Detail: detail}
+	if f.State == StateUnknown {
+		return e, nil // an unknown outcome holds no lease to expire
+	}
 	err = write(ctx, c, db, func(ctx context.Context, tx pgx.Tx) error {
 		expired, err := queries.ConsoleExpireLeases(ctx, Planned{tx}, store.ConsoleExpireLeasesParams{
 			Reason: LeaseExpiredReason, Cutoff: pgtype.Timestamptz{Time: cutoff, Valid: true},
@@ -360,6 +375,10 @@ func ExpireLeases(ctx context.Context, db idem.Beginner, c *idem.Client, operato
 func ExpirableCount(ctx context.Context, q Planned, f Filter) (int64, time.Time, error) {
 	if err := f.Check(); err != nil {
 		return 0, time.Time{}, err
+	}
+	if f.State == StateUnknown {
+		now, err := queries.ConsoleNow(ctx, q)
+		return 0, now.Time, err // an unknown outcome holds no lease to expire
 	}
 	row, err := queries.ConsoleExpirableCount(ctx, q, store.ConsoleExpirableCountParams{
 		Actor: f.Actor, Operation: f.Operation, MinAgeMicros: f.MinAgeMicros(), ErrorText: f.ErrorText,
@@ -757,7 +776,7 @@ func NeedsPersonAt(ctx context.Context, q Planned, f Filter, cutoff time.Time, l
 	}
 	rows, err := queries.ConsoleNeedsPersonAt(ctx, q, store.ConsoleNeedsPersonAtParams{
 		Cutoff: pgtype.Timestamptz{Time: cutoff, Valid: true}, Actor: f.Actor, Operation: f.Operation,
-		MinAgeMicros: f.MinAgeMicros(), ErrorText: f.ErrorText, MaxRows: int32(limit),
+		MinAgeMicros: f.MinAgeMicros(), ErrorText: f.ErrorText, State: f.State, MaxRows: int32(limit),
 	})
 	if err != nil {
 		return nil, err
@@ -776,7 +795,7 @@ func NeedsPersonCount(ctx context.Context, q Planned, f Filter, capRows int) (in
 		return 0, time.Time{}, err
 	}
 	n, err := queries.ConsoleNeedsPersonCount(ctx, q, store.ConsoleNeedsPersonCountParams{
-		Actor: f.Actor, Operation: f.Operation, MinAgeMicros: f.MinAgeMicros(), ErrorText: f.ErrorText, CapRows: int32(capRows),
+		Actor: f.Actor, Operation: f.Operation, MinAgeMicros: f.MinAgeMicros(), ErrorText: f.ErrorText, State: f.State, CapRows: int32(capRows),
 	})
 	if err != nil {
 		return 0, time.Time{}, err

@@ -394,11 +394,13 @@ WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
   AND created_at <= now() - ($3::bigint * interval '1 microsecond')
   AND ($4::text = ''
        OR strpos(lower(coalesce(last_error, '')), lower($4::text)) > 0)
+  -- the state: '' any, 'unknown' the unknown outcomes, 'lapsed' the leases that ran out
+  AND ($5::text = '' OR ($5::text = 'unknown') = (status = 'unknown'))
   AND (created_at, actor, operation, idem_key)
-      > ($5::timestamptz, $6::text,
-         $7::text, $8::text)
+      > ($6::timestamptz, $7::text,
+         $8::text, $9::text)
 ORDER BY created_at, actor, operation, idem_key
-LIMIT $9::integer
+LIMIT $10::integer
 `
 
 type ConsoleNeedsPersonParams struct {
@@ -406,6 +408,7 @@ type ConsoleNeedsPersonParams struct {
 	Operation      string
 	MinAgeMicros   int64
 	ErrorText      string
+	State          string
 	AfterCreatedAt pgtype.Timestamptz
 	AfterActor     string
 	AfterOperation string
@@ -455,6 +458,7 @@ func (q *Queries) ConsoleNeedsPerson(ctx context.Context, db DBTX, arg ConsoleNe
 		arg.Operation,
 		arg.MinAgeMicros,
 		arg.ErrorText,
+		arg.State,
 		arg.AfterCreatedAt,
 		arg.AfterActor,
 		arg.AfterOperation,
@@ -502,8 +506,10 @@ WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
                     - ($4::bigint * interval '1 microsecond')
   AND ($5::text = ''
        OR strpos(lower(coalesce(last_error, '')), lower($5::text)) > 0)
+  -- the state: '' any, 'unknown' the unknown outcomes, 'lapsed' the leases that ran out
+  AND ($6::text = '' OR ($6::text = 'unknown') = (status = 'unknown'))
 ORDER BY created_at, actor, operation, idem_key
-LIMIT $6::integer
+LIMIT $7::integer
 `
 
 type ConsoleNeedsPersonAtParams struct {
@@ -512,6 +518,7 @@ type ConsoleNeedsPersonAtParams struct {
 	Operation    string
 	MinAgeMicros int64
 	ErrorText    string
+	State        string
 	MaxRows      int32
 }
 
@@ -535,6 +542,7 @@ func (q *Queries) ConsoleNeedsPersonAt(ctx context.Context, db DBTX, arg Console
 		arg.Operation,
 		arg.MinAgeMicros,
 		arg.ErrorText,
+		arg.State,
 		arg.MaxRows,
 	)
 	if err != nil {
@@ -573,7 +581,9 @@ SELECT count(*)::bigint FROM (
       AND created_at <= now() - ($3::bigint * interval '1 microsecond')
       AND ($4::text = ''
            OR strpos(lower(coalesce(last_error, '')), lower($4::text)) > 0)
-    LIMIT $5::integer) AS matched
+      -- the state: '' any, 'unknown' the unknown outcomes, 'lapsed' the leases that ran out
+      AND ($5::text = '' OR ($5::text = 'unknown') = (status = 'unknown'))
+    LIMIT $6::integer) AS matched
 `
 
 type ConsoleNeedsPersonCountParams struct {
@@ -581,6 +591,7 @@ type ConsoleNeedsPersonCountParams struct {
 	Operation    string
 	MinAgeMicros int64
 	ErrorText    string
+	State        string
 	CapRows      int32
 }
 
@@ -592,6 +603,7 @@ func (q *Queries) ConsoleNeedsPersonCount(ctx context.Context, db DBTX, arg Cons
 		arg.Operation,
 		arg.MinAgeMicros,
 		arg.ErrorText,
+		arg.State,
 		arg.CapRows,
 	)
 	var column_1 int64

@@ -400,11 +400,13 @@ WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
   AND created_at <= now() - ($3::bigint * interval '1 microsecond')
   AND ($4::text = ''
        OR strpos(lower(coalesce(last_error, '')), lower($4::text)) > 0)
+  -- the state: '' any, 'unknown' the unknown outcomes, 'lapsed' the leases that ran out
+  AND ($5::text = '' OR ($5::text = 'unknown') = (status = 'unknown'))
   AND (created_at, actor, operation, idem_key)
-      > ($5::timestamptz, $6::text,
-         $7::text, $8::text)
+      > ($6::timestamptz, $7::text,
+         $8::text, $9::text)
 ORDER BY created_at, actor, operation, idem_key
-LIMIT $9::integer
+LIMIT $10::integer
 `
 
 type ConsoleNeedsPersonParams struct {
@@ -412,6 +414,7 @@ type ConsoleNeedsPersonParams struct {
 	Operation      string
 	MinAgeMicros   int64
 	ErrorText      string
+	State          string
 	AfterCreatedAt time.Time
 	AfterActor     string
 	AfterOperation string
@@ -461,6 +464,7 @@ func (q *Queries) ConsoleNeedsPerson(ctx context.Context, db DBTX, arg ConsoleNe
 		arg.Operation,
 		arg.MinAgeMicros,
 		arg.ErrorText,
+		arg.State,
 		arg.AfterCreatedAt,
 		arg.AfterActor,
 		arg.AfterOperation,
@@ -511,8 +515,10 @@ WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
                     - ($4::bigint * interval '1 microsecond')
   AND ($5::text = ''
        OR strpos(lower(coalesce(last_error, '')), lower($5::text)) > 0)
+  -- the state: '' any, 'unknown' the unknown outcomes, 'lapsed' the leases that ran out
+  AND ($6::text = '' OR ($6::text = 'unknown') = (status = 'unknown'))
 ORDER BY created_at, actor, operation, idem_key
-LIMIT $6::integer
+LIMIT $7::integer
 `
 
 type ConsoleNeedsPersonAtParams struct {
@@ -521,6 +527,7 @@ type ConsoleNeedsPersonAtParams struct {
 	Operation    string
 	MinAgeMicros int64
 	ErrorText    string
+	State        string
 	MaxRows      int32
 }
 
@@ -544,6 +551,7 @@ func (q *Queries) ConsoleNeedsPersonAt(ctx context.Context, db DBTX, arg Console
 		arg.Operation,
 		arg.MinAgeMicros,
 		arg.ErrorText,
+		arg.State,
 		arg.MaxRows,
 	)
 	if err != nil {
@@ -585,7 +593,9 @@ SELECT count(*)::bigint FROM (
       AND created_at <= now() - ($3::bigint * interval '1 microsecond')
       AND ($4::text = ''
            OR strpos(lower(coalesce(last_error, '')), lower($4::text)) > 0)
-    LIMIT $5::integer) AS matched
+      -- the state: '' any, 'unknown' the unknown outcomes, 'lapsed' the leases that ran out
+      AND ($5::text = '' OR ($5::text = 'unknown') = (status = 'unknown'))
+    LIMIT $6::integer) AS matched
 `
 
 type ConsoleNeedsPersonCountParams struct {
@@ -593,6 +603,7 @@ type ConsoleNeedsPersonCountParams struct {
 	Operation    string
 	MinAgeMicros int64
 	ErrorText    string
+	State        string
 	CapRows      int32
 }
 
@@ -604,6 +615,7 @@ func (q *Queries) ConsoleNeedsPersonCount(ctx context.Context, db DBTX, arg Cons
 		arg.Operation,
 		arg.MinAgeMicros,
 		arg.ErrorText,
+		arg.State,
 		arg.CapRows,
 	)
 	var column_1 int64
