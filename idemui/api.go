@@ -70,7 +70,7 @@ func (q *request) overviewAPI() {
 
 func (q *request) unknownAPI() {
 	vs := q.r.URL.Query()
-	_, f, after, err := needsPersonQuery(vs)
+	lq, err := needsPersonQuery(vs)
 	if err != nil {
 		q.fail(err)
 		return
@@ -80,7 +80,7 @@ func (q *request) unknownAPI() {
 		q.fail(err)
 		return
 	}
-	p, err := readNeedsPerson(q.r.Context(), q.c.opts.DB, f, after, limit)
+	p, err := readNeedsPerson(q.r.Context(), q.c.opts.DB, lq.f, lq.order, lq.after, lq.before, limit)
 	if err != nil {
 		q.fail(err)
 		return

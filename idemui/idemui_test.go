@@ -1535,3 +1535,77 @@ func TestNeedsPersonByState(t *testing.T) {
 		t.Errorf("leases to expire among lapsed ones: %s", res.body)
 	}
 }
+
+// The list goes oldest or newest first, page by page in both directions,
+// and says where each page is in it.
+func TestNeedsPersonOrderAndPages(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	for i := range 7 {
+		e.unknown(pay, fmt.Sprintf("k%d", i), "timeout")
+		time.Sleep(time.Millisecond)
+	}
+	type page struct {
+		Records    []struct{ Key string }
+		First      int64
+		Next, Prev string
+	}
+	get := func(query string) page {
+		t.Helper()
+		res := e.get("/idem/api/unknown?limit=3" + query)
+		var p page
+		if err := json.Unmarshal([]byte(res.body), &p); err != nil || res.status != 200 {
+			t.Fatalf("%s: %d %s", query, res.status, res.body)
+		}
+		return p
+	}
+	keys := func(p page) string {
+		var ks []string
+		for _, r := range p.Records {
+			ks = append(ks, r.Key)
+		}
+		return fmt.Sprintf("%d:%s", p.First, strings.Join(ks, ","))
+	}
+	for _, order := range []struct{ q, pages string }{{"", "1:k0,k1,k2 4:k3,k4,k5 7:k6"}, {"&order=newest", "1:k6,k5,k4 4:k3,k2,k1 7:k0"}} {
+		var seen []string
+		var pages []page
+		p := get(order.q)
+		for {
+			seen = append(seen, keys(p))
+			pages = append(pages, p)
+			if p.Next == "" {
+				break
+			}
+			p = get(order.q + "&after=" + p.Next)
+		}
+		if got := strings.Join(seen, " "); got != order.pages {
+			t.Errorf("order %q forwards: %s, want %s", order.q, got, order.pages)
+		}
+		if pages[0].Prev != "" || pages[1].Prev == "" {
+			t.Errorf("order %q: the first page has a previous one, or the second none", order.q)
+		}
+		// And back, from the last page.
+		seen = nil
+		p = pages[len(pages)-1]
+		for p.Prev != "" {
+			p = get(order.q + "&before=" + p.Prev)
+			seen = append(seen, keys(p))
+		}
+		want := strings.Fields(order.pages)
+		if got := strings.Join(seen, " "); got != want[1]+" "+want[0] {
+			t.Errorf("order %q backwards: %s", order.q, got)
+		}
+	}
+	page1 := e.get("/idem/unknown?order=newest")
+	for _, want := range []string{"newest first: <b>1–7</b> of 7", `<b>Newest first</b>`, `href="/idem/unknown">Oldest first</a>`} {
+		if !strings.Contains(page1.body, want) {
+			t.Errorf("the newest-first page lacks %q", want)
+		}
+	}
+	if res := e.get("/idem/api/unknown?order=random"); res.status != 400 || res.code() != "invalid_filter" {
+		t.Errorf("a bad order: %d %s", res.status, res.body)
+	}
+	if res := e.get("/idem/api/unknown?after=x&before=y"); res.status != 400 {
+		t.Errorf("after and before: %d", res.status)
+	}
+}

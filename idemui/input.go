@@ -111,6 +111,7 @@ type needsPersonCursor struct {
 	Actor     string    `json:"a"`
 	Operation string    `json:"o"`
 	Key       string    `json:"k"`
+	N         int64     `json:"n,omitempty"` // the record's place in the list, from 1; 0: not known
 }
 
 func (cur needsPersonCursor) check() error {
@@ -119,7 +120,7 @@ func (cur needsPersonCursor) check() error {
 			return badRequest("invalid_cursor", "The page position in the address is damaged: start again from the first page.")
 		}
 	}
-	if y := cur.CreatedAt.Year(); y < 1 || y > 9999 {
+	if y := cur.CreatedAt.Year(); y < 1 || y > 9999 || cur.N < 0 {
 		return badRequest("invalid_cursor", "The page position in the address is damaged: start again from the first page.")
 	}
 	return nil

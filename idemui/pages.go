@@ -196,6 +196,12 @@ type unknownView struct {
 	// filter matches.
 	BulkAllURL string
 	Filtered   bool
+	// Newest: the list is newest first; OldestURL and NewestURL are its
+	// first page in each order.
+	Newest               bool
+	OldestURL, NewestURL string
+	PrevURL              string
+	Range                string // "1–50": the places of the page's records in the list
 }
 
 type ageOption struct {
@@ -207,45 +213,85 @@ type ageOption struct {
 var ages = []ageOption{{"", "any age"}, {"5m", "5 minutes"}, {"1h", "1 hour"}, {"6h", "6 hours"}, {"24h", "1 day"}, {"168h", "7 days"}}
 
 func (q *request) unknownPage() {
-	vs := q.r.URL.Query()
-	in, f, after, err := needsPersonQuery(vs)
+	lq, err := needsPersonQuery(q.r.URL.Query())
 	if err != nil {
 		q.fail(err)
 		return
 	}
-	p, err := readNeedsPerson(q.r.Context(), q.c.opts.DB, f, after, pageSize)
+	p, err := readNeedsPerson(q.r.Context(), q.c.opts.DB, lq.f, lq.order, lq.after, lq.before, pageSize)
 	if err != nil {
 		q.fail(err)
 		return
 	}
+	in := lq.in
 	v := unknownView{Filter: in, Ages: ages, Page: p, ExpireURL: q.url("/expire-leases", in.query()),
-		Filtered: f != (audit.Filter{})}
+		Filtered: lq.f != (audit.Filter{}), Newest: lq.order == orderNewest}
 	all := in.query()
 	all.Set("all", "yes")
 	v.BulkAllURL = q.url("/bulk-resolve", all)
-	if p.Next != "" {
-		next := in.query()
-		next.Set("after", p.Next)
-		v.NextURL = q.url("/unknown", next)
+	list := func(kv ...string) string {
+		vs := in.query()
+		if lq.order == orderNewest {
+			vs.Set("order", orderNewest)
+		}
+		for i := 0; i+1 < len(kv); i += 2 {
+			vs.Set(kv[i], kv[i+1])
+		}
+		return q.url("/unknown", vs)
 	}
-	if after != "" {
-		v.FirstURL = q.url("/unknown", in.query())
+	if p.Next != "" {
+		v.NextURL = list("after", p.Next)
+	}
+	if p.Prev != "" {
+		v.PrevURL = list("before", p.Prev)
+	}
+	if lq.after != "" || lq.before != "" {
+		v.FirstURL = list()
+	}
+	oldest, newest := in.query(), in.query()
+	newest.Set("order", orderNewest)
+	v.OldestURL, v.NewestURL = q.url("/unknown", oldest), q.url("/unknown", newest)
+	if p.First > 0 && len(p.Items) > 0 {
+		v.Range = fmt.Sprintf("%s–%s", formatInt(p.First), formatInt(p.First+int64(len(p.Items))-1))
 	}
 	q.page(http.StatusOK, "unknown", "Needs a person", "unknown", v, q.done())
 }
 
-// needsPersonQuery reads the filter and the page position of the list.
-func needsPersonQuery(vs url.Values) (filterInput, audit.Filter, string, error) {
-	in, err := filterFrom(vs)
-	if err != nil {
-		return in, audit.Filter{}, "", err
+// listQuery is the filter, order and page position of the list of what
+// needs a person.
+type listQuery struct {
+	in            filterInput
+	f             audit.Filter
+	order         string
+	after, before string
+}
+
+// needsPersonQuery reads the filter, the order (oldest, the default, or
+// newest) and the page position of the list.
+func needsPersonQuery(vs url.Values) (listQuery, error) {
+	var lq listQuery
+	var err error
+	if lq.in, err = filterFrom(vs); err != nil {
+		return lq, err
 	}
-	f, err := in.filter()
-	if err != nil {
-		return in, f, "", err
+	if lq.f, err = lq.in.filter(); err != nil {
+		return lq, err
 	}
-	after, err := one(vs, "after")
-	return in, f, after, err
+	if lq.order, err = one(vs, "order"); err != nil {
+		return lq, err
+	}
+	switch lq.order {
+	case "", orderOldest:
+		lq.order = orderOldest
+	case orderNewest:
+	default:
+		return lq, badRequest("invalid_filter", "The order %q is neither %q nor %q.", lq.order, orderOldest, orderNewest)
+	}
+	if lq.after, err = one(vs, "after"); err != nil {
+		return lq, err
+	}
+	lq.before, err = one(vs, "before")
+	return lq, err
 }
 
 type expireView struct {

@@ -192,6 +192,7 @@ func TestPagesAtScale(t *testing.T) {
 		{"needs a person, filtered", "GET", "/idem/unknown?actor=actor-1&older_than=1h&error=timeout", ""},
 		{"needs a person, no match", "GET", "/idem/unknown?error=no+such+error", ""},
 		{"needs a person, leases that ran out", "GET", "/idem/unknown?state=lapsed", ""},
+		{"needs a person, newest first", "GET", "/idem/unknown?order=newest", ""},
 		{"one verdict on all: the count", "GET", "/idem/bulk-resolve?all=yes&actor=actor-3", ""},
 		{"expire leases: count", "GET", "/idem/expire-leases", ""},
 		{"expire leases: count, filtered", "GET", "/idem/expire-leases?operation=charge&older_than=24h", ""},

@@ -44,6 +44,29 @@ WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
 ORDER BY created_at, actor, operation, idem_key
 LIMIT sqlc.arg(max_rows)::integer;
 
+-- The same list, newest first, before the given position ('infinity' and
+-- empty names for the first page): the index walked backwards.
+-- name: ConsoleNeedsPersonNewest :many
+SELECT actor, operation, idem_key, status, token, created_at, lease_expires_at, last_error,
+       (status = 'processing')::boolean AS lease_ran_out
+FROM idem_keys
+WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
+  -- needs a person
+  AND (status = 'unknown' OR (status = 'processing' AND lease_expires_at <= now()))
+  AND (resume_until IS NULL OR resume_until <= now())
+  AND (sqlc.arg(actor)::text = '' OR actor = sqlc.arg(actor)::text)
+  AND (sqlc.arg(operation)::text = '' OR operation = sqlc.arg(operation)::text)
+  AND created_at <= now() - (sqlc.arg(min_age_micros)::bigint * interval '1 microsecond')
+  AND (sqlc.arg(error_text)::text = ''
+       OR strpos(lower(coalesce(last_error, '')), lower(sqlc.arg(error_text)::text)) > 0)
+  -- the state: '' any, 'unknown' the unknown outcomes, 'lapsed' the leases that ran out
+  AND (sqlc.arg(state)::text = '' OR (sqlc.arg(state)::text = 'unknown') = (status = 'unknown'))
+  AND (created_at, actor, operation, idem_key)
+      < (sqlc.arg(before_created_at)::timestamptz, sqlc.arg(before_actor)::text,
+         sqlc.arg(before_operation)::text, sqlc.arg(before_key)::text)
+ORDER BY created_at DESC, actor DESC, operation DESC, idem_key DESC
+LIMIT sqlc.arg(max_rows)::integer;
+
 -- Counts the records that need a person under the same filter, up to
 -- @cap_rows (a count of @cap_rows means at least that many).
 -- name: ConsoleNeedsPersonCount :one

@@ -611,6 +611,96 @@ func (q *Queries) ConsoleNeedsPersonCount(ctx context.Context, db DBTX, arg Cons
 	return column_1, err
 }
 
+const ConsoleNeedsPersonNewest = `-- name: ConsoleNeedsPersonNewest :many
+SELECT actor, operation, idem_key, status, token, created_at, lease_expires_at, last_error,
+       (status = 'processing')::boolean AS lease_ran_out
+FROM idem_keys
+WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
+  -- needs a person
+  AND (status = 'unknown' OR (status = 'processing' AND lease_expires_at <= now()))
+  AND (resume_until IS NULL OR resume_until <= now())
+  AND ($1::text = '' OR actor = $1::text)
+  AND ($2::text = '' OR operation = $2::text)
+  AND created_at <= now() - ($3::bigint * interval '1 microsecond')
+  AND ($4::text = ''
+       OR strpos(lower(coalesce(last_error, '')), lower($4::text)) > 0)
+  -- the state: '' any, 'unknown' the unknown outcomes, 'lapsed' the leases that ran out
+  AND ($5::text = '' OR ($5::text = 'unknown') = (status = 'unknown'))
+  AND (created_at, actor, operation, idem_key)
+      < ($6::timestamptz, $7::text,
+         $8::text, $9::text)
+ORDER BY created_at DESC, actor DESC, operation DESC, idem_key DESC
+LIMIT $10::integer
+`
+
+type ConsoleNeedsPersonNewestParams struct {
+	Actor           string
+	Operation       string
+	MinAgeMicros    int64
+	ErrorText       string
+	State           string
+	BeforeCreatedAt pgtype.Timestamptz
+	BeforeActor     string
+	BeforeOperation string
+	BeforeKey       string
+	MaxRows         int32
+}
+
+type ConsoleNeedsPersonNewestRow struct {
+	Actor          string
+	Operation      string
+	IdemKey        string
+	Status         string
+	Token          int64
+	CreatedAt      pgtype.Timestamptz
+	LeaseExpiresAt pgtype.Timestamptz
+	LastError      pgtype.Text
+	LeaseRanOut    bool
+}
+
+// The same list, newest first, before the given position ('infinity' and
+// empty names for the first page): the index walked backwards.
+func (q *Queries) ConsoleNeedsPersonNewest(ctx context.Context, db DBTX, arg ConsoleNeedsPersonNewestParams) ([]ConsoleNeedsPersonNewestRow, error) {
+	rows, err := db.Query(ctx, ConsoleNeedsPersonNewest,
+		arg.Actor,
+		arg.Operation,
+		arg.MinAgeMicros,
+		arg.ErrorText,
+		arg.State,
+		arg.BeforeCreatedAt,
+		arg.BeforeActor,
+		arg.BeforeOperation,
+		arg.BeforeKey,
+		arg.MaxRows,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []ConsoleNeedsPersonNewestRow
+	for rows.Next() {
+		var i ConsoleNeedsPersonNewestRow
+		if err := rows.Scan(
+			&i.Actor,
+			&i.Operation,
+			&i.IdemKey,
+			&i.Status,
+			&i.Token,
+			&i.CreatedAt,
+			&i.LeaseExpiresAt,
+			&i.LastError,
+			&i.LeaseRanOut,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const ConsoleNow = `-- name: ConsoleNow :one
 SELECT now()::timestamptz AS now
 `
