@@ -403,3 +403,42 @@ func TestBusyRecord(t *testing.T) {
 		t.Fatalf("a busy change changed something:\n%s\n%s", before, after)
 	}
 }
+
+// A bulk verdict with no record, too many, or no single verdict and reason
+// is refused before anything runs.
+func TestResolveManyRefusesBadInput(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, r := unknownRecord(t)
+	before := rows(t, pool)
+	one := []audit.Target{{Scope: scope, Key: "k", Token: r.Token}}
+	many := make([]audit.Target, audit.MaxBulk+1)
+	for i := range many {
+		many[i] = one[0]
+	}
+	for name, tc := range map[string]struct {
+		targets []audit.Target
+		res     idem.Resolution
+	}{
+		"none":       {nil, idem.Resolution{Retryable: true, Reason: "r"}},
+		"too many":   {many, idem.Resolution{Retryable: true, Reason: "r"}},
+		"no verdict": {one, idem.Resolution{Reason: "r"}},
+		"both":       {one, idem.Resolution{Retryable: true, Succeeded: &idem.Response{Status: 200}, Reason: "r"}},
+		"no reason":  {one, idem.Resolution{Retryable: true}},
+	} {
+		if _, err := audit.ResolveMany(ctx, pool, nil, "sam", tc.targets, tc.res, nil); !errors.Is(err, idem.ErrInvalidArgument) {
+			t.Errorf("%s: %v", name, err)
+		}
+	}
+	if _, err := audit.ResolveMany(ctx, pool, nil, "sam\x1b[8m", one, idem.Resolution{Retryable: true, Reason: "r"}, nil); !errors.Is(err, idem.ErrInvalidArgument) {
+		t.Errorf("a bad operator: %v", err)
+	}
+	if after := rows(t, pool); after != before {
+		t.Fatalf("a refused bulk verdict changed something:\n%s\n%s", before, after)
+	}
+	b, err := audit.ResolveMany(ctx, pool, nil, "sam", append(one, audit.Target{Scope: scope, Key: "gone", Token: 1}),
+		idem.Resolution{Retryable: true, Reason: "no charge"}, map[string]any{"selected": 2})
+	if err != nil || b.Entry.Changed != 1 || len(b.Skipped) != 1 || b.Entry.ID == 0 {
+		t.Fatalf("a bulk verdict: %+v, %v", b, err)
+	}
+}
