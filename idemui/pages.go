@@ -88,7 +88,7 @@ func (q *request) fail(err error) {
 		q.c.fail(q.w, q.r, true, p)
 		return
 	}
-	q.c.render(q.w, q.r, p.Status, "error", page{Title: http.StatusText(p.Status), Operator: q.operator, Body: p})
+	q.c.render(q.w, q.r, p.Status, "error", page{Title: http.StatusText(p.Status), Operator: q.operator, Body: p, Offers: map[string]bool{}})
 }
 
 // url is the address of path (after the prefix) with the query vs.

@@ -99,7 +99,8 @@ func (c *console) fail(w http.ResponseWriter, r *http.Request, api bool, p *prob
 		writeJSON(w, p.Status, map[string]*problem{"error": p})
 		return
 	}
-	c.render(w, r, p.Status, "error", page{Title: http.StatusText(p.Status), Body: p})
+	// An error page offers no action: Authorize is not asked.
+	c.render(w, r, p.Status, "error", page{Title: http.StatusText(p.Status), Body: p, Offers: map[string]bool{}})
 }
 
 // writeJSON answers with v as JSON.
