@@ -103,6 +103,8 @@ func TestEveryRouteAskedWithItsAction(t *testing.T) {
 		{"GET", "/idem/audit.json", "", "", idemui.ActionView, 200},
 		{"GET", "/idem/static/favicon.svg", "", "", idemui.ActionView, 200},
 		{"GET", "/idem/bulk-resolve?all=yes", "", "", idemui.ActionView, 200},
+		{"GET", "/idem/api/bulk-resolve", "", "", idemui.ActionView, 200},
+		{"POST", "/idem/api/bulk-resolve", "application/json", `{"all":true,"cutoff":"2020-01-01T00:00:00Z","verdict":"retryable","reason":"r"}`, idemui.ActionResolve, 200},
 		{"POST", "/idem/bulk-resolve", form, "all=yes&cutoff=2020-01-01T00:00:00Z&verdict=retryable&reason=r", idemui.ActionResolve, 303},
 		{"POST", keyPath(pay, "u1") + "/resolve", form,
 			fmt.Sprintf("token=%d&verdict=retryable&reason=no+charge+at+the+provider", u.Token), idemui.ActionResolve, 303},
