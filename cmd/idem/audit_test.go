@@ -61,7 +61,7 @@ func TestCLIAuditTrail(t *testing.T) {
 		"--reason", "declined at the bank", "--operator", "sam"); code != 0 {
 		t.Fatalf("resolve: exit %d %s", code, stderr)
 	}
-	if _, stderr, code := cli(t, url, "forget", "alice", "pay", "d-1"); code != 0 {
+	if _, stderr, code := cli(t, url, "forget", "alice", "pay", "d-1", "--reason", "client reused the key"); code != 0 {
 		t.Fatalf("forget: exit %d %s", code, stderr)
 	}
 	// A refused change writes nothing.
@@ -81,6 +81,9 @@ func TestCLIAuditTrail(t *testing.T) {
 		Operator, Action, Key, Verdict, Reason string
 		TokenBefore                            *int64 `json:"token_before"`
 		TokenAfter                             *int64 `json:"token_after"`
+		Detail                                 struct {
+			Forgotten *struct{ Status string } `json:"forgotten"`
+		}
 	}
 	if err := json.Unmarshal([]byte(out), &rows); err != nil {
 		t.Fatal(err, out)
@@ -90,7 +93,8 @@ func TestCLIAuditTrail(t *testing.T) {
 		t.Fatal(err)
 	}
 	if len(rows) != 2 || rows[0].Action != "forget" || rows[0].Operator != me.Username || rows[0].Key != "d-1" ||
-		rows[0].TokenAfter != nil || rows[1].Action != "resolve" || rows[1].Operator != "sam" || rows[1].Verdict != "retryable" ||
+		rows[0].TokenAfter != nil || rows[0].Reason != "client reused the key" || rows[0].Detail.Forgotten == nil ||
+		rows[0].Detail.Forgotten.Status != "succeeded" || rows[1].Action != "resolve" || rows[1].Operator != "sam" || rows[1].Verdict != "retryable" ||
 		rows[1].Reason != "declined at the bank" || rows[1].TokenBefore == nil || *rows[1].TokenBefore != r.Token {
 		t.Fatalf("audit list: %s", out)
 	}
