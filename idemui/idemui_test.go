@@ -1611,3 +1611,37 @@ func TestNeedsPersonOrderAndPages(t *testing.T) {
 		t.Errorf("after and before: %d", res.status)
 	}
 }
+
+// A verdict on a record another transaction holds waits a few seconds at
+// most, then says the record is busy, and changes nothing.
+func TestBusyRecordSaysSo(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := newEnv(t, nil)
+	u := e.unknown(pay, "held", "timeout")
+	before := e.state()
+	holder, err := e.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = holder.Rollback(ctx) }()
+	if _, err := holder.Exec(ctx, `SELECT 1 FROM idem_keys WHERE idem_key = 'held' FOR UPDATE`); err != nil {
+		t.Fatal(err)
+	}
+	res := e.postJSON("/idem/api/key/resolve?"+url.Values{"actor": {pay.Actor}, "operation": {pay.Operation}, "key": {"held"}}.Encode(),
+		map[string]any{"token": u.Token, "verdict": "retryable", "reason": "no charge"})
+	if res.status != http.StatusConflict || res.code() != "busy" {
+		t.Fatalf("a verdict on a held record: %d %s", res.status, res.body)
+	}
+	page := e.postForm(keyURLFor(pay, "held", "resolve"), url.Values{"token": {strconv.FormatInt(u.Token, 10)},
+		"verdict": {"retryable"}, "reason": {"no charge, typed"}})
+	if page.status != http.StatusConflict || !strings.Contains(page.body, `data-code="busy"`) || !strings.Contains(page.body, "no charge, typed") {
+		t.Fatalf("the page of a verdict on a held record: %d\n%s", page.status, page.body)
+	}
+	if err := holder.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if after := e.state(); after != before {
+		t.Fatalf("a busy verdict changed something:\n%s\n%s", before, after)
+	}
+}
