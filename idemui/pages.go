@@ -387,6 +387,11 @@ type keyView struct {
 	// NextURL is the page of the oldest other record that needs a person;
 	// empty when none does.
 	NextURL string
+	// BecameUnknown is when an operator's expiry turned the record's
+	// attempt unknown, from the trail; zero when the trail does not say
+	// (the worker, or a sweep of ExpireLeases, marked it).
+	BecameUnknown time.Time
+	ExpiredBy     string
 }
 
 // staleView says which attempt a refused form was about and which the
@@ -457,6 +462,12 @@ func (q *request) showKey(status int, p *problem, form resolveInput, forget forg
 			v.Attempt = resolvedAttempt(entries)
 		}
 		v.Timeline = timeline(rec, entries, v.Attempt, now)
+		for _, e := range entries {
+			if e.Action == audit.ActionExpireLeases && e.Key != "" && e.HasBefore && e.TokenBefore == rec.Token {
+				v.BecameUnknown, v.ExpiredBy = e.At, e.Operator
+				break
+			}
+		}
 		offers := q.c.offers(q.r)
 		v.CanResolve = (v.Rec.NeedsPerson || v.Rec.Resumable) && offers[string(ActionResolve)]
 		v.CanForget = (rec.Status == idem.StatusSucceeded || rec.Status == idem.StatusRejected ||
