@@ -195,20 +195,13 @@ ORDER BY actor, operation, idem_key
 LIMIT sqlc.arg(max_rows)::integer;
 
 -- Locks the record of a key and reads its status and token, waiting for a
--- transaction that holds it, as Resolve does.
+-- transaction that holds it (at most the lock_timeout of the change's
+-- transaction), for a verdict or a forget.
 -- name: AuditLockKey :one
 SELECT status, token, created_at
 FROM idem_keys
 WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
 FOR UPDATE;
-
--- Locks the record of a key and reads its status and token without
--- waiting for a transaction that holds it (55P03), as Forget does.
--- name: AuditLockKeyNowait :one
-SELECT status, token, created_at
-FROM idem_keys
-WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
-FOR UPDATE NOWAIT;
 
 -- Writes a row of the trail in the transaction of the change it records.
 -- name: AuditInsert :one

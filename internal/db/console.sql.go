@@ -220,38 +220,11 @@ type AuditLockKeyRow struct {
 }
 
 // Locks the record of a key and reads its status and token, waiting for a
-// transaction that holds it, as Resolve does.
+// transaction that holds it (at most the lock_timeout of the change's
+// transaction), for a verdict or a forget.
 func (q *Queries) AuditLockKey(ctx context.Context, db DBTX, arg AuditLockKeyParams) (AuditLockKeyRow, error) {
 	row := db.QueryRow(ctx, AuditLockKey, arg.Actor, arg.Operation, arg.IdemKey)
 	var i AuditLockKeyRow
-	err := row.Scan(&i.Status, &i.Token, &i.CreatedAt)
-	return i, err
-}
-
-const AuditLockKeyNowait = `-- name: AuditLockKeyNowait :one
-SELECT status, token, created_at
-FROM idem_keys
-WHERE actor = $1 AND operation = $2 AND idem_key = $3
-FOR UPDATE NOWAIT
-`
-
-type AuditLockKeyNowaitParams struct {
-	Actor     string
-	Operation string
-	IdemKey   string
-}
-
-type AuditLockKeyNowaitRow struct {
-	Status    string
-	Token     int64
-	CreatedAt pgtype.Timestamptz
-}
-
-// Locks the record of a key and reads its status and token without
-// waiting for a transaction that holds it (55P03), as Forget does.
-func (q *Queries) AuditLockKeyNowait(ctx context.Context, db DBTX, arg AuditLockKeyNowaitParams) (AuditLockKeyNowaitRow, error) {
-	row := db.QueryRow(ctx, AuditLockKeyNowait, arg.Actor, arg.Operation, arg.IdemKey)
-	var i AuditLockKeyNowaitRow
 	err := row.Scan(&i.Status, &i.Token, &i.CreatedAt)
 	return i, err
 }
