@@ -6,7 +6,11 @@
 // console's own statement (ExpireLeases with a filter), and the row is
 // inserted before the commit. Either both commit or neither does. A refused
 // change (an error) writes no row; a change that changed nothing (no lease
-// to expire, no key to prune) writes none either.
+// to expire, no key to prune) writes none either. An action over many
+// records (ExpireLeases, ResolveMany) writes a row for each record it
+// changed and one for the whole action; a forget keeps a copy of the record
+// it deleted. Every change waits at most LockTimeout for a row another
+// transaction holds (ErrBusy).
 package audit
 
 import (
