@@ -125,6 +125,7 @@ func TestLongNamesWrapOnEveryPage(t *testing.T) {
 	}
 	pages := []string{
 		"/", "/unknown", "/unknown?actor=" + long, "/expire-leases?actor=" + long, "/search?actor=" + long,
+		"/bulk-resolve?all=yes&actor=" + long, "/unknown?order=newest",
 		"/search?actor=" + long + "&operation=" + scope.Operation, "/audit", "/audit?actor=" + long,
 		"/key?actor=" + long + "&operation=" + scope.Operation + "&key=" + keyName,
 		"/key?actor=" + long + "&operation=" + scope.Operation + "&key=short",
