@@ -901,7 +901,7 @@ func TestExpireLeasesAsTheLibraryDoes(t *testing.T) {
 		t.Fatalf("the records' rows:\n%s (%v)", each, err)
 	}
 	l1 := con.get(keyPage(pay, "l1"))
-	for _, want := range []string{"alice: expired the lease: the record became unknown", "The lease ran out", "<dt>Lease</dt><dd>ended", "Filter and cutoff",
+	for _, want := range []string{"alice: expired the lease: the record became unknown", "The lease ran out", "<dt>Lease</dt><dd>last deadline", "Filter and cutoff",
 		"<dt>Became unknown</dt>", "alice expired its lease"} {
 		if !strings.Contains(l1.body, want) {
 			t.Errorf("the page of an expired record lacks %q:\n%s", want, l1.body)

@@ -549,7 +549,10 @@ func timeline(rec idem.Record, entries []audit.Entry, attempt int64, now time.Ti
 	default:
 		add(rec.CreatedAt, "The request claimed the key")
 	}
-	if !rec.LeaseExpiresAt.IsZero() && (rec.Status == idem.StatusProcessing || rec.Status == idem.StatusUnknown) {
+	// An unknown record's lease no longer holds anyone: only a deadline
+	// that passed is an event of it.
+	if !rec.LeaseExpiresAt.IsZero() && (rec.Status == idem.StatusProcessing ||
+		rec.Status == idem.StatusUnknown && !rec.LeaseExpiresAt.After(now)) {
 		if rec.LeaseExpiresAt.After(now) {
 			add(rec.LeaseExpiresAt, "The lease runs out")
 		} else {
