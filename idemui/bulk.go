@@ -100,19 +100,6 @@ func bulkFrom(vs url.Values) (bulkInput, error) {
 	return in, err
 }
 
-// query is the filter and the selection as the confirmation page's
-// address carries them.
-func (in bulkInput) query() url.Values {
-	vs := in.filterInput.query()
-	if in.All {
-		vs.Set("all", "yes")
-	}
-	for _, r := range in.Refs {
-		vs.Add("r", r)
-	}
-	return vs
-}
-
 // bulkPage is the confirmation: what the verdict will settle, and its form.
 func (q *request) bulkPage() {
 	in, err := bulkFrom(q.r.URL.Query())

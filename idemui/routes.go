@@ -177,21 +177,3 @@ func keyURL(scope idem.Scope, key, action string) string {
 	}
 	return path + "?" + url.Values{"actor": {scope.Actor}, "operation": {scope.Operation}, "key": {key}}.Encode()
 }
-
-// escapeSegment path-escapes one part of an address: a / becomes %2F, and
-// a part that is "." or ".." is escaped whole, so that no path cleaning
-// takes it for a dot segment.
-func escapeSegment(s string) string {
-	switch s {
-	case ".":
-		return "%2E"
-	case "..":
-		return "%2E%2E"
-	}
-	return url.PathEscape(s)
-}
-
-// keyPath is the address of the record of (scope, key) after the prefix.
-func keyPath(scope idem.Scope, key string) string {
-	return "/keys/" + escapeSegment(scope.Actor) + "/" + escapeSegment(scope.Operation) + "/" + escapeSegment(key)
-}
