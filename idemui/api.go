@@ -70,7 +70,7 @@ func (q *request) overviewAPI() {
 
 func (q *request) unknownAPI() {
 	vs := q.r.URL.Query()
-	_, f, after, err := needsPersonQuery(vs)
+	lq, err := needsPersonQuery(vs)
 	if err != nil {
 		q.fail(err)
 		return
@@ -80,7 +80,7 @@ func (q *request) unknownAPI() {
 		q.fail(err)
 		return
 	}
-	p, err := readNeedsPerson(q.r.Context(), q.c.opts.DB, f, after, limit)
+	p, err := readNeedsPerson(q.r.Context(), q.c.opts.DB, lq.f, lq.order, lq.after, lq.before, limit)
 	if err != nil {
 		q.fail(err)
 		return
@@ -129,12 +129,12 @@ func (q *request) pruneAPI() {
 		q.fail(err)
 		return
 	}
-	opts, err := in.options()
+	opts, reason, err := in.options()
 	if err != nil {
 		q.fail(err)
 		return
 	}
-	e, err := audit.Prune(q.r.Context(), q.c.opts.DB, q.client(), q.operator, opts)
+	e, err := audit.Prune(q.r.Context(), q.c.opts.DB, q.client(), q.operator, opts, reason)
 	if err != nil {
 		q.fail(err)
 		return
@@ -193,7 +193,12 @@ func (q *request) forgetAPI() {
 		q.fail(err)
 		return
 	}
-	e, err := audit.Forget(q.r.Context(), q.c.opts.DB, q.client(), q.operator, q.params.scope, q.params.key, &want)
+	reason, err := in.reason()
+	if err != nil {
+		q.fail(err)
+		return
+	}
+	e, err := audit.Forget(q.r.Context(), q.c.opts.DB, q.client(), q.operator, q.params.scope, q.params.key, &want, reason)
 	if err != nil {
 		q.fail(err)
 		return

@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"math"
 	"mime"
+	"slices"
 	"sort"
 	"strings"
 	"time"
@@ -190,59 +191,128 @@ type needsPersonItem struct {
 }
 
 // needsPersonPage is a page of that list, with the count of what the
-// filter matches and the position of the next page ("" at the end).
+// filter matches, the positions of the pages before and after it ("" at
+// either end), and the place of its first record in the list (1 for the
+// first; 0 when the address's position predates it).
 type needsPersonPage struct {
 	Items   []needsPersonItem `json:"records"`
 	Matched count             `json:"matched"`
 	Next    string            `json:"next,omitempty"`
+	Prev    string            `json:"prev,omitempty"`
+	First   int64             `json:"first,omitempty"`
 }
 
-// readNeedsPerson reads a page of the records that need a person, oldest
-// first, after the position after ("" for the first page).
-func readNeedsPerson(ctx context.Context, db idem.Beginner, f audit.Filter, after string, limit int) (needsPersonPage, error) {
+// Orders of the list.
+const (
+	orderOldest = "oldest"
+	orderNewest = "newest"
+)
+
+// readNeedsPerson reads a page of the records that need a person, in
+// order (oldest or newest first), after the position after or before the
+// position before (neither: the first page).
+func readNeedsPerson(ctx context.Context, db idem.Beginner, f audit.Filter, order, after, before string, limit int) (needsPersonPage, error) {
 	var p needsPersonPage
-	arg := store.ConsoleNeedsPersonParams{
-		Actor: f.Actor, Operation: f.Operation, MinAgeMicros: f.MinAgeMicros(), ErrorText: f.ErrorText,
-		AfterCreatedAt: pgtype.Timestamptz{InfinityModifier: pgtype.NegativeInfinity, Valid: true},
-		MaxRows:        int32(limit + 1),
+	if after != "" && before != "" {
+		return p, badRequest("invalid_cursor", "Give a page's position after or before, not both.")
 	}
-	if after != "" {
-		var cur needsPersonCursor
-		if err := decodeCursor(after, &cur); err != nil {
+	var cur needsPersonCursor
+	if pos := after + before; pos != "" {
+		if err := decodeCursor(pos, &cur); err != nil {
 			return p, err
 		}
 		if err := cur.check(); err != nil {
 			return p, err
 		}
-		arg.AfterCreatedAt = pgtype.Timestamptz{Time: cur.CreatedAt, Valid: true}
-		arg.AfterActor, arg.AfterOperation, arg.AfterKey = cur.Actor, cur.Operation, cur.Key
 	}
+	forward := before == ""
+	asc := (order != orderNewest) == forward
+	var rows []needsPersonItem
 	err := audit.Read(ctx, db, func(ctx context.Context, q audit.Planned) error {
 		n, err := queries.ConsoleNeedsPersonCount(ctx, q, store.ConsoleNeedsPersonCountParams{
-			Actor: f.Actor, Operation: f.Operation, MinAgeMicros: f.MinAgeMicros(), ErrorText: f.ErrorText, CapRows: countCap,
+			Actor: f.Actor, Operation: f.Operation, MinAgeMicros: f.MinAgeMicros(), ErrorText: f.ErrorText, State: f.State, CapRows: countCap,
 		})
 		if err != nil {
 			return err
 		}
 		p.Matched = count{N: n, AtLeast: n >= countCap}
-		rows, err := queries.ConsoleNeedsPerson(ctx, q, arg)
-		if err != nil {
+		if asc {
+			arg := store.ConsoleNeedsPersonParams{
+				Actor: f.Actor, Operation: f.Operation, MinAgeMicros: f.MinAgeMicros(), ErrorText: f.ErrorText, State: f.State,
+				AfterCreatedAt: pgtype.Timestamptz{InfinityModifier: pgtype.NegativeInfinity, Valid: true},
+				MaxRows:        int32(limit + 1),
+			}
+			if after+before != "" {
+				arg.AfterCreatedAt = pgtype.Timestamptz{Time: cur.CreatedAt, Valid: true}
+				arg.AfterActor, arg.AfterOperation, arg.AfterKey = cur.Actor, cur.Operation, cur.Key
+			}
+			rs, err := queries.ConsoleNeedsPerson(ctx, q, arg)
+			for _, r := range rs {
+				rows = append(rows, needsPersonItem{Actor: r.Actor, Operation: r.Operation, Key: r.IdemKey, Status: r.Status, LeaseRanOut: r.LeaseRanOut,
+					Token: r.Token, CreatedAt: r.CreatedAt.Time, LeaseExpiresAt: r.LeaseExpiresAt.Time, LastError: r.LastError.String})
+			}
 			return err
 		}
-		for i, r := range rows {
-			if i == limit {
-				last := p.Items[len(p.Items)-1]
-				p.Next = encodeCursor(needsPersonCursor{CreatedAt: last.CreatedAt, Actor: last.Actor, Operation: last.Operation, Key: last.Key})
-				break
-			}
-			p.Items = append(p.Items, needsPersonItem{
-				Actor: r.Actor, Operation: r.Operation, Key: r.IdemKey, Status: r.Status, LeaseRanOut: r.LeaseRanOut,
-				Token: r.Token, CreatedAt: r.CreatedAt.Time, LeaseExpiresAt: r.LeaseExpiresAt.Time, LastError: r.LastError.String,
-			})
+		arg := store.ConsoleNeedsPersonNewestParams{
+			Actor: f.Actor, Operation: f.Operation, MinAgeMicros: f.MinAgeMicros(), ErrorText: f.ErrorText, State: f.State,
+			BeforeCreatedAt: pgtype.Timestamptz{InfinityModifier: pgtype.Infinity, Valid: true},
+			MaxRows:         int32(limit + 1),
 		}
-		return nil
+		if after+before != "" {
+			arg.BeforeCreatedAt = pgtype.Timestamptz{Time: cur.CreatedAt, Valid: true}
+			arg.BeforeActor, arg.BeforeOperation, arg.BeforeKey = cur.Actor, cur.Operation, cur.Key
+		}
+		rs, err := queries.ConsoleNeedsPersonNewest(ctx, q, arg)
+		for _, r := range rs {
+			rows = append(rows, needsPersonItem{Actor: r.Actor, Operation: r.Operation, Key: r.IdemKey, Status: r.Status, LeaseRanOut: r.LeaseRanOut,
+				Token: r.Token, CreatedAt: r.CreatedAt.Time, LeaseExpiresAt: r.LeaseExpiresAt.Time, LastError: r.LastError.String})
+		}
+		return err
 	})
-	return p, err
+	if err != nil {
+		return p, err
+	}
+	more := len(rows) > limit
+	if more {
+		rows = rows[:limit]
+	}
+	if !forward {
+		slices.Reverse(rows)
+	}
+	p.Items = rows
+	if len(rows) == 0 {
+		return p, nil
+	}
+	switch {
+	case forward:
+		p.First = cur.N + 1
+		if after == "" {
+			p.First = 1
+		} else if cur.N == 0 {
+			p.First = 0
+		}
+	case !more:
+		p.First = 1 // back at the start
+	case cur.N > 0:
+		p.First = max(cur.N-int64(len(rows)), 1)
+	}
+	position := func(i int) int64 {
+		if p.First == 0 {
+			return 0
+		}
+		return p.First + int64(i)
+	}
+	at := func(i int) string {
+		it := rows[i]
+		return encodeCursor(needsPersonCursor{CreatedAt: it.CreatedAt, Actor: it.Actor, Operation: it.Operation, Key: it.Key, N: position(i)})
+	}
+	if (forward && more) || !forward {
+		p.Next = at(len(rows) - 1)
+	}
+	if (forward && after != "") || (!forward && more) {
+		p.Prev = at(0)
+	}
+	return p, nil
 }
 
 // scopeItem is one key of a scope listing.
@@ -491,4 +561,38 @@ func headerViews(h map[string][]string) []headerView {
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
 	return out
+}
+
+// readShape is the status and content type of a succeeded record of scope
+// (among its first keys): how the operation answers, which the verdict
+// form offers as its default. ok is false when none is known.
+func readShape(ctx context.Context, db idem.Beginner, scope idem.Scope) (status int, contentType string, ok bool, err error) {
+	err = audit.Read(ctx, db, func(ctx context.Context, q audit.Planned) error {
+		rows, err := queries.ConsoleScopeShape(ctx, q, store.ConsoleScopeShapeParams{Actor: scope.Actor, Operation: scope.Operation})
+		if err != nil || len(rows) == 0 {
+			return err
+		}
+		status, contentType, ok = int(rows[0].Status), rows[0].ContentType, true
+		return nil
+	})
+	return status, contentType, ok, err
+}
+
+// nextNeedsPerson is the oldest record that needs a person other than
+// (scope, key); ok is false when there is none.
+func nextNeedsPerson(ctx context.Context, db idem.Beginner, scope idem.Scope, key string) (item needsPersonItem, ok bool, err error) {
+	err = audit.Read(ctx, db, func(ctx context.Context, q audit.Planned) error {
+		rows, err := queries.ConsoleNeedsPerson(ctx, q, store.ConsoleNeedsPersonParams{
+			AfterCreatedAt: pgtype.Timestamptz{InfinityModifier: pgtype.NegativeInfinity, Valid: true}, MaxRows: 2,
+		})
+		for _, r := range rows {
+			if r.Actor == scope.Actor && r.Operation == scope.Operation && r.IdemKey == key {
+				continue
+			}
+			item, ok = needsPersonItem{Actor: r.Actor, Operation: r.Operation, Key: r.IdemKey}, true
+			break
+		}
+		return err
+	})
+	return item, ok, err
 }

@@ -1,6 +1,8 @@
 package idemui
 
 import (
+	"bytes"
+	"encoding/json"
 	"fmt"
 	"html/template"
 	"strconv"
@@ -22,7 +24,7 @@ var funcs = template.FuncMap{
 	"sclass":  statusClass,
 	"rfc3339": func(t time.Time) string { return t.UTC().Format(time.RFC3339Nano) },
 	"keyurl": func(prefix, actor, operation, key string) string {
-		return prefix + keyPath(idem.Scope{Actor: actor, Operation: operation}, key)
+		return prefix + keyURL(idem.Scope{Actor: actor, Operation: operation}, key, "")
 	},
 	"deref": func(t *time.Time) time.Time {
 		if t == nil {
@@ -34,6 +36,46 @@ var funcs = template.FuncMap{
 		return entryTable{Prefix: prefix, Entries: entries, ShowKey: showKey}
 	},
 	"action": actionText,
+	"detail": newDetailView,
+	"ref": func(actor, operation, key string, token int64) string {
+		return targetRef(idem.Scope{Actor: actor, Operation: operation}, key, token)
+	},
+}
+
+// detailView is an audit row's detail as the trail shows it: a summary,
+// the copy of a forgotten record, and the JSON, indented.
+type detailView struct {
+	Summary string
+	Copy    *audit.RecordCopy
+	JSON    string
+}
+
+// newDetailView is the view of e's detail; nil when it has none.
+func newDetailView(e audit.Entry) *detailView {
+	if e.Detail == nil {
+		return nil
+	}
+	v := &detailView{Summary: "Detail", JSON: string(e.Detail)}
+	var indented bytes.Buffer
+	if json.Indent(&indented, e.Detail, "", "  ") == nil {
+		v.JSON = indented.String()
+	}
+	switch e.Action {
+	case audit.ActionForget:
+		var d struct {
+			Forgotten *audit.RecordCopy `json:"forgotten"`
+		}
+		if json.Unmarshal(e.Detail, &d) == nil && d.Forgotten != nil {
+			v.Summary, v.Copy = "Copy of the deleted record", d.Forgotten
+		}
+	case audit.ActionExpireLeases:
+		v.Summary = "Filter and cutoff"
+	case audit.ActionResolve:
+		v.Summary = "Stored response"
+	case audit.ActionPrune:
+		v.Summary = "Bounds"
+	}
+	return v
 }
 
 // entryTable is what the "entries" template shows: rows of the trail.

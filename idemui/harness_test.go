@@ -8,6 +8,7 @@ import (
 	"net/http/httptest"
 	"net/url"
 	"os"
+	"strconv"
 	"strings"
 	"sync"
 	"testing"
@@ -27,14 +28,16 @@ var fp = idem.FingerprintParts([]byte("charge 12000 KRW"))
 // env is a console mounted at /idem/ of a test server, on a fresh
 // database, with an Authorize that records what it was asked.
 type env struct {
-	t      *testing.T
-	pool   *pgxpool.Pool
-	srv    *httptest.Server
-	mu     sync.Mutex
-	asked  []idemui.Action
-	deny   bool   // Authorize refuses
-	name   string // the operator Authorize returns
-	client *http.Client
+	t       *testing.T
+	pool    *pgxpool.Pool
+	srv     *httptest.Server
+	mu      sync.Mutex
+	asked   []idemui.Action
+	deny    bool                   // Authorize refuses
+	refuse  map[idemui.Action]bool // Authorize refuses these actions
+	offered []idemui.Action        // what Authorize was asked to offer
+	name    string                 // the operator Authorize returns
+	client  *http.Client
 }
 
 func newEnv(t *testing.T, mod func(*idemui.Options)) *env {
@@ -56,11 +59,15 @@ func newEnv(t *testing.T, mod func(*idemui.Options)) *env {
 	return e
 }
 
-func (e *env) authorize(_ *http.Request, a idemui.Action) (string, error) {
+func (e *env) authorize(r *http.Request, a idemui.Action) (string, error) {
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	e.asked = append(e.asked, a)
-	if e.deny {
+	if idemui.IsOffer(r) {
+		e.offered = append(e.offered, a)
+	} else {
+		e.asked = append(e.asked, a)
+	}
+	if e.deny || e.refuse[a] {
 		return "", errSecret
 	}
 	return e.name, nil
@@ -226,4 +233,33 @@ func keyPath(scope idem.Scope, key string) string {
 		return url.PathEscape(s)
 	}
 	return "/idem/keys/" + esc(scope.Actor) + "/" + esc(scope.Operation) + "/" + esc(key)
+}
+
+// keyPage is the address of a record's page as the console links it: the
+// names in the query, which no browser cleans.
+func keyPage(scope idem.Scope, key string) string {
+	return "/idem/key?" + url.Values{"actor": {scope.Actor}, "operation": {scope.Operation}, "key": {key}}.Encode()
+}
+
+// flashed follows a redirect's Location (path and query) and returns the
+// page it leads to.
+func (e *env) flashed(res response) response {
+	e.t.Helper()
+	loc := res.header.Get("Location")
+	if res.status != http.StatusSeeOther || loc == "" {
+		e.t.Fatalf("not a redirect: %d %q\n%s", res.status, loc, res.body)
+	}
+	return e.get(loc)
+}
+
+// forgetForm is a confirmed forget of the attempt (token, created) with
+// reason.
+func forgetForm(token int64, created, reason string) url.Values {
+	return url.Values{"token": {strconv.FormatInt(token, 10)}, "created_at": {created}, "reason": {reason}, "confirm": {"yes"}}
+}
+
+// keyURLFor is the address of a record's action (resolve, forget) as the
+// record page's forms post it.
+func keyURLFor(scope idem.Scope, key, action string) string {
+	return strings.Replace(keyPage(scope, key), "/key?", "/key/"+action+"?", 1)
 }

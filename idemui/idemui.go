@@ -29,7 +29,14 @@
 //
 // Security: Authorize is called for every request, with the action it asks
 // for (ActionView for every GET), before anything is read; its error is a
-// 403 page that says nothing of the error. A request that changes something
+// 403 page that says nothing of the error. A page also asks it which
+// actions to offer (IsOffer reports such a call), and hides the forms of
+// the others. Forget and prune take a reason and, on the pages, a
+// confirmation; a verdict or forget waits at most a few seconds for a
+// record another transaction holds, then says it is busy (409). Messages
+// after an action are kept on the server and shown once, never read from
+// the address; records are linked with their names in the query, which no
+// browser cleans as it does "." and ".." path segments. A request that changes something
 // needs an operator name from Authorize, which goes into the audit trail.
 // Cross-origin POSTs are refused (http.CrossOriginProtection); every
 // response carries a Content-Security-Policy that allows only this origin's
@@ -93,7 +100,9 @@ type Options struct {
 	// Authorize decides every request: it is called with the request and
 	// the action it asks for, and returns the operator's name (recorded in
 	// the audit trail) or an error, which refuses the request with 403 and
-	// is not shown. Required. A request that changes something is refused
+	// is not shown. It is also asked, for a page being shown, which actions
+	// the page may offer (IsOffer(r) is then true, and an error only hides
+	// that action's form). Required. A request that changes something is refused
 	// too when the name is empty, longer than 255 bytes or not valid text.
 	Authorize func(r *http.Request, a Action) (operator string, err error)
 
@@ -132,13 +141,17 @@ func New(opts Options) (http.Handler, error) {
 	if err != nil {
 		return nil, err
 	}
+	favicon, err := fs.ReadFile(files, "static/favicon.svg")
+	if err != nil {
+		return nil, err
+	}
 	client := opts.Client
 	if client == nil {
 		if client, err = idem.New(idem.Config{}); err != nil {
 			return nil, err
 		}
 	}
-	return &console{opts: opts, client: client, pages: pages, css: css, cop: http.NewCrossOriginProtection()}, nil
+	return &console{opts: opts, client: client, pages: pages, css: css, favicon: favicon, cop: http.NewCrossOriginProtection()}, nil
 }
 
 // console is the handler New returns.
@@ -147,7 +160,10 @@ type console struct {
 	client *idem.Client // opts.Client, or one with the defaults
 	pages  map[string]*template.Template
 	css    []byte
-	cop    *http.CrossOriginProtection
+	// favicon is the console's icon (SVG).
+	favicon []byte
+	cop     *http.CrossOriginProtection
+	flashes flashes
 }
 
 // contentSecurityPolicy allows this origin's stylesheet and images, and
@@ -155,14 +171,22 @@ type console struct {
 const contentSecurityPolicy = "default-src 'none'; style-src 'self'; img-src 'self'; form-action 'self'; " +
 	"frame-ancestors 'none'; base-uri 'none'"
 
-func (c *console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
-	h := w.Header()
+// SetSecurityHeaders sets on h the headers that every answer of the
+// console carries (Content-Security-Policy, X-Frame-Options DENY,
+// X-Content-Type-Options nosniff, Referrer-Policy no-referrer,
+// Cache-Control no-store, Cross-Origin-Opener-Policy same-origin): for the
+// answers that a wrapper of the handler makes itself, such as its own 401.
+func SetSecurityHeaders(h http.Header) {
 	h.Set("Content-Security-Policy", contentSecurityPolicy)
 	h.Set("X-Frame-Options", "DENY")
 	h.Set("X-Content-Type-Options", "nosniff")
 	h.Set("Referrer-Policy", "no-referrer")
 	h.Set("Cache-Control", "no-store")
 	h.Set("Cross-Origin-Opener-Policy", "same-origin")
+}
+
+func (c *console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
+	SetSecurityHeaders(w.Header())
 
 	path, ok := strings.CutPrefix(r.URL.EscapedPath(), c.opts.Prefix)
 	if !ok || path == "" {
@@ -174,7 +198,7 @@ func (c *console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			Message: "This request came from another site, so it was refused. Nothing changed."})
 		return
 	}
-	rt := match(path)
+	rt := match(path, r.URL.Query())
 	safe := r.Method == http.MethodGet || r.Method == http.MethodHead
 	action := ActionView
 	if !safe && rt.action != "" {
@@ -182,8 +206,18 @@ func (c *console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	operator, err := c.opts.Authorize(r, action)
 	if err != nil {
-		c.fail(w, r, api, &problem{Status: http.StatusForbidden, Code: "forbidden",
-			Message: "You are not allowed to do this here. Nothing changed."})
+		forbidden := &problem{Status: http.StatusForbidden, Code: "forbidden", Message: "You are not allowed to do this here. Nothing changed."}
+		if !api && !safe && rt.problem == nil && (rt.action == ActionResolve || rt.action == ActionForget) && !c.opts.ReadOnly {
+			// A refused verdict or forget from the record's page: the page
+			// again, with what the operator typed, if they may see it.
+			if viewer, err := c.opts.Authorize(r, ActionView); err == nil {
+				r.Body = http.MaxBytesReader(w, r.Body, rt.maxBody)
+				req := &request{r: r, w: w, c: c, operator: viewer, params: rt.params}
+				req.refusedAction(rt.action, forbidden)
+				return
+			}
+		}
+		c.fail(w, r, api, forbidden)
 		return
 	}
 	if c.opts.ReadOnly && !safe {
@@ -222,6 +256,34 @@ func (c *console) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 	r.Body = http.MaxBytesReader(w, r.Body, rt.maxBody)
 	rt.post(req)
+}
+
+// offerKey marks the context of a request passed to Authorize only to ask
+// whether a page offers an action.
+type offerKey struct{}
+
+// IsOffer reports whether Authorize is called with r only to ask whether
+// the page being shown offers the action (its form, button or link):
+// nothing is done with it, and an error only hides that form. Every action
+// that is then sent is authorized again, as itself.
+func IsOffer(r *http.Request) bool {
+	v, _ := r.Context().Value(offerKey{}).(bool)
+	return v
+}
+
+// offers asks Authorize, for r, which of the actions that change records
+// a page may offer: none on a read-only console.
+func (c *console) offers(r *http.Request) map[string]bool {
+	out := make(map[string]bool, 4)
+	if c.opts.ReadOnly {
+		return out
+	}
+	ask := r.WithContext(context.WithValue(r.Context(), offerKey{}, true))
+	for _, a := range []Action{ActionResolve, ActionForget, ActionExpireLeases, ActionPrune} {
+		op, err := c.opts.Authorize(ask, a)
+		out[string(a)] = err == nil && checkOperator(op) == nil
+	}
+	return out
 }
 
 // checkOperator refuses an operator name the audit trail cannot hold.

@@ -2,6 +2,8 @@ package idemui_test
 
 import (
 	"context"
+	"encoding/base64"
+	"encoding/csv"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -92,14 +94,22 @@ func TestEveryRouteAskedWithItsAction(t *testing.T) {
 		{"GET", "/idem/api/audit", "", "", idemui.ActionView, 200},
 		{"GET", keyPath(pay, "u1") + "/resolve", "", "", idemui.ActionView, 405},
 		{"POST", "/idem/", form, "", idemui.ActionView, 405},
-		{"POST", "/idem/prune", form, "max_batches=1", idemui.ActionPrune, 303},
+		{"POST", "/idem/prune", form, "max_batches=1&confirm=yes&reason=ttl", idemui.ActionPrune, 303},
 		{"POST", "/idem/expire-leases", form, "cutoff=" + url.QueryEscape(time.Now().UTC().Format(time.RFC3339Nano)), idemui.ActionExpireLeases, 303},
 		{"POST", "/idem/api/expire-leases", "application/json", `{"cutoff":"2020-01-01T00:00:00Z"}`, idemui.ActionExpireLeases, 200},
-		{"POST", "/idem/api/prune", "application/json", `{"max_batches":1}`, idemui.ActionPrune, 200},
+		{"POST", "/idem/api/prune", "application/json", `{"max_batches":1,"reason":"ttl"}`, idemui.ActionPrune, 200},
+		{"GET", keyPage(pay, "u1"), "", "", idemui.ActionView, 200},
+		{"GET", "/idem/audit.csv", "", "", idemui.ActionView, 200},
+		{"GET", "/idem/audit.json", "", "", idemui.ActionView, 200},
+		{"GET", "/idem/static/favicon.svg", "", "", idemui.ActionView, 200},
+		{"GET", "/idem/bulk-resolve?all=yes", "", "", idemui.ActionView, 200},
+		{"GET", "/idem/api/bulk-resolve", "", "", idemui.ActionView, 200},
+		{"POST", "/idem/api/bulk-resolve", "application/json", `{"all":true,"cutoff":"2020-01-01T00:00:00Z","verdict":"retryable","reason":"r"}`, idemui.ActionResolve, 200},
+		{"POST", "/idem/bulk-resolve", form, "all=yes&cutoff=2020-01-01T00:00:00Z&verdict=retryable&reason=r", idemui.ActionResolve, 303},
 		{"POST", keyPath(pay, "u1") + "/resolve", form,
 			fmt.Sprintf("token=%d&verdict=retryable&reason=no+charge+at+the+provider", u.Token), idemui.ActionResolve, 303},
 		{"POST", keyPath(pay, "done") + "/forget", form,
-			fmt.Sprintf("token=%d&created_at=%s", done.Token, url.QueryEscape(created)), idemui.ActionForget, 303},
+			forgetForm(done.Token, created, "client reused it").Encode(), idemui.ActionForget, 303},
 	} {
 		e.takeAsked()
 		res := e.do(tc.method, tc.path, tc.ctype, tc.body)
@@ -172,7 +182,7 @@ func TestVerdictFromTheForm(t *testing.T) {
 	u := e.unknown(pay, "order-1", "gateway timeout after 30s")
 
 	list := e.get("/idem/unknown")
-	link := html.EscapeString(keyPath(pay, "order-1"))
+	link := html.EscapeString(keyPage(pay, "order-1"))
 	if list.status != 200 || !strings.Contains(list.body, `href="`+link+`"`) {
 		t.Fatalf("the list does not link to the record %s:\n%s", link, list.body)
 	}
@@ -188,9 +198,10 @@ func TestVerdictFromTheForm(t *testing.T) {
 		"token": {strconv.FormatInt(u.Token, 10)}, "verdict": {"succeeded"}, "status": {"201"},
 		"content_type": {"application/json"}, "body": {"{\"charge\":\"ch_1\"}\r\n"}, "reason": {"  charge ch_1 captured (provider dashboard)  "},
 	})
-	if res.status != http.StatusSeeOther || res.header.Get("Location") != keyPath(pay, "order-1")+"?done=resolved" {
-		t.Fatalf("resolve: %d %s\n%s", res.status, res.header.Get("Location"), res.body)
+	if loc := res.header.Get("Location"); res.status != http.StatusSeeOther || !strings.HasPrefix(loc, keyPage(pay, "order-1")+"&flash=") {
+		t.Fatalf("resolve: %d %s\n%s", res.status, loc, res.body)
 	}
+	flashURL := res.header.Get("Location")
 	rec := e.lookup(pay, "order-1")
 	if rec.Status != idem.StatusSucceeded || rec.Response == nil || rec.Response.Status != 201 ||
 		string(rec.Response.Body) != "{\"charge\":\"ch_1\"}\n" || rec.ResolveReason != "charge ch_1 captured (provider dashboard)" ||
@@ -215,7 +226,7 @@ func TestVerdictFromTheForm(t *testing.T) {
 		row.TokenBefore != u.Token || row.TokenAfter != rec.Token || row.Changed != 1 || !row.At.Equal(row.Completed) {
 		t.Fatalf("audit row: %+v", row)
 	}
-	page = e.get(keyPath(pay, "order-1") + "?done=resolved")
+	page = e.get(flashURL)
 	for _, want := range []string{"Verdict recorded", "Succeeded", "verdict: it happened (succeeded)", "<b>alice</b>",
 		html.EscapeString(`"charge": "ch_1"`)} {
 		if !strings.Contains(page.body, want) {
@@ -224,6 +235,41 @@ func TestVerdictFromTheForm(t *testing.T) {
 	}
 	if strings.Contains(page.body, `name="verdict"`) {
 		t.Error("the record page still offers a verdict on a decided record")
+	}
+	if strings.Contains(page.body, "Next record that needs a person") {
+		t.Error("the page offers a next record when none needs a person")
+	}
+	e.unknown(pay, "order-2", "timeout")
+	if page := e.get(keyPage(pay, "order-1")); !strings.Contains(page.body, `href="`+html.EscapeString(keyPage(pay, "order-2"))+`" rel="next">Next record that needs a person`) {
+		t.Errorf("the page after the verdict does not lead to the next record:\n%s", page.body)
+	}
+}
+
+// The verdict form offers the shape of the operation's answers (status and
+// content type of a succeeded record) as its default, and stores a 204
+// without a body.
+func TestVerdictFormShape(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	u := e.unknown(pay, "order-2", "timeout")
+	page := e.get(keyPage(pay, "order-2"))
+	if !strings.Contains(page.body, `name="status" value="200"`) || strings.Contains(page.body, "as other records of this operation") {
+		t.Fatalf("the form without another record:\n%s", page.body)
+	}
+	e.succeeded(pay, "order-1", idem.Response{Status: 201, Header: map[string][]string{"Content-Type": {"application/vnd.acme+json"}}, Body: []byte(`{}`)})
+	page = e.get(keyPage(pay, "order-2"))
+	for _, want := range []string{`name="status" value="201"`, `name="content_type" value="application/vnd.acme&#43;json"`, "as other records of this operation"} {
+		if !strings.Contains(page.body, want) {
+			t.Errorf("the form lacks %q", want)
+		}
+	}
+	res := e.postForm(keyURLFor(pay, "order-2", "resolve"), url.Values{"token": {strconv.FormatInt(u.Token, 10)}, "verdict": {"succeeded"},
+		"status": {"204"}, "content_type": {"application/json"}, "reason": {"deleted at the provider"}})
+	if res.status != http.StatusSeeOther {
+		t.Fatalf("a 204 verdict: %d\n%s", res.status, res.body)
+	}
+	if rec := e.lookup(pay, "order-2"); rec.Response == nil || rec.Response.Status != 204 || len(rec.Response.Body) != 0 {
+		t.Fatalf("the 204 stored: %+v", rec.Response)
 	}
 }
 
@@ -284,7 +330,7 @@ func TestRefusedFormSaysWhichAttempt(t *testing.T) {
 		fmt.Sprintf("Record a verdict on attempt #%d", old.Token),
 		fmt.Sprintf(`name="token" value="%d"`, old.Token),
 		fmt.Sprintf("Your form was about attempt #%d, the record now holds #%d", old.Token, now.Token),
-		`href="` + html.EscapeString(keyPath(pay, "order-9")) + `"`,
+		`href="` + html.EscapeString(keyPage(pay, "order-9")) + `"`,
 	} {
 		if !strings.Contains(res.body, want) {
 			t.Errorf("the refused verdict's page lacks %q", want)
@@ -296,12 +342,11 @@ func TestRefusedFormSaysWhichAttempt(t *testing.T) {
 	// A forget: the key was forgotten and used again before this form is sent.
 	first := e.succeeded(pay, "paid", idem.Response{Status: 200})
 	firstAt := e.lookup(pay, "paid").CreatedAt.UTC().Format(time.RFC3339Nano)
-	if res := e.postJSON(apiPath("paid")+"/forget", map[string]any{"token": first.Token, "created_at": firstAt}); res.status != 200 {
+	if res := e.postJSON(apiPath("paid")+"/forget", map[string]any{"token": first.Token, "created_at": firstAt, "reason": "reused"}); res.status != 200 {
 		t.Fatalf("first forget: %d %s", res.status, res.body)
 	}
 	second := e.succeeded(pay, "paid", idem.Response{Status: 200})
-	res = e.postForm(keyPath(pay, "paid")+"/forget", url.Values{
-		"token": {strconv.FormatInt(first.Token, 10)}, "created_at": {firstAt}})
+	res = e.postForm(keyPath(pay, "paid")+"/forget", forgetForm(first.Token, firstAt, "reused again"))
 	if res.status != http.StatusConflict {
 		t.Fatalf("stale forget: %d\n%s", res.status, res.body)
 	}
@@ -378,6 +423,7 @@ func TestBadInputChangesNothing(t *testing.T) {
 	e := newEnv(t, nil)
 	u := e.unknown(pay, "order-3", "timeout")
 	done := e.succeeded(pay, "done", idem.Response{Status: 200, Body: []byte(`{}`)})
+	doneAt := e.lookup(pay, "done").CreatedAt.UTC().Format(time.RFC3339Nano)
 	tok := strconv.FormatInt(u.Token, 10)
 	resolve := keyPath(pay, "order-3") + "/resolve"
 	apiResolve := "/idem/api" + strings.TrimPrefix(resolve, "/idem")
@@ -413,13 +459,35 @@ func TestBadInputChangesNothing(t *testing.T) {
 		{"not a form", "POST", resolve, "text/plain", good.Encode(), "invalid_form"},
 		{"oversized body", "POST", resolve, form, with("body", strings.Repeat("x", 5<<20)), "body_too_large"},
 		{"bad status", "POST", apiResolve, "application/json", `{"token":` + tok + `,"verdict":"succeeded","status":42,"reason":"r"}`, "invalid_status"},
+		{"informational status", "POST", resolve, form, with("verdict", "succeeded") + "&status=101", "invalid_status"},
+		{"status 600", "POST", apiResolve, "application/json", `{"token":` + tok + `,"verdict":"succeeded","status":600,"reason":"r"}`, "invalid_status"},
+		{"status 199", "POST", apiResolve, "application/json", `{"token":` + tok + `,"verdict":"succeeded","status":199,"reason":"r"}`, "invalid_status"},
+		{"204 with a body", "POST", apiResolve, "application/json", `{"token":` + tok + `,"verdict":"succeeded","status":204,"body":"x","reason":"r"}`, "invalid_status"},
+		{"304 with a body", "POST", resolve, form, with("verdict", "succeeded") + "&status=304&body=x", "invalid_status"},
 		{"body not JSON", "POST", apiResolve, "application/json", `{"token":` + tok + `,"verdict":"succeeded","body":"{","content_type":"application/json","reason":"r"}`, "invalid_body"},
 		{"bad content type", "POST", apiResolve, "application/json", `{"token":` + tok + `,"verdict":"succeeded","body":"x","content_type":"a b","reason":"r"}`, "invalid_response"},
 		{"unknown JSON field", "POST", apiResolve, "application/json", `{"token":` + tok + `,"verdict":"retryable","reason":"r","force":true}`, "invalid_json"},
 		{"two JSON values", "POST", apiResolve, "application/json", `{"token":` + tok + `,"verdict":"retryable","reason":"r"} {}`, "invalid_json"},
 		{"oversized JSON", "POST", apiResolve, "application/json", `{"token":` + tok + `,"verdict":"succeeded","reason":"r","body":"` + strings.Repeat("x", 5<<20) + `"}`, "body_too_large"},
-		{"forget without attempt", "POST", keyPath(pay, "done") + "/forget", form, "token=" + strconv.FormatInt(done.Token, 10), "invalid_attempt"},
-		{"forget bad token", "POST", keyPath(pay, "done") + "/forget", form, "token=x&created_at=2026-01-01T00:00:00Z", "invalid_token"},
+		{"forget without attempt", "POST", keyPath(pay, "done") + "/forget", form, "confirm=yes&reason=r&token=" + strconv.FormatInt(done.Token, 10), "invalid_attempt"},
+		{"forget bad token", "POST", keyPath(pay, "done") + "/forget", form, "confirm=yes&reason=r&token=x&created_at=2026-01-01T00:00:00Z", "invalid_token"},
+		{"forget confirm twice", "POST", strings.Replace(keyPage(pay, "done"), "/key?", "/key/forget?", 1), form,
+			forgetForm(done.Token, doneAt, "reused").Encode() + "&confirm=no", "not_confirmed"},
+		{"forget page unconfirmed", "POST", strings.Replace(keyPage(pay, "done"), "/key?", "/key/forget?", 1), form,
+			url.Values{"token": {strconv.FormatInt(done.Token, 10)}, "created_at": {doneAt}, "reason": {"reused"}}.Encode(), "not_confirmed"},
+		{"forget page without reason", "POST", keyPath(pay, "done") + "/forget", form, forgetForm(done.Token, doneAt, "  ").Encode(), "invalid_reason"},
+		{"forget API without reason", "POST", "/idem/api" + strings.TrimPrefix(keyPath(pay, "done"), "/idem") + "/forget", "application/json",
+			`{"token":` + strconv.FormatInt(done.Token, 10) + `,"created_at":"` + doneAt + `"}`, "invalid_reason"},
+		{"forget API reason too long", "POST", "/idem/api" + strings.TrimPrefix(keyPath(pay, "done"), "/idem") + "/forget", "application/json",
+			`{"token":` + strconv.FormatInt(done.Token, 10) + `,"created_at":"` + doneAt + `","reason":"` + strings.Repeat("x", idem.MaxReasonLength+1) + `"}`, "invalid_reason"},
+		{"prune page unconfirmed", "POST", "/idem/prune", form, "reason=ttl", "not_confirmed"},
+		{"prune page without reason", "POST", "/idem/prune", form, "confirm=yes", "invalid_reason"},
+		{"prune API without reason", "POST", "/idem/api/prune", "application/json", `{"max_batches":1}`, "invalid_reason"},
+		{"key query without key", "GET", "/idem/key?actor=acme&operation=charge", "", "", "invalid_path"},
+		{"key query key twice", "GET", keyPage(pay, "done") + "&key=other", "", "", "invalid_form"},
+		{"audit bad from", "GET", "/idem/api/audit?from=yesterday", "", "", "invalid_filter"},
+		{"audit empty range", "GET", "/idem/api/audit?from=2026-12-05&to=2026-12-04", "", "", "invalid_filter"},
+		{"audit export bad to", "GET", "/idem/audit.csv?to=soon", "", "", "invalid_filter"},
 		{"expire without cutoff", "POST", "/idem/expire-leases", form, "actor=acme", "invalid_cutoff"},
 		{"expire bad age", "POST", "/idem/api/expire-leases", "application/json", `{"older_than":"-1h","cutoff":"2026-01-01T00:00:00Z"}`, "invalid_filter"},
 		{"expire NUL actor", "POST", "/idem/api/expire-leases", "application/json", `{"actor":"a\u0000b","cutoff":"2026-01-01T00:00:00Z"}`, "invalid_filter"},
@@ -428,7 +496,7 @@ func TestBadInputChangesNothing(t *testing.T) {
 		{"list bad limit", "GET", "/idem/api/unknown?limit=0", "", "", "invalid_limit"},
 		{"audit bad action", "GET", "/idem/api/audit?action=drop", "", "", "invalid_filter"},
 		{"audit bad cursor", "GET", "/idem/api/audit?before=bm9wZQ", "", "", "invalid_cursor"},
-		{"prune too many", "POST", "/idem/api/prune", "application/json", `{"max_batches":1000}`, "invalid_prune"},
+		{"prune too many", "POST", "/idem/api/prune", "application/json", `{"max_batches":1000,"reason":"r"}`, "invalid_prune"},
 		{"search key alone", "GET", "/idem/api/search?key=x", "", "", "invalid_search"},
 	} {
 		res := e.do(tc.method, tc.path, tc.ctype, tc.body)
@@ -581,7 +649,7 @@ func TestAuditFailureRollsBack(t *testing.T) {
 	rec := e.lookup(pay, "done")
 	for _, tc := range []struct{ path, body string }{
 		{keyPath(pay, "order-6") + "/resolve", fmt.Sprintf("token=%d&verdict=retryable&reason=x", u.Token)},
-		{keyPath(pay, "done") + "/forget", fmt.Sprintf("token=%d&created_at=%s", done.Token, url.QueryEscape(rec.CreatedAt.Format(time.RFC3339Nano)))},
+		{keyPath(pay, "done") + "/forget", forgetForm(done.Token, rec.CreatedAt.Format(time.RFC3339Nano), "reused").Encode()},
 		{"/idem/expire-leases", "cutoff=" + url.QueryEscape(time.Now().Add(time.Hour).UTC().Format(time.RFC3339Nano))},
 	} {
 		res := e.postForm(tc.path, mustParseQuery(t, tc.body))
@@ -604,16 +672,24 @@ func mustParseQuery(t *testing.T, s string) url.Values {
 }
 
 // Forget names the attempt it is about: a record that changed since is
-// refused; a finished one is forgotten with its audit row.
+// refused; a finished one is forgotten with its audit row, which keeps the
+// reason and a copy of the record, shown on the audit page. A refused form
+// keeps the reason typed.
 func TestForget(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, nil)
-	done := e.succeeded(pay, "done", idem.Response{Status: 200, Body: []byte(`{}`)})
+	done := e.succeeded(pay, "done", idem.Response{Status: 201, Header: map[string][]string{"Content-Type": {"application/json"}},
+		Body: []byte(`{"charge":"ch_9"}`)})
 	rec := e.lookup(pay, "done")
 	u := e.unknown(pay, "order-7", "timeout")
 	forget := func(key string, token int64, created time.Time) response {
-		return e.postForm(keyPath(pay, key)+"/forget", url.Values{"token": {strconv.FormatInt(token, 10)},
-			"created_at": {created.UTC().Format(time.RFC3339Nano)}})
+		return e.postForm(keyURLFor(pay, key, "forget"), forgetForm(token, created.UTC().Format(time.RFC3339Nano), "client reused order-7's key"))
+	}
+	page := e.get(keyPage(pay, "done"))
+	for _, want := range []string{`name="reason"`, `name="confirm" value="yes" required`, html.EscapeString(keyURLFor(pay, "done", "forget"))} {
+		if !strings.Contains(page.body, want) {
+			t.Errorf("the forget form lacks %q", want)
+		}
 	}
 	before := e.state()
 	if res := forget("done", done.Token+1, rec.CreatedAt); res.status != 409 || !strings.Contains(res.body, "changed since it was shown") {
@@ -629,6 +705,16 @@ func TestForget(t *testing.T) {
 	if after := e.state(); after != before {
 		t.Fatalf("a refused forget changed something:\n%s\n%s", before, after)
 	}
+	// Unconfirmed: refused, and the reason typed is still in the form.
+	unconfirmed := forgetForm(done.Token, rec.CreatedAt.UTC().Format(time.RFC3339Nano), "asked by ops <ticket 42>")
+	unconfirmed.Del("confirm")
+	if res := e.postForm(keyURLFor(pay, "done", "forget"), unconfirmed); res.status != 400 ||
+		!strings.Contains(res.body, `data-code="not_confirmed"`) || !strings.Contains(res.body, "asked by ops &lt;ticket 42&gt;</textarea>") {
+		t.Fatalf("an unconfirmed forget: %d\n%s", res.status, res.body)
+	}
+	if after := e.state(); after != before {
+		t.Fatalf("a refused forget changed something:\n%s\n%s", before, after)
+	}
 	res := forget("done", done.Token, rec.CreatedAt)
 	if res.status != http.StatusSeeOther {
 		t.Fatalf("forget: %d\n%s", res.status, res.body)
@@ -636,10 +722,26 @@ func TestForget(t *testing.T) {
 	if _, err := idem.Lookup(context.Background(), e.pool, pay, "done"); !errors.Is(err, idem.ErrNotFound) {
 		t.Fatalf("after forget: %v", err)
 	}
-	page := e.get(res.header.Get("Location"))
-	if !strings.Contains(page.body, "Key forgotten") || !strings.Contains(page.body, "forgot the key") ||
-		!strings.Contains(page.body, fmt.Sprintf("#%d", done.Token)) {
-		t.Fatalf("the audit page after forget:\n%s", page.body)
+	var reason, status, fingerprint, body string
+	var token int64
+	if err := e.pool.QueryRow(context.Background(), `SELECT reason, detail->'forgotten'->>'status', detail->'forgotten'->>'fingerprint',
+		(detail->'forgotten'->>'token')::bigint, detail->'forgotten'->'response'->>'body' FROM idem_audit WHERE action = 'forget'`).Scan(
+		&reason, &status, &fingerprint, &token, &body); err != nil {
+		t.Fatal(err)
+	}
+	if reason != "client reused order-7's key" || status != "succeeded" || fingerprint != rec.Fingerprint.String() ||
+		token != done.Token || body != `{"charge":"ch_9"}` {
+		t.Fatalf("the forget's row: reason %q, status %q, fingerprint %q, token %d, body %q", reason, status, fingerprint, token, body)
+	}
+	page = e.get(res.header.Get("Location"))
+	for _, want := range []string{"Key forgotten", "forgot the key", fmt.Sprintf("#%d", done.Token), "client reused order-7&#39;s key",
+		"Copy of the deleted record", rec.Fingerprint.String(), "status 201", html.EscapeString(`{\"charge\":\"ch_9\"}`)} {
+		if !strings.Contains(page.body, want) {
+			t.Errorf("the audit page after forget lacks %q", want)
+		}
+	}
+	if again := e.get(res.header.Get("Location")); strings.Contains(again.body, "Key forgotten") {
+		t.Error("the flash message is shown again on a refresh")
 	}
 	if res := forget("done", done.Token, rec.CreatedAt); res.status != 404 {
 		t.Fatalf("forget again: %d", res.status)
@@ -783,16 +885,38 @@ func TestExpireLeasesAsTheLibraryDoes(t *testing.T) {
 		t.Fatalf("a lease that ran out after the count was expired: %+v", rec)
 	}
 	var detail string
-	if err := con.pool.QueryRow(ctx, `SELECT operator || ' ' || action || ' ' || changed || ' ' || detail::text FROM idem_audit`).Scan(&detail); err != nil ||
+	var bulkID int64
+	if err := con.pool.QueryRow(ctx, `SELECT operator || ' ' || action || ' ' || changed || ' ' || detail::text, id FROM idem_audit
+		WHERE idem_key = ''`).Scan(&detail, &bulkID); err != nil ||
 		!strings.HasPrefix(detail, "alice expire_leases 2 ") || !strings.Contains(detail, c.Cutoff[:19]) {
 		t.Fatalf("audit row: %q, %v", detail, err)
+	}
+	// Each record it changed has a row of its own, and its page shows it.
+	var each string
+	if err := con.pool.QueryRow(ctx, `SELECT string_agg(format('%s %s %s %s>%s %s bulk:%s cutoff:%s lease:%s', operator, action, idem_key,
+		status_before, status_after, changed, (detail->>'bulk_id')::bigint = $1, detail->>'cutoff' IS NOT NULL,
+		detail->>'lease_expires_at' IS NOT NULL), E'\n' ORDER BY idem_key) FROM idem_audit WHERE idem_key <> ''`, bulkID).Scan(&each); err != nil ||
+		each != "alice expire_leases l1 processing>unknown 1 bulk:t cutoff:t lease:t\n"+
+			"alice expire_leases l2 processing>unknown 1 bulk:t cutoff:t lease:t" {
+		t.Fatalf("the records' rows:\n%s (%v)", each, err)
+	}
+	l1 := con.get(keyPage(pay, "l1"))
+	for _, want := range []string{"alice: expired the lease: the record became unknown", "The lease ran out", "<dt>Lease</dt><dd>last deadline", "Filter and cutoff",
+		"<dt>Became unknown</dt>", "alice expired its lease"} {
+		if !strings.Contains(l1.body, want) {
+			t.Errorf("the page of an expired record lacks %q:\n%s", want, l1.body)
+		}
+	}
+	if strings.Contains(l1.body, "No operator has acted") || strings.Contains(l1.body, "<dt>Expires</dt>") {
+		t.Errorf("the page of an expired record says no operator acted, or that prune removes it:\n%s", l1.body)
 	}
 	// Filtered: only what the filter matches.
 	other := idem.Scope{Actor: "globex", Operation: "charge"}
 	con.lapsed(other, "g1")
 	res = con.postForm("/idem/expire-leases", url.Values{"actor": {"globex"},
 		"cutoff": {time.Now().Add(time.Minute).UTC().Format(time.RFC3339Nano)}})
-	if res.status != http.StatusSeeOther || !strings.Contains(res.header.Get("Location"), "done=expired&n=1") {
+	if res.status != http.StatusSeeOther || !strings.HasPrefix(res.header.Get("Location"), "/idem/unknown?actor=globex&flash=") ||
+		!strings.Contains(con.flashed(res).body, "1 reservation turned unknown") {
 		t.Fatalf("filtered expire: %d %s", res.status, res.header.Get("Location"))
 	}
 	if a, g := con.lookup(pay, "after-count"), con.lookup(other, "g1"); a.Status != idem.StatusProcessing || g.Status != idem.StatusUnknown {
@@ -802,7 +926,7 @@ func TestExpireLeasesAsTheLibraryDoes(t *testing.T) {
 	rows0 := con.auditRows()
 	res = con.postForm("/idem/expire-leases", url.Values{"actor": {"globex"},
 		"cutoff": {time.Now().UTC().Format(time.RFC3339Nano)}})
-	if res.status != http.StatusSeeOther || !strings.Contains(res.header.Get("Location"), "done=expired-none") || con.auditRows() != rows0 {
+	if res.status != http.StatusSeeOther || !strings.Contains(con.flashed(res).body, "No lease to expire") || con.auditRows() != rows0 {
 		t.Fatalf("expire with nothing to do: %d %s", res.status, res.header.Get("Location"))
 	}
 }
@@ -817,20 +941,36 @@ func TestPrune(t *testing.T) {
 		WHERE idem_key IN ('old', 'u')`); err != nil {
 		t.Fatal(err)
 	}
-	res := e.postForm("/idem/prune", url.Values{})
-	if res.status != http.StatusSeeOther || res.header.Get("Location") != "/idem/?done=pruned&n=1" {
+	before := e.state()
+	if res := e.postForm("/idem/prune", url.Values{"reason": {"ttl <past>"}}); res.status != 400 ||
+		!strings.Contains(res.body, "ttl &lt;past&gt;</textarea>") || e.state() != before {
+		t.Fatalf("an unconfirmed prune: %d\n%s", res.status, res.body)
+	}
+	res := e.postForm("/idem/prune", url.Values{"reason": {"ttl past"}, "confirm": {"yes"}})
+	if res.status != http.StatusSeeOther || !strings.HasPrefix(res.header.Get("Location"), "/idem/?flash=") {
 		t.Fatalf("prune: %d %s", res.status, res.header.Get("Location"))
 	}
+	flashURL := res.header.Get("Location")
 	if _, err := idem.Lookup(context.Background(), e.pool, pay, "old"); !errors.Is(err, idem.ErrNotFound) {
 		t.Fatal("the expired key was not pruned")
 	}
 	e.lookup(pay, "u")
-	res = e.postJSON("/idem/api/prune", map[string]any{})
+	res = e.postJSON("/idem/api/prune", map[string]any{"reason": "ttl"})
 	if res.status != 200 || !strings.Contains(res.body, `"pruned": 0`) || e.auditRows() != 1 {
 		t.Fatalf("prune with nothing to prune: %d %s (%d audit rows)", res.status, res.body, e.auditRows())
 	}
-	if page := e.get("/idem/?done=pruned&n=1"); !strings.Contains(page.body, "1 expired key deleted") {
+	if page := e.get(flashURL); !strings.Contains(page.body, "1 expired key deleted") {
 		t.Errorf("the overview after prune:\n%s", page.body)
+	}
+	// The message is shown once, and one made up in the address never.
+	for _, path := range []string{flashURL, "/idem/?done=pruned&n=99999", "/idem/?flash=AAAAAAAAAAAAAAAAAAAAAA"} {
+		if page := e.get(path); strings.Contains(page.body, `class="flash`) {
+			t.Errorf("%s shows a message:\n%s", path, page.body)
+		}
+	}
+	var reason string
+	if err := e.pool.QueryRow(context.Background(), `SELECT reason FROM idem_audit`).Scan(&reason); err != nil || reason != "ttl past" {
+		t.Fatalf("the prune's reason: %q, %v", reason, err)
 	}
 }
 
@@ -852,8 +992,11 @@ func TestKeyAddresses(t *testing.T) {
 	}
 	list := e.get("/idem/unknown")
 	for _, key := range []string{"a/b/c", ".", ".."} {
-		if link := html.EscapeString(keyPath(scope, key)); !strings.Contains(list.body, `href="`+link+`"`) {
+		if link := html.EscapeString(keyPage(scope, key)); !strings.Contains(list.body, `href="`+link+`"`) {
 			t.Errorf("the list does not link %q as %s", key, link)
+		}
+		if res := e.get(keyPage(scope, key)); res.status != 200 || !strings.Contains(res.body, "<code>"+html.EscapeString(key)+"</code>") {
+			t.Errorf("key %q at %s: %d", key, keyPage(scope, key), res.status)
 		}
 	}
 }
@@ -904,7 +1047,7 @@ func TestSearchAndAudit(t *testing.T) {
 		e.succeeded(pay, fmt.Sprintf("k%d", i), idem.Response{Status: 200})
 	}
 	res := e.get("/idem/search?actor=acme&operation=charge&key=k3")
-	if res.status != http.StatusSeeOther || res.header.Get("Location") != keyPath(pay, "k3") {
+	if res.status != http.StatusSeeOther || res.header.Get("Location") != keyPage(pay, "k3") {
 		t.Fatalf("search for a key: %d %s", res.status, res.header.Get("Location"))
 	}
 	if res := e.get("/idem/search?actor=acme&operation=charge&key=nope"); res.status != 404 || !strings.Contains(res.body, "No record holds this key") {
@@ -917,8 +1060,7 @@ func TestSearchAndAudit(t *testing.T) {
 	for i := range 3 {
 		rec := e.lookup(pay, fmt.Sprintf("k%d", i))
 		e.name = fmt.Sprintf("op%d", i%2)
-		r := e.postForm(keyPath(pay, rec.Key)+"/forget", url.Values{"token": {strconv.FormatInt(rec.Token, 10)},
-			"created_at": {rec.CreatedAt.Format(time.RFC3339Nano)}})
+		r := e.postForm(keyPath(pay, rec.Key)+"/forget", forgetForm(rec.Token, rec.CreatedAt.Format(time.RFC3339Nano), "reused"))
 		if r.status != http.StatusSeeOther {
 			t.Fatalf("forget: %d %s", r.status, r.body)
 		}
@@ -940,6 +1082,79 @@ func TestSearchAndAudit(t *testing.T) {
 	out.Entries = nil
 	if err := json.Unmarshal([]byte(res.body), &out); err != nil || len(out.Entries) != 1 || out.Entries[0].Key != "k1" {
 		t.Fatalf("audit by operator: %s", res.body)
+	}
+}
+
+// The trail filters by operator prefix and time range, and exports what
+// the filter matches as CSV and JSON.
+func TestAuditFiltersAndExport(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := newEnv(t, nil)
+	for i, op := range []string{"ops.dana", "ops.sam", "finance.kim"} {
+		key := fmt.Sprintf("k%d", i)
+		e.succeeded(pay, key, idem.Response{Status: 200})
+		rec := e.lookup(pay, key)
+		e.name = op
+		reason := "reused by the client"
+		if i == 1 {
+			reason = "=HYPERLINK(\"http://evil\")"
+		}
+		if r := e.postForm(keyURLFor(pay, key, "forget"), forgetForm(rec.Token, rec.CreatedAt.Format(time.RFC3339Nano), reason)); r.status != http.StatusSeeOther {
+			t.Fatalf("forget: %d %s", r.status, r.body)
+		}
+		// Each row a day apart, from 2026-01-01.
+		if _, err := e.pool.Exec(ctx, `UPDATE idem_audit SET acted_at = timestamptz '2026-01-01 12:00Z' + $1 * interval '1 day'
+			WHERE idem_key = $2`, i, key); err != nil {
+			t.Fatal(err)
+		}
+	}
+	keys := func(path string) string {
+		t.Helper()
+		res := e.get(path)
+		var out struct{ Entries []struct{ Key string } }
+		if err := json.Unmarshal([]byte(res.body), &out); err != nil || res.status != 200 {
+			t.Fatalf("%s: %d %s", path, res.status, res.body)
+		}
+		var ks []string
+		for _, en := range out.Entries {
+			ks = append(ks, en.Key)
+		}
+		return strings.Join(ks, " ")
+	}
+	for path, want := range map[string]string{
+		"/idem/api/audit?operator=ops.":                                   "k1 k0",
+		"/idem/api/audit?operator=ops.s":                                  "k1",
+		"/idem/api/audit?operator=OPS":                                    "",
+		"/idem/api/audit?from=2026-01-02":                                 "k2 k1",
+		"/idem/api/audit?to=2026-01-02T12:00":                             "k0",
+		"/idem/api/audit?from=2026-01-02T00:00:00Z&to=2026-01-03":         "k1",
+		"/idem/audit.json?operator=ops.&from=2026-01-01T12:00:00.000001Z": "k1",
+		"/idem/audit.json":                                                "k2 k1 k0",
+	} {
+		if got := keys(path); got != want {
+			t.Errorf("%s: keys %q, want %q", path, got, want)
+		}
+	}
+	res := e.get("/idem/audit.csv?operator=ops.")
+	if res.status != 200 || !strings.HasPrefix(res.header.Get("Content-Type"), "text/csv") ||
+		!strings.HasPrefix(res.header.Get("Content-Disposition"), "attachment;") {
+		t.Fatalf("CSV export: %d %v", res.status, res.header)
+	}
+	rows, err := csv.NewReader(strings.NewReader(res.body)).ReadAll()
+	if err != nil || len(rows) != 3 || rows[0][2] != "operator" || rows[1][2] != "ops.sam" || rows[2][2] != "ops.dana" ||
+		rows[1][12] != "'=HYPERLINK(\"http://evil\")" || !strings.Contains(rows[2][14], `"forgotten"`) {
+		t.Fatalf("CSV export: %v\n%s", err, res.body)
+	}
+	e.name = "viewer"
+	page := e.get("/idem/audit?operator=ops.&from=2026-01-02")
+	for _, want := range []string{`href="/idem/audit.csv?from=2026-01-02T00%3A00%3A00Z&amp;operator=ops."`, `value="2026-01-02"`, "ops.sam", "Copy of the deleted record"} {
+		if !strings.Contains(page.body, want) {
+			t.Errorf("the audit page lacks %q:\n%s", want, page.body)
+		}
+	}
+	if strings.Contains(page.body, "ops.dana") || strings.Contains(page.body, "finance.kim") {
+		t.Errorf("the filtered audit page shows rows outside the filter:\n%s", page.body)
 	}
 }
 
@@ -1002,7 +1217,7 @@ func TestResumingIsNotAPersons(t *testing.T) {
 	}
 	res = e.postForm("/idem/expire-leases", url.Values{"actor": {pay.Actor},
 		"cutoff": {time.Now().Add(time.Minute).UTC().Format(time.RFC3339Nano)}})
-	if res.status != http.StatusSeeOther || !strings.Contains(res.header.Get("Location"), "done=expired&n=1") {
+	if res.status != http.StatusSeeOther || !strings.Contains(e.flashed(res).body, "1 reservation turned unknown") {
 		t.Fatalf("filtered expire: %d %s", res.status, res.header.Get("Location"))
 	}
 	if rec := e.lookup(pay, "w-lapsed"); rec.Status != idem.StatusProcessing {
@@ -1062,10 +1277,10 @@ func TestAPIFieldsDocumented(t *testing.T) {
 			"token": decided.Token, "verdict": "succeeded", "status": 201, "body": `{"ok":true}`,
 			"content_type": "application/json", "reason": "captured"}), []string{"record", "audit"}},
 		{"POST api/keys/{actor}/{operation}/{key}/forget", e.postJSON(api("forget-me")+"/forget", map[string]any{
-			"token": forget.Token, "created_at": e.lookup(pay, "forget-me").CreatedAt.Format(time.RFC3339Nano)}), []string{"audit"}},
+			"token": forget.Token, "created_at": e.lookup(pay, "forget-me").CreatedAt.Format(time.RFC3339Nano), "reason": "reused"}), []string{"audit"}},
 		{"GET api/expire-leases", expirable, nil},
 		{"POST api/expire-leases", e.postJSON("/idem/api/expire-leases", map[string]any{"cutoff": count.Cutoff}), []string{"audit"}},
-		{"POST api/prune", e.postJSON("/idem/api/prune", map[string]any{}), []string{"audit"}},
+		{"POST api/prune", e.postJSON("/idem/api/prune", map[string]any{"reason": "ttl"}), []string{"audit"}},
 		{"GET api/overview", e.get("/idem/api/overview"), []string{"keys", "hourly"}},
 		{"GET api/unknown", e.get("/idem/api/unknown?limit=1"), nil},
 		{"GET api/keys/{actor}/{operation}/{key}", e.get(api("resuming")), []string{"audit", "header"}},
@@ -1074,6 +1289,11 @@ func TestAPIFieldsDocumented(t *testing.T) {
 		{"GET api/search", e.get("/idem/api/search?actor=acme"), nil},
 		{"GET api/audit", e.get("/idem/api/audit?limit=1"), []string{"detail"}},
 		{"GET api/audit", e.get("/idem/api/audit?action=resolve"), []string{"detail"}},
+		{"GET api/key", e.get("/idem/api/key?actor=acme&operation=charge&key=decided"), []string{"record", "audit"}},
+		{"GET api/bulk-resolve", e.get("/idem/api/bulk-resolve?actor=acme"), nil},
+		{"POST api/bulk-resolve", e.postJSON("/idem/api/bulk-resolve", map[string]any{"verdict": "retryable", "reason": "outage",
+			"records": []map[string]any{{"actor": "acme", "operation": "charge", "key": "open", "token": e.lookup(pay, "open").Token},
+				{"actor": "acme", "operation": "charge", "key": "lapsed", "token": 999}}}), []string{"audit"}},
 	}
 	seen := map[string]bool{}
 	for _, a := range answers {
@@ -1130,4 +1350,299 @@ func fieldNames(v any, skip []string) []string {
 		}
 	}
 	return out
+}
+
+// Authorize is asked (with IsOffer) which actions a page offers: the forms
+// of the others are hidden, and a refused POST shows the page again with
+// what the operator typed, changing nothing.
+func TestAuthorizeDecidesWhatIsOffered(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	u := e.unknown(pay, "order-4", "timeout")
+	e.succeeded(pay, "done", idem.Response{Status: 200})
+	e.refuse = map[idemui.Action]bool{idemui.ActionResolve: true, idemui.ActionPrune: true}
+	before := e.state()
+
+	e.takeAsked()
+	page := e.get(keyPage(pay, "order-4"))
+	if page.status != 200 || strings.Contains(page.body, `name="verdict"`) {
+		t.Fatalf("the verdict form is offered to an operator who may not resolve:\n%s", page.body)
+	}
+	if asked := e.takeAsked(); !slices.Equal(asked, []idemui.Action{idemui.ActionView}) {
+		t.Errorf("the page was authorized as %v", asked)
+	}
+	e.mu.Lock()
+	offered := slices.Clone(e.offered)
+	e.mu.Unlock()
+	if !slices.Contains(offered, idemui.ActionResolve) {
+		t.Errorf("Authorize was not asked whether to offer a verdict: %v", offered)
+	}
+	if page := e.get(keyPage(pay, "done")); !strings.Contains(page.body, `name="confirm"`) {
+		t.Errorf("the forget form is hidden from an operator who may forget")
+	}
+	if page := e.get("/idem/"); strings.Contains(page.body, `action="/idem/prune"`) {
+		t.Errorf("the prune form is offered to an operator who may not prune")
+	}
+	if page := e.get("/idem/unknown"); !strings.Contains(page.body, "Count them") {
+		t.Errorf("the expire link is hidden from an operator who may expire leases")
+	}
+	res := e.postForm(keyURLFor(pay, "order-4", "resolve"), url.Values{"token": {strconv.FormatInt(u.Token, 10)},
+		"verdict": {"retryable"}, "reason": {"no charge in the provider's dashboard <ch_4>"}})
+	if res.status != http.StatusForbidden || !strings.Contains(res.body, "no charge in the provider&#39;s dashboard &lt;ch_4&gt;") ||
+		strings.Contains(res.body, errSecret.Error()) {
+		t.Fatalf("a refused verdict: %d\n%s", res.status, res.body)
+	}
+	e.mu.Lock()
+	e.refuse[idemui.ActionForget] = true
+	e.mu.Unlock()
+	if page := e.get(keyPage(pay, "done")); strings.Contains(page.body, `name="confirm"`) {
+		t.Errorf("the forget form is offered to an operator who may not forget")
+	}
+	if after := e.state(); after != before {
+		t.Fatalf("a refused action changed something:\n%s\n%s", before, after)
+	}
+}
+
+// One verdict over all that the filter matches: counted first, acted on as
+// of the count (a record that needs a person only after it is left; one
+// someone else settled meanwhile is left too), each record with its audit
+// row and one row for the action; then over a selection, where a record
+// whose attempt changed is left.
+func TestBulkVerdict(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := newEnv(t, nil)
+	other := idem.Scope{Actor: "globex", Operation: "charge"}
+	e.unknown(pay, "b1", "timeout")
+	e.unknown(pay, "b2", "timeout")
+	b3 := e.unknown(pay, "b3", "timeout")
+	e.lapsed(pay, "b4")
+	e.unknown(other, "g1", "timeout")
+
+	page := e.get("/idem/unknown?actor=acme")
+	if !strings.Contains(page.body, `action="/idem/bulk-resolve"`) || strings.Count(page.body, `name="r"`) != 4 {
+		t.Fatalf("the list offers no selection:\n%s", page.body)
+	}
+	confirm := e.get("/idem/bulk-resolve?actor=acme&all=yes")
+	m := regexp.MustCompile(`name="cutoff" value="([^"]+)"`).FindStringSubmatch(confirm.body)
+	if confirm.status != 200 || !strings.Contains(confirm.body, "<b>4</b> records need a person") || m == nil {
+		t.Fatalf("the confirmation:\n%s", confirm.body)
+	}
+	cutoff := m[1]
+	// After the count: another record needs a person, and someone settles b3.
+	time.Sleep(time.Millisecond)
+	e.unknown(pay, "b5", "timeout")
+	if err := idem.Resolve(ctx, e.pool, pay, "b3", idem.Resolution{Token: b3.Token, Retryable: true, Reason: "elsewhere"}); err != nil {
+		t.Fatal(err)
+	}
+	form := url.Values{"actor": {"acme"}, "all": {"yes"}, "cutoff": {cutoff}, "verdict": {"retryable"}, "reason": {"provider outage: nothing was charged"}}
+	before := e.state()
+	for name, bad := range map[string]url.Values{
+		"no reason":  {"actor": {"acme"}, "all": {"yes"}, "cutoff": {cutoff}, "verdict": {"retryable"}},
+		"no verdict": {"actor": {"acme"}, "all": {"yes"}, "cutoff": {cutoff}, "reason": {"r"}},
+		"no cutoff":  {"actor": {"acme"}, "all": {"yes"}, "verdict": {"retryable"}, "reason": {"r"}},
+		"nothing":    {"verdict": {"retryable"}, "reason": {"r"}},
+		"bad ref":    {"r": {"bm9wZQ"}, "verdict": {"retryable"}, "reason": {"r"}},
+		"bad status": {"actor": {"acme"}, "all": {"yes"}, "cutoff": {cutoff}, "verdict": {"succeeded"}, "status": {"101"}, "reason": {"kept <me>"}},
+	} {
+		res := e.postForm("/idem/bulk-resolve", bad)
+		if res.status != 400 {
+			t.Errorf("%s: %d\n%.400s", name, res.status, res.body)
+		}
+		if name == "bad status" && !strings.Contains(res.body, "kept &lt;me&gt;</textarea>") {
+			t.Errorf("a refused bulk verdict loses the reason typed:\n%s", res.body)
+		}
+	}
+	if after := e.state(); after != before {
+		t.Fatalf("a refused bulk verdict changed something:\n%s\n%s", before, after)
+	}
+	res := e.postForm("/idem/bulk-resolve", form)
+	if res.status != http.StatusSeeOther || !strings.Contains(e.flashed(res).body, "3 records settled with one verdict") {
+		t.Fatalf("the bulk verdict: %d %s", res.status, res.header.Get("Location"))
+	}
+	for key, want := range map[string]idem.Status{"b1": idem.StatusFailedRetryable, "b2": idem.StatusFailedRetryable,
+		"b4": idem.StatusFailedRetryable, "b5": idem.StatusUnknown} {
+		if rec := e.lookup(pay, key); rec.Status != want || (want != idem.StatusUnknown && rec.ResolveReason != "provider outage: nothing was charged") {
+			t.Errorf("%s after the bulk verdict: %s %q", key, rec.Status, rec.ResolveReason)
+		}
+	}
+	if rec := e.lookup(pay, "b3"); rec.ResolveReason != "elsewhere" {
+		t.Errorf("the record someone else settled was settled again: %+v", rec)
+	}
+	if rec := e.lookup(other, "g1"); rec.Status != idem.StatusUnknown {
+		t.Errorf("a record outside the filter was settled: %s", rec.Status)
+	}
+	var rows string
+	if err := e.pool.QueryRow(ctx, `SELECT string_agg(format('%s %s %s %s', action, coalesce(nullif(idem_key, ''), '*'), changed,
+		coalesce(detail->>'cutoff' IS NOT NULL, false)), E'\n' ORDER BY idem_key) FROM idem_audit`).Scan(&rows); err != nil {
+		t.Fatal(err)
+	}
+	if rows != "resolve * 3 t\nresolve b1 1 f\nresolve b2 1 f\nresolve b4 1 f" {
+		t.Fatalf("the audit rows:\n%s", rows)
+	}
+	// A selection: b5, and g1 about an attempt it no longer holds.
+	b5, g1 := e.lookup(pay, "b5"), e.lookup(other, "g1")
+	sel := url.Values{"verdict": {"succeeded"}, "status": {"201"}, "body": {`{"ok":true}`}, "content_type": {"application/json"},
+		"reason": {"captured"}, "r": {ref(pay, "b5", b5.Token), ref(other, "g1", g1.Token+1)}}
+	if page := e.get("/idem/bulk-resolve?" + url.Values{"r": sel["r"]}.Encode()); !strings.Contains(page.body, "<b>2</b> selected records") {
+		t.Fatalf("the confirmation of a selection:\n%s", page.body)
+	}
+	res = e.postForm("/idem/bulk-resolve", sel)
+	if res.status != http.StatusSeeOther || !strings.Contains(e.flashed(res).body, "1 record settled with one verdict: it happened") ||
+		e.lookup(pay, "b5").Status != idem.StatusSucceeded || e.lookup(other, "g1").Status != idem.StatusUnknown {
+		t.Fatalf("the selection's verdict: %d", res.status)
+	}
+}
+
+// ref is a record and its token as the list's checkboxes carry them.
+func ref(scope idem.Scope, key string, token int64) string {
+	b, _ := json.Marshal([]any{scope.Actor, scope.Operation, key, token})
+	return base64.RawURLEncoding.EncodeToString(b)
+}
+
+// The list of what needs a person filters by state, and the overview's
+// cards lead to it.
+func TestNeedsPersonByState(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	e.unknown(pay, "u1", "timeout")
+	e.lapsed(pay, "l1")
+	page := e.get("/idem/")
+	for _, want := range []string{`href="/idem/unknown?state=unknown"`, `href="/idem/unknown?state=lapsed"`} {
+		if !strings.Contains(page.body, want) {
+			t.Errorf("the overview lacks %s", want)
+		}
+	}
+	for state, want := range map[string]string{"unknown": "u1", "lapsed": "l1", "": "l1 u1"} {
+		res := e.get("/idem/api/unknown?state=" + state)
+		var out struct{ Records []struct{ Key string } }
+		if err := json.Unmarshal([]byte(res.body), &out); err != nil {
+			t.Fatal(err)
+		}
+		var keys []string
+		for _, r := range out.Records {
+			keys = append(keys, r.Key)
+		}
+		slices.Sort(keys)
+		if got := strings.Join(keys, " "); got != want {
+			t.Errorf("state %q: %q, want %q", state, got, want)
+		}
+	}
+	if res := e.get("/idem/api/unknown?state=maybe"); res.status != 400 || res.code() != "invalid_filter" {
+		t.Errorf("a bad state: %d %s", res.status, res.body)
+	}
+	if res := e.get("/idem/api/expire-leases?state=unknown"); !strings.Contains(res.body, `"leases": 0`) {
+		t.Errorf("leases to expire among unknown outcomes: %s", res.body)
+	}
+	if res := e.get("/idem/api/expire-leases?state=lapsed"); !strings.Contains(res.body, `"leases": 1`) {
+		t.Errorf("leases to expire among lapsed ones: %s", res.body)
+	}
+}
+
+// The list goes oldest or newest first, page by page in both directions,
+// and says where each page is in it.
+func TestNeedsPersonOrderAndPages(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	for i := range 7 {
+		e.unknown(pay, fmt.Sprintf("k%d", i), "timeout")
+		time.Sleep(time.Millisecond)
+	}
+	type page struct {
+		Records    []struct{ Key string }
+		First      int64
+		Next, Prev string
+	}
+	get := func(query string) page {
+		t.Helper()
+		res := e.get("/idem/api/unknown?limit=3" + query)
+		var p page
+		if err := json.Unmarshal([]byte(res.body), &p); err != nil || res.status != 200 {
+			t.Fatalf("%s: %d %s", query, res.status, res.body)
+		}
+		return p
+	}
+	keys := func(p page) string {
+		var ks []string
+		for _, r := range p.Records {
+			ks = append(ks, r.Key)
+		}
+		return fmt.Sprintf("%d:%s", p.First, strings.Join(ks, ","))
+	}
+	for _, order := range []struct{ q, pages string }{{"", "1:k0,k1,k2 4:k3,k4,k5 7:k6"}, {"&order=newest", "1:k6,k5,k4 4:k3,k2,k1 7:k0"}} {
+		var seen []string
+		var pages []page
+		p := get(order.q)
+		for {
+			seen = append(seen, keys(p))
+			pages = append(pages, p)
+			if p.Next == "" {
+				break
+			}
+			p = get(order.q + "&after=" + p.Next)
+		}
+		if got := strings.Join(seen, " "); got != order.pages {
+			t.Errorf("order %q forwards: %s, want %s", order.q, got, order.pages)
+		}
+		if pages[0].Prev != "" || pages[1].Prev == "" {
+			t.Errorf("order %q: the first page has a previous one, or the second none", order.q)
+		}
+		// And back, from the last page.
+		seen = nil
+		p = pages[len(pages)-1]
+		for p.Prev != "" {
+			p = get(order.q + "&before=" + p.Prev)
+			seen = append(seen, keys(p))
+		}
+		want := strings.Fields(order.pages)
+		if got := strings.Join(seen, " "); got != want[1]+" "+want[0] {
+			t.Errorf("order %q backwards: %s", order.q, got)
+		}
+	}
+	page1 := e.get("/idem/unknown?order=newest")
+	for _, want := range []string{"newest first: <b>1–7</b> of 7", `<b>Newest first</b>`, `href="/idem/unknown">Oldest first</a>`} {
+		if !strings.Contains(page1.body, want) {
+			t.Errorf("the newest-first page lacks %q", want)
+		}
+	}
+	if res := e.get("/idem/api/unknown?order=random"); res.status != 400 || res.code() != "invalid_filter" {
+		t.Errorf("a bad order: %d %s", res.status, res.body)
+	}
+	if res := e.get("/idem/api/unknown?after=x&before=y"); res.status != 400 {
+		t.Errorf("after and before: %d", res.status)
+	}
+}
+
+// A verdict on a record another transaction holds waits a few seconds at
+// most, then says the record is busy, and changes nothing.
+func TestBusyRecordSaysSo(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := newEnv(t, nil)
+	u := e.unknown(pay, "held", "timeout")
+	before := e.state()
+	holder, err := e.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = holder.Rollback(ctx) }()
+	if _, err := holder.Exec(ctx, `SELECT 1 FROM idem_keys WHERE idem_key = 'held' FOR UPDATE`); err != nil {
+		t.Fatal(err)
+	}
+	res := e.postJSON("/idem/api/key/resolve?"+url.Values{"actor": {pay.Actor}, "operation": {pay.Operation}, "key": {"held"}}.Encode(),
+		map[string]any{"token": u.Token, "verdict": "retryable", "reason": "no charge"})
+	if res.status != http.StatusConflict || res.code() != "busy" {
+		t.Fatalf("a verdict on a held record: %d %s", res.status, res.body)
+	}
+	page := e.postForm(keyURLFor(pay, "held", "resolve"), url.Values{"token": {strconv.FormatInt(u.Token, 10)},
+		"verdict": {"retryable"}, "reason": {"no charge, typed"}})
+	if page.status != http.StatusConflict || !strings.Contains(page.body, `data-code="busy"`) || !strings.Contains(page.body, "no charge, typed") {
+		t.Fatalf("the page of a verdict on a held record: %d\n%s", page.status, page.body)
+	}
+	if err := holder.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if after := e.state(); after != before {
+		t.Fatalf("a busy verdict changed something:\n%s\n%s", before, after)
+	}
 }

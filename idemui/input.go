@@ -41,6 +41,7 @@ type filterInput struct {
 	Operation string `json:"operation"`
 	OlderThan string `json:"older_than"` // a Go duration: 30m, 1h, 24h; empty for any age
 	Error     string `json:"error"`
+	State     string `json:"state"` // "unknown", "lapsed", or empty for both
 }
 
 // filterFrom reads a filterInput from vs.
@@ -50,7 +51,7 @@ func filterFrom(vs url.Values) (filterInput, error) {
 	for _, f := range []struct {
 		name string
 		v    *string
-	}{{"actor", &in.Actor}, {"operation", &in.Operation}, {"older_than", &in.OlderThan}, {"error", &in.Error}} {
+	}{{"actor", &in.Actor}, {"operation", &in.Operation}, {"older_than", &in.OlderThan}, {"error", &in.Error}, {"state", &in.State}} {
 		if *f.v, err = one(vs, f.name); err != nil {
 			return in, err
 		}
@@ -60,7 +61,8 @@ func filterFrom(vs url.Values) (filterInput, error) {
 
 // filter checks in and returns the audit.Filter it means.
 func (in filterInput) filter() (audit.Filter, error) {
-	f := audit.Filter{Actor: strings.TrimSpace(in.Actor), Operation: strings.TrimSpace(in.Operation), ErrorText: strings.TrimSpace(in.Error)}
+	f := audit.Filter{Actor: strings.TrimSpace(in.Actor), Operation: strings.TrimSpace(in.Operation), ErrorText: strings.TrimSpace(in.Error),
+		State: strings.TrimSpace(in.State)}
 	if s := strings.TrimSpace(in.OlderThan); s != "" {
 		d, err := time.ParseDuration(s)
 		if err != nil || d < 0 {
@@ -77,7 +79,7 @@ func (in filterInput) filter() (audit.Filter, error) {
 // query is in as a query string.
 func (in filterInput) query() url.Values {
 	vs := url.Values{}
-	for _, kv := range [][2]string{{"actor", in.Actor}, {"operation", in.Operation}, {"older_than", in.OlderThan}, {"error", in.Error}} {
+	for _, kv := range [][2]string{{"actor", in.Actor}, {"operation", in.Operation}, {"older_than", in.OlderThan}, {"error", in.Error}, {"state", in.State}} {
 		if kv[1] != "" {
 			vs.Set(kv[0], kv[1])
 		}
@@ -109,6 +111,7 @@ type needsPersonCursor struct {
 	Actor     string    `json:"a"`
 	Operation string    `json:"o"`
 	Key       string    `json:"k"`
+	N         int64     `json:"n,omitempty"` // the record's place in the list, from 1; 0: not known
 }
 
 func (cur needsPersonCursor) check() error {
@@ -117,7 +120,7 @@ func (cur needsPersonCursor) check() error {
 			return badRequest("invalid_cursor", "The page position in the address is damaged: start again from the first page.")
 		}
 	}
-	if y := cur.CreatedAt.Year(); y < 1 || y > 9999 {
+	if y := cur.CreatedAt.Year(); y < 1 || y > 9999 || cur.N < 0 {
 		return badRequest("invalid_cursor", "The page position in the address is damaged: start again from the first page.")
 	}
 	return nil
@@ -144,7 +147,14 @@ type resolveInput struct {
 	Body        string      `json:"body"`
 	ContentType string      `json:"content_type"`
 	Reason      string      `json:"reason"`
+	// shaped: Status and ContentType are how other records of the
+	// operation were answered (the form's default).
+	shaped bool
 }
+
+// Shaped reports whether the form's status and content type are how other
+// records of the operation were answered.
+func (in resolveInput) Shaped() bool { return in.shaped }
 
 // resolveFromForm reads a resolveInput from a posted form. Browsers send a
 // textarea's line breaks as CRLF: the body's are turned into LF, as the
@@ -178,16 +188,9 @@ func (in resolveInput) resolution() (idem.Resolution, error) {
 		return res, badRequest("invalid_token", "The token %q is not the positive number of an attempt (the record page shows it).", string(in.Token))
 	}
 	res.Token = token
-	reason := strings.TrimSpace(in.Reason)
-	switch {
-	case reason == "":
-		return res, badRequest("invalid_reason", "Say why (what you checked, and where): the reason is stored with the record and in the audit trail.")
-	case len(reason) > idem.MaxReasonLength:
-		return res, badRequest("invalid_reason", "The reason is longer than %d bytes.", idem.MaxReasonLength)
-	case !validText(reason):
-		return res, badRequest("invalid_reason", "The reason is not valid text.")
+	if res.Reason, err = reasonOf(in.Reason, "Say why (what you checked, and where): the reason is stored with the record and in the audit trail."); err != nil {
+		return res, err
 	}
-	res.Reason = reason
 	switch in.Verdict {
 	case audit.VerdictRetryable:
 		res.Retryable = true
@@ -199,10 +202,13 @@ func (in resolveInput) resolution() (idem.Resolution, error) {
 	resp := &idem.Response{Status: http.StatusOK, Body: []byte(in.Body)}
 	if s := strings.TrimSpace(string(in.Status)); s != "" {
 		n, err := strconv.Atoi(s)
-		if err != nil || n < 100 || n > 999 {
-			return res, badRequest("invalid_status", "The response status %q is not a number from 100 to 999.", s)
+		if err != nil || n < 200 || n > 599 {
+			return res, badRequest("invalid_status", "The response status %q is not a status a client can be answered again: a number from 200 to 599.", s)
 		}
 		resp.Status = n
+	}
+	if (resp.Status == http.StatusNoContent || resp.Status == http.StatusNotModified) && in.Body != "" {
+		return res, badRequest("invalid_status", "A %d answer has no body, and this one has %d bytes: clear the body, or give the status the service answered with it.", resp.Status, len(in.Body))
 	}
 	if ct := strings.TrimSpace(in.ContentType); ct != "" && in.Body != "" {
 		mt, _, err := mime.ParseMediaType(ct)
@@ -218,12 +224,39 @@ func (in resolveInput) resolution() (idem.Resolution, error) {
 	return res, nil
 }
 
-// forgetInput names the attempt a forget is about.
+// reasonOf checks an operator's reason: required (missing says ask),
+// valid text, at most idem.MaxReasonLength bytes.
+func reasonOf(s, ask string) (string, error) {
+	reason := strings.TrimSpace(s)
+	switch {
+	case reason == "":
+		return "", badRequest("invalid_reason", "%s", ask)
+	case len(reason) > idem.MaxReasonLength:
+		return "", badRequest("invalid_reason", "The reason is longer than %d bytes.", idem.MaxReasonLength)
+	case !validText(reason):
+		return "", badRequest("invalid_reason", "The reason is not valid text.")
+	}
+	return reason, nil
+}
+
+// confirmed refuses a page's form for a destructive action that was not
+// confirmed (the box ticked): the API's callers confirm by calling.
+func confirmed(vs url.Values, what string) error {
+	if v, err := one(vs, "confirm"); err != nil || v != "yes" {
+		return badRequest("not_confirmed", "Tick the box to confirm that you mean to %s. Nothing changed.", what)
+	}
+	return nil
+}
+
+// forgetInput names the attempt a forget is about, and why.
 type forgetInput struct {
 	Token     json.Number `json:"token"`
 	CreatedAt string      `json:"created_at"`
+	Reason    string      `json:"reason"`
 }
 
+// forgetFromForm reads a forgetInput from the posted form, which must be
+// confirmed.
 func forgetFromForm(r *http.Request) (forgetInput, error) {
 	var in forgetInput
 	vs, err := postForm(r)
@@ -235,8 +268,18 @@ func forgetFromForm(r *http.Request) (forgetInput, error) {
 		return in, err
 	}
 	in.Token = json.Number(token)
-	in.CreatedAt, err = one(vs, "created_at")
-	return in, err
+	if in.CreatedAt, err = one(vs, "created_at"); err != nil {
+		return in, err
+	}
+	if in.Reason, err = one(vs, "reason"); err != nil {
+		return in, err
+	}
+	return in, confirmed(vs, "forget this key")
+}
+
+// forgetReason checks the reason of a forget.
+func (in forgetInput) reason() (string, error) {
+	return reasonOf(in.Reason, "Say why this key is forgotten (who asked, and what the client reused it for): the reason is kept in the audit trail with a copy of the record.")
 }
 
 // attempt checks in and returns the attempt it names.
@@ -286,12 +329,15 @@ func (in expireInput) check() (audit.Filter, time.Time, error) {
 	return f, cutoff, nil
 }
 
-// pruneInput bounds an audited prune.
+// pruneInput bounds an audited prune, and says why.
 type pruneInput struct {
 	BatchSize  json.Number `json:"batch_size"`
 	MaxBatches json.Number `json:"max_batches"`
+	Reason     string      `json:"reason"`
 }
 
+// pruneFromForm reads a pruneInput from the posted form, which must be
+// confirmed.
 func pruneFromForm(r *http.Request) (pruneInput, error) {
 	var in pruneInput
 	vs, err := postForm(r)
@@ -303,8 +349,14 @@ func pruneFromForm(r *http.Request) (pruneInput, error) {
 		return in, err
 	}
 	mb, err := one(vs, "max_batches")
+	if err != nil {
+		return in, err
+	}
 	in.BatchSize, in.MaxBatches = json.Number(bs), json.Number(mb)
-	return in, err
+	if in.Reason, err = one(vs, "reason"); err != nil {
+		return in, err
+	}
+	return in, confirmed(vs, "delete the expired keys")
 }
 
 // Defaults and bounds of an audited prune from the console.
@@ -313,7 +365,8 @@ const (
 	pruneMaxBatches = 10
 )
 
-func (in pruneInput) options() (idem.PruneOptions, error) {
+// options checks in and returns the options and the reason of the prune.
+func (in pruneInput) options() (idem.PruneOptions, string, error) {
 	opts := idem.PruneOptions{BatchSize: pruneBatchSize, MaxBatches: pruneMaxBatches}
 	for _, f := range []struct {
 		name string
@@ -326,11 +379,12 @@ func (in pruneInput) options() (idem.PruneOptions, error) {
 		}
 		n, err := strconv.Atoi(string(f.v))
 		if err != nil || n <= 0 || n > f.max {
-			return opts, badRequest("invalid_prune", "%s %q is not a number from 1 to %d.", f.name, string(f.v), f.max)
+			return opts, "", badRequest("invalid_prune", "%s %q is not a number from 1 to %d.", f.name, string(f.v), f.max)
 		}
 		*f.out = n
 	}
-	return opts, nil
+	reason, err := reasonOf(in.Reason, "Say why the expired keys are deleted now: the reason is kept in the audit trail.")
+	return opts, reason, err
 }
 
 // postForm parses the body of a form POST. Only

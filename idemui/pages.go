@@ -29,16 +29,21 @@ type page struct {
 	Refresh  int // seconds until the page reloads itself; 0: never
 	Flash    *flash
 	Body     any
+	// Offers names the actions (Action values) whose forms the page
+	// shows: Authorize allows them (asked with IsOffer), and the console is
+	// not read-only.
+	Offers map[string]bool
 }
 
 // flash is a message at the top of a page: what just happened.
 type flash struct {
 	Kind string // "ok" or "error"
 	Text string
+	Code string // the problem's code, for an error
 }
 
 // pageNames are the templates: each is templates/NAME.html with the layout.
-var pageNames = []string{"overview", "unknown", "expire", "key", "search", "audit", "error"}
+var pageNames = []string{"overview", "unknown", "expire", "key", "search", "audit", "error", "bulk"}
 
 // parseTemplates parses every page with the layout.
 func parseTemplates() (map[string]*template.Template, error) {
@@ -54,8 +59,11 @@ func parseTemplates() (map[string]*template.Template, error) {
 }
 
 // render writes the page name with status.
-func (c *console) render(w http.ResponseWriter, _ *http.Request, status int, name string, p page) {
+func (c *console) render(w http.ResponseWriter, r *http.Request, status int, name string, p page) {
 	p.Prefix, p.ReadOnly = c.opts.Prefix, c.opts.ReadOnly
+	if p.Offers == nil {
+		p.Offers = c.offers(r)
+	}
 	var buf bytes.Buffer
 	if err := c.pages[name].ExecuteTemplate(&buf, "layout", p); err != nil {
 		w.Header().Set("Content-Type", "text/plain; charset=utf-8")
@@ -80,14 +88,18 @@ func (q *request) fail(err error) {
 		q.c.fail(q.w, q.r, true, p)
 		return
 	}
-	q.c.render(q.w, q.r, p.Status, "error", page{Title: http.StatusText(p.Status), Operator: q.operator, Body: p})
+	q.c.render(q.w, q.r, p.Status, "error", page{Title: http.StatusText(p.Status), Operator: q.operator, Body: p, Offers: map[string]bool{}})
 }
 
 // url is the address of path (after the prefix) with the query vs.
 func (q *request) url(path string, vs url.Values) string {
 	u := q.c.opts.Prefix + path
 	if len(vs) > 0 {
-		u += "?" + vs.Encode()
+		sep := "?"
+		if strings.Contains(path, "?") {
+			sep = "&"
+		}
+		u += sep + vs.Encode()
 	}
 	return u
 }
@@ -100,24 +112,20 @@ func (q *request) redirect(path string, vs url.Values) {
 func (q *request) client() *idem.Client { return q.c.client }
 
 // done is the message a page shows after a redirect from an action: the
-// query names one of a fixed set of messages, with a number.
-func done(vs url.Values) *flash {
-	n, _ := strconv.ParseInt(vs.Get("n"), 10, 64)
-	switch vs.Get("done") {
-	case "resolved":
-		return &flash{"ok", "Verdict recorded. The record and the audit trail below show it."}
-	case "forgotten":
-		return &flash{"ok", "Key forgotten: the next request with it runs as a new one. The audit trail keeps the record of it."}
-	case "expired":
-		return &flash{"ok", fmt.Sprintf("%s turned unknown: their workers are fenced, and each waits for a verdict.", plural(n, "reservation"))}
-	case "expired-none":
-		return &flash{"ok", "No lease to expire: the reservations counted finished or were expired meanwhile. Nothing changed."}
-	case "pruned":
-		return &flash{"ok", fmt.Sprintf("%s deleted.", plural(n, "expired key"))}
-	case "pruned-none":
-		return &flash{"ok", "No expired key to delete. Nothing changed."}
+// one the action kept under the name the query's "flash" gives, shown once
+// (see flashes); nil for any other name.
+func (q *request) done() *flash {
+	return q.c.flashes.take(q.r.URL.Query().Get("flash"))
+}
+
+// redirectDone answers a successful POST with 303 See Other to path, with
+// the message text to show there once.
+func (q *request) redirectDone(path string, vs url.Values, text string) {
+	if vs == nil {
+		vs = url.Values{}
 	}
-	return nil
+	vs.Set("flash", q.c.flashes.put(flash{Kind: "ok", Text: text}))
+	q.redirect(path, vs)
 }
 
 func plural(n int64, what string) string {
@@ -137,6 +145,10 @@ type overviewView struct {
 	PauseURL   string
 	ResumeURL  string
 	SampleNote string
+	// PruneReason and PruneProblem are the prune form as it was sent and
+	// why it was refused.
+	PruneReason  string
+	PruneProblem *problem
 }
 
 type statusRow struct {
@@ -168,7 +180,7 @@ func (q *request) overviewPage() {
 		refresh = 0
 	}
 	q.c.render(q.w, q.r, http.StatusOK, "overview", page{Title: "Overview", Nav: "overview", Operator: q.operator,
-		Refresh: refresh, Flash: done(q.r.URL.Query()), Body: v})
+		Refresh: refresh, Flash: q.done(), Body: v})
 }
 
 // The records that need a person.
@@ -180,7 +192,16 @@ type unknownView struct {
 	NextURL   string
 	FirstURL  string
 	ExpireURL string
-	Filtered  bool
+	// BulkAllURL is the confirmation of one verdict on every record the
+	// filter matches.
+	BulkAllURL string
+	Filtered   bool
+	// Newest: the list is newest first; OldestURL and NewestURL are its
+	// first page in each order.
+	Newest               bool
+	OldestURL, NewestURL string
+	PrevURL              string
+	Range                string // "1–50": the places of the page's records in the list
 }
 
 type ageOption struct {
@@ -192,42 +213,85 @@ type ageOption struct {
 var ages = []ageOption{{"", "any age"}, {"5m", "5 minutes"}, {"1h", "1 hour"}, {"6h", "6 hours"}, {"24h", "1 day"}, {"168h", "7 days"}}
 
 func (q *request) unknownPage() {
-	vs := q.r.URL.Query()
-	in, f, after, err := needsPersonQuery(vs)
+	lq, err := needsPersonQuery(q.r.URL.Query())
 	if err != nil {
 		q.fail(err)
 		return
 	}
-	p, err := readNeedsPerson(q.r.Context(), q.c.opts.DB, f, after, pageSize)
+	p, err := readNeedsPerson(q.r.Context(), q.c.opts.DB, lq.f, lq.order, lq.after, lq.before, pageSize)
 	if err != nil {
 		q.fail(err)
 		return
 	}
+	in := lq.in
 	v := unknownView{Filter: in, Ages: ages, Page: p, ExpireURL: q.url("/expire-leases", in.query()),
-		Filtered: f != (audit.Filter{})}
+		Filtered: lq.f != (audit.Filter{}), Newest: lq.order == orderNewest}
+	all := in.query()
+	all.Set("all", "yes")
+	v.BulkAllURL = q.url("/bulk-resolve", all)
+	list := func(kv ...string) string {
+		vs := in.query()
+		if lq.order == orderNewest {
+			vs.Set("order", orderNewest)
+		}
+		for i := 0; i+1 < len(kv); i += 2 {
+			vs.Set(kv[i], kv[i+1])
+		}
+		return q.url("/unknown", vs)
+	}
 	if p.Next != "" {
-		next := in.query()
-		next.Set("after", p.Next)
-		v.NextURL = q.url("/unknown", next)
+		v.NextURL = list("after", p.Next)
 	}
-	if after != "" {
-		v.FirstURL = q.url("/unknown", in.query())
+	if p.Prev != "" {
+		v.PrevURL = list("before", p.Prev)
 	}
-	q.page(http.StatusOK, "unknown", "Needs a person", "unknown", v, done(vs))
+	if lq.after != "" || lq.before != "" {
+		v.FirstURL = list()
+	}
+	oldest, newest := in.query(), in.query()
+	newest.Set("order", orderNewest)
+	v.OldestURL, v.NewestURL = q.url("/unknown", oldest), q.url("/unknown", newest)
+	if p.First > 0 && len(p.Items) > 0 {
+		v.Range = fmt.Sprintf("%s–%s", formatInt(p.First), formatInt(p.First+int64(len(p.Items))-1))
+	}
+	q.page(http.StatusOK, "unknown", "Needs a person", "unknown", v, q.done())
 }
 
-// needsPersonQuery reads the filter and the page position of the list.
-func needsPersonQuery(vs url.Values) (filterInput, audit.Filter, string, error) {
-	in, err := filterFrom(vs)
-	if err != nil {
-		return in, audit.Filter{}, "", err
+// listQuery is the filter, order and page position of the list of what
+// needs a person.
+type listQuery struct {
+	in            filterInput
+	f             audit.Filter
+	order         string
+	after, before string
+}
+
+// needsPersonQuery reads the filter, the order (oldest, the default, or
+// newest) and the page position of the list.
+func needsPersonQuery(vs url.Values) (listQuery, error) {
+	var lq listQuery
+	var err error
+	if lq.in, err = filterFrom(vs); err != nil {
+		return lq, err
 	}
-	f, err := in.filter()
-	if err != nil {
-		return in, f, "", err
+	if lq.f, err = lq.in.filter(); err != nil {
+		return lq, err
 	}
-	after, err := one(vs, "after")
-	return in, f, after, err
+	if lq.order, err = one(vs, "order"); err != nil {
+		return lq, err
+	}
+	switch lq.order {
+	case "", orderOldest:
+		lq.order = orderOldest
+	case orderNewest:
+	default:
+		return lq, badRequest("invalid_filter", "The order %q is neither %q nor %q.", lq.order, orderOldest, orderNewest)
+	}
+	if lq.after, err = one(vs, "after"); err != nil {
+		return lq, err
+	}
+	lq.before, err = one(vs, "before")
+	return lq, err
 }
 
 type expireView struct {
@@ -282,14 +346,12 @@ func (q *request) expirePage() {
 		q.fail(err)
 		return
 	}
-	vs := in.query()
 	if e.Changed == 0 {
-		vs.Set("done", "expired-none")
-	} else {
-		vs.Set("done", "expired")
-		vs.Set("n", strconv.FormatInt(e.Changed, 10))
+		q.redirectDone("/unknown", in.query(), "No lease to expire: the reservations counted finished or were expired meanwhile. Nothing changed.")
+		return
 	}
-	q.redirect("/unknown", vs)
+	q.redirectDone("/unknown", in.query(), fmt.Sprintf("%s turned unknown: their workers are fenced, each waits for a verdict, and each record's history shows the expiry.",
+		plural(e.Changed, "reservation")))
 }
 
 // A record.
@@ -307,7 +369,9 @@ type keyView struct {
 	Timeline   []event
 	Audit      []audit.Entry
 	AuditURL   string
-	KeyURL     string
+	KeyURL     string // the page's address
+	ResolveURL string // where the verdict form posts
+	ForgetURL  string // where the forget form posts
 	CanResolve bool
 	CanForget  bool
 	Resolved   bool  // an operator recorded the outcome: the token advanced past the attempt's
@@ -320,6 +384,14 @@ type keyView struct {
 	Forget  forgetInput
 	Problem *problem
 	Stale   *staleView // a form refused because the record holds another attempt now
+	// NextURL is the page of the oldest other record that needs a person;
+	// empty when none does.
+	NextURL string
+	// BecameUnknown is when an operator's expiry turned the record's
+	// attempt unknown, from the trail; zero when the trail does not say
+	// (the worker, or a sweep of ExpireLeases, marked it).
+	BecameUnknown time.Time
+	ExpiredBy     string
 }
 
 // staleView says which attempt a refused form was about and which the
@@ -338,8 +410,16 @@ type event struct {
 }
 
 func (q *request) keyPage() {
-	q.showKey(http.StatusOK, nil, resolveInput{Verdict: "", Status: "200", ContentType: "application/json"}, forgetInput{},
-		done(q.r.URL.Query()))
+	form := resolveInput{Status: "200", ContentType: "application/json"}
+	status, ct, ok, err := readShape(q.r.Context(), q.c.opts.DB, q.params.scope)
+	if err != nil {
+		q.fail(err)
+		return
+	}
+	if ok {
+		form.Status, form.ContentType, form.shaped = json.Number(strconv.Itoa(status)), ct, true
+	}
+	q.showKey(http.StatusOK, nil, form, forgetInput{}, q.done())
 }
 
 // showKey renders the record page, with the problem of a refused action
@@ -348,7 +428,8 @@ func (q *request) keyPage() {
 func (q *request) showKey(status int, p *problem, form resolveInput, forget forgetInput, fl *flash) {
 	ctx := q.r.Context()
 	scope, key := q.params.scope, q.params.key
-	v := keyView{Scope: scope, Key: key, Form: form, Problem: p, KeyURL: q.url(keyPath(scope, key), nil),
+	v := keyView{Scope: scope, Key: key, Form: form, Problem: p, KeyURL: q.c.opts.Prefix + keyURL(scope, key, ""),
+		ResolveURL: q.c.opts.Prefix + keyURL(scope, key, "resolve"), ForgetURL: q.c.opts.Prefix + keyURL(scope, key, "forget"),
 		AuditURL: q.url("/audit", url.Values{"actor": {scope.Actor}, "operation": {scope.Operation}, "key": {key}})}
 	rec, err := q.c.lookup(ctx, scope, key)
 	switch {
@@ -381,9 +462,16 @@ func (q *request) showKey(status int, p *problem, form resolveInput, forget forg
 			v.Attempt = resolvedAttempt(entries)
 		}
 		v.Timeline = timeline(rec, entries, v.Attempt, now)
-		v.CanResolve = (v.Rec.NeedsPerson || v.Rec.Resumable) && !q.c.opts.ReadOnly
+		for _, e := range entries {
+			if e.Action == audit.ActionExpireLeases && e.Key != "" && e.HasBefore && e.TokenBefore == rec.Token {
+				v.BecameUnknown, v.ExpiredBy = e.At, e.Operator
+				break
+			}
+		}
+		offers := q.c.offers(q.r)
+		v.CanResolve = (v.Rec.NeedsPerson || v.Rec.Resumable) && offers[string(ActionResolve)]
 		v.CanForget = (rec.Status == idem.StatusSucceeded || rec.Status == idem.StatusRejected ||
-			rec.Status == idem.StatusFailedRetryable) && !q.c.opts.ReadOnly
+			rec.Status == idem.StatusFailedRetryable) && offers[string(ActionForget)]
 		token, createdAt := strconv.FormatInt(rec.Token, 10), rec.CreatedAt.UTC().Format(time.RFC3339Nano)
 		if form.Token == "" {
 			v.Form.Token = json.Number(token)
@@ -392,6 +480,7 @@ func (q *request) showKey(status int, p *problem, form resolveInput, forget forg
 		if forget.Token != "" {
 			v.Forget = forgetInput{Token: json.Number(strings.TrimSpace(string(forget.Token))), CreatedAt: strings.TrimSpace(forget.CreatedAt)}
 		}
+		v.Forget.Reason = forget.Reason
 		if p != nil && (p.Code == "fenced" || p.Code == "changed") {
 			sent := staleView{Sent: strings.TrimSpace(string(form.Token)), Now: token}
 			if forget.Token != "" {
@@ -404,6 +493,12 @@ func (q *request) showKey(status int, p *problem, form resolveInput, forget forg
 				v.Stale = &sent
 			}
 		}
+	}
+	if next, ok, err := nextNeedsPerson(ctx, q.c.opts.DB, scope, key); err != nil {
+		q.fail(err)
+		return
+	} else if ok {
+		v.NextURL = q.c.opts.Prefix + keyURL(idem.Scope{Actor: next.Actor, Operation: next.Operation}, next.Key, "")
 	}
 	title := "Record " + key
 	q.page(status, "key", title, "", v, fl)
@@ -454,7 +549,10 @@ func timeline(rec idem.Record, entries []audit.Entry, attempt int64, now time.Ti
 	default:
 		add(rec.CreatedAt, "The request claimed the key")
 	}
-	if !rec.LeaseExpiresAt.IsZero() && rec.Status == idem.StatusProcessing {
+	// An unknown record's lease no longer holds anyone: only a deadline
+	// that passed is an event of it.
+	if !rec.LeaseExpiresAt.IsZero() && (rec.Status == idem.StatusProcessing ||
+		rec.Status == idem.StatusUnknown && !rec.LeaseExpiresAt.After(now)) {
 		if rec.LeaseExpiresAt.After(now) {
 			add(rec.LeaseExpiresAt, "The lease runs out")
 		} else {
@@ -499,13 +597,20 @@ func resolvedAttempt(entries []audit.Entry) int64 {
 func actionText(e audit.Entry) string {
 	switch e.Action {
 	case audit.ActionResolve:
+		what := "verdict: it did not happen (retryable)"
 		if e.Verdict == audit.VerdictSucceeded {
-			return "verdict: it happened (succeeded)"
+			what = "verdict: it happened (succeeded)"
 		}
-		return "verdict: it did not happen (retryable)"
+		if e.Key == "" {
+			return "one " + what + ", on " + plural(e.Changed, "record")
+		}
+		return what
 	case audit.ActionForget:
 		return "forgot the key"
 	case audit.ActionExpireLeases:
+		if e.Key != "" {
+			return "expired the lease: the record became unknown (one of a bulk expire; the detail has the filter and the cutoff)"
+		}
 		return "expired " + plural(e.Changed, "lease")
 	case audit.ActionPrune:
 		return "pruned " + plural(e.Changed, "expired key")
@@ -528,7 +633,7 @@ func (q *request) resolvePage() {
 		q.refused(err, in)
 		return
 	}
-	q.redirect(keyPath(q.params.scope, q.params.key), url.Values{"done": {"resolved"}})
+	q.redirectDone(keyURL(q.params.scope, q.params.key, ""), nil, "Verdict recorded. The record and the audit trail below show it.")
 }
 
 // refused shows the record again with why the verdict was refused, and
@@ -548,46 +653,89 @@ func (q *request) refusedWith(err error, form resolveInput, forget forgetInput) 
 	q.showKey(p.Status, p, form, forget, nil)
 }
 
+// refusedAction shows the record page again after Authorize refused the
+// verdict or forget it was sent (problem p), with the form as it was sent:
+// what the operator typed is not lost. Nothing is changed.
+func (q *request) refusedAction(a Action, p *problem) {
+	if a == ActionForget {
+		in, _ := forgetFromForm(q.r)
+		q.showKey(p.Status, p, resolveInput{}, in, nil)
+		return
+	}
+	in, _ := resolveFromForm(q.r)
+	q.showKey(p.Status, p, in, forgetInput{}, nil)
+}
+
 func (q *request) forgetPage() {
 	in, err := forgetFromForm(q.r)
 	if err != nil {
-		q.refused(err, resolveInput{})
+		q.refusedWith(err, resolveInput{}, in)
 		return
 	}
 	want, err := in.attempt()
 	if err != nil {
-		q.refused(err, resolveInput{})
-		return
-	}
-	scope, key := q.params.scope, q.params.key
-	if _, err := audit.Forget(q.r.Context(), q.c.opts.DB, q.client(), q.operator, scope, key, &want); err != nil {
 		q.refusedWith(err, resolveInput{}, in)
 		return
 	}
-	q.redirect("/audit", url.Values{"actor": {scope.Actor}, "operation": {scope.Operation}, "key": {key}, "done": {"forgotten"}})
+	reason, err := in.reason()
+	if err != nil {
+		q.refusedWith(err, resolveInput{}, in)
+		return
+	}
+	scope, key := q.params.scope, q.params.key
+	if _, err := audit.Forget(q.r.Context(), q.c.opts.DB, q.client(), q.operator, scope, key, &want, reason); err != nil {
+		q.refusedWith(err, resolveInput{}, in)
+		return
+	}
+	q.redirectDone("/audit", url.Values{"actor": {scope.Actor}, "operation": {scope.Operation}, "key": {key}},
+		"Key forgotten: the next request with it runs as a new one. The audit trail keeps a copy of the record, below.")
 }
 
 func (q *request) prunePage() {
 	in, err := pruneFromForm(q.r)
 	if err != nil {
-		q.fail(err)
+		q.pruneRefused(err, in)
 		return
 	}
-	opts, err := in.options()
+	opts, reason, err := in.options()
 	if err != nil {
-		q.fail(err)
+		q.pruneRefused(err, in)
 		return
 	}
-	e, err := audit.Prune(q.r.Context(), q.c.opts.DB, q.client(), q.operator, opts)
+	e, err := audit.Prune(q.r.Context(), q.c.opts.DB, q.client(), q.operator, opts, reason)
 	if err != nil {
-		q.fail(err)
+		q.pruneRefused(err, in)
 		return
 	}
 	if e.Changed == 0 {
-		q.redirect("/", url.Values{"done": {"pruned-none"}})
+		q.redirectDone("/", nil, "No expired key to delete. Nothing changed.")
 		return
 	}
-	q.redirect("/", url.Values{"done": {"pruned"}, "n": {strconv.FormatInt(e.Changed, 10)}})
+	q.redirectDone("/", nil, fmt.Sprintf("%s deleted.", plural(e.Changed, "expired key")))
+}
+
+// pruneRefused shows the overview again with why the prune was refused,
+// and the reason as it was typed.
+func (q *request) pruneRefused(err error, in pruneInput) {
+	p := problemOf(err)
+	if p.Status >= 500 {
+		q.fail(err)
+		return
+	}
+	o, err := readOverview(q.r.Context(), q.c.opts.DB)
+	if err != nil {
+		q.fail(err)
+		return
+	}
+	v := overviewView{O: o, Charts: charts(o), Paused: true, PauseURL: q.url("/", url.Values{"refresh": {"off"}}),
+		ResumeURL: q.url("/", nil), PruneReason: in.Reason, PruneProblem: p}
+	for _, s := range statuses {
+		if c, ok := o.Keys[s]; ok {
+			v.Statuses = append(v.Statuses, statusRow{s, c})
+		}
+	}
+	q.c.render(q.w, q.r, p.Status, "overview", page{Title: "Overview", Nav: "overview", Operator: q.operator,
+		Flash: &flash{Kind: "error", Text: p.Message, Code: p.Code}, Body: v})
 }
 
 // Looking a key up.
@@ -611,7 +759,7 @@ func (q *request) searchPage() {
 	case v.Problem != nil:
 		status = v.Problem.Status
 	case v.Key != "":
-		q.redirect(keyPath(idem.Scope{Actor: v.Actor, Operation: v.Operation}, v.Key), nil)
+		q.redirect(keyURL(idem.Scope{Actor: v.Actor, Operation: v.Operation}, v.Key, ""), nil)
 		return
 	}
 	q.page(status, "search", "Look up a key", "search", v, nil)
@@ -681,10 +829,13 @@ func (q *request) search(vs url.Values) (searchView, error) {
 
 type auditView struct {
 	Filter   audit.ListFilter
+	From, To string // the time range as the query gave it
 	Actions  []string
 	Entries  []audit.Entry
 	NextURL  string
 	FirstURL string
+	CSVURL   string // the export of every row the filter matches
+	JSONURL  string
 }
 
 func (q *request) auditPage() {
@@ -710,17 +861,22 @@ func (q *request) auditPage() {
 	if before != "" {
 		v.FirstURL = q.url("/audit", base)
 	}
-	q.page(http.StatusOK, "audit", "Audit trail", "audit", v, done(vs))
+	v.CSVURL, v.JSONURL = q.url("/audit.csv", base), q.url("/audit.json", base)
+	v.From, v.To = vs.Get("from"), vs.Get("to")
+	q.page(http.StatusOK, "audit", "Audit trail", "audit", v, q.done())
 }
 
-// auditQuery reads the trail's filter and page position.
+// auditQuery reads the trail's filter and page position: operator is a
+// prefix of the operator's name; from and to bound the time (from
+// included, to excluded), each an RFC 3339 time or a date and time in UTC
+// such as 2026-12-05 or 2026-12-05T14:30.
 func auditQuery(vs url.Values, limit int) (audit.ListFilter, string, error) {
 	f := audit.ListFilter{Limit: limit}
 	var err error
 	for _, p := range []struct {
 		name string
 		v    *string
-	}{{"operator", &f.Operator}, {"action", &f.Action}, {"actor", &f.Scope.Actor}, {"operation", &f.Scope.Operation}, {"key", &f.Key}} {
+	}{{"operator", &f.OperatorPrefix}, {"action", &f.Action}, {"actor", &f.Scope.Actor}, {"operation", &f.Scope.Operation}, {"key", &f.Key}} {
 		if *p.v, err = one(vs, p.name); err != nil {
 			return f, "", err
 		}
@@ -731,23 +887,67 @@ func auditQuery(vs url.Values, limit int) (audit.ListFilter, string, error) {
 	default:
 		return f, "", badRequest("invalid_filter", "The action %q is not one of resolve, forget, expire_leases, prune.", f.Action)
 	}
+	for _, p := range []struct {
+		name string
+		v    *time.Time
+	}{{"from", &f.From}, {"to", &f.To}} {
+		s, err := one(vs, p.name)
+		if err != nil {
+			return f, "", err
+		}
+		if *p.v, err = parseWhen(strings.TrimSpace(s)); err != nil {
+			return f, "", badRequest("invalid_filter", "The time %q (%s) is not a time such as 2026-12-05, 2026-12-05T14:30 (UTC) or 2026-12-05T14:30:00Z.", s, p.name)
+		}
+	}
+	if !f.From.IsZero() && !f.To.IsZero() && !f.From.Before(f.To) {
+		return f, "", badRequest("invalid_filter", "The time range is empty: from must be before to.")
+	}
 	before, err := one(vs, "before")
 	return f, before, err
 }
 
+// parseWhen reads a bound of the trail's time range; "" is none.
+func parseWhen(s string) (time.Time, error) {
+	if s == "" {
+		return time.Time{}, nil
+	}
+	for _, layout := range []string{time.RFC3339Nano, "2006-01-02T15:04:05", "2006-01-02T15:04", "2006-01-02"} {
+		if t, err := time.Parse(layout, s); err == nil {
+			if y := t.Year(); y < 1 || y > 9999 {
+				break
+			}
+			return t, nil
+		}
+	}
+	return time.Time{}, errors.New("not a time")
+}
+
 func auditValues(f audit.ListFilter) url.Values {
 	vs := url.Values{}
-	for _, kv := range [][2]string{{"operator", f.Operator}, {"action", f.Action}, {"actor", f.Scope.Actor},
+	for _, kv := range [][2]string{{"operator", f.OperatorPrefix}, {"action", f.Action}, {"actor", f.Scope.Actor},
 		{"operation", f.Scope.Operation}, {"key", f.Key}} {
 		if kv[1] != "" {
 			vs.Set(kv[0], kv[1])
 		}
 	}
+	for _, kv := range []struct {
+		name string
+		t    time.Time
+	}{{"from", f.From}, {"to", f.To}} {
+		if !kv.t.IsZero() {
+			vs.Set(kv.name, kv.t.UTC().Format(time.RFC3339Nano))
+		}
+	}
 	return vs
 }
 
-func (q *request) stylesheet() {
-	q.w.Header().Set("Content-Type", "text/css; charset=utf-8")
+// static answers the stylesheet and the icon.
+func (q *request) static() {
+	ct, b := "text/css; charset=utf-8", q.c.css
+	if !strings.HasSuffix(q.r.URL.Path, ".css") {
+		ct, b = "image/svg+xml", q.c.favicon
+	}
+	q.w.Header().Set("Content-Type", ct)
 	q.w.Header().Set("Cache-Control", "no-cache")
-	_, _ = q.w.Write(q.c.css)
+	_, _ = q.w.Write(b)
 }

@@ -55,6 +55,9 @@ func problemOf(err error) *problem {
 	case errors.Is(err, idem.ErrNotResolvable):
 		return &problem{Status: http.StatusConflict, Code: "not_resolvable",
 			Message: "Refused: the outcome of this record is not in doubt (" + detail(err, idem.ErrNotResolvable) + "). Nothing changed."}
+	case errors.Is(err, audit.ErrBusy):
+		return &problem{Status: http.StatusConflict, Code: "busy",
+			Message: fmt.Sprintf("Refused: another transaction held this record for more than %s (a worker, or another operator). Nothing changed: try again in a moment.", audit.LockTimeout)}
 	case errors.Is(err, audit.ErrChanged):
 		return &problem{Status: http.StatusConflict, Code: "changed",
 			Message: "Refused: the record changed since it was shown (" + detail(err, audit.ErrChanged) + "). Nothing changed: look at it again."}
@@ -96,7 +99,8 @@ func (c *console) fail(w http.ResponseWriter, r *http.Request, api bool, p *prob
 		writeJSON(w, p.Status, map[string]*problem{"error": p})
 		return
 	}
-	c.render(w, r, p.Status, "error", page{Title: http.StatusText(p.Status), Body: p})
+	// An error page offers no action: Authorize is not asked.
+	c.render(w, r, p.Status, "error", page{Title: http.StatusText(p.Status), Body: p, Offers: map[string]bool{}})
 }
 
 // writeJSON answers with v as JSON.

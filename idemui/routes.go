@@ -31,8 +31,9 @@ type keyParams struct {
 	key   string
 }
 
-// match finds the route of path, the escaped path after the prefix.
-func match(path string) route {
+// match finds the route of path, the escaped path after the prefix, with
+// the query vs.
+func match(path string, vs url.Values) route {
 	api := strings.HasPrefix(path, "/api/")
 	rest := path
 	if api {
@@ -40,6 +41,9 @@ func match(path string) route {
 	}
 	if tail, ok := strings.CutPrefix(rest, "/keys/"); ok {
 		return matchKey(tail, api)
+	}
+	if tail, ok := strings.CutPrefix(rest, "/key"); ok && (tail == "" || tail == "/resolve" || tail == "/forget") {
+		return matchKeyQuery(tail, vs, api)
 	}
 	type pair struct{ get, post func(*request) }
 	var p pair
@@ -62,6 +66,10 @@ func match(path string) route {
 		p = pair{get: pick(api, (*request).expireConfirmPage, (*request).expireCountAPI),
 			post: pick(api, (*request).expirePage, (*request).expireAPI)}
 		action = ActionExpireLeases
+	case "/bulk-resolve":
+		p = pair{get: pick(api, (*request).bulkPage, (*request).bulkCountAPI), post: pick(api, (*request).bulkResolvePage, (*request).bulkResolveAPI)}
+		action = ActionResolve
+		maxBody = maxVerdictBody
 	case "/prune":
 		p = pair{post: pick(api, (*request).prunePage, (*request).pruneAPI)}
 		action = ActionPrune
@@ -69,11 +77,16 @@ func match(path string) route {
 		p = pair{get: pick(api, (*request).searchPage, (*request).searchAPI)}
 	case "/audit":
 		p = pair{get: pick(api, (*request).auditPage, (*request).auditAPI)}
-	case "/static/console.css":
+	case "/audit.csv", "/audit.json":
 		if api {
 			return route{}
 		}
-		p = pair{get: (*request).stylesheet}
+		p = pair{get: (*request).auditExport}
+	case "/static/console.css", "/favicon.ico", "/static/favicon.svg":
+		if api {
+			return route{}
+		}
+		p = pair{get: (*request).static}
 	default:
 		return route{}
 	}
@@ -123,20 +136,44 @@ func matchKey(tail string, api bool) route {
 	return rt
 }
 
-// escapeSegment path-escapes one part of an address: a / becomes %2F, and
-// a part that is "." or ".." is escaped whole, so that no path cleaning
-// takes it for a dot segment.
-func escapeSegment(s string) string {
-	switch s {
-	case ".":
-		return "%2E"
-	case "..":
-		return "%2E%2E"
+// matchKeyQuery finds the route of a record named in the query (actor,
+// operation, key): /key, and /key/resolve or /key/forget for a POST. Its
+// addresses hold no part of the key in the path, so that no browser or
+// proxy takes a key such as "..", "." or "a/b" for a path to clean.
+func matchKeyQuery(tail string, vs url.Values, api bool) route {
+	rt := route{get: pick(api, (*request).keyPage, (*request).keyAPI)}
+	switch tail {
+	case "/resolve":
+		rt = route{post: pick(api, (*request).resolvePage, (*request).resolveAPI), action: ActionResolve, maxBody: maxVerdictBody}
+	case "/forget":
+		rt = route{post: pick(api, (*request).forgetPage, (*request).forgetAPI), action: ActionForget, maxBody: maxFormBody}
 	}
-	return url.PathEscape(s)
+	var parts [3]string
+	for i, name := range []string{"actor", "operation", "key"} {
+		v, err := one(vs, name)
+		if err == nil && v == "" {
+			err = badRequest("invalid_path", "The record's address names no %s: it is key?actor=...&operation=...&key=....", name)
+		}
+		if err != nil {
+			rt.problem = problemOf(err)
+			return rt
+		}
+		parts[i] = v
+	}
+	rt.params = keyParams{scope: idem.Scope{Actor: parts[0], Operation: parts[1]}, key: parts[2]}
+	if err := idem.ValidateScope(rt.params.scope); err != nil {
+		rt.problem = badRequest("invalid_scope", "The actor or operation in the address is not valid: %v.", err)
+	}
+	return rt
 }
 
-// keyPath is the address of the record of (scope, key) after the prefix.
-func keyPath(scope idem.Scope, key string) string {
-	return "/keys/" + escapeSegment(scope.Actor) + "/" + escapeSegment(scope.Operation) + "/" + escapeSegment(key)
+// keyURL is the address of the page of the record of (scope, key) after
+// the prefix, or of its action ("resolve", "forget") with action: the
+// names in the query, where browsers never clean dot segments.
+func keyURL(scope idem.Scope, key, action string) string {
+	path := "/key"
+	if action != "" {
+		path += "/" + action
+	}
+	return path + "?" + url.Values{"actor": {scope.Actor}, "operation": {scope.Operation}, "key": {key}}.Encode()
 }

@@ -191,15 +191,22 @@ func TestPagesAtScale(t *testing.T) {
 		{"needs a person, page 2", "GET", "/idem/unknown?after=" + first.Next, ""},
 		{"needs a person, filtered", "GET", "/idem/unknown?actor=actor-1&older_than=1h&error=timeout", ""},
 		{"needs a person, no match", "GET", "/idem/unknown?error=no+such+error", ""},
+		{"needs a person, leases that ran out", "GET", "/idem/unknown?state=lapsed", ""},
+		{"needs a person, newest first", "GET", "/idem/unknown?order=newest", ""},
+		{"one verdict on all: the count", "GET", "/idem/bulk-resolve?all=yes&actor=actor-3", ""},
 		{"expire leases: count", "GET", "/idem/expire-leases", ""},
 		{"expire leases: count, filtered", "GET", "/idem/expire-leases?operation=charge&older_than=24h", ""},
 		{"record", "GET", one, ""},
+		{"record, named in the query", "GET", "/idem/key?" + url.Values{"actor": {r0.Actor}, "operation": {r0.Operation}, "key": {r0.Key}}.Encode(), ""},
 		{"search: an actor's keys", "GET", "/idem/search?actor=actor-42", ""},
 		{"search: an actor's keys of one operation", "GET", "/idem/search?actor=actor-42&operation=refund", ""},
 		{"search: a key", "GET", "/idem/search?actor=actor-42&operation=charge&key=key-42042", ""},
 		{"audit trail", "GET", "/idem/audit", ""},
 		{"audit trail, by operator", "GET", "/idem/audit?operator=operator-3", ""},
 		{"audit trail, of a key", "GET", "/idem/audit?actor=actor-1&operation=charge&key=key-1001", ""},
+		{"audit trail, a day by operator prefix", "GET", "/idem/audit?operator=operator-&from=" + time.Now().UTC().AddDate(0, 0, -3).Format("2006-01-02") +
+			"&to=" + time.Now().UTC().AddDate(0, 0, -2).Format("2006-01-02"), ""},
+		{"audit trail, CSV export of 20,000 rows", "GET", "/idem/audit.csv?operator=operator-", ""},
 	}
 	var report strings.Builder
 	fmt.Fprintf(&report, "%-36s %9s %9s\n", "page at 3M keys", "first", "median")
@@ -231,7 +238,7 @@ func TestPagesAtScale(t *testing.T) {
 	actions := []struct{ name, path, body string }{
 		{"resolve", one + "/resolve", url.Values{"token": {fmt.Sprint(rec0.Token)}, "verdict": {"retryable"}, "reason": {"scale"}}.Encode()},
 		{"expire leases, filtered", "/idem/expire-leases", url.Values{"actor": {"actor-3"}, "cutoff": {time.Now().UTC().Format(time.RFC3339Nano)}}.Encode()},
-		{"prune, 10 batches of 1000", "/idem/prune", ""},
+		{"prune, 10 batches of 1000", "/idem/prune", "confirm=yes&reason=scale"},
 	}
 	report.Reset()
 	fmt.Fprintf(&report, "%-36s %9s\n", "action at 3M keys", "time")

@@ -36,10 +36,35 @@ WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
   AND created_at <= now() - (sqlc.arg(min_age_micros)::bigint * interval '1 microsecond')
   AND (sqlc.arg(error_text)::text = ''
        OR strpos(lower(coalesce(last_error, '')), lower(sqlc.arg(error_text)::text)) > 0)
+  -- the state: '' any, 'unknown' the unknown outcomes, 'lapsed' the leases that ran out
+  AND (sqlc.arg(state)::text = '' OR (sqlc.arg(state)::text = 'unknown') = (status = 'unknown'))
   AND (created_at, actor, operation, idem_key)
       > (sqlc.arg(after_created_at)::timestamptz, sqlc.arg(after_actor)::text,
          sqlc.arg(after_operation)::text, sqlc.arg(after_key)::text)
 ORDER BY created_at, actor, operation, idem_key
+LIMIT sqlc.arg(max_rows)::integer;
+
+-- The same list, newest first, before the given position ('infinity' and
+-- empty names for the first page): the index walked backwards.
+-- name: ConsoleNeedsPersonNewest :many
+SELECT actor, operation, idem_key, status, token, created_at, lease_expires_at, last_error,
+       (status = 'processing')::boolean AS lease_ran_out
+FROM idem_keys
+WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
+  -- needs a person
+  AND (status = 'unknown' OR (status = 'processing' AND lease_expires_at <= now()))
+  AND (resume_until IS NULL OR resume_until <= now())
+  AND (sqlc.arg(actor)::text = '' OR actor = sqlc.arg(actor)::text)
+  AND (sqlc.arg(operation)::text = '' OR operation = sqlc.arg(operation)::text)
+  AND created_at <= now() - (sqlc.arg(min_age_micros)::bigint * interval '1 microsecond')
+  AND (sqlc.arg(error_text)::text = ''
+       OR strpos(lower(coalesce(last_error, '')), lower(sqlc.arg(error_text)::text)) > 0)
+  -- the state: '' any, 'unknown' the unknown outcomes, 'lapsed' the leases that ran out
+  AND (sqlc.arg(state)::text = '' OR (sqlc.arg(state)::text = 'unknown') = (status = 'unknown'))
+  AND (created_at, actor, operation, idem_key)
+      < (sqlc.arg(before_created_at)::timestamptz, sqlc.arg(before_actor)::text,
+         sqlc.arg(before_operation)::text, sqlc.arg(before_key)::text)
+ORDER BY created_at DESC, actor DESC, operation DESC, idem_key DESC
 LIMIT sqlc.arg(max_rows)::integer;
 
 -- Counts the records that need a person under the same filter, up to
@@ -57,6 +82,8 @@ SELECT count(*)::bigint FROM (
       AND created_at <= now() - (sqlc.arg(min_age_micros)::bigint * interval '1 microsecond')
       AND (sqlc.arg(error_text)::text = ''
            OR strpos(lower(coalesce(last_error, '')), lower(sqlc.arg(error_text)::text)) > 0)
+      -- the state: '' any, 'unknown' the unknown outcomes, 'lapsed' the leases that ran out
+      AND (sqlc.arg(state)::text = '' OR (sqlc.arg(state)::text = 'unknown') = (status = 'unknown'))
     LIMIT sqlc.arg(cap_rows)::integer) AS matched;
 
 -- Counts the reservations whose lease ran out (still 'processing') that
@@ -89,8 +116,8 @@ WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
 -- ConsoleExpirableCount it acts on at most the rows counted (a lease that
 -- runs out, a window that ends or an attempt that ages past the filter
 -- after the count is past the cutoff; a lease that ran out cannot be
--- extended).
--- name: ConsoleExpireLeases :execrows
+-- extended). Returns each record it changed, for its own audit row.
+-- name: ConsoleExpireLeases :many
 UPDATE idem_keys
 SET status     = 'unknown',
     last_error = sqlc.arg(reason)::text
@@ -104,7 +131,8 @@ WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
   AND created_at <= least(sqlc.arg(cutoff)::timestamptz, now())
                     - (sqlc.arg(min_age_micros)::bigint * interval '1 microsecond')
   AND (sqlc.arg(error_text)::text = ''
-       OR strpos(lower(coalesce(last_error, '')), lower(sqlc.arg(error_text)::text)) > 0);
+       OR strpos(lower(coalesce(last_error, '')), lower(sqlc.arg(error_text)::text)) > 0)
+RETURNING actor, operation, idem_key, token, lease_expires_at;
 
 -- The open reservations, oldest first, up to @cap_rows of them: counts by
 -- kind and the oldest of each. The oldest are exact whatever the cap (the
@@ -167,20 +195,13 @@ ORDER BY actor, operation, idem_key
 LIMIT sqlc.arg(max_rows)::integer;
 
 -- Locks the record of a key and reads its status and token, waiting for a
--- transaction that holds it, as Resolve does.
+-- transaction that holds it (at most the lock_timeout of the change's
+-- transaction), for a verdict or a forget.
 -- name: AuditLockKey :one
 SELECT status, token, created_at
 FROM idem_keys
 WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
 FOR UPDATE;
-
--- Locks the record of a key and reads its status and token without
--- waiting for a transaction that holds it (55P03), as Forget does.
--- name: AuditLockKeyNowait :one
-SELECT status, token, created_at
-FROM idem_keys
-WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
-FOR UPDATE NOWAIT;
 
 -- Writes a row of the trail in the transaction of the change it records.
 -- name: AuditInsert :one
@@ -191,9 +212,22 @@ VALUES (@actor, @operator, @action, @operation, @idem_key, sqlc.narg(token_befor
         sqlc.narg(detail)::text::jsonb)
 RETURNING id, acted_at;
 
+-- Writes one row of the trail for each record a bulk action changed, in
+-- the transaction of the change: @records is a JSON array of objects
+-- {actor, operation, idem_key, token, detail}, one a record.
+-- name: AuditInsertEach :execrows
+INSERT INTO idem_audit (actor, operator, action, operation, idem_key, token_before, token_after,
+                        status_before, status_after, reason, changed, detail)
+SELECT r.actor, @operator, @action, r.operation, r.idem_key, r.token, r.token,
+       @status_before::text, @status_after::text, @reason, 1, r.detail
+FROM jsonb_to_recordset(sqlc.arg(records)::text::jsonb)
+     AS r(actor text, operation text, idem_key text, token bigint, detail jsonb);
+
 -- Pages through the trail, newest first, before the given position
 -- ('infinity' for the first page), filtered: an empty value matches every
--- row.
+-- row; operator_prefix keeps the operators whose name starts with it;
+-- from_at and to_at keep the rows acted at from_at (included) to to_at
+-- (excluded), '-infinity' and 'infinity' for no bound.
 -- name: AuditList :many
 SELECT id, acted_at, operator, action, actor, operation, idem_key, token_before, token_after,
        status_before, status_after, verdict, reason, changed, coalesce(detail::text, '')::text AS detail
@@ -203,6 +237,51 @@ WHERE (sqlc.arg(operator)::text = '' OR operator = sqlc.arg(operator)::text)
   AND (sqlc.arg(actor)::text = '' OR actor = sqlc.arg(actor)::text)
   AND (sqlc.arg(operation)::text = '' OR operation = sqlc.arg(operation)::text)
   AND (sqlc.arg(idem_key)::text = '' OR idem_key = sqlc.arg(idem_key)::text)
+  AND (sqlc.arg(operator_prefix)::text = '' OR starts_with(operator, sqlc.arg(operator_prefix)::text))
+  AND acted_at >= sqlc.arg(from_at)::timestamptz AND acted_at < sqlc.arg(to_at)::timestamptz
   AND (acted_at, id) < (sqlc.arg(before_acted_at)::timestamptz, sqlc.arg(before_id)::bigint)
 ORDER BY acted_at DESC, id DESC
 LIMIT sqlc.arg(max_rows)::integer;
+
+-- The shape of an answer of one operation: the status and content type of
+-- a succeeded record among the first 200 keys of the scope (a walk of the
+-- primary key), which a verdict's form offers as its default.
+-- name: ConsoleScopeShape :many
+SELECT response_status::integer AS status,
+       coalesce(response_headers->'Content-Type'->>0, '')::text AS content_type
+FROM (SELECT status, response_status, response_headers
+      FROM idem_keys
+      WHERE actor = sqlc.arg(actor)::text AND operation = sqlc.arg(operation)::text
+      ORDER BY actor, operation, idem_key
+      LIMIT 200) AS first_keys
+WHERE status = 'succeeded' AND response_status BETWEEN 200 AND 599
+LIMIT 1;
+
+-- The records that needed a person at the instant least(@cutoff, now())
+-- and that the filter matches, oldest first, up to @max_rows: what a bulk
+-- verdict "over the filter" acts on, each with its token now. Every
+-- condition on time is evaluated at that instant, as ConsoleExpireLeases
+-- does: a record whose attempt started after the count, or whose lease ran
+-- out or window ended after it, is not the count's.
+-- name: ConsoleNeedsPersonAt :many
+SELECT actor, operation, idem_key, token
+FROM idem_keys
+WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
+  -- needs a person, at the cutoff
+  AND (status = 'unknown' OR (status = 'processing' AND lease_expires_at <= least(sqlc.arg(cutoff)::timestamptz, now())))
+  AND (resume_until IS NULL OR resume_until <= least(sqlc.arg(cutoff)::timestamptz, now()))
+  AND (sqlc.arg(actor)::text = '' OR actor = sqlc.arg(actor)::text)
+  AND (sqlc.arg(operation)::text = '' OR operation = sqlc.arg(operation)::text)
+  AND created_at <= least(sqlc.arg(cutoff)::timestamptz, now())
+                    - (sqlc.arg(min_age_micros)::bigint * interval '1 microsecond')
+  AND (sqlc.arg(error_text)::text = ''
+       OR strpos(lower(coalesce(last_error, '')), lower(sqlc.arg(error_text)::text)) > 0)
+  -- the state: '' any, 'unknown' the unknown outcomes, 'lapsed' the leases that ran out
+  AND (sqlc.arg(state)::text = '' OR (sqlc.arg(state)::text = 'unknown') = (status = 'unknown'))
+ORDER BY created_at, actor, operation, idem_key
+LIMIT sqlc.arg(max_rows)::integer;
+
+-- The database time now: the instant of a count made in the same
+-- transaction.
+-- name: ConsoleNow :one
+SELECT now()::timestamptz AS now;

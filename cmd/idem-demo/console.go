@@ -25,6 +25,7 @@ func newConsole(pool *pgxpool.Pool) http.Handler {
 	}
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		if r.Header.Get("Authorization") == "" {
+			idemui.SetSecurityHeaders(w.Header())
 			w.Header().Set("WWW-Authenticate", `Basic realm="idem demo console", charset="UTF-8"`)
 			http.Error(w, "the console needs the operator's token: Bearer "+demoOperator+
 				", or any user name with the password "+demoOperator, http.StatusUnauthorized)

@@ -165,7 +165,7 @@ func auditedResolve(ctx context.Context, db idem.Beginner, operator string, scop
 }
 
 // auditedForget is idem.Forget with its audit row, as forget runs it.
-func auditedForget(ctx context.Context, db idem.Beginner, operator string, scope idem.Scope, key string) error {
-	_, err := audit.Forget(ctx, db, nil, operator, scope, key, nil)
+func auditedForget(ctx context.Context, db idem.Beginner, operator string, scope idem.Scope, key, reason string) error {
+	_, err := audit.Forget(ctx, db, nil, operator, scope, key, nil, reason)
 	return err
 }

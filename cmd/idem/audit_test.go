@@ -3,13 +3,23 @@ package main
 import (
 	"bufio"
 	"context"
+	"crypto/ecdsa"
+	"crypto/elliptic"
+	"crypto/rand"
+	"crypto/tls"
+	"crypto/x509"
+	"crypto/x509/pkix"
 	"encoding/json"
+	"encoding/pem"
 	"io"
+	"math/big"
+	"net"
 	"net/http"
 	"net/http/httptest"
 	"os"
 	"os/exec"
 	"os/user"
+	"path/filepath"
 	"strconv"
 	"strings"
 	"testing"
@@ -51,7 +61,7 @@ func TestCLIAuditTrail(t *testing.T) {
 		"--reason", "declined at the bank", "--operator", "sam"); code != 0 {
 		t.Fatalf("resolve: exit %d %s", code, stderr)
 	}
-	if _, stderr, code := cli(t, url, "forget", "alice", "pay", "d-1"); code != 0 {
+	if _, stderr, code := cli(t, url, "forget", "alice", "pay", "d-1", "--reason", "client reused the key"); code != 0 {
 		t.Fatalf("forget: exit %d %s", code, stderr)
 	}
 	// A refused change writes nothing.
@@ -71,6 +81,9 @@ func TestCLIAuditTrail(t *testing.T) {
 		Operator, Action, Key, Verdict, Reason string
 		TokenBefore                            *int64 `json:"token_before"`
 		TokenAfter                             *int64 `json:"token_after"`
+		Detail                                 struct {
+			Forgotten *struct{ Status string } `json:"forgotten"`
+		}
 	}
 	if err := json.Unmarshal([]byte(out), &rows); err != nil {
 		t.Fatal(err, out)
@@ -80,7 +93,8 @@ func TestCLIAuditTrail(t *testing.T) {
 		t.Fatal(err)
 	}
 	if len(rows) != 2 || rows[0].Action != "forget" || rows[0].Operator != me.Username || rows[0].Key != "d-1" ||
-		rows[0].TokenAfter != nil || rows[1].Action != "resolve" || rows[1].Operator != "sam" || rows[1].Verdict != "retryable" ||
+		rows[0].TokenAfter != nil || rows[0].Reason != "client reused the key" || rows[0].Detail.Forgotten == nil ||
+		rows[0].Detail.Forgotten.Status != "succeeded" || rows[1].Action != "resolve" || rows[1].Operator != "sam" || rows[1].Verdict != "retryable" ||
 		rows[1].Reason != "declined at the bank" || rows[1].TokenBefore == nil || *rows[1].TokenBefore != r.Token {
 		t.Fatalf("audit list: %s", out)
 	}
@@ -111,12 +125,13 @@ func TestCLIConsole(t *testing.T) {
 		}
 		return append(append(out, "DATABASE_URL="+url), kv...)
 	}
-	for _, kv := range [][]string{nil, {envUIUser + "=sam"}, {envUIPassword + "=x"}} {
+	for _, kv := range [][]string{nil, {envUIUser + "=sam"}, {envUIPassword + "=x"}, {envUIToken + "= "},
+		{envUIToken + "=short-token"}, {envUIUser + "=sam", envUIPassword + "=x"}} {
 		cmd := exec.Command(binary(t), "ui", "--listen", "127.0.0.1:0")
 		cmd.Env = env(kv...)
 		out, err := cmd.CombinedOutput()
 		if code := cmd.ProcessState.ExitCode(); code != exitUsage || !strings.Contains(string(out), envUIToken) &&
-			!strings.Contains(string(out), "set both") {
+			!strings.Contains(string(out), "set both") && !strings.Contains(string(out), "at least 16") {
 			t.Fatalf("ui with %v: exit %d (%v)\n%s", kv, code, err, out)
 		}
 	}
@@ -124,7 +139,7 @@ func TestCLIConsole(t *testing.T) {
 	ctx, cancel := context.WithCancel(context.Background())
 	defer cancel()
 	cmd := exec.CommandContext(ctx, binary(t), "ui", "--listen", "127.0.0.1:0", "--prefix", "/ops", "--operator", "robot")
-	cmd.Env = env(envUIToken + "=s3cret")
+	cmd.Env = env(envUIToken + "=s3cret-s3cret-s3cret")
 	stderr, err := cmd.StderrPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -154,14 +169,17 @@ func TestCLIConsole(t *testing.T) {
 	if code, _ := get("/", nil); code != http.StatusUnauthorized {
 		t.Fatalf("no credentials: %d", code)
 	}
+	if strings.Contains(line, "warning") {
+		t.Errorf("a console on loopback warns: %s", line)
+	}
 	if code, _ := get("/", func(r *http.Request) { r.Header.Set("Authorization", "Bearer wrong") }); code != http.StatusUnauthorized {
 		t.Fatalf("a wrong token: %d", code)
 	}
-	if code, body := get("/", func(r *http.Request) { r.Header.Set("Authorization", "Bearer s3cret") }); code != 200 ||
+	if code, body := get("/", func(r *http.Request) { r.Header.Set("Authorization", "Bearer s3cret-s3cret-s3cret") }); code != 200 ||
 		!strings.Contains(body, ">robot<") {
 		t.Fatalf("the token: %d\n%s", code, body)
 	}
-	if code, body := get("/unknown", func(r *http.Request) { r.SetBasicAuth("dana", "s3cret") }); code != 200 ||
+	if code, body := get("/unknown", func(r *http.Request) { r.SetBasicAuth("dana", "s3cret-s3cret-s3cret") }); code != 200 ||
 		!strings.Contains(body, ">dana (token)<") {
 		t.Fatalf("a name and the token: %d\n%s", code, body)
 	}
@@ -249,4 +267,182 @@ func TestCLIAuditEscapes(t *testing.T) {
 	if got := []string{rows[0].Actor, rows[0].Operation, rows[0].Key, rows[0].Operator, rows[0].Reason}; strings.Join(got, "|") != strings.Join(hostile, "|") {
 		t.Fatalf("--json changed the stored strings: %q", got)
 	}
+}
+
+// A short or blank secret is refused, saying why.
+func TestUISecretTooShort(t *testing.T) {
+	for _, v := range []string{" ", strings.Repeat(" ", 20), "x", strings.Repeat("x", minSecret-1)} {
+		if err := checkSecret(envUIToken, v); err == nil || !strings.Contains(err.Error(), envUIToken) {
+			t.Errorf("secret %q: %v", v, err)
+		}
+	}
+	if err := checkSecret(envUIPassword, strings.Repeat("x", minSecret)); err != nil {
+		t.Errorf("a secret of %d bytes: %v", minSecret, err)
+	}
+}
+
+// Repeated failed sign-ins from one address are answered 429 for longer
+// and longer; other addresses, and a success, are not held back; every
+// answer, 401 and 429 included, carries the console's security headers.
+func TestUISlowsRepeatedFailures(t *testing.T) {
+	t.Parallel()
+	c := &credentials{token: digest("s3cret-s3cret-s3cret"), tokenOperator: "robot"}
+	f := newFailures()
+	h := c.authenticate(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(200) }), f)
+	try := func(addr, token string) *http.Response {
+		r := httptest.NewRequest("GET", "/", nil)
+		r.RemoteAddr = addr + ":4000"
+		if token != "" {
+			r.Header.Set("Authorization", "Bearer "+token)
+		}
+		w := httptest.NewRecorder()
+		h.ServeHTTP(w, r)
+		res := w.Result()
+		if csp := res.Header.Get("Content-Security-Policy"); !strings.Contains(csp, "default-src 'none'") ||
+			res.Header.Get("X-Frame-Options") != "DENY" {
+			t.Errorf("answer %d lacks the security headers: %v", res.StatusCode, res.Header)
+		}
+		return res
+	}
+	for i := range failuresAllowed {
+		if res := try("10.0.0.1", "guess"); res.StatusCode != http.StatusUnauthorized {
+			t.Fatalf("failure %d: %d", i+1, res.StatusCode)
+		}
+	}
+	if res := try("10.0.0.1", ""); res.StatusCode != http.StatusUnauthorized {
+		t.Fatalf("no credentials: %d", res.StatusCode)
+	}
+	if res := try("10.0.0.1", "guess"); res.StatusCode != http.StatusUnauthorized {
+		t.Fatalf("one failure too many is still answered: %d", res.StatusCode)
+	}
+	res := try("10.0.0.1", "s3cret-s3cret-s3cret")
+	if res.StatusCode != http.StatusTooManyRequests || res.Header.Get("Retry-After") == "" {
+		t.Fatalf("after %d failures: %d, Retry-After %q", failuresAllowed+1, res.StatusCode, res.Header.Get("Retry-After"))
+	}
+	if res := try("10.0.0.2", "s3cret-s3cret-s3cret"); res.StatusCode != 200 {
+		t.Fatalf("another address: %d", res.StatusCode)
+	}
+	// The waits grow, up to a bound (on a clock of the test's own).
+	g := newFailures()
+	now := time.Unix(0, 0)
+	var last time.Duration
+	for i := range failuresAllowed + 30 {
+		g.fail("a", now)
+		w := g.wait("a", now)
+		if i < failuresAllowed && w != 0 || i >= failuresAllowed && (w < last || w > maxFailureWait || w == 0) {
+			t.Fatalf("failure %d: wait %s after %s", i+1, w, last)
+		}
+		last = w
+	}
+	if last != maxFailureWait {
+		t.Fatalf("the wait stops at %s, want %s", last, maxFailureWait)
+	}
+	g.forget("a")
+	if w := g.wait("a", now); w != 0 {
+		t.Fatalf("after a success: wait %s", w)
+	}
+}
+
+// idem ui warns when it listens beyond loopback without TLS.
+func TestUIExposedWarning(t *testing.T) {
+	for _, tc := range []struct {
+		addr string
+		tls  bool
+		warn bool
+	}{{"127.0.0.1:8081", false, false}, {"[::1]:8081", false, false}, {"0.0.0.0:8081", false, true},
+		{"10.1.2.3:8081", false, true}, {"0.0.0.0:8081", true, false}} {
+		a, err := net.ResolveTCPAddr("tcp", tc.addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := exposedWarning(a, tc.tls); (got != "") != tc.warn {
+			t.Errorf("%s, TLS %v: warning %q", tc.addr, tc.tls, got)
+		}
+	}
+}
+
+// With --tls-cert and --tls-key, idem ui serves HTTPS; one without the
+// other is refused.
+func TestCLIConsoleTLS(t *testing.T) {
+	t.Parallel()
+	dbURL := pgtest.URL(t, idem.Migrate)
+	key, err := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: "idem ui test"},
+		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
+		IPAddresses: []net.IP{net.ParseIP("127.0.0.1")}, KeyUsage: x509.KeyUsageDigitalSignature,
+		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}}
+	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	keyDER, err := x509.MarshalECPrivateKey(key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dir := t.TempDir()
+	certFile, keyFile := filepath.Join(dir, "cert.pem"), filepath.Join(dir, "key.pem")
+	if err := os.WriteFile(certFile, pem.EncodeToMemory(&pem.Block{Type: "CERTIFICATE", Bytes: der}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(keyFile, pem.EncodeToMemory(&pem.Block{Type: "EC PRIVATE KEY", Bytes: keyDER}), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	environ := append(os.Environ(), "DATABASE_URL="+dbURL, envUIToken+"=s3cret-s3cret-s3cret")
+
+	half := exec.Command(binary(t), "ui", "--listen", "127.0.0.1:0", "--operator", "robot", "--tls-cert", certFile)
+	half.Env = environ
+	if out, _ := half.CombinedOutput(); half.ProcessState.ExitCode() != exitUsage || !strings.Contains(string(out), "go together") {
+		t.Fatalf("--tls-cert alone: exit %d\n%s", half.ProcessState.ExitCode(), out)
+	}
+
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	cmd := exec.CommandContext(ctx, binary(t), "ui", "--listen", "127.0.0.1:0", "--operator", "robot", "--tls-cert", certFile, "--tls-key", keyFile)
+	cmd.Env = environ
+	stderr, err := cmd.StderrPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = cmd.Process.Signal(os.Interrupt); _ = cmd.Wait() }()
+	line, err := bufio.NewReader(stderr).ReadString('\n')
+	if err != nil {
+		t.Fatal(err)
+	}
+	base := strings.Fields(strings.TrimPrefix(line, "idem console on "))[0]
+	if !strings.HasPrefix(base, "https://") {
+		t.Fatalf("idem ui with TLS says %q", line)
+	}
+	pool := x509.NewCertPool()
+	pool.AddCert(must(x509.ParseCertificate(der)))
+	client := &http.Client{Transport: &http.Transport{TLSClientConfig: &tls.Config{RootCAs: pool}}}
+	res, err := client.Get(base)
+	if err != nil {
+		t.Fatal(err)
+	}
+	res.Body.Close()
+	if res.StatusCode != http.StatusUnauthorized || !strings.Contains(res.Header.Get("Content-Security-Policy"), "default-src 'none'") {
+		t.Fatalf("HTTPS without credentials: %d %v", res.StatusCode, res.Header)
+	}
+	req, _ := http.NewRequest("GET", base, nil)
+	req.Header.Set("Authorization", "Bearer s3cret-s3cret-s3cret")
+	if res, err = client.Do(req); err != nil {
+		t.Fatal(err)
+	}
+	res.Body.Close()
+	if res.StatusCode != 200 {
+		t.Fatalf("HTTPS with the token: %d", res.StatusCode)
+	}
+}
+
+func must[T any](v T, err error) T {
+	if err != nil {
+		panic(err)
+	}
+	return v
 }

@@ -84,7 +84,7 @@ Commands:
   prune [--dry-run]             delete expired finished keys in batches
   inspect <actor> <operation> <key>
                                 show a key's record and stored response
-  forget <actor> <operation> <key> [--operator NAME]
+  forget <actor> <operation> <key> [--reason R] [--operator NAME]
                                 delete a finished key's record: the key is free again
   stats                         keys by status, oldest in flight, table and index size
   expire-leases [--batch N]     turn reservations whose lease ran out unknown, so that
@@ -279,12 +279,13 @@ var commands = map[string]command{
 		flags: func(*flag.FlagSet) func(context.Context, *env, []string) error { return inspect },
 	},
 	"forget": {
-		usage: "forget <actor> <operation> <key> [--operator NAME]",
-		help:  "Deletes the record of a finished key (succeeded, rejected, failed_retryable), so that the next\nrequest with it runs as a new one: for a client stuck on a key it reused. A key in flight, or whose\noutcome is unknown (resolve it first), is refused with exit code 4. It writes a row of the audit\ntrail (idem audit list) in the same transaction, naming --operator.",
+		usage: "forget <actor> <operation> <key> [--reason R] [--operator NAME]",
+		help:  "Deletes the record of a finished key (succeeded, rejected, failed_retryable), so that the next\nrequest with it runs as a new one: for a client stuck on a key it reused. A key in flight, or whose\noutcome is unknown (resolve it first), is refused with exit code 4. It writes a row of the audit\ntrail (idem audit list) in the same transaction, naming --operator, with --reason and a copy of the\nrecord it deleted (status, response, fingerprint, token, times).",
 		flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
-			var operator string
+			var operator, reason string
 			operatorFlag(fs, &operator)
-			return func(ctx context.Context, e *env, args []string) error { return forget(ctx, e, args, operator) }
+			fs.StringVar(&reason, "reason", "", "the reason `R` for forgetting, kept in the audit trail")
+			return func(ctx context.Context, e *env, args []string) error { return forget(ctx, e, args, operator, reason) }
 		},
 	},
 	"stats": {
@@ -565,7 +566,7 @@ func inspect(ctx context.Context, e *env, args []string) error {
 	return nil
 }
 
-func forget(ctx context.Context, e *env, args []string, operator string) error {
+func forget(ctx context.Context, e *env, args []string, operator, reason string) error {
 	scope, key, err := keyArgs(args)
 	if err != nil {
 		return err
@@ -578,7 +579,7 @@ func forget(ctx context.Context, e *env, args []string, operator string) error {
 		return err
 	}
 	defer pool.Close()
-	if err := auditedForget(ctx, pool, operator, scope, key); err != nil {
+	if err := auditedForget(ctx, pool, operator, scope, key, strings.TrimSpace(reason)); err != nil {
 		return err
 	}
 	e.print(map[string]any{"forgotten": true}, "forgotten: the key is free again\n")

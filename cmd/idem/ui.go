@@ -4,13 +4,16 @@ import (
 	"context"
 	"crypto/sha256"
 	"crypto/subtle"
+	"crypto/tls"
 	"errors"
 	"flag"
 	"fmt"
 	"net"
 	"net/http"
 	"os"
+	"strconv"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/pgidem/idem/idemui"
@@ -25,7 +28,7 @@ const (
 
 // uiCommand is "idem ui": the operator's console, served on its own.
 var uiCommand = command{
-	usage: "ui [--listen ADDR] [--prefix /PATH] [--read-only] [--operator NAME]",
+	usage: "ui [--listen ADDR] [--prefix /PATH] [--read-only] [--operator NAME] [--tls-cert FILE --tls-key FILE]",
 	help: "Serves the operator's console (package idemui) against the database, until interrupted. It\n" +
 		"needs credentials from the environment and refuses to start without them:\n" +
 		"  " + envUIToken + "     a bearer token: \"Authorization: Bearer <token>\" for scripts (the operator is\n" +
@@ -33,13 +36,18 @@ var uiCommand = command{
 		"                  operator is then that name marked as given with the token, \"dana" + tokenMark + "\"\n" +
 		"  " + envUIUser + " and " + envUIPassword + "\n" +
 		"                  basic authentication for one operator, named " + envUIUser + "\n" +
-		"Every change it makes is written to the audit trail (idem audit list). Serve it on a loopback\n" +
-		"address, or behind TLS: basic authentication sends the password with every request.",
+		"Each secret must be at least " + minSecretText + " bytes long. After " + failuresAllowedText + " failed sign-ins, a client\n" +
+		"address is answered 429 for a while, longer at each further failure. Every change it makes is\n" +
+		"written to the audit trail (idem audit list). Serve it on a loopback address, or with TLS\n" +
+		"(--tls-cert and --tls-key): basic authentication sends the password with every request, and\n" +
+		"idem ui warns when it listens beyond loopback without TLS.",
 	flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 		var o uiFlags
 		fs.StringVar(&o.listen, "listen", "127.0.0.1:8081", "listen on the address `ADDR`")
 		fs.StringVar(&o.prefix, "prefix", "", "serve the console under the `path` (such as /idem) instead of /")
 		fs.BoolVar(&o.readOnly, "read-only", false, "show records, change nothing")
+		fs.StringVar(&o.tlsCert, "tls-cert", "", "serve HTTPS with the certificate (PEM) in `FILE`; needs --tls-key")
+		fs.StringVar(&o.tlsKey, "tls-key", "", "the private key (PEM) of --tls-cert, in `FILE`")
 		operatorFlag(fs, &o.operator)
 		return func(ctx context.Context, e *env, args []string) error { return serveUI(ctx, e, args, o) }
 	},
@@ -47,7 +55,27 @@ var uiCommand = command{
 
 type uiFlags struct {
 	listen, prefix, operator string
+	tlsCert, tlsKey          string
 	readOnly                 bool
+}
+
+// minSecret is the shortest IDEM_UI_TOKEN or IDEM_UI_PASSWORD idem ui
+// takes: a secret that anyone can guess protects nothing.
+const (
+	minSecret     = 16
+	minSecretText = "16"
+)
+
+// checkSecret refuses a secret that is too short, or blank.
+func checkSecret(name, v string) error {
+	switch {
+	case strings.TrimSpace(v) == "":
+		return usagef("%s is blank: set a random secret of at least %d bytes (openssl rand -base64 24)", name, minSecret)
+	case len(v) < minSecret:
+		return usagef("%s is %d bytes long: it must be at least %d, or it can be guessed (openssl rand -base64 24 makes one)",
+			name, len(v), minSecret)
+	}
+	return nil
 }
 
 // credentials are what idem ui accepts, from the environment.
@@ -64,10 +92,16 @@ func credentialsFromEnv(tokenOperator string) (*credentials, error) {
 	c := &credentials{tokenOperator: tokenOperator}
 	token, user, password := os.Getenv(envUIToken), os.Getenv(envUIUser), os.Getenv(envUIPassword)
 	if token != "" {
+		if err := checkSecret(envUIToken, token); err != nil {
+			return nil, err
+		}
 		c.token = digest(token)
 	}
 	switch {
 	case user != "" && password != "":
+		if err := checkSecret(envUIPassword, password); err != nil {
+			return nil, err
+		}
 		c.user, c.password, c.userName = digest(user), digest(password), user
 	case user != "" || password != "":
 		return nil, usagef("set both %s and %s, or neither", envUIUser, envUIPassword)
@@ -128,17 +162,135 @@ type operatorKey struct{}
 
 // authenticate answers a request without valid credentials with 401 and a
 // basic authentication challenge (which makes a browser ask for them), and
-// passes the others on with their operator.
-func (c *credentials) authenticate(next http.Handler) http.Handler {
+// passes the others on with their operator. A client address that failed
+// too often is answered 429 until its wait is over (see failures). Every
+// answer carries the console's security headers.
+func (c *credentials) authenticate(next http.Handler, f *failures) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		idemui.SetSecurityHeaders(w.Header())
+		addr := clientAddress(r)
+		if wait := f.wait(addr, time.Now()); wait > 0 {
+			w.Header().Set("Retry-After", strconv.Itoa(int((wait+time.Second-1)/time.Second)))
+			http.Error(w, "too many failed sign-ins from this address: try again later", http.StatusTooManyRequests)
+			return
+		}
 		op := c.operator(r)
 		if op == "" {
+			if r.Header.Get("Authorization") != "" {
+				f.fail(addr, time.Now())
+			}
 			w.Header().Set("WWW-Authenticate", `Basic realm="idem console", charset="UTF-8"`)
 			http.Error(w, "authentication required", http.StatusUnauthorized)
 			return
 		}
+		f.forget(addr)
 		next.ServeHTTP(w, r.WithContext(context.WithValue(r.Context(), operatorKey{}, op)))
 	})
+}
+
+// clientAddress is the address a request came from (its TCP peer; a
+// forwarding header is not trusted).
+func clientAddress(r *http.Request) string {
+	host, _, err := net.SplitHostPort(r.RemoteAddr)
+	if err != nil {
+		return r.RemoteAddr
+	}
+	return host
+}
+
+// failures counts the failed sign-ins of each client address: after
+// failuresAllowed of them, each further failure makes the address wait,
+// twice as long as the last time, up to maxFailureWait. A sign-in that
+// succeeds clears the address; one that is not tried (no credentials at
+// all, as a browser's first request) counts nothing.
+type failures struct {
+	mu sync.Mutex
+	m  map[string]*failure
+}
+
+type failure struct {
+	n     int
+	until time.Time // no request before this
+	last  time.Time
+}
+
+const (
+	failuresAllowed     = 5
+	failuresAllowedText = "5"
+	firstFailureWait    = time.Second
+	maxFailureWait      = 5 * time.Minute
+	// maxFailureAddresses bounds the memory: past it, the addresses that
+	// failed longest ago are dropped first.
+	maxFailureAddresses = 10000
+)
+
+func newFailures() *failures { return &failures{m: map[string]*failure{}} }
+
+// wait is how long addr must still wait at now; 0 when it need not.
+func (f *failures) wait(addr string, now time.Time) time.Duration {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if e, ok := f.m[addr]; ok && e.until.After(now) {
+		return e.until.Sub(now)
+	}
+	return 0
+}
+
+// fail counts a failed sign-in of addr at now.
+func (f *failures) fail(addr string, now time.Time) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	e, ok := f.m[addr]
+	if !ok {
+		if len(f.m) >= maxFailureAddresses {
+			f.dropOldest(now)
+		}
+		e = &failure{}
+		f.m[addr] = e
+	}
+	if now.Sub(e.last) > maxFailureWait*2 {
+		e.n = 0 // a long quiet: start again
+	}
+	e.n++
+	e.last = now
+	if e.n > failuresAllowed {
+		wait := firstFailureWait << min(e.n-failuresAllowed-1, 20)
+		e.until = now.Add(min(wait, maxFailureWait))
+	}
+}
+
+// forget clears addr after a sign-in that succeeded.
+func (f *failures) forget(addr string) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	delete(f.m, addr)
+}
+
+// dropOldest drops the addresses whose last failure is oldest: the
+// quiet ones, then half of the rest.
+func (f *failures) dropOldest(now time.Time) {
+	for addr, e := range f.m {
+		if now.Sub(e.last) > maxFailureWait && !e.until.After(now) {
+			delete(f.m, addr)
+		}
+	}
+	for addr := range f.m {
+		if len(f.m) < maxFailureAddresses/2 {
+			break
+		}
+		delete(f.m, addr)
+	}
+}
+
+// exposedWarning is what idem ui prints when it serves the console without
+// TLS on an address other than loopback: "" when it does not.
+func exposedWarning(addr net.Addr, tls bool) string {
+	tcp, ok := addr.(*net.TCPAddr)
+	if tls || !ok || tcp.IP.IsLoopback() {
+		return ""
+	}
+	return fmt.Sprintf("warning: idem ui listens on %s, beyond loopback, without TLS: passwords and tokens cross the network in clear. "+
+		"Serve it with --tls-cert and --tls-key, or on 127.0.0.1 behind a TLS proxy.\n", addr)
 }
 
 // authorize lets every authenticated operator do everything the console
@@ -159,6 +311,17 @@ func serveUI(ctx context.Context, e *env, args []string, o uiFlags) error {
 	if err != nil {
 		return err
 	}
+	var tlsConfig *tls.Config
+	switch {
+	case (o.tlsCert == "") != (o.tlsKey == ""):
+		return usagef("--tls-cert and --tls-key go together")
+	case o.tlsCert != "":
+		cert, err := tls.LoadX509KeyPair(o.tlsCert, o.tlsKey)
+		if err != nil {
+			return usagef("--tls-cert and --tls-key: %v", err)
+		}
+		tlsConfig = &tls.Config{Certificates: []tls.Certificate{cert}, MinVersion: tls.VersionTLS12}
+	}
 	pool, err := e.pool(ctx)
 	if err != nil {
 		return err
@@ -177,8 +340,15 @@ func serveUI(ctx context.Context, e *env, args []string, o uiFlags) error {
 	if err != nil {
 		return err
 	}
-	srv := &http.Server{Handler: creds.authenticate(mux), ReadHeaderTimeout: 10 * time.Second, IdleTimeout: time.Minute}
-	fmt.Fprintf(e.stderr, "idem console on http://%s%s/ (read-only: %v); interrupt to stop\n", ln.Addr(), o.prefix, o.readOnly)
+	srv := &http.Server{Handler: creds.authenticate(mux, newFailures()), ReadHeaderTimeout: 10 * time.Second, IdleTimeout: time.Minute,
+		TLSConfig: tlsConfig}
+	scheme := "http"
+	if tlsConfig != nil {
+		scheme = "https"
+		ln = tls.NewListener(ln, tlsConfig)
+	}
+	fmt.Fprintf(e.stderr, "idem console on %s://%s%s/ (read-only: %v); interrupt to stop\n", scheme, ln.Addr(), o.prefix, o.readOnly)
+	fmt.Fprint(e.stderr, exposedWarning(ln.Addr(), tlsConfig != nil))
 	done := make(chan error, 1)
 	go func() { done <- srv.Serve(ln) }()
 	select {

@@ -6,11 +6,16 @@
 // console's own statement (ExpireLeases with a filter), and the row is
 // inserted before the commit. Either both commit or neither does. A refused
 // change (an error) writes no row; a change that changed nothing (no lease
-// to expire, no key to prune) writes none either.
+// to expire, no key to prune) writes none either. An action over many
+// records (ExpireLeases, ResolveMany) writes a row for each record it
+// changed and one for the whole action; a forget keeps a copy of the record
+// it deleted. Every change waits at most LockTimeout for a row another
+// transaction holds (ErrBusy).
 package audit
 
 import (
 	"context"
+	"encoding/base64"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -49,6 +54,19 @@ const LeaseExpiredReason = "lease expired before the outcome was recorded"
 
 // MaxOperatorLength bounds an operator's name in bytes.
 const MaxOperatorLength = 255
+
+// ErrBusy means another transaction held the record, or a row the change
+// needed, for longer than LockTimeout: nothing changed; try again.
+var ErrBusy = errors.New("idem: the record is busy: another transaction holds it")
+
+// LockTimeout bounds how long a change waits for a row another
+// transaction holds (PostgreSQL's lock_timeout, for the change's
+// transaction only) before it gives up with ErrBusy.
+const LockTimeout = 3 * time.Second
+
+// MaxReasonLength bounds an operator's reason in bytes, as idem bounds a
+// verdict's.
+const MaxReasonLength = idem.MaxReasonLength
 
 // ErrChanged means the record is no longer the attempt the operator looked
 // at (Forget's Attempt: another token or another start): nothing changed.
@@ -92,7 +110,16 @@ type Filter struct {
 	// ErrorText keeps the records whose last error holds it, ignoring
 	// case; empty keeps all.
 	ErrorText string `json:"error_text,omitempty"`
+	// State keeps StateUnknown records or StateLapsed ones (a reservation
+	// whose lease ran out); empty keeps both.
+	State string `json:"state,omitempty"`
 }
+
+// The states of Filter.State.
+const (
+	StateUnknown = "unknown"
+	StateLapsed  = "lapsed"
+)
 
 // Check validates f: names and error text that PostgreSQL can hold, an
 // age that is not negative.
@@ -104,6 +131,9 @@ func (f Filter) Check() error {
 	}
 	if f.MinAge < 0 {
 		return fmt.Errorf("%w: filter age %s is negative", idem.ErrInvalidArgument, f.MinAge)
+	}
+	if f.State != "" && f.State != StateUnknown && f.State != StateLapsed {
+		return fmt.Errorf("%w: filter state %q is neither %q nor %q", idem.ErrInvalidArgument, f.State, StateUnknown, StateLapsed)
 	}
 	return nil
 }
@@ -172,14 +202,19 @@ func Read(ctx context.Context, db idem.Beginner, fn func(ctx context.Context, q 
 }
 
 // write runs fn in a transaction of c begun on db, with the index-walk
-// settings, and commits it when fn returns nil.
+// settings and a lock_timeout of LockTimeout, and commits it when fn
+// returns nil. A lock waited for longer is ErrBusy.
 func write(ctx context.Context, c *idem.Client, db idem.Beginner, fn func(ctx context.Context, tx pgx.Tx) error) error {
-	return c.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) error {
-		if _, err := tx.Exec(ctx, sqlIndexWalk); err != nil {
+	err := c.InTx(ctx, db, func(ctx context.Context, tx pgx.Tx) error {
+		if _, err := tx.Exec(ctx, sqlIndexWalk+fmt.Sprintf(", set_config('lock_timeout', '%dms', true)", LockTimeout.Milliseconds())); err != nil {
 			return err
 		}
 		return fn(ctx, tx)
 	})
+	if pgCode(err) == pgerrcode.LockNotAvailable {
+		return fmt.Errorf("%w (waited %s): nothing changed", ErrBusy, LockTimeout)
+	}
+	return err
 }
 
 // Resolve records an operator's verdict on the record of (scope, key) with
@@ -232,29 +267,40 @@ func Resolve(ctx context.Context, db idem.Beginner, c *idem.Client, operator str
 }
 
 // Forget deletes the record of a finished key with c.Forget, in one
-// transaction with its audit row, and returns the row. With want set, it
-// refuses with ErrChanged when the record is no longer that attempt. The
-// errors are Forget's (ErrInProgress, also when another transaction holds
-// the record right now; ErrOutcomeUnknown, ErrNotFound, ...) and
-// ErrInvalidArgument for an operator name that is empty, too long or not
+// transaction with its audit row, and returns the row, whose Detail keeps
+// a copy of the record it deleted ({"forgotten": RecordCopy}): its status,
+// stored response, fingerprint, token and times. With want set, it refuses
+// with ErrChanged when the record is no longer that attempt. It waits at
+// most LockTimeout for a transaction that holds the record (then ErrBusy).
+// The other errors are Forget's (ErrOutcomeUnknown, ErrInProgress,
+// ErrNotFound, ...) and ErrInvalidArgument for an operator name that is
+// empty, too long or not valid text, or a reason that is too long or not
 // valid text; on any error nothing changed and no row was written.
-func Forget(ctx context.Context, db idem.Beginner, c *idem.Client, operator string, scope idem.Scope, key string, want *Attempt) (Entry, error) {
+func Forget(ctx context.Context, db idem.Beginner, c *idem.Client, operator string, scope idem.Scope, key string, want *Attempt, reason string) (Entry, error) {
 	c, err := check(c, db, operator)
 	if err != nil {
 		return Entry{}, err
 	}
-	e := Entry{Operator: operator, Action: ActionForget, Scope: scope, Key: key, Changed: 1}
+	if err := checkReason(reason); err != nil {
+		return Entry{}, err
+	}
+	e := Entry{Operator: operator, Action: ActionForget, Scope: scope, Key: key, Changed: 1, Reason: reason}
 	err = write(ctx, c, db, func(ctx context.Context, tx pgx.Tx) error {
 		if _, err := c.Lookup(ctx, tx, scope, key); err != nil {
 			return err
 		}
-		before, err := queries.AuditLockKeyNowait(ctx, Planned{tx},
-			store.AuditLockKeyNowaitParams{Actor: scope.Actor, Operation: scope.Operation, IdemKey: key})
-		if pgCode(err) == pgerrcode.LockNotAvailable {
-			return fmt.Errorf("%w: a transaction holds the record right now", idem.ErrInProgress)
-		}
+		before, err := queries.AuditLockKey(ctx, Planned{tx},
+			store.AuditLockKeyParams{Actor: scope.Actor, Operation: scope.Operation, IdemKey: key})
 		if err != nil {
 			return notFound(err)
+		}
+		// The record as it is deleted: locked by this transaction.
+		rec, err := c.Lookup(ctx, tx, scope, key)
+		if err != nil {
+			return err
+		}
+		if e.Detail, err = json.Marshal(map[string]RecordCopy{"forgotten": NewRecordCopy(rec)}); err != nil {
+			return err
 		}
 		if want != nil && (before.Token != want.Token || !before.CreatedAt.Time.Equal(want.CreatedAt)) {
 			return fmt.Errorf("%w: the record holds token %d, started %s, now (status %s)", ErrChanged,
@@ -275,8 +321,12 @@ func Forget(ctx context.Context, db idem.Beginner, c *idem.Client, operator stri
 // ExpireLeases turns into 'unknown' the reservations that needed a person
 // at the instant cutoff (or now, when cutoff is later) and that f matches,
 // as idem's ExpireLeases does (the token kept: their workers are fenced),
-// in one statement and one transaction with its audit row, and returns the
-// row (Changed: how many). Every condition on time is evaluated at that
+// in one statement and one transaction with its audit rows, and returns
+// the row of the whole action (Changed: how many; Detail: the filter and
+// the cutoff). Each record it changed gets a row of its own too (Changed
+// 1, its token, 'processing' to 'unknown'; Detail: the filter, the
+// cutoff, the lease's end and the ID of the action's row), so that the
+// record's history shows it. Every condition on time is evaluated at that
 // instant: the lease ran out by then, the window to resume (if any) had
 // ended by then, and the attempt was at least f.MinAge old then. Given the
 // cutoff of ExpirableCount, it acts on at most the reservations that count
@@ -298,16 +348,22 @@ func ExpireLeases(ctx context.Context, db idem.Beginner, c *idem.Client, operato
 		Cutoff time.Time `json:"cutoff"`
 	}{f, cutoff.UTC()})
 	e := Entry{Operator: operator, Action: ActionExpireLeases, Detail: detail}
+	if f.State == StateUnknown {
+		return e, nil // an unknown outcome holds no lease to expire
+	}
 	err = write(ctx, c, db, func(ctx context.Context, tx pgx.Tx) error {
-		n, err := queries.ConsoleExpireLeases(ctx, Planned{tx}, store.ConsoleExpireLeasesParams{
+		expired, err := queries.ConsoleExpireLeases(ctx, Planned{tx}, store.ConsoleExpireLeasesParams{
 			Reason: LeaseExpiredReason, Cutoff: pgtype.Timestamptz{Time: cutoff, Valid: true},
 			Actor: f.Actor, Operation: f.Operation, MinAgeMicros: f.MinAgeMicros(), ErrorText: f.ErrorText,
 		})
-		if err != nil || n == 0 {
+		if err != nil || len(expired) == 0 {
 			return err
 		}
-		e.Changed = n
-		return insert(ctx, tx, &e)
+		e.Changed = int64(len(expired))
+		if err := insert(ctx, tx, &e); err != nil {
+			return err
+		}
+		return insertEach(ctx, tx, e, f, cutoff, expired)
 	})
 	if err != nil {
 		return Entry{}, fmt.Errorf("idem: expire leases: %w", err)
@@ -324,6 +380,10 @@ func ExpirableCount(ctx context.Context, q Planned, f Filter) (int64, time.Time,
 	if err := f.Check(); err != nil {
 		return 0, time.Time{}, err
 	}
+	if f.State == StateUnknown {
+		now, err := queries.ConsoleNow(ctx, q)
+		return 0, now.Time, err // an unknown outcome holds no lease to expire
+	}
 	row, err := queries.ConsoleExpirableCount(ctx, q, store.ConsoleExpirableCountParams{
 		Actor: f.Actor, Operation: f.Operation, MinAgeMicros: f.MinAgeMicros(), ErrorText: f.ErrorText,
 	})
@@ -333,11 +393,15 @@ func ExpirableCount(ctx context.Context, q Planned, f Filter) (int64, time.Time,
 // Prune deletes expired finished keys with c.Prune and opts, in one
 // transaction with its audit row (opts.MaxBatches bounds it; 0 is refused
 // here, since one transaction holds every batch), and returns the row
-// (Changed: how many). When none was expired, nothing changed and no row
-// is written (ID 0).
-func Prune(ctx context.Context, db idem.Beginner, c *idem.Client, operator string, opts idem.PruneOptions) (Entry, error) {
+// (Changed: how many; Reason: reason). When none was expired, nothing
+// changed and no row is written (ID 0). A reason that is too long or not
+// valid text is ErrInvalidArgument.
+func Prune(ctx context.Context, db idem.Beginner, c *idem.Client, operator string, opts idem.PruneOptions, reason string) (Entry, error) {
 	c, err := check(c, db, operator)
 	if err != nil {
+		return Entry{}, err
+	}
+	if err := checkReason(reason); err != nil {
 		return Entry{}, err
 	}
 	if opts.DryRun || opts.MaxBatches <= 0 || opts.BatchSize < 0 {
@@ -347,7 +411,7 @@ func Prune(ctx context.Context, db idem.Beginner, c *idem.Client, operator strin
 		opts.BatchSize = idem.DefaultPruneBatchSize
 	}
 	detail, _ := json.Marshal(map[string]int{"batch_size": opts.BatchSize, "max_batches": opts.MaxBatches})
-	e := Entry{Operator: operator, Action: ActionPrune, Detail: detail}
+	e := Entry{Operator: operator, Action: ActionPrune, Detail: detail, Reason: reason}
 	err = write(ctx, c, db, func(ctx context.Context, tx pgx.Tx) error {
 		n, err := c.Prune(ctx, tx, opts)
 		if err != nil || n == 0 {
@@ -365,17 +429,22 @@ func Prune(ctx context.Context, db idem.Beginner, c *idem.Client, operator strin
 // ListFilter selects rows of the trail: an empty field matches any row.
 type ListFilter struct {
 	Operator, Action string
-	Scope            idem.Scope
-	Key              string
-	BeforeAt         time.Time // with BeforeID: the position after which the page starts (zero: newest)
-	BeforeID         int64
-	Limit            int
+	// OperatorPrefix keeps the rows whose operator's name starts with it.
+	OperatorPrefix string
+	// From and To keep the rows acted at From (included) to To
+	// (excluded); zero for no bound.
+	From, To time.Time
+	Scope    idem.Scope
+	Key      string
+	BeforeAt time.Time // with BeforeID: the position after which the page starts (zero: newest)
+	BeforeID int64
+	Limit    int
 }
 
 // List returns at most f.Limit rows of the trail, newest first, after the
 // position f names (the last row of the previous page).
 func List(ctx context.Context, q Planned, f ListFilter) ([]Entry, error) {
-	for _, v := range []string{f.Operator, f.Action, f.Scope.Actor, f.Scope.Operation, f.Key} {
+	for _, v := range []string{f.Operator, f.OperatorPrefix, f.Action, f.Scope.Actor, f.Scope.Operation, f.Key} {
 		if err := checkText(v, 1024); err != nil {
 			return nil, fmt.Errorf("%w: audit filter %v", idem.ErrInvalidArgument, err)
 		}
@@ -385,8 +454,17 @@ func List(ctx context.Context, q Planned, f ListFilter) ([]Entry, error) {
 	}
 	arg := store.AuditListParams{
 		Operator: f.Operator, Action: f.Action, Actor: f.Scope.Actor, Operation: f.Scope.Operation, IdemKey: f.Key,
-		BeforeActedAt: pgtype.Timestamptz{InfinityModifier: pgtype.Infinity, Valid: true}, BeforeID: 0,
+		OperatorPrefix: f.OperatorPrefix,
+		FromAt:         pgtype.Timestamptz{InfinityModifier: pgtype.NegativeInfinity, Valid: true},
+		ToAt:           pgtype.Timestamptz{InfinityModifier: pgtype.Infinity, Valid: true},
+		BeforeActedAt:  pgtype.Timestamptz{InfinityModifier: pgtype.Infinity, Valid: true}, BeforeID: 0,
 		MaxRows: int32(min(f.Limit, 10000)),
+	}
+	if !f.From.IsZero() {
+		arg.FromAt = pgtype.Timestamptz{Time: f.From, Valid: true}
+	}
+	if !f.To.IsZero() {
+		arg.ToAt = pgtype.Timestamptz{Time: f.To, Valid: true}
 	}
 	if !f.BeforeAt.IsZero() {
 		arg.BeforeActedAt = pgtype.Timestamptz{Time: f.BeforeAt, Valid: true}
@@ -498,4 +576,234 @@ func pgCode(err error) string {
 		return pgErr.Code
 	}
 	return ""
+}
+
+// RecordCopy is what the trail keeps of a record it deleted (Forget): enough
+// to know what the key had answered, and since when.
+type RecordCopy struct {
+	Status         idem.Status   `json:"status"`
+	Token          int64         `json:"token"`
+	Fingerprint    string        `json:"fingerprint"`
+	CreatedAt      time.Time     `json:"created_at"`
+	CompletedAt    *time.Time    `json:"completed_at,omitempty"`
+	ExpiresAt      time.Time     `json:"expires_at"`
+	LeaseExpiresAt *time.Time    `json:"lease_expires_at,omitempty"`
+	LastError      string        `json:"last_error,omitempty"`
+	ResolveReason  string        `json:"resolve_reason,omitempty"`
+	Response       *ResponseCopy `json:"response,omitempty"`
+}
+
+// ResponseCopy is a stored response in a RecordCopy: the body as text when
+// it is valid UTF-8, in base64 otherwise.
+type ResponseCopy struct {
+	Status     int                 `json:"status"`
+	Header     map[string][]string `json:"header,omitempty"`
+	Body       *string             `json:"body,omitempty"`
+	BodyBase64 *string             `json:"body_base64,omitempty"`
+}
+
+// NewRecordCopy is the copy of rec the trail keeps.
+func NewRecordCopy(rec idem.Record) RecordCopy {
+	out := RecordCopy{Status: rec.Status, Token: rec.Token, Fingerprint: rec.Fingerprint.String(),
+		CreatedAt: rec.CreatedAt.UTC(), ExpiresAt: rec.ExpiresAt.UTC(), LastError: rec.LastError, ResolveReason: rec.ResolveReason}
+	if !rec.CompletedAt.IsZero() {
+		t := rec.CompletedAt.UTC()
+		out.CompletedAt = &t
+	}
+	if !rec.LeaseExpiresAt.IsZero() {
+		t := rec.LeaseExpiresAt.UTC()
+		out.LeaseExpiresAt = &t
+	}
+	if r := rec.Response; r != nil {
+		rc := &ResponseCopy{Status: r.Status, Header: r.Header}
+		if utf8.Valid(r.Body) && !bytesHaveNUL(r.Body) {
+			b := string(r.Body)
+			rc.Body = &b
+		} else {
+			b := base64.StdEncoding.EncodeToString(r.Body)
+			rc.BodyBase64 = &b
+		}
+		out.Response = rc
+	}
+	return out
+}
+
+// bytesHaveNUL reports whether b holds a NUL, which jsonb cannot keep in a
+// string.
+func bytesHaveNUL(b []byte) bool {
+	for _, c := range b {
+		if c == 0 {
+			return true
+		}
+	}
+	return false
+}
+
+// ExpiredDetail is the Detail of the row of one record that a bulk expire
+// changed.
+type ExpiredDetail struct {
+	Filter
+	Cutoff         time.Time `json:"cutoff"`
+	LeaseExpiresAt time.Time `json:"lease_expires_at"`
+	BulkID         int64     `json:"bulk_id"`
+}
+
+// insertEach writes the row of each record that the bulk expire of row e
+// changed.
+func insertEach(ctx context.Context, tx pgx.Tx, e Entry, f Filter, cutoff time.Time, expired []store.ConsoleExpireLeasesRow) error {
+	type record struct {
+		Actor     string        `json:"actor"`
+		Operation string        `json:"operation"`
+		Key       string        `json:"idem_key"`
+		Token     int64         `json:"token"`
+		Detail    ExpiredDetail `json:"detail"`
+	}
+	records := make([]record, 0, len(expired))
+	for _, r := range expired {
+		records = append(records, record{Actor: r.Actor, Operation: r.Operation, Key: r.IdemKey, Token: r.Token,
+			Detail: ExpiredDetail{Filter: f, Cutoff: cutoff.UTC(), LeaseExpiresAt: r.LeaseExpiresAt.Time.UTC(), BulkID: e.ID}})
+	}
+	b, err := json.Marshal(records)
+	if err != nil {
+		return err
+	}
+	n, err := queries.AuditInsertEach(ctx, Planned{tx}, store.AuditInsertEachParams{
+		Operator: e.Operator, Action: e.Action, StatusBefore: string(idem.StatusProcessing), StatusAfter: string(idem.StatusUnknown),
+		Reason: e.Reason, Records: string(b),
+	})
+	if err == nil && n != int64(len(expired)) {
+		err = fmt.Errorf("idem: audit: %d rows written for %d records", n, len(expired))
+	}
+	if err != nil {
+		return fmt.Errorf("idem: audit: %w", err)
+	}
+	return nil
+}
+
+// checkReason refuses a reason the trail cannot hold.
+func checkReason(reason string) error {
+	if err := checkText(reason, MaxReasonLength); err != nil {
+		return fmt.Errorf("%w: reason %v", idem.ErrInvalidArgument, err)
+	}
+	return nil
+}
+
+// Target names one record of a bulk verdict and the attempt it is about.
+type Target struct {
+	Scope idem.Scope
+	Key   string
+	Token int64
+}
+
+// MaxBulk bounds how many records one bulk verdict settles.
+const MaxBulk = 500
+
+// Bulk is what a bulk verdict did: the row of the whole action (Changed:
+// how many records it settled; ID 0 when none), and the records it left
+// because their outcome was no longer in doubt, or no longer the attempt
+// named (someone else decided, or a new attempt holds the key).
+type Bulk struct {
+	Entry   Entry
+	Skipped []Target
+}
+
+// ResolveMany records one verdict (res: Succeeded or Retryable, and the
+// Reason; its Token is ignored) on each of targets, about its attempt
+// (Target.Token), in one transaction: each as Resolve does, in a savepoint,
+// with its own audit row, and then one row for the whole action (action
+// resolve, no record; Detail: how the records were chosen, the detail
+// argument, and how many were left). A record that is fenced, not in doubt
+// any more or gone is left (Bulk.Skipped) and the others go on; any other
+// error rolls everything back. More than MaxBulk targets, none, or a bad
+// verdict is ErrInvalidArgument.
+func ResolveMany(ctx context.Context, db idem.Beginner, c *idem.Client, operator string, targets []Target, res idem.Resolution, detail map[string]any) (Bulk, error) {
+	c, err := check(c, db, operator)
+	if err != nil {
+		return Bulk{}, err
+	}
+	if len(targets) == 0 || len(targets) > MaxBulk {
+		return Bulk{}, fmt.Errorf("%w: a bulk verdict settles 1 to %d records, not %d", idem.ErrInvalidArgument, MaxBulk, len(targets))
+	}
+	if (res.Succeeded == nil) == !res.Retryable || res.Reason == "" {
+		return Bulk{}, fmt.Errorf("%w: a bulk verdict needs exactly one of Succeeded and Retryable, and a reason", idem.ErrInvalidArgument)
+	}
+	var out Bulk
+	err = write(ctx, c, db, func(ctx context.Context, tx pgx.Tx) error {
+		out = Bulk{}
+		for _, t := range targets {
+			one := res
+			one.Token = t.Token
+			_, _, err := Resolve(ctx, tx, c, operator, t.Scope, t.Key, one)
+			switch {
+			case errors.Is(err, idem.ErrFenced), errors.Is(err, idem.ErrNotResolvable), errors.Is(err, idem.ErrNotFound):
+				out.Skipped = append(out.Skipped, t)
+				continue
+			case err != nil:
+				return err
+			}
+			out.Entry.Changed++
+		}
+		if out.Entry.Changed == 0 {
+			return nil
+		}
+		d := map[string]any{"bulk": true, "records": len(targets), "skipped": len(out.Skipped)}
+		for k, v := range detail {
+			d[k] = v
+		}
+		if res.Succeeded != nil {
+			d["response_status"] = res.Succeeded.Status
+		}
+		b, err := json.Marshal(d)
+		if err != nil {
+			return err
+		}
+		out.Entry = Entry{Operator: operator, Action: ActionResolve, Verdict: VerdictRetryable, Reason: res.Reason,
+			Changed: out.Entry.Changed, Detail: b}
+		if res.Succeeded != nil {
+			out.Entry.Verdict = VerdictSucceeded
+		}
+		return insert(ctx, tx, &out.Entry)
+	})
+	if err != nil {
+		return Bulk{}, err
+	}
+	return out, nil
+}
+
+// NeedsPersonAt lists the records that needed a person at the instant
+// cutoff (or now, when cutoff is later) and that f matches, oldest first,
+// at most limit, each with its token now: what a bulk verdict over a
+// filter counted.
+func NeedsPersonAt(ctx context.Context, q Planned, f Filter, cutoff time.Time, limit int) ([]Target, error) {
+	if err := f.Check(); err != nil {
+		return nil, err
+	}
+	rows, err := queries.ConsoleNeedsPersonAt(ctx, q, store.ConsoleNeedsPersonAtParams{
+		Cutoff: pgtype.Timestamptz{Time: cutoff, Valid: true}, Actor: f.Actor, Operation: f.Operation,
+		MinAgeMicros: f.MinAgeMicros(), ErrorText: f.ErrorText, State: f.State, MaxRows: int32(limit),
+	})
+	if err != nil {
+		return nil, err
+	}
+	out := make([]Target, 0, len(rows))
+	for _, r := range rows {
+		out = append(out, Target{Scope: idem.Scope{Actor: r.Actor, Operation: r.Operation}, Key: r.IdemKey, Token: r.Token})
+	}
+	return out, nil
+}
+
+// NeedsPersonCount counts the records that need a person that f matches,
+// up to capRows, and returns the database time of the count.
+func NeedsPersonCount(ctx context.Context, q Planned, f Filter, capRows int) (int64, time.Time, error) {
+	if err := f.Check(); err != nil {
+		return 0, time.Time{}, err
+	}
+	n, err := queries.ConsoleNeedsPersonCount(ctx, q, store.ConsoleNeedsPersonCountParams{
+		Actor: f.Actor, Operation: f.Operation, MinAgeMicros: f.MinAgeMicros(), ErrorText: f.ErrorText, State: f.State, CapRows: int32(capRows),
+	})
+	if err != nil {
+		return 0, time.Time{}, err
+	}
+	now, err := queries.ConsoleNow(ctx, q)
+	return n, now.Time, err
 }

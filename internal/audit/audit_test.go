@@ -65,8 +65,16 @@ func TestOperatorChecked(t *testing.T) {
 			t.Errorf("expire, operator %q: %v", op, err)
 		}
 	}
-	if _, err := audit.Prune(ctx, pool, nil, "op", idem.PruneOptions{}); !errors.Is(err, idem.ErrInvalidArgument) {
+	if _, err := audit.Prune(ctx, pool, nil, "op", idem.PruneOptions{}, "ttl"); !errors.Is(err, idem.ErrInvalidArgument) {
 		t.Errorf("an unbounded audited prune: %v", err)
+	}
+	for _, reason := range []string{"a\x00b", "\xff", strings.Repeat("r", audit.MaxReasonLength+1)} {
+		if _, err := audit.Prune(ctx, pool, nil, "op", idem.PruneOptions{MaxBatches: 1}, reason); !errors.Is(err, idem.ErrInvalidArgument) {
+			t.Errorf("prune, reason %q: %v", reason, err)
+		}
+		if _, err := audit.Forget(ctx, pool, nil, "op", scope, "k", nil, reason); !errors.Is(err, idem.ErrInvalidArgument) {
+			t.Errorf("forget, reason %q: %v", reason, err)
+		}
 	}
 	if after := rows(t, pool); after != before {
 		t.Fatalf("a refused change changed something:\n%s\n%s", before, after)
@@ -193,7 +201,7 @@ func TestMigrateDownKeepsTheTrail(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := audit.Forget(ctx, pool, nil, "sam", scope, "done", nil); err != nil {
+	if _, err := audit.Forget(ctx, pool, nil, "sam", scope, "done", nil, "reused"); err != nil {
 		t.Fatal(err)
 	}
 	downTo5()
@@ -346,5 +354,91 @@ func TestExpireLeasesAgeAtTheCount(t *testing.T) {
 		if rec, err := idem.Lookup(ctx, pool, scope, key); err != nil || rec.Status != want {
 			t.Fatalf("%s after the expiry: %+v, %v; want %s", key, rec, err, want)
 		}
+	}
+}
+
+// A verdict or a forget waits at most LockTimeout for a record another
+// transaction holds, then gives up with ErrBusy, and changes nothing.
+func TestBusyRecord(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, r := unknownRecord(t)
+	if _, err := idem.DoInTx(ctx, pool, scope, "done", fp, func(context.Context, pgx.Tx) (idem.Response, error) {
+		return idem.Response{Status: 200}, nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	before := rows(t, pool)
+	holder, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = holder.Rollback(ctx) }()
+	if _, err := holder.Exec(ctx, `SELECT 1 FROM idem_keys FOR UPDATE`); err != nil {
+		t.Fatal(err)
+	}
+	errs := make(chan error, 2)
+	go func() {
+		_, _, err := audit.Resolve(ctx, pool, nil, "sam", scope, "k", idem.Resolution{Token: r.Token, Retryable: true, Reason: "no charge"})
+		errs <- err
+	}()
+	go func() {
+		_, err := audit.Forget(ctx, pool, nil, "sam", scope, "done", nil, "reused")
+		errs <- err
+	}()
+	for range 2 {
+		select {
+		case err := <-errs:
+			if !errors.Is(err, audit.ErrBusy) {
+				t.Errorf("a change on a held record: %v, want ErrBusy", err)
+			}
+		case <-time.After(10 * audit.LockTimeout):
+			t.Fatal("a change waited for a held record far longer than LockTimeout")
+		}
+	}
+	if err := holder.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if after := rows(t, pool); after != before {
+		t.Fatalf("a busy change changed something:\n%s\n%s", before, after)
+	}
+}
+
+// A bulk verdict with no record, too many, or no single verdict and reason
+// is refused before anything runs.
+func TestResolveManyRefusesBadInput(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool, r := unknownRecord(t)
+	before := rows(t, pool)
+	one := []audit.Target{{Scope: scope, Key: "k", Token: r.Token}}
+	many := make([]audit.Target, audit.MaxBulk+1)
+	for i := range many {
+		many[i] = one[0]
+	}
+	for name, tc := range map[string]struct {
+		targets []audit.Target
+		res     idem.Resolution
+	}{
+		"none":       {nil, idem.Resolution{Retryable: true, Reason: "r"}},
+		"too many":   {many, idem.Resolution{Retryable: true, Reason: "r"}},
+		"no verdict": {one, idem.Resolution{Reason: "r"}},
+		"both":       {one, idem.Resolution{Retryable: true, Succeeded: &idem.Response{Status: 200}, Reason: "r"}},
+		"no reason":  {one, idem.Resolution{Retryable: true}},
+	} {
+		if _, err := audit.ResolveMany(ctx, pool, nil, "sam", tc.targets, tc.res, nil); !errors.Is(err, idem.ErrInvalidArgument) {
+			t.Errorf("%s: %v", name, err)
+		}
+	}
+	if _, err := audit.ResolveMany(ctx, pool, nil, "sam\x1b[8m", one, idem.Resolution{Retryable: true, Reason: "r"}, nil); !errors.Is(err, idem.ErrInvalidArgument) {
+		t.Errorf("a bad operator: %v", err)
+	}
+	if after := rows(t, pool); after != before {
+		t.Fatalf("a refused bulk verdict changed something:\n%s\n%s", before, after)
+	}
+	b, err := audit.ResolveMany(ctx, pool, nil, "sam", append(one, audit.Target{Scope: scope, Key: "gone", Token: 1}),
+		idem.Resolution{Retryable: true, Reason: "no charge"}, map[string]any{"selected": 2})
+	if err != nil || b.Entry.Changed != 1 || len(b.Skipped) != 1 || b.Entry.ID == 0 {
+		t.Fatalf("a bulk verdict: %+v, %v", b, err)
 	}
 }

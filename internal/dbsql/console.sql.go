@@ -63,6 +63,42 @@ func (q *Queries) AuditInsert(ctx context.Context, db DBTX, arg AuditInsertParam
 	return i, err
 }
 
+const AuditInsertEach = `-- name: AuditInsertEach :execrows
+INSERT INTO idem_audit (actor, operator, action, operation, idem_key, token_before, token_after,
+                        status_before, status_after, reason, changed, detail)
+SELECT r.actor, $1, $2, r.operation, r.idem_key, r.token, r.token,
+       $3::text, $4::text, $5, 1, r.detail
+FROM jsonb_to_recordset($6::text::jsonb)
+     AS r(actor text, operation text, idem_key text, token bigint, detail jsonb)
+`
+
+type AuditInsertEachParams struct {
+	Operator     string
+	Action       string
+	StatusBefore string
+	StatusAfter  string
+	Reason       string
+	Records      string
+}
+
+// Writes one row of the trail for each record a bulk action changed, in
+// the transaction of the change: @records is a JSON array of objects
+// {actor, operation, idem_key, token, detail}, one a record.
+func (q *Queries) AuditInsertEach(ctx context.Context, db DBTX, arg AuditInsertEachParams) (int64, error) {
+	result, err := db.ExecContext(ctx, AuditInsertEach,
+		arg.Operator,
+		arg.Action,
+		arg.StatusBefore,
+		arg.StatusAfter,
+		arg.Reason,
+		arg.Records,
+	)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected()
+}
+
 const AuditList = `-- name: AuditList :many
 SELECT id, acted_at, operator, action, actor, operation, idem_key, token_before, token_after,
        status_before, status_after, verdict, reason, changed, coalesce(detail::text, '')::text AS detail
@@ -72,20 +108,25 @@ WHERE ($1::text = '' OR operator = $1::text)
   AND ($3::text = '' OR actor = $3::text)
   AND ($4::text = '' OR operation = $4::text)
   AND ($5::text = '' OR idem_key = $5::text)
-  AND (acted_at, id) < ($6::timestamptz, $7::bigint)
+  AND ($6::text = '' OR starts_with(operator, $6::text))
+  AND acted_at >= $7::timestamptz AND acted_at < $8::timestamptz
+  AND (acted_at, id) < ($9::timestamptz, $10::bigint)
 ORDER BY acted_at DESC, id DESC
-LIMIT $8::integer
+LIMIT $11::integer
 `
 
 type AuditListParams struct {
-	Operator      string
-	Action        string
-	Actor         string
-	Operation     string
-	IdemKey       string
-	BeforeActedAt time.Time
-	BeforeID      int64
-	MaxRows       int32
+	Operator       string
+	Action         string
+	Actor          string
+	Operation      string
+	IdemKey        string
+	OperatorPrefix string
+	FromAt         time.Time
+	ToAt           time.Time
+	BeforeActedAt  time.Time
+	BeforeID       int64
+	MaxRows        int32
 }
 
 type AuditListRow struct {
@@ -108,7 +149,9 @@ type AuditListRow struct {
 
 // Pages through the trail, newest first, before the given position
 // ('infinity' for the first page), filtered: an empty value matches every
-// row.
+// row; operator_prefix keeps the operators whose name starts with it;
+// from_at and to_at keep the rows acted at from_at (included) to to_at
+// (excluded), '-infinity' and 'infinity' for no bound.
 func (q *Queries) AuditList(ctx context.Context, db DBTX, arg AuditListParams) ([]AuditListRow, error) {
 	rows, err := db.QueryContext(ctx, AuditList,
 		arg.Operator,
@@ -116,6 +159,9 @@ func (q *Queries) AuditList(ctx context.Context, db DBTX, arg AuditListParams) (
 		arg.Actor,
 		arg.Operation,
 		arg.IdemKey,
+		arg.OperatorPrefix,
+		arg.FromAt,
+		arg.ToAt,
 		arg.BeforeActedAt,
 		arg.BeforeID,
 		arg.MaxRows,
@@ -177,38 +223,11 @@ type AuditLockKeyRow struct {
 }
 
 // Locks the record of a key and reads its status and token, waiting for a
-// transaction that holds it, as Resolve does.
+// transaction that holds it (at most the lock_timeout of the change's
+// transaction), for a verdict or a forget.
 func (q *Queries) AuditLockKey(ctx context.Context, db DBTX, arg AuditLockKeyParams) (AuditLockKeyRow, error) {
 	row := db.QueryRowContext(ctx, AuditLockKey, arg.Actor, arg.Operation, arg.IdemKey)
 	var i AuditLockKeyRow
-	err := row.Scan(&i.Status, &i.Token, &i.CreatedAt)
-	return i, err
-}
-
-const AuditLockKeyNowait = `-- name: AuditLockKeyNowait :one
-SELECT status, token, created_at
-FROM idem_keys
-WHERE actor = $1 AND operation = $2 AND idem_key = $3
-FOR UPDATE NOWAIT
-`
-
-type AuditLockKeyNowaitParams struct {
-	Actor     string
-	Operation string
-	IdemKey   string
-}
-
-type AuditLockKeyNowaitRow struct {
-	Status    string
-	Token     int64
-	CreatedAt time.Time
-}
-
-// Locks the record of a key and reads its status and token without
-// waiting for a transaction that holds it (55P03), as Forget does.
-func (q *Queries) AuditLockKeyNowait(ctx context.Context, db DBTX, arg AuditLockKeyNowaitParams) (AuditLockKeyNowaitRow, error) {
-	row := db.QueryRowContext(ctx, AuditLockKeyNowait, arg.Actor, arg.Operation, arg.IdemKey)
-	var i AuditLockKeyNowaitRow
 	err := row.Scan(&i.Status, &i.Token, &i.CreatedAt)
 	return i, err
 }
@@ -256,7 +275,7 @@ func (q *Queries) ConsoleExpirableCount(ctx context.Context, db DBTX, arg Consol
 	return i, err
 }
 
-const ConsoleExpireLeases = `-- name: ConsoleExpireLeases :execrows
+const ConsoleExpireLeases = `-- name: ConsoleExpireLeases :many
 UPDATE idem_keys
 SET status     = 'unknown',
     last_error = $1::text
@@ -271,6 +290,7 @@ WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
                     - ($5::bigint * interval '1 microsecond')
   AND ($6::text = ''
        OR strpos(lower(coalesce(last_error, '')), lower($6::text)) > 0)
+RETURNING actor, operation, idem_key, token, lease_expires_at
 `
 
 type ConsoleExpireLeasesParams struct {
@@ -280,6 +300,14 @@ type ConsoleExpireLeasesParams struct {
 	Operation    string
 	MinAgeMicros int64
 	ErrorText    string
+}
+
+type ConsoleExpireLeasesRow struct {
+	Actor          string
+	Operation      string
+	IdemKey        string
+	Token          int64
+	LeaseExpiresAt sql.NullTime
 }
 
 // Turns the reservations that the filter matched at the instant
@@ -294,9 +322,9 @@ type ConsoleExpireLeasesParams struct {
 // ConsoleExpirableCount it acts on at most the rows counted (a lease that
 // runs out, a window that ends or an attempt that ages past the filter
 // after the count is past the cutoff; a lease that ran out cannot be
-// extended).
-func (q *Queries) ConsoleExpireLeases(ctx context.Context, db DBTX, arg ConsoleExpireLeasesParams) (int64, error) {
-	result, err := db.ExecContext(ctx, ConsoleExpireLeases,
+// extended). Returns each record it changed, for its own audit row.
+func (q *Queries) ConsoleExpireLeases(ctx context.Context, db DBTX, arg ConsoleExpireLeasesParams) ([]ConsoleExpireLeasesRow, error) {
+	rows, err := db.QueryContext(ctx, ConsoleExpireLeases,
 		arg.Reason,
 		arg.Cutoff,
 		arg.Actor,
@@ -305,9 +333,30 @@ func (q *Queries) ConsoleExpireLeases(ctx context.Context, db DBTX, arg ConsoleE
 		arg.ErrorText,
 	)
 	if err != nil {
-		return 0, err
+		return nil, err
 	}
-	return result.RowsAffected()
+	defer rows.Close()
+	var items []ConsoleExpireLeasesRow
+	for rows.Next() {
+		var i ConsoleExpireLeasesRow
+		if err := rows.Scan(
+			&i.Actor,
+			&i.Operation,
+			&i.IdemKey,
+			&i.Token,
+			&i.LeaseExpiresAt,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Close(); err != nil {
+		return nil, err
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
 }
 
 const ConsoleNeedsPerson = `-- name: ConsoleNeedsPerson :many
@@ -324,11 +373,13 @@ WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
   AND created_at <= now() - ($3::bigint * interval '1 microsecond')
   AND ($4::text = ''
        OR strpos(lower(coalesce(last_error, '')), lower($4::text)) > 0)
+  -- the state: '' any, 'unknown' the unknown outcomes, 'lapsed' the leases that ran out
+  AND ($5::text = '' OR ($5::text = 'unknown') = (status = 'unknown'))
   AND (created_at, actor, operation, idem_key)
-      > ($5::timestamptz, $6::text,
-         $7::text, $8::text)
+      > ($6::timestamptz, $7::text,
+         $8::text, $9::text)
 ORDER BY created_at, actor, operation, idem_key
-LIMIT $9::integer
+LIMIT $10::integer
 `
 
 type ConsoleNeedsPersonParams struct {
@@ -336,6 +387,7 @@ type ConsoleNeedsPersonParams struct {
 	Operation      string
 	MinAgeMicros   int64
 	ErrorText      string
+	State          string
 	AfterCreatedAt time.Time
 	AfterActor     string
 	AfterOperation string
@@ -385,6 +437,7 @@ func (q *Queries) ConsoleNeedsPerson(ctx context.Context, db DBTX, arg ConsoleNe
 		arg.Operation,
 		arg.MinAgeMicros,
 		arg.ErrorText,
+		arg.State,
 		arg.AfterCreatedAt,
 		arg.AfterActor,
 		arg.AfterOperation,
@@ -422,6 +475,84 @@ func (q *Queries) ConsoleNeedsPerson(ctx context.Context, db DBTX, arg ConsoleNe
 	return items, nil
 }
 
+const ConsoleNeedsPersonAt = `-- name: ConsoleNeedsPersonAt :many
+SELECT actor, operation, idem_key, token
+FROM idem_keys
+WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
+  -- needs a person, at the cutoff
+  AND (status = 'unknown' OR (status = 'processing' AND lease_expires_at <= least($1::timestamptz, now())))
+  AND (resume_until IS NULL OR resume_until <= least($1::timestamptz, now()))
+  AND ($2::text = '' OR actor = $2::text)
+  AND ($3::text = '' OR operation = $3::text)
+  AND created_at <= least($1::timestamptz, now())
+                    - ($4::bigint * interval '1 microsecond')
+  AND ($5::text = ''
+       OR strpos(lower(coalesce(last_error, '')), lower($5::text)) > 0)
+  -- the state: '' any, 'unknown' the unknown outcomes, 'lapsed' the leases that ran out
+  AND ($6::text = '' OR ($6::text = 'unknown') = (status = 'unknown'))
+ORDER BY created_at, actor, operation, idem_key
+LIMIT $7::integer
+`
+
+type ConsoleNeedsPersonAtParams struct {
+	Cutoff       time.Time
+	Actor        string
+	Operation    string
+	MinAgeMicros int64
+	ErrorText    string
+	State        string
+	MaxRows      int32
+}
+
+type ConsoleNeedsPersonAtRow struct {
+	Actor     string
+	Operation string
+	IdemKey   string
+	Token     int64
+}
+
+// The records that needed a person at the instant least(@cutoff, now())
+// and that the filter matches, oldest first, up to @max_rows: what a bulk
+// verdict "over the filter" acts on, each with its token now. Every
+// condition on time is evaluated at that instant, as ConsoleExpireLeases
+// does: a record whose attempt started after the count, or whose lease ran
+// out or window ended after it, is not the count's.
+func (q *Queries) ConsoleNeedsPersonAt(ctx context.Context, db DBTX, arg ConsoleNeedsPersonAtParams) ([]ConsoleNeedsPersonAtRow, error) {
+	rows, err := db.QueryContext(ctx, ConsoleNeedsPersonAt,
+		arg.Cutoff,
+		arg.Actor,
+		arg.Operation,
+		arg.MinAgeMicros,
+		arg.ErrorText,
+		arg.State,
+		arg.MaxRows,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []ConsoleNeedsPersonAtRow
+	for rows.Next() {
+		var i ConsoleNeedsPersonAtRow
+		if err := rows.Scan(
+			&i.Actor,
+			&i.Operation,
+			&i.IdemKey,
+			&i.Token,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Close(); err != nil {
+		return nil, err
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const ConsoleNeedsPersonCount = `-- name: ConsoleNeedsPersonCount :one
 SELECT count(*)::bigint FROM (
     SELECT 1
@@ -435,7 +566,9 @@ SELECT count(*)::bigint FROM (
       AND created_at <= now() - ($3::bigint * interval '1 microsecond')
       AND ($4::text = ''
            OR strpos(lower(coalesce(last_error, '')), lower($4::text)) > 0)
-    LIMIT $5::integer) AS matched
+      -- the state: '' any, 'unknown' the unknown outcomes, 'lapsed' the leases that ran out
+      AND ($5::text = '' OR ($5::text = 'unknown') = (status = 'unknown'))
+    LIMIT $6::integer) AS matched
 `
 
 type ConsoleNeedsPersonCountParams struct {
@@ -443,6 +576,7 @@ type ConsoleNeedsPersonCountParams struct {
 	Operation    string
 	MinAgeMicros int64
 	ErrorText    string
+	State        string
 	CapRows      int32
 }
 
@@ -454,11 +588,118 @@ func (q *Queries) ConsoleNeedsPersonCount(ctx context.Context, db DBTX, arg Cons
 		arg.Operation,
 		arg.MinAgeMicros,
 		arg.ErrorText,
+		arg.State,
 		arg.CapRows,
 	)
 	var column_1 int64
 	err := row.Scan(&column_1)
 	return column_1, err
+}
+
+const ConsoleNeedsPersonNewest = `-- name: ConsoleNeedsPersonNewest :many
+SELECT actor, operation, idem_key, status, token, created_at, lease_expires_at, last_error,
+       (status = 'processing')::boolean AS lease_ran_out
+FROM idem_keys
+WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
+  -- needs a person
+  AND (status = 'unknown' OR (status = 'processing' AND lease_expires_at <= now()))
+  AND (resume_until IS NULL OR resume_until <= now())
+  AND ($1::text = '' OR actor = $1::text)
+  AND ($2::text = '' OR operation = $2::text)
+  AND created_at <= now() - ($3::bigint * interval '1 microsecond')
+  AND ($4::text = ''
+       OR strpos(lower(coalesce(last_error, '')), lower($4::text)) > 0)
+  -- the state: '' any, 'unknown' the unknown outcomes, 'lapsed' the leases that ran out
+  AND ($5::text = '' OR ($5::text = 'unknown') = (status = 'unknown'))
+  AND (created_at, actor, operation, idem_key)
+      < ($6::timestamptz, $7::text,
+         $8::text, $9::text)
+ORDER BY created_at DESC, actor DESC, operation DESC, idem_key DESC
+LIMIT $10::integer
+`
+
+type ConsoleNeedsPersonNewestParams struct {
+	Actor           string
+	Operation       string
+	MinAgeMicros    int64
+	ErrorText       string
+	State           string
+	BeforeCreatedAt time.Time
+	BeforeActor     string
+	BeforeOperation string
+	BeforeKey       string
+	MaxRows         int32
+}
+
+type ConsoleNeedsPersonNewestRow struct {
+	Actor          string
+	Operation      string
+	IdemKey        string
+	Status         string
+	Token          int64
+	CreatedAt      time.Time
+	LeaseExpiresAt sql.NullTime
+	LastError      sql.NullString
+	LeaseRanOut    bool
+}
+
+// The same list, newest first, before the given position ('infinity' and
+// empty names for the first page): the index walked backwards.
+func (q *Queries) ConsoleNeedsPersonNewest(ctx context.Context, db DBTX, arg ConsoleNeedsPersonNewestParams) ([]ConsoleNeedsPersonNewestRow, error) {
+	rows, err := db.QueryContext(ctx, ConsoleNeedsPersonNewest,
+		arg.Actor,
+		arg.Operation,
+		arg.MinAgeMicros,
+		arg.ErrorText,
+		arg.State,
+		arg.BeforeCreatedAt,
+		arg.BeforeActor,
+		arg.BeforeOperation,
+		arg.BeforeKey,
+		arg.MaxRows,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []ConsoleNeedsPersonNewestRow
+	for rows.Next() {
+		var i ConsoleNeedsPersonNewestRow
+		if err := rows.Scan(
+			&i.Actor,
+			&i.Operation,
+			&i.IdemKey,
+			&i.Status,
+			&i.Token,
+			&i.CreatedAt,
+			&i.LeaseExpiresAt,
+			&i.LastError,
+			&i.LeaseRanOut,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Close(); err != nil {
+		return nil, err
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const ConsoleNow = `-- name: ConsoleNow :one
+SELECT now()::timestamptz AS now
+`
+
+// The database time now: the instant of a count made in the same
+// transaction.
+func (q *Queries) ConsoleNow(ctx context.Context, db DBTX) (time.Time, error) {
+	row := db.QueryRowContext(ctx, ConsoleNow)
+	var now time.Time
+	err := row.Scan(&now)
+	return now, err
 }
 
 const ConsoleOpen = `-- name: ConsoleOpen :one
@@ -623,6 +864,54 @@ func (q *Queries) ConsoleScopeKeys(ctx context.Context, db DBTX, arg ConsoleScop
 			&i.LeaseExpiresAt,
 			&i.LastError,
 		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Close(); err != nil {
+		return nil, err
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const ConsoleScopeShape = `-- name: ConsoleScopeShape :many
+SELECT response_status::integer AS status,
+       coalesce(response_headers->'Content-Type'->>0, '')::text AS content_type
+FROM (SELECT status, response_status, response_headers
+      FROM idem_keys
+      WHERE actor = $1::text AND operation = $2::text
+      ORDER BY actor, operation, idem_key
+      LIMIT 200) AS first_keys
+WHERE status = 'succeeded' AND response_status BETWEEN 200 AND 599
+LIMIT 1
+`
+
+type ConsoleScopeShapeParams struct {
+	Actor     string
+	Operation string
+}
+
+type ConsoleScopeShapeRow struct {
+	Status      int32
+	ContentType string
+}
+
+// The shape of an answer of one operation: the status and content type of
+// a succeeded record among the first 200 keys of the scope (a walk of the
+// primary key), which a verdict's form offers as its default.
+func (q *Queries) ConsoleScopeShape(ctx context.Context, db DBTX, arg ConsoleScopeShapeParams) ([]ConsoleScopeShapeRow, error) {
+	rows, err := db.QueryContext(ctx, ConsoleScopeShape, arg.Actor, arg.Operation)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []ConsoleScopeShapeRow
+	for rows.Next() {
+		var i ConsoleScopeShapeRow
+		if err := rows.Scan(&i.Status, &i.ContentType); err != nil {
 			return nil, err
 		}
 		items = append(items, i)

@@ -278,7 +278,7 @@ func TestMigrateAfterDistribute(t *testing.T) {
 	}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := audit.Forget(ctx, p, nil, "sam", early, "m0", nil); err != nil {
+	if _, err := audit.Forget(ctx, p, nil, "sam", early, "m0", nil, "reused"); err != nil {
 		t.Fatalf("a forget with its audit row, the trail local: %v", err)
 	}
 	if err := idem.Distribute(ctx, p); err != nil {

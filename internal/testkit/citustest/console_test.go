@@ -81,8 +81,10 @@ func TestConsole(t *testing.T) {
 	if err != nil || e.Changed != 1 {
 		t.Fatalf("expire: %+v, %v", e, err)
 	}
-	if n := count(t, p, `SELECT count(*) FROM idem_audit`); n != 2 {
-		t.Fatalf("%d audit rows, want 2", n)
+	// The verdict's row, and the expiry's: one for the action, one for the
+	// record it changed (on the record's node).
+	if n := count(t, p, `SELECT count(*) FROM idem_audit`); n != 3 {
+		t.Fatalf("%d audit rows, want 3", n)
 	}
 	if rec, err := idem.Lookup(ctx, p, scope, "u1"); err != nil || rec.Status != idem.StatusFailedRetryable {
 		t.Fatalf("after the verdict: %+v, %v", rec, err)

@@ -76,7 +76,7 @@ func TestDistributeExistingKeys(t *testing.T) {
 	if _, err := idem.DoInTx(ctx, p, scope(4), "k-forget", fp("book"), order(scope(4).Actor, "k-forget", "book")); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := audit.Forget(ctx, p, nil, "sam", scope(4), "k-forget", nil); err != nil {
+	if _, err := audit.Forget(ctx, p, nil, "sam", scope(4), "k-forget", nil, "reused"); err != nil {
 		t.Fatal(err)
 	}
 	const rows = actors + 4
@@ -181,7 +181,7 @@ func TestDistributeExistingKeys(t *testing.T) {
 	}
 
 	// The trail: the row written before Distribute, and one written after.
-	if _, err := audit.Forget(ctx, p, nil, "sam", scope(5), "k2", nil); err != nil {
+	if _, err := audit.Forget(ctx, p, nil, "sam", scope(5), "k2", nil, "reused"); err != nil {
 		t.Fatal(err)
 	}
 	trail, err := audit.List(ctx, audit.Planned{DB: p}, audit.ListFilter{Limit: 10})
