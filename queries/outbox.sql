@@ -1,0 +1,137 @@
+-- The outbox (idem_events, migration 7): Publish writes an event in the
+-- caller's transaction, a Relay claims due events, sends them outside any
+-- transaction and records each attempt, guarded by the claim's token.
+-- Header arguments go as text (::text::jsonb), as for database/sql.
+
+-- Writes an event and wakes the relays that listen (pg_notify: delivered
+-- when the caller's transaction commits, the notifications of one
+-- transaction folded into one), in one round trip. A second write of the
+-- same (destination, id) inserts nothing (inserted is false) and EventSame
+-- tells whether it was the same event.
+-- name: EventPublish :one
+WITH ins AS (
+    INSERT INTO idem_events (destination, id, topic, payload, header)
+    VALUES (sqlc.arg(destination)::text, sqlc.arg(id)::text, sqlc.arg(topic)::text, sqlc.arg(payload)::bytea,
+            sqlc.narg(header)::text::jsonb)
+    ON CONFLICT (destination, id) DO NOTHING
+    RETURNING 1
+)
+SELECT (EXISTS (SELECT 1 FROM ins) AND pg_notify('idem_events', '')::text IS NOT NULL)::boolean AS inserted;
+
+-- Whether the stored event (destination, id) has this topic, payload and
+-- header. No row: it is gone (pruned between the insert and this read).
+-- name: EventSame :one
+SELECT (topic = sqlc.arg(topic)::text AND payload = sqlc.arg(payload)::bytea
+        AND header IS NOT DISTINCT FROM sqlc.narg(header)::text::jsonb)::boolean AS same
+FROM idem_events
+WHERE destination = sqlc.arg(destination)::text AND id = sqlc.arg(id)::text;
+
+-- Claims up to @max_rows due pending events, earliest first, without
+-- waiting for events another relay is claiming (SKIP LOCKED): each gets
+-- one more attempt, a new claim token, and next_attempt_at at the end of
+-- the lease, so no relay claims it again before the lease runs out. The
+-- due scan walks idem_events_due_idx.
+-- name: EventClaim :many
+WITH due AS (
+    SELECT destination, id
+    FROM idem_events
+    WHERE status = 'pending' AND next_attempt_at <= now()
+    ORDER BY next_attempt_at
+    LIMIT sqlc.arg(max_rows)::integer
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE idem_events AS e
+SET attempts = e.attempts + 1,
+    claim = e.claim + 1,
+    next_attempt_at = now() + sqlc.arg(lease_micros)::bigint * interval '1 microsecond'
+FROM due
+WHERE e.destination = due.destination AND e.id = due.id
+RETURNING e.destination, e.id, e.topic, e.payload, coalesce(e.header::text, '')::text AS header, e.attempts, e.retry_from, e.claim;
+
+-- Records an attempt and the event's new state: the attempt's row always
+-- (while the event exists; the same attempt twice is kept once), the state
+-- only while the event still carries the claim's token and is pending. 0
+-- rows: a newer claim, RetryEvent or the pruner came first, and the state
+-- was left as it is. @status is 'pending' (retry in @delay_micros),
+-- 'delivered' or 'failed' (both pruned after @ttl_micros).
+-- name: EventRecord :execrows
+WITH attempt AS (
+    INSERT INTO idem_event_attempts (destination, event_id, attempt, started_at, duration_micros, error, permanent, claim)
+    SELECT sqlc.arg(destination)::text, sqlc.arg(id)::text, sqlc.arg(attempt)::integer,
+           sqlc.arg(started_at)::timestamptz, sqlc.arg(duration_micros)::bigint, sqlc.narg(error)::text,
+           sqlc.arg(permanent)::boolean, sqlc.arg(claim)::bigint
+    WHERE EXISTS (SELECT 1 FROM idem_events
+                  WHERE destination = sqlc.arg(destination)::text AND id = sqlc.arg(id)::text)
+    ON CONFLICT DO NOTHING
+)
+UPDATE idem_events
+SET status = sqlc.arg(status)::text,
+    next_attempt_at = CASE WHEN sqlc.arg(status)::text = 'pending'
+                           THEN now() + sqlc.arg(delay_micros)::bigint * interval '1 microsecond'
+                           ELSE next_attempt_at END,
+    delivered_at = CASE WHEN sqlc.arg(status)::text = 'delivered' THEN now() END,
+    failed_at = CASE WHEN sqlc.arg(status)::text = 'failed' THEN now() END,
+    last_error = sqlc.narg(error)::text,
+    expires_at = CASE WHEN sqlc.arg(status)::text <> 'pending'
+                      THEN now() + sqlc.arg(ttl_micros)::bigint * interval '1 microsecond' END
+WHERE destination = sqlc.arg(destination)::text AND id = sqlc.arg(id)::text
+  AND claim = sqlc.arg(claim)::bigint AND status = 'pending';
+
+-- Deletes up to @batch_size finished events past their expiry, and their
+-- attempt logs. SKIP LOCKED: several relays prune without waiting for each
+-- other.
+-- name: EventPrune :one
+WITH old AS (
+    DELETE FROM idem_events AS e
+    USING (SELECT destination, id
+           FROM idem_events
+           WHERE expires_at <= now() AND status IN ('delivered', 'failed')
+           ORDER BY expires_at
+           LIMIT sqlc.arg(batch_size)::integer
+           FOR UPDATE SKIP LOCKED) AS o
+    WHERE e.destination = o.destination AND e.id = o.id
+    RETURNING e.destination, e.id
+), gone AS (
+    DELETE FROM idem_event_attempts AS a
+    USING old
+    WHERE a.destination = old.destination AND a.event_id = old.id
+)
+SELECT count(*)::bigint FROM old;
+
+-- One event, for LookupEvent.
+-- name: EventLookup :one
+SELECT destination, id, topic, payload, coalesce(header::text, '')::text AS header, status, attempts, retry_from,
+       next_attempt_at, claim, created_at, delivered_at, failed_at, last_error, retried_at,
+       retry_reason, expires_at
+FROM idem_events
+WHERE destination = sqlc.arg(destination)::text AND id = sqlc.arg(id)::text;
+
+-- The attempt log of one event, in order.
+-- name: EventAttempts :many
+SELECT attempt, started_at, duration_micros, error, permanent, claim
+FROM idem_event_attempts
+WHERE destination = sqlc.arg(destination)::text AND event_id = sqlc.arg(id)::text
+ORDER BY attempt;
+
+-- Sends a failed event again: pending and due now, its schedule restarting
+-- after the attempts made so far, the reason recorded. 0 rows: the event is
+-- missing or not failed (EventLookup tells which).
+-- name: EventRetry :execrows
+UPDATE idem_events
+SET status = 'pending',
+    next_attempt_at = now(),
+    retry_from = attempts,
+    retried_at = now(),
+    retry_reason = sqlc.arg(reason)::text,
+    failed_at = NULL,
+    expires_at = NULL
+WHERE destination = sqlc.arg(destination)::text AND id = sqlc.arg(id)::text AND status = 'failed';
+
+-- Gives back a claimed event that was not sent (Run ended before a worker
+-- took it, or its lease was nearly over): due again now, the claim's
+-- attempt uncounted. Guarded by the claim's token, as EventRecord.
+-- name: EventRelease :execrows
+UPDATE idem_events
+SET next_attempt_at = now(), attempts = attempts - 1
+WHERE destination = sqlc.arg(destination)::text AND id = sqlc.arg(id)::text
+  AND claim = sqlc.arg(claim)::bigint AND status = 'pending';

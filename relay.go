@@ -1,0 +1,488 @@
+package idem
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/idem/internal/core"
+	"github.com/pgidem/idem/internal/db"
+	"github.com/pgidem/idem/internal/outbox"
+)
+
+// DefaultSchedule returns the relay's default schedule, Standard Webhooks'
+// (https://www.standardwebhooks.com): an attempt at once, then retries 5
+// seconds, 5 minutes, 30 minutes, 2 hours, 5 hours, 10 hours and 10 hours
+// after each failure; eight attempts over about a day and a day and a half.
+func DefaultSchedule() []time.Duration {
+	return []time.Duration{0, 5 * time.Second, 5 * time.Minute, 30 * time.Minute,
+		2 * time.Hour, 5 * time.Hour, 10 * time.Hour, 10 * time.Hour}
+}
+
+// RelayOptions configure a Relay. Zero fields take their defaults; a field
+// out of range makes NewRelay return an error wrapping ErrInvalidConfig.
+type RelayOptions struct {
+	// Sender sends each event (required).
+	Sender Sender
+	// Schedule has one entry per attempt: the delay before it, counted
+	// from the previous attempt's failure, each delay varied by up to ±10%
+	// (jitter) so that events that failed together are not retried
+	// together. The first entry must be 0: the first attempt is made as
+	// soon as a relay sees the event. After the last attempt fails, the
+	// event is failed. Default: DefaultSchedule(). At most 100 entries,
+	// none negative.
+	Schedule []time.Duration
+	// BatchSize is how many due events one claim takes (default 100, at
+	// most 10000). The relay claims again when fewer than Workers of its
+	// claimed events are left to send.
+	BatchSize int
+	// Workers is how many events are sent at once (default 10, at most
+	// 1000).
+	Workers int
+	// AttemptTimeout bounds one call of the Sender (default 30s): its ctx
+	// ends then, and the attempt counts as failed.
+	AttemptTimeout time.Duration
+	// Lease is how long a claim holds an event (default 2m, at least twice
+	// AttemptTimeout): no other relay claims it meanwhile. A relay never
+	// calls the Sender past its lease (it shortens the attempt's timeout,
+	// and leaves an event whose lease is nearly over to the next claim), so
+	// two relays never send one event at the same time. When a relay dies,
+	// its claimed events are sent by another relay once the lease runs out.
+	// Claimed events wait for a free worker, so keep BatchSize / Workers ×
+	// AttemptTimeout well under Lease.
+	Lease time.Duration
+	// PollInterval is how often the relay looks for due events when no
+	// notification wakes it (default 1s; at least 1ms). Retries are found
+	// by polling: a retry is due up to PollInterval late.
+	PollInterval time.Duration
+	// PollOnly turns off LISTEN: the relay only polls. Set it when db is a
+	// pool behind PgBouncer in transaction mode (or another transaction
+	// pooler), where notifications are lost. Without it, a relay whose db
+	// is a *pgxpool.Pool listens on EventsChannel on a connection of its
+	// own (opened with the pool's configuration, outside the pool) and
+	// sends a published event as soon as its transaction commits; other
+	// Beginners poll.
+	PollOnly bool
+	// TTL is how long a delivered event stays in the outbox, for
+	// LookupEvent and deduplication of Publish (default 72h). FailedTTL is
+	// how long a failed event stays (default 30 days): after it, the event
+	// is deleted unsent. The relay prunes both.
+	TTL, FailedTTL time.Duration
+	// Logger receives a record per failed claim, recording or prune (Warn)
+	// and per event marked failed (Warn). Default: slog.Default().
+	Logger *slog.Logger
+}
+
+// Limits of RelayOptions.
+const (
+	maxSchedule  = 100
+	maxBatchSize = 10000
+	maxWorkers   = 1000
+	// pruneBatch is how many events one prune statement deletes at most.
+	pruneBatch = 1000
+	// stopGrace bounds the recording of the attempts that Run's end cut.
+	stopGrace = 5 * time.Second
+)
+
+// Relay sends the events that Publish wrote, from the outbox to their
+// destinations through a Sender. Several relays (in one process or many)
+// share the work: each claims due events with FOR UPDATE SKIP LOCKED, in a
+// short transaction that gives them a lease and a fencing token, sends them
+// outside any transaction, and records each attempt and the event's new
+// state in a short transaction guarded by the token, so a relay that
+// stalled past its lease cannot overwrite a newer claim's outcome.
+//
+// Delivery is at least once: when a relay dies between a send and its
+// record (or the database cannot record it), the event is sent again after
+// the lease. The receiver deduplicates by Event.ID (Inbox,
+// idemhttp.WebhookHandler). With no failure, each event is sent once.
+type Relay struct {
+	db      Beginner
+	pool    *pgxpool.Pool // set when the relay listens
+	opts    RelayOptions
+	log     *slog.Logger
+	running atomic.Bool
+}
+
+// NewRelay returns a relay that sends the outbox of db's database with
+// opts. db is typically a *pgxpool.Pool (see RelayOptions.PollOnly). A nil
+// db is ErrInvalidArgument; options out of range ErrInvalidConfig.
+func NewRelay(db Beginner, opts RelayOptions) (*Relay, error) {
+	if db == nil {
+		return nil, core.Errorf("idem: new relay: %w: nil db", ErrInvalidArgument)
+	}
+	if err := opts.fill(); err != nil {
+		return nil, core.Errorf("idem: new relay: %w: %s", ErrInvalidConfig, err.Error())
+	}
+	r := &Relay{db: db, opts: opts, log: opts.Logger}
+	if p, ok := db.(*pgxpool.Pool); ok && !opts.PollOnly {
+		r.pool = p
+	}
+	return r, nil
+}
+
+// fill sets the defaults and checks the ranges.
+func (o *RelayOptions) fill() error {
+	if o.Sender == nil {
+		return errors.New("nil Sender")
+	}
+	if o.Schedule == nil {
+		o.Schedule = DefaultSchedule()
+	} else {
+		o.Schedule = append([]time.Duration(nil), o.Schedule...)
+	}
+	switch {
+	case len(o.Schedule) == 0 || len(o.Schedule) > maxSchedule:
+		return fmt.Errorf("Schedule has %d entries, want 1 to %d", len(o.Schedule), maxSchedule)
+	case o.Schedule[0] != 0:
+		return fmt.Errorf("Schedule[0] is %v: the first attempt is immediate (0)", o.Schedule[0])
+	}
+	for i, d := range o.Schedule {
+		if d < 0 {
+			return fmt.Errorf("Schedule[%d] is negative (%v)", i, d)
+		}
+	}
+	def := func(v *time.Duration, d time.Duration) {
+		if *v == 0 {
+			*v = d
+		}
+	}
+	def(&o.AttemptTimeout, 30*time.Second)
+	def(&o.Lease, max(2*time.Minute, 2*o.AttemptTimeout))
+	def(&o.PollInterval, time.Second)
+	def(&o.TTL, 72*time.Hour)
+	def(&o.FailedTTL, 30*24*time.Hour)
+	if o.BatchSize == 0 {
+		o.BatchSize = 100
+	}
+	if o.Workers == 0 {
+		o.Workers = 10
+	}
+	if o.Logger == nil {
+		o.Logger = slog.Default()
+	}
+	switch {
+	case o.BatchSize < 0 || o.BatchSize > maxBatchSize:
+		return fmt.Errorf("BatchSize %d out of 1..%d", o.BatchSize, maxBatchSize)
+	case o.Workers < 0 || o.Workers > maxWorkers:
+		return fmt.Errorf("Workers %d out of 1..%d", o.Workers, maxWorkers)
+	case o.AttemptTimeout < time.Millisecond:
+		return fmt.Errorf("AttemptTimeout %v under 1ms", o.AttemptTimeout)
+	case o.Lease < 2*o.AttemptTimeout:
+		return fmt.Errorf("Lease %v under twice AttemptTimeout (%v)", o.Lease, o.AttemptTimeout)
+	case o.PollInterval < time.Millisecond:
+		return fmt.Errorf("PollInterval %v under 1ms", o.PollInterval)
+	case o.TTL < 0 || o.FailedTTL < 0:
+		return fmt.Errorf("negative TTL (%v) or FailedTTL (%v)", o.TTL, o.FailedTTL)
+	}
+	return nil
+}
+
+// claimed is an event a relay claimed, and what became of its attempt.
+type claimed struct {
+	ev         Event
+	attempt    int   // its number, from 1
+	position   int   // its place in the schedule, from 1
+	claim      int64 // the claim's token
+	leaseEnd   time.Time
+	started    time.Time
+	duration   time.Duration
+	err        error
+	sent       bool // the Sender was called
+	stoppedRun bool // Run's end cut the attempt
+}
+
+// Run sends events until ctx ends, then returns ctx's error once the
+// attempts in flight are cut and recorded (each as failed and due again at
+// once, for the next relay). It returns early only with ErrInvalidArgument,
+// when the relay is running already. Failures of the database are logged
+// and retried every PollInterval; they never end Run.
+func (r *Relay) Run(ctx context.Context) error {
+	if !r.running.CompareAndSwap(false, true) {
+		return core.Errorf("idem: relay: %w: Run is running already", ErrInvalidArgument)
+	}
+	defer r.running.Store(false)
+
+	wake := make(chan struct{}, 1)
+	signal := func() {
+		select {
+		case wake <- struct{}{}:
+		default:
+		}
+	}
+	jobs := make(chan *claimed)
+	results := make(chan *claimed, r.opts.Workers+r.opts.BatchSize)
+	var inflight atomic.Int64
+	var wg sync.WaitGroup
+
+	if r.pool != nil {
+		wg.Go(func() { r.listen(ctx, signal) })
+	}
+	wg.Go(func() { r.prune(ctx) })
+	var workers sync.WaitGroup
+	for range r.opts.Workers {
+		workers.Go(func() {
+			for c := range jobs {
+				r.send(ctx, c)
+				results <- c
+			}
+		})
+	}
+	recorded := make(chan struct{})
+	go func() {
+		defer close(recorded)
+		r.record(results, func(n int) {
+			if inflight.Add(-int64(n)) < int64(r.opts.Workers) {
+				signal()
+			}
+		})
+	}()
+
+	poll := time.NewTimer(0)
+	defer poll.Stop()
+	for ctx.Err() == nil {
+		if inflight.Load() < int64(r.opts.Workers) {
+			batch, err := r.claim(ctx)
+			if err != nil && ctx.Err() == nil {
+				r.log.Warn("idem: relay: claim failed", "err", err)
+			}
+			inflight.Add(int64(len(batch)))
+			for _, c := range batch {
+				jobs <- c // never blocks past ctx: workers send nothing once it ended
+			}
+			if len(batch) == r.opts.BatchSize && err == nil {
+				continue
+			}
+		}
+		poll.Reset(r.opts.PollInterval)
+		select {
+		case <-ctx.Done():
+		case <-wake:
+		case <-poll.C:
+		}
+	}
+	close(jobs)
+	workers.Wait()
+	close(results)
+	<-recorded
+	wg.Wait()
+	return ctx.Err()
+}
+
+// claim claims up to BatchSize due events in a transaction of its own.
+func (r *Relay) claim(ctx context.Context) ([]*claimed, error) {
+	start := time.Now()
+	var rows []db.EventClaimRow
+	err := pgx.BeginFunc(ctx, r.db, func(tx pgx.Tx) error {
+		var err error
+		rows, err = dbQueries.EventClaim(ctx, tx, db.EventClaimParams{
+			MaxRows: int32(r.opts.BatchSize), LeaseMicros: r.opts.Lease.Microseconds()})
+		return err
+	})
+	if err != nil {
+		return nil, err
+	}
+	out := make([]*claimed, 0, len(rows))
+	for _, row := range rows {
+		header, err := outbox.DecodeHeader(row.Header)
+		c := &claimed{
+			ev: Event{ID: row.ID, Topic: row.Topic, Destination: row.Destination, Payload: row.Payload, Header: header},
+			attempt: int(row.Attempts), position: int(row.Attempts - row.RetryFrom), claim: row.Claim,
+			// Measured from before the claim began: never later than the
+			// database's.
+			leaseEnd: start.Add(r.opts.Lease),
+		}
+		if err != nil {
+			c.err = Permanent(fmt.Errorf("stored header: %w", err))
+		}
+		out = append(out, c)
+	}
+	return out, nil
+}
+
+// send makes one attempt at c, unless its lease is nearly over or Run ended.
+func (r *Relay) send(ctx context.Context, c *claimed) {
+	if c.err != nil || ctx.Err() != nil {
+		return
+	}
+	// Stop the attempt a tenth of the lease before it runs out, so that it
+	// never overlaps the next claim's.
+	deadline := time.Now().Add(r.opts.AttemptTimeout)
+	if end := c.leaseEnd.Add(-r.opts.Lease / 10); end.Before(deadline) {
+		deadline = end
+	}
+	if time.Until(deadline) < r.opts.AttemptTimeout/10 {
+		return // left to the next claim
+	}
+	sctx, cancel := context.WithDeadline(ctx, deadline)
+	defer cancel()
+	c.sent, c.started = true, time.Now()
+	c.err = r.opts.Sender.Send(sctx, Delivery{Event: c.ev, Attempt: c.attempt})
+	c.duration = time.Since(c.started)
+	if c.err != nil && ctx.Err() != nil {
+		c.stoppedRun = true
+	}
+}
+
+// record records the attempts that come from results, as many as are
+// waiting in one transaction, until results is closed; done is told how
+// many each time.
+func (r *Relay) record(results <-chan *claimed, done func(n int)) {
+	for c := range results {
+		batch := []*claimed{c}
+	more:
+		for len(batch) < 1000 {
+			select {
+			case c, ok := <-results:
+				if !ok {
+					break more
+				}
+				batch = append(batch, c)
+			default:
+				break more
+			}
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), max(stopGrace, r.opts.AttemptTimeout))
+		if err := r.recordBatch(ctx, batch); err != nil {
+			r.log.Warn("idem: relay: recording attempts failed; the events are sent again after their lease",
+				"events", len(batch), "err", err)
+		}
+		cancel()
+		done(len(batch))
+	}
+}
+
+// recordBatch records the attempts of batch in one transaction, one
+// pipelined statement each.
+func (r *Relay) recordBatch(ctx context.Context, batch []*claimed) error {
+	var b pgx.Batch
+	for _, c := range batch {
+		if !c.sent && c.err == nil {
+			// Not attempted: due again at once, for any relay.
+			b.Queue(db.EventRelease, c.ev.Destination, c.ev.ID, c.claim)
+			continue
+		}
+		status, delay := r.outcome(c)
+		var errText pgtype.Text
+		if c.err != nil {
+			errText = pgtype.Text{String: c.err.Error(), Valid: true}
+			if c.stoppedRun {
+				errText.String = "relay stopped: " + errText.String
+			}
+		}
+		ttl := r.opts.TTL
+		if status == EventFailed {
+			ttl = r.opts.FailedTTL
+			r.log.Warn("idem: relay: event failed", "id", c.ev.ID, "destination", c.ev.Destination,
+				"attempt", c.attempt, "err", c.err)
+		}
+		started := c.started
+		if !c.sent {
+			started = time.Now()
+		}
+		b.Queue(db.EventRecord, string(status), delay.Microseconds(), errText, ttl.Microseconds(),
+			c.ev.Destination, c.ev.ID, c.claim, int32(c.attempt),
+			pgtype.Timestamptz{Time: started, Valid: true}, c.duration.Microseconds(), IsPermanent(c.err))
+	}
+	if b.Len() == 0 {
+		return nil
+	}
+	return pgx.BeginFunc(ctx, r.db, func(tx pgx.Tx) error { return tx.SendBatch(ctx, &b).Close() })
+}
+
+// outcome is the state an attempt leaves its event in, and the delay
+// before the next attempt when it stays pending.
+func (r *Relay) outcome(c *claimed) (EventStatus, time.Duration) {
+	switch {
+	case c.err == nil:
+		return EventDelivered, 0
+	case c.stoppedRun:
+		return EventPending, 0
+	case IsPermanent(c.err) || c.position >= len(r.opts.Schedule):
+		return EventFailed, 0
+	}
+	d := r.opts.Schedule[c.position]
+	if d > 0 {
+		d += time.Duration(rand.Int64N(int64(d/5)+1)) - d/10 // ±10%
+	}
+	return EventPending, d
+}
+
+// listen wakes the relay on every notification of EventsChannel, on a
+// connection of its own, until ctx ends; when the connection fails it
+// reconnects after PollInterval (the relay polls meanwhile).
+func (r *Relay) listen(ctx context.Context, wake func()) {
+	for ctx.Err() == nil {
+		err := r.listenOnce(ctx, wake)
+		if ctx.Err() != nil {
+			return
+		}
+		r.log.Warn("idem: relay: LISTEN connection failed; polling until it is back", "err", err)
+		select {
+		case <-ctx.Done():
+		case <-time.After(r.opts.PollInterval):
+		}
+	}
+}
+
+// listenOnce listens on one connection until it fails or ctx ends.
+func (r *Relay) listenOnce(ctx context.Context, wake func()) error {
+	conn, err := pgx.ConnectConfig(ctx, r.pool.Config().ConnConfig.Copy())
+	if err != nil {
+		return err
+	}
+	defer func() {
+		cctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		_ = conn.Close(cctx)
+	}()
+	if _, err := conn.Exec(ctx, "LISTEN "+EventsChannel); err != nil {
+		return err
+	}
+	wake() // events published while nobody listened
+	for {
+		if _, err := conn.WaitForNotification(ctx); err != nil {
+			return err
+		}
+		wake()
+	}
+}
+
+// prune deletes the finished events past their TTL, at the start and then
+// every minute (or TTL, when shorter), until ctx ends.
+func (r *Relay) prune(ctx context.Context) {
+	every := max(r.opts.PollInterval, min(time.Minute, r.opts.TTL, r.opts.FailedTTL))
+	t := time.NewTimer(0)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		for ctx.Err() == nil {
+			var n int64
+			err := pgx.BeginFunc(ctx, r.db, func(tx pgx.Tx) error {
+				var err error
+				n, err = dbQueries.EventPrune(ctx, tx, pruneBatch)
+				return err
+			})
+			if err != nil && ctx.Err() == nil {
+				r.log.Warn("idem: relay: prune failed", "err", err)
+			}
+			if err != nil || n < pruneBatch {
+				break
+			}
+		}
+		t.Reset(every)
+	}
+}
