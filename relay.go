@@ -295,7 +295,7 @@ func (r *Relay) claim(ctx context.Context) ([]*claimed, error) {
 	for _, row := range rows {
 		header, err := outbox.DecodeHeader(row.Header)
 		c := &claimed{
-			ev: Event{ID: row.ID, Topic: row.Topic, Destination: row.Destination, Payload: row.Payload, Header: header},
+			ev:      Event{ID: row.ID, Topic: row.Topic, Destination: row.Destination, Payload: row.Payload, Header: header},
 			attempt: int(row.Attempts), position: int(row.Attempts - row.RetryFrom), claim: row.Claim,
 			// Measured from before the claim began: never later than the
 			// database's.
