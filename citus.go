@@ -193,8 +193,8 @@ const (
 		CASE WHEN p.logicalrelid IS NOT NULL THEN coalesce(column_to_column_name(p.logicalrelid, p.partkey), '<none>') END,
 		coalesce(p.colocationid = (SELECT colocationid FROM pg_dist_partition WHERE logicalrelid = to_regclass('idem_keys')), false)
 		FROM to_regclass($1) r LEFT JOIN pg_dist_partition p ON p.logicalrelid = r`
-	sqlDistribute      = "SELECT create_distributed_table('idem_keys', '" + DistributionColumn + "')"
-	sqlDistributeAudit = "SELECT create_distributed_table('idem_audit', '" + DistributionColumn + "', colocate_with => 'idem_keys')"
+	sqlDistribute         = "SELECT create_distributed_table('idem_keys', '" + DistributionColumn + "')"
+	sqlDistributeAudit    = "SELECT create_distributed_table('idem_audit', '" + DistributionColumn + "', colocate_with => 'idem_keys')"
 	sqlDistributeEvents   = "SELECT create_distributed_table('idem_events', '" + EventsDistributionColumn + "')"
 	sqlDistributeAttempts = "SELECT create_distributed_table('idem_event_attempts', '" + EventsDistributionColumn + "', colocate_with => 'idem_events')"
 )
