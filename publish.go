@@ -43,16 +43,17 @@ var (
 	ErrEventNotFailed = errors.New("idem: event is not failed")
 )
 
-// Limits of an event (ErrInvalidEvent beyond them).
+// Limits of an event (ErrInvalidEvent beyond them). The checks are
+// internal/outbox's; TestEventLimitsMatch keeps the two in step.
 const (
 	// MaxEventNameLength bounds an event's ID, Topic and Destination, in
 	// bytes.
-	MaxEventNameLength = outbox.MaxName
+	MaxEventNameLength = 255
 	// MaxEventPayload bounds an event's Payload, in bytes (1 MiB).
-	MaxEventPayload = outbox.MaxPayload
+	MaxEventPayload = 1 << 20
 	// MaxEventHeader bounds an event's Header as stored (a JSON object of
 	// string arrays), in bytes (64 KiB).
-	MaxEventHeader = outbox.MaxHeader
+	MaxEventHeader = 1 << 16
 )
 
 // EventsChannel is the PostgreSQL notification channel on which Publish

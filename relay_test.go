@@ -15,6 +15,7 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/db"
+	"github.com/pgidem/idem/internal/outbox"
 	"github.com/pgidem/idem/internal/testkit/pgtest"
 )
 
@@ -532,5 +533,13 @@ func TestEventClaimUsesTheDueIndex(t *testing.T) {
 	}
 	if p := strings.Join(plan, "\n"); !strings.Contains(p, "idem_events_due_idx") || strings.Contains(p, "Seq Scan") {
 		t.Fatalf("the claim does not walk idem_events_due_idx:\n%s", p)
+	}
+}
+
+// The public limits of an event are the ones Publish checks.
+func TestEventLimitsMatch(t *testing.T) {
+	if idem.MaxEventNameLength != outbox.MaxName || idem.MaxEventPayload != outbox.MaxPayload ||
+		idem.MaxEventHeader != outbox.MaxHeader {
+		t.Fatal("idem's event limits differ from internal/outbox's")
 	}
 }
