@@ -16,6 +16,7 @@ import (
 
 	"github.com/pgidem/idem/internal/core"
 	"github.com/pgidem/idem/internal/db"
+	"github.com/pgidem/idem/internal/driver/pgxdriver"
 	"github.com/pgidem/idem/internal/outbox"
 )
 
@@ -111,6 +112,7 @@ type Relay struct {
 	opts    RelayOptions
 	log     *slog.Logger
 	running atomic.Bool
+	citus   atomic.Int32 // 0: not known yet; 1: PostgreSQL; 2: Citus
 }
 
 // NewRelay returns a relay that sends the outbox of db's database with
@@ -281,11 +283,23 @@ func (r *Relay) Run(ctx context.Context) error {
 // claim claims up to BatchSize due events in a transaction of its own.
 func (r *Relay) claim(ctx context.Context) ([]*claimed, error) {
 	start := time.Now()
+	citus, err := r.onCitus(ctx)
+	if err != nil {
+		return nil, err
+	}
 	var rows []db.EventClaimRow
-	err := pgx.BeginFunc(ctx, r.db, func(tx pgx.Tx) error {
+	err = pgx.BeginFunc(ctx, r.db, func(tx pgx.Tx) error {
 		var err error
-		rows, err = dbQueries.EventClaim(ctx, tx, db.EventClaimParams{
+		if !citus {
+			rows, err = dbQueries.EventClaim(ctx, tx, db.EventClaimParams{
+				MaxRows: int32(r.opts.BatchSize), LeaseMicros: r.opts.Lease.Microseconds()})
+			return err
+		}
+		crows, err := dbQueries.EventClaimCitus(ctx, tx, db.EventClaimCitusParams{
 			MaxRows: int32(r.opts.BatchSize), LeaseMicros: r.opts.Lease.Microseconds()})
+		for _, c := range crows {
+			rows = append(rows, db.EventClaimRow(c))
+		}
 		return err
 	})
 	if err != nil {
@@ -470,12 +484,7 @@ func (r *Relay) prune(ctx context.Context) {
 		case <-t.C:
 		}
 		for ctx.Err() == nil {
-			var n int64
-			err := pgx.BeginFunc(ctx, r.db, func(tx pgx.Tx) error {
-				var err error
-				n, err = dbQueries.EventPrune(ctx, tx, pruneBatch)
-				return err
-			})
+			n, err := r.pruneBatch(ctx)
 			if err != nil && ctx.Err() == nil {
 				r.log.Warn("idem: relay: prune failed", "err", err)
 			}
@@ -485,4 +494,61 @@ func (r *Relay) prune(ctx context.Context) {
 		}
 		t.Reset(every)
 	}
+}
+
+// pruneBatch deletes up to pruneBatch finished events past their expiry,
+// and their attempt logs, in one transaction.
+func (r *Relay) pruneBatch(ctx context.Context) (int64, error) {
+	citus, err := r.onCitus(ctx)
+	if err != nil {
+		return 0, err
+	}
+	tx, err := r.db.Begin(ctx)
+	if err != nil {
+		return 0, err
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	var n int64
+	if citus {
+		// One snapshot for both statements (EventPruneCitus).
+		if _, err = tx.Exec(ctx, "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"); err == nil {
+			if err = dbQueries.EventPruneAttemptsCitus(ctx, tx, pruneBatch); err == nil {
+				n, err = dbQueries.EventPruneCitus(ctx, tx, pruneBatch)
+			}
+		}
+	} else {
+		n, err = dbQueries.EventPrune(ctx, tx, pruneBatch)
+	}
+	if err != nil {
+		return 0, err
+	}
+	return n, tx.Commit(ctx)
+}
+
+// onCitus reports whether the relay's database runs Citus, asking it (in
+// a transaction of its own) the first time: Citus refuses FOR UPDATE over
+// a distributed table, so the claim and the prune take statements of
+// their own there.
+func (r *Relay) onCitus(ctx context.Context) (bool, error) {
+	switch r.citus.Load() {
+	case 1:
+		return false, nil
+	case 2:
+		return true, nil
+	}
+	var citus bool
+	err := pgx.BeginFunc(ctx, r.db, func(tx pgx.Tx) error {
+		var err error
+		citus, err = pgxdriver.HasCitus(ctx, tx)
+		return err
+	})
+	if err != nil {
+		return false, err
+	}
+	if citus {
+		r.citus.Store(2)
+	} else {
+		r.citus.Store(1)
+	}
+	return citus, nil
 }

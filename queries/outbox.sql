@@ -135,3 +135,48 @@ UPDATE idem_events
 SET next_attempt_at = now(), attempts = attempts - 1
 WHERE destination = sqlc.arg(destination)::text AND id = sqlc.arg(id)::text
   AND claim = sqlc.arg(claim)::bigint AND status = 'pending';
+
+-- EventClaim for Citus, which refuses FOR UPDATE in a query over a
+-- distributed table. The due events are picked without locks (Citus plans
+-- the subquery first), then updated with the conditions checked again on
+-- each row the UPDATE locks: an event another relay claimed meanwhile has
+-- its next_attempt_at at the end of that claim's lease, is no longer due,
+-- and is left out. Concurrent claims wait for each other's rows instead of
+-- skipping them; no event is claimed twice. Run picks the statement per
+-- database.
+-- name: EventClaimCitus :many
+UPDATE idem_events AS e
+SET attempts = e.attempts + 1,
+    claim = e.claim + 1,
+    next_attempt_at = now() + sqlc.arg(lease_micros)::bigint * interval '1 microsecond'
+WHERE (e.destination, e.id) IN (
+        SELECT destination, id
+        FROM idem_events
+        WHERE status = 'pending' AND next_attempt_at <= now()
+        ORDER BY next_attempt_at
+        LIMIT sqlc.arg(max_rows)::integer)
+  AND e.status = 'pending' AND e.next_attempt_at <= now()
+RETURNING e.destination, e.id, e.topic, e.payload, coalesce(e.header::text, '')::text AS header, e.attempts, e.retry_from, e.claim;
+
+-- EventPrune for Citus, in two statements run in one REPEATABLE READ
+-- transaction (one snapshot: both pick the same events): the attempt logs
+-- of up to @batch_size finished events past their expiry, then the events,
+-- their conditions checked again on the rows the DELETE locks.
+-- name: EventPruneAttemptsCitus :exec
+DELETE FROM idem_event_attempts
+WHERE (destination, event_id) IN (
+        SELECT destination, id
+        FROM idem_events
+        WHERE expires_at <= now() AND status IN ('delivered', 'failed')
+        ORDER BY expires_at, destination, id
+        LIMIT sqlc.arg(batch_size)::integer);
+
+-- name: EventPruneCitus :execrows
+DELETE FROM idem_events
+WHERE (destination, id) IN (
+        SELECT destination, id
+        FROM idem_events
+        WHERE expires_at <= now() AND status IN ('delivered', 'failed')
+        ORDER BY expires_at, destination, id
+        LIMIT sqlc.arg(batch_size)::integer)
+  AND expires_at <= now() AND status IN ('delivered', 'failed');

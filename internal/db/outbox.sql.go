@@ -128,6 +128,74 @@ func (q *Queries) EventClaim(ctx context.Context, db DBTX, arg EventClaimParams)
 	return items, nil
 }
 
+const EventClaimCitus = `-- name: EventClaimCitus :many
+UPDATE idem_events AS e
+SET attempts = e.attempts + 1,
+    claim = e.claim + 1,
+    next_attempt_at = now() + $1::bigint * interval '1 microsecond'
+WHERE (e.destination, e.id) IN (
+        SELECT destination, id
+        FROM idem_events
+        WHERE status = 'pending' AND next_attempt_at <= now()
+        ORDER BY next_attempt_at
+        LIMIT $2::integer)
+  AND e.status = 'pending' AND e.next_attempt_at <= now()
+RETURNING e.destination, e.id, e.topic, e.payload, coalesce(e.header::text, '')::text AS header, e.attempts, e.retry_from, e.claim
+`
+
+type EventClaimCitusParams struct {
+	LeaseMicros int64
+	MaxRows     int32
+}
+
+type EventClaimCitusRow struct {
+	Destination string
+	ID          string
+	Topic       string
+	Payload     []byte
+	Header      string
+	Attempts    int32
+	RetryFrom   int32
+	Claim       int64
+}
+
+// EventClaim for Citus, which refuses FOR UPDATE in a query over a
+// distributed table. The due events are picked without locks (Citus plans
+// the subquery first), then updated with the conditions checked again on
+// each row the UPDATE locks: an event another relay claimed meanwhile has
+// its next_attempt_at at the end of that claim's lease, is no longer due,
+// and is left out. Concurrent claims wait for each other's rows instead of
+// skipping them; no event is claimed twice. Run picks the statement per
+// database.
+func (q *Queries) EventClaimCitus(ctx context.Context, db DBTX, arg EventClaimCitusParams) ([]EventClaimCitusRow, error) {
+	rows, err := db.Query(ctx, EventClaimCitus, arg.LeaseMicros, arg.MaxRows)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []EventClaimCitusRow
+	for rows.Next() {
+		var i EventClaimCitusRow
+		if err := rows.Scan(
+			&i.Destination,
+			&i.ID,
+			&i.Topic,
+			&i.Payload,
+			&i.Header,
+			&i.Attempts,
+			&i.RetryFrom,
+			&i.Claim,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const EventLookup = `-- name: EventLookup :one
 SELECT destination, id, topic, payload, coalesce(header::text, '')::text AS header, status, attempts, retry_from,
        next_attempt_at, claim, created_at, delivered_at, failed_at, last_error, retried_at,
@@ -214,6 +282,44 @@ func (q *Queries) EventPrune(ctx context.Context, db DBTX, batchSize int32) (int
 	var column_1 int64
 	err := row.Scan(&column_1)
 	return column_1, err
+}
+
+const EventPruneAttemptsCitus = `-- name: EventPruneAttemptsCitus :exec
+DELETE FROM idem_event_attempts
+WHERE (destination, event_id) IN (
+        SELECT destination, id
+        FROM idem_events
+        WHERE expires_at <= now() AND status IN ('delivered', 'failed')
+        ORDER BY expires_at, destination, id
+        LIMIT $1::integer)
+`
+
+// EventPrune for Citus, in two statements run in one REPEATABLE READ
+// transaction (one snapshot: both pick the same events): the attempt logs
+// of up to @batch_size finished events past their expiry, then the events,
+// their conditions checked again on the rows the DELETE locks.
+func (q *Queries) EventPruneAttemptsCitus(ctx context.Context, db DBTX, batchSize int32) error {
+	_, err := db.Exec(ctx, EventPruneAttemptsCitus, batchSize)
+	return err
+}
+
+const EventPruneCitus = `-- name: EventPruneCitus :execrows
+DELETE FROM idem_events
+WHERE (destination, id) IN (
+        SELECT destination, id
+        FROM idem_events
+        WHERE expires_at <= now() AND status IN ('delivered', 'failed')
+        ORDER BY expires_at, destination, id
+        LIMIT $1::integer)
+  AND expires_at <= now() AND status IN ('delivered', 'failed')
+`
+
+func (q *Queries) EventPruneCitus(ctx context.Context, db DBTX, batchSize int32) (int64, error) {
+	result, err := db.Exec(ctx, EventPruneCitus, batchSize)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
 }
 
 const EventPublish = `-- name: EventPublish :one
