@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -51,7 +52,8 @@ func (c *counter) count(id string) int {
 // a short poll so that retries come quickly.
 func fastRelay(s idem.Sender) idem.RelayOptions {
 	return idem.RelayOptions{Sender: s, Schedule: []time.Duration{0, 5 * time.Millisecond, 5 * time.Millisecond, 5 * time.Millisecond},
-		AttemptTimeout: 200 * time.Millisecond, Lease: time.Second, PollInterval: 10 * time.Millisecond}
+		AttemptTimeout: 200 * time.Millisecond, Lease: time.Second, PollInterval: 10 * time.Millisecond,
+		Logger: slog.New(slog.DiscardHandler)}
 }
 
 // runRelay runs a relay on db until the returned stop is called (or the
