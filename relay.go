@@ -2,16 +2,17 @@ package idem
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem/internal/core"
@@ -222,8 +223,14 @@ func (r *Relay) Run(ctx context.Context) error {
 		}
 	}
 	jobs := make(chan *claimed)
-	results := make(chan *claimed, r.opts.Workers+r.opts.BatchSize)
-	var inflight atomic.Int64
+	// Claimed events are counted twice: unsent until a worker is done
+	// with them, unrecorded until their attempt is recorded. The relay
+	// claims again when fewer than Workers are left to send (so sending,
+	// claiming and recording overlap), as long as fewer than two batches
+	// wait for their record.
+	var unsent, unrecorded atomic.Int64
+	maxUnrecorded := int64(r.opts.BatchSize + r.opts.Workers)
+	results := make(chan *claimed, 2*(r.opts.BatchSize+r.opts.Workers))
 	var wg sync.WaitGroup
 
 	if r.pool != nil {
@@ -236,6 +243,9 @@ func (r *Relay) Run(ctx context.Context) error {
 			for c := range jobs {
 				r.send(ctx, c)
 				results <- c
+				if unsent.Add(-1) == int64(r.opts.Workers)-1 {
+					signal()
+				}
 			}
 		})
 	}
@@ -243,21 +253,21 @@ func (r *Relay) Run(ctx context.Context) error {
 	go func() {
 		defer close(recorded)
 		r.record(results, func(n int) {
-			if inflight.Add(-int64(n)) < int64(r.opts.Workers) {
-				signal()
-			}
+			unrecorded.Add(-int64(n))
+			signal()
 		})
 	}()
 
 	poll := time.NewTimer(0)
 	defer poll.Stop()
 	for ctx.Err() == nil {
-		if inflight.Load() < int64(r.opts.Workers) {
+		if unsent.Load() < int64(r.opts.Workers) && unrecorded.Load() <= maxUnrecorded {
 			batch, err := r.claim(ctx)
 			if err != nil && ctx.Err() == nil {
 				r.log.Warn("idem: relay: claim failed", "err", err)
 			}
-			inflight.Add(int64(len(batch)))
+			unsent.Add(int64(len(batch)))
+			unrecorded.Add(int64(len(batch)))
 			for _, c := range batch {
 				jobs <- c // never blocks past ctx: workers send nothing once it ended
 			}
@@ -375,9 +385,11 @@ func (r *Relay) record(results <-chan *claimed, done func(n int)) {
 	}
 }
 
-// recordBatch records the attempts of batch in one transaction, one
-// pipelined statement each.
+// recordBatch records the attempts of batch in one transaction: one
+// statement for every attempt, and one per claimed event that was not
+// attempted (given back, due at once).
 func (r *Relay) recordBatch(ctx context.Context, batch []*claimed) error {
+	var attempts []recordedAttempt
 	var b pgx.Batch
 	for _, c := range batch {
 		if !c.sent && c.err == nil {
@@ -386,31 +398,52 @@ func (r *Relay) recordBatch(ctx context.Context, batch []*claimed) error {
 			continue
 		}
 		status, delay := r.outcome(c)
-		var errText pgtype.Text
-		if c.err != nil {
-			errText = pgtype.Text{String: c.err.Error(), Valid: true}
-			if c.stoppedRun {
-				errText.String = "relay stopped: " + errText.String
-			}
+		a := recordedAttempt{Destination: c.ev.Destination, ID: c.ev.ID, Claim: c.claim, Attempt: c.attempt,
+			StartedAt: c.started, DurationMicros: c.duration.Microseconds(), Permanent: IsPermanent(c.err),
+			Status: string(status), DelayMicros: delay.Microseconds(), TTLMicros: r.opts.TTL.Microseconds()}
+		if !c.sent {
+			a.StartedAt = time.Now()
 		}
-		ttl := r.opts.TTL
+		if c.err != nil {
+			msg := errorText(c.err)
+			if c.stoppedRun {
+				msg = "relay stopped: " + msg
+			}
+			a.Error = &msg
+		}
 		if status == EventFailed {
-			ttl = r.opts.FailedTTL
+			a.TTLMicros = r.opts.FailedTTL.Microseconds()
 			r.log.Warn("idem: relay: event failed", "id", c.ev.ID, "destination", c.ev.Destination,
 				"attempt", c.attempt, "err", c.err)
 		}
-		started := c.started
-		if !c.sent {
-			started = time.Now()
+		attempts = append(attempts, a)
+	}
+	if len(attempts) > 0 {
+		js, err := json.Marshal(attempts)
+		if err != nil {
+			return err
 		}
-		b.Queue(db.EventRecord, string(status), delay.Microseconds(), errText, ttl.Microseconds(),
-			c.ev.Destination, c.ev.ID, c.claim, int32(c.attempt),
-			pgtype.Timestamptz{Time: started, Valid: true}, c.duration.Microseconds(), IsPermanent(c.err))
+		b.Queue(db.EventRecord, string(js))
 	}
 	if b.Len() == 0 {
 		return nil
 	}
 	return pgx.BeginFunc(ctx, r.db, func(tx pgx.Tx) error { return tx.SendBatch(ctx, &b).Close() })
+}
+
+// recordedAttempt is one attempt as EventRecord reads it.
+type recordedAttempt struct {
+	Destination    string    `json:"destination"`
+	ID             string    `json:"id"`
+	Claim          int64     `json:"claim"`
+	Attempt        int       `json:"attempt"`
+	StartedAt      time.Time `json:"started_at"`
+	DurationMicros int64     `json:"duration_micros"`
+	Error          *string   `json:"error"`
+	Permanent      bool      `json:"permanent"`
+	Status         string    `json:"status"`
+	DelayMicros    int64     `json:"delay_micros"`
+	TTLMicros      int64     `json:"ttl_micros"`
 }
 
 // outcome is the state an attempt leaves its event in, and the delay
@@ -551,4 +584,17 @@ func (r *Relay) onCitus(ctx context.Context) (bool, error) {
 		r.citus.Store(1)
 	}
 	return citus, nil
+}
+
+// maxErrorText bounds the error text an attempt records, in bytes.
+const maxErrorText = 4096
+
+// errorText is err's message as an attempt records it: valid UTF-8 without
+// NUL (jsonb and text refuse it), at most maxErrorText bytes.
+func errorText(err error) string {
+	msg := strings.ReplaceAll(strings.ToValidUTF8(err.Error(), "\uFFFD"), "\x00", "")
+	if len(msg) > maxErrorText {
+		msg = strings.ToValidUTF8(msg[:maxErrorText], "")
+	}
+	return msg
 }

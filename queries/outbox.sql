@@ -30,52 +30,59 @@ WHERE destination = sqlc.arg(destination)::text AND id = sqlc.arg(id)::text;
 -- waiting for events another relay is claiming (SKIP LOCKED): each gets
 -- one more attempt, a new claim token, and next_attempt_at at the end of
 -- the lease, so no relay claims it again before the lease runs out. The
--- due scan walks idem_events_due_idx.
+-- due scan walks idem_events_due_idx; the update finds the locked rows by
+-- their ctid (a TID scan: never a scan of the table, however the planner
+-- weighs a join).
 -- name: EventClaim :many
-WITH due AS (
-    SELECT destination, id
-    FROM idem_events
-    WHERE status = 'pending' AND next_attempt_at <= now()
-    ORDER BY next_attempt_at
-    LIMIT sqlc.arg(max_rows)::integer
-    FOR UPDATE SKIP LOCKED
-)
 UPDATE idem_events AS e
 SET attempts = e.attempts + 1,
     claim = e.claim + 1,
     next_attempt_at = now() + sqlc.arg(lease_micros)::bigint * interval '1 microsecond'
-FROM due
-WHERE e.destination = due.destination AND e.id = due.id
+WHERE e.ctid = ANY (ARRAY(
+        SELECT ctid
+        FROM idem_events
+        WHERE status = 'pending' AND next_attempt_at <= now()
+        ORDER BY next_attempt_at
+        LIMIT sqlc.arg(max_rows)::integer
+        FOR UPDATE SKIP LOCKED))
 RETURNING e.destination, e.id, e.topic, e.payload, coalesce(e.header::text, '')::text AS header, e.attempts, e.retry_from, e.claim;
 
--- Records an attempt and the event's new state: the attempt's row always
--- (while the event exists; the same attempt twice is kept once), the state
--- only while the event still carries the claim's token and is pending. 0
--- rows: a newer claim, RetryEvent or the pruner came first, and the state
--- was left as it is. @status is 'pending' (retry in @delay_micros),
--- 'delivered' or 'failed' (both pruned after @ttl_micros).
+-- Records a batch of attempts and their events' new states, given as a
+-- JSON array of objects (one per attempt: destination, id, claim, attempt,
+-- started_at, duration_micros, error, permanent, and the new state: status
+-- 'pending' with delay_micros, or 'delivered' / 'failed' with ttl_micros,
+-- after which the event is pruned). Each attempt's row is written while its
+-- event exists (the same attempt twice is kept once); the state only while
+-- the event still carries the claim's token and is pending, so a newer
+-- claim, RetryEvent or the pruner that came first is left as it is. Returns
+-- how many states were written.
 -- name: EventRecord :execrows
-WITH attempt AS (
+WITH r AS (
+    SELECT x.value ->> 'destination' AS destination, x.value ->> 'id' AS id,
+           (x.value ->> 'claim')::bigint AS claim, (x.value ->> 'attempt')::integer AS attempt,
+           (x.value ->> 'started_at')::timestamptz AS started_at,
+           (x.value ->> 'duration_micros')::bigint AS duration_micros, x.value ->> 'error' AS error,
+           (x.value ->> 'permanent')::boolean AS permanent, x.value ->> 'status' AS status,
+           (x.value ->> 'delay_micros')::bigint AS delay_micros, (x.value ->> 'ttl_micros')::bigint AS ttl_micros
+    FROM jsonb_array_elements(sqlc.arg(attempts)::text::jsonb) AS x
+), logged AS (
     INSERT INTO idem_event_attempts (destination, event_id, attempt, started_at, duration_micros, error, permanent, claim)
-    SELECT sqlc.arg(destination)::text, sqlc.arg(id)::text, sqlc.arg(attempt)::integer,
-           sqlc.arg(started_at)::timestamptz, sqlc.arg(duration_micros)::bigint, sqlc.narg(error)::text,
-           sqlc.arg(permanent)::boolean, sqlc.arg(claim)::bigint
-    WHERE EXISTS (SELECT 1 FROM idem_events
-                  WHERE destination = sqlc.arg(destination)::text AND id = sqlc.arg(id)::text)
+    SELECT r.destination, r.id, r.attempt, r.started_at, r.duration_micros, r.error, r.permanent, r.claim
+    FROM r
+    WHERE EXISTS (SELECT 1 FROM idem_events e WHERE e.destination = r.destination AND e.id = r.id)
     ON CONFLICT DO NOTHING
 )
-UPDATE idem_events
-SET status = sqlc.arg(status)::text,
-    next_attempt_at = CASE WHEN sqlc.arg(status)::text = 'pending'
-                           THEN now() + sqlc.arg(delay_micros)::bigint * interval '1 microsecond'
-                           ELSE next_attempt_at END,
-    delivered_at = CASE WHEN sqlc.arg(status)::text = 'delivered' THEN now() END,
-    failed_at = CASE WHEN sqlc.arg(status)::text = 'failed' THEN now() END,
-    last_error = sqlc.narg(error)::text,
-    expires_at = CASE WHEN sqlc.arg(status)::text <> 'pending'
-                      THEN now() + sqlc.arg(ttl_micros)::bigint * interval '1 microsecond' END
-WHERE destination = sqlc.arg(destination)::text AND id = sqlc.arg(id)::text
-  AND claim = sqlc.arg(claim)::bigint AND status = 'pending';
+UPDATE idem_events AS e
+SET status = r.status,
+    next_attempt_at = CASE WHEN r.status = 'pending'
+                           THEN now() + r.delay_micros * interval '1 microsecond'
+                           ELSE e.next_attempt_at END,
+    delivered_at = CASE WHEN r.status = 'delivered' THEN now() END,
+    failed_at = CASE WHEN r.status = 'failed' THEN now() END,
+    last_error = r.error,
+    expires_at = CASE WHEN r.status <> 'pending' THEN now() + r.ttl_micros * interval '1 microsecond' END
+FROM r
+WHERE e.destination = r.destination AND e.id = r.id AND e.claim = r.claim AND e.status = 'pending';
 
 -- Deletes up to @batch_size finished events past their expiry, and their
 -- attempt logs. SKIP LOCKED: several relays prune without waiting for each

@@ -64,20 +64,17 @@ func (q *Queries) EventAttempts(ctx context.Context, db DBTX, arg EventAttemptsP
 }
 
 const EventClaim = `-- name: EventClaim :many
-WITH due AS (
-    SELECT destination, id
-    FROM idem_events
-    WHERE status = 'pending' AND next_attempt_at <= now()
-    ORDER BY next_attempt_at
-    LIMIT $2::integer
-    FOR UPDATE SKIP LOCKED
-)
 UPDATE idem_events AS e
 SET attempts = e.attempts + 1,
     claim = e.claim + 1,
     next_attempt_at = now() + $1::bigint * interval '1 microsecond'
-FROM due
-WHERE e.destination = due.destination AND e.id = due.id
+WHERE e.ctid = ANY (ARRAY(
+        SELECT ctid
+        FROM idem_events
+        WHERE status = 'pending' AND next_attempt_at <= now()
+        ORDER BY next_attempt_at
+        LIMIT $2::integer
+        FOR UPDATE SKIP LOCKED))
 RETURNING e.destination, e.id, e.topic, e.payload, coalesce(e.header::text, '')::text AS header, e.attempts, e.retry_from, e.claim
 `
 
@@ -101,7 +98,9 @@ type EventClaimRow struct {
 // waiting for events another relay is claiming (SKIP LOCKED): each gets
 // one more attempt, a new claim token, and next_attempt_at at the end of
 // the lease, so no relay claims it again before the lease runs out. The
-// due scan walks idem_events_due_idx.
+// due scan walks idem_events_due_idx; the update finds the locked rows by
+// their ctid (a TID scan: never a scan of the table, however the planner
+// weighs a join).
 func (q *Queries) EventClaim(ctx context.Context, db DBTX, arg EventClaimParams) ([]EventClaimRow, error) {
 	rows, err := db.QueryContext(ctx, EventClaim, arg.LeaseMicros, arg.MaxRows)
 	if err != nil {
@@ -374,63 +373,45 @@ func (q *Queries) EventPublish(ctx context.Context, db DBTX, arg EventPublishPar
 }
 
 const EventRecord = `-- name: EventRecord :execrows
-WITH attempt AS (
+WITH r AS (
+    SELECT x.value ->> 'destination' AS destination, x.value ->> 'id' AS id,
+           (x.value ->> 'claim')::bigint AS claim, (x.value ->> 'attempt')::integer AS attempt,
+           (x.value ->> 'started_at')::timestamptz AS started_at,
+           (x.value ->> 'duration_micros')::bigint AS duration_micros, x.value ->> 'error' AS error,
+           (x.value ->> 'permanent')::boolean AS permanent, x.value ->> 'status' AS status,
+           (x.value ->> 'delay_micros')::bigint AS delay_micros, (x.value ->> 'ttl_micros')::bigint AS ttl_micros
+    FROM jsonb_array_elements($1::text::jsonb) AS x
+), logged AS (
     INSERT INTO idem_event_attempts (destination, event_id, attempt, started_at, duration_micros, error, permanent, claim)
-    SELECT $5::text, $6::text, $8::integer,
-           $9::timestamptz, $10::bigint, $3::text,
-           $11::boolean, $7::bigint
-    WHERE EXISTS (SELECT 1 FROM idem_events
-                  WHERE destination = $5::text AND id = $6::text)
+    SELECT r.destination, r.id, r.attempt, r.started_at, r.duration_micros, r.error, r.permanent, r.claim
+    FROM r
+    WHERE EXISTS (SELECT 1 FROM idem_events e WHERE e.destination = r.destination AND e.id = r.id)
     ON CONFLICT DO NOTHING
 )
-UPDATE idem_events
-SET status = $1::text,
-    next_attempt_at = CASE WHEN $1::text = 'pending'
-                           THEN now() + $2::bigint * interval '1 microsecond'
-                           ELSE next_attempt_at END,
-    delivered_at = CASE WHEN $1::text = 'delivered' THEN now() END,
-    failed_at = CASE WHEN $1::text = 'failed' THEN now() END,
-    last_error = $3::text,
-    expires_at = CASE WHEN $1::text <> 'pending'
-                      THEN now() + $4::bigint * interval '1 microsecond' END
-WHERE destination = $5::text AND id = $6::text
-  AND claim = $7::bigint AND status = 'pending'
+UPDATE idem_events AS e
+SET status = r.status,
+    next_attempt_at = CASE WHEN r.status = 'pending'
+                           THEN now() + r.delay_micros * interval '1 microsecond'
+                           ELSE e.next_attempt_at END,
+    delivered_at = CASE WHEN r.status = 'delivered' THEN now() END,
+    failed_at = CASE WHEN r.status = 'failed' THEN now() END,
+    last_error = r.error,
+    expires_at = CASE WHEN r.status <> 'pending' THEN now() + r.ttl_micros * interval '1 microsecond' END
+FROM r
+WHERE e.destination = r.destination AND e.id = r.id AND e.claim = r.claim AND e.status = 'pending'
 `
 
-type EventRecordParams struct {
-	Status         string
-	DelayMicros    int64
-	Error          sql.NullString
-	TtlMicros      int64
-	Destination    string
-	ID             string
-	Claim          int64
-	Attempt        int32
-	StartedAt      time.Time
-	DurationMicros int64
-	Permanent      bool
-}
-
-// Records an attempt and the event's new state: the attempt's row always
-// (while the event exists; the same attempt twice is kept once), the state
-// only while the event still carries the claim's token and is pending. 0
-// rows: a newer claim, RetryEvent or the pruner came first, and the state
-// was left as it is. @status is 'pending' (retry in @delay_micros),
-// 'delivered' or 'failed' (both pruned after @ttl_micros).
-func (q *Queries) EventRecord(ctx context.Context, db DBTX, arg EventRecordParams) (int64, error) {
-	result, err := db.ExecContext(ctx, EventRecord,
-		arg.Status,
-		arg.DelayMicros,
-		arg.Error,
-		arg.TtlMicros,
-		arg.Destination,
-		arg.ID,
-		arg.Claim,
-		arg.Attempt,
-		arg.StartedAt,
-		arg.DurationMicros,
-		arg.Permanent,
-	)
+// Records a batch of attempts and their events' new states, given as a
+// JSON array of objects (one per attempt: destination, id, claim, attempt,
+// started_at, duration_micros, error, permanent, and the new state: status
+// 'pending' with delay_micros, or 'delivered' / 'failed' with ttl_micros,
+// after which the event is pruned). Each attempt's row is written while its
+// event exists (the same attempt twice is kept once); the state only while
+// the event still carries the claim's token and is pending, so a newer
+// claim, RetryEvent or the pruner that came first is left as it is. Returns
+// how many states were written.
+func (q *Queries) EventRecord(ctx context.Context, db DBTX, attempts string) (int64, error) {
+	result, err := db.ExecContext(ctx, EventRecord, attempts)
 	if err != nil {
 		return 0, err
 	}
