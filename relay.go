@@ -298,14 +298,14 @@ func (r *Relay) claim(ctx context.Context) ([]*claimed, error) {
 		return nil, err
 	}
 	var rows []db.EventClaimRow
-	err = pgx.BeginFunc(ctx, r.db, func(tx pgx.Tx) error {
+	err = r.statement(ctx, func(q db.DBTX) error {
 		var err error
 		if !citus {
-			rows, err = dbQueries.EventClaim(ctx, tx, db.EventClaimParams{
+			rows, err = dbQueries.EventClaim(ctx, q, db.EventClaimParams{
 				MaxRows: int32(r.opts.BatchSize), LeaseMicros: r.opts.Lease.Microseconds()})
 			return err
 		}
-		crows, err := dbQueries.EventClaimCitus(ctx, tx, db.EventClaimCitusParams{
+		crows, err := dbQueries.EventClaimCitus(ctx, q, db.EventClaimCitusParams{
 			MaxRows: int32(r.opts.BatchSize), LeaseMicros: r.opts.Lease.Microseconds()})
 		for _, c := range crows {
 			rows = append(rows, db.EventClaimRow(c))
@@ -428,7 +428,27 @@ func (r *Relay) recordBatch(ctx context.Context, batch []*claimed) error {
 	if b.Len() == 0 {
 		return nil
 	}
+	if sb, ok := r.db.(batchSender); ok {
+		// One round trip: a pipeline is one implicit transaction.
+		return sb.SendBatch(ctx, &b).Close()
+	}
 	return pgx.BeginFunc(ctx, r.db, func(tx pgx.Tx) error { return tx.SendBatch(ctx, &b).Close() })
+}
+
+// batchSender sends a pipeline of statements as one implicit transaction
+// (*pgxpool.Pool, *pgx.Conn).
+type batchSender interface {
+	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
+}
+
+// statement runs f, a single statement, on the relay's db directly when it
+// can (*pgxpool.Pool, *pgx.Conn: one round trip, the statement its own
+// transaction), and otherwise in a transaction begun on it.
+func (r *Relay) statement(ctx context.Context, f func(q db.DBTX) error) error {
+	if q, ok := r.db.(db.DBTX); ok {
+		return f(q)
+	}
+	return pgx.BeginFunc(ctx, r.db, func(tx pgx.Tx) error { return f(tx) })
 }
 
 // recordedAttempt is one attempt as EventRecord reads it.
