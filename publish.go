@@ -3,6 +3,7 @@ package idem
 import (
 	"context"
 	"errors"
+	"slices"
 	"time"
 	"unicode/utf8"
 
@@ -230,6 +231,14 @@ func lookupEvent(ctx context.Context, tx pgx.Tx, id, destination string) (EventR
 			Duration: time.Duration(a.DurationMicros) * time.Microsecond,
 			Error:    a.Error.String, Permanent: a.Permanent,
 		})
+	}
+	if r.DeliveredAttempt.Valid {
+		// The delivery is kept in the event's row (migration 00007).
+		rec.Attempts = append(rec.Attempts, EventAttempt{
+			Attempt: int(r.DeliveredAttempt.Int32), StartedAt: r.DeliveryStartedAt.Time,
+			Duration: time.Duration(r.DeliveryMicros.Int64) * time.Microsecond,
+		})
+		slices.SortFunc(rec.Attempts, func(a, b EventAttempt) int { return a.Attempt - b.Attempt })
 	}
 	return rec, nil
 }

@@ -25,6 +25,11 @@
 --                  relay's late answer never overwrites a newer claim's
 --   created_at, delivered_at, failed_at
 --                  when published, delivered, marked failed
+--   delivered_attempt, delivery_started_at, delivery_micros
+--                  the attempt that delivered the event: its number, when
+--                  the relay called the Sender and how long it took. It is
+--                  kept here rather than in idem_event_attempts, so that a
+--                  delivery at the first attempt writes no row there
 --   last_error     the last attempt's error; NULL after a delivery
 --   retried_at, retry_reason
 --                  the last RetryEvent, and the operator's reason
@@ -45,6 +50,9 @@ CREATE TABLE idem_events (
     created_at      timestamptz NOT NULL DEFAULT now(),
     delivered_at    timestamptz,
     failed_at       timestamptz,
+    delivered_attempt   integer,
+    delivery_started_at timestamptz,
+    delivery_micros     bigint,
     last_error      text,
     retried_at      timestamptz,
     retry_reason    text,
@@ -62,8 +70,10 @@ CREATE INDEX idem_events_due_idx ON idem_events (next_attempt_at) WHERE status =
 CREATE INDEX idem_events_expires_idx ON idem_events (expires_at) WHERE expires_at IS NOT NULL;
 
 -- idem_event_attempts is the attempt log: one row per attempt whose outcome
--- a relay recorded (an attempt cut by a relay's crash leaves none; the
--- event's attempts counts it).
+-- a relay recorded, except the attempt that delivered the event, which its
+-- row in idem_events holds (an attempt cut by a relay's crash leaves none;
+-- the event's attempts counts it). A delivery that came too late to count
+-- (a newer claim, or RetryEvent, came first) has its row here.
 --   destination, event_id
 --                  the event (on Citus, co-located with idem_events by
 --                  destination)

@@ -51,11 +51,13 @@ RETURNING e.destination, e.id, e.topic, e.payload, coalesce(e.header::text, ''):
 -- JSON array of objects (one per attempt: destination, id, claim, attempt,
 -- started_at, duration_micros, error, permanent, and the new state: status
 -- 'pending' with delay_micros, or 'delivered' / 'failed' with ttl_micros,
--- after which the event is pruned). Each attempt's row is written while its
--- event exists (the same attempt twice is kept once); the state only while
--- the event still carries the claim's token and is pending, so a newer
--- claim, RetryEvent or the pruner that came first is left as it is. Returns
--- how many states were written.
+-- after which the event is pruned). The state is written only while the
+-- event still carries the claim's token and is pending, so a newer claim,
+-- RetryEvent or the pruner that came first is left as it is. A delivery
+-- that is written goes into the event's row (delivered_attempt, ...); every
+-- other attempt gets a row in idem_event_attempts while its event exists
+-- (the same attempt twice is kept once). Returns how many states were
+-- written.
 -- name: EventRecord :execrows
 WITH r AS (
     SELECT x.value ->> 'destination' AS destination, x.value ->> 'id' AS id,
@@ -69,7 +71,9 @@ WITH r AS (
     INSERT INTO idem_event_attempts (destination, event_id, attempt, started_at, duration_micros, error, permanent, claim)
     SELECT r.destination, r.id, r.attempt, r.started_at, r.duration_micros, r.error, r.permanent, r.claim
     FROM r
-    WHERE EXISTS (SELECT 1 FROM idem_events e WHERE e.destination = r.destination AND e.id = r.id)
+    WHERE EXISTS (SELECT 1 FROM idem_events e
+                  WHERE e.destination = r.destination AND e.id = r.id
+                    AND (r.error IS NOT NULL OR e.claim <> r.claim OR e.status <> 'pending'))
     ON CONFLICT DO NOTHING
 )
 UPDATE idem_events AS e
@@ -79,6 +83,9 @@ SET status = r.status,
                            ELSE e.next_attempt_at END,
     delivered_at = CASE WHEN r.status = 'delivered' THEN now() END,
     failed_at = CASE WHEN r.status = 'failed' THEN now() END,
+    delivered_attempt = CASE WHEN r.status = 'delivered' THEN r.attempt END,
+    delivery_started_at = CASE WHEN r.status = 'delivered' THEN r.started_at END,
+    delivery_micros = CASE WHEN r.status = 'delivered' THEN r.duration_micros END,
     last_error = r.error,
     expires_at = CASE WHEN r.status <> 'pending' THEN now() + r.ttl_micros * interval '1 microsecond' END
 FROM r
@@ -108,8 +115,8 @@ SELECT count(*)::bigint FROM old;
 -- One event, for LookupEvent.
 -- name: EventLookup :one
 SELECT destination, id, topic, payload, coalesce(header::text, '')::text AS header, status, attempts, retry_from,
-       next_attempt_at, claim, created_at, delivered_at, failed_at, last_error, retried_at,
-       retry_reason, expires_at
+       next_attempt_at, claim, created_at, delivered_at, failed_at, delivered_attempt,
+       delivery_started_at, delivery_micros, last_error, retried_at, retry_reason, expires_at
 FROM idem_events
 WHERE destination = sqlc.arg(destination)::text AND id = sqlc.arg(id)::text;
 

@@ -27,23 +27,26 @@ type IdemAudit struct {
 }
 
 type IdemEvent struct {
-	Destination   string
-	ID            string
-	Topic         string
-	Payload       []byte
-	Header        []byte
-	Status        string
-	Attempts      int32
-	RetryFrom     int32
-	NextAttemptAt pgtype.Timestamptz
-	Claim         int64
-	CreatedAt     pgtype.Timestamptz
-	DeliveredAt   pgtype.Timestamptz
-	FailedAt      pgtype.Timestamptz
-	LastError     pgtype.Text
-	RetriedAt     pgtype.Timestamptz
-	RetryReason   pgtype.Text
-	ExpiresAt     pgtype.Timestamptz
+	Destination       string
+	ID                string
+	Topic             string
+	Payload           []byte
+	Header            []byte
+	Status            string
+	Attempts          int32
+	RetryFrom         int32
+	NextAttemptAt     pgtype.Timestamptz
+	Claim             int64
+	CreatedAt         pgtype.Timestamptz
+	DeliveredAt       pgtype.Timestamptz
+	FailedAt          pgtype.Timestamptz
+	DeliveredAttempt  pgtype.Int4
+	DeliveryStartedAt pgtype.Timestamptz
+	DeliveryMicros    pgtype.Int8
+	LastError         pgtype.Text
+	RetriedAt         pgtype.Timestamptz
+	RetryReason       pgtype.Text
+	ExpiresAt         pgtype.Timestamptz
 }
 
 type IdemEventAttempt struct {

@@ -30,23 +30,26 @@ type IdemAudit struct {
 }
 
 type IdemEvent struct {
-	Destination   string
-	ID            string
-	Topic         string
-	Payload       []byte
-	Header        nulljson.JSON
-	Status        string
-	Attempts      int32
-	RetryFrom     int32
-	NextAttemptAt time.Time
-	Claim         int64
-	CreatedAt     time.Time
-	DeliveredAt   sql.NullTime
-	FailedAt      sql.NullTime
-	LastError     sql.NullString
-	RetriedAt     sql.NullTime
-	RetryReason   sql.NullString
-	ExpiresAt     sql.NullTime
+	Destination       string
+	ID                string
+	Topic             string
+	Payload           []byte
+	Header            nulljson.JSON
+	Status            string
+	Attempts          int32
+	RetryFrom         int32
+	NextAttemptAt     time.Time
+	Claim             int64
+	CreatedAt         time.Time
+	DeliveredAt       sql.NullTime
+	FailedAt          sql.NullTime
+	DeliveredAttempt  sql.NullInt32
+	DeliveryStartedAt sql.NullTime
+	DeliveryMicros    sql.NullInt64
+	LastError         sql.NullString
+	RetriedAt         sql.NullTime
+	RetryReason       sql.NullString
+	ExpiresAt         sql.NullTime
 }
 
 type IdemEventAttempt struct {

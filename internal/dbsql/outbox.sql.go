@@ -206,8 +206,8 @@ func (q *Queries) EventClaimCitus(ctx context.Context, db DBTX, arg EventClaimCi
 
 const EventLookup = `-- name: EventLookup :one
 SELECT destination, id, topic, payload, coalesce(header::text, '')::text AS header, status, attempts, retry_from,
-       next_attempt_at, claim, created_at, delivered_at, failed_at, last_error, retried_at,
-       retry_reason, expires_at
+       next_attempt_at, claim, created_at, delivered_at, failed_at, delivered_attempt,
+       delivery_started_at, delivery_micros, last_error, retried_at, retry_reason, expires_at
 FROM idem_events
 WHERE destination = $1::text AND id = $2::text
 `
@@ -218,23 +218,26 @@ type EventLookupParams struct {
 }
 
 type EventLookupRow struct {
-	Destination   string
-	ID            string
-	Topic         string
-	Payload       []byte
-	Header        string
-	Status        string
-	Attempts      int32
-	RetryFrom     int32
-	NextAttemptAt time.Time
-	Claim         int64
-	CreatedAt     time.Time
-	DeliveredAt   sql.NullTime
-	FailedAt      sql.NullTime
-	LastError     sql.NullString
-	RetriedAt     sql.NullTime
-	RetryReason   sql.NullString
-	ExpiresAt     sql.NullTime
+	Destination       string
+	ID                string
+	Topic             string
+	Payload           []byte
+	Header            string
+	Status            string
+	Attempts          int32
+	RetryFrom         int32
+	NextAttemptAt     time.Time
+	Claim             int64
+	CreatedAt         time.Time
+	DeliveredAt       sql.NullTime
+	FailedAt          sql.NullTime
+	DeliveredAttempt  sql.NullInt32
+	DeliveryStartedAt sql.NullTime
+	DeliveryMicros    sql.NullInt64
+	LastError         sql.NullString
+	RetriedAt         sql.NullTime
+	RetryReason       sql.NullString
+	ExpiresAt         sql.NullTime
 }
 
 // One event, for LookupEvent.
@@ -255,6 +258,9 @@ func (q *Queries) EventLookup(ctx context.Context, db DBTX, arg EventLookupParam
 		&i.CreatedAt,
 		&i.DeliveredAt,
 		&i.FailedAt,
+		&i.DeliveredAttempt,
+		&i.DeliveryStartedAt,
+		&i.DeliveryMicros,
 		&i.LastError,
 		&i.RetriedAt,
 		&i.RetryReason,
@@ -385,7 +391,9 @@ WITH r AS (
     INSERT INTO idem_event_attempts (destination, event_id, attempt, started_at, duration_micros, error, permanent, claim)
     SELECT r.destination, r.id, r.attempt, r.started_at, r.duration_micros, r.error, r.permanent, r.claim
     FROM r
-    WHERE EXISTS (SELECT 1 FROM idem_events e WHERE e.destination = r.destination AND e.id = r.id)
+    WHERE EXISTS (SELECT 1 FROM idem_events e
+                  WHERE e.destination = r.destination AND e.id = r.id
+                    AND (r.error IS NOT NULL OR e.claim <> r.claim OR e.status <> 'pending'))
     ON CONFLICT DO NOTHING
 )
 UPDATE idem_events AS e
@@ -395,6 +403,9 @@ SET status = r.status,
                            ELSE e.next_attempt_at END,
     delivered_at = CASE WHEN r.status = 'delivered' THEN now() END,
     failed_at = CASE WHEN r.status = 'failed' THEN now() END,
+    delivered_attempt = CASE WHEN r.status = 'delivered' THEN r.attempt END,
+    delivery_started_at = CASE WHEN r.status = 'delivered' THEN r.started_at END,
+    delivery_micros = CASE WHEN r.status = 'delivered' THEN r.duration_micros END,
     last_error = r.error,
     expires_at = CASE WHEN r.status <> 'pending' THEN now() + r.ttl_micros * interval '1 microsecond' END
 FROM r
@@ -405,11 +416,13 @@ WHERE e.destination = r.destination AND e.id = r.id AND e.claim = r.claim AND e.
 // JSON array of objects (one per attempt: destination, id, claim, attempt,
 // started_at, duration_micros, error, permanent, and the new state: status
 // 'pending' with delay_micros, or 'delivered' / 'failed' with ttl_micros,
-// after which the event is pruned). Each attempt's row is written while its
-// event exists (the same attempt twice is kept once); the state only while
-// the event still carries the claim's token and is pending, so a newer
-// claim, RetryEvent or the pruner that came first is left as it is. Returns
-// how many states were written.
+// after which the event is pruned). The state is written only while the
+// event still carries the claim's token and is pending, so a newer claim,
+// RetryEvent or the pruner that came first is left as it is. A delivery
+// that is written goes into the event's row (delivered_attempt, ...); every
+// other attempt gets a row in idem_event_attempts while its event exists
+// (the same attempt twice is kept once). Returns how many states were
+// written.
 func (q *Queries) EventRecord(ctx context.Context, db DBTX, attempts string) (int64, error) {
 	result, err := db.ExecContext(ctx, EventRecord, attempts)
 	if err != nil {
