@@ -209,6 +209,11 @@ type claimed struct {
 // once, for the next relay). It returns early only with ErrInvalidArgument,
 // when the relay is running already. Failures of the database are logged
 // and retried every PollInterval; they never end Run.
+//
+// One loop talks to the database: each cycle records the attempts that
+// finished since the last one and claims the next batch, in one statement
+// pipeline (one round trip and one commit on a pool), while the workers
+// send. It claims when fewer than Workers claimed events are left to send.
 func (r *Relay) Run(ctx context.Context) error {
 	if !r.running.CompareAndSwap(false, true) {
 		return core.Errorf("idem: relay: %w: Run is running already", ErrInvalidArgument)
@@ -222,17 +227,13 @@ func (r *Relay) Run(ctx context.Context) error {
 		default:
 		}
 	}
-	jobs := make(chan *claimed)
-	// Claimed events are counted twice: unsent until a worker is done
-	// with them, unrecorded until their attempt is recorded. The relay
-	// claims again when fewer than Workers are left to send (so sending,
-	// claiming and recording overlap), as long as fewer than two batches
-	// wait for their record.
-	var unsent, unrecorded atomic.Int64
-	maxUnrecorded := int64(r.opts.BatchSize + r.opts.Workers)
-	results := make(chan *claimed, 2*(r.opts.BatchSize+r.opts.Workers))
+	// Both channels hold every claimed event at once (at most BatchSize
+	// plus Workers - 1): neither the loop nor a worker ever blocks on them.
+	capacity := r.opts.BatchSize + r.opts.Workers
+	jobs := make(chan *claimed, capacity)
+	results := make(chan *claimed, capacity)
+	unsent := 0 // claimed, not yet back from a worker
 	var wg sync.WaitGroup
-
 	if r.pool != nil {
 		wg.Go(func() { r.listen(ctx, signal) })
 	}
@@ -243,37 +244,34 @@ func (r *Relay) Run(ctx context.Context) error {
 			for c := range jobs {
 				r.send(ctx, c)
 				results <- c
-				if unsent.Add(-1) == int64(r.opts.Workers)-1 {
-					signal()
-				}
+				signal()
 			}
 		})
 	}
-	recorded := make(chan struct{})
-	go func() {
-		defer close(recorded)
-		r.record(results, func(n int) {
-			unrecorded.Add(-int64(n))
-			signal()
-		})
-	}()
 
 	poll := time.NewTimer(0)
 	defer poll.Stop()
+	var done []*claimed
 	for ctx.Err() == nil {
-		if unsent.Load() < int64(r.opts.Workers) && unrecorded.Load() <= maxUnrecorded {
-			batch, err := r.claim(ctx)
-			if err != nil && ctx.Err() == nil {
-				r.log.Warn("idem: relay: claim failed", "err", err)
-			}
-			unsent.Add(int64(len(batch)))
-			unrecorded.Add(int64(len(batch)))
-			for _, c := range batch {
-				jobs <- c // never blocks past ctx: workers send nothing once it ended
-			}
-			if len(batch) == r.opts.BatchSize && err == nil {
-				continue
-			}
+		done = drain(results, done[:0])
+		unsent -= len(done)
+		n := 0
+		if unsent < r.opts.Workers {
+			n = r.opts.BatchSize
+		}
+		batch, err := r.cycle(ctx, done, n)
+		if err != nil && ctx.Err() == nil {
+			r.log.Warn("idem: relay: claim failed", "err", err)
+		}
+		unsent += len(batch)
+		for _, c := range batch {
+			jobs <- c
+		}
+		if n > 0 && len(batch) == n && err == nil {
+			continue // more may be due
+		}
+		if len(results) > 0 && err == nil {
+			continue // attempts to record
 		}
 		poll.Reset(r.opts.PollInterval)
 		select {
@@ -285,34 +283,98 @@ func (r *Relay) Run(ctx context.Context) error {
 	close(jobs)
 	workers.Wait()
 	close(results)
-	<-recorded
+	if done = drain(results, done[:0]); len(done) > 0 {
+		if _, err := r.cycle(ctx, done, 0); err != nil {
+			r.log.Warn("idem: relay: recording attempts failed; the events are sent again after their lease",
+				"events", len(done), "err", err)
+		}
+	}
 	wg.Wait()
 	return ctx.Err()
 }
 
-// claim claims up to BatchSize due events in a transaction of its own.
-func (r *Relay) claim(ctx context.Context) ([]*claimed, error) {
-	start := time.Now()
-	citus, err := r.onCitus(ctx)
-	if err != nil {
+// drain appends to done the results waiting in results, without blocking.
+func drain(results <-chan *claimed, done []*claimed) []*claimed {
+	for {
+		select {
+		case c, ok := <-results:
+			if !ok {
+				return done
+			}
+			done = append(done, c)
+		default:
+			return done
+		}
+	}
+}
+
+// cycle records the attempts of done and claims up to n due events, in one
+// statement pipeline (see pipeline). When it fails with a claim in it, the
+// records are sent again alone; when they fail too, that is logged, and
+// the events are sent again once their lease runs out.
+func (r *Relay) cycle(ctx context.Context, done []*claimed, n int) ([]*claimed, error) {
+	citus := false
+	if n > 0 {
+		var err error
+		if citus, err = r.onCitus(ctx); err != nil {
+			if _, rerr := r.cycle(ctx, done, 0); rerr != nil {
+				r.log.Warn("idem: relay: recording attempts failed; the events are sent again after their lease",
+					"events", len(done), "err", rerr)
+			}
+			return nil, err
+		}
+	}
+	var b pgx.Batch
+	if err := r.queueRecords(&b, done); err != nil {
 		return nil, err
 	}
+	records := b.Len()
+	if n > 0 {
+		claim := db.EventClaim
+		if citus {
+			claim = db.EventClaimCitus
+		}
+		b.Queue(claim, r.opts.Lease.Microseconds(), int32(n))
+	}
+	if b.Len() == 0 {
+		return nil, nil
+	}
+	// The records must land whatever ctx does (Run's end records the
+	// attempts it cut): only a pipeline with a claim ends with ctx.
+	pctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), max(stopGrace, r.opts.AttemptTimeout))
+	defer cancel()
+	if n > 0 {
+		defer context.AfterFunc(ctx, cancel)()
+	}
+	start := time.Now()
 	var rows []db.EventClaimRow
-	err = r.statement(ctx, func(q db.DBTX) error {
-		var err error
-		if !citus {
-			rows, err = dbQueries.EventClaim(ctx, q, db.EventClaimParams{
-				MaxRows: int32(r.opts.BatchSize), LeaseMicros: r.opts.Lease.Microseconds()})
+	err := r.pipeline(pctx, &b, func(br pgx.BatchResults) error {
+		for range records {
+			if _, err := br.Exec(); err != nil {
+				return err
+			}
+		}
+		if n == 0 {
+			return nil
+		}
+		qr, err := br.Query()
+		if err != nil {
 			return err
 		}
-		crows, err := dbQueries.EventClaimCitus(ctx, q, db.EventClaimCitusParams{
-			MaxRows: int32(r.opts.BatchSize), LeaseMicros: r.opts.Lease.Microseconds()})
-		for _, c := range crows {
-			rows = append(rows, db.EventClaimRow(c))
-		}
+		rows, err = pgx.CollectRows(qr, func(row pgx.CollectableRow) (db.EventClaimRow, error) {
+			var c db.EventClaimRow
+			err := row.Scan(&c.Destination, &c.ID, &c.Topic, &c.Payload, &c.Header, &c.Attempts, &c.RetryFrom, &c.Claim)
+			return c, err
+		})
 		return err
 	})
 	if err != nil {
+		if records > 0 && n > 0 {
+			if _, rerr := r.cycle(ctx, done, 0); rerr != nil {
+				r.log.Warn("idem: relay: recording attempts failed; the events are sent again after their lease",
+					"events", len(done), "err", rerr)
+			}
+		}
 		return nil, err
 	}
 	out := make([]*claimed, 0, len(rows))
@@ -321,8 +383,8 @@ func (r *Relay) claim(ctx context.Context) ([]*claimed, error) {
 		c := &claimed{
 			ev:      Event{ID: row.ID, Topic: row.Topic, Destination: row.Destination, Payload: row.Payload, Header: header},
 			attempt: int(row.Attempts), position: int(row.Attempts - row.RetryFrom), claim: row.Claim,
-			// Measured from before the claim began: never later than the
-			// database's.
+			// Measured from before the claim was sent: never later than
+			// the database's.
 			leaseEnd: start.Add(r.opts.Lease),
 		}
 		if err != nil {
@@ -331,6 +393,30 @@ func (r *Relay) claim(ctx context.Context) ([]*claimed, error) {
 		out = append(out, c)
 	}
 	return out, nil
+}
+
+// pipeline sends b on the relay's db and reads its results with read: on a
+// *pgxpool.Pool or a *pgx.Conn in one round trip, as one implicit
+// transaction; on another Beginner in a transaction begun on it.
+func (r *Relay) pipeline(ctx context.Context, b *pgx.Batch, read func(pgx.BatchResults) error) error {
+	run := func(sb batchSender) error {
+		br := sb.SendBatch(ctx, b)
+		err := read(br)
+		if cerr := br.Close(); err == nil {
+			err = cerr
+		}
+		return err
+	}
+	if sb, ok := r.db.(batchSender); ok {
+		return run(sb)
+	}
+	return pgx.BeginFunc(ctx, r.db, func(tx pgx.Tx) error { return run(tx) })
+}
+
+// batchSender sends a pipeline of statements (*pgxpool.Pool, *pgx.Conn,
+// pgx.Tx).
+type batchSender interface {
+	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
 }
 
 // send makes one attempt at c, unless its lease is nearly over or Run ended.
@@ -357,41 +443,12 @@ func (r *Relay) send(ctx context.Context, c *claimed) {
 	}
 }
 
-// record records the attempts that come from results, as many as are
-// waiting in one transaction, until results is closed; done is told how
-// many each time.
-func (r *Relay) record(results <-chan *claimed, done func(n int)) {
-	for c := range results {
-		batch := []*claimed{c}
-	more:
-		for len(batch) < 1000 {
-			select {
-			case c, ok := <-results:
-				if !ok {
-					break more
-				}
-				batch = append(batch, c)
-			default:
-				break more
-			}
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), max(stopGrace, r.opts.AttemptTimeout))
-		if err := r.recordBatch(ctx, batch); err != nil {
-			r.log.Warn("idem: relay: recording attempts failed; the events are sent again after their lease",
-				"events", len(batch), "err", err)
-		}
-		cancel()
-		done(len(batch))
-	}
-}
-
-// recordBatch records the attempts of batch in one transaction: one
-// statement for every attempt, and one per claimed event that was not
+// queueRecords queues in b the statements that record the attempts of
+// done: one for every attempt, and one per claimed event that was not
 // attempted (given back, due at once).
-func (r *Relay) recordBatch(ctx context.Context, batch []*claimed) error {
+func (r *Relay) queueRecords(b *pgx.Batch, done []*claimed) error {
 	var attempts []recordedAttempt
-	var b pgx.Batch
-	for _, c := range batch {
+	for _, c := range done {
 		if !c.sent && c.err == nil {
 			// Not attempted: due again at once, for any relay.
 			b.Queue(db.EventRelease, c.ev.Destination, c.ev.ID, c.claim)
@@ -425,30 +482,7 @@ func (r *Relay) recordBatch(ctx context.Context, batch []*claimed) error {
 		}
 		b.Queue(db.EventRecord, string(js))
 	}
-	if b.Len() == 0 {
-		return nil
-	}
-	if sb, ok := r.db.(batchSender); ok {
-		// One round trip: a pipeline is one implicit transaction.
-		return sb.SendBatch(ctx, &b).Close()
-	}
-	return pgx.BeginFunc(ctx, r.db, func(tx pgx.Tx) error { return tx.SendBatch(ctx, &b).Close() })
-}
-
-// batchSender sends a pipeline of statements as one implicit transaction
-// (*pgxpool.Pool, *pgx.Conn).
-type batchSender interface {
-	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
-}
-
-// statement runs f, a single statement, on the relay's db directly when it
-// can (*pgxpool.Pool, *pgx.Conn: one round trip, the statement its own
-// transaction), and otherwise in a transaction begun on it.
-func (r *Relay) statement(ctx context.Context, f func(q db.DBTX) error) error {
-	if q, ok := r.db.(db.DBTX); ok {
-		return f(q)
-	}
-	return pgx.BeginFunc(ctx, r.db, func(tx pgx.Tx) error { return f(tx) })
+	return nil
 }
 
 // recordedAttempt is one attempt as EventRecord reads it.
