@@ -249,31 +249,43 @@ func (r *Relay) Run(ctx context.Context) error {
 		})
 	}
 
+	// Finished attempts wait in done for the next claim, which records
+	// them in its pipeline; when no claim comes (every worker busy), they
+	// are recorded on their own once the oldest has waited recordDelay.
+	recordDelay := min(r.opts.PollInterval, 100*time.Millisecond)
 	poll := time.NewTimer(0)
 	defer poll.Stop()
 	var done []*claimed
+	var oldest time.Time
 	for ctx.Err() == nil {
-		done = drain(results, done[:0])
-		unsent -= len(done)
+		before := len(done)
+		done = drain(results, done)
+		unsent -= len(done) - before
+		if before == 0 && len(done) > 0 {
+			oldest = time.Now()
+		}
 		n := 0
 		if unsent < r.opts.Workers {
 			n = r.opts.BatchSize
 		}
-		batch, err := r.cycle(ctx, done, n)
-		if err != nil && ctx.Err() == nil {
-			r.log.Warn("idem: relay: claim failed", "err", err)
+		wait := r.opts.PollInterval
+		if n > 0 || len(done) > 0 && time.Since(oldest) >= recordDelay {
+			batch, err := r.cycle(ctx, done, n)
+			if err != nil && ctx.Err() == nil {
+				r.log.Warn("idem: relay: claim failed", "err", err)
+			}
+			done = done[:0]
+			unsent += len(batch)
+			for _, c := range batch {
+				jobs <- c
+			}
+			if n > 0 && len(batch) == n && err == nil {
+				continue // more may be due
+			}
+		} else if len(done) > 0 {
+			wait = recordDelay - time.Since(oldest)
 		}
-		unsent += len(batch)
-		for _, c := range batch {
-			jobs <- c
-		}
-		if n > 0 && len(batch) == n && err == nil {
-			continue // more may be due
-		}
-		if len(results) > 0 && err == nil {
-			continue // attempts to record
-		}
-		poll.Reset(r.opts.PollInterval)
+		poll.Reset(wait)
 		select {
 		case <-ctx.Done():
 		case <-wake:
@@ -283,7 +295,7 @@ func (r *Relay) Run(ctx context.Context) error {
 	close(jobs)
 	workers.Wait()
 	close(results)
-	if done = drain(results, done[:0]); len(done) > 0 {
+	if done = drain(results, done); len(done) > 0 {
 		if _, err := r.cycle(ctx, done, 0); err != nil {
 			r.log.Warn("idem: relay: recording attempts failed; the events are sent again after their lease",
 				"events", len(done), "err", err)
