@@ -232,8 +232,10 @@ func lookupEvent(ctx context.Context, tx pgx.Tx, id, destination string) (EventR
 			Error:    a.Error.String, Permanent: a.Permanent,
 		})
 	}
-	if r.DeliveredAttempt.Valid {
-		// The delivery is kept in the event's row (migration 00007).
+	logged := slices.ContainsFunc(rec.Attempts, func(a EventAttempt) bool { return a.Attempt == int(r.DeliveredAttempt.Int32) })
+	if r.DeliveredAttempt.Valid && !logged {
+		// The delivery is kept in the event's row (migration 00007); a
+		// record sent twice (its first reply lost) also logged it.
 		rec.Attempts = append(rec.Attempts, EventAttempt{
 			Attempt: int(r.DeliveredAttempt.Int32), StartedAt: r.DeliveryStartedAt.Time,
 			Duration: time.Duration(r.DeliveryMicros.Int64) * time.Microsecond,
