@@ -97,11 +97,13 @@ const (
 
 // Relay sends the events that Publish wrote, from the outbox to their
 // destinations through a Sender. Several relays (in one process or many)
-// share the work: each claims due events with FOR UPDATE SKIP LOCKED, in a
-// short transaction that gives them a lease and a fencing token, sends them
-// outside any transaction, and records each attempt and the event's new
-// state in a short transaction guarded by the token, so a relay that
-// stalled past its lease cannot overwrite a newer claim's outcome.
+// share the work: each claims due events with FOR UPDATE SKIP LOCKED,
+// giving them a lease and a fencing token, sends them outside any
+// transaction, and records each attempt and the event's new state guarded
+// by the token, so a relay that stalled past its lease cannot overwrite a
+// newer claim's outcome. The records of the attempts that finished go with
+// the next claim, in one pipeline of statements (one round trip and one
+// commit on a pool).
 //
 // Delivery is at least once: when a relay dies between a send and its
 // record (or the database cannot record it), the event is sent again after
