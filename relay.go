@@ -147,13 +147,13 @@ func (o *RelayOptions) fill() error {
 	}
 	switch {
 	case len(o.Schedule) == 0 || len(o.Schedule) > maxSchedule:
-		return fmt.Errorf("Schedule has %d entries, want 1 to %d", len(o.Schedule), maxSchedule)
+		return fmt.Errorf("the Schedule has %d entries, want 1 to %d", len(o.Schedule), maxSchedule)
 	case o.Schedule[0] != 0:
-		return fmt.Errorf("Schedule[0] is %v: the first attempt is immediate (0)", o.Schedule[0])
+		return fmt.Errorf("the Schedule's first entry is %v: the first attempt is immediate (0)", o.Schedule[0])
 	}
 	for i, d := range o.Schedule {
 		if d < 0 {
-			return fmt.Errorf("Schedule[%d] is negative (%v)", i, d)
+			return fmt.Errorf("entry %d of the Schedule is negative (%v)", i, d)
 		}
 	}
 	def := func(v *time.Duration, d time.Duration) {
@@ -179,11 +179,11 @@ func (o *RelayOptions) fill() error {
 	case o.BatchSize < 0 || o.BatchSize > maxBatchSize:
 		return fmt.Errorf("BatchSize %d out of 1..%d", o.BatchSize, maxBatchSize)
 	case o.Workers < 0 || o.Workers > maxWorkers:
-		return fmt.Errorf("Workers %d out of 1..%d", o.Workers, maxWorkers)
+		return fmt.Errorf("the Workers %d are out of 1..%d", o.Workers, maxWorkers)
 	case o.AttemptTimeout < time.Millisecond:
 		return fmt.Errorf("AttemptTimeout %v under 1ms", o.AttemptTimeout)
 	case o.Lease < 2*o.AttemptTimeout:
-		return fmt.Errorf("Lease %v under twice AttemptTimeout (%v)", o.Lease, o.AttemptTimeout)
+		return fmt.Errorf("the Lease %v is under twice AttemptTimeout (%v)", o.Lease, o.AttemptTimeout)
 	case o.PollInterval < time.Millisecond:
 		return fmt.Errorf("PollInterval %v under 1ms", o.PollInterval)
 	case o.TTL < 0 || o.FailedTTL < 0:

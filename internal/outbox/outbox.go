@@ -27,18 +27,18 @@ func Check(id, topic, destination string, payload []byte, header map[string][]st
 		}
 	}
 	if len(payload) > MaxPayload {
-		return nil, fmt.Errorf("Payload is %d bytes, over %d", len(payload), MaxPayload)
+		return nil, fmt.Errorf("the Payload is %d bytes, over %d", len(payload), MaxPayload)
 	}
 	if len(header) == 0 {
 		return nil, nil
 	}
 	for name, values := range header {
 		if name == "" || !isToken(name) {
-			return nil, fmt.Errorf("Header name %q is not an RFC 9110 token", name)
+			return nil, fmt.Errorf("the Header name %q is not an RFC 9110 token", name)
 		}
 		for _, v := range values {
 			if !utf8.ValidString(v) || strings.ContainsAny(v, "\r\n\x00") {
-				return nil, fmt.Errorf("Header %s: value %q is not valid text or holds CR, LF or NUL", name, v)
+				return nil, fmt.Errorf("the Header %s: value %q is not valid text or holds CR, LF or NUL", name, v)
 			}
 		}
 	}
@@ -47,7 +47,7 @@ func Check(id, topic, destination string, payload []byte, header map[string][]st
 		return nil, err
 	}
 	if len(b) > MaxHeader {
-		return nil, fmt.Errorf("Header is %d bytes as JSON, over %d", len(b), MaxHeader)
+		return nil, fmt.Errorf("the Header is %d bytes as JSON, over %d", len(b), MaxHeader)
 	}
 	return b, nil
 }
