@@ -103,7 +103,7 @@ func (b *bench) runOutbox(ctx context.Context, out io.Writer) (int, error) {
 // Sizes of the outbox run.
 const (
 	relayBatch   = 100 // BatchSize of the relay, batch of the poller
-	relayPollers = 1 // the poller: one loop, as a hand-written one
+	relayPollers = 1   // the poller: one loop, as a hand-written one
 )
 
 // verdict is a speed goal's mark: a miss is reported, never a failure.
