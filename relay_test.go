@@ -545,3 +545,51 @@ func TestEventLimitsMatch(t *testing.T) {
 		t.Fatal("idem's event limits differ from internal/outbox's")
 	}
 }
+
+// A stalled relay's late answer cannot overwrite a newer claim: its record,
+// under the old token, logs its attempt and leaves the event as the newer
+// claim holds it.
+func TestEventRecordGuardedByTheClaim(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t, idem.Migrate)
+	publish(t, pool, event(1))
+	q := db.New()
+	claim := func() db.EventClaimRow {
+		t.Helper()
+		rows, err := q.EventClaim(ctx, pool, db.EventClaimParams{LeaseMicros: time.Hour.Microseconds(), MaxRows: 10})
+		if err != nil || len(rows) != 1 {
+			t.Fatalf("claim: %v, %v", rows, err)
+		}
+		return rows[0]
+	}
+	first := claim()
+	// The first claim's lease runs out; a second relay claims the event.
+	if _, err := pool.Exec(ctx, `UPDATE idem_events SET next_attempt_at = now()`); err != nil {
+		t.Fatal(err)
+	}
+	second := claim()
+	if second.Claim == first.Claim || second.Attempts != first.Attempts+1 {
+		t.Fatalf("claims %+v then %+v", first, second)
+	}
+	late := fmt.Sprintf(`[{"destination":"billing","id":%q,"claim":%d,"attempt":%d,"started_at":"2026-01-01T00:00:00Z",
+		"duration_micros":5,"error":null,"permanent":false,"status":"delivered","delay_micros":0,"ttl_micros":1000000}]`,
+		first.ID, first.Claim, first.Attempts)
+	if n, err := q.EventRecord(ctx, pool, late); err != nil || n != 0 {
+		t.Fatalf("the late record wrote %d states, %v; want 0", n, err)
+	}
+	rec, err := idem.LookupEvent(ctx, pool, first.ID, "billing")
+	if err != nil || rec.Status != idem.EventPending || len(rec.Attempts) != 1 || rec.Attempts[0].Attempt != 1 || rec.AttemptCount != 2 {
+		t.Fatalf("after the late record: %+v, %v", rec, err)
+	}
+	// The newer claim's record lands.
+	current := strings.Replace(strings.Replace(late, fmt.Sprintf(`"claim":%d`, first.Claim), fmt.Sprintf(`"claim":%d`, second.Claim), 1),
+		`"attempt":1`, `"attempt":2`, 1)
+	if n, err := q.EventRecord(ctx, pool, current); err != nil || n != 1 {
+		t.Fatalf("the current record wrote %d states, %v; want 1", n, err)
+	}
+	rec, err = idem.LookupEvent(ctx, pool, first.ID, "billing")
+	if err != nil || rec.Status != idem.EventDelivered || len(rec.Attempts) != 2 || rec.Attempts[1].Attempt != 2 {
+		t.Fatalf("after the current record: %+v, %v", rec, err)
+	}
+}
