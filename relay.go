@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem/internal/core"
@@ -327,19 +328,22 @@ func drain(results <-chan *claimed, done []*claimed) []*claimed {
 // records are sent again alone; when they fail too, that is logged, and
 // the events are sent again once their lease runs out.
 func (r *Relay) cycle(ctx context.Context, done []*claimed, n int) ([]*claimed, error) {
-	citus := false
+	if len(done) == 0 && n == 0 {
+		return nil, nil
+	}
+	// The records must land whatever ctx does (Run's end records the
+	// attempts it cut): only a pipeline with a claim ends with ctx.
+	pctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), max(stopGrace, r.opts.AttemptTimeout))
+	defer cancel()
 	if n > 0 {
-		var err error
-		if citus, err = r.onCitus(ctx); err != nil {
-			if _, rerr := r.cycle(ctx, done, 0); rerr != nil {
-				r.log.Warn("idem: relay: recording attempts failed; the events are sent again after their lease",
-					"events", len(done), "err", rerr)
-			}
-			return nil, err
-		}
+		defer context.AfterFunc(ctx, cancel)()
+	}
+	citus, err := r.onCitus(pctx)
+	if err != nil {
+		return nil, err
 	}
 	var b pgx.Batch
-	if err := r.queueRecords(&b, done); err != nil {
+	if err := r.queueRecords(&b, done, citus); err != nil {
 		return nil, err
 	}
 	records := b.Len()
@@ -353,16 +357,9 @@ func (r *Relay) cycle(ctx context.Context, done []*claimed, n int) ([]*claimed, 
 	if b.Len() == 0 {
 		return nil, nil
 	}
-	// The records must land whatever ctx does (Run's end records the
-	// attempts it cut): only a pipeline with a claim ends with ctx.
-	pctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), max(stopGrace, r.opts.AttemptTimeout))
-	defer cancel()
-	if n > 0 {
-		defer context.AfterFunc(ctx, cancel)()
-	}
 	start := time.Now()
 	var rows []db.EventClaimRow
-	err := r.pipeline(pctx, &b, func(br pgx.BatchResults) error {
+	err = r.pipeline(pctx, &b, func(br pgx.BatchResults) error {
 		for range records {
 			if _, err := br.Exec(); err != nil {
 				return err
@@ -460,7 +457,7 @@ func (r *Relay) send(ctx context.Context, c *claimed) {
 // queueRecords queues in b the statements that record the attempts of
 // done: one for every attempt, and one per claimed event that was not
 // attempted (given back, due at once).
-func (r *Relay) queueRecords(b *pgx.Batch, done []*claimed) error {
+func (r *Relay) queueRecords(b *pgx.Batch, done []*claimed, citus bool) error {
 	var attempts []recordedAttempt
 	for _, c := range done {
 		if !c.sent && c.err == nil {
@@ -486,6 +483,17 @@ func (r *Relay) queueRecords(b *pgx.Batch, done []*claimed) error {
 			a.TTLMicros = r.opts.FailedTTL.Microseconds()
 			r.log.Warn("idem: relay: event failed", "id", c.ev.ID, "destination", c.ev.Destination,
 				"attempt", c.attempt, "err", c.err)
+		}
+		if citus {
+			// One statement per attempt, each routed to its worker.
+			var errText pgtype.Text
+			if a.Error != nil {
+				errText = pgtype.Text{String: *a.Error, Valid: true}
+			}
+			b.Queue(db.EventRecordOne, a.Status, a.DelayMicros, int32(a.Attempt),
+				pgtype.Timestamptz{Time: a.StartedAt, Valid: true}, a.DurationMicros, errText, a.TTLMicros,
+				a.Destination, a.ID, a.Claim, a.Permanent)
+			continue
 		}
 		attempts = append(attempts, a)
 	}

@@ -194,3 +194,34 @@ WHERE (destination, id) IN (
         ORDER BY expires_at, destination, id
         LIMIT sqlc.arg(batch_size)::integer)
   AND expires_at <= now() AND status IN ('delivered', 'failed');
+
+-- EventRecord for one attempt, for Citus: every statement names one
+-- destination, so Citus routes it to one worker (it refuses EventRecord's
+-- correlated subquery over a CTE). The relay queues one per attempt in its
+-- pipeline. Same rules as EventRecord.
+-- name: EventRecordOne :execrows
+WITH logged AS (
+    INSERT INTO idem_event_attempts (destination, event_id, attempt, started_at, duration_micros, error, permanent, claim)
+    SELECT sqlc.arg(destination)::text, sqlc.arg(id)::text, sqlc.arg(attempt)::integer,
+           sqlc.arg(started_at)::timestamptz, sqlc.arg(duration_micros)::bigint, sqlc.narg(error)::text,
+           sqlc.arg(permanent)::boolean, sqlc.arg(claim)::bigint
+    WHERE EXISTS (SELECT 1 FROM idem_events
+                  WHERE destination = sqlc.arg(destination)::text AND id = sqlc.arg(id)::text
+                    AND (sqlc.narg(error)::text IS NOT NULL OR claim <> sqlc.arg(claim)::bigint OR status <> 'pending'))
+    ON CONFLICT DO NOTHING
+)
+UPDATE idem_events
+SET status = sqlc.arg(status)::text,
+    next_attempt_at = CASE WHEN sqlc.arg(status)::text = 'pending'
+                           THEN now() + sqlc.arg(delay_micros)::bigint * interval '1 microsecond'
+                           ELSE next_attempt_at END,
+    delivered_at = CASE WHEN sqlc.arg(status)::text = 'delivered' THEN now() END,
+    failed_at = CASE WHEN sqlc.arg(status)::text = 'failed' THEN now() END,
+    delivered_attempt = CASE WHEN sqlc.arg(status)::text = 'delivered' THEN sqlc.arg(attempt)::integer END,
+    delivery_started_at = CASE WHEN sqlc.arg(status)::text = 'delivered' THEN sqlc.arg(started_at)::timestamptz END,
+    delivery_micros = CASE WHEN sqlc.arg(status)::text = 'delivered' THEN sqlc.arg(duration_micros)::bigint END,
+    last_error = sqlc.narg(error)::text,
+    expires_at = CASE WHEN sqlc.arg(status)::text <> 'pending'
+                      THEN now() + sqlc.arg(ttl_micros)::bigint * interval '1 microsecond' END
+WHERE destination = sqlc.arg(destination)::text AND id = sqlc.arg(id)::text
+  AND claim = sqlc.arg(claim)::bigint AND status = 'pending';

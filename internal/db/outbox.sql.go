@@ -422,6 +422,72 @@ func (q *Queries) EventRecord(ctx context.Context, db DBTX, attempts string) (in
 	return result.RowsAffected(), nil
 }
 
+const EventRecordOne = `-- name: EventRecordOne :execrows
+WITH logged AS (
+    INSERT INTO idem_event_attempts (destination, event_id, attempt, started_at, duration_micros, error, permanent, claim)
+    SELECT $8::text, $9::text, $3::integer,
+           $4::timestamptz, $5::bigint, $6::text,
+           $11::boolean, $10::bigint
+    WHERE EXISTS (SELECT 1 FROM idem_events
+                  WHERE destination = $8::text AND id = $9::text
+                    AND ($6::text IS NOT NULL OR claim <> $10::bigint OR status <> 'pending'))
+    ON CONFLICT DO NOTHING
+)
+UPDATE idem_events
+SET status = $1::text,
+    next_attempt_at = CASE WHEN $1::text = 'pending'
+                           THEN now() + $2::bigint * interval '1 microsecond'
+                           ELSE next_attempt_at END,
+    delivered_at = CASE WHEN $1::text = 'delivered' THEN now() END,
+    failed_at = CASE WHEN $1::text = 'failed' THEN now() END,
+    delivered_attempt = CASE WHEN $1::text = 'delivered' THEN $3::integer END,
+    delivery_started_at = CASE WHEN $1::text = 'delivered' THEN $4::timestamptz END,
+    delivery_micros = CASE WHEN $1::text = 'delivered' THEN $5::bigint END,
+    last_error = $6::text,
+    expires_at = CASE WHEN $1::text <> 'pending'
+                      THEN now() + $7::bigint * interval '1 microsecond' END
+WHERE destination = $8::text AND id = $9::text
+  AND claim = $10::bigint AND status = 'pending'
+`
+
+type EventRecordOneParams struct {
+	Status         string
+	DelayMicros    int64
+	Attempt        int32
+	StartedAt      pgtype.Timestamptz
+	DurationMicros int64
+	Error          pgtype.Text
+	TtlMicros      int64
+	Destination    string
+	ID             string
+	Claim          int64
+	Permanent      bool
+}
+
+// EventRecord for one attempt, for Citus: every statement names one
+// destination, so Citus routes it to one worker (it refuses EventRecord's
+// correlated subquery over a CTE). The relay queues one per attempt in its
+// pipeline. Same rules as EventRecord.
+func (q *Queries) EventRecordOne(ctx context.Context, db DBTX, arg EventRecordOneParams) (int64, error) {
+	result, err := db.Exec(ctx, EventRecordOne,
+		arg.Status,
+		arg.DelayMicros,
+		arg.Attempt,
+		arg.StartedAt,
+		arg.DurationMicros,
+		arg.Error,
+		arg.TtlMicros,
+		arg.Destination,
+		arg.ID,
+		arg.Claim,
+		arg.Permanent,
+	)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
 const EventRelease = `-- name: EventRelease :execrows
 UPDATE idem_events
 SET next_attempt_at = now(), attempts = attempts - 1
