@@ -196,9 +196,10 @@ func (o *RelayOptions) fill() error {
 // claimed is an event a relay claimed, and what became of its attempt.
 type claimed struct {
 	ev         Event
-	attempt    int   // its number, from 1
-	position   int   // its place in the schedule, from 1
-	claim      int64 // the claim's token
+	attempt    int    // its number, from 1
+	position   int    // its place in the schedule, from 1
+	claim      int64  // the claim's token
+	version    string // the row version (ctid) the claim left, where EventRecord finds it
 	leaseEnd   time.Time
 	started    time.Time
 	duration   time.Duration
@@ -374,7 +375,7 @@ func (r *Relay) cycle(ctx context.Context, done []*claimed, n int) ([]*claimed, 
 		}
 		rows, err = pgx.CollectRows(qr, func(row pgx.CollectableRow) (db.EventClaimRow, error) {
 			var c db.EventClaimRow
-			err := row.Scan(&c.Destination, &c.ID, &c.Topic, &c.Payload, &c.Header, &c.Attempts, &c.RetryFrom, &c.Claim)
+			err := row.Scan(&c.Destination, &c.ID, &c.Topic, &c.Payload, &c.Header, &c.Attempts, &c.RetryFrom, &c.Claim, &c.RowVersion)
 			return c, err
 		})
 		return err
@@ -394,6 +395,7 @@ func (r *Relay) cycle(ctx context.Context, done []*claimed, n int) ([]*claimed, 
 		c := &claimed{
 			ev:      Event{ID: row.ID, Topic: row.Topic, Destination: row.Destination, Payload: row.Payload, Header: header},
 			attempt: int(row.Attempts), position: int(row.Attempts - row.RetryFrom), claim: row.Claim,
+			version: row.RowVersion,
 			// Measured from before the claim was sent: never later than
 			// the database's.
 			leaseEnd: start.Add(r.opts.Lease),
@@ -466,7 +468,7 @@ func (r *Relay) queueRecords(b *pgx.Batch, done []*claimed, citus bool) error {
 			continue
 		}
 		status, delay := r.outcome(c)
-		a := recordedAttempt{Destination: c.ev.Destination, ID: c.ev.ID, Claim: c.claim, Attempt: c.attempt,
+		a := recordedAttempt{Destination: c.ev.Destination, ID: c.ev.ID, Claim: c.claim, RowVersion: c.version, Attempt: c.attempt,
 			StartedAt: c.started, DurationMicros: c.duration.Microseconds(), Permanent: IsPermanent(c.err),
 			Status: string(status), DelayMicros: delay.Microseconds(), TTLMicros: r.opts.TTL.Microseconds()}
 		if !c.sent {
@@ -512,6 +514,7 @@ type recordedAttempt struct {
 	Destination    string    `json:"destination"`
 	ID             string    `json:"id"`
 	Claim          int64     `json:"claim"`
+	RowVersion     string    `json:"row_version"`
 	Attempt        int       `json:"attempt"`
 	StartedAt      time.Time `json:"started_at"`
 	DurationMicros int64     `json:"duration_micros"`

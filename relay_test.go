@@ -572,9 +572,12 @@ func TestEventRecordGuardedByTheClaim(t *testing.T) {
 	if second.Claim == first.Claim || second.Attempts != first.Attempts+1 {
 		t.Fatalf("claims %+v then %+v", first, second)
 	}
-	late := fmt.Sprintf(`[{"destination":"billing","id":%q,"claim":%d,"attempt":%d,"started_at":"2026-01-01T00:00:00Z",
+	record := func(c db.EventClaimRow) string {
+		return fmt.Sprintf(`[{"destination":"billing","id":%q,"claim":%d,"row_version":%q,"attempt":%d,"started_at":"2026-01-01T00:00:00Z",
 		"duration_micros":5,"error":null,"permanent":false,"status":"delivered","delay_micros":0,"ttl_micros":1000000}]`,
-		first.ID, first.Claim, first.Attempts)
+			c.ID, c.Claim, c.RowVersion, c.Attempts)
+	}
+	late := record(first)
 	if n, err := q.EventRecord(ctx, pool, late); err != nil || n != 0 {
 		t.Fatalf("the late record wrote %d states, %v; want 0", n, err)
 	}
@@ -583,9 +586,7 @@ func TestEventRecordGuardedByTheClaim(t *testing.T) {
 		t.Fatalf("after the late record: %+v, %v", rec, err)
 	}
 	// The newer claim's record lands.
-	current := strings.Replace(strings.Replace(late, fmt.Sprintf(`"claim":%d`, first.Claim), fmt.Sprintf(`"claim":%d`, second.Claim), 1),
-		`"attempt":1`, `"attempt":2`, 1)
-	if n, err := q.EventRecord(ctx, pool, current); err != nil || n != 1 {
+	if n, err := q.EventRecord(ctx, pool, record(second)); err != nil || n != 1 {
 		t.Fatalf("the current record wrote %d states, %v; want 1", n, err)
 	}
 	rec, err = idem.LookupEvent(ctx, pool, first.ID, "billing")

@@ -45,7 +45,8 @@ WHERE e.ctid = ANY (ARRAY(
         ORDER BY next_attempt_at
         LIMIT sqlc.arg(max_rows)::integer
         FOR UPDATE SKIP LOCKED))
-RETURNING e.destination, e.id, e.topic, e.payload, coalesce(e.header::text, '')::text AS header, e.attempts, e.retry_from, e.claim;
+RETURNING e.destination, e.id, e.topic, e.payload, coalesce(e.header::text, '')::text AS header, e.attempts, e.retry_from, e.claim,
+          e.ctid::text AS row_version;
 
 -- Records a batch of attempts and their events' new states, given as a
 -- JSON array of objects (one per attempt: destination, id, claim, attempt,
@@ -57,11 +58,17 @@ RETURNING e.destination, e.id, e.topic, e.payload, coalesce(e.header::text, ''):
 -- that is written goes into the event's row (delivered_attempt, ...); every
 -- other attempt gets a row in idem_event_attempts while its event exists
 -- (the same attempt twice is kept once). Returns how many states were
--- written.
+-- written. Each event is found by the row version its claim returned (a
+-- TID scan, never a scan of the table): a row that changed since (a newer
+-- claim) is not found, which is as if its token had changed. A failed
+-- attempt is logged without checking that its event still exists (only a
+-- relay stalled past a delivered event's TTL could log one for a pruned
+-- event).
 -- name: EventRecord :execrows
 WITH r AS (
     SELECT x.value ->> 'destination' AS destination, x.value ->> 'id' AS id,
-           (x.value ->> 'claim')::bigint AS claim, (x.value ->> 'attempt')::integer AS attempt,
+           (x.value ->> 'claim')::bigint AS claim, (x.value ->> 'row_version')::tid AS row_version,
+           (x.value ->> 'attempt')::integer AS attempt,
            (x.value ->> 'started_at')::timestamptz AS started_at,
            (x.value ->> 'duration_micros')::bigint AS duration_micros, x.value ->> 'error' AS error,
            (x.value ->> 'permanent')::boolean AS permanent, x.value ->> 'status' AS status,
@@ -71,9 +78,10 @@ WITH r AS (
     INSERT INTO idem_event_attempts (destination, event_id, attempt, started_at, duration_micros, error, permanent, claim)
     SELECT r.destination, r.id, r.attempt, r.started_at, r.duration_micros, r.error, r.permanent, r.claim
     FROM r
-    WHERE EXISTS (SELECT 1 FROM idem_events e
-                  WHERE e.destination = r.destination AND e.id = r.id
-                    AND (r.error IS NOT NULL OR e.claim <> r.claim OR e.status <> 'pending'))
+    WHERE r.error IS NOT NULL
+       OR NOT EXISTS (SELECT 1 FROM idem_events e
+                      WHERE e.ctid = r.row_version AND e.destination = r.destination AND e.id = r.id
+                        AND e.claim = r.claim AND e.status = 'pending')
     ON CONFLICT DO NOTHING
 )
 UPDATE idem_events AS e
@@ -89,7 +97,8 @@ SET status = r.status,
     last_error = r.error,
     expires_at = CASE WHEN r.status <> 'pending' THEN now() + r.ttl_micros * interval '1 microsecond' END
 FROM r
-WHERE e.destination = r.destination AND e.id = r.id AND e.claim = r.claim AND e.status = 'pending';
+WHERE e.ctid = ANY (ARRAY(SELECT row_version FROM r))
+  AND e.destination = r.destination AND e.id = r.id AND e.claim = r.claim AND e.status = 'pending';
 
 -- Deletes up to @batch_size finished events past their expiry, and their
 -- attempt logs. SKIP LOCKED: several relays prune without waiting for each
@@ -170,7 +179,8 @@ WHERE (e.destination, e.id) IN (
         ORDER BY next_attempt_at
         LIMIT sqlc.arg(max_rows)::integer)
   AND e.status = 'pending' AND e.next_attempt_at <= now()
-RETURNING e.destination, e.id, e.topic, e.payload, coalesce(e.header::text, '')::text AS header, e.attempts, e.retry_from, e.claim;
+RETURNING e.destination, e.id, e.topic, e.payload, coalesce(e.header::text, '')::text AS header, e.attempts, e.retry_from, e.claim,
+          e.ctid::text AS row_version;
 
 -- EventPrune for Citus, in two statements run in one REPEATABLE READ
 -- transaction (one snapshot: both pick the same events): the attempt logs

@@ -72,7 +72,8 @@ WHERE e.ctid = ANY (ARRAY(
         ORDER BY next_attempt_at
         LIMIT $2::integer
         FOR UPDATE SKIP LOCKED))
-RETURNING e.destination, e.id, e.topic, e.payload, coalesce(e.header::text, '')::text AS header, e.attempts, e.retry_from, e.claim
+RETURNING e.destination, e.id, e.topic, e.payload, coalesce(e.header::text, '')::text AS header, e.attempts, e.retry_from, e.claim,
+          e.ctid::text AS row_version
 `
 
 type EventClaimParams struct {
@@ -89,6 +90,7 @@ type EventClaimRow struct {
 	Attempts    int32
 	RetryFrom   int32
 	Claim       int64
+	RowVersion  string
 }
 
 // Claims up to @max_rows due pending events, earliest first, without
@@ -116,6 +118,7 @@ func (q *Queries) EventClaim(ctx context.Context, db DBTX, arg EventClaimParams)
 			&i.Attempts,
 			&i.RetryFrom,
 			&i.Claim,
+			&i.RowVersion,
 		); err != nil {
 			return nil, err
 		}
@@ -139,7 +142,8 @@ WHERE (e.destination, e.id) IN (
         ORDER BY next_attempt_at
         LIMIT $2::integer)
   AND e.status = 'pending' AND e.next_attempt_at <= now()
-RETURNING e.destination, e.id, e.topic, e.payload, coalesce(e.header::text, '')::text AS header, e.attempts, e.retry_from, e.claim
+RETURNING e.destination, e.id, e.topic, e.payload, coalesce(e.header::text, '')::text AS header, e.attempts, e.retry_from, e.claim,
+          e.ctid::text AS row_version
 `
 
 type EventClaimCitusParams struct {
@@ -156,6 +160,7 @@ type EventClaimCitusRow struct {
 	Attempts    int32
 	RetryFrom   int32
 	Claim       int64
+	RowVersion  string
 }
 
 // EventClaim for Citus, which refuses FOR UPDATE in a query over a
@@ -184,6 +189,7 @@ func (q *Queries) EventClaimCitus(ctx context.Context, db DBTX, arg EventClaimCi
 			&i.Attempts,
 			&i.RetryFrom,
 			&i.Claim,
+			&i.RowVersion,
 		); err != nil {
 			return nil, err
 		}
@@ -372,7 +378,8 @@ func (q *Queries) EventPublish(ctx context.Context, db DBTX, arg EventPublishPar
 const EventRecord = `-- name: EventRecord :execrows
 WITH r AS (
     SELECT x.value ->> 'destination' AS destination, x.value ->> 'id' AS id,
-           (x.value ->> 'claim')::bigint AS claim, (x.value ->> 'attempt')::integer AS attempt,
+           (x.value ->> 'claim')::bigint AS claim, (x.value ->> 'row_version')::tid AS row_version,
+           (x.value ->> 'attempt')::integer AS attempt,
            (x.value ->> 'started_at')::timestamptz AS started_at,
            (x.value ->> 'duration_micros')::bigint AS duration_micros, x.value ->> 'error' AS error,
            (x.value ->> 'permanent')::boolean AS permanent, x.value ->> 'status' AS status,
@@ -382,9 +389,10 @@ WITH r AS (
     INSERT INTO idem_event_attempts (destination, event_id, attempt, started_at, duration_micros, error, permanent, claim)
     SELECT r.destination, r.id, r.attempt, r.started_at, r.duration_micros, r.error, r.permanent, r.claim
     FROM r
-    WHERE EXISTS (SELECT 1 FROM idem_events e
-                  WHERE e.destination = r.destination AND e.id = r.id
-                    AND (r.error IS NOT NULL OR e.claim <> r.claim OR e.status <> 'pending'))
+    WHERE r.error IS NOT NULL
+       OR NOT EXISTS (SELECT 1 FROM idem_events e
+                      WHERE e.ctid = r.row_version AND e.destination = r.destination AND e.id = r.id
+                        AND e.claim = r.claim AND e.status = 'pending')
     ON CONFLICT DO NOTHING
 )
 UPDATE idem_events AS e
@@ -400,7 +408,8 @@ SET status = r.status,
     last_error = r.error,
     expires_at = CASE WHEN r.status <> 'pending' THEN now() + r.ttl_micros * interval '1 microsecond' END
 FROM r
-WHERE e.destination = r.destination AND e.id = r.id AND e.claim = r.claim AND e.status = 'pending'
+WHERE e.ctid = ANY (ARRAY(SELECT row_version FROM r))
+  AND e.destination = r.destination AND e.id = r.id AND e.claim = r.claim AND e.status = 'pending'
 `
 
 // Records a batch of attempts and their events' new states, given as a
@@ -413,7 +422,12 @@ WHERE e.destination = r.destination AND e.id = r.id AND e.claim = r.claim AND e.
 // that is written goes into the event's row (delivered_attempt, ...); every
 // other attempt gets a row in idem_event_attempts while its event exists
 // (the same attempt twice is kept once). Returns how many states were
-// written.
+// written. Each event is found by the row version its claim returned (a
+// TID scan, never a scan of the table): a row that changed since (a newer
+// claim) is not found, which is as if its token had changed. A failed
+// attempt is logged without checking that its event still exists (only a
+// relay stalled past a delivered event's TTL could log one for a pruned
+// event).
 func (q *Queries) EventRecord(ctx context.Context, db DBTX, attempts string) (int64, error) {
 	result, err := db.Exec(ctx, EventRecord, attempts)
 	if err != nil {
