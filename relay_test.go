@@ -594,3 +594,40 @@ func TestEventRecordGuardedByTheClaim(t *testing.T) {
 		t.Fatalf("after the current record: %+v, %v", rec, err)
 	}
 }
+
+// A relay runs once at a time: a second Run while the first runs is
+// ErrInvalidArgument; once the first returned, Run works again.
+func TestRelayRunsOnceAtATime(t *testing.T) {
+	t.Parallel()
+	pool := pgtest.Pool(t, idem.Migrate)
+	r, err := idem.NewRelay(pool, fastRelay(newCounter(nil)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for range 2 {
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		started := make(chan struct{})
+		go func() { close(started); done <- r.Run(ctx) }()
+		<-started
+		// The probe's ctx has ended: if it runs before the first, it
+		// returns at once.
+		ended, end := context.WithCancel(context.Background())
+		end()
+		deadline := time.Now().Add(10 * time.Second)
+		for {
+			err := r.Run(ended)
+			if errors.Is(err, idem.ErrInvalidArgument) {
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("second Run: %v, want ErrInvalidArgument", err)
+			}
+			time.Sleep(time.Millisecond) // the first Run had not begun
+		}
+		cancel()
+		if err := <-done; !errors.Is(err, context.Canceled) {
+			t.Fatalf("Run: %v", err)
+		}
+	}
+}
