@@ -94,6 +94,8 @@ Commands:
   resolve <actor> <operation> <key> --token T (--succeeded [--status N] [--body B | --body-file F] | --retryable) --reason R [--operator NAME]
                                 reconcile an unknown outcome
   audit list                    the operators' trail of resolve, forget and the console, newest first
+  events show|retry <destination> <id> [--reason R] [--operator NAME]
+                                show an event of the outbox, or send a failed one again
   ui [--listen 127.0.0.1:8081]  serve the operator's console (credentials from IDEM_UI_TOKEN,
                                 or IDEM_UI_USER and IDEM_UI_PASSWORD)
 
@@ -328,8 +330,9 @@ var commands = map[string]command{
 			return func(ctx context.Context, e *env, args []string) error { return resolve(ctx, e, args, o) }
 		},
 	},
-	"audit": auditCommand,
-	"ui":    uiCommand,
+	"audit":  auditCommand,
+	"ui":     uiCommand,
+	"events": eventsCommand,
 }
 
 // env is what a command runs with.
@@ -385,10 +388,10 @@ func (e *env) exit(err error) int {
 	switch {
 	case errors.As(err, &ue):
 		code = exitUsage
-	case errors.Is(err, idem.ErrNotFound):
+	case errors.Is(err, idem.ErrNotFound), errors.Is(err, idem.ErrEventNotFound):
 		code = exitNotFound
 	case errors.Is(err, idem.ErrNotResolvable), errors.Is(err, idem.ErrInProgress), errors.Is(err, idem.ErrOutcomeUnknown),
-		errors.Is(err, idem.ErrFenced), errors.Is(err, idem.ErrDowngradeDeletesRecords):
+		errors.Is(err, idem.ErrFenced), errors.Is(err, idem.ErrDowngradeDeletesRecords), errors.Is(err, idem.ErrEventNotFailed):
 		code = exitRefused
 	case errors.Is(err, idem.ErrInvalidKey), errors.Is(err, idem.ErrInvalidScope), errors.Is(err, idem.ErrInvalidArgument),
 		errors.Is(err, idem.ErrInvalidResponse), errors.Is(err, idem.ErrResponseTooLarge):
