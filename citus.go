@@ -12,8 +12,9 @@ import (
 	"github.com/pgidem/idem/internal/driver/pgxdriver"
 )
 
-// Citus (a distributed PostgreSQL) shards idem_keys by actor, and the audit
-// trail (idem_audit) by actor co-located with it: Distribute makes it so,
+// Citus (a distributed PostgreSQL) shards idem_keys by actor, the audit
+// trail (idem_audit) by actor co-located with it, and the outbox
+// (idem_events, idem_event_attempts) by destination: Distribute makes it so,
 // and every call then goes through the coordinator, which routes each
 // statement to the worker that holds the actor's shard. Where Citus needs
 // statements of its own (the claim's bounded wait, Prune and ExpireLeases
@@ -50,7 +51,10 @@ const DistributionColumn = "actor"
 // (create_distributed_table copies a local table's rows; writes to the
 // table wait until the copy is done), and the coordinator's original rows
 // stay on disk until truncate_local_data_after_distributing_table removes
-// them (docs/citus.md).
+// them (docs/citus.md). The outbox (migration 00007: idem_events and its
+// attempt log idem_event_attempts) is distributed by destination
+// (EventsDistributionColumn), the log co-located with the events; an
+// outbox table distributed by another column is ErrUnsupported.
 //
 // A database without the citus extension, a Citus worker, a session whose
 // citus.propagate_set_commands is not 'local' (SET LOCAL statements must
@@ -108,6 +112,9 @@ func Distribute(ctx context.Context, pool *pgxpool.Pool) error {
 			if _, err := tx.Exec(ctx, sqlDistributeRefuse); err != nil {
 				return err
 			}
+			if err := distributeEvents(ctx, tx); err != nil {
+				return err
+			}
 			audit, err := distribution(ctx, tx, "idem_audit")
 			switch {
 			case err != nil || !audit.exists:
@@ -128,6 +135,35 @@ func Distribute(ctx context.Context, pool *pgxpool.Pool) error {
 	})
 	if err != nil {
 		return core.Errorf("idem: distribute: %w", core.UnsupportedIf(dberr.Interpret(err)))
+	}
+	return nil
+}
+
+// EventsDistributionColumn is the column Distribute shards the outbox by
+// (idem_events and its attempt log idem_event_attempts, co-located): an
+// event, its claim and its attempts live on one worker.
+const EventsDistributionColumn = "destination"
+
+// distributeEvents distributes the outbox (migration 00007) by destination,
+// the attempt log co-located with the events; a database migrated below
+// 00007 has no outbox, and a distributed one is left as it is when it is
+// distributed so.
+func distributeEvents(ctx context.Context, tx pgx.Tx) error {
+	for _, table := range [...]struct{ name, stmt string }{
+		{"idem_events", sqlDistributeEvents}, {"idem_event_attempts", sqlDistributeAttempts},
+	} {
+		t, err := distribution(ctx, tx, table.name)
+		switch {
+		case err != nil || !t.exists:
+			return err
+		case !t.citus:
+			if _, err := tx.Exec(ctx, table.stmt); err != nil {
+				return err
+			}
+		case t.column != EventsDistributionColumn:
+			return core.Errorf("idem: %w: %s is a Citus table distributed by %q, not by %s",
+				ErrUnsupported, table.name, t.column, EventsDistributionColumn)
+		}
 	}
 	return nil
 }
@@ -166,8 +202,10 @@ const (
 		CASE WHEN p.logicalrelid IS NOT NULL THEN coalesce(column_to_column_name(p.logicalrelid, p.partkey), '<none>') END,
 		coalesce(p.colocationid = (SELECT colocationid FROM pg_dist_partition WHERE logicalrelid = to_regclass('idem_keys')), false)
 		FROM to_regclass($1) r LEFT JOIN pg_dist_partition p ON p.logicalrelid = r`
-	sqlDistribute      = "SELECT create_distributed_table('idem_keys', '" + DistributionColumn + "')"
-	sqlDistributeAudit = "SELECT create_distributed_table('idem_audit', '" + DistributionColumn + "', colocate_with => 'idem_keys')"
+	sqlDistribute         = "SELECT create_distributed_table('idem_keys', '" + DistributionColumn + "')"
+	sqlDistributeAudit    = "SELECT create_distributed_table('idem_audit', '" + DistributionColumn + "', colocate_with => 'idem_keys')"
+	sqlDistributeEvents   = "SELECT create_distributed_table('idem_events', '" + EventsDistributionColumn + "')"
+	sqlDistributeAttempts = "SELECT create_distributed_table('idem_event_attempts', '" + EventsDistributionColumn + "', colocate_with => 'idem_events')"
 	// idem_refuse on the workers (and on workers added later), when the
 	// database has it (migrated to 00008).
 	sqlDistributeRefuse = "SELECT create_distributed_function('idem_refuse(text,text)') " +

@@ -42,7 +42,9 @@ const MigrationLockID int64 = 0x6964656d // "idem"
 // trail (idem_audit): refused while the trail holds any row; and migration
 // 6, whose Down drops the resume windows: refused while records in doubt or
 // failed_retryable hold one that lasts (they would wait for a person
-// instead of resuming). The error says how many records or rows; nothing
+// instead of resuming); and migration 7, whose Down drops the outbox
+// (idem_events): refused while events are pending or failed (published
+// and never delivered). The error says how many records or rows; nothing
 // changed. MigrateDownOptions.Force reverts anyway.
 var ErrDowngradeDeletesRecords = errors.New("idem: migrating down would delete records whose outcome may have happened")
 

@@ -299,3 +299,54 @@ func TestMigrateDownFrom8(t *testing.T) {
 		t.Fatalf("DoInTx at version 8: %+v, %v", res, err)
 	}
 }
+
+// The Down of 7 drops the outbox: refused while events are pending or
+// failed (published, not delivered), changing nothing; delivered events
+// alone do not hold it; forced, it drops them.
+func TestMigrateDownKeepsEvents(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t, idem.Migrate)
+	downTo7 := func() {
+		t.Helper()
+		for appliedVersion(t, pool) > 7 { // the later migrations revert without a refusal
+			if _, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{}); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	downTo7()
+	publish(t, pool, idem.Event{ID: "a", Topic: "t", Destination: "d"}, idem.Event{ID: "b", Topic: "t", Destination: "d"})
+	if _, err := pool.Exec(ctx, `UPDATE idem_events SET status = 'failed' WHERE id = 'b'`); err != nil {
+		t.Fatal(err)
+	}
+	events := func() string {
+		var s string
+		if err := pool.QueryRow(ctx, `SELECT string_agg(e::text, ',' ORDER BY id) FROM idem_events e`).Scan(&s); err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	before := events()
+	_, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{})
+	if !errors.Is(err, idem.ErrDowngradeDeletesRecords) || !strings.Contains(err.Error(), "2 undelivered events") {
+		t.Fatalf("MigrateDown from 7: %v; want a refusal about 2 events", err)
+	}
+	if events() != before || appliedVersion(t, pool) != 7 {
+		t.Fatal("a refused MigrateDown changed something")
+	}
+	if _, err := pool.Exec(ctx, `UPDATE idem_events SET status = 'delivered'`); err != nil {
+		t.Fatal(err)
+	}
+	if v, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{}); err != nil || v != 7 {
+		t.Fatalf("MigrateDown with delivered events only: %d, %v", v, err)
+	}
+	if err := idem.Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	publish(t, pool, idem.Event{ID: "c", Topic: "t", Destination: "d"})
+	downTo7()
+	if v, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{Force: true}); err != nil || v != 7 {
+		t.Fatalf("forced MigrateDown: %d, %v", v, err)
+	}
+}

@@ -25,6 +25,12 @@
 // floor's. -smoke runs a small one after the rest, and fails when a
 // retained key takes more bytes than the layout allows.
 //
+// -relay runs only the outbox run (outbox.go): idem.Relay's throughput
+// against a hand-written FOR UPDATE SKIP LOCKED poller with the same no-op
+// sender, in interleaved rounds, commit-to-send at idle with LISTEN/NOTIFY,
+// and the claim's plan with -relay-pending pending events (a claim that
+// does not walk the due index is a failure). -smoke runs a small one.
+//
 // -latency D puts the database behind an in-process relay that adds D to
 // every round trip. -stale runs the light workloads twice in every round:
 // against a key table analyzed between rounds, and against one analyzed
@@ -68,6 +74,10 @@ type options struct {
 	storageKeys, storageWALCalls   int
 	storageFillfactor              int
 	storageRate                    float64
+	relay                          bool // the outbox run alone (-smoke runs a small one too)
+	relayRounds, relayEvents       int
+	relayLatencyEvents             int
+	relayPending                   int
 }
 
 func main() {
@@ -94,6 +104,11 @@ func main() {
 	flag.Float64Var(&o.storageRate, "storage-rate", 1000, "fresh calls per second in the storage run")
 	flag.IntVar(&o.storageWALCalls, "storage-wal-calls", 2_000, "calls per workload in the storage run's WAL count")
 	flag.IntVar(&o.storageFillfactor, "storage-fillfactor", 0, "fillfactor of idem_keys in the storage run (0: the migrations')")
+	flag.BoolVar(&o.relay, "relay", false, "only the outbox run: Relay against a hand-written SKIP LOCKED poller, commit-to-send with LISTEN, the claim's plan (-smoke runs a small one too)")
+	flag.IntVar(&o.relayRounds, "relay-rounds", 5, "interleaved rounds of the outbox run")
+	flag.IntVar(&o.relayEvents, "relay-events", 20_000, "backlogged events each contender sends in each round")
+	flag.IntVar(&o.relayLatencyEvents, "relay-latency-events", 200, "events published one at a time for commit-to-send")
+	flag.IntVar(&o.relayPending, "relay-pending", 1_000_000, "pending events under the claim whose plan is checked")
 	flag.BoolVar(&o.keep, "keep", false, "keep the database after the run")
 	flag.Parse()
 	if flag.NArg() > 0 {
@@ -105,7 +120,7 @@ func main() {
 	if o.smoke {
 		o.shrink(set)
 	}
-	if (o.latency > 0 || o.stale || o.storage) && !set["scale-rows"] {
+	if (o.latency > 0 || o.stale || o.storage || o.relay) && !set["scale-rows"] {
 		o.scaleRows, o.expiredRows = 0, 0 // the scale goal is a local, fresh one
 	}
 	if err := o.check(); err != nil {
@@ -123,20 +138,24 @@ func main() {
 // shrink sets the smoke sizes of every flag not given.
 func (o *options) shrink(set map[string]bool) {
 	for name, apply := range map[string]func(){
-		"round":             func() { o.round = 150 * time.Millisecond },
-		"rounds":            func() { o.rounds = 2 },
-		"warmup":            func() { o.warmup = 50 * time.Millisecond },
-		"workers":           func() { o.workers = 4 },
-		"storm":             func() { o.storm = 16 },
-		"users":             func() { o.users = 2_000 },
-		"boxes":             func() { o.boxes = 200 },
-		"replay-keys":       func() { o.replayKeys = 100 },
-		"scale-rows":        func() { o.scaleRows = 20_000 },
-		"expired-rows":      func() { o.expiredRows = 15_000 },
-		"alloc-calls":       func() { o.allocs = 50 },
-		"storage-keys":      func() { o.storageKeys = 2_000 },
-		"storage-rate":      func() { o.storageRate = 250 },
-		"storage-wal-calls": func() { o.storageWALCalls = 200 },
+		"round":                func() { o.round = 150 * time.Millisecond },
+		"rounds":               func() { o.rounds = 2 },
+		"warmup":               func() { o.warmup = 50 * time.Millisecond },
+		"workers":              func() { o.workers = 4 },
+		"storm":                func() { o.storm = 16 },
+		"users":                func() { o.users = 2_000 },
+		"boxes":                func() { o.boxes = 200 },
+		"replay-keys":          func() { o.replayKeys = 100 },
+		"scale-rows":           func() { o.scaleRows = 20_000 },
+		"expired-rows":         func() { o.expiredRows = 15_000 },
+		"alloc-calls":          func() { o.allocs = 50 },
+		"storage-keys":         func() { o.storageKeys = 2_000 },
+		"storage-rate":         func() { o.storageRate = 250 },
+		"storage-wal-calls":    func() { o.storageWALCalls = 200 },
+		"relay-rounds":         func() { o.relayRounds = 2 },
+		"relay-events":         func() { o.relayEvents = 500 },
+		"relay-latency-events": func() { o.relayLatencyEvents = 10 },
+		"relay-pending":        func() { o.relayPending = 20_000 },
 	} {
 		if !set[name] {
 			apply()
@@ -156,6 +175,9 @@ func (o *options) check() error {
 		return errors.New("-expired-rows must be between 0 and -scale-rows")
 	case o.latency < 0:
 		return errors.New("-latency must not be negative")
+	}
+	if o.relayRounds < 1 || o.relayEvents < 1 || o.relayLatencyEvents < 1 || o.relayPending < 1 {
+		return errors.New("-relay-rounds, -relay-events, -relay-latency-events and -relay-pending must be positive")
 	}
 	return o.storageCheck()
 }
@@ -186,7 +208,7 @@ func run(ctx context.Context, out io.Writer, o options) error {
 	}
 	defer b.close(srv)
 	failures := 0
-	if !o.storage {
+	if !o.storage && !o.relay {
 		rep, err := b.measure(ctx, out)
 		if err != nil {
 			return err
@@ -195,6 +217,13 @@ func run(ctx context.Context, out io.Writer, o options) error {
 	}
 	if o.storage || o.smoke {
 		n, err := b.runStorage(ctx, out)
+		if err != nil {
+			return err
+		}
+		failures += n
+	}
+	if o.relay || o.smoke {
+		n, err := b.runOutbox(ctx, out)
 		if err != nil {
 			return err
 		}

@@ -27,7 +27,7 @@ var auditCommand = command{
 		var f audit.ListFilter
 		fs.IntVar(&f.Limit, "limit", 100, "list at most `N` rows")
 		fs.StringVar(&f.Operator, "operator", "", "only the rows of the operator `NAME`")
-		fs.StringVar(&f.Action, "action", "", "only the `action` resolve, forget, expire_leases or prune")
+		fs.StringVar(&f.Action, "action", "", "only the `action` resolve, forget, expire_leases, prune or retry_event")
 		fs.StringVar(&f.Scope.Actor, "actor", "", "only the rows about the keys of the `actor`")
 		fs.StringVar(&f.Scope.Operation, "operation", "", "only the rows about the keys of the `operation`")
 		fs.StringVar(&f.Key, "key", "", "only the rows about the `key`")
@@ -69,9 +69,9 @@ func auditList(ctx context.Context, e *env, args []string, f audit.ListFilter) e
 		return usagef("--limit must be positive")
 	}
 	switch f.Action {
-	case "", audit.ActionResolve, audit.ActionForget, audit.ActionExpireLeases, audit.ActionPrune:
+	case "", audit.ActionResolve, audit.ActionForget, audit.ActionExpireLeases, audit.ActionPrune, audit.ActionRetryEvent:
 	default:
-		return usagef("--action %q is not one of resolve, forget, expire_leases, prune", f.Action)
+		return usagef("--action %q is not one of resolve, forget, expire_leases, prune, retry_event", f.Action)
 	}
 	pool, err := e.pool(ctx)
 	if err != nil {

@@ -94,6 +94,8 @@ Commands:
   resolve <actor> <operation> <key> --token T (--succeeded [--status N] [--body B | --body-file F] | --retryable) --reason R [--operator NAME]
                                 reconcile an unknown outcome
   audit list                    the operators' trail of resolve, forget and the console, newest first
+  events show|retry <destination> <id> [--reason R] [--operator NAME]
+                                show an event of the outbox, or send a failed one again
   ui [--listen 127.0.0.1:8081]  serve the operator's console (credentials from IDEM_UI_TOKEN,
                                 or IDEM_UI_USER and IDEM_UI_PASSWORD)
 
@@ -256,7 +258,7 @@ var commands = map[string]command{
 	"migrate": {
 		usage: "migrate up|down|status [--force]",
 		help: "Applies idem's migrations (up), reverts the latest one (down), or lists them (status). They are\nrecorded in their own goose table, " + idem.MigrationTable + ", apart from the application's.\n" +
-			"down refuses (exit 4, nothing changed) when reverting would delete records whose outcome may have\nhappened (unknown, in flight, failed_retryable; for the first migration, every record): their keys\nwould run again; or drop the audit trail (00005), or the resume windows of records in doubt (00006).\n--force reverts anyway.",
+			"down refuses (exit 4, nothing changed) when reverting would delete records whose outcome may have\nhappened (unknown, in flight, failed_retryable; for the first migration, every record): their keys\nwould run again; or drop the audit trail (00005), the resume windows of records in doubt (00006),\nor undelivered events of the outbox (00007).\n--force reverts anyway.",
 		flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			force := fs.Bool("force", false, "with down: revert even when that deletes records whose outcome may have happened")
 			return func(ctx context.Context, e *env, args []string) error { return migrate(ctx, e, args, *force) }
@@ -329,8 +331,9 @@ var commands = map[string]command{
 			return func(ctx context.Context, e *env, args []string) error { return resolve(ctx, e, args, o) }
 		},
 	},
-	"audit": auditCommand,
-	"ui":    uiCommand,
+	"audit":  auditCommand,
+	"ui":     uiCommand,
+	"events": eventsCommand,
 }
 
 // env is what a command runs with.
@@ -386,10 +389,10 @@ func (e *env) exit(err error) int {
 	switch {
 	case errors.As(err, &ue):
 		code = exitUsage
-	case errors.Is(err, idem.ErrNotFound):
+	case errors.Is(err, idem.ErrNotFound), errors.Is(err, idem.ErrEventNotFound):
 		code = exitNotFound
 	case errors.Is(err, idem.ErrNotResolvable), errors.Is(err, idem.ErrInProgress), errors.Is(err, idem.ErrOutcomeUnknown),
-		errors.Is(err, idem.ErrFenced), errors.Is(err, idem.ErrDowngradeDeletesRecords):
+		errors.Is(err, idem.ErrFenced), errors.Is(err, idem.ErrDowngradeDeletesRecords), errors.Is(err, idem.ErrEventNotFailed):
 		code = exitRefused
 	case errors.Is(err, idem.ErrInvalidKey), errors.Is(err, idem.ErrInvalidScope), errors.Is(err, idem.ErrInvalidArgument),
 		errors.Is(err, idem.ErrInvalidResponse), errors.Is(err, idem.ErrResponseTooLarge):

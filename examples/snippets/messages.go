@@ -9,6 +9,7 @@ import (
 	"context"
 	"errors"
 	"log/slog"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -26,6 +27,8 @@ var (
 	id         int64
 	outOfStock bool
 	msg        message
+	orderJSON  []byte // the order, as the event's payload
+	broker     queue  // where events go: a broker's client, a webhook sender
 )
 
 // Order is what placing an order returns.
@@ -47,3 +50,11 @@ type message struct {
 
 // Ack acknowledges the delivery: the broker will not redeliver it.
 func (m message) Ack() {}
+
+// queue is a broker's client.
+type queue struct{}
+
+// Publish sends body to topic, with id for the consumers' deduplication.
+func (queue) Publish(ctx context.Context, topic, id string, body []byte) error { return nil }
+
+var _ = time.Second

@@ -40,6 +40,7 @@ const (
 	ActionForget       = "forget"
 	ActionExpireLeases = "expire_leases"
 	ActionPrune        = "prune"
+	ActionRetryEvent   = "retry_event"
 )
 
 // The verdicts of a resolve (idem_audit.verdict).
@@ -510,6 +511,55 @@ func insert(ctx context.Context, tx pgx.Tx, e *Entry) error {
 	}
 	e.ID, e.At = row.ID, row.ActedAt.Time
 	return nil
+}
+
+// RetryEvent sends the failed event (destination, id) of the outbox again,
+// as idem.RetryEvent does (pending and due now, its schedule restarting,
+// reason recorded in the event), in one transaction with its audit row,
+// and wakes listening relays when it commits. The row names no key (actor,
+// operation and key empty); its Detail holds the destination and the id.
+// An event that is not failed is idem.ErrEventNotFailed, a missing one
+// idem.ErrEventNotFound, an empty or invalid reason or operator name
+// idem.ErrInvalidArgument; on any error nothing changed and no row was
+// written.
+func RetryEvent(ctx context.Context, db idem.Beginner, c *idem.Client, operator, id, destination, reason string) (Entry, error) {
+	c, err := check(c, db, operator)
+	if err != nil {
+		return Entry{}, err
+	}
+	if reason == "" || len(reason) > idem.MaxRetryReason || checkText(reason, idem.MaxRetryReason) != nil {
+		return Entry{}, fmt.Errorf("%w: the reason must be 1 to %d bytes of text", idem.ErrInvalidArgument, idem.MaxRetryReason)
+	}
+	detail, err := json.Marshal(map[string]string{"destination": destination, "id": id,
+		"status_before": string(idem.EventFailed), "status_after": string(idem.EventPending)})
+	if err != nil {
+		return Entry{}, err
+	}
+	e := Entry{Operator: operator, Action: ActionRetryEvent, Reason: reason, Changed: 1, Detail: detail}
+	err = write(ctx, c, db, func(ctx context.Context, tx pgx.Tx) error {
+		n, err := queries.EventRetry(ctx, tx, store.EventRetryParams{Destination: destination, ID: id, Reason: reason})
+		if err != nil {
+			return err
+		}
+		if n == 0 {
+			ev, err := queries.EventLookup(ctx, tx, store.EventLookupParams{Destination: destination, ID: id})
+			if errors.Is(err, pgx.ErrNoRows) {
+				return fmt.Errorf("%w: %q for %q", idem.ErrEventNotFound, id, destination)
+			}
+			if err != nil {
+				return err
+			}
+			return fmt.Errorf("%w: %q for %q is %s", idem.ErrEventNotFailed, id, destination, ev.Status)
+		}
+		if _, err := tx.Exec(ctx, "SELECT pg_notify('"+idem.EventsChannel+"', '')"); err != nil {
+			return err
+		}
+		return insert(ctx, tx, &e)
+	})
+	if err != nil {
+		return Entry{}, err
+	}
+	return e, nil
 }
 
 // defaultClient stands in for a nil *idem.Client: the package-level

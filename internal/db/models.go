@@ -26,6 +26,40 @@ type IdemAudit struct {
 	Detail       []byte
 }
 
+type IdemEvent struct {
+	Destination       string
+	ID                string
+	Topic             string
+	Payload           []byte
+	Header            []byte
+	Status            string
+	Attempts          int32
+	RetryFrom         int32
+	NextAttemptAt     pgtype.Timestamptz
+	Claim             int64
+	CreatedAt         pgtype.Timestamptz
+	DeliveredAt       pgtype.Timestamptz
+	FailedAt          pgtype.Timestamptz
+	DeliveredAttempt  pgtype.Int4
+	DeliveryStartedAt pgtype.Timestamptz
+	DeliveryMicros    pgtype.Int8
+	LastError         pgtype.Text
+	RetriedAt         pgtype.Timestamptz
+	RetryReason       pgtype.Text
+	ExpiresAt         pgtype.Timestamptz
+}
+
+type IdemEventAttempt struct {
+	Destination    string
+	EventID        string
+	Attempt        int32
+	StartedAt      pgtype.Timestamptz
+	DurationMicros int64
+	Error          pgtype.Text
+	Permanent      bool
+	Claim          int64
+}
+
 type IdemKey struct {
 	Actor           string
 	Operation       string

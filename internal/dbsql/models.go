@@ -29,6 +29,40 @@ type IdemAudit struct {
 	Detail       nulljson.JSON
 }
 
+type IdemEvent struct {
+	Destination       string
+	ID                string
+	Topic             string
+	Payload           []byte
+	Header            nulljson.JSON
+	Status            string
+	Attempts          int32
+	RetryFrom         int32
+	NextAttemptAt     time.Time
+	Claim             int64
+	CreatedAt         time.Time
+	DeliveredAt       sql.NullTime
+	FailedAt          sql.NullTime
+	DeliveredAttempt  sql.NullInt32
+	DeliveryStartedAt sql.NullTime
+	DeliveryMicros    sql.NullInt64
+	LastError         sql.NullString
+	RetriedAt         sql.NullTime
+	RetryReason       sql.NullString
+	ExpiresAt         sql.NullTime
+}
+
+type IdemEventAttempt struct {
+	Destination    string
+	EventID        string
+	Attempt        int32
+	StartedAt      time.Time
+	DurationMicros int64
+	Error          sql.NullString
+	Permanent      bool
+	Claim          int64
+}
+
 type IdemKey struct {
 	Actor           string
 	Operation       string

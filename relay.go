@@ -1,0 +1,679 @@
+package idem
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"log/slog"
+	"math/rand/v2"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgtype"
+	"github.com/jackc/pgx/v5/pgxpool"
+
+	"github.com/pgidem/idem/internal/core"
+	"github.com/pgidem/idem/internal/db"
+	"github.com/pgidem/idem/internal/driver/pgxdriver"
+	"github.com/pgidem/idem/internal/outbox"
+)
+
+// DefaultSchedule returns the relay's default schedule, Standard Webhooks'
+// (https://www.standardwebhooks.com): an attempt at once, then retries 5
+// seconds, 5 minutes, 30 minutes, 2 hours, 5 hours, 10 hours and 10 hours
+// after each failure; eight attempts over about a day and a day and a half.
+func DefaultSchedule() []time.Duration {
+	return []time.Duration{0, 5 * time.Second, 5 * time.Minute, 30 * time.Minute,
+		2 * time.Hour, 5 * time.Hour, 10 * time.Hour, 10 * time.Hour}
+}
+
+// RelayOptions configure a Relay. Zero fields take their defaults; a field
+// out of range makes NewRelay return an error wrapping ErrInvalidConfig.
+type RelayOptions struct {
+	// Sender sends each event (required).
+	Sender Sender
+	// Schedule has one entry per attempt: the delay before it, counted
+	// from the previous attempt's failure, each delay varied by up to ±10%
+	// (jitter) so that events that failed together are not retried
+	// together. The first entry must be 0: the first attempt is made as
+	// soon as a relay sees the event. After the last attempt fails, the
+	// event is failed. Default: DefaultSchedule(). At most 100 entries,
+	// none negative.
+	Schedule []time.Duration
+	// BatchSize is how many due events one claim takes (default 100, at
+	// most 10000). The relay claims again when fewer than Workers of its
+	// claimed events are left to send.
+	BatchSize int
+	// Workers is how many events are sent at once (default 10, at most
+	// 1000).
+	Workers int
+	// AttemptTimeout bounds one call of the Sender (default 30s): its ctx
+	// ends then, and the attempt counts as failed.
+	AttemptTimeout time.Duration
+	// Lease is how long a claim holds an event (default 2m, at least twice
+	// AttemptTimeout): no other relay claims it meanwhile. A relay never
+	// calls the Sender past its lease (it shortens the attempt's timeout,
+	// and leaves an event whose lease is nearly over to the next claim), so
+	// two relays never send one event at the same time. When a relay dies,
+	// its claimed events are sent by another relay once the lease runs out.
+	// Claimed events wait for a free worker, so keep BatchSize / Workers ×
+	// AttemptTimeout well under Lease.
+	Lease time.Duration
+	// PollInterval is how often the relay looks for due events when no
+	// notification wakes it (default 1s; at least 1ms). Retries are found
+	// by polling: a retry is due up to PollInterval late.
+	PollInterval time.Duration
+	// PollOnly turns off LISTEN: the relay only polls. Set it when db is a
+	// pool behind PgBouncer in transaction mode (or another transaction
+	// pooler), where notifications are lost. Without it, a relay whose db
+	// is a *pgxpool.Pool listens on EventsChannel on a connection of its
+	// own (opened with the pool's configuration, outside the pool) and
+	// sends a published event as soon as its transaction commits; other
+	// Beginners poll.
+	PollOnly bool
+	// TTL is how long a delivered event stays in the outbox, for
+	// LookupEvent and deduplication of Publish (default 72h). FailedTTL is
+	// how long a failed event stays (default 30 days): after it, the event
+	// is deleted unsent. The relay prunes both.
+	TTL, FailedTTL time.Duration
+	// Logger receives a record per failed claim, recording or prune (Warn)
+	// and per event marked failed (Warn). Default: slog.Default().
+	Logger *slog.Logger
+}
+
+// Limits of RelayOptions.
+const (
+	maxSchedule  = 100
+	maxBatchSize = 10000
+	maxWorkers   = 1000
+	// pruneBatch is how many events one prune statement deletes at most.
+	pruneBatch = 1000
+	// stopGrace bounds the recording of the attempts that Run's end cut.
+	stopGrace = 5 * time.Second
+)
+
+// Relay sends the events that Publish wrote, from the outbox to their
+// destinations through a Sender. Several relays (in one process or many)
+// share the work: each claims due events with FOR UPDATE SKIP LOCKED,
+// giving them a lease and a fencing token, sends them outside any
+// transaction, and records each attempt and the event's new state guarded
+// by the token, so a relay that stalled past its lease cannot overwrite a
+// newer claim's outcome. The records of the attempts that finished go with
+// the next claim, in one pipeline of statements (one round trip and one
+// commit on a pool).
+//
+// Delivery is at least once: when a relay dies between a send and its
+// record (or the database cannot record it), the event is sent again after
+// the lease. The receiver deduplicates by Event.ID (Inbox,
+// idemhttp.WebhookHandler). With no failure, each event is sent once.
+type Relay struct {
+	db      Beginner
+	pool    *pgxpool.Pool // set when the relay listens
+	opts    RelayOptions
+	log     *slog.Logger
+	running atomic.Bool
+	citus   atomic.Int32 // 0: not known yet; 1: PostgreSQL; 2: Citus
+}
+
+// NewRelay returns a relay that sends the outbox of db's database with
+// opts. db is typically a *pgxpool.Pool (see RelayOptions.PollOnly). A nil
+// db is ErrInvalidArgument; options out of range ErrInvalidConfig.
+func NewRelay(db Beginner, opts RelayOptions) (*Relay, error) {
+	if db == nil {
+		return nil, core.Errorf("idem: new relay: %w: nil db", ErrInvalidArgument)
+	}
+	if err := opts.fill(); err != nil {
+		return nil, core.Errorf("idem: new relay: %w: %s", ErrInvalidConfig, err.Error())
+	}
+	r := &Relay{db: db, opts: opts, log: opts.Logger}
+	if p, ok := db.(*pgxpool.Pool); ok && !opts.PollOnly {
+		r.pool = p
+	}
+	return r, nil
+}
+
+// fill sets the defaults and checks the ranges.
+func (o *RelayOptions) fill() error {
+	if o.Sender == nil {
+		return errors.New("nil Sender")
+	}
+	if o.Schedule == nil {
+		o.Schedule = DefaultSchedule()
+	} else {
+		o.Schedule = append([]time.Duration(nil), o.Schedule...)
+	}
+	switch {
+	case len(o.Schedule) == 0 || len(o.Schedule) > maxSchedule:
+		return fmt.Errorf("the Schedule has %d entries, want 1 to %d", len(o.Schedule), maxSchedule)
+	case o.Schedule[0] != 0:
+		return fmt.Errorf("the Schedule's first entry is %v: the first attempt is immediate (0)", o.Schedule[0])
+	}
+	for i, d := range o.Schedule {
+		if d < 0 {
+			return fmt.Errorf("entry %d of the Schedule is negative (%v)", i, d)
+		}
+	}
+	def := func(v *time.Duration, d time.Duration) {
+		if *v == 0 {
+			*v = d
+		}
+	}
+	def(&o.AttemptTimeout, 30*time.Second)
+	def(&o.Lease, max(2*time.Minute, 2*o.AttemptTimeout))
+	def(&o.PollInterval, time.Second)
+	def(&o.TTL, 72*time.Hour)
+	def(&o.FailedTTL, 30*24*time.Hour)
+	if o.BatchSize == 0 {
+		o.BatchSize = 100
+	}
+	if o.Workers == 0 {
+		o.Workers = 10
+	}
+	if o.Logger == nil {
+		o.Logger = slog.Default()
+	}
+	switch {
+	case o.BatchSize < 0 || o.BatchSize > maxBatchSize:
+		return fmt.Errorf("BatchSize %d out of 1..%d", o.BatchSize, maxBatchSize)
+	case o.Workers < 0 || o.Workers > maxWorkers:
+		return fmt.Errorf("the Workers %d are out of 1..%d", o.Workers, maxWorkers)
+	case o.AttemptTimeout < time.Millisecond:
+		return fmt.Errorf("AttemptTimeout %v under 1ms", o.AttemptTimeout)
+	case o.Lease < 2*o.AttemptTimeout:
+		return fmt.Errorf("the Lease %v is under twice AttemptTimeout (%v)", o.Lease, o.AttemptTimeout)
+	case o.PollInterval < time.Millisecond:
+		return fmt.Errorf("PollInterval %v under 1ms", o.PollInterval)
+	case o.TTL < 0 || o.FailedTTL < 0:
+		return fmt.Errorf("negative TTL (%v) or FailedTTL (%v)", o.TTL, o.FailedTTL)
+	}
+	return nil
+}
+
+// claimed is an event a relay claimed, and what became of its attempt.
+type claimed struct {
+	ev         Event
+	attempt    int    // its number, from 1
+	position   int    // its place in the schedule, from 1
+	claim      int64  // the claim's token
+	version    string // the row version (ctid) the claim left, where EventRecord finds it
+	leaseEnd   time.Time
+	started    time.Time
+	duration   time.Duration
+	err        error
+	sent       bool // the Sender was called
+	stoppedRun bool // Run's end cut the attempt
+}
+
+// Run sends events until ctx ends, then returns ctx's error once the
+// attempts in flight are cut and recorded (each as failed and due again at
+// once, for the next relay). It returns early only with ErrInvalidArgument,
+// when the relay is running already. Failures of the database are logged
+// and retried every PollInterval; they never end Run.
+//
+// One loop talks to the database: each cycle records the attempts that
+// finished since the last one and claims the next batch, in one statement
+// pipeline (one round trip and one commit on a pool), while the workers
+// send. It claims when fewer than Workers claimed events are left to send.
+func (r *Relay) Run(ctx context.Context) error {
+	if !r.running.CompareAndSwap(false, true) {
+		return core.Errorf("idem: relay: %w: Run is running already", ErrInvalidArgument)
+	}
+	defer r.running.Store(false)
+
+	wake := make(chan struct{}, 1)
+	signal := func() {
+		select {
+		case wake <- struct{}{}:
+		default:
+		}
+	}
+	// Both channels hold every claimed event at once (at most BatchSize
+	// plus Workers - 1): neither the loop nor a worker ever blocks on them.
+	capacity := r.opts.BatchSize + r.opts.Workers
+	jobs := make(chan *claimed, capacity)
+	results := make(chan *claimed, capacity)
+	unsent := 0 // claimed, not yet back from a worker
+	var wg sync.WaitGroup
+	if r.pool != nil {
+		wg.Go(func() { r.listen(ctx, signal) })
+	}
+	wg.Go(func() { r.prune(ctx) })
+	var workers sync.WaitGroup
+	for range r.opts.Workers {
+		workers.Go(func() {
+			for c := range jobs {
+				r.send(ctx, c)
+				results <- c
+				signal()
+			}
+		})
+	}
+
+	// Finished attempts wait in done for the next claim, which records
+	// them in its pipeline; when no claim comes (every worker busy), they
+	// are recorded on their own once the oldest has waited recordDelay.
+	recordDelay := min(r.opts.PollInterval, 100*time.Millisecond)
+	poll := time.NewTimer(0)
+	defer poll.Stop()
+	var done []*claimed
+	var oldest time.Time
+	for ctx.Err() == nil {
+		before := len(done)
+		done = drain(results, done)
+		unsent -= len(done) - before
+		if before == 0 && len(done) > 0 {
+			oldest = time.Now()
+		}
+		n := 0
+		if unsent < r.opts.Workers {
+			n = r.opts.BatchSize
+		}
+		wait := r.opts.PollInterval
+		if n > 0 || len(done) > 0 && time.Since(oldest) >= recordDelay {
+			batch, err := r.cycle(ctx, done, n)
+			if err != nil && ctx.Err() == nil {
+				r.log.Warn("idem: relay: claim failed", "err", err)
+			}
+			done = done[:0]
+			unsent += len(batch)
+			for _, c := range batch {
+				jobs <- c
+			}
+			if n > 0 && len(batch) == n && err == nil {
+				continue // more may be due
+			}
+		} else if len(done) > 0 {
+			wait = recordDelay - time.Since(oldest)
+		}
+		poll.Reset(wait)
+		select {
+		case <-ctx.Done():
+		case <-wake:
+		case <-poll.C:
+		}
+	}
+	close(jobs)
+	workers.Wait()
+	close(results)
+	if done = drain(results, done); len(done) > 0 {
+		if _, err := r.cycle(ctx, done, 0); err != nil {
+			r.log.Warn("idem: relay: recording attempts failed; the events are sent again after their lease",
+				"events", len(done), "err", err)
+		}
+	}
+	wg.Wait()
+	return ctx.Err()
+}
+
+// drain appends to done the results waiting in results, without blocking.
+func drain(results <-chan *claimed, done []*claimed) []*claimed {
+	for {
+		select {
+		case c, ok := <-results:
+			if !ok {
+				return done
+			}
+			done = append(done, c)
+		default:
+			return done
+		}
+	}
+}
+
+// cycle records the attempts of done and claims up to n due events, in one
+// statement pipeline (see pipeline). When it fails with a claim in it, the
+// records are sent again alone; when they fail too, that is logged, and
+// the events are sent again once their lease runs out.
+func (r *Relay) cycle(ctx context.Context, done []*claimed, n int) ([]*claimed, error) {
+	if len(done) == 0 && n == 0 {
+		return nil, nil
+	}
+	// The records must land whatever ctx does (Run's end records the
+	// attempts it cut): only a pipeline with a claim ends with ctx.
+	pctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), max(stopGrace, r.opts.AttemptTimeout))
+	defer cancel()
+	if n > 0 {
+		defer context.AfterFunc(ctx, cancel)()
+	}
+	citus, err := r.onCitus(pctx)
+	if err != nil {
+		return nil, err
+	}
+	var b pgx.Batch
+	if err := r.queueRecords(&b, done, citus); err != nil {
+		return nil, err
+	}
+	records := b.Len()
+	if n > 0 {
+		claim := db.EventClaim
+		if citus {
+			claim = db.EventClaimCitus
+		}
+		b.Queue(claim, r.opts.Lease.Microseconds(), int32(n))
+	}
+	if b.Len() == 0 {
+		return nil, nil
+	}
+	start := time.Now()
+	var rows []db.EventClaimRow
+	err = r.pipeline(pctx, &b, func(br pgx.BatchResults) error {
+		for range records {
+			if _, err := br.Exec(); err != nil {
+				return err
+			}
+		}
+		if n == 0 {
+			return nil
+		}
+		qr, err := br.Query()
+		if err != nil {
+			return err
+		}
+		rows, err = pgx.CollectRows(qr, func(row pgx.CollectableRow) (db.EventClaimRow, error) {
+			var c db.EventClaimRow
+			err := row.Scan(&c.Destination, &c.ID, &c.Topic, &c.Payload, &c.Header, &c.Attempts, &c.RetryFrom, &c.Claim, &c.RowVersion)
+			return c, err
+		})
+		return err
+	})
+	if err != nil {
+		if records > 0 && n > 0 {
+			if _, rerr := r.cycle(ctx, done, 0); rerr != nil {
+				r.log.Warn("idem: relay: recording attempts failed; the events are sent again after their lease",
+					"events", len(done), "err", rerr)
+			}
+		}
+		return nil, err
+	}
+	out := make([]*claimed, 0, len(rows))
+	for _, row := range rows {
+		header, err := outbox.DecodeHeader(row.Header)
+		c := &claimed{
+			ev:      Event{ID: row.ID, Topic: row.Topic, Destination: row.Destination, Payload: row.Payload, Header: header},
+			attempt: int(row.Attempts), position: int(row.Attempts - row.RetryFrom), claim: row.Claim,
+			version: row.RowVersion,
+			// Measured from before the claim was sent: never later than
+			// the database's.
+			leaseEnd: start.Add(r.opts.Lease),
+		}
+		if err != nil {
+			c.err = Permanent(fmt.Errorf("stored header: %w", err))
+		}
+		out = append(out, c)
+	}
+	return out, nil
+}
+
+// pipeline sends b on the relay's db and reads its results with read: on a
+// *pgxpool.Pool or a *pgx.Conn in one round trip, as one implicit
+// transaction; on another Beginner in a transaction begun on it.
+func (r *Relay) pipeline(ctx context.Context, b *pgx.Batch, read func(pgx.BatchResults) error) error {
+	run := func(sb batchSender) error {
+		br := sb.SendBatch(ctx, b)
+		err := read(br)
+		if cerr := br.Close(); err == nil {
+			err = cerr
+		}
+		return err
+	}
+	if sb, ok := r.db.(batchSender); ok {
+		return run(sb)
+	}
+	return pgx.BeginFunc(ctx, r.db, func(tx pgx.Tx) error { return run(tx) })
+}
+
+// batchSender sends a pipeline of statements (*pgxpool.Pool, *pgx.Conn,
+// pgx.Tx).
+type batchSender interface {
+	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
+}
+
+// send makes one attempt at c, unless its lease is nearly over or Run ended.
+func (r *Relay) send(ctx context.Context, c *claimed) {
+	if c.err != nil || ctx.Err() != nil {
+		return
+	}
+	// Stop the attempt a tenth of the lease before it runs out, so that it
+	// never overlaps the next claim's.
+	deadline := time.Now().Add(r.opts.AttemptTimeout)
+	if end := c.leaseEnd.Add(-r.opts.Lease / 10); end.Before(deadline) {
+		deadline = end
+	}
+	if time.Until(deadline) < r.opts.AttemptTimeout/10 {
+		return // left to the next claim
+	}
+	sctx, cancel := context.WithDeadline(ctx, deadline)
+	defer cancel()
+	c.sent, c.started = true, time.Now()
+	c.err = r.opts.Sender.Send(sctx, Delivery{Event: c.ev, Attempt: c.attempt})
+	c.duration = time.Since(c.started)
+	if c.err != nil && ctx.Err() != nil {
+		c.stoppedRun = true
+	}
+}
+
+// queueRecords queues in b the statements that record the attempts of
+// done: one for every attempt, and one per claimed event that was not
+// attempted (given back, due at once).
+func (r *Relay) queueRecords(b *pgx.Batch, done []*claimed, citus bool) error {
+	var attempts []recordedAttempt
+	for _, c := range done {
+		if !c.sent && c.err == nil {
+			// Not attempted: due again at once, for any relay.
+			b.Queue(db.EventRelease, c.ev.Destination, c.ev.ID, c.claim)
+			continue
+		}
+		status, delay := r.outcome(c)
+		a := recordedAttempt{Destination: c.ev.Destination, ID: c.ev.ID, Claim: c.claim, RowVersion: c.version, Attempt: c.attempt,
+			StartedAt: c.started, DurationMicros: c.duration.Microseconds(), Permanent: IsPermanent(c.err),
+			Status: string(status), DelayMicros: delay.Microseconds(), TTLMicros: r.opts.TTL.Microseconds()}
+		if !c.sent {
+			a.StartedAt = time.Now()
+		}
+		if c.err != nil {
+			msg := errorText(c.err)
+			if c.stoppedRun {
+				msg = "relay stopped: " + msg
+			}
+			a.Error = &msg
+		}
+		if status == EventFailed {
+			a.TTLMicros = r.opts.FailedTTL.Microseconds()
+			r.log.Warn("idem: relay: event failed", "id", c.ev.ID, "destination", c.ev.Destination,
+				"attempt", c.attempt, "err", c.err)
+		}
+		if citus {
+			// One statement per attempt, each routed to its worker.
+			var errText pgtype.Text
+			if a.Error != nil {
+				errText = pgtype.Text{String: *a.Error, Valid: true}
+			}
+			b.Queue(db.EventRecordOne, a.Status, a.DelayMicros, int32(a.Attempt),
+				pgtype.Timestamptz{Time: a.StartedAt, Valid: true}, a.DurationMicros, errText, a.TTLMicros,
+				a.Destination, a.ID, a.Claim, a.Permanent)
+			continue
+		}
+		attempts = append(attempts, a)
+	}
+	if len(attempts) > 0 {
+		js, err := json.Marshal(attempts)
+		if err != nil {
+			return err
+		}
+		b.Queue(db.EventRecord, string(js))
+	}
+	return nil
+}
+
+// recordedAttempt is one attempt as EventRecord reads it.
+type recordedAttempt struct {
+	Destination    string    `json:"destination"`
+	ID             string    `json:"id"`
+	Claim          int64     `json:"claim"`
+	RowVersion     string    `json:"row_version"`
+	Attempt        int       `json:"attempt"`
+	StartedAt      time.Time `json:"started_at"`
+	DurationMicros int64     `json:"duration_micros"`
+	Error          *string   `json:"error"`
+	Permanent      bool      `json:"permanent"`
+	Status         string    `json:"status"`
+	DelayMicros    int64     `json:"delay_micros"`
+	TTLMicros      int64     `json:"ttl_micros"`
+}
+
+// outcome is the state an attempt leaves its event in, and the delay
+// before the next attempt when it stays pending.
+func (r *Relay) outcome(c *claimed) (EventStatus, time.Duration) {
+	switch {
+	case c.err == nil:
+		return EventDelivered, 0
+	case c.stoppedRun:
+		return EventPending, 0
+	case IsPermanent(c.err) || c.position >= len(r.opts.Schedule):
+		return EventFailed, 0
+	}
+	d := r.opts.Schedule[c.position]
+	if d > 0 {
+		d += time.Duration(rand.Int64N(int64(d/5)+1)) - d/10 // ±10%
+	}
+	return EventPending, d
+}
+
+// listen wakes the relay on every notification of EventsChannel, on a
+// connection of its own, until ctx ends; when the connection fails it
+// reconnects after PollInterval (the relay polls meanwhile).
+func (r *Relay) listen(ctx context.Context, wake func()) {
+	for ctx.Err() == nil {
+		err := r.listenOnce(ctx, wake)
+		if ctx.Err() != nil {
+			return
+		}
+		r.log.Warn("idem: relay: LISTEN connection failed; polling until it is back", "err", err)
+		select {
+		case <-ctx.Done():
+		case <-time.After(r.opts.PollInterval):
+		}
+	}
+}
+
+// listenOnce listens on one connection until it fails or ctx ends.
+func (r *Relay) listenOnce(ctx context.Context, wake func()) error {
+	conn, err := pgx.ConnectConfig(ctx, r.pool.Config().ConnConfig.Copy())
+	if err != nil {
+		return err
+	}
+	defer func() {
+		cctx, cancel := context.WithTimeout(context.Background(), time.Second)
+		defer cancel()
+		_ = conn.Close(cctx)
+	}()
+	if _, err := conn.Exec(ctx, "LISTEN "+EventsChannel); err != nil {
+		return err
+	}
+	wake() // events published while nobody listened
+	for {
+		if _, err := conn.WaitForNotification(ctx); err != nil {
+			return err
+		}
+		wake()
+	}
+}
+
+// prune deletes the finished events past their TTL, at the start and then
+// every minute (or TTL, when shorter), until ctx ends.
+func (r *Relay) prune(ctx context.Context) {
+	every := max(r.opts.PollInterval, min(time.Minute, r.opts.TTL, r.opts.FailedTTL))
+	t := time.NewTimer(0)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+		}
+		for ctx.Err() == nil {
+			n, err := r.pruneBatch(ctx)
+			if err != nil && ctx.Err() == nil {
+				r.log.Warn("idem: relay: prune failed", "err", err)
+			}
+			if err != nil || n < pruneBatch {
+				break
+			}
+		}
+		t.Reset(every)
+	}
+}
+
+// pruneBatch deletes up to pruneBatch finished events past their expiry,
+// and their attempt logs, in one transaction.
+func (r *Relay) pruneBatch(ctx context.Context) (int64, error) {
+	citus, err := r.onCitus(ctx)
+	if err != nil {
+		return 0, err
+	}
+	tx, err := r.db.Begin(ctx)
+	if err != nil {
+		return 0, err
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	var n int64
+	if citus {
+		// One snapshot for both statements (EventPruneCitus).
+		if _, err = tx.Exec(ctx, "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"); err == nil {
+			if err = dbQueries.EventPruneAttemptsCitus(ctx, tx, pruneBatch); err == nil {
+				n, err = dbQueries.EventPruneCitus(ctx, tx, pruneBatch)
+			}
+		}
+	} else {
+		n, err = dbQueries.EventPrune(ctx, tx, pruneBatch)
+	}
+	if err != nil {
+		return 0, err
+	}
+	return n, tx.Commit(ctx)
+}
+
+// onCitus reports whether the relay's database runs Citus, asking it (in
+// a transaction of its own) the first time: Citus refuses FOR UPDATE over
+// a distributed table, so the claim and the prune take statements of
+// their own there.
+func (r *Relay) onCitus(ctx context.Context) (bool, error) {
+	switch r.citus.Load() {
+	case 1:
+		return false, nil
+	case 2:
+		return true, nil
+	}
+	var citus bool
+	err := pgx.BeginFunc(ctx, r.db, func(tx pgx.Tx) error {
+		var err error
+		citus, err = pgxdriver.HasCitus(ctx, tx)
+		return err
+	})
+	if err != nil {
+		return false, err
+	}
+	if citus {
+		r.citus.Store(2)
+	} else {
+		r.citus.Store(1)
+	}
+	return citus, nil
+}
+
+// maxErrorText bounds the error text an attempt records, in bytes.
+const maxErrorText = 4096
+
+// errorText is err's message as an attempt records it: valid UTF-8 without
+// NUL (jsonb and text refuse it), at most maxErrorText bytes.
+func errorText(err error) string {
+	msg := strings.ReplaceAll(strings.ToValidUTF8(err.Error(), "\uFFFD"), "\x00", "")
+	if len(msg) > maxErrorText {
+		msg = strings.ToValidUTF8(msg[:maxErrorText], "")
+	}
+	return msg
+}
