@@ -38,6 +38,7 @@ func TestInterpretUnavailable(t *testing.T) {
 		{"pgx too many connections", &pgconn.PgError{Code: "53300"}, true, true},
 		{"lib/pq cannot connect now", &pq.Error{Code: "57P03"}, true, true},
 		{"lost under another error", errors.Join(&pgconn.PgError{Code: "23505"}, io.EOF), true, false},
+		{"lost under an error interpreted already", errors.Join(dberr.Interpret(&pgconn.PgError{Code: "25P02"}), io.EOF), true, false},
 		{"unique violation", &pgconn.PgError{Code: "23505"}, false, false},
 		{"lib/pq lock not available", &pq.Error{Code: "55P03"}, false, false},
 		{"fn's own", errors.New("out of stock"), false, false},
