@@ -521,7 +521,8 @@ func exerciseServerErrors[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 	// the handle serves the next transaction on another connection.
 	tx = begin()
 	err := h.Exec(ctx, tx, `SELECT pg_terminate_backend(pg_backend_pid())`)
-	if ierr := d.Interpret(err); !errors.Is(ierr, driver.ErrUnavailable) || errors.Is(ierr, driver.ErrRetryable|driver.ErrLockNotAvailable) {
+	if ierr := d.Interpret(err); !errors.Is(ierr, driver.ErrUnavailable) || errors.Is(ierr, driver.ErrRetryable) ||
+		errors.Is(ierr, driver.ErrLockNotAvailable) {
 		t.Errorf("session ended by the server: %v, want ErrUnavailable", err)
 	}
 	d.Rollback(ctx, db, tx)
