@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/puddle/v2"
 	"github.com/lib/pq"
+	"github.com/lib/pq/pqerror"
 
 	"github.com/pgidem/idem/internal/driver"
 	"github.com/pgidem/idem/internal/driver/dberr"
@@ -57,7 +58,7 @@ func TestInterpretUnavailable(t *testing.T) {
 
 // lib/pq's errors read as pgx's: the same faults, the same SQLSTATE.
 func TestInterpretLibPQ(t *testing.T) {
-	for code, want := range map[pq.ErrorCode]driver.Fault{
+	for code, want := range map[pqerror.Code]driver.Fault{
 		"55P03":                   driver.ErrLockNotAvailable,
 		"40001":                   driver.ErrRetryable,
 		"25P02":                   driver.ErrTxAborted,
