@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"strings"
+	"sync/atomic"
 	"testing"
 
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -15,8 +16,8 @@ import (
 )
 
 // A database reverted below migration 00008 (no idem_refuse): DoInTx and
-// Do fail with ErrUnsupported naming the function, store nothing and undo
-// fn's writes; the caller's transaction of Do goes on and commits its own.
+// Do fail with ErrUnsupported naming the function at the claim, before fn
+// runs, and store nothing; the caller's transaction of Do goes on and commits its own.
 // With pgx's stdlib and lib/pq.
 func TestMigrateDownFrom8(t *testing.T) {
 	t.Parallel()
@@ -38,7 +39,9 @@ func TestMigrateDownFrom8(t *testing.T) {
 			t.Fatal(err)
 		}
 		db := open(t, driver, url)
+		var ran atomic.Int64
 		charge := func(ctx context.Context, tx *sql.Tx) (idem.Response, error) {
+			ran.Add(1)
 			_, err := tx.ExecContext(ctx, `INSERT INTO charges VALUES ('c1')`)
 			return created, err
 		}
@@ -63,6 +66,9 @@ func TestMigrateDownFrom8(t *testing.T) {
 		var keys, charges int
 		if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM idem_keys), (SELECT count(*) FROM charges)`).Scan(&keys, &charges); err != nil || keys != 0 || charges != 1 {
 			t.Errorf("after the refusals: %d keys, %d charges (the caller's own only), %v", keys, charges, err)
+		}
+		if n := ran.Load(); n != 0 {
+			t.Errorf("fn ran %d times on a database without idem_refuse", n)
 		}
 	})
 }
