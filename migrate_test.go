@@ -6,6 +6,7 @@ import (
 	"io/fs"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"testing/fstest"
 	"time"
@@ -267,8 +268,9 @@ func TestMigrateDownKeepsWindows(t *testing.T) {
 
 // Migration 00008 adds idem_refuse, through which the completion refuses
 // with idem's own SQLSTATE. Reverted, it is gone: a call of version 8's
-// code fails with ErrUnsupported naming it, stores nothing and leaves the
-// service's writes undone; migrated again, the same call runs.
+// code fails with ErrUnsupported naming it at the claim, before fn runs,
+// and stores nothing (DoInTx, and Do in each exec mode, whose caller's
+// transaction goes on); migrated again, the same call runs.
 func TestMigrateDownFrom8(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -279,7 +281,9 @@ func TestMigrateDownFrom8(t *testing.T) {
 	if _, err := pool.Exec(ctx, `CREATE TABLE charges (id text)`); err != nil {
 		t.Fatal(err)
 	}
+	var ran atomic.Int64
 	charge := func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+		ran.Add(1)
 		_, err := tx.Exec(ctx, `INSERT INTO charges VALUES ('c1')`)
 		return idem.Response{Status: 201}, err
 	}
@@ -287,10 +291,41 @@ func TestMigrateDownFrom8(t *testing.T) {
 	if !errors.Is(err, idem.ErrUnsupported) || !strings.Contains(err.Error(), "idem_refuse") {
 		t.Fatalf("DoInTx at version 7: %v, want ErrUnsupported naming idem_refuse", err)
 	}
+	// Do in a caller's transaction, in each of pgx's exec modes (the
+	// completion prepared before its batch, or not): the same refusal,
+	// and the caller's transaction goes on and commits its own writes.
+	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol} {
+		cfg := pool.Config().Copy()
+		cfg.ConnConfig.DefaultQueryExecMode = mode
+		p, err := pgxpool.NewWithConfig(ctx, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		tx, err := p.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := idem.Do(ctx, tx, payScope, "k8", fpA, charge); !errors.Is(err, idem.ErrUnsupported) {
+			t.Errorf("%v: Do at version 7: %v, want ErrUnsupported", mode, err)
+		}
+		if _, err := tx.Exec(ctx, `INSERT INTO charges VALUES ('mine')`); err != nil {
+			t.Errorf("%v: the caller's transaction after Do: %v", mode, err)
+		}
+		if err := tx.Commit(ctx); err != nil {
+			t.Fatal(err)
+		}
+		p.Close()
+	}
 	var keys, charges int
-	if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM idem_keys), (SELECT count(*) FROM charges)`).Scan(&keys, &charges); err != nil ||
+	if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM idem_keys), (SELECT count(*) FROM charges WHERE id = 'c1')`).Scan(&keys, &charges); err != nil ||
 		keys != 0 || charges != 0 {
-		t.Fatalf("after the refusal: %d keys, %d charges, %v", keys, charges, err)
+		t.Fatalf("after the refusals: %d keys, %d charges, %v", keys, charges, err)
+	}
+	// The claim refuses, before fn: fn's effects outside the database
+	// (a message sent, a call made) do not happen on every retry of a
+	// service deployed before its migration.
+	if n := ran.Load(); n != 0 {
+		t.Errorf("fn ran %d times on a database without idem_refuse", n)
 	}
 	if err := idem.Migrate(ctx, pool); err != nil {
 		t.Fatal(err)

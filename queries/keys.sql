@@ -25,12 +25,20 @@
 -- write (now() of the same transaction), and a completion that changes no
 -- indexed column and no column an index predicate reads is a HOT update (see
 -- migration 00003).
+--
+-- The claim names idem_refuse, which the completion calls, and never calls
+-- it (WHEN false, folded away when the statement is planned): on a database
+-- below migration 8 the claim fails (ErrUnsupported) before fn runs, rather
+-- than the completion after it, so that a service deployed before its
+-- migration does not run fn's effects outside the database on every retry.
+-- (The Citus forms do not: there the completion still refuses, after fn.)
 -- name: KeyClaim :one
 INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at)
 SELECT @actor, @operation, @idem_key, @fingerprint, 'processing', now(), now(),
        now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond')
 FROM (SELECT set_config('lock_timeout', sqlc.arg(lock_timeout)::text, true)
-      FROM (SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true)) AS saved) AS wait
+      FROM (SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true),
+                   CASE WHEN false THEN idem_refuse('IDMRC', '') END) AS saved) AS wait
 ON CONFLICT (actor, operation, idem_key) DO NOTHING
 RETURNING (set_config('lock_timeout', current_setting('idem.lock_timeout'), true) IS NOT NULL)::boolean AS claimed;
 
@@ -40,15 +48,16 @@ RETURNING (set_config('lock_timeout', current_setting('idem.lock_timeout'), true
 -- row when the row holding the key is neither (another transaction took it
 -- over first). Inserts when the row is gone (pruned). The row becomes Do's:
 -- no token, lease or window (resume_until) of a reservation is left on it.
--- The wait is bounded as KeyClaim's. The DO UPDATE reads the clock only
--- from the proposed row (excluded.created_at is now()), never calls a
--- function of its own.
+-- The wait is bounded, and idem_refuse named, as in KeyClaim. The DO
+-- UPDATE reads the clock only from the proposed row (excluded.created_at
+-- is now()), never calls a function of its own.
 -- name: KeyTakeOver :one
 INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at)
 SELECT @actor, @operation, @idem_key, @fingerprint, 'processing', now(), now(),
        now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond')
 FROM (SELECT set_config('lock_timeout', sqlc.arg(lock_timeout)::text, true)
-      FROM (SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true)) AS saved) AS wait
+      FROM (SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true),
+                   CASE WHEN false THEN idem_refuse('IDMRC', '') END) AS saved) AS wait
 ON CONFLICT (actor, operation, idem_key) DO UPDATE
 SET fingerprint      = excluded.fingerprint,
     status           = 'processing',

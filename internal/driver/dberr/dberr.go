@@ -20,18 +20,17 @@ import (
 
 // Interpret returns err as a *driver.Error when it shows one of the faults
 // the core tells apart, keeping err in the chain (nil, an error without
-// such a fault and an error interpreted already come back as they are).
+// such a fault and an error that shows its faults already come back as
+// they are). It reads the whole chain, as Unavailable does: an error
+// interpreted before, further down, hides no fault of the rest (a lost
+// connection joined to it).
 func Interpret(err error) error {
 	if err == nil {
 		return nil
 	}
-	var de *driver.Error
-	if errors.As(err, &de) {
-		return err
-	}
 	code := SQLState(err)
 	f := faults(err, code)
-	if f == 0 {
+	if f == 0 || errors.Is(err, f) {
 		return err
 	}
 	return &driver.Error{Faults: f, SQLState: code, Err: err}

@@ -12,6 +12,7 @@ import (
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/puddle/v2"
 	"github.com/lib/pq"
+	"github.com/lib/pq/pqerror"
 
 	"github.com/pgidem/idem/internal/driver"
 	"github.com/pgidem/idem/internal/driver/dberr"
@@ -38,6 +39,7 @@ func TestInterpretUnavailable(t *testing.T) {
 		{"pgx too many connections", &pgconn.PgError{Code: "53300"}, true, true},
 		{"lib/pq cannot connect now", &pq.Error{Code: "57P03"}, true, true},
 		{"lost under another error", errors.Join(&pgconn.PgError{Code: "23505"}, io.EOF), true, false},
+		{"lost under an error interpreted already", errors.Join(dberr.Interpret(&pgconn.PgError{Code: "25P02"}), io.EOF), true, false},
 		{"unique violation", &pgconn.PgError{Code: "23505"}, false, false},
 		{"lib/pq lock not available", &pq.Error{Code: "55P03"}, false, false},
 		{"fn's own", errors.New("out of stock"), false, false},
@@ -56,7 +58,7 @@ func TestInterpretUnavailable(t *testing.T) {
 
 // lib/pq's errors read as pgx's: the same faults, the same SQLSTATE.
 func TestInterpretLibPQ(t *testing.T) {
-	for code, want := range map[pq.ErrorCode]driver.Fault{
+	for code, want := range map[pqerror.Code]driver.Fault{
 		"55P03":                   driver.ErrLockNotAvailable,
 		"40001":                   driver.ErrRetryable,
 		"25P02":                   driver.ErrTxAborted,

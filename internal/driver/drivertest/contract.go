@@ -26,6 +26,9 @@ func exerciseErrors[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 			t.Errorf("Interpret(ErrNoRows) = %v", got)
 		}
 	})
+	t.Run("InterpretServerErrors", func(t *testing.T) {
+		exerciseServerErrors(t, h)
+	})
 	t.Run("ClaimWaitIsErrLockNotAvailable", func(t *testing.T) {
 		ctx := t.Context()
 		d := h.New(settings)
@@ -437,4 +440,95 @@ func exerciseExecutor[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 			t.Fatalf("KeyLookup in an aborted transaction: %v, want ErrTxAborted", err)
 		}
 	})
+}
+
+// exerciseServerErrors: what the server says, as each database package
+// brings it, in the driver package's terms. A statement timeout and a
+// session the server ends are unavailability (the server's); a lock wait
+// that ran out is not, nor is it retryable; a serialization failure and a
+// deadlock are retryable only; a statement's own failure shows no fault
+// and comes back as it is. The SQLSTATE stays. (The classes idem reads by code alone are raised
+// through idem_refuse, as the server would raise them.)
+func exerciseServerErrors[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
+	ctx := t.Context()
+	d := h.New(settings)
+	db := h.DB(t)
+	unavailable := driver.ErrUnavailable | driver.ErrServerUnavailable
+	all := unavailable | driver.ErrLockNotAvailable | driver.ErrRetryable | driver.ErrTxAborted
+	check := func(name string, err error, state string, want driver.Fault) {
+		t.Helper()
+		ierr := d.Interpret(err)
+		if want == 0 && ierr != err {
+			t.Errorf("%s: Interpret(%v) = %#v, want it as it is", name, err, ierr)
+		}
+		if err == nil || want != 0 && sqlState(ierr) != state || !errors.Is(ierr, err) {
+			t.Errorf("%s: %v (SQLSTATE %q), want SQLSTATE %s kept", name, err, sqlState(ierr), state)
+		}
+		for f := driver.Fault(1); f <= all; f <<= 1 {
+			if f&all != 0 && errors.Is(ierr, f) != (want&f != 0) {
+				t.Errorf("%s: %v: %s is %v", name, err, f, errors.Is(ierr, f))
+			}
+		}
+	}
+	begin := func() TTx {
+		t.Helper()
+		tx, err := d.Begin(ctx, db)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return tx
+	}
+
+	tx := begin()
+	if err := h.Exec(ctx, tx, `SET LOCAL statement_timeout = '20ms'`); err != nil {
+		t.Fatal(err)
+	}
+	check("statement timeout", h.Exec(ctx, tx, `SELECT pg_sleep(5)`), "57014", unavailable)
+	if d.Rollback(ctx, db, tx) {
+		t.Error("a statement timeout lost the connection")
+	}
+
+	holder := begin()
+	if err := h.Exec(ctx, holder, `SELECT pg_advisory_xact_lock(7)`); err != nil {
+		t.Fatal(err)
+	}
+	tx = begin()
+	if err := h.Exec(ctx, tx, `SET LOCAL lock_timeout = '20ms'`); err != nil {
+		t.Fatal(err)
+	}
+	check("lock timeout", h.Exec(ctx, tx, `SELECT pg_advisory_xact_lock(7)`), "55P03", driver.ErrLockNotAvailable)
+	check("aborted", h.Exec(ctx, tx, `SELECT 1`), "25P02", driver.ErrTxAborted)
+	d.Rollback(ctx, db, tx)
+	d.Rollback(ctx, db, holder)
+
+	for _, c := range []struct {
+		state string
+		want  driver.Fault
+	}{
+		{"40001", driver.ErrRetryable},
+		{"40P01", driver.ErrRetryable},
+		{"57P01", unavailable}, // admin shutdown, as the server says it
+		{"53300", unavailable}, // too many connections
+		{"08006", unavailable}, // connection failure
+		{"23505", 0},           // fn's own: a unique violation
+	} {
+		tx := begin()
+		check(c.state, h.Exec(ctx, tx, `SELECT idem_refuse('`+c.state+`', 'as the server says it')`), c.state, c.want)
+		d.Rollback(ctx, db, tx)
+	}
+
+	// The server ends the session under a statement: unavailable, and
+	// the handle serves the next transaction on another connection.
+	tx = begin()
+	err := h.Exec(ctx, tx, `SELECT pg_terminate_backend(pg_backend_pid())`)
+	if ierr := d.Interpret(err); !errors.Is(ierr, driver.ErrUnavailable) || errors.Is(ierr, driver.ErrRetryable) ||
+		errors.Is(ierr, driver.ErrLockNotAvailable) {
+		t.Errorf("session ended by the server: %v, want ErrUnavailable", err)
+	}
+	d.Rollback(ctx, db, tx)
+	tx = begin()
+	if err := h.Exec(ctx, tx, `SELECT 1`); err != nil {
+		t.Errorf("after a session ended: %v", err)
+	}
+	d.Rollback(ctx, db, tx)
 }

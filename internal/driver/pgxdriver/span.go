@@ -252,7 +252,8 @@ func (s *span) reset() *pgx.Batch {
 // text and the order of their arguments: internal/db's KeyClaim,
 // KeyTakeOver, KeyClaimCitus, KeyTakeOverCitus), queued here rather than
 // through the generated methods, so that a call reads its round trips in
-// this file (docs/development.md, the walk of a call).
+// this file (docs/development.md, the walk of a call);
+// TestQueuedStatementsAreSqlcs holds them to the generated methods.
 func (d *Driver) queueClaim(b *pgx.Batch, c driver.Claim, fp []byte, citus bool) {
 	k := c.Key
 	ttl := d.ttlOf(k.Operation)
@@ -308,10 +309,7 @@ func readClaim(br pgx.BatchResults, citus bool) (claimed bool, err error) {
 // when the completion fails.
 func (s *span) Complete(ctx context.Context, out driver.Outcome) error {
 	b := s.reset()
-	k, r := out.Key, out.Reply
-	// internal/db's KeyComplete, queued and read here (as queueClaim).
-	b.Queue(db.KeyComplete, k.Actor, k.Operation, k.Key, s.fp[:], out.Status, s.d.ttlOf(k.Operation),
-		r.Status, pgtype.Text{String: r.Headers, Valid: r.HasHeaders}, r.Body)
+	s.d.queueComplete(b, out, s.fp[:])
 	if s.conn == nil {
 		b.Queue(sqlRelease)
 	} else {
@@ -325,6 +323,15 @@ func (s *span) Complete(ctx context.Context, out driver.Outcome) error {
 		err = s.ended(br.Exec())
 	}
 	return closeBatch(br, err)
+}
+
+// queueComplete queues the completion of out in b: internal/db's
+// KeyComplete (its text and the order of its arguments, as queueClaim's;
+// TestQueuedStatementsAreSqlcs), read in Complete.
+func (d *Driver) queueComplete(b *pgx.Batch, out driver.Outcome, fp []byte) {
+	k, r := out.Key, out.Reply
+	b.Queue(db.KeyComplete, k.Actor, k.Operation, k.Key, fp, out.Status, d.ttlOf(k.Operation),
+		r.Status, pgtype.Text{String: r.Headers, Valid: r.HasHeaders}, r.Body)
 }
 
 // ended checks the result of the statement that ends the span: RELEASE, or
