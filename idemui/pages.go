@@ -657,6 +657,21 @@ func (q *request) refusedWith(err error, form resolveInput, forget forgetInput) 
 // verdict or forget it was sent (problem p), with the form as it was sent:
 // what the operator typed is not lost. Nothing is changed.
 func (q *request) refusedAction(a Action, p *problem) {
+	if q.params.key == "" {
+		// A bulk verdict (bulk-resolve): its page again, with its form.
+		vs, err := postForm(q.r)
+		if err != nil {
+			q.fail(p)
+			return
+		}
+		in, err := bulkFrom(vs)
+		if err != nil || (!in.All && len(in.Refs) == 0) {
+			q.fail(p)
+			return
+		}
+		q.showBulk(p.Status, in, p)
+		return
+	}
 	if a == ActionForget {
 		in, _ := forgetFromForm(q.r)
 		q.showKey(p.Status, p, resolveInput{}, in, nil)
