@@ -1,8 +1,12 @@
 package idemui_test
 
 import (
+	"context"
+	"encoding/csv"
+	"encoding/json"
 	"net/http"
 	"net/url"
+	"strconv"
 	"strings"
 	"testing"
 
@@ -29,5 +33,42 @@ func TestBulkVerdictRefusedByAuthorize(t *testing.T) {
 	}
 	if after := e.state(); after != before {
 		t.Fatalf("a refused bulk verdict changed something:\n%s\n%s", before, after)
+	}
+}
+
+// An export of the trail is bounded by the bytes it holds, not only by its
+// rows: forgets keep a copy of each record, body included (up to
+// MaxResponseBytes each), and 50,000 of them would not fit in memory. Past
+// the bound, the export says it was cut.
+func TestAuditExportBoundedInBytes(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := newEnv(t, nil)
+	big := strings.Repeat("x", 100<<10)
+	if _, err := e.pool.Exec(ctx, `INSERT INTO idem_audit (actor, operator, action, operation, idem_key, reason, changed, detail)
+		SELECT 'acme', 'dana', 'forget', 'charge', 'k' || i, 'asked', 1, jsonb_build_object('forgotten', jsonb_build_object('body', $1::text))
+		FROM generate_series(1, 40) AS i`, big); err != nil {
+		t.Fatal(err)
+	}
+	old := idemui.SetMaxExportBytes(1 << 20)
+	defer idemui.SetMaxExportBytes(old)
+	res := e.get("/idem/audit.csv")
+	rows, err := csv.NewReader(strings.NewReader(res.body)).ReadAll()
+	if res.status != 200 || err != nil || res.header.Get("Idem-Export-Truncated") == "" || len(rows) < 2 || len(rows)-1 >= 40 {
+		t.Fatalf("CSV export past the bound: %d, %d rows, truncated %q, %v", res.status, len(rows), res.header.Get("Idem-Export-Truncated"), err)
+	}
+	if n, _ := strconv.Atoi(res.header.Get("Idem-Export-Truncated")); n != len(rows)-1 {
+		t.Errorf("Idem-Export-Truncated %q for %d rows", res.header.Get("Idem-Export-Truncated"), len(rows)-1)
+	}
+	if len(res.body) > 2<<20 {
+		t.Errorf("the export holds %d bytes, for a bound of 1 MiB", len(res.body))
+	}
+	var out struct {
+		Entries   []json.RawMessage `json:"entries"`
+		Truncated bool              `json:"truncated"`
+	}
+	res = e.get("/idem/audit.json")
+	if err := json.Unmarshal([]byte(res.body), &out); err != nil || !out.Truncated || len(out.Entries) == 0 || len(out.Entries) >= 40 {
+		t.Fatalf("JSON export past the bound: %v, %d entries, truncated %v", err, len(out.Entries), out.Truncated)
 	}
 }
