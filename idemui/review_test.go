@@ -1,14 +1,19 @@
 package idemui_test
 
 import (
+	"cmp"
 	"context"
 	"encoding/csv"
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"net/url"
+	"slices"
 	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/pgidem/idem"
 
 	"github.com/pgidem/idem/idemui"
 )
@@ -70,5 +75,102 @@ func TestAuditExportBoundedInBytes(t *testing.T) {
 	res = e.get("/idem/audit.json")
 	if err := json.Unmarshal([]byte(res.body), &out); err != nil || !out.Truncated || len(out.Entries) == 0 || len(out.Entries) >= 40 {
 		t.Fatalf("JSON export past the bound: %v, %d entries, truncated %v", err, len(out.Entries), out.Truncated)
+	}
+}
+
+// Pages of what needs a person, and of the trail, neither skip nor repeat
+// a row at their edges when every row has the same time (records created
+// in one transaction, audit rows of one bulk action).
+func TestPagesWithEqualTimes(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := newEnv(t, nil)
+	var all []string
+	for i := range 11 {
+		scope := idem.Scope{Actor: fmt.Sprintf("a%d", i%3), Operation: "charge"}
+		key := fmt.Sprintf("k%02d", i)
+		e.unknown(scope, key, "timeout")
+		all = append(all, scope.Actor+"/"+key)
+	}
+	if _, err := e.pool.Exec(ctx, `UPDATE idem_keys SET created_at = timestamptz '2026-01-01 12:00Z'`); err != nil {
+		t.Fatal(err)
+	}
+	type page struct {
+		Records []struct{ Actor, Key string }
+		Next    string
+		Prev    string
+	}
+	walk := func(query, dir string) []string {
+		t.Helper()
+		var seen []string
+		pos := ""
+		for range 20 {
+			res := e.get("/idem/api/unknown?limit=4" + query + pos)
+			var p page
+			if err := json.Unmarshal([]byte(res.body), &p); err != nil || res.status != 200 {
+				t.Fatalf("%s%s: %d %s", query, pos, res.status, res.body)
+			}
+			var ks []string
+			for _, r := range p.Records {
+				ks = append(ks, r.Actor+"/"+r.Key)
+			}
+			next := p.Next
+			if dir == "before" {
+				seen = append(ks, seen...)
+				next = p.Prev
+			} else {
+				seen = append(seen, ks...)
+			}
+			if next == "" {
+				return seen
+			}
+			pos = "&" + dir + "=" + next
+		}
+		t.Fatalf("%s: more than 20 pages", query)
+		return nil
+	}
+	oldest := walk("", "after")
+	newest := walk("&order=newest", "after")
+	sorted := slices.Clone(all)
+	slices.SortFunc(sorted, func(a, b string) int {
+		pa, pb := strings.SplitN(a, "/", 2), strings.SplitN(b, "/", 2)
+		return cmp.Or(cmp.Compare(pa[0], pb[0]), cmp.Compare(pa[1], pb[1]))
+	})
+	if strings.Join(oldest, " ") != strings.Join(sorted, " ") {
+		t.Errorf("oldest first: %v, want %v", oldest, sorted)
+	}
+	slices.Reverse(sorted)
+	if strings.Join(newest, " ") != strings.Join(sorted, " ") {
+		t.Errorf("newest first: %v, want %v", newest, sorted)
+	}
+
+	// The trail: 11 rows at one time.
+	for i := range 11 {
+		if _, err := e.pool.Exec(ctx, `INSERT INTO idem_audit (actor, operator, action, operation, idem_key, reason, changed, acted_at)
+			VALUES ('acme', 'dana', 'resolve', 'charge', $1, 'r', 1, timestamptz '2026-01-01 12:00Z')`, fmt.Sprintf("r%02d", i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	var seen []string
+	pos := ""
+	for range 20 {
+		res := e.get("/idem/api/audit?limit=4" + pos)
+		var p struct {
+			Entries []struct{ Key string }
+			Next    string
+		}
+		if err := json.Unmarshal([]byte(res.body), &p); err != nil || res.status != 200 {
+			t.Fatalf("audit%s: %d %s", pos, res.status, res.body)
+		}
+		for _, en := range p.Entries {
+			seen = append(seen, en.Key)
+		}
+		if p.Next == "" {
+			break
+		}
+		pos = "&before=" + p.Next
+	}
+	if got := strings.Join(seen, " "); got != "r10 r09 r08 r07 r06 r05 r04 r03 r02 r01 r00" {
+		t.Errorf("the trail's pages: %s", got)
 	}
 }
