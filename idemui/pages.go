@@ -115,7 +115,7 @@ func (q *request) client() *idem.Client { return q.c.client }
 // one the action kept under the name the query's "flash" gives, shown once
 // (see flashes); nil for any other name.
 func (q *request) done() *flash {
-	return q.c.flashes.take(q.r.URL.Query().Get("flash"))
+	return q.c.flashes.take(q.r.URL.Query().Get("flash"), q.operator)
 }
 
 // redirectDone answers a successful POST with 303 See Other to path, with
@@ -124,7 +124,7 @@ func (q *request) redirectDone(path string, vs url.Values, text string) {
 	if vs == nil {
 		vs = url.Values{}
 	}
-	vs.Set("flash", q.c.flashes.put(flash{Kind: "ok", Text: text}))
+	vs.Set("flash", q.c.flashes.put(flash{Kind: "ok", Text: text}, q.operator))
 	q.redirect(path, vs)
 }
 

@@ -209,3 +209,28 @@ func TestBulkVerdictMarkedUnknownAfterCount(t *testing.T) {
 		}
 	}
 }
+
+// A message after an action is shown to the operator who acted, once: the
+// address that carries its name, opened by another operator (a link
+// pasted into a chat, a proxy's log), shows nothing.
+func TestFlashOnlyForItsOperator(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	e.succeeded(pay, "f1", idem.Response{Status: 200})
+	rec := e.lookup(pay, "f1")
+	res := e.postForm(keyURLFor(pay, "f1", "forget"), forgetForm(rec.Token, rec.CreatedAt.Format(time.RFC3339Nano), "asked"))
+	if res.status != http.StatusSeeOther {
+		t.Fatalf("forget: %d %s", res.status, res.body)
+	}
+	e.name = "mallory"
+	if page := e.flashed(res); strings.Contains(page.body, "Key forgotten") {
+		t.Errorf("another operator was shown alice's message")
+	}
+	e.name = "alice"
+	if page := e.flashed(res); !strings.Contains(page.body, "Key forgotten") {
+		t.Errorf("alice was not shown her message after another operator opened its address")
+	}
+	if page := e.flashed(res); strings.Contains(page.body, "Key forgotten") {
+		t.Errorf("the message was shown twice")
+	}
+}
