@@ -234,3 +234,37 @@ func TestFlashOnlyForItsOperator(t *testing.T) {
 		t.Errorf("the message was shown twice")
 	}
 }
+
+// A bulk verdict that meets a record another transaction holds changes
+// nothing, and says which record was held: among 500, "this record" names
+// none.
+func TestBulkVerdictBusyNamesTheRecord(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := newEnv(t, nil)
+	free := e.unknown(pay, "free", "timeout")
+	held := e.unknown(pay, "held-one", "timeout")
+	before := e.state()
+	holder, err := e.pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = holder.Rollback(ctx) }()
+	if _, err := holder.Exec(ctx, `SELECT 1 FROM idem_keys WHERE idem_key = 'held-one' FOR UPDATE`); err != nil {
+		t.Fatal(err)
+	}
+	res := e.postJSON("/idem/api/bulk-resolve", map[string]any{"verdict": "retryable", "reason": "no charge",
+		"records": []map[string]any{
+			{"actor": pay.Actor, "operation": pay.Operation, "key": "free", "token": free.Token},
+			{"actor": pay.Actor, "operation": pay.Operation, "key": "held-one", "token": held.Token},
+		}})
+	if res.status != http.StatusConflict || res.code() != "busy" || !strings.Contains(res.body, "held-one") {
+		t.Fatalf("a bulk verdict over a held record: %d %s", res.status, res.body)
+	}
+	if err := holder.Rollback(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if after := e.state(); after != before {
+		t.Fatalf("a busy bulk verdict changed something:\n%s\n%s", before, after)
+	}
+}

@@ -68,6 +68,19 @@ const LockTimeout = 3 * time.Second
 // verdict's.
 const MaxReasonLength = idem.MaxReasonLength
 
+// BusyError is ErrBusy in a bulk verdict (ResolveMany): Target is the
+// record that another transaction held. Nothing changed, on any record.
+type BusyError struct {
+	Target Target
+	Err    error // the ErrBusy of the record's verdict
+}
+
+func (e *BusyError) Error() string {
+	return fmt.Sprintf("%v: record %q %q %q", e.Err, e.Target.Scope.Actor, e.Target.Scope.Operation, e.Target.Key)
+}
+
+func (e *BusyError) Unwrap() error { return e.Err }
+
 // ErrChanged means the record is no longer the attempt the operator looked
 // at (Forget's Attempt: another token or another start): nothing changed.
 var ErrChanged = errors.New("idem: the record changed since it was read")
@@ -714,7 +727,8 @@ type Bulk struct {
 // resolve, no record; Detail: how the records were chosen, the detail
 // argument, and how many were left). A record that is fenced, not in doubt
 // any more or gone is left (Bulk.Skipped) and the others go on; any other
-// error rolls everything back. More than MaxBulk targets, none, or a bad
+// error rolls everything back (a record another transaction holds for
+// longer than LockTimeout: a *BusyError, which names it). More than MaxBulk targets, none, or a bad
 // verdict is ErrInvalidArgument.
 func ResolveMany(ctx context.Context, db idem.Beginner, c *idem.Client, operator string, targets []Target, res idem.Resolution, detail map[string]any) (Bulk, error) {
 	c, err := check(c, db, operator)
@@ -738,6 +752,8 @@ func ResolveMany(ctx context.Context, db idem.Beginner, c *idem.Client, operator
 			case errors.Is(err, idem.ErrFenced), errors.Is(err, idem.ErrNotResolvable), errors.Is(err, idem.ErrNotFound):
 				out.Skipped = append(out.Skipped, t)
 				continue
+			case errors.Is(err, ErrBusy):
+				return &BusyError{Target: t, Err: err}
 			case err != nil:
 				return err
 			}
