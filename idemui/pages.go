@@ -790,10 +790,10 @@ func (q *request) search(vs url.Values) (searchView, error) {
 		name string
 		v    *string
 	}{{"actor", &v.Actor}, {"operation", &v.Operation}, {"key", &v.Key}} {
+		// Names are exact (an actor " acme " is not "acme"): never trimmed.
 		if *f.v, err = one(vs, f.name); err != nil {
 			return v, err
 		}
-		*f.v = strings.TrimSpace(*f.v)
 	}
 	after, err := one(vs, "after")
 	if err != nil {
@@ -892,11 +892,12 @@ func auditQuery(vs url.Values, limit int) (audit.ListFilter, string, error) {
 		name string
 		v    *string
 	}{{"operator", &f.OperatorPrefix}, {"action", &f.Action}, {"actor", &f.Scope.Actor}, {"operation", &f.Scope.Operation}, {"key", &f.Key}} {
+		// Names are exact (an actor " acme " is not "acme"): never trimmed.
 		if *p.v, err = one(vs, p.name); err != nil {
 			return f, "", err
 		}
-		*p.v = strings.TrimSpace(*p.v)
 	}
+	f.Action = strings.TrimSpace(f.Action)
 	switch f.Action {
 	case "", audit.ActionResolve, audit.ActionForget, audit.ActionExpireLeases, audit.ActionPrune:
 	default:

@@ -268,3 +268,36 @@ func TestBulkVerdictBusyNamesTheRecord(t *testing.T) {
 		t.Fatalf("a busy bulk verdict changed something:\n%s\n%s", before, after)
 	}
 }
+
+// Names are exact in every filter: an actor with a space at either end is
+// another actor than the trimmed one, and the trail, the list of what needs
+// a person (and so a bulk verdict over it) and the search filtered by it
+// show its records only.
+func TestFiltersKeepSpacesOfNames(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	spaced := idem.Scope{Actor: " acme ", Operation: "charge"}
+	for _, scope := range []idem.Scope{pay, spaced} {
+		e.succeeded(scope, "done", idem.Response{Status: 200})
+		rec := e.lookup(scope, "done")
+		if r := e.postForm(keyURLFor(scope, "done", "forget"), forgetForm(rec.Token, rec.CreatedAt.Format(time.RFC3339Nano), "asked")); r.status != http.StatusSeeOther {
+			t.Fatalf("forget %q: %d %s", scope.Actor, r.status, r.body)
+		}
+		e.unknown(scope, "open", "timeout")
+	}
+	var audit struct{ Entries []struct{ Actor string } }
+	res := e.get("/idem/api/audit?" + url.Values{"actor": {" acme "}}.Encode())
+	if err := json.Unmarshal([]byte(res.body), &audit); err != nil || len(audit.Entries) != 1 || audit.Entries[0].Actor != " acme " {
+		t.Errorf("the trail of actor %q: %v %s", " acme ", err, res.body)
+	}
+	var list struct{ Records []struct{ Actor string } }
+	res = e.get("/idem/api/unknown?" + url.Values{"actor": {" acme "}}.Encode())
+	if err := json.Unmarshal([]byte(res.body), &list); err != nil || len(list.Records) != 1 || list.Records[0].Actor != " acme " {
+		t.Errorf("what needs a person of actor %q: %v %s", " acme ", err, res.body)
+	}
+	var keys struct{ Keys []struct{ Actor string } }
+	res = e.get("/idem/api/search?" + url.Values{"actor": {" acme "}}.Encode())
+	if err := json.Unmarshal([]byte(res.body), &keys); err != nil || len(keys.Keys) != 1 || keys.Keys[0].Actor != " acme " {
+		t.Errorf("the keys of actor %q: %v %s", " acme ", err, res.body)
+	}
+}
