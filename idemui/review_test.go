@@ -301,3 +301,28 @@ func TestFiltersKeepSpacesOfNames(t *testing.T) {
 		t.Errorf("the keys of actor %q: %v %s", " acme ", err, res.body)
 	}
 }
+
+// An operator name that could forge what a terminal or a page shows
+// (control characters, invisible format characters such as a zero-width
+// space or a bidi override, line separators) is refused as any unusable
+// name is: 403, the forms hidden, nothing changed.
+func TestOperatorNameThatForgesRefused(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	e.succeeded(pay, "f1", idem.Response{Status: 200})
+	rec := e.lookup(pay, "f1")
+	before := e.state()
+	for _, name := range []string{"dana\x1b[8m", "dana\u200b.kim", "dana\u202emik", "dana\u2028kim", "dana\u0085"} {
+		e.name = name
+		res := e.postForm(keyURLFor(pay, "f1", "forget"), forgetForm(rec.Token, rec.CreatedAt.Format(time.RFC3339Nano), "asked"))
+		if res.status != http.StatusForbidden {
+			t.Errorf("operator %q: %d, not 403\n%.300s", name, res.status, res.body)
+		}
+		if page := e.get(keyPage(pay, "f1")); strings.Contains(page.body, `name="confirm"`) {
+			t.Errorf("operator %q is offered the forget form", name)
+		}
+	}
+	if after := e.state(); after != before {
+		t.Fatalf("a refused operator changed something:\n%s\n%s", before, after)
+	}
+}

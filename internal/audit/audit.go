@@ -540,21 +540,35 @@ func check(c *idem.Client, db idem.Beginner, operator string) (*idem.Client, err
 	if db == nil {
 		return nil, fmt.Errorf("%w: nil database handle", idem.ErrInvalidArgument)
 	}
-	if operator == "" {
-		return nil, fmt.Errorf("%w: no operator name: the audit trail records who acted", idem.ErrInvalidArgument)
-	}
-	if err := checkText(operator, MaxOperatorLength); err != nil {
-		return nil, fmt.Errorf("%w: operator name %v", idem.ErrInvalidArgument, err)
-	}
-	for i, r := range operator {
-		if unicode.IsControl(r) {
-			return nil, fmt.Errorf("%w: operator name holds the control character %U at byte %d: it could forge what a terminal shows", idem.ErrInvalidArgument, r, i)
-		}
+	if err := CheckOperator(operator); err != nil {
+		return nil, err
 	}
 	if c == nil {
 		c = defaultClient
 	}
 	return c, nil
+}
+
+// CheckOperator refuses an operator name the trail cannot record
+// faithfully (ErrInvalidArgument): empty, longer than MaxOperatorLength
+// bytes, not valid text, or holding a character that could forge what a
+// terminal or a page shows: a control character (an escape sequence), an
+// invisible format character (a zero-width space that makes "dana.kim"
+// of another name, a bidi override that reorders it) or a line or
+// paragraph separator.
+func CheckOperator(operator string) error {
+	if operator == "" {
+		return fmt.Errorf("%w: no operator name: the audit trail records who acted", idem.ErrInvalidArgument)
+	}
+	if err := checkText(operator, MaxOperatorLength); err != nil {
+		return fmt.Errorf("%w: operator name %v", idem.ErrInvalidArgument, err)
+	}
+	for i, r := range operator {
+		if unicode.IsControl(r) || unicode.In(r, unicode.Cf, unicode.Zl, unicode.Zp) {
+			return fmt.Errorf("%w: operator name holds the character %U at byte %d: it could forge what a terminal or a page shows", idem.ErrInvalidArgument, r, i)
+		}
+	}
+	return nil
 }
 
 // checkText refuses what PostgreSQL's text cannot hold (invalid UTF-8,
