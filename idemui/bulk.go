@@ -59,6 +59,21 @@ func decodeTarget(ref string) (bulkTarget, error) {
 	return bulkTarget{Target: t, Ref: ref}, nil
 }
 
+// uniqueRefs is refs without repeats, in their order: a record selected
+// twice (about the same attempt) is settled once, not once and then left
+// as "settled by someone else".
+func uniqueRefs(refs []string) []string {
+	seen := make(map[string]bool, len(refs))
+	out := make([]string, 0, len(refs))
+	for _, r := range refs {
+		if !seen[r] {
+			seen[r] = true
+			out = append(out, r)
+		}
+	}
+	return out
+}
+
 // bulkInput is a bulk verdict as the form sends it.
 type bulkInput struct {
 	filterInput
@@ -82,7 +97,7 @@ func bulkFrom(vs url.Values) (bulkInput, error) {
 	if in.Cutoff, err = one(vs, "cutoff"); err != nil {
 		return in, err
 	}
-	in.Refs = vs["r"]
+	in.Refs = uniqueRefs(vs["r"])
 	if len(in.Refs) > audit.MaxBulk {
 		return in, badRequest("invalid_form", "Select at most %d records for one verdict.", audit.MaxBulk)
 	}
@@ -299,6 +314,7 @@ func (q *request) bulkResolveAPI() {
 	for _, r := range in.Records {
 		b.Refs = append(b.Refs, targetRef(idem.Scope{Actor: r.Actor, Operation: r.Operation}, r.Key, r.Token))
 	}
+	b.Refs = uniqueRefs(b.Refs)
 	res, err := b.Form.resolution()
 	if err != nil {
 		q.fail(err)

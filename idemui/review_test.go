@@ -326,3 +326,33 @@ func TestOperatorNameThatForgesRefused(t *testing.T) {
 		t.Fatalf("a refused operator changed something:\n%s\n%s", before, after)
 	}
 }
+
+// A selection that names a record twice settles it once and leaves none
+// "settled by someone else": the count and the audit row say 1 of 1.
+func TestBulkVerdictSelectionTwice(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := newEnv(t, nil)
+	u := e.unknown(pay, "twice", "timeout")
+	r := ref(pay, "twice", u.Token)
+	res := e.postJSON("/idem/api/bulk-resolve", map[string]any{"verdict": "retryable", "reason": "no charge",
+		"records": []map[string]any{
+			{"actor": pay.Actor, "operation": pay.Operation, "key": "twice", "token": u.Token},
+			{"actor": pay.Actor, "operation": pay.Operation, "key": "twice", "token": u.Token},
+		}})
+	var out struct {
+		Resolved int
+		Skipped  []json.RawMessage
+	}
+	if err := json.Unmarshal([]byte(res.body), &out); err != nil || res.status != 200 || out.Resolved != 1 || len(out.Skipped) != 0 {
+		t.Fatalf("a selection naming a record twice: %d %s", res.status, res.body)
+	}
+	var detail string
+	if err := e.pool.QueryRow(ctx, `SELECT detail::text FROM idem_audit WHERE idem_key = '' AND action = 'resolve'`).Scan(&detail); err != nil ||
+		!strings.Contains(detail, `"records": 1`) || !strings.Contains(detail, `"skipped": 0`) {
+		t.Errorf("the bulk row's detail: %v %s", err, detail)
+	}
+	if page := e.get("/idem/bulk-resolve?" + url.Values{"r": {r, r}}.Encode()); !strings.Contains(page.body, "<b>1</b> selected record") {
+		t.Errorf("the confirmation of a selection naming a record twice:\n%s", page.body)
+	}
+}
