@@ -101,6 +101,9 @@ func bulkFrom(vs url.Values) (bulkInput, error) {
 	if len(in.Refs) > audit.MaxBulk {
 		return in, badRequest("invalid_form", "Select at most %d records for one verdict.", audit.MaxBulk)
 	}
+	if in.All && len(in.Refs) > 0 {
+		return in, badRequest("invalid_form", "Select records, or choose all that match the filter: not both.")
+	}
 	for _, f := range []struct {
 		name string
 		v    *string
@@ -307,6 +310,10 @@ func (q *request) bulkResolveAPI() {
 	}
 	if len(in.Records) > audit.MaxBulk {
 		q.fail(badRequest("invalid_json", "Give at most %d records for one verdict.", audit.MaxBulk))
+		return
+	}
+	if in.All && len(in.Records) > 0 {
+		q.fail(badRequest("invalid_json", "Give records, or all: true with a filter and the cutoff of its count: not both."))
 		return
 	}
 	b := bulkInput{filterInput: in.filterInput, All: in.All, Cutoff: in.Cutoff,

@@ -356,3 +356,33 @@ func TestBulkVerdictSelectionTwice(t *testing.T) {
 		t.Errorf("the confirmation of a selection naming a record twice:\n%s", page.body)
 	}
 }
+
+// A bulk verdict that both selects records and asks for all that match is
+// ambiguous: refused (400), nothing changed, rather than one of the two
+// silently ignored.
+func TestBulkVerdictSelectionAndAllRefused(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	u := e.unknown(pay, "one", "timeout")
+	e.unknown(pay, "two", "timeout")
+	count := e.get("/idem/api/bulk-resolve?actor=acme")
+	var c struct{ Cutoff string }
+	if err := json.Unmarshal([]byte(count.body), &c); err != nil || c.Cutoff == "" {
+		t.Fatalf("the count: %v %s", err, count.body)
+	}
+	before := e.state()
+	res := e.postJSON("/idem/api/bulk-resolve", map[string]any{"verdict": "retryable", "reason": "no charge",
+		"actor": "acme", "all": true, "cutoff": c.Cutoff,
+		"records": []map[string]any{{"actor": pay.Actor, "operation": pay.Operation, "key": "one", "token": u.Token}}})
+	if res.status != http.StatusBadRequest {
+		t.Errorf("records and all: %d %s", res.status, res.body)
+	}
+	page := e.postForm("/idem/bulk-resolve", url.Values{"verdict": {"retryable"}, "reason": {"no charge"}, "actor": {"acme"},
+		"all": {"yes"}, "cutoff": {c.Cutoff}, "r": {ref(pay, "one", u.Token)}})
+	if page.status != http.StatusBadRequest {
+		t.Errorf("the form with records and all: %d", page.status)
+	}
+	if after := e.state(); after != before {
+		t.Fatalf("an ambiguous bulk verdict changed something:\n%s\n%s", before, after)
+	}
+}
