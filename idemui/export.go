@@ -25,9 +25,16 @@ var maxExportBytes = func() *atomic.Int64 {
 	return &n
 }()
 
-// exportBatch is how many rows an export reads at a time: what it may read
-// past its bound in bytes.
-const exportBatch = 100
+// An export reads the trail exportBatch rows at a time at first (a page
+// of the audit page), then as many as hold about exportPageBytes at the
+// size of the rows read so far, up to maxExportBatch: what it may read
+// past its bound in bytes stays about one page, and small rows are read
+// 500 at a time.
+const (
+	exportBatch     = 50
+	maxExportBatch  = 500
+	exportPageBytes = 4 << 20
+)
 
 // auditExport answers the rows of the trail that the query's filter
 // matches (the audit page's filter), newest first, as a CSV or a JSON
@@ -46,6 +53,13 @@ func (q *request) auditExport() {
 		if err != nil {
 			q.fail(err)
 			return
+		}
+		var pageSize int64
+		for _, e := range page {
+			pageSize += int64(len(e.Operator) + len(e.Scope.Actor) + len(e.Scope.Operation) + len(e.Key) + len(e.Reason) + len(e.Detail))
+		}
+		if len(page) > 0 {
+			f.Limit = int(min(max(exportPageBytes/max(pageSize/int64(len(page)), 1), exportBatch), maxExportBatch))
 		}
 		for _, e := range page {
 			if len(entries) >= maxExportRows || size >= maxExportBytes.Load() {
