@@ -59,6 +59,21 @@ func decodeTarget(ref string) (bulkTarget, error) {
 	return bulkTarget{Target: t, Ref: ref}, nil
 }
 
+// uniqueRefs is refs without repeats, in their order: a record selected
+// twice (about the same attempt) is settled once, not once and then left
+// as "settled by someone else".
+func uniqueRefs(refs []string) []string {
+	seen := make(map[string]bool, len(refs))
+	out := make([]string, 0, len(refs))
+	for _, r := range refs {
+		if !seen[r] {
+			seen[r] = true
+			out = append(out, r)
+		}
+	}
+	return out
+}
+
 // bulkInput is a bulk verdict as the form sends it.
 type bulkInput struct {
 	filterInput
@@ -82,9 +97,12 @@ func bulkFrom(vs url.Values) (bulkInput, error) {
 	if in.Cutoff, err = one(vs, "cutoff"); err != nil {
 		return in, err
 	}
-	in.Refs = vs["r"]
+	in.Refs = uniqueRefs(vs["r"])
 	if len(in.Refs) > audit.MaxBulk {
 		return in, badRequest("invalid_form", "Select at most %d records for one verdict.", audit.MaxBulk)
+	}
+	if in.All && len(in.Refs) > 0 {
+		return in, badRequest("invalid_form", "Select records, or choose all that match the filter: not both.")
 	}
 	for _, f := range []struct {
 		name string
@@ -294,11 +312,16 @@ func (q *request) bulkResolveAPI() {
 		q.fail(badRequest("invalid_json", "Give at most %d records for one verdict.", audit.MaxBulk))
 		return
 	}
+	if in.All && len(in.Records) > 0 {
+		q.fail(badRequest("invalid_json", "Give records, or all: true with a filter and the cutoff of its count: not both."))
+		return
+	}
 	b := bulkInput{filterInput: in.filterInput, All: in.All, Cutoff: in.Cutoff,
 		Form: resolveInput{Token: "1", Verdict: in.Verdict, Status: in.Status, Body: in.Body, ContentType: in.ContentType, Reason: in.Reason}}
 	for _, r := range in.Records {
 		b.Refs = append(b.Refs, targetRef(idem.Scope{Actor: r.Actor, Operation: r.Operation}, r.Key, r.Token))
 	}
+	b.Refs = uniqueRefs(b.Refs)
 	res, err := b.Form.resolution()
 	if err != nil {
 		q.fail(err)

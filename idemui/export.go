@@ -6,26 +6,47 @@ import (
 	"net/http"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"github.com/pgidem/idem/internal/audit"
 )
 
-// maxExportRows bounds an export of the trail: past it, the export says it
-// was cut (narrow the time range).
+// maxExportRows and maxExportBytes bound an export of the trail: past
+// either, the export says it was cut (narrow the time range). The bytes
+// are those of the stored text the rows hold (a forget's copy of the
+// record holds its response, body included): what the export keeps in
+// memory before it writes.
 const maxExportRows = 50000
+
+var maxExportBytes = func() *atomic.Int64 {
+	var n atomic.Int64
+	n.Store(64 << 20)
+	return &n
+}()
+
+// An export reads the trail exportBatch rows at a time at first (a page
+// of the audit page), then as many as hold about exportPageBytes at the
+// size of the rows read so far, up to maxExportBatch: what it may read
+// past its bound in bytes stays about one page, and small rows are read
+// 500 at a time.
+const (
+	exportBatch     = 50
+	maxExportBatch  = 500
+	exportPageBytes = 4 << 20
+)
 
 // auditExport answers the rows of the trail that the query's filter
 // matches (the audit page's filter), newest first, as a CSV or a JSON
 // file: audit.csv or audit.json.
 func (q *request) auditExport() {
-	const batch = 500
-	f, _, err := auditQuery(q.r.URL.Query(), batch)
+	f, _, err := auditQuery(q.r.URL.Query(), exportBatch)
 	if err != nil {
 		q.fail(err)
 		return
 	}
 	var entries []audit.Entry
+	var size int64
 	before, truncated := "", false
 	for {
 		page, next, err := readAudit(q.r.Context(), q.c.opts.DB, f, before)
@@ -33,11 +54,25 @@ func (q *request) auditExport() {
 			q.fail(err)
 			return
 		}
-		entries = append(entries, page...)
-		if next == "" {
+		var pageSize int64
+		for _, e := range page {
+			pageSize += int64(len(e.Operator) + len(e.Scope.Actor) + len(e.Scope.Operation) + len(e.Key) + len(e.Reason) + len(e.Detail))
+		}
+		if len(page) > 0 {
+			f.Limit = int(min(max(exportPageBytes/max(pageSize/int64(len(page)), 1), exportBatch), maxExportBatch))
+		}
+		for _, e := range page {
+			if len(entries) >= maxExportRows || size >= maxExportBytes.Load() {
+				truncated = true
+				break
+			}
+			entries = append(entries, e)
+			size += int64(len(e.Operator) + len(e.Scope.Actor) + len(e.Scope.Operation) + len(e.Key) + len(e.Reason) + len(e.Detail))
+		}
+		if truncated || next == "" {
 			break
 		}
-		if len(entries) >= maxExportRows {
+		if len(entries) >= maxExportRows || size >= maxExportBytes.Load() {
 			truncated = true
 			break
 		}
@@ -54,7 +89,7 @@ func (q *request) auditExport() {
 	h.Set("Content-Type", "text/csv; charset=utf-8")
 	h.Set("Content-Disposition", `attachment; filename="`+name+`.csv"`)
 	if truncated {
-		h.Set("Idem-Export-Truncated", strconv.Itoa(maxExportRows))
+		h.Set("Idem-Export-Truncated", strconv.Itoa(len(entries)))
 	}
 	w := csv.NewWriter(q.w)
 	_ = w.Write([]string{"id", "at", "operator", "action", "actor", "operation", "key", "token_before", "token_after",

@@ -11,7 +11,10 @@ import (
 // redirects to) are kept here, on the server, under a random name that the
 // redirect's address carries: the address never holds the message, so a
 // link cannot make the console claim a success it never had, and a message
-// is shown once (a refresh does not repeat it). A console behind several
+// is shown once (a refresh does not repeat it), to the operator who acted
+// only: another who opens the address (a link pasted in a chat, a
+// proxy's log) is shown nothing, and the message still waits for its own
+// operator. A console behind several
 // servers shows the message only when the redirect reaches the same one;
 // the page shows the change anyway.
 type flashes struct {
@@ -20,8 +23,9 @@ type flashes struct {
 }
 
 type flashEntry struct {
-	f  flash
-	at time.Time
+	f        flash
+	operator string // who acted: the only one shown it
+	at       time.Time
 }
 
 // Bounds of the store: a message not shown within flashTTL is dropped,
@@ -31,8 +35,8 @@ const (
 	maxFlashes = 10000
 )
 
-// put keeps f and returns its name.
-func (s *flashes) put(f flash) string {
+// put keeps f, for operator, and returns its name.
+func (s *flashes) put(f flash, operator string) string {
 	var b [16]byte
 	_, _ = rand.Read(b[:])
 	id := base64.RawURLEncoding.EncodeToString(b[:])
@@ -49,20 +53,21 @@ func (s *flashes) put(f flash) string {
 			}
 		}
 	}
-	s.m[id] = flashEntry{f: f, at: now}
+	s.m[id] = flashEntry{f: f, operator: operator, at: now}
 	return id
 }
 
-// take returns the message named id and forgets it; nil when there is
-// none (never kept, shown already, or too old).
-func (s *flashes) take(id string) *flash {
+// take returns the message named id, kept for operator, and forgets it;
+// nil when there is none (never kept, shown already, too old, or kept for
+// another operator, for whom it stays).
+func (s *flashes) take(id, operator string) *flash {
 	if id == "" {
 		return nil
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	e, ok := s.m[id]
-	if !ok {
+	if !ok || e.operator != operator {
 		return nil
 	}
 	delete(s.m, id)

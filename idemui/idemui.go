@@ -288,10 +288,7 @@ func (c *console) offers(r *http.Request) map[string]bool {
 
 // checkOperator refuses an operator name the audit trail cannot hold.
 func checkOperator(operator string) error {
-	if operator == "" || len(operator) > audit.MaxOperatorLength || !validText(operator) {
-		return errors.New("bad operator name")
-	}
-	return nil
+	return audit.CheckOperator(operator)
 }
 
 // request is one request being served.

@@ -61,7 +61,8 @@ func filterFrom(vs url.Values) (filterInput, error) {
 
 // filter checks in and returns the audit.Filter it means.
 func (in filterInput) filter() (audit.Filter, error) {
-	f := audit.Filter{Actor: strings.TrimSpace(in.Actor), Operation: strings.TrimSpace(in.Operation), ErrorText: strings.TrimSpace(in.Error),
+	// Names are exact (an actor " acme " is not "acme"): never trimmed.
+	f := audit.Filter{Actor: in.Actor, Operation: in.Operation, ErrorText: strings.TrimSpace(in.Error),
 		State: strings.TrimSpace(in.State)}
 	if s := strings.TrimSpace(in.OlderThan); s != "" {
 		d, err := time.ParseDuration(s)

@@ -115,7 +115,7 @@ func (q *request) client() *idem.Client { return q.c.client }
 // one the action kept under the name the query's "flash" gives, shown once
 // (see flashes); nil for any other name.
 func (q *request) done() *flash {
-	return q.c.flashes.take(q.r.URL.Query().Get("flash"))
+	return q.c.flashes.take(q.r.URL.Query().Get("flash"), q.operator)
 }
 
 // redirectDone answers a successful POST with 303 See Other to path, with
@@ -124,7 +124,7 @@ func (q *request) redirectDone(path string, vs url.Values, text string) {
 	if vs == nil {
 		vs = url.Values{}
 	}
-	vs.Set("flash", q.c.flashes.put(flash{Kind: "ok", Text: text}))
+	vs.Set("flash", q.c.flashes.put(flash{Kind: "ok", Text: text}, q.operator))
 	q.redirect(path, vs)
 }
 
@@ -657,6 +657,21 @@ func (q *request) refusedWith(err error, form resolveInput, forget forgetInput) 
 // verdict or forget it was sent (problem p), with the form as it was sent:
 // what the operator typed is not lost. Nothing is changed.
 func (q *request) refusedAction(a Action, p *problem) {
+	if q.params.key == "" {
+		// A bulk verdict (bulk-resolve): its page again, with its form.
+		vs, err := postForm(q.r)
+		if err != nil {
+			q.fail(p)
+			return
+		}
+		in, err := bulkFrom(vs)
+		if err != nil || (!in.All && len(in.Refs) == 0) {
+			q.fail(p)
+			return
+		}
+		q.showBulk(p.Status, in, p)
+		return
+	}
 	if a == ActionForget {
 		in, _ := forgetFromForm(q.r)
 		q.showKey(p.Status, p, resolveInput{}, in, nil)
@@ -775,10 +790,10 @@ func (q *request) search(vs url.Values) (searchView, error) {
 		name string
 		v    *string
 	}{{"actor", &v.Actor}, {"operation", &v.Operation}, {"key", &v.Key}} {
+		// Names are exact (an actor " acme " is not "acme"): never trimmed.
 		if *f.v, err = one(vs, f.name); err != nil {
 			return v, err
 		}
-		*f.v = strings.TrimSpace(*f.v)
 	}
 	after, err := one(vs, "after")
 	if err != nil {
@@ -877,11 +892,12 @@ func auditQuery(vs url.Values, limit int) (audit.ListFilter, string, error) {
 		name string
 		v    *string
 	}{{"operator", &f.OperatorPrefix}, {"action", &f.Action}, {"actor", &f.Scope.Actor}, {"operation", &f.Scope.Operation}, {"key", &f.Key}} {
+		// Names are exact (an actor " acme " is not "acme"): never trimmed.
 		if *p.v, err = one(vs, p.name); err != nil {
 			return f, "", err
 		}
-		*p.v = strings.TrimSpace(*p.v)
 	}
+	f.Action = strings.TrimSpace(f.Action)
 	switch f.Action {
 	case "", audit.ActionResolve, audit.ActionForget, audit.ActionExpireLeases, audit.ActionPrune:
 	default:

@@ -32,6 +32,7 @@ func badRequest(code, format string, args ...any) *problem {
 func problemOf(err error) *problem {
 	var p *problem
 	var tooBig *http.MaxBytesError
+	var busy *audit.BusyError
 	switch {
 	case errors.As(err, &p):
 		return p
@@ -55,6 +56,10 @@ func problemOf(err error) *problem {
 	case errors.Is(err, idem.ErrNotResolvable):
 		return &problem{Status: http.StatusConflict, Code: "not_resolvable",
 			Message: "Refused: the outcome of this record is not in doubt (" + detail(err, idem.ErrNotResolvable) + "). Nothing changed."}
+	case errors.As(err, &busy):
+		return &problem{Status: http.StatusConflict, Code: "busy",
+			Message: fmt.Sprintf("Refused: another transaction held the record %s · %s · %s for more than %s (a worker, or another operator). Nothing changed, on any record: try again in a moment, or leave that record out.",
+				busy.Target.Scope.Actor, busy.Target.Scope.Operation, busy.Target.Key, audit.LockTimeout)}
 	case errors.Is(err, audit.ErrBusy):
 		return &problem{Status: http.StatusConflict, Code: "busy",
 			Message: fmt.Sprintf("Refused: another transaction held this record for more than %s (a worker, or another operator). Nothing changed: try again in a moment.", audit.LockTimeout)}

@@ -11,6 +11,7 @@ import (
 	"crypto/x509/pkix"
 	"encoding/json"
 	"encoding/pem"
+	"fmt"
 	"io"
 	"math/big"
 	"net"
@@ -445,4 +446,47 @@ func must[T any](v T, err error) T {
 		panic(err)
 	}
 	return v
+}
+
+// The slowdown cannot be dodged: the addresses of one IPv6 /64 (what one
+// client usually holds) count as one, and failures from many other
+// addresses do not push out an address that is held back.
+func TestUIFailuresCannotBeDodged(t *testing.T) {
+	t.Parallel()
+	c := &credentials{token: digest("s3cret-s3cret-s3cret"), tokenOperator: "robot"}
+	f := newFailures()
+	h := c.authenticate(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { w.WriteHeader(200) }), f)
+	try := func(remote, token string) int {
+		r := httptest.NewRequest("GET", "/", nil)
+		r.RemoteAddr = remote
+		r.Header.Set("Authorization", "Bearer "+token)
+		w := httptest.NewRecorder()
+		h.ServeHTTP(w, r)
+		return w.Code
+	}
+	for i := range failuresAllowed + 1 {
+		try(fmt.Sprintf("[2001:db8:1:2::%x]:4000", i+1), "guess")
+	}
+	if code := try("[2001:db8:1:2:ffff::9]:4000", "s3cret-s3cret-s3cret"); code != http.StatusTooManyRequests {
+		t.Errorf("another address of the same /64 after %d failures: %d, not 429", failuresAllowed+1, code)
+	}
+	if code := try("[2001:db8:1:3::1]:4000", "s3cret-s3cret-s3cret"); code != 200 {
+		t.Errorf("another /64: %d", code)
+	}
+	// A held-back address, then failures from many others (on a clock of
+	// the test's own, so that the wait does not end meanwhile).
+	g := newFailures()
+	now := time.Unix(0, 0)
+	for range failuresAllowed + 1 {
+		g.fail("192.0.2.7", now)
+	}
+	for i := range 2 * maxFailureAddresses {
+		g.fail(fmt.Sprintf("10.%d.%d.%d", i>>16&255, i>>8&255, i&255), now)
+	}
+	if w := g.wait("192.0.2.7", now); w == 0 {
+		t.Errorf("a held-back address after failures from %d others is not held back", 2*maxFailureAddresses)
+	}
+	if n := len(g.m); n > maxFailureAddresses {
+		t.Errorf("%d addresses kept, more than %d", n, maxFailureAddresses)
+	}
 }

@@ -1,6 +1,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"crypto/sha256"
 	"crypto/subtle"
@@ -10,7 +11,9 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -189,13 +192,23 @@ func (c *credentials) authenticate(next http.Handler, f *failures) http.Handler 
 }
 
 // clientAddress is the address a request came from (its TCP peer; a
-// forwarding header is not trusted).
+// forwarding header is not trusted), as failures counts it: an IPv6
+// address by its /64, the block one client usually holds whole (counted
+// one by one, its addresses would each have their own failures).
 func clientAddress(r *http.Request) string {
 	host, _, err := net.SplitHostPort(r.RemoteAddr)
 	if err != nil {
-		return r.RemoteAddr
+		host = r.RemoteAddr
 	}
-	return host
+	ip, err := netip.ParseAddr(host)
+	if err != nil {
+		return host
+	}
+	ip = ip.Unmap()
+	if ip.Is4() {
+		return ip.String()
+	}
+	return netip.PrefixFrom(ip.WithZone(""), 64).Masked().String()
 }
 
 // failures counts the failed sign-ins of each client address: after
@@ -219,8 +232,8 @@ const (
 	failuresAllowedText = "5"
 	firstFailureWait    = time.Second
 	maxFailureWait      = 5 * time.Minute
-	// maxFailureAddresses bounds the memory: past it, the addresses that
-	// failed longest ago are dropped first.
+	// maxFailureAddresses bounds the memory: past it, the addresses not
+	// held back are dropped first (see evict).
 	maxFailureAddresses = 10000
 )
 
@@ -243,7 +256,7 @@ func (f *failures) fail(addr string, now time.Time) {
 	e, ok := f.m[addr]
 	if !ok {
 		if len(f.m) >= maxFailureAddresses {
-			f.dropOldest(now)
+			f.evict(now)
 		}
 		e = &failure{}
 		f.m[addr] = e
@@ -266,19 +279,43 @@ func (f *failures) forget(addr string) {
 	delete(f.m, addr)
 }
 
-// dropOldest drops the addresses whose last failure is oldest: the
-// quiet ones, then half of the rest.
-func (f *failures) dropOldest(now time.Time) {
-	for addr, e := range f.m {
-		if now.Sub(e.last) > maxFailureWait && !e.until.After(now) {
-			delete(f.m, addr)
-		}
+// evict makes room, down to half of maxFailureAddresses: it drops first
+// the addresses not held back now, those with the fewest recent failures
+// first, and only then, when every address is held back, those whose wait
+// ends first. Failures from many addresses cannot push out one that is
+// held back.
+func (f *failures) evict(now time.Time) {
+	type entry struct {
+		addr string
+		e    *failure
 	}
-	for addr := range f.m {
-		if len(f.m) < maxFailureAddresses/2 {
-			break
+	all := make([]entry, 0, len(f.m))
+	for addr, e := range f.m {
+		all = append(all, entry{addr, e})
+	}
+	recent := func(e *failure) int {
+		if now.Sub(e.last) > maxFailureWait*2 {
+			return 0 // a long quiet: fail starts again
 		}
-		delete(f.m, addr)
+		return e.n
+	}
+	slices.SortFunc(all, func(a, b entry) int {
+		ha, hb := a.e.until.After(now), b.e.until.After(now)
+		switch {
+		case ha != hb && ha:
+			return 1
+		case ha != hb:
+			return -1
+		case ha:
+			return a.e.until.Compare(b.e.until)
+		}
+		if c := cmp.Compare(recent(a.e), recent(b.e)); c != 0 {
+			return c
+		}
+		return a.e.last.Compare(b.e.last)
+	})
+	for _, x := range all[:max(len(all)-maxFailureAddresses/2, 0)] {
+		delete(f.m, x.addr)
 	}
 }
 

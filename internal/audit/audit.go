@@ -69,6 +69,19 @@ const LockTimeout = 3 * time.Second
 // verdict's.
 const MaxReasonLength = idem.MaxReasonLength
 
+// BusyError is ErrBusy in a bulk verdict (ResolveMany): Target is the
+// record that another transaction held. Nothing changed, on any record.
+type BusyError struct {
+	Target Target
+	Err    error // the ErrBusy of the record's verdict
+}
+
+func (e *BusyError) Error() string {
+	return fmt.Sprintf("%v: record %q %q %q", e.Err, e.Target.Scope.Actor, e.Target.Scope.Operation, e.Target.Key)
+}
+
+func (e *BusyError) Unwrap() error { return e.Err }
+
 // ErrChanged means the record is no longer the attempt the operator looked
 // at (Forget's Attempt: another token or another start): nothing changed.
 var ErrChanged = errors.New("idem: the record changed since it was read")
@@ -577,21 +590,35 @@ func check(c *idem.Client, db idem.Beginner, operator string) (*idem.Client, err
 	if db == nil {
 		return nil, fmt.Errorf("%w: nil database handle", idem.ErrInvalidArgument)
 	}
-	if operator == "" {
-		return nil, fmt.Errorf("%w: no operator name: the audit trail records who acted", idem.ErrInvalidArgument)
-	}
-	if err := checkText(operator, MaxOperatorLength); err != nil {
-		return nil, fmt.Errorf("%w: operator name %v", idem.ErrInvalidArgument, err)
-	}
-	for i, r := range operator {
-		if unicode.IsControl(r) {
-			return nil, fmt.Errorf("%w: operator name holds the control character %U at byte %d: it could forge what a terminal shows", idem.ErrInvalidArgument, r, i)
-		}
+	if err := CheckOperator(operator); err != nil {
+		return nil, err
 	}
 	if c == nil {
 		c = defaultClient
 	}
 	return c, nil
+}
+
+// CheckOperator refuses an operator name the trail cannot record
+// faithfully (ErrInvalidArgument): empty, longer than MaxOperatorLength
+// bytes, not valid text, or holding a character that could forge what a
+// terminal or a page shows: a control character (an escape sequence), an
+// invisible format character (a zero-width space that makes "dana.kim"
+// of another name, a bidi override that reorders it) or a line or
+// paragraph separator.
+func CheckOperator(operator string) error {
+	if operator == "" {
+		return fmt.Errorf("%w: no operator name: the audit trail records who acted", idem.ErrInvalidArgument)
+	}
+	if err := checkText(operator, MaxOperatorLength); err != nil {
+		return fmt.Errorf("%w: operator name %v", idem.ErrInvalidArgument, err)
+	}
+	for i, r := range operator {
+		if unicode.IsControl(r) || unicode.In(r, unicode.Cf, unicode.Zl, unicode.Zp) {
+			return fmt.Errorf("%w: operator name holds the character %U at byte %d: it could forge what a terminal or a page shows", idem.ErrInvalidArgument, r, i)
+		}
+	}
+	return nil
 }
 
 // checkText refuses what PostgreSQL's text cannot hold (invalid UTF-8,
@@ -764,7 +791,8 @@ type Bulk struct {
 // resolve, no record; Detail: how the records were chosen, the detail
 // argument, and how many were left). A record that is fenced, not in doubt
 // any more or gone is left (Bulk.Skipped) and the others go on; any other
-// error rolls everything back. More than MaxBulk targets, none, or a bad
+// error rolls everything back (a record another transaction holds for
+// longer than LockTimeout: a *BusyError, which names it). More than MaxBulk targets, none, or a bad
 // verdict is ErrInvalidArgument.
 func ResolveMany(ctx context.Context, db idem.Beginner, c *idem.Client, operator string, targets []Target, res idem.Resolution, detail map[string]any) (Bulk, error) {
 	c, err := check(c, db, operator)
@@ -788,6 +816,8 @@ func ResolveMany(ctx context.Context, db idem.Beginner, c *idem.Client, operator
 			case errors.Is(err, idem.ErrFenced), errors.Is(err, idem.ErrNotResolvable), errors.Is(err, idem.ErrNotFound):
 				out.Skipped = append(out.Skipped, t)
 				continue
+			case errors.Is(err, ErrBusy):
+				return &BusyError{Target: t, Err: err}
 			case err != nil:
 				return err
 			}
