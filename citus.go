@@ -208,8 +208,11 @@ const (
 	sqlDistributeAttempts = "SELECT create_distributed_table('idem_event_attempts', '" + EventsDistributionColumn + "', colocate_with => 'idem_events')"
 	// idem_refuse on the workers (and on workers added later), when the
 	// database has it (migrated to 00008).
-	sqlDistributeRefuse = "SELECT create_distributed_function('idem_refuse(text,text)') " +
-		"WHERE to_regprocedure('idem_refuse(text,text)') IS NOT NULL"
+	// (The name is looked up by to_regprocedure, which gives NULL where it
+	// is missing: a literal cast to regprocedure fails at planning time,
+	// before any WHERE is read.)
+	sqlDistributeRefuse = "SELECT create_distributed_function(f) " +
+		"FROM to_regprocedure('idem_refuse(text,text)') f WHERE f IS NOT NULL"
 )
 
 // errWorker is the error of a call made on a Citus worker.
