@@ -60,7 +60,7 @@ func (q *Queries) KeyLockForForget(ctx context.Context, db DBTX, arg KeyLockForF
 }
 
 const KeyLookup = `-- name: KeyLookup :one
-SELECT idem_keys.actor, idem_keys.operation, idem_keys.idem_key, idem_keys.fingerprint, idem_keys.status, idem_keys.response_status, idem_keys.response_headers, idem_keys.response_body, idem_keys.created_at, idem_keys.completed_at, idem_keys.expires_at, idem_keys.token, idem_keys.lease_expires_at, idem_keys.last_error, idem_keys.resolve_reason, idem_keys.resume_until
+SELECT idem_keys.actor, idem_keys.operation, idem_keys.idem_key, idem_keys.fingerprint, idem_keys.status, idem_keys.response_status, idem_keys.response_headers, idem_keys.response_body, idem_keys.created_at, idem_keys.completed_at, idem_keys.expires_at, idem_keys.token, idem_keys.lease_expires_at, idem_keys.last_error, idem_keys.resolve_reason, idem_keys.resume_until, idem_keys.body_expires_at
 FROM idem_keys
 WHERE actor = $1 AND operation = $2 AND idem_key = $3
 `
@@ -96,6 +96,7 @@ func (q *Queries) KeyLookup(ctx context.Context, db DBTX, arg KeyLookupParams) (
 		&i.IdemKey.LastError,
 		&i.IdemKey.ResolveReason,
 		&i.IdemKey.ResumeUntil,
+		&i.IdemKey.BodyExpiresAt,
 	)
 	return i, err
 }

@@ -43,4 +43,5 @@ type IdemKey struct {
 	LastError       pgtype.Text
 	ResolveReason   pgtype.Text
 	ResumeUntil     pgtype.Timestamptz
+	BodyExpiresAt   pgtype.Timestamptz
 }

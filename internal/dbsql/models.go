@@ -46,4 +46,5 @@ type IdemKey struct {
 	LastError       sql.NullString
 	ResolveReason   sql.NullString
 	ResumeUntil     sql.NullTime
+	BodyExpiresAt   sql.NullTime
 }

@@ -290,6 +290,18 @@ func (e *executor) KeyPrune(ctx context.Context, batch int32) (int64, error) {
 	return queries.KeyPrune(ctx, planned{e.tx}, batch)
 }
 
+// KeyDropBodies skips rows another pruner holds, as KeyPrune.
+func (e *executor) KeyDropBodies(ctx context.Context, batch int32) (int64, error) {
+	citus, err := e.d.txCitus(ctx, e.tx)
+	if err != nil {
+		return 0, err
+	}
+	if citus {
+		return queries.KeyDropBodiesCitus(ctx, planned{e.tx}, batch)
+	}
+	return queries.KeyDropBodies(ctx, planned{e.tx}, batch)
+}
+
 func (e *executor) KeyCountPrunable(ctx context.Context) (int64, error) {
 	return queries.KeyCountPrunable(ctx, planned{e.tx})
 }

@@ -238,6 +238,14 @@ func (e *executor) KeyPrune(ctx context.Context, batch int32) (int64, error) {
 	return queries.KeyPrune(ctx, e.tx, batch)
 }
 
+// KeyDropBodies skips rows another pruner holds, as KeyPrune.
+func (e *executor) KeyDropBodies(ctx context.Context, batch int32) (int64, error) {
+	if e.d.citus {
+		return queries.KeyDropBodiesCitus(ctx, e.tx, batch)
+	}
+	return queries.KeyDropBodies(ctx, e.tx, batch)
+}
+
 func (e *executor) KeyCountPrunable(ctx context.Context) (int64, error) {
 	return queries.KeyCountPrunable(ctx, e.tx)
 }
