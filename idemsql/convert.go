@@ -105,6 +105,7 @@ var sentinels = [...]struct{ public, core error }{
 	{idem.ErrUnavailable, core.ErrUnavailable},
 	{idem.ErrInvalidArgument, core.ErrInvalidArgument},
 	{idem.ErrOutcomeUnknown, core.ErrOutcomeUnknown},
+	{idem.ErrResponseGone, core.ErrResponseGone},
 	{idem.ErrNotFound, core.ErrNotFound},
 	{idem.ErrFenced, core.ErrFenced},
 	{idem.ErrKeyRowChanged, core.ErrKeyRowChanged},
