@@ -80,6 +80,13 @@ func TestBodyTTL(t *testing.T) {
 		if calls.Load() != ran {
 			t.Errorf("%s: fn ran %d more times", when, calls.Load()-ran)
 		}
+		rec, err := short.Lookup(ctx, pool, s, "intx")
+		if err != nil || !rec.ResponseGone || rec.Response == nil || rec.Response.Status != 201 || rec.Response.Body != nil {
+			t.Errorf("Lookup %s: %+v, %v; want ResponseGone with status 201", when, rec, err)
+		}
+		if rec, err := keep.Lookup(ctx, pool, s, "intx-kept"); err != nil || rec.ResponseGone || rec.Response == nil || len(rec.Response.Body) == 0 {
+			t.Errorf("Lookup of a kept body %s: %+v, %v", when, rec, err)
+		}
 	}
 	check("past BodyTTL, before Prune")
 

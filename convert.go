@@ -32,7 +32,7 @@ func record(r core.Record) Record {
 	return Record{Scope: Scope(r.Scope), Key: r.Key, Status: Status(r.Status), Fingerprint: Fingerprint(r.Fingerprint),
 		Token: r.Token, LastError: r.LastError, ResolveReason: r.ResolveReason, CreatedAt: r.CreatedAt,
 		CompletedAt: r.CompletedAt, ExpiresAt: r.ExpiresAt, LeaseExpiresAt: r.LeaseExpiresAt,
-		ResumeUntil: r.ResumeUntil, Response: (*Response)(r.Response)}
+		ResumeUntil: r.ResumeUntil, Response: (*Response)(r.Response), ResponseGone: r.ResponseGone}
 }
 
 func coreRecord(r *Record) *core.Record {
@@ -43,7 +43,7 @@ func coreRecord(r *Record) *core.Record {
 		Fingerprint: core.Fingerprint(r.Fingerprint), Token: r.Token, LastError: r.LastError,
 		ResolveReason: r.ResolveReason, CreatedAt: r.CreatedAt, CompletedAt: r.CompletedAt,
 		ExpiresAt: r.ExpiresAt, LeaseExpiresAt: r.LeaseExpiresAt, ResumeUntil: r.ResumeUntil,
-		Response: (*core.Response)(r.Response)}
+		Response: (*core.Response)(r.Response), ResponseGone: r.ResponseGone}
 }
 
 func records(rs []core.Record, err error) ([]Record, error) {

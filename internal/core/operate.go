@@ -379,7 +379,10 @@ func newRecord(k driver.Record) (Record, error) {
 		LeaseExpiresAt: k.LeaseExpiresAt,
 		ResumeUntil:    k.ResumeUntil,
 	}
-	if k.Stored.Valid {
+	switch {
+	case k.Stored.Valid && k.Stored.Gone:
+		rec.Response, rec.ResponseGone = &Response{Status: int(k.Stored.Status)}, true
+	case k.Stored.Valid:
 		res, err := replay(k.Stored)
 		if err != nil {
 			return Record{}, err

@@ -475,7 +475,9 @@ SELECT idem_keys.actor, idem_keys.operation, idem_keys.idem_key, idem_keys.finge
        (expires_at <= now())::boolean AS expired,
        (lease_expires_at IS NOT NULL)::boolean AS leased,
        coalesce(ceil(extract(epoch FROM lease_expires_at - now()) * 1000)::bigint, 0)::bigint AS lease_left_ms,
-       coalesce(resume_until > now(), false)::boolean AS in_window
+       coalesce(resume_until > now(), false)::boolean AS in_window,
+       ((status IN ('succeeded', 'rejected') AND response_status IS NOT NULL AND response_body IS NULL)
+        OR coalesce(body_expires_at <= now(), false))::boolean AS body_gone
 FROM idem_keys
 WHERE actor = $1 AND operation = $2 AND idem_key = $3
 FOR UPDATE
@@ -493,6 +495,7 @@ type ReserveLockRow struct {
 	Leased      bool
 	LeaseLeftMs int64
 	InWindow    bool
+	BodyGone    bool
 }
 
 // Locks and reads the row that holds a key, with what the database clock
@@ -523,6 +526,7 @@ func (q *Queries) ReserveLock(ctx context.Context, db DBTX, arg ReserveLockParam
 		&i.Leased,
 		&i.LeaseLeftMs,
 		&i.InWindow,
+		&i.BodyGone,
 	)
 	return i, err
 }

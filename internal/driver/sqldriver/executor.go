@@ -138,7 +138,7 @@ func (e *executor) ReserveLock(ctx context.Context, k driver.Key) (driver.Row, e
 	r := row.IdemKey
 	return driver.Row{
 		Fingerprint: r.Fingerprint, Status: r.Status, Token: r.Token,
-		Stored:  stored(r.ResponseStatus, r.ResponseHeaders, r.ResponseBody),
+		Stored:  storedOrGone(r.ResponseStatus, r.ResponseHeaders, r.ResponseBody, row.BodyGone),
 		Expired: row.Expired, Leased: row.Leased, LeaseLeftMs: row.LeaseLeftMs, InWindow: row.InWindow,
 	}, noRows(err)
 }
@@ -216,7 +216,11 @@ func (e *executor) KeyMarkUnknown(ctx context.Context, k driver.Key, fp [32]byte
 
 func (e *executor) KeyLookup(ctx context.Context, k driver.Key) (driver.Record, error) {
 	row, err := queries.KeyLookup(ctx, e.tx, dbsql.KeyLookupParams{Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key})
-	return record(row.IdemKey), noRows(err)
+	rec := record(row.IdemKey)
+	if row.BodyGone {
+		rec.Stored = storedOrGone(row.IdemKey.ResponseStatus, nil, nil, true)
+	}
+	return rec, noRows(err)
 }
 
 func (e *executor) KeyLockForForget(ctx context.Context, k driver.Key) (string, bool, error) {
