@@ -67,6 +67,7 @@ type options struct {
 	storage                        bool // the storage run alone (-smoke runs it after the rest)
 	storageKeys, storageWALCalls   int
 	storageFillfactor              int
+	storageBodyTTL                 time.Duration
 	storageRate                    float64
 }
 
@@ -94,6 +95,7 @@ func main() {
 	flag.Float64Var(&o.storageRate, "storage-rate", 1000, "fresh calls per second in the storage run")
 	flag.IntVar(&o.storageWALCalls, "storage-wal-calls", 2_000, "calls per workload in the storage run's WAL count")
 	flag.IntVar(&o.storageFillfactor, "storage-fillfactor", 0, "fillfactor of idem_keys in the storage run (0: the migrations')")
+	flag.DurationVar(&o.storageBodyTTL, "storage-body-ttl", 0, "Config.BodyTTL of the storage run: stored bodies dropped by Prune this long after the claim (0: kept as long as the key)")
 	flag.BoolVar(&o.keep, "keep", false, "keep the database after the run")
 	flag.Parse()
 	if flag.NArg() > 0 {
