@@ -90,6 +90,12 @@ func TestBodyTTL(t *testing.T) {
 	}
 	check("past BodyTTL, before Prune")
 
+	if n, err := short.Prune(ctx, pool, idem.PruneOptions{DryRun: true}); err != nil || n != 0 {
+		t.Fatalf("Prune dry run: %d, %v", n, err)
+	}
+	if got := count(t, pool, `SELECT count(*) FROM idem_keys WHERE response_body IS NOT NULL`); got != 4 {
+		t.Errorf("a dry run dropped %d bodies", 4-got)
+	}
 	n, err := short.Prune(ctx, pool, idem.PruneOptions{BatchSize: 1})
 	if err != nil || n != 0 {
 		t.Fatalf("Prune: %d keys deleted, %v; want 0 (bodies only)", n, err)
