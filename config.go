@@ -25,6 +25,16 @@ type Config struct {
 	// anything is written. A key keeps the TTL it was claimed with.
 	TTLFor func(operation string) time.Duration
 
+	// BodyTTL, when set, is how long the stored response's body and
+	// headers are kept after the key is claimed by Do or DoInTx, when that
+	// is shorter than the key's TTL (TTL, TTLFor). Past it the key still
+	// refuses a different request (ErrKeyReused), and a replay returns
+	// ErrResponseGone with the stored status: nothing runs again. Prune
+	// drops the bodies. 0 means the body lives as long as the key;
+	// reservations (Reserve) always keep theirs. A value under a
+	// microsecond (negative) is refused (ErrInvalidConfig).
+	BodyTTL time.Duration
+
 	// Wait bounds how long a call waits for a concurrent transaction that
 	// holds the same key before it gives up with ErrInProgress. (On Citus
 	// the wait happens on a worker, which the bound reaches only when

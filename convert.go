@@ -32,7 +32,7 @@ func record(r core.Record) Record {
 	return Record{Scope: Scope(r.Scope), Key: r.Key, Status: Status(r.Status), Fingerprint: Fingerprint(r.Fingerprint),
 		Token: r.Token, LastError: r.LastError, ResolveReason: r.ResolveReason, CreatedAt: r.CreatedAt,
 		CompletedAt: r.CompletedAt, ExpiresAt: r.ExpiresAt, LeaseExpiresAt: r.LeaseExpiresAt,
-		ResumeUntil: r.ResumeUntil, Response: (*Response)(r.Response)}
+		ResumeUntil: r.ResumeUntil, Response: (*Response)(r.Response), ResponseGone: r.ResponseGone}
 }
 
 func coreRecord(r *Record) *core.Record {
@@ -43,7 +43,7 @@ func coreRecord(r *Record) *core.Record {
 		Fingerprint: core.Fingerprint(r.Fingerprint), Token: r.Token, LastError: r.LastError,
 		ResolveReason: r.ResolveReason, CreatedAt: r.CreatedAt, CompletedAt: r.CompletedAt,
 		ExpiresAt: r.ExpiresAt, LeaseExpiresAt: r.LeaseExpiresAt, ResumeUntil: r.ResumeUntil,
-		Response: (*core.Response)(r.Response)}
+		Response: (*core.Response)(r.Response), ResponseGone: r.ResponseGone}
 }
 
 func records(rs []core.Record, err error) ([]Record, error) {
@@ -74,14 +74,14 @@ func stats(s core.Stats) Stats {
 }
 
 func coreConfig(c Config) core.Config {
-	return core.Config{TTL: c.TTL, TTLFor: c.TTLFor, Wait: c.Wait, MinKeyLength: c.MinKeyLength, MaxKeyLength: c.MaxKeyLength,
+	return core.Config{TTL: c.TTL, TTLFor: c.TTLFor, BodyTTL: c.BodyTTL, Wait: c.Wait, MinKeyLength: c.MinKeyLength, MaxKeyLength: c.MaxKeyLength,
 		MaxResponseBytes: c.MaxResponseBytes, IsolationLevel: core.IsolationLevel(c.IsolationLevel),
 		MeterProvider: c.MeterProvider, TracerProvider: c.TracerProvider, Logger: c.Logger,
 		LogHashKey: c.LogHashKey, MaxRetries: c.MaxRetries}
 }
 
 func config(c core.Config) Config {
-	return Config{TTL: c.TTL, TTLFor: c.TTLFor, Wait: c.Wait, MinKeyLength: c.MinKeyLength, MaxKeyLength: c.MaxKeyLength,
+	return Config{TTL: c.TTL, TTLFor: c.TTLFor, BodyTTL: c.BodyTTL, Wait: c.Wait, MinKeyLength: c.MinKeyLength, MaxKeyLength: c.MaxKeyLength,
 		MaxResponseBytes: c.MaxResponseBytes, IsolationLevel: pgx.TxIsoLevel(c.IsolationLevel),
 		MeterProvider: c.MeterProvider, TracerProvider: c.TracerProvider, Logger: c.Logger,
 		LogHashKey: c.LogHashKey, MaxRetries: c.MaxRetries}
@@ -101,6 +101,7 @@ var sentinels = [...]struct{ public, core error }{
 	{ErrUnavailable, core.ErrUnavailable},
 	{ErrInvalidArgument, core.ErrInvalidArgument},
 	{ErrOutcomeUnknown, core.ErrOutcomeUnknown},
+	{ErrResponseGone, core.ErrResponseGone},
 	{ErrNotFound, core.ErrNotFound},
 	{ErrFenced, core.ErrFenced},
 	{ErrKeyRowChanged, core.ErrKeyRowChanged},

@@ -93,6 +93,7 @@ func TestErrorsOfTheProtocolAreIdems(t *testing.T) {
 		{idem.ErrTxAborted, core.ErrTxAborted},
 		{idem.ErrPreparedStatements, core.ErrPreparedStatements}, {idem.ErrNotResolvable, core.ErrNotResolvable},
 		{idem.ErrUnsupported, core.ErrUnsupported}, {idem.ErrStoredValue, core.ErrStoredValue},
+		{idem.ErrResponseGone, core.ErrResponseGone},
 	}
 	// Every sentinel of the protocol has its counterpart here.
 	paired := map[error]bool{}
@@ -158,6 +159,7 @@ func coreSentinels(t *testing.T) map[string]error {
 		"ErrTxAborted":          core.ErrTxAborted,
 		"ErrPreparedStatements": core.ErrPreparedStatements, "ErrNotResolvable": core.ErrNotResolvable,
 		"ErrUnsupported": core.ErrUnsupported, "ErrStoredValue": core.ErrStoredValue,
+		"ErrResponseGone": core.ErrResponseGone,
 	}
 	files, err := filepath.Glob("internal/core/*.go")
 	if err != nil {

@@ -81,6 +81,14 @@ var (
 	// reached the receiver.
 	ErrOutcomeUnknown = errors.New("idem: the outcome of the request with this idempotency key is unknown")
 
+	// ErrResponseGone means the key holds a finished outcome whose
+	// response body was dropped (Config.BodyTTL) while the key is still
+	// remembered: the operation happened and nothing ran again, but its
+	// response cannot be replayed. The Result carries the stored Status
+	// (Replayed true, no body or header). HTTP 410
+	// IDEMPOTENCY_RESPONSE_EXPIRED in idemhttp.
+	ErrResponseGone = errors.New("idem: the stored response of this idempotency key is gone")
+
 	// ErrNotFound means no record holds the key (it was never used, it was
 	// pruned or forgotten). Nothing changed.
 	ErrNotFound = errors.New("idem: no record for this idempotency key")

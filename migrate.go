@@ -113,16 +113,17 @@ type MigrateDownOptions struct {
 }
 
 // MigrateDown reverts the latest applied migration of idem in the database
-// of pool, in one transaction (00003 excepted: it builds its indexes
-// concurrently, outside a transaction, and can be run again after an
-// interruption), and returns its version (0 when none is
+// of pool, in one transaction (00003 and 00009 excepted: they build their
+// indexes concurrently, outside a transaction, and can be run again after
+// an interruption; 00009's Down is one statement), and returns its version (0 when none is
 // applied). It serializes with Migrate like Migrate does.
 //
 // Migrations never delete outcomes or the audit trail on their own: when
 // the Down would delete records whose outcome may have happened (unknown, in
 // flight or failed_retryable records; every record for the first migration,
 // which drops the table) or, for migration 5, any row of the audit trail
-// (idem_audit), MigrateDown returns ErrDowngradeDeletesRecords, saying how
+// (idem_audit), or for migration 9 would replay a dropped body
+// (Config.BodyTTL) as an empty response, MigrateDown returns ErrDowngradeDeletesRecords, saying how
 // many, and changes nothing, unless opts.Force is set.
 func MigrateDown(ctx context.Context, pool *pgxpool.Pool, opts MigrateDownOptions) (int64, error) {
 	if pool == nil {

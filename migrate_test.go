@@ -267,17 +267,15 @@ func TestMigrateDownKeepsWindows(t *testing.T) {
 }
 
 // Migration 00008 adds idem_refuse, through which the completion refuses
-// with idem's own SQLSTATE. Reverted, it is gone: a call of version 8's
-// code fails with ErrUnsupported naming it at the claim, before fn runs,
-// and stores nothing (DoInTx, and Do in each exec mode, whose caller's
-// transaction goes on); migrated again, the same call runs.
+// with idem's own SQLSTATE, and 00009 the column body_expires_at. Reverted,
+// each is gone: a call fails with ErrUnsupported naming what is missing at
+// the claim, before fn runs, and stores nothing (DoInTx, and Do in each
+// exec mode, whose caller's transaction goes on); migrated again (00009
+// finds its column there and runs anyway), the same call runs.
 func TestMigrateDownFrom8(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	pool := pgtest.Pool(t, idem.Migrate)
-	if v, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{}); err != nil || v != 8 {
-		t.Fatalf("MigrateDown: %d, %v", v, err)
-	}
 	if _, err := pool.Exec(ctx, `CREATE TABLE charges (id text)`); err != nil {
 		t.Fatal(err)
 	}
@@ -287,51 +285,115 @@ func TestMigrateDownFrom8(t *testing.T) {
 		_, err := tx.Exec(ctx, `INSERT INTO charges VALUES ('c1')`)
 		return idem.Response{Status: 201}, err
 	}
-	_, err := idem.DoInTx(ctx, pool, payScope, "k8", fpA, charge)
-	if !errors.Is(err, idem.ErrUnsupported) || !strings.Contains(err.Error(), "idem_refuse") {
-		t.Fatalf("DoInTx at version 7: %v, want ErrUnsupported naming idem_refuse", err)
-	}
-	// Do in a caller's transaction, in each of pgx's exec modes (the
-	// completion prepared before its batch, or not): the same refusal,
-	// and the caller's transaction goes on and commits its own writes.
-	for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol} {
-		cfg := pool.Config().Copy()
-		cfg.ConnConfig.DefaultQueryExecMode = mode
-		p, err := pgxpool.NewWithConfig(ctx, cfg)
-		if err != nil {
-			t.Fatal(err)
+	for _, down := range []struct {
+		version int64
+		fix     string // what makes the version's missing part the only one
+		missing string
+	}{
+		{9, "", "body_expires_at"},
+		{8, `ALTER TABLE idem_keys ADD COLUMN body_expires_at timestamptz`, "idem_refuse"},
+	} {
+		if v, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{}); err != nil || v != down.version {
+			t.Fatalf("MigrateDown: %d, %v; want %d", v, err, down.version)
 		}
-		tx, err := p.Begin(ctx)
-		if err != nil {
-			t.Fatal(err)
+		if down.fix != "" {
+			if _, err := pool.Exec(ctx, down.fix); err != nil {
+				t.Fatal(err)
+			}
 		}
-		if _, err := idem.Do(ctx, tx, payScope, "k8", fpA, charge); !errors.Is(err, idem.ErrUnsupported) {
-			t.Errorf("%v: Do at version 7: %v, want ErrUnsupported", mode, err)
+		_, err := idem.DoInTx(ctx, pool, payScope, "k8", fpA, charge)
+		if !errors.Is(err, idem.ErrUnsupported) || !strings.Contains(err.Error(), down.missing) {
+			t.Fatalf("DoInTx at version %d: %v, want ErrUnsupported naming %s", down.version-1, err, down.missing)
 		}
-		if _, err := tx.Exec(ctx, `INSERT INTO charges VALUES ('mine')`); err != nil {
-			t.Errorf("%v: the caller's transaction after Do: %v", mode, err)
+		// Do in a caller's transaction, in each of pgx's exec modes (the
+		// completion prepared before its batch, or not): the same refusal,
+		// and the caller's transaction goes on and commits its own writes.
+		for _, mode := range []pgx.QueryExecMode{pgx.QueryExecModeCacheStatement, pgx.QueryExecModeExec, pgx.QueryExecModeSimpleProtocol} {
+			cfg := pool.Config().Copy()
+			cfg.ConnConfig.DefaultQueryExecMode = mode
+			p, err := pgxpool.NewWithConfig(ctx, cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			tx, err := p.Begin(ctx)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := idem.Do(ctx, tx, payScope, "k8", fpA, charge); !errors.Is(err, idem.ErrUnsupported) {
+				t.Errorf("%v: Do at version %d: %v, want ErrUnsupported", mode, down.version-1, err)
+			}
+			if _, err := tx.Exec(ctx, `INSERT INTO charges VALUES ('mine')`); err != nil {
+				t.Errorf("%v: the caller's transaction after Do: %v", mode, err)
+			}
+			if err := tx.Commit(ctx); err != nil {
+				t.Fatal(err)
+			}
+			p.Close()
 		}
-		if err := tx.Commit(ctx); err != nil {
-			t.Fatal(err)
+		var keys, charges int
+		if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM idem_keys), (SELECT count(*) FROM charges WHERE id = 'c1')`).Scan(&keys, &charges); err != nil ||
+			keys != 0 || charges != 0 {
+			t.Fatalf("after the refusals: %d keys, %d charges, %v", keys, charges, err)
 		}
-		p.Close()
-	}
-	var keys, charges int
-	if err := pool.QueryRow(ctx, `SELECT (SELECT count(*) FROM idem_keys), (SELECT count(*) FROM charges WHERE id = 'c1')`).Scan(&keys, &charges); err != nil ||
-		keys != 0 || charges != 0 {
-		t.Fatalf("after the refusals: %d keys, %d charges, %v", keys, charges, err)
-	}
-	// The claim refuses, before fn: fn's effects outside the database
-	// (a message sent, a call made) do not happen on every retry of a
-	// service deployed before its migration.
-	if n := ran.Load(); n != 0 {
-		t.Errorf("fn ran %d times on a database without idem_refuse", n)
+		// The claim refuses, before fn: fn's effects outside the database
+		// (a message sent, a call made) do not happen on every retry of a
+		// service deployed before its migration.
+		if n := ran.Load(); n != 0 {
+			t.Errorf("fn ran %d times on a database without %s", n, down.missing)
+		}
 	}
 	if err := idem.Migrate(ctx, pool); err != nil {
 		t.Fatal(err)
 	}
 	if res, err := idem.DoInTx(ctx, pool, payScope, "k8", fpA, charge); err != nil || res.Status != 201 {
-		t.Fatalf("DoInTx at version 8: %+v, %v", res, err)
+		t.Fatalf("DoInTx at version 9: %+v, %v", res, err)
+	}
+}
+
+// The Down of 9 is refused while a finished record's body was dropped
+// (Config.BodyTTL): version 8 would replay it as an empty response.
+// Forced, it keeps every row; records whose body is still there revert
+// freely, keeping it for the key's life.
+func TestMigrateDownFrom9KeepsDroppedBodies(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t, idem.Migrate)
+	c := mustClient(t, idem.Config{BodyTTL: time.Millisecond})
+	for _, key := range []string{"dropped", "kept"} {
+		if _, err := c.DoInTx(ctx, pool, payScope, key, fpA, func(context.Context, pgx.Tx) (idem.Response, error) {
+			return idem.Response{Status: 201, Body: []byte(`{"id":1}`)}, nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := pool.Exec(ctx, `UPDATE idem_keys SET body_expires_at = NULL WHERE idem_key = 'kept'`); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(5 * time.Millisecond)
+	if _, err := c.Prune(ctx, pool, idem.PruneOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	before := idemRows(t, pool)
+	_, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{})
+	if !errors.Is(err, idem.ErrDowngradeDeletesRecords) || !strings.Contains(err.Error(), "replay 1 records") {
+		t.Fatalf("MigrateDown from 9: %v; want a refusal about 1 record", err)
+	}
+	if after := idemRows(t, pool); after != before || appliedVersion(t, pool) != 9 {
+		t.Fatalf("a refused MigrateDown changed something:\nbefore %s\nafter  %s", before, after)
+	}
+	if _, err := pool.Exec(ctx, `DELETE FROM idem_keys WHERE idem_key = 'dropped'`); err != nil {
+		t.Fatal(err)
+	}
+	if v, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{}); err != nil || v != 9 {
+		t.Fatalf("MigrateDown from 9 with every body kept: %d, %v", v, err)
+	}
+	if err := idem.Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	if res, err := c.DoInTx(ctx, pool, payScope, "kept", fpA, func(context.Context, pgx.Tx) (idem.Response, error) {
+		return idem.Response{}, errors.New("ran again")
+	}); err != nil || string(res.Body) != `{"id":1}` {
+		t.Fatalf("the kept body after down and up: %+v, %v", res, err)
 	}
 }
 

@@ -12,11 +12,13 @@ type PruneOptions struct {
 	// Default 1000. Small batches keep locks and WAL bursts short.
 	BatchSize int
 
-	// MaxBatches bounds the batches of one call; 0 means until no expired
-	// finished row is left.
+	// MaxBatches bounds the batches of one call, of key deletes and then of
+	// body drops each; 0 means until no expired finished row (and no body
+	// past its Config.BodyTTL) is left.
 	MaxBatches int
 
-	// DryRun counts the rows Prune would delete now, and deletes nothing.
+	// DryRun counts the rows Prune would delete now, and deletes (and
+	// drops) nothing.
 	DryRun bool
 }
 
@@ -41,6 +43,13 @@ const DefaultPruneBatchSize = 1000
 // Give Prune a pool or a connection: on a pgx.Tx its batches run in
 // savepoints of that transaction, without those planner settings. Expired keys that Prune has not reached yet are
 // still treated as new requests: pruning only reclaims space.
+//
+// Then it drops the stored body and headers of finished keys whose body's
+// life has passed (Config.BodyTTL) in the same way, oldest first through
+// their own index, in batches of BatchSize: those keys stay, with their
+// status, until their TTL (a replay answers ErrResponseGone). The result
+// counts deleted keys only; the drops are counted by the metric
+// idem.bodies_dropped.
 //
 // When ctx ends between batches Prune returns what it deleted so far with
 // the context's error.

@@ -68,6 +68,10 @@ type Record struct {
 	ResumeUntil time.Time
 	// Response is the stored outcome; nil when none is stored.
 	Response *Response
+	// ResponseGone: the response's body and headers were dropped, or their
+	// time has passed (Config.BodyTTL); Response holds the stored status
+	// only. A replay of the key returns ErrResponseGone.
+	ResponseGone bool
 }
 
 // Resolution is an operator's verdict on a record whose outcome was unknown,

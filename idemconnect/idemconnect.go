@@ -34,12 +34,13 @@ const ErrorDomain = "github.com/pgidem/idem"
 
 // The reasons of the ErrorInfo detail of the interceptor's own errors.
 const (
-	ReasonKeyMissing       = "IDEMPOTENCY_KEY_MISSING"     // invalid_argument: Options.RequireKey and no key
-	ReasonKeyInvalid       = "IDEMPOTENCY_KEY_INVALID"     // invalid_argument: a malformed key, two keys, or one idem.ValidateKey refuses
-	ReasonKeyReused        = "IDEMPOTENCY_KEY_REUSED"      // failed_precondition: the same key with a different request
-	ReasonInProgress       = "REQUEST_IN_PROGRESS"         // aborted, with RetryInfo: a call with the key is still running
-	ReasonOutcomeUnknown   = "IDEMPOTENCY_OUTCOME_UNKNOWN" // failed_precondition: a reservation's outcome must be reconciled first
-	ReasonStoreUnavailable = "STORE_UNAVAILABLE"           // unavailable, with RetryInfo: the database could not serve
+	ReasonKeyMissing       = "IDEMPOTENCY_KEY_MISSING"      // invalid_argument: Options.RequireKey and no key
+	ReasonKeyInvalid       = "IDEMPOTENCY_KEY_INVALID"      // invalid_argument: a malformed key, two keys, or one idem.ValidateKey refuses
+	ReasonKeyReused        = "IDEMPOTENCY_KEY_REUSED"       // failed_precondition: the same key with a different request
+	ReasonInProgress       = "REQUEST_IN_PROGRESS"          // aborted, with RetryInfo: a call with the key is still running
+	ReasonOutcomeUnknown   = "IDEMPOTENCY_OUTCOME_UNKNOWN"  // failed_precondition: a reservation's outcome must be reconciled first
+	ReasonResponseExpired  = "IDEMPOTENCY_RESPONSE_EXPIRED" // failed_precondition: the call ran, its stored response was dropped (idem.Config.BodyTTL); it does not run again
+	ReasonStoreUnavailable = "STORE_UNAVAILABLE"            // unavailable, with RetryInfo: the database could not serve
 )
 
 // DefaultRefusalCodes are the codes stored as deterministic refusals when

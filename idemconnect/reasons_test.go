@@ -17,6 +17,7 @@ func TestReasonsMatchTheProtocol(t *testing.T) {
 		{idemconnect.ReasonKeyReused, rpcidem.ReasonKeyReused},
 		{idemconnect.ReasonInProgress, rpcidem.ReasonInProgress},
 		{idemconnect.ReasonOutcomeUnknown, rpcidem.ReasonOutcomeUnknown},
+		{idemconnect.ReasonResponseExpired, rpcidem.ReasonResponseExpired},
 		{idemconnect.ReasonStoreUnavailable, rpcidem.ReasonStoreUnavailable},
 	} {
 		if c.got != c.want {

@@ -33,12 +33,13 @@ const ErrorDomain = "github.com/pgidem/idem"
 
 // The reasons of the ErrorInfo detail of the interceptor's own errors.
 const (
-	ReasonKeyMissing       = "IDEMPOTENCY_KEY_MISSING"     // INVALID_ARGUMENT: Options.RequireKey and no key
-	ReasonKeyInvalid       = "IDEMPOTENCY_KEY_INVALID"     // INVALID_ARGUMENT: a malformed key, two keys, or one idem.ValidateKey refuses
-	ReasonKeyReused        = "IDEMPOTENCY_KEY_REUSED"      // FAILED_PRECONDITION: the same key with a different request
-	ReasonInProgress       = "REQUEST_IN_PROGRESS"         // ABORTED, with RetryInfo: a call with the key is still running
-	ReasonOutcomeUnknown   = "IDEMPOTENCY_OUTCOME_UNKNOWN" // FAILED_PRECONDITION: a reservation's outcome must be reconciled first
-	ReasonStoreUnavailable = "STORE_UNAVAILABLE"           // UNAVAILABLE, with RetryInfo: the database could not serve
+	ReasonKeyMissing       = "IDEMPOTENCY_KEY_MISSING"      // INVALID_ARGUMENT: Options.RequireKey and no key
+	ReasonKeyInvalid       = "IDEMPOTENCY_KEY_INVALID"      // INVALID_ARGUMENT: a malformed key, two keys, or one idem.ValidateKey refuses
+	ReasonKeyReused        = "IDEMPOTENCY_KEY_REUSED"       // FAILED_PRECONDITION: the same key with a different request
+	ReasonInProgress       = "REQUEST_IN_PROGRESS"          // ABORTED, with RetryInfo: a call with the key is still running
+	ReasonOutcomeUnknown   = "IDEMPOTENCY_OUTCOME_UNKNOWN"  // FAILED_PRECONDITION: a reservation's outcome must be reconciled first
+	ReasonResponseExpired  = "IDEMPOTENCY_RESPONSE_EXPIRED" // FAILED_PRECONDITION: the call ran, its stored response was dropped (idem.Config.BodyTTL); it does not run again
+	ReasonStoreUnavailable = "STORE_UNAVAILABLE"            // UNAVAILABLE, with RetryInfo: the database could not serve
 )
 
 // DefaultRefusalCodes are the status codes stored as deterministic refusals

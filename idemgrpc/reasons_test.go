@@ -17,6 +17,7 @@ func TestReasonsMatchTheProtocol(t *testing.T) {
 		{idemgrpc.ReasonKeyReused, rpcidem.ReasonKeyReused},
 		{idemgrpc.ReasonInProgress, rpcidem.ReasonInProgress},
 		{idemgrpc.ReasonOutcomeUnknown, rpcidem.ReasonOutcomeUnknown},
+		{idemgrpc.ReasonResponseExpired, rpcidem.ReasonResponseExpired},
 		{idemgrpc.ReasonStoreUnavailable, rpcidem.ReasonStoreUnavailable},
 	} {
 		if c.got != c.want {

@@ -559,6 +559,9 @@ func (m *middleware) serveKeyed(ctx context.Context, w http.ResponseWriter, r *h
 	case errors.Is(err, idem.ErrOutcomeUnknown):
 		writeProblem(w, http.StatusConflict, CodeOutcomeUnknown,
 			"The outcome of the request with this Idempotency-Key is unknown; it will not run again until it is reconciled.", 0)
+	case errors.Is(err, idem.ErrResponseGone):
+		w.Header().Set(HeaderKeyLifetime, m.lifetime(scope.Operation))
+		writeResponseExpired(w, res.Status)
 	default:
 		m.fail(ctx, w, r, key, err)
 	}

@@ -30,6 +30,14 @@ const (
 	// idem.ErrOutcomeUnknown). It does not run again until an operator
 	// reconciles it; a retry with the same key then replays or runs.
 	CodeOutcomeUnknown = "IDEMPOTENCY_OUTCOME_UNKNOWN"
+	// CodeResponseExpired (410): the request with this key DID run and
+	// finished, but its stored response was dropped after
+	// idem.Config.BodyTTL while the key is still remembered
+	// (idem.ErrResponseGone): nothing ran again. Do not retry with a new
+	// key (that would run the operation twice); read the result through
+	// the API instead. The detail names the status the request finished
+	// with.
+	CodeResponseExpired = "IDEMPOTENCY_RESPONSE_EXPIRED"
 	// CodeBodyTooLarge (413): the request body is over Options.MaxBodyBytes.
 	CodeBodyTooLarge = "REQUEST_BODY_TOO_LARGE"
 	// CodeBodyUnreadable (400): the request body could not be read.

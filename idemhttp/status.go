@@ -369,6 +369,10 @@ func (h *statusHandler) answer(w http.ResponseWriter, r *http.Request, key strin
 		if rec.Response != nil {
 			resp = *rec.Response
 		}
+		if rec.ResponseGone {
+			writeResponseExpired(w, resp.Status) // as Middleware answers the retry
+			return
+		}
 		// As Middleware replays it, but never cached, whatever was stored.
 		hdr := w.Header()
 		replayHeaders(hdr, resp.Header, h.stored)
@@ -393,6 +397,14 @@ func (h *statusHandler) answer(w http.ResponseWriter, r *http.Request, key strin
 	default:
 		h.fail(r.Context(), w, r, key, fmt.Errorf("idemhttp: record in unexpected state %q", rec.Status))
 	}
+}
+
+// writeResponseExpired answers a finished request whose stored response
+// was dropped (idem.ErrResponseGone, idem.Record.ResponseGone).
+func writeResponseExpired(w http.ResponseWriter, status int) {
+	writeProblem(w, http.StatusGone, CodeResponseExpired,
+		fmt.Sprintf("The request with this Idempotency-Key ran and finished with status %d; its stored response has expired. "+
+			"It will not run again: read the result through the API, do not retry with a new key.", status), 0)
 }
 
 func writeNotFound(w http.ResponseWriter) {

@@ -36,7 +36,7 @@ func record(r core.Record) idem.Record {
 	return idem.Record{Scope: idem.Scope(r.Scope), Key: r.Key, Status: idem.Status(r.Status), Fingerprint: idem.Fingerprint(r.Fingerprint),
 		Token: r.Token, LastError: r.LastError, ResolveReason: r.ResolveReason, CreatedAt: r.CreatedAt,
 		CompletedAt: r.CompletedAt, ExpiresAt: r.ExpiresAt, LeaseExpiresAt: r.LeaseExpiresAt,
-		ResumeUntil: r.ResumeUntil, Response: (*idem.Response)(r.Response)}
+		ResumeUntil: r.ResumeUntil, Response: (*idem.Response)(r.Response), ResponseGone: r.ResponseGone}
 }
 
 func coreRecord(r *idem.Record) *core.Record {
@@ -47,7 +47,7 @@ func coreRecord(r *idem.Record) *core.Record {
 		Fingerprint: core.Fingerprint(r.Fingerprint), Token: r.Token, LastError: r.LastError,
 		ResolveReason: r.ResolveReason, CreatedAt: r.CreatedAt, CompletedAt: r.CompletedAt,
 		ExpiresAt: r.ExpiresAt, LeaseExpiresAt: r.LeaseExpiresAt, ResumeUntil: r.ResumeUntil,
-		Response: (*core.Response)(r.Response)}
+		Response: (*core.Response)(r.Response), ResponseGone: r.ResponseGone}
 }
 
 func records(rs []core.Record, err error) ([]idem.Record, error) {
@@ -78,14 +78,14 @@ func stats(s core.Stats) idem.Stats {
 }
 
 func coreConfig(c idem.Config) core.Config {
-	return core.Config{TTL: c.TTL, TTLFor: c.TTLFor, Wait: c.Wait, MinKeyLength: c.MinKeyLength, MaxKeyLength: c.MaxKeyLength,
+	return core.Config{TTL: c.TTL, TTLFor: c.TTLFor, BodyTTL: c.BodyTTL, Wait: c.Wait, MinKeyLength: c.MinKeyLength, MaxKeyLength: c.MaxKeyLength,
 		MaxResponseBytes: c.MaxResponseBytes, IsolationLevel: core.IsolationLevel(c.IsolationLevel),
 		MeterProvider: c.MeterProvider, TracerProvider: c.TracerProvider, Logger: c.Logger,
 		LogHashKey: c.LogHashKey, MaxRetries: c.MaxRetries}
 }
 
 func config(c core.Config) idem.Config {
-	return idem.Config{TTL: c.TTL, TTLFor: c.TTLFor, Wait: c.Wait, MinKeyLength: c.MinKeyLength, MaxKeyLength: c.MaxKeyLength,
+	return idem.Config{TTL: c.TTL, TTLFor: c.TTLFor, BodyTTL: c.BodyTTL, Wait: c.Wait, MinKeyLength: c.MinKeyLength, MaxKeyLength: c.MaxKeyLength,
 		MaxResponseBytes: c.MaxResponseBytes, IsolationLevel: pgx.TxIsoLevel(c.IsolationLevel),
 		MeterProvider: c.MeterProvider, TracerProvider: c.TracerProvider, Logger: c.Logger,
 		LogHashKey: c.LogHashKey, MaxRetries: c.MaxRetries}
@@ -105,6 +105,7 @@ var sentinels = [...]struct{ public, core error }{
 	{idem.ErrUnavailable, core.ErrUnavailable},
 	{idem.ErrInvalidArgument, core.ErrInvalidArgument},
 	{idem.ErrOutcomeUnknown, core.ErrOutcomeUnknown},
+	{idem.ErrResponseGone, core.ErrResponseGone},
 	{idem.ErrNotFound, core.ErrNotFound},
 	{idem.ErrFenced, core.ErrFenced},
 	{idem.ErrKeyRowChanged, core.ErrKeyRowChanged},

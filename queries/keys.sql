@@ -21,6 +21,10 @@
 -- its savepoint or ends the transaction before any code of the caller runs,
 -- which restores lock_timeout too.
 --
+-- body_expires_at (Config.BodyTTL; NULL, from a body_ttl_micros of 0, when
+-- the body lives as long as the key) is written with the claim too, never
+-- by the completion: it is indexed (migration 00009).
+--
 -- completed_at is written with the claim: it is the value KeyComplete would
 -- write (now() of the same transaction), and a completion that changes no
 -- indexed column and no column an index predicate reads is a HOT update (see
@@ -33,9 +37,10 @@
 -- migration does not run fn's effects outside the database on every retry.
 -- (The Citus forms do not: there the completion still refuses, after fn.)
 -- name: KeyClaim :one
-INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at)
+INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at, body_expires_at)
 SELECT @actor, @operation, @idem_key, @fingerprint, 'processing', now(), now(),
-       now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond')
+       now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond'),
+       now() + (nullif(sqlc.arg(body_ttl_micros)::bigint, 0) * interval '1 microsecond')
 FROM (SELECT set_config('lock_timeout', sqlc.arg(lock_timeout)::text, true)
       FROM (SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true),
                    CASE WHEN false THEN idem_refuse('IDMRC', '') END) AS saved) AS wait
@@ -52,9 +57,10 @@ RETURNING (set_config('lock_timeout', current_setting('idem.lock_timeout'), true
 -- UPDATE reads the clock only from the proposed row (excluded.created_at
 -- is now()), never calls a function of its own.
 -- name: KeyTakeOver :one
-INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at)
+INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at, body_expires_at)
 SELECT @actor, @operation, @idem_key, @fingerprint, 'processing', now(), now(),
-       now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond')
+       now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond'),
+       now() + (nullif(sqlc.arg(body_ttl_micros)::bigint, 0) * interval '1 microsecond')
 FROM (SELECT set_config('lock_timeout', sqlc.arg(lock_timeout)::text, true)
       FROM (SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true),
                    CASE WHEN false THEN idem_refuse('IDMRC', '') END) AS saved) AS wait
@@ -67,6 +73,7 @@ SET fingerprint      = excluded.fingerprint,
     created_at       = excluded.created_at,
     completed_at     = excluded.completed_at,
     expires_at       = excluded.expires_at,
+    body_expires_at  = excluded.body_expires_at,
     token            = 0,
     lease_expires_at = NULL,
     resume_until     = NULL,
@@ -82,18 +89,20 @@ RETURNING (set_config('lock_timeout', current_setting('idem.lock_timeout'), true
 -- statements around this one instead, which Citus propagates to the
 -- workers (citus.propagate_set_commands = 'local'; see claim.go).
 -- name: KeyClaimCitus :one
-INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at)
+INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at, body_expires_at)
 VALUES (@actor, @operation, @idem_key, @fingerprint, 'processing', now(), now(),
-        now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond'))
+        now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond'),
+        now() + (nullif(sqlc.arg(body_ttl_micros)::bigint, 0) * interval '1 microsecond'))
 ON CONFLICT (actor, operation, idem_key) DO NOTHING
 RETURNING true AS claimed;
 
 -- KeyTakeOver for Citus (see KeyClaimCitus). Citus accepts the DO UPDATE
 -- because it reads the clock only from the proposed row.
 -- name: KeyTakeOverCitus :one
-INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at)
+INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at, body_expires_at)
 VALUES (@actor, @operation, @idem_key, @fingerprint, 'processing', now(), now(),
-        now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond'))
+        now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond'),
+        now() + (nullif(sqlc.arg(body_ttl_micros)::bigint, 0) * interval '1 microsecond'))
 ON CONFLICT (actor, operation, idem_key) DO UPDATE
 SET fingerprint      = excluded.fingerprint,
     status           = 'processing',
@@ -103,6 +112,7 @@ SET fingerprint      = excluded.fingerprint,
     created_at       = excluded.created_at,
     completed_at     = excluded.completed_at,
     expires_at       = excluded.expires_at,
+    body_expires_at  = excluded.body_expires_at,
     token            = 0,
     lease_expires_at = NULL,
     resume_until     = NULL,
@@ -149,9 +159,14 @@ SELECT CASE WHEN min(token) = 0 THEN 1
 FROM stored;
 
 -- Reads the committed row that holds a key, with what the database clock
--- says of its TTL and lease. Run only with enable_seqscan off (see above).
+-- says of its TTL and lease, and whether its response's body is gone:
+-- dropped by Prune (a finished row keeps response_status, its body is NULL,
+-- which idem never writes), or past its body_expires_at and not dropped yet.
+-- Run only with enable_seqscan off (see above).
 -- name: KeyGet :one
 SELECT fingerprint, status, response_status, response_headers, response_body,
+       ((status IN ('succeeded', 'rejected') AND response_status IS NOT NULL AND response_body IS NULL)
+        OR coalesce(body_expires_at <= now(), false))::boolean AS body_gone,
        (expires_at <= now())::boolean AS expired,
        (lease_expires_at IS NOT NULL)::boolean AS leased,
        coalesce((extract(epoch FROM lease_expires_at - now()) * 1000)::bigint, 0)::bigint AS lease_left_ms

@@ -1,6 +1,9 @@
--- Reads the committed record of a key. Run through planned.
+-- Reads the committed record of a key, with whether its response's body
+-- is gone (as KeyGet says it). Run through planned.
 -- name: KeyLookup :one
-SELECT sqlc.embed(idem_keys)
+SELECT sqlc.embed(idem_keys),
+       ((status IN ('succeeded', 'rejected') AND response_status IS NOT NULL AND response_body IS NULL)
+        OR coalesce(body_expires_at <= now(), false))::boolean AS body_gone
 FROM idem_keys
 WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key;
 

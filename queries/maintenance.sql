@@ -37,6 +37,42 @@ WHERE k.actor = old.actor AND k.operation = old.operation AND k.idem_key = old.i
   AND k.expires_at <= now()
   AND k.status IN ('succeeded', 'rejected', 'failed_retryable');
 
+-- Drops the stored response body and headers of up to @batch_size finished
+-- rows past their body_expires_at (Config.BodyTTL), oldest first, through
+-- idem_keys_body_expires_idx (migration 00009); response_status and the
+-- rest of the row stay until the key's TTL. body_expires_at becomes NULL
+-- with the body, so the row leaves that index. Rows in flight are passed
+-- by as in KeyPrune: a claim not yet committed is invisible, a completion
+-- or take-over in progress holds its row locked (SKIP LOCKED), a row not
+-- finished is not picked. Run through planned, as KeyPrune.
+-- name: KeyDropBodies :execrows
+UPDATE idem_keys AS k
+SET response_body = NULL, response_headers = NULL, body_expires_at = NULL
+FROM (SELECT actor, operation, idem_key
+      FROM idem_keys
+      WHERE body_expires_at <= now()
+        AND status IN ('succeeded', 'rejected')
+      ORDER BY body_expires_at
+      LIMIT sqlc.arg(batch_size)::integer
+      FOR UPDATE SKIP LOCKED) AS old
+WHERE k.actor = old.actor AND k.operation = old.operation AND k.idem_key = old.idem_key;
+
+-- KeyDropBodies for Citus, which refuses FOR UPDATE over a distributed
+-- table: the conditions are checked again on the row the UPDATE locks (see
+-- KeyPruneCitus).
+-- name: KeyDropBodiesCitus :execrows
+UPDATE idem_keys AS k
+SET response_body = NULL, response_headers = NULL, body_expires_at = NULL
+FROM (SELECT actor, operation, idem_key
+      FROM idem_keys
+      WHERE body_expires_at <= now()
+        AND status IN ('succeeded', 'rejected')
+      ORDER BY body_expires_at
+      LIMIT sqlc.arg(batch_size)::integer) AS old
+WHERE k.actor = old.actor AND k.operation = old.operation AND k.idem_key = old.idem_key
+  AND k.body_expires_at <= now()
+  AND k.status IN ('succeeded', 'rejected');
+
 -- Counts the rows KeyPrune would delete now.
 -- name: KeyCountPrunable :one
 SELECT count(*) FROM idem_keys

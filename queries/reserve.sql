@@ -32,7 +32,9 @@ SELECT sqlc.embed(idem_keys),
        (expires_at <= now())::boolean AS expired,
        (lease_expires_at IS NOT NULL)::boolean AS leased,
        coalesce(ceil(extract(epoch FROM lease_expires_at - now()) * 1000)::bigint, 0)::bigint AS lease_left_ms,
-       coalesce(resume_until > now(), false)::boolean AS in_window
+       coalesce(resume_until > now(), false)::boolean AS in_window,
+       ((status IN ('succeeded', 'rejected') AND response_status IS NOT NULL AND response_body IS NULL)
+        OR coalesce(body_expires_at <= now(), false))::boolean AS body_gone
 FROM idem_keys
 WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
 FOR UPDATE;
@@ -53,6 +55,7 @@ SET fingerprint      = @fingerprint,
     response_status  = NULL,
     response_headers = NULL,
     response_body    = NULL,
+    body_expires_at  = NULL,
     created_at       = now(),
     completed_at     = NULL,
     expires_at       = now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond'),

@@ -117,7 +117,7 @@ func readStorage(ctx context.Context, pool *pgxpool.Pool) (storageStats, error) 
 func (b *bench) runStorage(ctx context.Context, out io.Writer) (int, error) {
 	o := b.o
 	ttl := time.Duration(float64(o.storageKeys) / o.storageRate * float64(time.Second))
-	client, err := idem.New(idem.Config{TTL: ttl})
+	client, err := idem.New(idem.Config{TTL: ttl, BodyTTL: o.storageBodyTTL})
 	if err != nil {
 		return 0, err
 	}
@@ -142,6 +142,9 @@ func (b *bench) runStorage(ctx context.Context, out io.Writer) (int, error) {
 		return 0, err
 	}
 	fmt.Fprintf(out, "idem_keys storage: %s\n", layout)
+	if o.storageBodyTTL > 0 {
+		fmt.Fprintf(out, "bodies kept %s (Config.BodyTTL), then dropped by Prune\n", o.storageBodyTTL)
+	}
 	if err := execSQL(ctx, pool, `SELECT pg_stat_reset_single_table_counters('idem_keys'::regclass)`); err != nil {
 		return 0, err
 	}
@@ -276,6 +279,12 @@ func (b *bench) runStorage(ctx context.Context, out io.Writer) (int, error) {
 	fmt.Fprintf(out, "%-32s %14d %10.1f %14d %10.1f\n", "total (heap, indexes, TOAST)", wt, working.perKey(wt), ct, compact.perKey(ct))
 	share := float64(hot) / float64(max(upd, 1))
 	fmt.Fprintf(out, "HOT updates: %d of %d (%.1f%%); completions: %d calls\n", hot, upd, 100*share, calls.Load())
+	if o.storageBodyTTL > 0 {
+		// Prune's body drops are updates too, never HOT (they leave the
+		// index of body_expires_at): the share is the completions'.
+		share = float64(hot) / float64(max(calls.Load(), 1))
+		fmt.Fprintf(out, "HOT completions: %.1f%% (the %d other updates dropped bodies)\n", 100*share, max(upd-calls.Load(), 0))
+	}
 	wal, err := b.walPerCall(ctx, sp, client)
 	if err != nil {
 		return 0, err

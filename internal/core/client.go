@@ -28,6 +28,16 @@ type Config struct {
 	// anything is written. A key keeps the TTL it was claimed with.
 	TTLFor func(operation string) time.Duration
 
+	// BodyTTL, when set, is how long the stored response's body and
+	// headers are kept after the key is claimed by Do or DoInTx, when that
+	// is shorter than the key's TTL (TTL, TTLFor). Past it the key still
+	// refuses a different request (ErrKeyReused), and a replay returns
+	// ErrResponseGone with the stored status: nothing runs again. Prune
+	// drops the bodies. 0 means the body lives as long as the key;
+	// reservations (Reserve) always keep theirs. A value under a
+	// microsecond (negative) is refused (ErrInvalidConfig).
+	BodyTTL time.Duration
+
 	// Wait bounds how long a call waits for a concurrent transaction that
 	// holds the same key before it gives up with ErrInProgress. (On Citus
 	// the wait happens on a worker, which the bound reaches only when
@@ -145,6 +155,8 @@ func New[TTx, TDB any](cfg Config, name string, newDriver func(driver.Settings) 
 		return nil, errorf("idem: %w: Wait %s is longer than PostgreSQL's lock_timeout allows (%s)", ErrInvalidConfig, cfg.Wait, maxWait)
 	case cfg.TTL < time.Microsecond:
 		return nil, errorf("idem: %w: TTL %s must be positive", ErrInvalidConfig, cfg.TTL)
+	case cfg.BodyTTL != 0 && cfg.BodyTTL < time.Microsecond:
+		return nil, errorf("idem: %w: BodyTTL %s must be positive (0: as long as the key)", ErrInvalidConfig, cfg.BodyTTL)
 	case cfg.MinKeyLength < 1:
 		return nil, errorf("idem: %w: MinKeyLength %d must be at least 1", ErrInvalidConfig, cfg.MinKeyLength)
 	case cfg.MaxKeyLength < cfg.MinKeyLength || cfg.MaxKeyLength > maxKeyLengthLimit:
@@ -168,6 +180,7 @@ func New[TTx, TDB any](cfg Config, name string, newDriver func(driver.Settings) 
 	c.drv = newDriver(driver.Settings{
 		TTLMicros:      cfg.TTL.Microseconds(),
 		TTLFor:         cfg.TTLFor,
+		BodyTTLMicros:  cfg.BodyTTL.Microseconds(),
 		LockTimeout:    fmt.Sprintf("%dms", wait.Milliseconds()),
 		IsolationLevel: string(cfg.IsolationLevel),
 	})

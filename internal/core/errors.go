@@ -80,6 +80,14 @@ var (
 	// reached the receiver.
 	ErrOutcomeUnknown = errors.New("idem: the outcome of the request with this idempotency key is unknown")
 
+	// ErrResponseGone means the key holds a finished outcome whose
+	// response body was dropped (Config.BodyTTL) while the key is still
+	// remembered: the operation happened and nothing ran again, but its
+	// response cannot be replayed. The Result carries the stored Status
+	// (Replayed true, no body or header). HTTP 410
+	// IDEMPOTENCY_RESPONSE_EXPIRED in idemhttp.
+	ErrResponseGone = errors.New("idem: the stored response of this idempotency key is gone")
+
 	// ErrNotFound means no record holds the key (it was never used, it was
 	// pruned or forgotten). Nothing changed.
 	ErrNotFound = errors.New("idem: no record for this idempotency key")
@@ -271,6 +279,8 @@ func unsupportedIf(err error) error {
 		return errorf("idem: %w: %w", ErrUnsupported, err)
 	case errors.Is(err, driver.ErrNoTokenSequence):
 		return errorf("idem: %w (on Citus, connect to the coordinator; otherwise run idem.Migrate): %w", ErrUnsupported, err)
+	case errors.Is(err, driver.ErrNoBodyExpiry):
+		return errorf("idem: %w (the key table lacks body_expires_at, migration 9: run idem.Migrate): %w", ErrUnsupported, err)
 	case errors.Is(err, driver.ErrNoRefusal):
 		return errorf("idem: %w (idem's function idem_refuse is missing: run idem.Migrate; on Citus, run Distribute "+
 			"again, which creates it on the workers): %w", ErrUnsupported, err)

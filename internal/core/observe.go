@@ -87,6 +87,7 @@ var counterNames = map[string]string{
 	"reconcile_resolved": "idem.reconcile.resolved",
 	"reconcile_failed":   "idem.reconcile.failed",
 	"ttl_pruned":         "idem.ttl_pruned",
+	"bodies_dropped":     "idem.bodies_dropped",
 }
 
 var counterHelp = map[string]string{
@@ -105,6 +106,7 @@ var counterHelp = map[string]string{
 	"reconcile_resolved": "Unknown outcomes resolved by reconciliation (Resolve).",
 	"reconcile_failed":   "Reconciliation attempts (Resolve) that failed.",
 	"ttl_pruned":         "Expired keys deleted by Prune.",
+	"bodies_dropped":     "Stored response bodies dropped by Prune past Config.BodyTTL (the keys stay).",
 }
 
 func newObserver(cfg Config) *observer {
@@ -213,8 +215,8 @@ func (cl *call) api() string {
 // outcomeOf names the outcome of a call that returned res and err.
 func (o *observer) outcomeOf(res Result, err error, rejected bool) string {
 	switch {
-	case err == nil && res.Replayed:
-		return outcomeReplay
+	case err == nil && res.Replayed, errors.Is(err, ErrResponseGone):
+		return outcomeReplay // the stored outcome answered, fn did not run
 	case err == nil && rejected:
 		return outcomeRejected
 	case err == nil:

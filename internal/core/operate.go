@@ -284,7 +284,31 @@ func (c *Client[TTx, TDB]) Prune(ctx context.Context, db TDB, opts PruneOptions)
 			break // none left that no other pruner holds
 		}
 	}
-	return total, nil
+	return total, c.dropBodies(ctx, db, opts)
+}
+
+// dropBodies drops the bodies of finished keys past their body's life
+// (Config.BodyTTL), in batches as Prune deletes keys: the rows stay, with
+// their status and response status.
+func (c *Client[TTx, TDB]) dropBodies(ctx context.Context, db TDB, opts PruneOptions) error {
+	for batch := 0; opts.MaxBatches == 0 || batch < opts.MaxBatches; batch++ {
+		if err := ctx.Err(); err != nil {
+			return err
+		}
+		var n int64
+		err := c.batchTx(ctx, db, func(ctx context.Context, ex driver.Executor) (err error) {
+			n, err = ex.KeyDropBodies(ctx, int32(min(opts.BatchSize, 1<<30)))
+			return err
+		})
+		if err != nil {
+			return errorf("idem: prune: drop bodies: %w", c.unsupportedIf(err))
+		}
+		c.obs.count(ctx, "bodies_dropped", "prune", "", n)
+		if n < int64(opts.BatchSize) {
+			return nil
+		}
+	}
+	return nil
 }
 
 // batchTx runs fn in a short transaction of its own begun on db, whose
@@ -355,7 +379,10 @@ func newRecord(k driver.Record) (Record, error) {
 		LeaseExpiresAt: k.LeaseExpiresAt,
 		ResumeUntil:    k.ResumeUntil,
 	}
-	if k.Stored.Valid {
+	switch {
+	case k.Stored.Valid && k.Stored.Gone:
+		rec.Response, rec.ResponseGone = &Response{Status: int(k.Stored.Status)}, true
+	case k.Stored.Valid:
 		res, err := replay(k.Stored)
 		if err != nil {
 			return Record{}, err

@@ -86,6 +86,9 @@ func checkHeaderField(s string) error {
 func replay(st driver.Stored) (Result, error) {
 	res := Result{Replayed: true}
 	res.Status = int(st.Status)
+	if st.Gone {
+		return res, errorf("idem: %w: the operation finished with status %d; its body was dropped after Config.BodyTTL", ErrResponseGone, st.Status)
+	}
 	res.Body = st.Body
 	if st.Headers != nil {
 		if err := json.Unmarshal(st.Headers, &res.Header); err != nil {

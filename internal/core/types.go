@@ -105,6 +105,10 @@ type Record struct {
 	ResumeUntil time.Time
 	// Response is the stored outcome; nil when none is stored.
 	Response *Response
+	// ResponseGone: the response's body and headers were dropped, or their
+	// time has passed (Config.BodyTTL); Response holds the stored status
+	// only. A replay of the key returns ErrResponseGone.
+	ResponseGone bool
 }
 
 // Reservation is the right to execute a request's outside work, or the

@@ -51,10 +51,11 @@ func (q *Queries) KeyAbortIfClaimed(ctx context.Context, db DBTX, arg KeyAbortIf
 
 const KeyClaim = `-- name: KeyClaim :one
 
-INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at)
+INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at, body_expires_at)
 SELECT $1, $2, $3, $4, 'processing', now(), now(),
-       now() + ($5::bigint * interval '1 microsecond')
-FROM (SELECT set_config('lock_timeout', $6::text, true)
+       now() + ($5::bigint * interval '1 microsecond'),
+       now() + (nullif($6::bigint, 0) * interval '1 microsecond')
+FROM (SELECT set_config('lock_timeout', $7::text, true)
       FROM (SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true),
                    CASE WHEN false THEN idem_refuse('IDMRC', '') END) AS saved) AS wait
 ON CONFLICT (actor, operation, idem_key) DO NOTHING
@@ -62,12 +63,13 @@ RETURNING (set_config('lock_timeout', current_setting('idem.lock_timeout'), true
 `
 
 type KeyClaimParams struct {
-	Actor       string
-	Operation   string
-	IdemKey     string
-	Fingerprint []byte
-	TtlMicros   int64
-	LockTimeout string
+	Actor         string
+	Operation     string
+	IdemKey       string
+	Fingerprint   []byte
+	TtlMicros     int64
+	BodyTtlMicros int64
+	LockTimeout   string
 }
 
 // The statements of Do and DoInTx. Their access paths do not depend on the
@@ -92,6 +94,10 @@ type KeyClaimParams struct {
 // its savepoint or ends the transaction before any code of the caller runs,
 // which restores lock_timeout too.
 //
+// body_expires_at (Config.BodyTTL; NULL, from a body_ttl_micros of 0, when
+// the body lives as long as the key) is written with the claim too, never
+// by the completion: it is indexed (migration 00009).
+//
 // completed_at is written with the claim: it is the value KeyComplete would
 // write (now() of the same transaction), and a completion that changes no
 // indexed column and no column an index predicate reads is a HOT update (see
@@ -110,6 +116,7 @@ func (q *Queries) KeyClaim(ctx context.Context, db DBTX, arg KeyClaimParams) (bo
 		arg.IdemKey,
 		arg.Fingerprint,
 		arg.TtlMicros,
+		arg.BodyTtlMicros,
 		arg.LockTimeout,
 	)
 	var claimed bool
@@ -118,19 +125,21 @@ func (q *Queries) KeyClaim(ctx context.Context, db DBTX, arg KeyClaimParams) (bo
 }
 
 const KeyClaimCitus = `-- name: KeyClaimCitus :one
-INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at)
+INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at, body_expires_at)
 VALUES ($1, $2, $3, $4, 'processing', now(), now(),
-        now() + ($5::bigint * interval '1 microsecond'))
+        now() + ($5::bigint * interval '1 microsecond'),
+        now() + (nullif($6::bigint, 0) * interval '1 microsecond'))
 ON CONFLICT (actor, operation, idem_key) DO NOTHING
 RETURNING true AS claimed
 `
 
 type KeyClaimCitusParams struct {
-	Actor       string
-	Operation   string
-	IdemKey     string
-	Fingerprint []byte
-	TtlMicros   int64
+	Actor         string
+	Operation     string
+	IdemKey       string
+	Fingerprint   []byte
+	TtlMicros     int64
+	BodyTtlMicros int64
 }
 
 // KeyClaim for Citus. On Citus the wait happens on the worker that holds
@@ -145,6 +154,7 @@ func (q *Queries) KeyClaimCitus(ctx context.Context, db DBTX, arg KeyClaimCitusP
 		arg.IdemKey,
 		arg.Fingerprint,
 		arg.TtlMicros,
+		arg.BodyTtlMicros,
 	)
 	var claimed bool
 	err := row.Scan(&claimed)
@@ -217,6 +227,8 @@ func (q *Queries) KeyComplete(ctx context.Context, db DBTX, arg KeyCompleteParam
 
 const KeyGet = `-- name: KeyGet :one
 SELECT fingerprint, status, response_status, response_headers, response_body,
+       ((status IN ('succeeded', 'rejected') AND response_status IS NOT NULL AND response_body IS NULL)
+        OR coalesce(body_expires_at <= now(), false))::boolean AS body_gone,
        (expires_at <= now())::boolean AS expired,
        (lease_expires_at IS NOT NULL)::boolean AS leased,
        coalesce((extract(epoch FROM lease_expires_at - now()) * 1000)::bigint, 0)::bigint AS lease_left_ms
@@ -236,13 +248,17 @@ type KeyGetRow struct {
 	ResponseStatus  pgtype.Int4
 	ResponseHeaders []byte
 	ResponseBody    []byte
+	BodyGone        bool
 	Expired         bool
 	Leased          bool
 	LeaseLeftMs     int64
 }
 
 // Reads the committed row that holds a key, with what the database clock
-// says of its TTL and lease. Run only with enable_seqscan off (see above).
+// says of its TTL and lease, and whether its response's body is gone:
+// dropped by Prune (a finished row keeps response_status, its body is NULL,
+// which idem never writes), or past its body_expires_at and not dropped yet.
+// Run only with enable_seqscan off (see above).
 func (q *Queries) KeyGet(ctx context.Context, db DBTX, arg KeyGetParams) (KeyGetRow, error) {
 	row := db.QueryRow(ctx, KeyGet, arg.Actor, arg.Operation, arg.IdemKey)
 	var i KeyGetRow
@@ -252,6 +268,7 @@ func (q *Queries) KeyGet(ctx context.Context, db DBTX, arg KeyGetParams) (KeyGet
 		&i.ResponseStatus,
 		&i.ResponseHeaders,
 		&i.ResponseBody,
+		&i.BodyGone,
 		&i.Expired,
 		&i.Leased,
 		&i.LeaseLeftMs,
@@ -305,10 +322,11 @@ func (q *Queries) KeyMarkUnknown(ctx context.Context, db DBTX, arg KeyMarkUnknow
 }
 
 const KeyTakeOver = `-- name: KeyTakeOver :one
-INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at)
+INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at, body_expires_at)
 SELECT $1, $2, $3, $4, 'processing', now(), now(),
-       now() + ($5::bigint * interval '1 microsecond')
-FROM (SELECT set_config('lock_timeout', $6::text, true)
+       now() + ($5::bigint * interval '1 microsecond'),
+       now() + (nullif($6::bigint, 0) * interval '1 microsecond')
+FROM (SELECT set_config('lock_timeout', $7::text, true)
       FROM (SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true),
                    CASE WHEN false THEN idem_refuse('IDMRC', '') END) AS saved) AS wait
 ON CONFLICT (actor, operation, idem_key) DO UPDATE
@@ -320,6 +338,7 @@ SET fingerprint      = excluded.fingerprint,
     created_at       = excluded.created_at,
     completed_at     = excluded.completed_at,
     expires_at       = excluded.expires_at,
+    body_expires_at  = excluded.body_expires_at,
     token            = 0,
     lease_expires_at = NULL,
     resume_until     = NULL,
@@ -331,12 +350,13 @@ RETURNING (set_config('lock_timeout', current_setting('idem.lock_timeout'), true
 `
 
 type KeyTakeOverParams struct {
-	Actor       string
-	Operation   string
-	IdemKey     string
-	Fingerprint []byte
-	TtlMicros   int64
-	LockTimeout string
+	Actor         string
+	Operation     string
+	IdemKey       string
+	Fingerprint   []byte
+	TtlMicros     int64
+	BodyTtlMicros int64
+	LockTimeout   string
 }
 
 // Claims a key whose row is over: a finished row past its TTL (an expired
@@ -355,6 +375,7 @@ func (q *Queries) KeyTakeOver(ctx context.Context, db DBTX, arg KeyTakeOverParam
 		arg.IdemKey,
 		arg.Fingerprint,
 		arg.TtlMicros,
+		arg.BodyTtlMicros,
 		arg.LockTimeout,
 	)
 	var claimed bool
@@ -363,9 +384,10 @@ func (q *Queries) KeyTakeOver(ctx context.Context, db DBTX, arg KeyTakeOverParam
 }
 
 const KeyTakeOverCitus = `-- name: KeyTakeOverCitus :one
-INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at)
+INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at, body_expires_at)
 VALUES ($1, $2, $3, $4, 'processing', now(), now(),
-        now() + ($5::bigint * interval '1 microsecond'))
+        now() + ($5::bigint * interval '1 microsecond'),
+        now() + (nullif($6::bigint, 0) * interval '1 microsecond'))
 ON CONFLICT (actor, operation, idem_key) DO UPDATE
 SET fingerprint      = excluded.fingerprint,
     status           = 'processing',
@@ -375,6 +397,7 @@ SET fingerprint      = excluded.fingerprint,
     created_at       = excluded.created_at,
     completed_at     = excluded.completed_at,
     expires_at       = excluded.expires_at,
+    body_expires_at  = excluded.body_expires_at,
     token            = 0,
     lease_expires_at = NULL,
     resume_until     = NULL,
@@ -386,11 +409,12 @@ RETURNING true AS claimed
 `
 
 type KeyTakeOverCitusParams struct {
-	Actor       string
-	Operation   string
-	IdemKey     string
-	Fingerprint []byte
-	TtlMicros   int64
+	Actor         string
+	Operation     string
+	IdemKey       string
+	Fingerprint   []byte
+	TtlMicros     int64
+	BodyTtlMicros int64
 }
 
 // KeyTakeOver for Citus (see KeyClaimCitus). Citus accepts the DO UPDATE
@@ -402,6 +426,7 @@ func (q *Queries) KeyTakeOverCitus(ctx context.Context, db DBTX, arg KeyTakeOver
 		arg.IdemKey,
 		arg.Fingerprint,
 		arg.TtlMicros,
+		arg.BodyTtlMicros,
 	)
 	var claimed bool
 	err := row.Scan(&claimed)

@@ -25,6 +25,60 @@ func (q *Queries) KeyCountPrunable(ctx context.Context, db DBTX) (int64, error) 
 	return count, err
 }
 
+const KeyDropBodies = `-- name: KeyDropBodies :execrows
+UPDATE idem_keys AS k
+SET response_body = NULL, response_headers = NULL, body_expires_at = NULL
+FROM (SELECT actor, operation, idem_key
+      FROM idem_keys
+      WHERE body_expires_at <= now()
+        AND status IN ('succeeded', 'rejected')
+      ORDER BY body_expires_at
+      LIMIT $1::integer
+      FOR UPDATE SKIP LOCKED) AS old
+WHERE k.actor = old.actor AND k.operation = old.operation AND k.idem_key = old.idem_key
+`
+
+// Drops the stored response body and headers of up to @batch_size finished
+// rows past their body_expires_at (Config.BodyTTL), oldest first, through
+// idem_keys_body_expires_idx (migration 00009); response_status and the
+// rest of the row stay until the key's TTL. body_expires_at becomes NULL
+// with the body, so the row leaves that index. Rows in flight are passed
+// by as in KeyPrune: a claim not yet committed is invisible, a completion
+// or take-over in progress holds its row locked (SKIP LOCKED), a row not
+// finished is not picked. Run through planned, as KeyPrune.
+func (q *Queries) KeyDropBodies(ctx context.Context, db DBTX, batchSize int32) (int64, error) {
+	result, err := db.Exec(ctx, KeyDropBodies, batchSize)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
+const KeyDropBodiesCitus = `-- name: KeyDropBodiesCitus :execrows
+UPDATE idem_keys AS k
+SET response_body = NULL, response_headers = NULL, body_expires_at = NULL
+FROM (SELECT actor, operation, idem_key
+      FROM idem_keys
+      WHERE body_expires_at <= now()
+        AND status IN ('succeeded', 'rejected')
+      ORDER BY body_expires_at
+      LIMIT $1::integer) AS old
+WHERE k.actor = old.actor AND k.operation = old.operation AND k.idem_key = old.idem_key
+  AND k.body_expires_at <= now()
+  AND k.status IN ('succeeded', 'rejected')
+`
+
+// KeyDropBodies for Citus, which refuses FOR UPDATE over a distributed
+// table: the conditions are checked again on the row the UPDATE locks (see
+// KeyPruneCitus).
+func (q *Queries) KeyDropBodiesCitus(ctx context.Context, db DBTX, batchSize int32) (int64, error) {
+	result, err := db.Exec(ctx, KeyDropBodiesCitus, batchSize)
+	if err != nil {
+		return 0, err
+	}
+	return result.RowsAffected(), nil
+}
+
 const KeyPrune = `-- name: KeyPrune :execrows
 DELETE FROM idem_keys AS k
 USING (SELECT actor, operation, idem_key

@@ -77,4 +77,5 @@ type IdemKey struct {
 	LastError       pgtype.Text
 	ResolveReason   pgtype.Text
 	ResumeUntil     pgtype.Timestamptz
+	BodyExpiresAt   pgtype.Timestamptz
 }

@@ -19,6 +19,7 @@ SET fingerprint      = $1,
     response_status  = NULL,
     response_headers = NULL,
     response_body    = NULL,
+    body_expires_at  = NULL,
     created_at       = now(),
     completed_at     = NULL,
     expires_at       = now() + ($2::bigint * interval '1 microsecond'),
@@ -323,7 +324,7 @@ func (q *Queries) ReserveInsert(ctx context.Context, db DBTX, arg ReserveInsertP
 }
 
 const ReserveListResumable = `-- name: ReserveListResumable :many
-SELECT actor, operation, idem_key, fingerprint, status, response_status, response_headers, response_body, created_at, completed_at, expires_at, token, lease_expires_at, last_error, resolve_reason, resume_until
+SELECT actor, operation, idem_key, fingerprint, status, response_status, response_headers, response_body, created_at, completed_at, expires_at, token, lease_expires_at, last_error, resolve_reason, resume_until, body_expires_at
 FROM idem_keys
 WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
   AND resume_until > now()
@@ -379,6 +380,7 @@ func (q *Queries) ReserveListResumable(ctx context.Context, db DBTX, arg Reserve
 			&i.LastError,
 			&i.ResolveReason,
 			&i.ResumeUntil,
+			&i.BodyExpiresAt,
 		); err != nil {
 			return nil, err
 		}
@@ -391,7 +393,7 @@ func (q *Queries) ReserveListResumable(ctx context.Context, db DBTX, arg Reserve
 }
 
 const ReserveListUnknown = `-- name: ReserveListUnknown :many
-SELECT actor, operation, idem_key, fingerprint, status, response_status, response_headers, response_body, created_at, completed_at, expires_at, token, lease_expires_at, last_error, resolve_reason, resume_until
+SELECT actor, operation, idem_key, fingerprint, status, response_status, response_headers, response_body, created_at, completed_at, expires_at, token, lease_expires_at, last_error, resolve_reason, resume_until, body_expires_at
 FROM idem_keys
 WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
   AND (status = 'unknown' OR (status = 'processing' AND lease_expires_at <= now()))
@@ -450,6 +452,7 @@ func (q *Queries) ReserveListUnknown(ctx context.Context, db DBTX, arg ReserveLi
 			&i.LastError,
 			&i.ResolveReason,
 			&i.ResumeUntil,
+			&i.BodyExpiresAt,
 		); err != nil {
 			return nil, err
 		}
@@ -462,11 +465,13 @@ func (q *Queries) ReserveListUnknown(ctx context.Context, db DBTX, arg ReserveLi
 }
 
 const ReserveLock = `-- name: ReserveLock :one
-SELECT idem_keys.actor, idem_keys.operation, idem_keys.idem_key, idem_keys.fingerprint, idem_keys.status, idem_keys.response_status, idem_keys.response_headers, idem_keys.response_body, idem_keys.created_at, idem_keys.completed_at, idem_keys.expires_at, idem_keys.token, idem_keys.lease_expires_at, idem_keys.last_error, idem_keys.resolve_reason, idem_keys.resume_until,
+SELECT idem_keys.actor, idem_keys.operation, idem_keys.idem_key, idem_keys.fingerprint, idem_keys.status, idem_keys.response_status, idem_keys.response_headers, idem_keys.response_body, idem_keys.created_at, idem_keys.completed_at, idem_keys.expires_at, idem_keys.token, idem_keys.lease_expires_at, idem_keys.last_error, idem_keys.resolve_reason, idem_keys.resume_until, idem_keys.body_expires_at,
        (expires_at <= now())::boolean AS expired,
        (lease_expires_at IS NOT NULL)::boolean AS leased,
        coalesce(ceil(extract(epoch FROM lease_expires_at - now()) * 1000)::bigint, 0)::bigint AS lease_left_ms,
-       coalesce(resume_until > now(), false)::boolean AS in_window
+       coalesce(resume_until > now(), false)::boolean AS in_window,
+       ((status IN ('succeeded', 'rejected') AND response_status IS NOT NULL AND response_body IS NULL)
+        OR coalesce(body_expires_at <= now(), false))::boolean AS body_gone
 FROM idem_keys
 WHERE actor = $1 AND operation = $2 AND idem_key = $3
 FOR UPDATE
@@ -484,6 +489,7 @@ type ReserveLockRow struct {
 	Leased      bool
 	LeaseLeftMs int64
 	InWindow    bool
+	BodyGone    bool
 }
 
 // Locks and reads the row that holds a key, with what the database clock
@@ -509,10 +515,12 @@ func (q *Queries) ReserveLock(ctx context.Context, db DBTX, arg ReserveLockParam
 		&i.IdemKey.LastError,
 		&i.IdemKey.ResolveReason,
 		&i.IdemKey.ResumeUntil,
+		&i.IdemKey.BodyExpiresAt,
 		&i.Expired,
 		&i.Leased,
 		&i.LeaseLeftMs,
 		&i.InWindow,
+		&i.BodyGone,
 	)
 	return i, err
 }

@@ -80,4 +80,5 @@ type IdemKey struct {
 	LastError       sql.NullString
 	ResolveReason   sql.NullString
 	ResumeUntil     sql.NullTime
+	BodyExpiresAt   sql.NullTime
 }

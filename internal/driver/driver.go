@@ -39,6 +39,10 @@ type Settings struct {
 	// TTLFor is Config.TTLFor: nil, or the TTL of an operation's keys (0:
 	// TTLMicros).
 	TTLFor func(operation string) time.Duration
+	// BodyTTLMicros is Config.BodyTTL in microseconds: 0, or how long the
+	// stored response's body and headers live after the claim of Do or
+	// DoInTx (body_expires_at).
+	BodyTTLMicros int64
 	// LockTimeout is Config.Wait as a lock_timeout value ("2000ms"), at
 	// least a millisecond.
 	LockTimeout string
@@ -57,6 +61,17 @@ func (s *Settings) TTL(operation string) int64 {
 		}
 	}
 	return s.TTLMicros
+}
+
+// BodyTTL is the life in microseconds of the stored body of a key of
+// operation claimed by Do or DoInTx: BodyTTLMicros when it is shorter than
+// the key's TTL (ttl, Settings.TTL), otherwise 0: the body lives as long as
+// the key.
+func (s *Settings) BodyTTL(ttl int64) int64 {
+	if s.BodyTTLMicros > 0 && s.BodyTTLMicros < ttl {
+		return s.BodyTTLMicros
+	}
+	return 0
 }
 
 // Driver wraps one database package: TTx is its transaction (pgx.Tx,
@@ -240,6 +255,9 @@ type Stored struct {
 	Status  int32
 	Headers []byte
 	Body    []byte
+	// Gone: the body and headers were dropped (Config.BodyTTL), or their
+	// time has passed; Status is the one stored. Read by KeyGet only.
+	Gone bool
 }
 
 // Row is the committed row that holds a key, with what the database clock
@@ -395,6 +413,10 @@ type Executor interface {
 	// KeyPrune deletes at most batch finished rows past their TTL (Citus:
 	// without SKIP LOCKED).
 	KeyPrune(ctx context.Context, batch int32) (int64, error)
+	// KeyDropBodies drops the body and headers of at most batch finished
+	// rows past their body_expires_at (Citus: conditions checked again
+	// under the row lock instead of SKIP LOCKED).
+	KeyDropBodies(ctx context.Context, batch int32) (int64, error)
 	// KeyCountPrunable counts the rows KeyPrune would delete.
 	KeyCountPrunable(ctx context.Context) (int64, error)
 	// KeyStats counts the keys by status.

@@ -53,6 +53,9 @@ const (
 	// missing (a database not migrated to version 8; on Citus, a worker
 	// that Distribute did not reach).
 	ErrNoRefusal
+	// ErrNoBodyExpiry: the key table lacks the column body_expires_at (a
+	// database not migrated to version 9).
+	ErrNoBodyExpiry
 )
 
 // The SQLSTATEs idem's statements raise on purpose (class ID is idem's;
@@ -73,6 +76,7 @@ var faultNames = [...]string{
 	"unavailable", "server unavailable", "lock not available", "retryable", "transaction aborted",
 	"key row changed", "claim released", "prepared statements lost", "feature not supported",
 	"no token sequence", "no lock_timeout setting", "no refusal function",
+	"no body_expires_at column",
 }
 
 func (f Fault) Error() string {

@@ -349,6 +349,9 @@ func (c *Core) storeError(ctx context.Context, procedure, key string, err error)
 	case errors.Is(err, idem.ErrOutcomeUnknown):
 		return &Failure{Code: CodeFailedPrecondition, Reason: ReasonOutcomeUnknown,
 			Message: "the outcome of the call with this idempotency key is unknown; it will not run again until it is reconciled"}
+	case errors.Is(err, idem.ErrResponseGone):
+		return &Failure{Code: CodeFailedPrecondition, Reason: ReasonResponseExpired,
+			Message: "the call with this idempotency key ran and finished; its stored response has expired and it will not run again"}
 	case errors.Is(err, idem.ErrInvalidKey):
 		return invalid(ReasonKeyInvalid, errorText(err)) // "invalid idempotency key: why"
 	case ctx.Err() != nil:

@@ -150,5 +150,6 @@ const (
 	ReasonKeyReused        = "IDEMPOTENCY_KEY_REUSED"
 	ReasonInProgress       = "REQUEST_IN_PROGRESS"
 	ReasonOutcomeUnknown   = "IDEMPOTENCY_OUTCOME_UNKNOWN"
+	ReasonResponseExpired  = "IDEMPOTENCY_RESPONSE_EXPIRED"
 	ReasonStoreUnavailable = "STORE_UNAVAILABLE"
 )

@@ -76,6 +76,10 @@ func faults(err error, code string) driver.Fault {
 		if strings.Contains(err.Error(), "idem_refuse") {
 			f |= driver.ErrNoRefusal
 		}
+	case "42703":
+		if strings.Contains(err.Error(), "body_expires_at") {
+			f |= driver.ErrNoBodyExpiry
+		}
 	}
 	return f
 }

@@ -247,6 +247,9 @@ func Exercise[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 		if n, err := ex.KeyPrune(ctx, 10); err != nil || n != 0 {
 			t.Errorf("KeyPrune: %d, %v", n, err)
 		}
+		if n, err := ex.KeyDropBodies(ctx, 10); err != nil || n != 0 { // a reservation keeps its body
+			t.Errorf("KeyDropBodies: %d, %v", n, err)
+		}
 	})
 }
 

@@ -138,7 +138,7 @@ func lockedRow(row db.ReserveLockRow) driver.Row {
 	k := row.IdemKey
 	return driver.Row{
 		Fingerprint: k.Fingerprint, Status: k.Status, Token: k.Token,
-		Stored:  stored(k.ResponseStatus, k.ResponseHeaders, k.ResponseBody),
+		Stored:  storedOrGone(k.ResponseStatus, k.ResponseHeaders, k.ResponseBody, row.BodyGone),
 		Expired: row.Expired, Leased: row.Leased, LeaseLeftMs: row.LeaseLeftMs, InWindow: row.InWindow,
 	}
 }
@@ -264,7 +264,11 @@ func (e *executor) KeyMarkUnknown(ctx context.Context, k driver.Key, fp [32]byte
 
 func (e *executor) KeyLookup(ctx context.Context, k driver.Key) (driver.Record, error) {
 	row, err := queries.KeyLookup(ctx, planned{e.tx}, db.KeyLookupParams{Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key})
-	return record(row.IdemKey), noRows(err)
+	rec := record(row.IdemKey)
+	if row.BodyGone {
+		rec.Stored = storedOrGone(row.IdemKey.ResponseStatus, nil, nil, true)
+	}
+	return rec, noRows(err)
 }
 
 func (e *executor) KeyLockForForget(ctx context.Context, k driver.Key) (string, bool, error) {
@@ -288,6 +292,18 @@ func (e *executor) KeyPrune(ctx context.Context, batch int32) (int64, error) {
 		return queries.KeyPruneCitus(ctx, planned{e.tx}, batch)
 	}
 	return queries.KeyPrune(ctx, planned{e.tx}, batch)
+}
+
+// KeyDropBodies skips rows another pruner holds, as KeyPrune.
+func (e *executor) KeyDropBodies(ctx context.Context, batch int32) (int64, error) {
+	citus, err := e.d.txCitus(ctx, e.tx)
+	if err != nil {
+		return 0, err
+	}
+	if citus {
+		return queries.KeyDropBodiesCitus(ctx, planned{e.tx}, batch)
+	}
+	return queries.KeyDropBodies(ctx, planned{e.tx}, batch)
 }
 
 func (e *executor) KeyCountPrunable(ctx context.Context) (int64, error) {

@@ -257,19 +257,20 @@ func (s *span) reset() *pgx.Batch {
 func (d *Driver) queueClaim(b *pgx.Batch, c driver.Claim, fp []byte, citus bool) {
 	k := c.Key
 	ttl := d.ttlOf(k.Operation)
+	body := d.ttl.BodyTTL(ttl)
 	switch {
 	case citus && c.TakeOver:
 		b.Queue(d.sqlClaimWait)
-		b.Queue(db.KeyTakeOverCitus, k.Actor, k.Operation, k.Key, fp, ttl)
+		b.Queue(db.KeyTakeOverCitus, k.Actor, k.Operation, k.Key, fp, ttl, body)
 		b.Queue(sqlWaitDefault)
 	case citus:
 		b.Queue(d.sqlClaimWait)
-		b.Queue(db.KeyClaimCitus, k.Actor, k.Operation, k.Key, fp, ttl)
+		b.Queue(db.KeyClaimCitus, k.Actor, k.Operation, k.Key, fp, ttl, body)
 		b.Queue(sqlWaitDefault)
 	case c.TakeOver:
-		b.Queue(db.KeyTakeOver, k.Actor, k.Operation, k.Key, fp, ttl, d.lockTimeout)
+		b.Queue(db.KeyTakeOver, k.Actor, k.Operation, k.Key, fp, ttl, body, d.lockTimeout)
 	default:
-		b.Queue(db.KeyClaim, k.Actor, k.Operation, k.Key, fp, ttl, d.lockTimeout)
+		b.Queue(db.KeyClaim, k.Actor, k.Operation, k.Key, fp, ttl, body, d.lockTimeout)
 	}
 }
 
@@ -388,7 +389,7 @@ func (s *span) Read(ctx context.Context, k driver.Key) (row driver.Row, found bo
 		return row, false, fmt.Errorf("read key: %w", err)
 	}
 	return driver.Row{
-		Fingerprint: r.Fingerprint, Status: r.Status, Stored: stored(r.ResponseStatus, r.ResponseHeaders, r.ResponseBody),
+		Fingerprint: r.Fingerprint, Status: r.Status, Stored: storedOrGone(r.ResponseStatus, r.ResponseHeaders, r.ResponseBody, r.BodyGone),
 		Expired: r.Expired, Leased: r.Leased, LeaseLeftMs: r.LeaseLeftMs,
 	}, found, nil
 }
@@ -396,6 +397,15 @@ func (s *span) Read(ctx context.Context, k driver.Key) (row driver.Row, found bo
 // stored is a response as read from its columns.
 func stored(status pgtype.Int4, headers, body []byte) driver.Stored {
 	return driver.Stored{Valid: status.Valid, Status: status.Int32, Headers: headers, Body: body}
+}
+
+// storedOrGone is stored with KeyGet's body_gone: a gone body keeps only
+// its status.
+func storedOrGone(status pgtype.Int4, headers, body []byte, gone bool) driver.Stored {
+	if gone {
+		return driver.Stored{Valid: status.Valid, Status: status.Int32, Gone: true}
+	}
+	return stored(status, headers, body)
 }
 
 // Undo undoes the span, even when ctx is done: Do rolls the caller's

@@ -58,7 +58,7 @@ func TestHotStatementsUseTheIndexWithStaleStatistics(t *testing.T) {
 	}
 	exec(`COMMIT`)
 	for name, sql := range map[string]string{"claim": db.KeyClaim, "takeover": db.KeyTakeOver} {
-		if p := plan(name, sql, `('a', 'op', 'k7', '\x00', 1000, '2s')`); strings.Contains(strings.ReplaceAll(p, "Subquery Scan", ""), "Scan") {
+		if p := plan(name, sql, `('a', 'op', 'k7', '\x00', 1000, 0, '2s')`); strings.Contains(strings.ReplaceAll(p, "Subquery Scan", ""), "Scan") {
 			t.Errorf("%s:\n%s", name, p)
 		}
 	}
@@ -67,7 +67,7 @@ func TestHotStatementsUseTheIndexWithStaleStatistics(t *testing.T) {
 	}
 }
 
-// Prune's batches walk the expiry index even when the statistics say the
+// Prune's batches walk the expiry index (and the body expiry index) even when the statistics say the
 // table is empty while it holds many expired rows: no bitmap scan of every
 // expired row, no sort.
 func TestPruneWalksTheIndexWithStaleStatistics(t *testing.T) {
@@ -87,19 +87,25 @@ func TestPruneWalksTheIndexWithStaleStatistics(t *testing.T) {
 		SELECT 'a', 'op', 'k' || i, '\x00', 'succeeded', 200, '\x', now() - interval '1 second' * i FROM generate_series(1, 60000) i`); err != nil {
 		t.Fatal(err)
 	}
+	// Half of them keep bodies shorter than keys, past their time too.
+	if _, err := pool.Exec(ctx, `UPDATE idem_keys SET body_expires_at = expires_at WHERE idem_key LIKE '%0'`); err != nil {
+		t.Fatal(err)
+	}
 	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
 		exec(tx, pgxdriver.SQLIndexWalk)
-		rows, err := tx.Query(ctx, `EXPLAIN `+strings.Replace(strings.SplitN(db.KeyPrune, "\n", 2)[1], "$1::integer", "1000", 1))
-		if err != nil {
-			return err
-		}
-		lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
-		if err != nil {
-			return err
-		}
-		p := strings.Join(lines, "\n")
-		if !strings.Contains(p, "idem_keys_expires_at_idx") || strings.Contains(p, "Sort") || strings.Contains(p, "Bitmap") || strings.Contains(p, "Seq Scan") {
-			t.Errorf("KeyPrune with %q:\n%s", pgxdriver.SQLIndexWalk, p)
+		for sql, index := range map[string]string{db.KeyPrune: "idem_keys_expires_at_idx", db.KeyDropBodies: "idem_keys_body_expires_idx"} {
+			rows, err := tx.Query(ctx, `EXPLAIN `+strings.Replace(strings.SplitN(sql, "\n", 2)[1], "$1::integer", "1000", 1))
+			if err != nil {
+				return err
+			}
+			lines, err := pgx.CollectRows(rows, pgx.RowTo[string])
+			if err != nil {
+				return err
+			}
+			p := strings.Join(lines, "\n")
+			if !strings.Contains(p, index) || strings.Contains(p, "Sort") || strings.Contains(p, "Bitmap") || strings.Contains(p, "Seq Scan") {
+				t.Errorf("%s with %q:\n%s", strings.SplitN(sql, "\n", 2)[0], pgxdriver.SQLIndexWalk, p)
+			}
 		}
 		return nil
 	})
@@ -210,5 +216,59 @@ func TestTakeOverFormsUpdateAlike(t *testing.T) {
 	}
 	if plain, citus := update("KeyTakeOver"), update("KeyTakeOverCitus"); plain != citus {
 		t.Fatalf("KeyTakeOver and KeyTakeOverCitus update differently:\n%s\n%s", plain, citus)
+	}
+}
+
+// KeyDropBodies and its Citus form (run here on PostgreSQL) drop the body
+// and headers of finished rows past their body_expires_at, at most a batch,
+// oldest first, and nothing else: not a row whose body's time has not come,
+// not a row in flight, not a row without one; the rows stay.
+func TestDropBodies(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	for name, sql := range map[string]string{"KeyDropBodies": db.KeyDropBodies, "KeyDropBodiesCitus": db.KeyDropBodiesCitus} {
+		pool := pgtest.Pool(t, idem.Migrate)
+		if _, err := pool.Exec(ctx, `
+			INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, response_status, response_headers, response_body,
+			                       expires_at, body_expires_at)
+			SELECT 'a', 'op', 'k' || i, '\x00',
+			       CASE WHEN i <= 5 THEN 'processing' ELSE 'succeeded' END,
+			       CASE WHEN i <= 5 THEN NULL ELSE 201 END, '{"A":["b"]}', '\x01',
+			       now() + interval '1 day',
+			       CASE WHEN i <= 30 THEN now() - interval '1 second' * i
+			            WHEN i <= 40 THEN now() + interval '1 hour' END
+			FROM generate_series(1, 50) i`); err != nil {
+			t.Fatal(err)
+		}
+		drop := func() int64 {
+			t.Helper()
+			tag, err := pool.Exec(ctx, sql, 20)
+			if err != nil {
+				t.Fatalf("%s: %v", name, err)
+			}
+			return tag.RowsAffected()
+		}
+		if n := drop(); n != 20 {
+			t.Errorf("%s: %d rows in the first batch, want 20", name, n)
+		}
+		var oldestLeft int
+		if err := pool.QueryRow(ctx, `SELECT min(substr(idem_key, 2)::int) FROM idem_keys
+			WHERE response_body IS NOT NULL AND body_expires_at <= now() AND status = 'succeeded'`).Scan(&oldestLeft); err != nil {
+			t.Fatal(err)
+		}
+		if oldestLeft != 6 { // k11..k30, the oldest, went first
+			t.Errorf("%s: the oldest body left is k%d's, want k6's", name, oldestLeft)
+		}
+		if n := drop(); n != 5 {
+			t.Errorf("%s: %d rows in the second batch, want 5", name, n)
+		}
+		var dropped, rows int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FILTER (WHERE response_body IS NULL AND response_headers IS NULL
+			AND body_expires_at IS NULL AND response_status = 201), count(*) FROM idem_keys`).Scan(&dropped, &rows); err != nil {
+			t.Fatal(err)
+		}
+		if dropped != 25 || rows != 50 {
+			t.Errorf("%s: %d bodies dropped of %d rows, want 25 of 50", name, dropped, rows)
+		}
 	}
 }

@@ -138,7 +138,7 @@ func (e *executor) ReserveLock(ctx context.Context, k driver.Key) (driver.Row, e
 	r := row.IdemKey
 	return driver.Row{
 		Fingerprint: r.Fingerprint, Status: r.Status, Token: r.Token,
-		Stored:  stored(r.ResponseStatus, r.ResponseHeaders, r.ResponseBody),
+		Stored:  storedOrGone(r.ResponseStatus, r.ResponseHeaders, r.ResponseBody, row.BodyGone),
 		Expired: row.Expired, Leased: row.Leased, LeaseLeftMs: row.LeaseLeftMs, InWindow: row.InWindow,
 	}, noRows(err)
 }
@@ -216,7 +216,11 @@ func (e *executor) KeyMarkUnknown(ctx context.Context, k driver.Key, fp [32]byte
 
 func (e *executor) KeyLookup(ctx context.Context, k driver.Key) (driver.Record, error) {
 	row, err := queries.KeyLookup(ctx, e.tx, dbsql.KeyLookupParams{Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key})
-	return record(row.IdemKey), noRows(err)
+	rec := record(row.IdemKey)
+	if row.BodyGone {
+		rec.Stored = storedOrGone(row.IdemKey.ResponseStatus, nil, nil, true)
+	}
+	return rec, noRows(err)
 }
 
 func (e *executor) KeyLockForForget(ctx context.Context, k driver.Key) (string, bool, error) {
@@ -236,6 +240,14 @@ func (e *executor) KeyPrune(ctx context.Context, batch int32) (int64, error) {
 		return queries.KeyPruneCitus(ctx, e.tx, batch)
 	}
 	return queries.KeyPrune(ctx, e.tx, batch)
+}
+
+// KeyDropBodies skips rows another pruner holds, as KeyPrune.
+func (e *executor) KeyDropBodies(ctx context.Context, batch int32) (int64, error) {
+	if e.d.citus {
+		return queries.KeyDropBodiesCitus(ctx, e.tx, batch)
+	}
+	return queries.KeyDropBodies(ctx, e.tx, batch)
 }
 
 func (e *executor) KeyCountPrunable(ctx context.Context) (int64, error) {

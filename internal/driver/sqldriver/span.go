@@ -71,6 +71,7 @@ func (s *span) Claim(ctx context.Context, c driver.Claim) (claimed, begun bool, 
 // the key.
 func (d *Driver) claim(ctx context.Context, tx *sql.Tx, c driver.Claim) (claimed bool, err error) {
 	k, fp := c.Key, c.Fingerprint[:]
+	ttl := d.ttl.TTL(k.Operation)
 	switch {
 	case d.citus:
 		if _, err := tx.ExecContext(ctx, d.sqlSetWait); err != nil {
@@ -78,10 +79,10 @@ func (d *Driver) claim(ctx context.Context, tx *sql.Tx, c driver.Claim) (claimed
 		}
 		if c.TakeOver {
 			claimed, err = queries.KeyTakeOverCitus(ctx, tx, dbsql.KeyTakeOverCitusParams{Actor: k.Actor, Operation: k.Operation,
-				IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttl.TTL(k.Operation)})
+				IdemKey: k.Key, Fingerprint: fp, TtlMicros: ttl, BodyTtlMicros: d.ttl.BodyTTL(ttl)})
 		} else {
 			claimed, err = queries.KeyClaimCitus(ctx, tx, dbsql.KeyClaimCitusParams{Actor: k.Actor, Operation: k.Operation,
-				IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttl.TTL(k.Operation)})
+				IdemKey: k.Key, Fingerprint: fp, TtlMicros: ttl, BodyTtlMicros: d.ttl.BodyTTL(ttl)})
 		}
 		if err == nil || errors.Is(err, sql.ErrNoRows) {
 			if _, waitErr := tx.ExecContext(ctx, sqlWaitDefault); waitErr != nil {
@@ -90,10 +91,10 @@ func (d *Driver) claim(ctx context.Context, tx *sql.Tx, c driver.Claim) (claimed
 		}
 	case c.TakeOver:
 		claimed, err = queries.KeyTakeOver(ctx, tx, dbsql.KeyTakeOverParams{Actor: k.Actor, Operation: k.Operation,
-			IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttl.TTL(k.Operation), LockTimeout: d.lockTimeout})
+			IdemKey: k.Key, Fingerprint: fp, TtlMicros: ttl, BodyTtlMicros: d.ttl.BodyTTL(ttl), LockTimeout: d.lockTimeout})
 	default:
 		claimed, err = queries.KeyClaim(ctx, tx, dbsql.KeyClaimParams{Actor: k.Actor, Operation: k.Operation,
-			IdemKey: k.Key, Fingerprint: fp, TtlMicros: d.ttl.TTL(k.Operation), LockTimeout: d.lockTimeout})
+			IdemKey: k.Key, Fingerprint: fp, TtlMicros: ttl, BodyTtlMicros: d.ttl.BodyTTL(ttl), LockTimeout: d.lockTimeout})
 	}
 	if errors.Is(err, sql.ErrNoRows) {
 		return false, nil
@@ -150,7 +151,7 @@ func (s *span) Read(ctx context.Context, k driver.Key) (row driver.Row, found bo
 		return row, false, fmt.Errorf("read key: %w", err)
 	}
 	return driver.Row{
-		Fingerprint: r.Fingerprint, Status: r.Status, Stored: stored(r.ResponseStatus, r.ResponseHeaders, r.ResponseBody),
+		Fingerprint: r.Fingerprint, Status: r.Status, Stored: storedOrGone(r.ResponseStatus, r.ResponseHeaders, r.ResponseBody, r.BodyGone),
 		Expired: r.Expired, Leased: r.Leased, LeaseLeftMs: r.LeaseLeftMs,
 	}, found, nil
 }
@@ -158,6 +159,15 @@ func (s *span) Read(ctx context.Context, k driver.Key) (row driver.Row, found bo
 // stored is a response as read from its columns.
 func stored(status sql.NullInt32, headers, body []byte) driver.Stored {
 	return driver.Stored{Valid: status.Valid, Status: status.Int32, Headers: headers, Body: body}
+}
+
+// storedOrGone is stored with KeyGet's body_gone: a gone body keeps only
+// its status.
+func storedOrGone(status sql.NullInt32, headers, body []byte, gone bool) driver.Stored {
+	if gone {
+		return driver.Stored{Valid: status.Valid, Status: status.Int32, Gone: true}
+	}
+	return stored(status, headers, body)
 }
 
 // Undo undoes the span, even when ctx is done: Do rolls the caller's

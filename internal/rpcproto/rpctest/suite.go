@@ -311,6 +311,7 @@ func Run(t *testing.T, tr Transport) {
 				{"KeyField", testKeyField},
 				{"InProgress", testInProgress},
 				{"OutcomeUnknown", testOutcomeUnknown},
+				{"ResponseExpired", testResponseExpired},
 				{"LostCommitAcknowledgement", testLostCommitAcknowledgement},
 				{"StoredForm", testStoredForm},
 				{"ReplyTooLarge", testReplyTooLarge},
@@ -637,6 +638,29 @@ func testOutcomeUnknown(e *env) {
 	}
 	if a := srv.Call(ctx, "alice", []string{"pay-1"}, req); a.Code() != codeFailedPrecondition || a.Reason() != rpcidem.ReasonOutcomeUnknown || runs.Load() != 0 {
 		t.Errorf("unknown outcome: %s, %d runs", a, runs.Load())
+	}
+}
+
+// A retry past idem.Config.BodyTTL is refused with FAILED_PRECONDITION,
+// IDEMPOTENCY_RESPONSE_EXPIRED, and nothing runs again; a different
+// request with the key is still IDEMPOTENCY_KEY_REUSED.
+func testResponseExpired(e *env) {
+	t, ctx := e.t, e.t.Context()
+	var runs atomic.Int64
+	const life = 200 * time.Millisecond
+	srv := e.serve(Options{Config: idem.Config{BodyTTL: life}}, Insert(&runs))
+	if a := srv.Call(ctx, "alice", []string{"gone-1"}, Request("a", 1)); a.Err != nil {
+		t.Fatal(a)
+	}
+	time.Sleep(life + 100*time.Millisecond)
+	if a := srv.Call(ctx, "alice", []string{"gone-1"}, Request("a", 1)); a.Code() != codeFailedPrecondition || a.Reason() != rpcidem.ReasonResponseExpired {
+		t.Errorf("retry past BodyTTL: %s", a)
+	}
+	if a := srv.Call(ctx, "alice", []string{"gone-1"}, Request("a", 2)); a.Code() != codeFailedPrecondition || a.Reason() != rpcidem.ReasonKeyReused {
+		t.Errorf("another request past BodyTTL: %s", a)
+	}
+	if runs.Load() != 1 || e.transfers() != 1 {
+		t.Errorf("%d runs, %d rows; want 1, 1", runs.Load(), e.transfers())
 	}
 }
 

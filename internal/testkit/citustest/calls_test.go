@@ -306,3 +306,49 @@ func TestCallsPrune(t *testing.T) {
 		t.Fatalf("ReadStats after Prune: %+v", st.Keys)
 	}
 }
+
+// Config.BodyTTL through the coordinator: past the body's life a replay is
+// ErrResponseGone with the stored status and nothing runs; another request
+// is still ErrKeyReused; Prune (KeyDropBodiesCitus) drops the bodies on the
+// workers and keeps the keys.
+func TestCallsBodyTTL(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, p := newDB(t)
+	const life = 200 * time.Millisecond
+	c, err := idem.New(idem.Config{TTL: time.Hour, BodyTTL: life})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, k := range []string{"b1", "b2", "b3"} {
+		if _, err := c.DoInTx(ctx, p, idem.Scope{Actor: "erin-" + k, Operation: "order"}, k, fp(k), order("erin-"+k, k, k)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	time.Sleep(life + 100*time.Millisecond)
+	check := func(when string) {
+		t.Helper()
+		for _, k := range []string{"b1", "b2", "b3"} {
+			scope := idem.Scope{Actor: "erin-" + k, Operation: "order"}
+			res, err := c.DoInTx(ctx, p, scope, k, fp(k), order("erin-"+k, k, k))
+			if !errors.Is(err, idem.ErrResponseGone) || !res.Replayed || res.Status == 0 {
+				t.Errorf("%s %s: %+v, %v; want ErrResponseGone with the stored status", k, when, res, err)
+			}
+			if _, err := c.DoInTx(ctx, p, scope, k, fp("other"), order("erin-"+k, k, "other")); !errors.Is(err, idem.ErrKeyReused) {
+				t.Errorf("%s %s, another request: %v, want ErrKeyReused", k, when, err)
+			}
+			if n := ordersOf(t, p, "erin-"+k, k); n != 1 {
+				t.Errorf("%s %s: %d orders, want 1", k, when, n)
+			}
+		}
+	}
+	check("past BodyTTL")
+	if n, err := c.Prune(ctx, p, idem.PruneOptions{BatchSize: 2}); err != nil || n != 0 {
+		t.Fatalf("Prune: %d keys deleted, %v; want 0", n, err)
+	}
+	var dropped int
+	if err := p.QueryRow(ctx, `SELECT count(*) FROM idem_keys WHERE response_body IS NULL AND response_status IS NOT NULL`).Scan(&dropped); err != nil || dropped != 3 {
+		t.Fatalf("%d bodies dropped, %v; want 3", dropped, err)
+	}
+	check("after Prune")
+}

@@ -407,3 +407,57 @@ func TestDistributeCreatesRefuseOnWorkers(t *testing.T) {
 		t.Fatalf("%d rows after ErrKeyRowChanged, %v", n, err)
 	}
 }
+
+// Migration 00009 on a table Distribute distributed at version 8: the
+// column and the partial index built concurrently reach every shard, calls
+// with Config.BodyTTL work, and its Down (one DO statement, the table
+// locked) reverts it on the distributed table.
+func TestMigrate9AfterDistribute(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	db := citustest.Empty(t)
+	p := pool(t, db.URL)
+	sqlDB := stdlib.OpenDBFromPool(p)
+	defer sqlDB.Close()
+	provider, err := goose.NewProvider(goose.DialectPostgres, sqlDB, idem.Migrations(),
+		goose.WithTableName(idem.MigrationTable), goose.WithDisableGlobalRegistry(true))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := provider.UpTo(ctx, 8); err != nil {
+		t.Fatal(err)
+	}
+	if err := idem.Distribute(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	if err := idem.Migrate(ctx, p); err != nil {
+		t.Fatalf("Migrate to 9 on the distributed table: %v", err)
+	}
+	shards := count(t, p, `SELECT count(*) FROM citus_shards WHERE table_name = 'idem_keys'::regclass`)
+	indexed := count(t, p, `SELECT count(*) FROM run_command_on_shards('idem_keys',
+		$$SELECT count(*) FROM pg_indexes WHERE tablename = '%s' AND indexname LIKE 'idem_keys_body_expires_idx%%'$$)
+		WHERE success AND result = '1'`)
+	if shards == 0 || indexed != shards {
+		t.Fatalf("%d shards, %d of them with idem_keys_body_expires_idx", shards, indexed)
+	}
+	c, err := idem.New(idem.Config{BodyTTL: time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := orders(ctx, p); err != nil {
+		t.Fatal(err)
+	}
+	scope := idem.Scope{Actor: "kate", Operation: "order"}
+	if _, err := c.DoInTx(ctx, p, scope, "b1", fp("x"), order("kate", "b1", "x")); err != nil {
+		t.Fatal(err)
+	}
+	if n := count(t, p, `SELECT count(*) FROM idem_keys WHERE body_expires_at IS NOT NULL`); n != 1 {
+		t.Fatalf("%d rows with body_expires_at, want 1", n)
+	}
+	if v, err := idem.MigrateDown(ctx, p, idem.MigrateDownOptions{}); err != nil || v != 9 {
+		t.Fatalf("MigrateDown from 9 on the distributed table: %d, %v", v, err)
+	}
+	if n := count(t, p, `SELECT count(*) FROM information_schema.columns WHERE table_name = 'idem_keys' AND column_name = 'body_expires_at'`); n != 0 {
+		t.Fatalf("body_expires_at still there after the Down")
+	}
+}

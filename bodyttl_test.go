@@ -1,0 +1,135 @@
+package idem_test
+
+import (
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgidem/idem"
+)
+
+// Config.BodyTTL keeps stored bodies shorter than keys: past it, a replay
+// of the same request returns ErrResponseGone with the stored status (fn
+// does not run), a different request is still refused (ErrKeyReused), and
+// Prune drops the body and headers while the key row stays. Do and DoInTx
+// alike; keys of a client without BodyTTL keep their bodies.
+func TestBodyTTL(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	pool := newPool(t)
+	const life = 300 * time.Millisecond
+	short, err := idem.New(idem.Config{TTL: time.Hour, BodyTTL: life})
+	if err != nil {
+		t.Fatal(err)
+	}
+	keep, err := idem.New(idem.Config{TTL: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int64
+	s := idem.Scope{Actor: "a", Operation: "draw"}
+	doInTx := func(c *idem.Client, key string, fp idem.Fingerprint) (idem.Result, error) {
+		return c.DoInTx(ctx, pool, s, key, fp, recordEffect(&calls, key))
+	}
+	do := func(c *idem.Client, key string, fp idem.Fingerprint) (res idem.Result, err error) {
+		txErr := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			res, err = c.Do(ctx, tx, s, key, fp, recordEffect(&calls, key))
+			return nil
+		})
+		if txErr != nil {
+			t.Fatal(txErr)
+		}
+		return res, err
+	}
+	type call = func(c *idem.Client, key string, fp idem.Fingerprint) (idem.Result, error)
+	for key, run := range map[string]call{"intx": doInTx, "do": do} {
+		if _, err := run(short, key, fpA); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := run(keep, key+"-kept", fpA); err != nil {
+			t.Fatal(err)
+		}
+		// Inside the body's life: a replay, body and headers.
+		if res, err := run(short, key, fpA); err != nil || !res.Replayed || len(res.Body) == 0 || len(res.Header["Location"]) == 0 {
+			t.Fatalf("%s inside BodyTTL: %+v, %v; want a whole replay", key, res, err)
+		}
+	}
+	if n := count(t, pool, `SELECT count(*) FROM idem_keys WHERE body_expires_at IS NOT NULL`); n != 2 {
+		t.Fatalf("%d rows with a body_expires_at, want 2 (the BodyTTL client's)", n)
+	}
+
+	time.Sleep(life + 100*time.Millisecond)
+	ran := calls.Load()
+	check := func(when string) {
+		t.Helper()
+		for key, run := range map[string]call{"intx": doInTx, "do": do} {
+			res, err := run(short, key, fpA)
+			if !errors.Is(err, idem.ErrResponseGone) || !res.Replayed || res.Status != 201 || res.Body != nil || res.Header != nil {
+				t.Errorf("%s %s: %+v, %v; want ErrResponseGone with status 201 and nothing else", key, when, res, err)
+			}
+			if _, err := run(short, key, fpB); !errors.Is(err, idem.ErrKeyReused) {
+				t.Errorf("%s %s, another request: %v, want ErrKeyReused", key, when, err)
+			}
+			if res, err := run(keep, key+"-kept", fpA); err != nil || !res.Replayed || len(res.Body) == 0 {
+				t.Errorf("%s-kept %s: %+v, %v; want a whole replay", key, when, res, err)
+			}
+		}
+		if calls.Load() != ran {
+			t.Errorf("%s: fn ran %d more times", when, calls.Load()-ran)
+		}
+		rec, err := short.Lookup(ctx, pool, s, "intx")
+		if err != nil || !rec.ResponseGone || rec.Response == nil || rec.Response.Status != 201 || rec.Response.Body != nil {
+			t.Errorf("Lookup %s: %+v, %v; want ResponseGone with status 201", when, rec, err)
+		}
+		if rec, err := keep.Lookup(ctx, pool, s, "intx-kept"); err != nil || rec.ResponseGone || rec.Response == nil || len(rec.Response.Body) == 0 {
+			t.Errorf("Lookup of a kept body %s: %+v, %v", when, rec, err)
+		}
+	}
+	check("past BodyTTL, before Prune")
+
+	if n, err := short.Prune(ctx, pool, idem.PruneOptions{DryRun: true}); err != nil || n != 0 {
+		t.Fatalf("Prune dry run: %d, %v", n, err)
+	}
+	if got := count(t, pool, `SELECT count(*) FROM idem_keys WHERE response_body IS NOT NULL`); got != 4 {
+		t.Errorf("a dry run dropped %d bodies", 4-got)
+	}
+	n, err := short.Prune(ctx, pool, idem.PruneOptions{BatchSize: 1})
+	if err != nil || n != 0 {
+		t.Fatalf("Prune: %d keys deleted, %v; want 0 (bodies only)", n, err)
+	}
+	if got := count(t, pool, `SELECT count(*) FROM idem_keys
+		WHERE response_body IS NULL AND response_headers IS NULL AND body_expires_at IS NULL AND response_status = 201`); got != 2 {
+		t.Errorf("%d rows with a dropped body, want 2", got)
+	}
+	if got := count(t, pool, `SELECT count(*) FROM idem_keys WHERE response_body IS NOT NULL`); got != 2 {
+		t.Errorf("%d rows keep their body, want 2 (the kept client's)", got)
+	}
+	check("after Prune")
+}
+
+// A BodyTTL under a microsecond is refused; one not shorter than a key's
+// TTL keeps the body for the key's life.
+func TestBodyTTLConfig(t *testing.T) {
+	t.Parallel()
+	for _, d := range []time.Duration{-time.Second, time.Nanosecond} {
+		if _, err := idem.New(idem.Config{BodyTTL: d}); !errors.Is(err, idem.ErrInvalidConfig) {
+			t.Errorf("BodyTTL %s: %v, want ErrInvalidConfig", d, err)
+		}
+	}
+	ctx := t.Context()
+	pool := newPool(t)
+	c, err := idem.New(idem.Config{TTL: time.Minute, BodyTTL: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int64
+	if _, err := c.DoInTx(ctx, pool, scope, "k", fpA, recordEffect(&calls, "k")); err != nil {
+		t.Fatal(err)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM idem_keys WHERE body_expires_at IS NULL`); n != 1 {
+		t.Errorf("BodyTTL over the TTL: %d rows without body_expires_at, want 1", n)
+	}
+}

@@ -1,0 +1,94 @@
+package idemsql_test
+
+import (
+	"context"
+	"database/sql"
+	"errors"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/idemsql"
+)
+
+// Config.BodyTTL through idemsql, with pgx's stdlib and lib/pq: past the
+// body's life a replay returns ErrResponseGone with the stored status and
+// fn does not run; a different request is still ErrKeyReused; Prune drops
+// the bodies and keeps the keys. A BodyTTL under a microsecond is refused.
+func TestBodyTTL(t *testing.T) {
+	t.Parallel()
+	if _, err := idemsql.New(idem.Config{BodyTTL: -time.Second}); !errors.Is(err, idem.ErrInvalidConfig) {
+		t.Errorf("BodyTTL -1s: %v, want ErrInvalidConfig", err)
+	}
+	eachDriver(t, func(t *testing.T, driver string) {
+		ctx := t.Context()
+		db, pool := migrated(t, driver)
+		const life = 300 * time.Millisecond
+		c, err := idemsql.New(idem.Config{TTL: time.Hour, BodyTTL: life})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var calls atomic.Int64
+		fn := func(context.Context, *sql.Tx) (idem.Response, error) {
+			calls.Add(1)
+			return idem.Response{Status: 201, Header: map[string][]string{"Location": {"/draws/1"}}, Body: []byte(`{"id":1}`)}, nil
+		}
+		scope := idem.Scope{Actor: "a", Operation: "draw"}
+		doInTx := func(key string, fp idem.Fingerprint) (idem.Result, error) {
+			return c.DoInTx(ctx, db, scope, key, fp, fn)
+		}
+		do := func(key string, fp idem.Fingerprint) (idem.Result, error) {
+			tx, err := db.BeginTx(ctx, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer tx.Rollback()
+			res, err := c.Do(ctx, tx, scope, key, fp, fn)
+			if err == nil {
+				if err := tx.Commit(); err != nil {
+					t.Fatal(err)
+				}
+			}
+			return res, err
+		}
+		calls2 := map[string]func(string, idem.Fingerprint) (idem.Result, error){"intx": doInTx, "do": do}
+		for key, run := range calls2 {
+			if _, err := run(key, idem.Fingerprint{1}); err != nil {
+				t.Fatal(err)
+			}
+			if res, err := run(key, idem.Fingerprint{1}); err != nil || !res.Replayed || string(res.Body) != `{"id":1}` {
+				t.Fatalf("%s inside BodyTTL: %+v, %v", key, res, err)
+			}
+		}
+		time.Sleep(life + 100*time.Millisecond)
+		ran := calls.Load()
+		check := func(when string) {
+			t.Helper()
+			for key, run := range calls2 {
+				res, err := run(key, idem.Fingerprint{1})
+				if !errors.Is(err, idem.ErrResponseGone) || res.Status != 201 || res.Body != nil {
+					t.Errorf("%s %s: %+v, %v; want ErrResponseGone with status 201", key, when, res, err)
+				}
+				if _, err := run(key, idem.Fingerprint{2}); !errors.Is(err, idem.ErrKeyReused) {
+					t.Errorf("%s %s, another request: %v, want ErrKeyReused", key, when, err)
+				}
+			}
+			if calls.Load() != ran {
+				t.Errorf("%s: fn ran %d more times", when, calls.Load()-ran)
+			}
+		}
+		check("past BodyTTL")
+		if n, err := c.Prune(ctx, db, idem.PruneOptions{}); err != nil || n != 0 {
+			t.Fatalf("Prune: %d, %v; want 0 keys deleted", n, err)
+		}
+		var dropped int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem_keys WHERE response_body IS NULL AND response_status = 201`).Scan(&dropped); err != nil || dropped != 2 {
+			t.Errorf("%d bodies dropped, %v; want 2", dropped, err)
+		}
+		if n := keyCount(t, pool); n != 2 {
+			t.Errorf("%d keys after Prune, want 2", n)
+		}
+		check("after Prune")
+	})
+}
