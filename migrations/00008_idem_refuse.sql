@@ -10,7 +10,7 @@
 -- exist on the workers too, where the statements run: Distribute creates
 -- it there (create_distributed_function).
 -- +goose StatementBegin
-CREATE FUNCTION idem_refuse(code text, message text) RETURNS integer
+CREATE OR REPLACE FUNCTION idem_refuse(code text, message text) RETURNS integer
 LANGUAGE plpgsql VOLATILE AS $$
 BEGIN
     RAISE EXCEPTION USING ERRCODE = code, MESSAGE = message;

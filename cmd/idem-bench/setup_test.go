@@ -77,7 +77,8 @@ func TestRecreateDropsOnlyItsOwnDatabase(t *testing.T) {
 func TestStorageFlagsChecked(t *testing.T) {
 	t.Parallel()
 	good := options{workers: 1, rounds: 1, round: time.Second, storm: 2, users: 1, boxes: 1, replayKeys: 1, allocs: 1,
-		storageKeys: 1, storageRate: 1, storageWALCalls: 1}
+		storageKeys: 1, storageRate: 1, storageWALCalls: 1,
+		relayRounds: 1, relayEvents: 1, relayLatencyEvents: 1, relayPending: 1}
 	if err := good.check(); err != nil {
 		t.Fatalf("good options refused: %v", err)
 	}

@@ -294,6 +294,11 @@ func reset(ctx context.Context, pool *pgxpool.Pool, name string, keep bool) erro
 				return fmt.Errorf("reset: %w", err)
 			}
 		}
+		// idem's function (migration 00008) goes with the tables, so that
+		// the migrations run again from the start.
+		if _, err := tx.Exec(ctx, `DROP FUNCTION IF EXISTS idem_refuse(text, text)`); err != nil {
+			return fmt.Errorf("reset: %w", err)
+		}
 		_, err := tx.Exec(ctx, `CREATE TABLE `+markerTable+` (note text NOT NULL);
 			INSERT INTO `+markerTable+` VALUES ('This database is idem-demo''s: every run drops and recreates every table in it.')`)
 		return err
