@@ -565,7 +565,7 @@ func TestEventRecordGuardedByTheClaim(t *testing.T) {
 	}
 	first := claim()
 	// The first claim's lease runs out; a second relay claims the event.
-	if _, err := pool.Exec(ctx, `UPDATE idem_events SET next_attempt_at = now()`); err != nil {
+	if _, err := pool.Exec(ctx, `UPDATE idem_events SET lease_until = now()`); err != nil {
 		t.Fatal(err)
 	}
 	second := claim()

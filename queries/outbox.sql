@@ -27,21 +27,22 @@ FROM idem_events
 WHERE destination = sqlc.arg(destination)::text AND id = sqlc.arg(id)::text;
 
 -- Claims up to @max_rows due pending events, earliest first, without
--- waiting for events another relay is claiming (SKIP LOCKED): each gets
--- one more attempt, a new claim token, and next_attempt_at at the end of
--- the lease, so no relay claims it again before the lease runs out. The
--- due scan walks idem_events_due_idx; the update finds the locked rows by
--- their ctid (a TID scan: never a scan of the table, however the planner
--- weighs a join).
+-- waiting for events another relay is claiming (SKIP LOCKED), and skipping
+-- the events under a lease: each gets one more attempt, a new claim token,
+-- and lease_until at the end of the lease, so no relay claims it again
+-- before the lease runs out. It writes no indexed column (next_attempt_at
+-- stays): a HOT update. The due scan walks idem_events_due_idx; the update
+-- finds the locked rows by their ctid (a TID scan: never a scan of the
+-- table, however the planner weighs a join).
 -- name: EventClaim :many
 UPDATE idem_events AS e
 SET attempts = e.attempts + 1,
     claim = e.claim + 1,
-    next_attempt_at = now() + sqlc.arg(lease_micros)::bigint * interval '1 microsecond'
+    lease_until = now() + sqlc.arg(lease_micros)::bigint * interval '1 microsecond'
 WHERE e.ctid = ANY (ARRAY(
         SELECT ctid
         FROM idem_events
-        WHERE status = 'pending' AND next_attempt_at <= now()
+        WHERE status = 'pending' AND next_attempt_at <= now() AND (lease_until IS NULL OR lease_until <= now())
         ORDER BY next_attempt_at
         LIMIT sqlc.arg(max_rows)::integer
         FOR UPDATE SKIP LOCKED))
@@ -89,6 +90,7 @@ SET status = r.status,
     next_attempt_at = CASE WHEN r.status = 'pending'
                            THEN now() + r.delay_micros * interval '1 microsecond'
                            ELSE e.next_attempt_at END,
+    lease_until = NULL,
     delivered_at = CASE WHEN r.status = 'delivered' THEN now() END,
     failed_at = CASE WHEN r.status = 'failed' THEN now() END,
     delivered_attempt = CASE WHEN r.status = 'delivered' THEN r.attempt END,
@@ -121,10 +123,12 @@ WITH old AS (
 )
 SELECT count(*)::bigint FROM old;
 
--- One event, for LookupEvent.
+-- One event, for LookupEvent: next_attempt_at is, while a relay's lease
+-- holds it, the lease's end (when another relay may claim it).
 -- name: EventLookup :one
 SELECT destination, id, topic, payload, coalesce(header::text, '')::text AS header, status, attempts, retry_from,
-       next_attempt_at, claim, created_at, delivered_at, failed_at, delivered_attempt,
+       (CASE WHEN status = 'pending' AND lease_until > next_attempt_at THEN lease_until
+             ELSE next_attempt_at END)::timestamptz AS next_attempt_at, claim, created_at, delivered_at, failed_at, delivered_attempt,
        delivery_started_at, delivery_micros, last_error, retried_at, retry_reason, expires_at
 FROM idem_events
 WHERE destination = sqlc.arg(destination)::text AND id = sqlc.arg(id)::text;
@@ -143,6 +147,7 @@ ORDER BY attempt;
 UPDATE idem_events
 SET status = 'pending',
     next_attempt_at = now(),
+    lease_until = NULL,
     retry_from = attempts,
     retried_at = now(),
     retry_reason = sqlc.arg(reason)::text,
@@ -151,11 +156,11 @@ SET status = 'pending',
 WHERE destination = sqlc.arg(destination)::text AND id = sqlc.arg(id)::text AND status = 'failed';
 
 -- Gives back a claimed event that was not sent (Run ended before a worker
--- took it, or its lease was nearly over): due again now, the claim's
--- attempt uncounted. Guarded by the claim's token, as EventRecord.
+-- took it, or its lease was nearly over): its lease ended, so due again
+-- at its place, the claim's attempt uncounted (a HOT update). Guarded by the claim's token, as EventRecord.
 -- name: EventRelease :execrows
 UPDATE idem_events
-SET next_attempt_at = now(), attempts = attempts - 1
+SET lease_until = NULL, attempts = attempts - 1
 WHERE destination = sqlc.arg(destination)::text AND id = sqlc.arg(id)::text
   AND claim = sqlc.arg(claim)::bigint AND status = 'pending';
 
@@ -171,14 +176,14 @@ WHERE destination = sqlc.arg(destination)::text AND id = sqlc.arg(id)::text
 UPDATE idem_events AS e
 SET attempts = e.attempts + 1,
     claim = e.claim + 1,
-    next_attempt_at = now() + sqlc.arg(lease_micros)::bigint * interval '1 microsecond'
+    lease_until = now() + sqlc.arg(lease_micros)::bigint * interval '1 microsecond'
 WHERE (e.destination, e.id) IN (
         SELECT destination, id
         FROM idem_events
-        WHERE status = 'pending' AND next_attempt_at <= now()
+        WHERE status = 'pending' AND next_attempt_at <= now() AND (lease_until IS NULL OR lease_until <= now())
         ORDER BY next_attempt_at
         LIMIT sqlc.arg(max_rows)::integer)
-  AND e.status = 'pending' AND e.next_attempt_at <= now()
+  AND e.status = 'pending' AND e.next_attempt_at <= now() AND (e.lease_until IS NULL OR e.lease_until <= now())
 RETURNING e.destination, e.id, e.topic, e.payload, coalesce(e.header::text, '')::text AS header, e.attempts, e.retry_from, e.claim,
           e.ctid::text AS row_version;
 
@@ -225,6 +230,7 @@ SET status = sqlc.arg(status)::text,
     next_attempt_at = CASE WHEN sqlc.arg(status)::text = 'pending'
                            THEN now() + sqlc.arg(delay_micros)::bigint * interval '1 microsecond'
                            ELSE next_attempt_at END,
+    lease_until = NULL,
     delivered_at = CASE WHEN sqlc.arg(status)::text = 'delivered' THEN now() END,
     failed_at = CASE WHEN sqlc.arg(status)::text = 'failed' THEN now() END,
     delivered_attempt = CASE WHEN sqlc.arg(status)::text = 'delivered' THEN sqlc.arg(attempt)::integer END,

@@ -64,11 +64,11 @@ const EventClaim = `-- name: EventClaim :many
 UPDATE idem_events AS e
 SET attempts = e.attempts + 1,
     claim = e.claim + 1,
-    next_attempt_at = now() + $1::bigint * interval '1 microsecond'
+    lease_until = now() + $1::bigint * interval '1 microsecond'
 WHERE e.ctid = ANY (ARRAY(
         SELECT ctid
         FROM idem_events
-        WHERE status = 'pending' AND next_attempt_at <= now()
+        WHERE status = 'pending' AND next_attempt_at <= now() AND (lease_until IS NULL OR lease_until <= now())
         ORDER BY next_attempt_at
         LIMIT $2::integer
         FOR UPDATE SKIP LOCKED))
@@ -94,12 +94,13 @@ type EventClaimRow struct {
 }
 
 // Claims up to @max_rows due pending events, earliest first, without
-// waiting for events another relay is claiming (SKIP LOCKED): each gets
-// one more attempt, a new claim token, and next_attempt_at at the end of
-// the lease, so no relay claims it again before the lease runs out. The
-// due scan walks idem_events_due_idx; the update finds the locked rows by
-// their ctid (a TID scan: never a scan of the table, however the planner
-// weighs a join).
+// waiting for events another relay is claiming (SKIP LOCKED), and skipping
+// the events under a lease: each gets one more attempt, a new claim token,
+// and lease_until at the end of the lease, so no relay claims it again
+// before the lease runs out. It writes no indexed column (next_attempt_at
+// stays): a HOT update. The due scan walks idem_events_due_idx; the update
+// finds the locked rows by their ctid (a TID scan: never a scan of the
+// table, however the planner weighs a join).
 func (q *Queries) EventClaim(ctx context.Context, db DBTX, arg EventClaimParams) ([]EventClaimRow, error) {
 	rows, err := db.Query(ctx, EventClaim, arg.LeaseMicros, arg.MaxRows)
 	if err != nil {
@@ -134,14 +135,14 @@ const EventClaimCitus = `-- name: EventClaimCitus :many
 UPDATE idem_events AS e
 SET attempts = e.attempts + 1,
     claim = e.claim + 1,
-    next_attempt_at = now() + $1::bigint * interval '1 microsecond'
+    lease_until = now() + $1::bigint * interval '1 microsecond'
 WHERE (e.destination, e.id) IN (
         SELECT destination, id
         FROM idem_events
-        WHERE status = 'pending' AND next_attempt_at <= now()
+        WHERE status = 'pending' AND next_attempt_at <= now() AND (lease_until IS NULL OR lease_until <= now())
         ORDER BY next_attempt_at
         LIMIT $2::integer)
-  AND e.status = 'pending' AND e.next_attempt_at <= now()
+  AND e.status = 'pending' AND e.next_attempt_at <= now() AND (e.lease_until IS NULL OR e.lease_until <= now())
 RETURNING e.destination, e.id, e.topic, e.payload, coalesce(e.header::text, '')::text AS header, e.attempts, e.retry_from, e.claim,
           e.ctid::text AS row_version
 `
@@ -203,7 +204,8 @@ func (q *Queries) EventClaimCitus(ctx context.Context, db DBTX, arg EventClaimCi
 
 const EventLookup = `-- name: EventLookup :one
 SELECT destination, id, topic, payload, coalesce(header::text, '')::text AS header, status, attempts, retry_from,
-       next_attempt_at, claim, created_at, delivered_at, failed_at, delivered_attempt,
+       (CASE WHEN status = 'pending' AND lease_until > next_attempt_at THEN lease_until
+             ELSE next_attempt_at END)::timestamptz AS next_attempt_at, claim, created_at, delivered_at, failed_at, delivered_attempt,
        delivery_started_at, delivery_micros, last_error, retried_at, retry_reason, expires_at
 FROM idem_events
 WHERE destination = $1::text AND id = $2::text
@@ -237,7 +239,8 @@ type EventLookupRow struct {
 	ExpiresAt         pgtype.Timestamptz
 }
 
-// One event, for LookupEvent.
+// One event, for LookupEvent: next_attempt_at is, while a relay's lease
+// holds it, the lease's end (when another relay may claim it).
 func (q *Queries) EventLookup(ctx context.Context, db DBTX, arg EventLookupParams) (EventLookupRow, error) {
 	row := db.QueryRow(ctx, EventLookup, arg.Destination, arg.ID)
 	var i EventLookupRow
@@ -400,6 +403,7 @@ SET status = r.status,
     next_attempt_at = CASE WHEN r.status = 'pending'
                            THEN now() + r.delay_micros * interval '1 microsecond'
                            ELSE e.next_attempt_at END,
+    lease_until = NULL,
     delivered_at = CASE WHEN r.status = 'delivered' THEN now() END,
     failed_at = CASE WHEN r.status = 'failed' THEN now() END,
     delivered_attempt = CASE WHEN r.status = 'delivered' THEN r.attempt END,
@@ -452,6 +456,7 @@ SET status = $1::text,
     next_attempt_at = CASE WHEN $1::text = 'pending'
                            THEN now() + $2::bigint * interval '1 microsecond'
                            ELSE next_attempt_at END,
+    lease_until = NULL,
     delivered_at = CASE WHEN $1::text = 'delivered' THEN now() END,
     failed_at = CASE WHEN $1::text = 'failed' THEN now() END,
     delivered_attempt = CASE WHEN $1::text = 'delivered' THEN $3::integer END,
@@ -504,7 +509,7 @@ func (q *Queries) EventRecordOne(ctx context.Context, db DBTX, arg EventRecordOn
 
 const EventRelease = `-- name: EventRelease :execrows
 UPDATE idem_events
-SET next_attempt_at = now(), attempts = attempts - 1
+SET lease_until = NULL, attempts = attempts - 1
 WHERE destination = $1::text AND id = $2::text
   AND claim = $3::bigint AND status = 'pending'
 `
@@ -516,8 +521,8 @@ type EventReleaseParams struct {
 }
 
 // Gives back a claimed event that was not sent (Run ended before a worker
-// took it, or its lease was nearly over): due again now, the claim's
-// attempt uncounted. Guarded by the claim's token, as EventRecord.
+// took it, or its lease was nearly over): its lease ended, so due again
+// at its place, the claim's attempt uncounted (a HOT update). Guarded by the claim's token, as EventRecord.
 func (q *Queries) EventRelease(ctx context.Context, db DBTX, arg EventReleaseParams) (int64, error) {
 	result, err := db.Exec(ctx, EventRelease, arg.Destination, arg.ID, arg.Claim)
 	if err != nil {
@@ -530,6 +535,7 @@ const EventRetry = `-- name: EventRetry :execrows
 UPDATE idem_events
 SET status = 'pending',
     next_attempt_at = now(),
+    lease_until = NULL,
     retry_from = attempts,
     retried_at = now(),
     retry_reason = $1::text,
