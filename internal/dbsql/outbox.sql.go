@@ -387,7 +387,7 @@ func (q *Queries) EventPublish(ctx context.Context, db DBTX, arg EventPublishPar
 	return inserted, err
 }
 
-const EventRecord = `-- name: EventRecord :execrows
+const EventRecord = `-- name: EventRecord :one
 WITH r AS (
     SELECT x.value ->> 'destination' AS destination, x.value ->> 'id' AS id,
            (x.value ->> 'claim')::bigint AS claim, (x.value ->> 'row_version')::tid AS row_version,
@@ -397,32 +397,33 @@ WITH r AS (
            (x.value ->> 'permanent')::boolean AS permanent, x.value ->> 'status' AS status,
            (x.value ->> 'delay_micros')::bigint AS delay_micros, (x.value ->> 'ttl_micros')::bigint AS ttl_micros
     FROM jsonb_array_elements($1::text::jsonb) AS x
+), written AS (
+    UPDATE idem_events AS e
+    SET status = r.status,
+        next_attempt_at = CASE WHEN r.status = 'pending'
+                               THEN now() + r.delay_micros * interval '1 microsecond'
+                               ELSE e.next_attempt_at END,
+        lease_until = NULL,
+        delivered_at = CASE WHEN r.status = 'delivered' THEN now() END,
+        failed_at = CASE WHEN r.status = 'failed' THEN now() END,
+        delivered_attempt = CASE WHEN r.status = 'delivered' THEN r.attempt END,
+        delivery_started_at = CASE WHEN r.status = 'delivered' THEN r.started_at END,
+        delivery_micros = CASE WHEN r.status = 'delivered' THEN r.duration_micros END,
+        last_error = r.error,
+        expires_at = CASE WHEN r.status <> 'pending' THEN now() + r.ttl_micros * interval '1 microsecond' END
+    FROM r
+    WHERE e.ctid = ANY (ARRAY(SELECT row_version FROM r))
+      AND e.destination = r.destination AND e.id = r.id AND e.claim = r.claim AND e.status = 'pending'
+    RETURNING e.destination, e.id
 ), logged AS (
     INSERT INTO idem_event_attempts (destination, event_id, attempt, started_at, duration_micros, error, permanent, claim)
     SELECT r.destination, r.id, r.attempt, r.started_at, r.duration_micros, r.error, r.permanent, r.claim
     FROM r
     WHERE r.error IS NOT NULL
-       OR NOT EXISTS (SELECT 1 FROM idem_events e
-                      WHERE e.ctid = r.row_version AND e.destination = r.destination AND e.id = r.id
-                        AND e.claim = r.claim AND e.status = 'pending')
+       OR NOT EXISTS (SELECT 1 FROM written w WHERE w.destination = r.destination AND w.id = r.id)
     ON CONFLICT DO NOTHING
 )
-UPDATE idem_events AS e
-SET status = r.status,
-    next_attempt_at = CASE WHEN r.status = 'pending'
-                           THEN now() + r.delay_micros * interval '1 microsecond'
-                           ELSE e.next_attempt_at END,
-    lease_until = NULL,
-    delivered_at = CASE WHEN r.status = 'delivered' THEN now() END,
-    failed_at = CASE WHEN r.status = 'failed' THEN now() END,
-    delivered_attempt = CASE WHEN r.status = 'delivered' THEN r.attempt END,
-    delivery_started_at = CASE WHEN r.status = 'delivered' THEN r.started_at END,
-    delivery_micros = CASE WHEN r.status = 'delivered' THEN r.duration_micros END,
-    last_error = r.error,
-    expires_at = CASE WHEN r.status <> 'pending' THEN now() + r.ttl_micros * interval '1 microsecond' END
-FROM r
-WHERE e.ctid = ANY (ARRAY(SELECT row_version FROM r))
-  AND e.destination = r.destination AND e.id = r.id AND e.claim = r.claim AND e.status = 'pending'
+SELECT count(*)::bigint AS written FROM written
 `
 
 // Records a batch of attempts and their events' new states, given as a
@@ -433,20 +434,21 @@ WHERE e.ctid = ANY (ARRAY(SELECT row_version FROM r))
 // event still carries the claim's token and is pending, so a newer claim,
 // RetryEvent or the pruner that came first is left as it is. A delivery
 // that is written goes into the event's row (delivered_attempt, ...); every
-// other attempt gets a row in idem_event_attempts while its event exists
+// other attempt gets a row in idem_event_attempts
 // (the same attempt twice is kept once). Returns how many states were
 // written. Each event is found by the row version its claim returned (a
 // TID scan, never a scan of the table): a row that changed since (a newer
-// claim) is not found, which is as if its token had changed. A failed
-// attempt is logged without checking that its event still exists (only a
-// relay stalled past a delivered event's TTL could log one for a pruned
-// event).
+// claim) is not found, which is as if its token had changed. Which
+// deliveries were not written is read from the UPDATE's own RETURNING,
+// never from the table (a NOT EXISTS over idem_events under an OR was
+// planned as a hashed scan of every pending event). An attempt is logged
+// without checking that its event still exists (only a relay stalled past
+// a delivered event's TTL could log one for a pruned event).
 func (q *Queries) EventRecord(ctx context.Context, db DBTX, attempts string) (int64, error) {
-	result, err := db.ExecContext(ctx, EventRecord, attempts)
-	if err != nil {
-		return 0, err
-	}
-	return result.RowsAffected()
+	row := db.QueryRowContext(ctx, EventRecord, attempts)
+	var written int64
+	err := row.Scan(&written)
+	return written, err
 }
 
 const EventRecordOne = `-- name: EventRecordOne :execrows
