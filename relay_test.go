@@ -565,7 +565,7 @@ func TestEventRecordGuardedByTheClaim(t *testing.T) {
 	}
 	first := claim()
 	// The first claim's lease runs out; a second relay claims the event.
-	if _, err := pool.Exec(ctx, `UPDATE idem_events SET next_attempt_at = now()`); err != nil {
+	if _, err := pool.Exec(ctx, `UPDATE idem_events SET lease_until = now()`); err != nil {
 		t.Fatal(err)
 	}
 	second := claim()
@@ -629,5 +629,73 @@ func TestRelayRunsOnceAtATime(t *testing.T) {
 		if err := <-done; !errors.Is(err, context.Canceled) {
 			t.Fatalf("Run: %v", err)
 		}
+	}
+}
+
+// The claim writes no indexed column, so with the table's fillfactor a
+// batch of neighbouring events is claimed by HOT updates; a leased event is
+// left to its claim; and the record finds its events by their row
+// versions, never by a scan of the table (its cost does not grow with the
+// backlog).
+func TestEventClaimIsHOTAndRecordScansNoTable(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t, idem.Migrate)
+	if _, err := pool.Exec(ctx, `INSERT INTO idem_events (destination, id, topic, payload)
+		SELECT 'd' || (g % 5), 'e' || g, 'bench.event', '{}'::bytea FROM generate_series(1, 2000) g`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `VACUUM ANALYZE idem_events`); err != nil {
+		t.Fatal(err)
+	}
+	q := db.New()
+	var first []db.EventClaimRow
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		var err error
+		if first, err = q.EventClaim(ctx, tx, db.EventClaimParams{LeaseMicros: time.Hour.Microseconds(), MaxRows: 100}); err != nil {
+			return err
+		}
+		var updated, hot int64
+		if err := tx.QueryRow(ctx, `SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_xact_user_tables
+			WHERE relname = 'idem_events'`).Scan(&updated, &hot); err != nil {
+			return err
+		}
+		if len(first) != 100 || updated != 100 || hot < 90 {
+			t.Errorf("claimed %d events by %d updates, %d of them HOT; want 100, 100, at least 90", len(first), updated, hot)
+		}
+		return nil
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Another relay's claim skips the leased events.
+	rest, err := q.EventClaim(ctx, pool, db.EventClaimParams{LeaseMicros: time.Hour.Microseconds(), MaxRows: 2000})
+	if err != nil || len(rest) != 1900 {
+		t.Fatalf("the second claim took %d events, %v; want 1900", len(rest), err)
+	}
+	var attempts []string
+	for _, c := range first {
+		attempts = append(attempts, fmt.Sprintf(`{"destination":%q,"id":%q,"claim":%d,"row_version":%q,"attempt":%d,
+			"started_at":"2026-01-01T00:00:00Z","duration_micros":5,"error":null,"permanent":false,"status":"delivered",
+			"delay_micros":0,"ttl_micros":1000000}`, c.Destination, c.ID, c.Claim, c.RowVersion, c.Attempts))
+	}
+	records := "[" + strings.Join(attempts, ",") + "]"
+	rows, err := pool.Query(ctx, "EXPLAIN (COSTS off) "+db.EventRecord, records)
+	if err != nil {
+		t.Fatal(err)
+	}
+	plan, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p := strings.Join(plan, "\n"); strings.Contains(p, "Seq Scan on idem_events") {
+		t.Fatalf("the record scans idem_events:\n%s", p)
+	}
+	if n, err := q.EventRecord(ctx, pool, records); err != nil || n != 100 {
+		t.Fatalf("the record wrote %d states, %v; want 100", n, err)
+	}
+	var logged int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem_event_attempts`).Scan(&logged); err != nil || logged != 0 {
+		t.Fatalf("%d attempts logged, %v; want none (deliveries at the first attempt)", logged, err)
 	}
 }

@@ -27,21 +27,22 @@ FROM idem_events
 WHERE destination = sqlc.arg(destination)::text AND id = sqlc.arg(id)::text;
 
 -- Claims up to @max_rows due pending events, earliest first, without
--- waiting for events another relay is claiming (SKIP LOCKED): each gets
--- one more attempt, a new claim token, and next_attempt_at at the end of
--- the lease, so no relay claims it again before the lease runs out. The
--- due scan walks idem_events_due_idx; the update finds the locked rows by
--- their ctid (a TID scan: never a scan of the table, however the planner
--- weighs a join).
+-- waiting for events another relay is claiming (SKIP LOCKED), and skipping
+-- the events under a lease: each gets one more attempt, a new claim token,
+-- and lease_until at the end of the lease, so no relay claims it again
+-- before the lease runs out. It writes no indexed column (next_attempt_at
+-- stays): a HOT update. The due scan walks idem_events_due_idx; the update
+-- finds the locked rows by their ctid (a TID scan: never a scan of the
+-- table, however the planner weighs a join).
 -- name: EventClaim :many
 UPDATE idem_events AS e
 SET attempts = e.attempts + 1,
     claim = e.claim + 1,
-    next_attempt_at = now() + sqlc.arg(lease_micros)::bigint * interval '1 microsecond'
+    lease_until = now() + sqlc.arg(lease_micros)::bigint * interval '1 microsecond'
 WHERE e.ctid = ANY (ARRAY(
         SELECT ctid
         FROM idem_events
-        WHERE status = 'pending' AND next_attempt_at <= now()
+        WHERE status = 'pending' AND next_attempt_at <= now() AND (lease_until IS NULL OR lease_until <= now())
         ORDER BY next_attempt_at
         LIMIT sqlc.arg(max_rows)::integer
         FOR UPDATE SKIP LOCKED))
@@ -56,15 +57,17 @@ RETURNING e.destination, e.id, e.topic, e.payload, coalesce(e.header::text, ''):
 -- event still carries the claim's token and is pending, so a newer claim,
 -- RetryEvent or the pruner that came first is left as it is. A delivery
 -- that is written goes into the event's row (delivered_attempt, ...); every
--- other attempt gets a row in idem_event_attempts while its event exists
+-- other attempt gets a row in idem_event_attempts
 -- (the same attempt twice is kept once). Returns how many states were
 -- written. Each event is found by the row version its claim returned (a
 -- TID scan, never a scan of the table): a row that changed since (a newer
--- claim) is not found, which is as if its token had changed. A failed
--- attempt is logged without checking that its event still exists (only a
--- relay stalled past a delivered event's TTL could log one for a pruned
--- event).
--- name: EventRecord :execrows
+-- claim) is not found, which is as if its token had changed. Which
+-- deliveries were not written is read from the UPDATE's own RETURNING,
+-- never from the table (a NOT EXISTS over idem_events under an OR was
+-- planned as a hashed scan of every pending event). An attempt is logged
+-- without checking that its event still exists (only a relay stalled past
+-- a delivered event's TTL could log one for a pruned event).
+-- name: EventRecord :one
 WITH r AS (
     SELECT x.value ->> 'destination' AS destination, x.value ->> 'id' AS id,
            (x.value ->> 'claim')::bigint AS claim, (x.value ->> 'row_version')::tid AS row_version,
@@ -74,31 +77,33 @@ WITH r AS (
            (x.value ->> 'permanent')::boolean AS permanent, x.value ->> 'status' AS status,
            (x.value ->> 'delay_micros')::bigint AS delay_micros, (x.value ->> 'ttl_micros')::bigint AS ttl_micros
     FROM jsonb_array_elements(sqlc.arg(attempts)::text::jsonb) AS x
+), written AS (
+    UPDATE idem_events AS e
+    SET status = r.status,
+        next_attempt_at = CASE WHEN r.status = 'pending'
+                               THEN now() + r.delay_micros * interval '1 microsecond'
+                               ELSE e.next_attempt_at END,
+        lease_until = NULL,
+        delivered_at = CASE WHEN r.status = 'delivered' THEN now() END,
+        failed_at = CASE WHEN r.status = 'failed' THEN now() END,
+        delivered_attempt = CASE WHEN r.status = 'delivered' THEN r.attempt END,
+        delivery_started_at = CASE WHEN r.status = 'delivered' THEN r.started_at END,
+        delivery_micros = CASE WHEN r.status = 'delivered' THEN r.duration_micros END,
+        last_error = r.error,
+        expires_at = CASE WHEN r.status <> 'pending' THEN now() + r.ttl_micros * interval '1 microsecond' END
+    FROM r
+    WHERE e.ctid = ANY (ARRAY(SELECT row_version FROM r))
+      AND e.destination = r.destination AND e.id = r.id AND e.claim = r.claim AND e.status = 'pending'
+    RETURNING e.destination, e.id
 ), logged AS (
     INSERT INTO idem_event_attempts (destination, event_id, attempt, started_at, duration_micros, error, permanent, claim)
     SELECT r.destination, r.id, r.attempt, r.started_at, r.duration_micros, r.error, r.permanent, r.claim
     FROM r
     WHERE r.error IS NOT NULL
-       OR NOT EXISTS (SELECT 1 FROM idem_events e
-                      WHERE e.ctid = r.row_version AND e.destination = r.destination AND e.id = r.id
-                        AND e.claim = r.claim AND e.status = 'pending')
+       OR NOT EXISTS (SELECT 1 FROM written w WHERE w.destination = r.destination AND w.id = r.id)
     ON CONFLICT DO NOTHING
 )
-UPDATE idem_events AS e
-SET status = r.status,
-    next_attempt_at = CASE WHEN r.status = 'pending'
-                           THEN now() + r.delay_micros * interval '1 microsecond'
-                           ELSE e.next_attempt_at END,
-    delivered_at = CASE WHEN r.status = 'delivered' THEN now() END,
-    failed_at = CASE WHEN r.status = 'failed' THEN now() END,
-    delivered_attempt = CASE WHEN r.status = 'delivered' THEN r.attempt END,
-    delivery_started_at = CASE WHEN r.status = 'delivered' THEN r.started_at END,
-    delivery_micros = CASE WHEN r.status = 'delivered' THEN r.duration_micros END,
-    last_error = r.error,
-    expires_at = CASE WHEN r.status <> 'pending' THEN now() + r.ttl_micros * interval '1 microsecond' END
-FROM r
-WHERE e.ctid = ANY (ARRAY(SELECT row_version FROM r))
-  AND e.destination = r.destination AND e.id = r.id AND e.claim = r.claim AND e.status = 'pending';
+SELECT count(*)::bigint AS written FROM written;
 
 -- Deletes up to @batch_size finished events past their expiry, and their
 -- attempt logs. SKIP LOCKED: several relays prune without waiting for each
@@ -121,10 +126,12 @@ WITH old AS (
 )
 SELECT count(*)::bigint FROM old;
 
--- One event, for LookupEvent.
+-- One event, for LookupEvent: next_attempt_at is, while a relay's lease
+-- holds it, the lease's end (when another relay may claim it).
 -- name: EventLookup :one
 SELECT destination, id, topic, payload, coalesce(header::text, '')::text AS header, status, attempts, retry_from,
-       next_attempt_at, claim, created_at, delivered_at, failed_at, delivered_attempt,
+       (CASE WHEN status = 'pending' AND lease_until > next_attempt_at THEN lease_until
+             ELSE next_attempt_at END)::timestamptz AS next_attempt_at, claim, created_at, delivered_at, failed_at, delivered_attempt,
        delivery_started_at, delivery_micros, last_error, retried_at, retry_reason, expires_at
 FROM idem_events
 WHERE destination = sqlc.arg(destination)::text AND id = sqlc.arg(id)::text;
@@ -143,6 +150,7 @@ ORDER BY attempt;
 UPDATE idem_events
 SET status = 'pending',
     next_attempt_at = now(),
+    lease_until = NULL,
     retry_from = attempts,
     retried_at = now(),
     retry_reason = sqlc.arg(reason)::text,
@@ -151,11 +159,11 @@ SET status = 'pending',
 WHERE destination = sqlc.arg(destination)::text AND id = sqlc.arg(id)::text AND status = 'failed';
 
 -- Gives back a claimed event that was not sent (Run ended before a worker
--- took it, or its lease was nearly over): due again now, the claim's
--- attempt uncounted. Guarded by the claim's token, as EventRecord.
+-- took it, or its lease was nearly over): its lease ended, so due again
+-- at its place, the claim's attempt uncounted (a HOT update). Guarded by the claim's token, as EventRecord.
 -- name: EventRelease :execrows
 UPDATE idem_events
-SET next_attempt_at = now(), attempts = attempts - 1
+SET lease_until = NULL, attempts = attempts - 1
 WHERE destination = sqlc.arg(destination)::text AND id = sqlc.arg(id)::text
   AND claim = sqlc.arg(claim)::bigint AND status = 'pending';
 
@@ -171,14 +179,14 @@ WHERE destination = sqlc.arg(destination)::text AND id = sqlc.arg(id)::text
 UPDATE idem_events AS e
 SET attempts = e.attempts + 1,
     claim = e.claim + 1,
-    next_attempt_at = now() + sqlc.arg(lease_micros)::bigint * interval '1 microsecond'
+    lease_until = now() + sqlc.arg(lease_micros)::bigint * interval '1 microsecond'
 WHERE (e.destination, e.id) IN (
         SELECT destination, id
         FROM idem_events
-        WHERE status = 'pending' AND next_attempt_at <= now()
+        WHERE status = 'pending' AND next_attempt_at <= now() AND (lease_until IS NULL OR lease_until <= now())
         ORDER BY next_attempt_at
         LIMIT sqlc.arg(max_rows)::integer)
-  AND e.status = 'pending' AND e.next_attempt_at <= now()
+  AND e.status = 'pending' AND e.next_attempt_at <= now() AND (e.lease_until IS NULL OR e.lease_until <= now())
 RETURNING e.destination, e.id, e.topic, e.payload, coalesce(e.header::text, '')::text AS header, e.attempts, e.retry_from, e.claim,
           e.ctid::text AS row_version;
 
@@ -225,6 +233,7 @@ SET status = sqlc.arg(status)::text,
     next_attempt_at = CASE WHEN sqlc.arg(status)::text = 'pending'
                            THEN now() + sqlc.arg(delay_micros)::bigint * interval '1 microsecond'
                            ELSE next_attempt_at END,
+    lease_until = NULL,
     delivered_at = CASE WHEN sqlc.arg(status)::text = 'delivered' THEN now() END,
     failed_at = CASE WHEN sqlc.arg(status)::text = 'failed' THEN now() END,
     delivered_attempt = CASE WHEN sqlc.arg(status)::text = 'delivered' THEN sqlc.arg(attempt)::integer END,

@@ -36,6 +36,7 @@ type IdemEvent struct {
 	Attempts          int32
 	RetryFrom         int32
 	NextAttemptAt     pgtype.Timestamptz
+	LeaseUntil        pgtype.Timestamptz
 	Claim             int64
 	CreatedAt         pgtype.Timestamptz
 	DeliveredAt       pgtype.Timestamptz

@@ -64,11 +64,11 @@ const EventClaim = `-- name: EventClaim :many
 UPDATE idem_events AS e
 SET attempts = e.attempts + 1,
     claim = e.claim + 1,
-    next_attempt_at = now() + $1::bigint * interval '1 microsecond'
+    lease_until = now() + $1::bigint * interval '1 microsecond'
 WHERE e.ctid = ANY (ARRAY(
         SELECT ctid
         FROM idem_events
-        WHERE status = 'pending' AND next_attempt_at <= now()
+        WHERE status = 'pending' AND next_attempt_at <= now() AND (lease_until IS NULL OR lease_until <= now())
         ORDER BY next_attempt_at
         LIMIT $2::integer
         FOR UPDATE SKIP LOCKED))
@@ -94,12 +94,13 @@ type EventClaimRow struct {
 }
 
 // Claims up to @max_rows due pending events, earliest first, without
-// waiting for events another relay is claiming (SKIP LOCKED): each gets
-// one more attempt, a new claim token, and next_attempt_at at the end of
-// the lease, so no relay claims it again before the lease runs out. The
-// due scan walks idem_events_due_idx; the update finds the locked rows by
-// their ctid (a TID scan: never a scan of the table, however the planner
-// weighs a join).
+// waiting for events another relay is claiming (SKIP LOCKED), and skipping
+// the events under a lease: each gets one more attempt, a new claim token,
+// and lease_until at the end of the lease, so no relay claims it again
+// before the lease runs out. It writes no indexed column (next_attempt_at
+// stays): a HOT update. The due scan walks idem_events_due_idx; the update
+// finds the locked rows by their ctid (a TID scan: never a scan of the
+// table, however the planner weighs a join).
 func (q *Queries) EventClaim(ctx context.Context, db DBTX, arg EventClaimParams) ([]EventClaimRow, error) {
 	rows, err := db.Query(ctx, EventClaim, arg.LeaseMicros, arg.MaxRows)
 	if err != nil {
@@ -134,14 +135,14 @@ const EventClaimCitus = `-- name: EventClaimCitus :many
 UPDATE idem_events AS e
 SET attempts = e.attempts + 1,
     claim = e.claim + 1,
-    next_attempt_at = now() + $1::bigint * interval '1 microsecond'
+    lease_until = now() + $1::bigint * interval '1 microsecond'
 WHERE (e.destination, e.id) IN (
         SELECT destination, id
         FROM idem_events
-        WHERE status = 'pending' AND next_attempt_at <= now()
+        WHERE status = 'pending' AND next_attempt_at <= now() AND (lease_until IS NULL OR lease_until <= now())
         ORDER BY next_attempt_at
         LIMIT $2::integer)
-  AND e.status = 'pending' AND e.next_attempt_at <= now()
+  AND e.status = 'pending' AND e.next_attempt_at <= now() AND (e.lease_until IS NULL OR e.lease_until <= now())
 RETURNING e.destination, e.id, e.topic, e.payload, coalesce(e.header::text, '')::text AS header, e.attempts, e.retry_from, e.claim,
           e.ctid::text AS row_version
 `
@@ -203,7 +204,8 @@ func (q *Queries) EventClaimCitus(ctx context.Context, db DBTX, arg EventClaimCi
 
 const EventLookup = `-- name: EventLookup :one
 SELECT destination, id, topic, payload, coalesce(header::text, '')::text AS header, status, attempts, retry_from,
-       next_attempt_at, claim, created_at, delivered_at, failed_at, delivered_attempt,
+       (CASE WHEN status = 'pending' AND lease_until > next_attempt_at THEN lease_until
+             ELSE next_attempt_at END)::timestamptz AS next_attempt_at, claim, created_at, delivered_at, failed_at, delivered_attempt,
        delivery_started_at, delivery_micros, last_error, retried_at, retry_reason, expires_at
 FROM idem_events
 WHERE destination = $1::text AND id = $2::text
@@ -237,7 +239,8 @@ type EventLookupRow struct {
 	ExpiresAt         pgtype.Timestamptz
 }
 
-// One event, for LookupEvent.
+// One event, for LookupEvent: next_attempt_at is, while a relay's lease
+// holds it, the lease's end (when another relay may claim it).
 func (q *Queries) EventLookup(ctx context.Context, db DBTX, arg EventLookupParams) (EventLookupRow, error) {
 	row := db.QueryRow(ctx, EventLookup, arg.Destination, arg.ID)
 	var i EventLookupRow
@@ -375,7 +378,7 @@ func (q *Queries) EventPublish(ctx context.Context, db DBTX, arg EventPublishPar
 	return inserted, err
 }
 
-const EventRecord = `-- name: EventRecord :execrows
+const EventRecord = `-- name: EventRecord :one
 WITH r AS (
     SELECT x.value ->> 'destination' AS destination, x.value ->> 'id' AS id,
            (x.value ->> 'claim')::bigint AS claim, (x.value ->> 'row_version')::tid AS row_version,
@@ -385,31 +388,33 @@ WITH r AS (
            (x.value ->> 'permanent')::boolean AS permanent, x.value ->> 'status' AS status,
            (x.value ->> 'delay_micros')::bigint AS delay_micros, (x.value ->> 'ttl_micros')::bigint AS ttl_micros
     FROM jsonb_array_elements($1::text::jsonb) AS x
+), written AS (
+    UPDATE idem_events AS e
+    SET status = r.status,
+        next_attempt_at = CASE WHEN r.status = 'pending'
+                               THEN now() + r.delay_micros * interval '1 microsecond'
+                               ELSE e.next_attempt_at END,
+        lease_until = NULL,
+        delivered_at = CASE WHEN r.status = 'delivered' THEN now() END,
+        failed_at = CASE WHEN r.status = 'failed' THEN now() END,
+        delivered_attempt = CASE WHEN r.status = 'delivered' THEN r.attempt END,
+        delivery_started_at = CASE WHEN r.status = 'delivered' THEN r.started_at END,
+        delivery_micros = CASE WHEN r.status = 'delivered' THEN r.duration_micros END,
+        last_error = r.error,
+        expires_at = CASE WHEN r.status <> 'pending' THEN now() + r.ttl_micros * interval '1 microsecond' END
+    FROM r
+    WHERE e.ctid = ANY (ARRAY(SELECT row_version FROM r))
+      AND e.destination = r.destination AND e.id = r.id AND e.claim = r.claim AND e.status = 'pending'
+    RETURNING e.destination, e.id
 ), logged AS (
     INSERT INTO idem_event_attempts (destination, event_id, attempt, started_at, duration_micros, error, permanent, claim)
     SELECT r.destination, r.id, r.attempt, r.started_at, r.duration_micros, r.error, r.permanent, r.claim
     FROM r
     WHERE r.error IS NOT NULL
-       OR NOT EXISTS (SELECT 1 FROM idem_events e
-                      WHERE e.ctid = r.row_version AND e.destination = r.destination AND e.id = r.id
-                        AND e.claim = r.claim AND e.status = 'pending')
+       OR NOT EXISTS (SELECT 1 FROM written w WHERE w.destination = r.destination AND w.id = r.id)
     ON CONFLICT DO NOTHING
 )
-UPDATE idem_events AS e
-SET status = r.status,
-    next_attempt_at = CASE WHEN r.status = 'pending'
-                           THEN now() + r.delay_micros * interval '1 microsecond'
-                           ELSE e.next_attempt_at END,
-    delivered_at = CASE WHEN r.status = 'delivered' THEN now() END,
-    failed_at = CASE WHEN r.status = 'failed' THEN now() END,
-    delivered_attempt = CASE WHEN r.status = 'delivered' THEN r.attempt END,
-    delivery_started_at = CASE WHEN r.status = 'delivered' THEN r.started_at END,
-    delivery_micros = CASE WHEN r.status = 'delivered' THEN r.duration_micros END,
-    last_error = r.error,
-    expires_at = CASE WHEN r.status <> 'pending' THEN now() + r.ttl_micros * interval '1 microsecond' END
-FROM r
-WHERE e.ctid = ANY (ARRAY(SELECT row_version FROM r))
-  AND e.destination = r.destination AND e.id = r.id AND e.claim = r.claim AND e.status = 'pending'
+SELECT count(*)::bigint AS written FROM written
 `
 
 // Records a batch of attempts and their events' new states, given as a
@@ -420,20 +425,21 @@ WHERE e.ctid = ANY (ARRAY(SELECT row_version FROM r))
 // event still carries the claim's token and is pending, so a newer claim,
 // RetryEvent or the pruner that came first is left as it is. A delivery
 // that is written goes into the event's row (delivered_attempt, ...); every
-// other attempt gets a row in idem_event_attempts while its event exists
+// other attempt gets a row in idem_event_attempts
 // (the same attempt twice is kept once). Returns how many states were
 // written. Each event is found by the row version its claim returned (a
 // TID scan, never a scan of the table): a row that changed since (a newer
-// claim) is not found, which is as if its token had changed. A failed
-// attempt is logged without checking that its event still exists (only a
-// relay stalled past a delivered event's TTL could log one for a pruned
-// event).
+// claim) is not found, which is as if its token had changed. Which
+// deliveries were not written is read from the UPDATE's own RETURNING,
+// never from the table (a NOT EXISTS over idem_events under an OR was
+// planned as a hashed scan of every pending event). An attempt is logged
+// without checking that its event still exists (only a relay stalled past
+// a delivered event's TTL could log one for a pruned event).
 func (q *Queries) EventRecord(ctx context.Context, db DBTX, attempts string) (int64, error) {
-	result, err := db.Exec(ctx, EventRecord, attempts)
-	if err != nil {
-		return 0, err
-	}
-	return result.RowsAffected(), nil
+	row := db.QueryRow(ctx, EventRecord, attempts)
+	var written int64
+	err := row.Scan(&written)
+	return written, err
 }
 
 const EventRecordOne = `-- name: EventRecordOne :execrows
@@ -452,6 +458,7 @@ SET status = $1::text,
     next_attempt_at = CASE WHEN $1::text = 'pending'
                            THEN now() + $2::bigint * interval '1 microsecond'
                            ELSE next_attempt_at END,
+    lease_until = NULL,
     delivered_at = CASE WHEN $1::text = 'delivered' THEN now() END,
     failed_at = CASE WHEN $1::text = 'failed' THEN now() END,
     delivered_attempt = CASE WHEN $1::text = 'delivered' THEN $3::integer END,
@@ -504,7 +511,7 @@ func (q *Queries) EventRecordOne(ctx context.Context, db DBTX, arg EventRecordOn
 
 const EventRelease = `-- name: EventRelease :execrows
 UPDATE idem_events
-SET next_attempt_at = now(), attempts = attempts - 1
+SET lease_until = NULL, attempts = attempts - 1
 WHERE destination = $1::text AND id = $2::text
   AND claim = $3::bigint AND status = 'pending'
 `
@@ -516,8 +523,8 @@ type EventReleaseParams struct {
 }
 
 // Gives back a claimed event that was not sent (Run ended before a worker
-// took it, or its lease was nearly over): due again now, the claim's
-// attempt uncounted. Guarded by the claim's token, as EventRecord.
+// took it, or its lease was nearly over): its lease ended, so due again
+// at its place, the claim's attempt uncounted (a HOT update). Guarded by the claim's token, as EventRecord.
 func (q *Queries) EventRelease(ctx context.Context, db DBTX, arg EventReleaseParams) (int64, error) {
 	result, err := db.Exec(ctx, EventRelease, arg.Destination, arg.ID, arg.Claim)
 	if err != nil {
@@ -530,6 +537,7 @@ const EventRetry = `-- name: EventRetry :execrows
 UPDATE idem_events
 SET status = 'pending',
     next_attempt_at = now(),
+    lease_until = NULL,
     retry_from = attempts,
     retried_at = now(),
     retry_reason = $1::text,

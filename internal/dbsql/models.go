@@ -39,6 +39,7 @@ type IdemEvent struct {
 	Attempts          int32
 	RetryFrom         int32
 	NextAttemptAt     time.Time
+	LeaseUntil        sql.NullTime
 	Claim             int64
 	CreatedAt         time.Time
 	DeliveredAt       sql.NullTime
