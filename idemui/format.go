@@ -74,6 +74,8 @@ func newDetailView(e audit.Entry) *detailView {
 		v.Summary = "Stored response"
 	case audit.ActionPrune:
 		v.Summary = "Bounds"
+	case audit.ActionRetryEvent:
+		v.Summary = "Event sent again"
 	}
 	return v
 }

@@ -43,7 +43,7 @@ type flash struct {
 }
 
 // pageNames are the templates: each is templates/NAME.html with the layout.
-var pageNames = []string{"overview", "unknown", "expire", "key", "search", "audit", "error", "bulk"}
+var pageNames = []string{"overview", "unknown", "expire", "key", "search", "audit", "error", "bulk", "deliveries", "event"}
 
 // parseTemplates parses every page with the layout.
 func parseTemplates() (map[string]*template.Template, error) {
@@ -851,7 +851,7 @@ func (q *request) auditPage() {
 		return
 	}
 	v := auditView{Filter: f, Entries: entries,
-		Actions: []string{audit.ActionResolve, audit.ActionForget, audit.ActionExpireLeases, audit.ActionPrune}}
+		Actions: []string{audit.ActionResolve, audit.ActionForget, audit.ActionExpireLeases, audit.ActionPrune, audit.ActionRetryEvent}}
 	base := auditValues(f)
 	if next != "" {
 		nv := auditValues(f)
@@ -883,9 +883,9 @@ func auditQuery(vs url.Values, limit int) (audit.ListFilter, string, error) {
 		*p.v = strings.TrimSpace(*p.v)
 	}
 	switch f.Action {
-	case "", audit.ActionResolve, audit.ActionForget, audit.ActionExpireLeases, audit.ActionPrune:
+	case "", audit.ActionResolve, audit.ActionForget, audit.ActionExpireLeases, audit.ActionPrune, audit.ActionRetryEvent:
 	default:
-		return f, "", badRequest("invalid_filter", "The action %q is not one of resolve, forget, expire_leases, prune.", f.Action)
+		return f, "", badRequest("invalid_filter", "The action %q is not one of resolve, forget, expire_leases, prune, retry_event.", f.Action)
 	}
 	for _, p := range []struct {
 		name string
