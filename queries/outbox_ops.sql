@@ -21,3 +21,17 @@ WHERE (sqlc.arg(status)::text = '' OR status = sqlc.arg(status)::text)
        OR (status = 'pending' AND next_attempt_at < now() - make_interval(secs => sqlc.arg(overdue_micros)::bigint / 1e6)))
 ORDER BY created_at DESC, destination, id
 LIMIT sqlc.arg(max_rows)::integer;
+
+-- Lists the overdue events, the longest overdue first, optionally for one
+-- destination (empty: every one): a walk of idem_events_due_idx in its
+-- order, however many events are pending.
+-- name: EventListOverdue :many
+SELECT destination, id, topic, status, attempts, next_attempt_at, created_at,
+       delivered_at, failed_at, coalesce(last_error, '')::text AS last_error,
+       true::boolean AS overdue
+FROM idem_events
+WHERE status = 'pending'
+  AND next_attempt_at < now() - make_interval(secs => sqlc.arg(overdue_micros)::bigint / 1e6)
+  AND (sqlc.arg(destination)::text = '' OR destination = sqlc.arg(destination)::text)
+ORDER BY next_attempt_at
+LIMIT sqlc.arg(max_rows)::integer;

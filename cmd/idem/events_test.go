@@ -127,6 +127,7 @@ func TestCLIEventsList(t *testing.T) {
 		{nil, "ev-delivered ev-failed ev-overdue ev-pending"},
 		{[]string{"--status", "failed"}, "ev-failed"},
 		{[]string{"--status", "overdue"}, "ev-overdue"},
+		{[]string{"--status", "overdue", "--destination", "billing"}, ""},
 		{[]string{"--status", "pending"}, "ev-overdue ev-pending"},
 		{[]string{"--status", "delivered"}, "ev-delivered"},
 		{[]string{"--destination", "ledger"}, "ev-delivered ev-overdue"},

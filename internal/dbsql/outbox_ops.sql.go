@@ -98,3 +98,73 @@ func (q *Queries) EventList(ctx context.Context, db DBTX, arg EventListParams) (
 	}
 	return items, nil
 }
+
+const EventListOverdue = `-- name: EventListOverdue :many
+SELECT destination, id, topic, status, attempts, next_attempt_at, created_at,
+       delivered_at, failed_at, coalesce(last_error, '')::text AS last_error,
+       true::boolean AS overdue
+FROM idem_events
+WHERE status = 'pending'
+  AND next_attempt_at < now() - make_interval(secs => $1::bigint / 1e6)
+  AND ($2::text = '' OR destination = $2::text)
+ORDER BY next_attempt_at
+LIMIT $3::integer
+`
+
+type EventListOverdueParams struct {
+	OverdueMicros int64
+	Destination   string
+	MaxRows       int32
+}
+
+type EventListOverdueRow struct {
+	Destination   string
+	ID            string
+	Topic         string
+	Status        string
+	Attempts      int32
+	NextAttemptAt time.Time
+	CreatedAt     time.Time
+	DeliveredAt   sql.NullTime
+	FailedAt      sql.NullTime
+	LastError     string
+	Overdue       bool
+}
+
+// Lists the overdue events, the longest overdue first, optionally for one
+// destination (empty: every one): a walk of idem_events_due_idx in its
+// order, however many events are pending.
+func (q *Queries) EventListOverdue(ctx context.Context, db DBTX, arg EventListOverdueParams) ([]EventListOverdueRow, error) {
+	rows, err := db.QueryContext(ctx, EventListOverdue, arg.OverdueMicros, arg.Destination, arg.MaxRows)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []EventListOverdueRow
+	for rows.Next() {
+		var i EventListOverdueRow
+		if err := rows.Scan(
+			&i.Destination,
+			&i.ID,
+			&i.Topic,
+			&i.Status,
+			&i.Attempts,
+			&i.NextAttemptAt,
+			&i.CreatedAt,
+			&i.DeliveredAt,
+			&i.FailedAt,
+			&i.LastError,
+			&i.Overdue,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Close(); err != nil {
+		return nil, err
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}

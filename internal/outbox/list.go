@@ -37,7 +37,9 @@ func ValidStatus(s string) bool {
 	return false
 }
 
-// List returns the events f selects, newest first (queries/outbox_ops.sql).
+// List returns the events f selects, newest first; the overdue ones the
+// longest overdue first, through the relay's index of due events
+// (queries/outbox_ops.sql).
 // The caller validates f (ValidStatus, a positive Limit).
 func List(ctx context.Context, db store.DBTX, f Filter) ([]store.EventListRow, error) {
 	p := store.EventListParams{
@@ -47,7 +49,13 @@ func List(ctx context.Context, db store.DBTX, f Filter) ([]store.EventListRow, e
 		MaxRows:       int32(min(f.Limit, 10000)),
 	}
 	if f.Status == "overdue" {
-		p.Status, p.OnlyOverdue = "pending", true
+		rows, err := store.New().EventListOverdue(ctx, db, store.EventListOverdueParams{
+			OverdueMicros: p.OverdueMicros, Destination: p.Destination, MaxRows: p.MaxRows})
+		out := make([]store.EventListRow, len(rows))
+		for i, r := range rows {
+			out[i] = store.EventListRow(r)
+		}
+		return out, err
 	}
 	return store.New().EventList(ctx, db, p)
 }
