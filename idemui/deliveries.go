@@ -5,6 +5,7 @@ package idemui
 
 import (
 	"context"
+	"encoding/json"
 	"net/http"
 	"net/url"
 	"strings"
@@ -141,4 +142,18 @@ func (q *request) retryEventPage() {
 	}
 	q.redirectDone("/event", url.Values{"destination": {destination}, "id": {id}},
 		"Event sent again: it is pending and due now; a relay sends it next. The audit trail records it.")
+}
+
+// eventLink is the event an audit row of retry_event names.
+type eventLink struct{ Destination, ID, URL string }
+
+// eventRef reads the event of a retry_event row from its detail; nil when
+// the detail names none.
+func eventRef(prefix string, e audit.Entry) *eventLink {
+	var d struct{ Destination, ID string }
+	if json.Unmarshal(e.Detail, &d) != nil || d.Destination == "" || d.ID == "" {
+		return nil
+	}
+	return &eventLink{Destination: d.Destination, ID: d.ID,
+		URL: prefix + "/event?" + url.Values{"destination": {d.Destination}, "id": {d.ID}}.Encode()}
 }

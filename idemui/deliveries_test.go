@@ -99,7 +99,8 @@ func TestDeliveries(t *testing.T) {
 		t.Fatalf("after the retry: %+v, %v", rec, err)
 	}
 	audit := e.get("/idem/audit?action=retry_event")
-	if audit.status != 200 || !strings.Contains(audit.body, "retry_event") || !strings.Contains(audit.body, "Event sent again") {
+	if audit.status != 200 || !strings.Contains(audit.body, "retry_event") || !strings.Contains(audit.body, "Event sent again") ||
+		!strings.Contains(audit.body, "sent a failed event again") || !strings.Contains(audit.body, `href="/idem/event?destination=billing&amp;id=ev-failed"`) {
 		t.Fatalf("audit page:\n%s", audit.body)
 	}
 }

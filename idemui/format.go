@@ -36,6 +36,7 @@ var funcs = template.FuncMap{
 		return entryTable{Prefix: prefix, Entries: entries, ShowKey: showKey}
 	},
 	"action": actionText,
+	"eventref": eventRef,
 	"detail": newDetailView,
 	"ref": func(actor, operation, key string, token int64) string {
 		return targetRef(idem.Scope{Actor: actor, Operation: operation}, key, token)

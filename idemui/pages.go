@@ -614,6 +614,8 @@ func actionText(e audit.Entry) string {
 		return "expired " + plural(e.Changed, "lease")
 	case audit.ActionPrune:
 		return "pruned " + plural(e.Changed, "expired key")
+	case audit.ActionRetryEvent:
+		return "sent a failed event again"
 	}
 	return e.Action
 }
