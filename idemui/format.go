@@ -35,9 +35,9 @@ var funcs = template.FuncMap{
 	"entries": func(prefix string, entries []audit.Entry, showKey bool) entryTable {
 		return entryTable{Prefix: prefix, Entries: entries, ShowKey: showKey}
 	},
-	"action": actionText,
+	"action":   actionText,
 	"eventref": eventRef,
-	"detail": newDetailView,
+	"detail":   newDetailView,
 	"ref": func(actor, operation, key string, token int64) string {
 		return targetRef(idem.Scope{Actor: actor, Operation: operation}, key, token)
 	},
