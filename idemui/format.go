@@ -35,8 +35,9 @@ var funcs = template.FuncMap{
 	"entries": func(prefix string, entries []audit.Entry, showKey bool) entryTable {
 		return entryTable{Prefix: prefix, Entries: entries, ShowKey: showKey}
 	},
-	"action": actionText,
-	"detail": newDetailView,
+	"action":   actionText,
+	"eventref": eventRef,
+	"detail":   newDetailView,
 	"ref": func(actor, operation, key string, token int64) string {
 		return targetRef(idem.Scope{Actor: actor, Operation: operation}, key, token)
 	},
@@ -74,6 +75,8 @@ func newDetailView(e audit.Entry) *detailView {
 		v.Summary = "Stored response"
 	case audit.ActionPrune:
 		v.Summary = "Bounds"
+	case audit.ActionRetryEvent:
+		v.Summary = "Event sent again"
 	}
 	return v
 }

@@ -79,6 +79,9 @@ const (
 	ActionForget       Action = "forget"
 	ActionExpireLeases Action = "expire_leases"
 	ActionPrune        Action = "prune"
+	// ActionRetryEvent sends a failed event of the outbox again (the
+	// deliveries page).
+	ActionRetryEvent Action = "retry_event"
 )
 
 // Options configure the console.
@@ -274,12 +277,12 @@ func IsOffer(r *http.Request) bool {
 // offers asks Authorize, for r, which of the actions that change records
 // a page may offer: none on a read-only console.
 func (c *console) offers(r *http.Request) map[string]bool {
-	out := make(map[string]bool, 4)
+	out := make(map[string]bool, 5)
 	if c.opts.ReadOnly {
 		return out
 	}
 	ask := r.WithContext(context.WithValue(r.Context(), offerKey{}, true))
-	for _, a := range []Action{ActionResolve, ActionForget, ActionExpireLeases, ActionPrune} {
+	for _, a := range []Action{ActionResolve, ActionForget, ActionExpireLeases, ActionPrune, ActionRetryEvent} {
 		op, err := c.opts.Authorize(ask, a)
 		out[string(a)] = err == nil && checkOperator(op) == nil
 	}

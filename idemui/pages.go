@@ -43,7 +43,7 @@ type flash struct {
 }
 
 // pageNames are the templates: each is templates/NAME.html with the layout.
-var pageNames = []string{"overview", "unknown", "expire", "key", "search", "audit", "error", "bulk"}
+var pageNames = []string{"overview", "unknown", "expire", "key", "search", "audit", "error", "bulk", "deliveries", "event"}
 
 // parseTemplates parses every page with the layout.
 func parseTemplates() (map[string]*template.Template, error) {
@@ -614,6 +614,8 @@ func actionText(e audit.Entry) string {
 		return "expired " + plural(e.Changed, "lease")
 	case audit.ActionPrune:
 		return "pruned " + plural(e.Changed, "expired key")
+	case audit.ActionRetryEvent:
+		return "sent a failed event again"
 	}
 	return e.Action
 }
@@ -866,7 +868,7 @@ func (q *request) auditPage() {
 		return
 	}
 	v := auditView{Filter: f, Entries: entries,
-		Actions: []string{audit.ActionResolve, audit.ActionForget, audit.ActionExpireLeases, audit.ActionPrune}}
+		Actions: []string{audit.ActionResolve, audit.ActionForget, audit.ActionExpireLeases, audit.ActionPrune, audit.ActionRetryEvent}}
 	base := auditValues(f)
 	if next != "" {
 		nv := auditValues(f)
@@ -899,9 +901,9 @@ func auditQuery(vs url.Values, limit int) (audit.ListFilter, string, error) {
 	}
 	f.Action = strings.TrimSpace(f.Action)
 	switch f.Action {
-	case "", audit.ActionResolve, audit.ActionForget, audit.ActionExpireLeases, audit.ActionPrune:
+	case "", audit.ActionResolve, audit.ActionForget, audit.ActionExpireLeases, audit.ActionPrune, audit.ActionRetryEvent:
 	default:
-		return f, "", badRequest("invalid_filter", "The action %q is not one of resolve, forget, expire_leases, prune.", f.Action)
+		return f, "", badRequest("invalid_filter", "The action %q is not one of resolve, forget, expire_leases, prune, retry_event.", f.Action)
 	}
 	for _, p := range []struct {
 		name string

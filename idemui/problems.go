@@ -46,6 +46,10 @@ func problemOf(err error) *problem {
 		return badRequest("invalid_response", "The response cannot be stored: %s. Nothing changed.", message(err))
 	case errors.Is(err, idem.ErrInvalidArgument):
 		return badRequest("invalid_argument", "%s. Nothing changed.", message(err))
+	case errors.Is(err, idem.ErrEventNotFound):
+		return &problem{Status: http.StatusNotFound, Code: "no_event", Message: "No such event in the outbox (it may have been pruned). Nothing changed."}
+	case errors.Is(err, idem.ErrEventNotFailed):
+		return &problem{Status: http.StatusConflict, Code: "not_failed", Message: "Only a failed event can be sent again; this one is not failed (any more). Nothing changed."}
 	case errors.Is(err, idem.ErrNotFound):
 		return &problem{Status: http.StatusNotFound, Code: "no_record",
 			Message: "No record holds this key: it was never used, or it was pruned or forgotten."}

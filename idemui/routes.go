@@ -73,6 +73,11 @@ func match(path string, vs url.Values) route {
 	case "/prune":
 		p = pair{post: pick(api, (*request).prunePage, (*request).pruneAPI)}
 		action = ActionPrune
+	case "/deliveries":
+		p = pair{get: pick(api, (*request).deliveriesPage, nil)}
+	case "/event":
+		p = pair{get: pick(api, (*request).eventPage, nil), post: pick(api, (*request).retryEventPage, nil)}
+		action = ActionRetryEvent
 	case "/search":
 		p = pair{get: pick(api, (*request).searchPage, (*request).searchAPI)}
 	case "/audit":

@@ -247,7 +247,7 @@ func (e *NotDemoDatabaseError) Error() string {
 		"pass -db with another name (a new database is created)", e.Database, strings.Join(e.Tables, ", "))
 }
 
-// reset drops every relation in the database called name and marks it as
+// reset drops every relation and function in the database called name and marks it as
 // the demo's, if it is the demo's: marked as such (markerTable), empty, or
 // holding only olderDemoTables. Otherwise it changes nothing and returns a
 // *NotDemoDatabaseError. With keep, a database marked as the demo's is left
@@ -294,12 +294,27 @@ func reset(ctx context.Context, pool *pgxpool.Pool, name string, keep bool) erro
 				return fmt.Errorf("reset: %w", err)
 			}
 		}
-		// idem's function (migration 00008) goes with the tables, so that
-		// the migrations run again from the start.
-		if _, err := tx.Exec(ctx, `DROP FUNCTION IF EXISTS idem_refuse(text, text)`); err != nil {
+		// The functions of idem's migrations (idem_refuse, 00008) too, or
+		// the next run's migrations fail to create them again. Not an
+		// extension's.
+		rows, err := tx.Query(ctx, `
+			SELECT p.oid::regprocedure::text
+			FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
+			WHERE n.nspname = 'public'
+			  AND NOT EXISTS (SELECT 1 FROM pg_depend d WHERE d.classid = 'pg_proc'::regclass AND d.objid = p.oid AND d.deptype = 'e')`)
+		if err != nil {
 			return fmt.Errorf("reset: %w", err)
 		}
-		_, err := tx.Exec(ctx, `CREATE TABLE `+markerTable+` (note text NOT NULL);
+		routines, err := pgx.CollectRows(rows, pgx.RowTo[string])
+		if err != nil {
+			return fmt.Errorf("reset: %w", err)
+		}
+		for _, r := range routines {
+			if _, err := tx.Exec(ctx, "DROP ROUTINE IF EXISTS "+r+" CASCADE"); err != nil {
+				return fmt.Errorf("reset: %w", err)
+			}
+		}
+		_, err = tx.Exec(ctx, `CREATE TABLE `+markerTable+` (note text NOT NULL);
 			INSERT INTO `+markerTable+` VALUES ('This database is idem-demo''s: every run drops and recreates every table in it.')`)
 		return err
 	})

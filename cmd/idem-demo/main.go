@@ -186,6 +186,6 @@ func runOn(ctx context.Context, out io.Writer, srv *pgserver.Server, name string
 	if failed > 0 {
 		return fmt.Errorf("%d scenario(s) failed", failed)
 	}
-	fmt.Fprintln(out, "\nAll scenarios ok: every draw was charged and stocked exactly once, and every payment charged at most once.")
+	fmt.Fprintln(out, "\nAll scenarios ok: every draw was charged and stocked exactly once, every payment charged at most once, and every payment.succeeded webhook processed once.")
 	return nil
 }

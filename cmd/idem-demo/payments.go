@@ -467,14 +467,15 @@ func paymentResponse(c gatewayCharge) idem.Response {
 	}
 }
 
-// insertPayment writes the payment row of a charge.
+// insertPayment writes the payment row of a charge and publishes its
+// payment.succeeded event (webhooks.go), in the same transaction.
 func insertPayment(ctx context.Context, tx pgx.Tx, user, key string, c gatewayCharge) error {
 	_, err := tx.Exec(ctx, `INSERT INTO payments (id, actor, idem_key, charge_id, customer_id, amount_cents, currency)
 		VALUES ($1, $2, $3, $4, $5, $6, $7)`, paymentID(c), user, key, c.ID, c.CustomerID, c.AmountCents, c.Currency)
 	if err != nil {
 		return fmt.Errorf("record payment: %w", err)
 	}
-	return nil
+	return publishPaymentSucceeded(ctx, tx, user, key, c)
 }
 
 // resolve reconciles the unknown payment of (actor, key) against the

@@ -58,6 +58,8 @@ var scenarios = []scenario{
 	// operator's.
 	{"gateway times out after charging, the retry resumes", (*demo).paymentResumedByRetry, 4, 3},
 	{"service stops after the charge, recovered after restart", (*demo).paymentRecovered, 4, 3},
+	// The payments' events (webhooks.go), delivered as webhooks.
+	{"payment.succeeded webhooks: answers lost, relay restarted", (*demo).paymentEvents, 4, 3},
 }
 
 type demo struct {

@@ -136,6 +136,17 @@ func serve(ctx context.Context, out io.Writer, cfg serveConfig) error {
 	worker := make(chan struct{})
 	go func() { defer close(worker); pay.recoverLoop(workerCtx, log) }()
 	defer func() { stopWorker(); <-worker }()
+	// The payments' events, delivered as webhooks to the demo's receiver.
+	rc, err := newReceiver(ctx, pool)
+	if err != nil {
+		return err
+	}
+	defer rc.close()
+	stopRelay, err := startRelay(ctx, pool, rc)
+	if err != nil {
+		return err
+	}
+	defer stopRelay()
 
 	base := "http://" + ln.Addr().String()
 	tables := "its tables reset"
@@ -158,6 +169,8 @@ func serve(ctx context.Context, out io.Writer, cfg serveConfig) error {
 		"  curl -si %s/v1/payments -H 'Authorization: Bearer alice' \\\n"+
 		"    -H 'Idempotency-Key: %s' -H 'Content-Type: application/json' \\\n"+
 		"    -d '{\"customerId\":\"cus-1\",\"amountCents\":12000,\"currency\":\"KRW\"}'\n", base, newKey())
+	fmt.Fprintf(out, "Each payment publishes payment.succeeded; a relay delivers it as a webhook to the demo's receiver on %s\n"+
+		"(processed once per webhook-id; see them with: idem events list -destination %s).\n", rc.srv.URL, billingDestination)
 	if cfg.resumeWithin > 0 {
 		fmt.Fprintf(out, "A payment in doubt resumes for %s (the gateway remembers keys 24h): the client's retry with the same key,\n"+
 			"or the recovery worker once its %s lease has run out (after a crash: start again with -keep), sends it again.\n", cfg.resumeWithin, cfg.lease)

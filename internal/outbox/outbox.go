@@ -1,6 +1,7 @@
 // Package outbox holds what idem's and idemsql's Publish share: the checks
 // of an event and the stored form of its header. The fronts wrap its errors
-// with idem.ErrInvalidEvent.
+// with idem.ErrInvalidEvent. It also lists events for operators (List: the
+// idem command's events list and the console's deliveries page).
 package outbox
 
 import (
