@@ -536,6 +536,39 @@ func TestEventClaimUsesTheDueIndex(t *testing.T) {
 	if p := strings.Join(plan, "\n"); !strings.Contains(p, "idem_events_due_idx") || strings.Contains(p, "Seq Scan") {
 		t.Fatalf("the claim does not walk idem_events_due_idx:\n%s", p)
 	}
+
+	// The failed events, among the 100,000 delivered, are listed through
+	// their own index, newest first.
+	_, err = pool.Exec(ctx, `INSERT INTO idem_events (destination, id, topic, payload, status, failed_at, created_at, expires_at)
+		SELECT 'f', 'f' || i, 't', '\x00', 'failed', now(), now() + i * interval '1 second', now() + interval '1 day'
+		FROM generate_series(1, 3) i`)
+	if err == nil {
+		_, err = pool.Exec(ctx, `ANALYZE idem_events`)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	rows, err = pool.Query(ctx, "EXPLAIN "+db.EventListFailed, "", int32(50))
+	if err == nil {
+		plan, err = pgx.CollectRows(rows, pgx.RowTo[string])
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p := strings.Join(plan, "\n"); !strings.Contains(p, "idem_events_failed_idx") || strings.Contains(p, "Seq Scan") {
+		t.Fatalf("the failed list does not walk idem_events_failed_idx:\n%s", p)
+	}
+	failed, err := outbox.List(ctx, pool, outbox.Filter{Status: "failed", Limit: 50})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var ids []string
+	for _, e := range failed {
+		ids = append(ids, e.ID)
+	}
+	if strings.Join(ids, " ") != "f3 f2 f1" {
+		t.Fatalf("failed events listed: %q, want f3 f2 f1", ids)
+	}
 }
 
 // The public limits of an event are the ones Publish checks.

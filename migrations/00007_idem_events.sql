@@ -83,6 +83,11 @@ CREATE INDEX idem_events_due_idx ON idem_events (next_attempt_at) WHERE status =
 -- Pruning: the finished events past their expiry, earliest first.
 CREATE INDEX idem_events_expires_idx ON idem_events (expires_at) WHERE expires_at IS NOT NULL;
 
+-- The failed events, newest first (`idem events list --status failed`, the
+-- console's deliveries page): only failed rows, so the list reads its page
+-- however many events were delivered. The claim never writes its columns.
+CREATE INDEX idem_events_failed_idx ON idem_events (created_at DESC, destination, id) WHERE status = 'failed';
+
 -- idem_event_attempts is the attempt log: one row per attempt whose outcome
 -- a relay recorded, except the attempt that delivered the event, which its
 -- row in idem_events holds (an attempt cut by a relay's crash leaves none;

@@ -56,8 +56,9 @@ type EventListRow struct {
 // Lists events, newest first (by created_at, then destination and id),
 // filtered: an empty status or destination matches every event; overdue
 // keeps only the overdue ones. It reads idem_events in created_at order
-// up to max_rows matches (no index serves 'failed'): an outbox that the
-// relay prunes (RelayOptions.TTL, FailedTTL) stays small enough for that.
+// up to max_rows matches: an outbox that the relay prunes
+// (RelayOptions.TTL, FailedTTL) stays small enough for that. The failed
+// and the overdue events have lists of their own, which an index serves.
 func (q *Queries) EventList(ctx context.Context, db DBTX, arg EventListParams) ([]EventListRow, error) {
 	rows, err := db.QueryContext(ctx, EventList,
 		arg.OverdueMicros,
@@ -73,6 +74,74 @@ func (q *Queries) EventList(ctx context.Context, db DBTX, arg EventListParams) (
 	var items []EventListRow
 	for rows.Next() {
 		var i EventListRow
+		if err := rows.Scan(
+			&i.Destination,
+			&i.ID,
+			&i.Topic,
+			&i.Status,
+			&i.Attempts,
+			&i.NextAttemptAt,
+			&i.CreatedAt,
+			&i.DeliveredAt,
+			&i.FailedAt,
+			&i.LastError,
+			&i.Overdue,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Close(); err != nil {
+		return nil, err
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const EventListFailed = `-- name: EventListFailed :many
+SELECT destination, id, topic, status, attempts, next_attempt_at, created_at,
+       delivered_at, failed_at, coalesce(last_error, '')::text AS last_error,
+       false::boolean AS overdue
+FROM idem_events
+WHERE status = 'failed'
+  AND ($1::text = '' OR destination = $1::text)
+ORDER BY created_at DESC, destination, id
+LIMIT $2::integer
+`
+
+type EventListFailedParams struct {
+	Destination string
+	MaxRows     int32
+}
+
+type EventListFailedRow struct {
+	Destination   string
+	ID            string
+	Topic         string
+	Status        string
+	Attempts      int32
+	NextAttemptAt time.Time
+	CreatedAt     time.Time
+	DeliveredAt   sql.NullTime
+	FailedAt      sql.NullTime
+	LastError     string
+	Overdue       bool
+}
+
+// Lists the failed events, newest first, optionally for one destination
+// (empty: every one): a walk of idem_events_failed_idx in its order,
+// however many events were delivered.
+func (q *Queries) EventListFailed(ctx context.Context, db DBTX, arg EventListFailedParams) ([]EventListFailedRow, error) {
+	rows, err := db.QueryContext(ctx, EventListFailed, arg.Destination, arg.MaxRows)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []EventListFailedRow
+	for rows.Next() {
+		var i EventListFailedRow
 		if err := rows.Scan(
 			&i.Destination,
 			&i.ID,

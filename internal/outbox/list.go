@@ -38,8 +38,8 @@ func ValidStatus(s string) bool {
 }
 
 // List returns the events f selects, newest first; the overdue ones the
-// longest overdue first, through the relay's index of due events
-// (queries/outbox_ops.sql).
+// longest overdue first, through the relay's index of due events, and the
+// failed ones through their own (queries/outbox_ops.sql).
 // The caller validates f (ValidStatus, a positive Limit).
 func List(ctx context.Context, db store.DBTX, f Filter) ([]store.EventListRow, error) {
 	p := store.EventListParams{
@@ -48,9 +48,17 @@ func List(ctx context.Context, db store.DBTX, f Filter) ([]store.EventListRow, e
 		Destination:   f.Destination,
 		MaxRows:       int32(min(f.Limit, 10000)),
 	}
-	if f.Status == "overdue" {
+	switch f.Status {
+	case "overdue":
 		rows, err := store.New().EventListOverdue(ctx, db, store.EventListOverdueParams{
 			OverdueMicros: p.OverdueMicros, Destination: p.Destination, MaxRows: p.MaxRows})
+		out := make([]store.EventListRow, len(rows))
+		for i, r := range rows {
+			out[i] = store.EventListRow(r)
+		}
+		return out, err
+	case "failed":
+		rows, err := store.New().EventListFailed(ctx, db, store.EventListFailedParams{Destination: p.Destination, MaxRows: p.MaxRows})
 		out := make([]store.EventListRow, len(rows))
 		for i, r := range rows {
 			out[i] = store.EventListRow(r)
