@@ -434,6 +434,9 @@ type recordJSON struct {
 	LastError      string        `json:"last_error,omitempty"`
 	ResolveReason  string        `json:"resolve_reason,omitempty"`
 	Response       *responseJSON `json:"response,omitempty"`
+	// ResponseGone: the stored body and headers were dropped after
+	// Config.BodyTTL; the status is kept, and a retry gets ErrResponseGone.
+	ResponseGone bool `json:"response_gone,omitempty"`
 }
 
 type responseJSON struct {
@@ -470,8 +473,12 @@ func newRecordJSON(rec idem.Record, now time.Time) recordJSON {
 		t := rec.LeaseExpiresAt
 		out.LeaseExpiresAt = &t
 	}
+	out.ResponseGone = rec.ResponseGone
 	if r := rec.Response; r != nil {
 		out.Response = &responseJSON{Status: r.Status, Header: r.Header}
+		if rec.ResponseGone {
+			return out
+		}
 		if utf8.Valid(r.Body) {
 			s := string(r.Body)
 			out.Response.Body = &s

@@ -1,0 +1,73 @@
+package idemui_test
+
+import (
+	"context"
+	"encoding/json"
+	"net/http"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/jackc/pgx/v5"
+
+	"github.com/pgidem/idem"
+)
+
+// A record whose body Prune dropped (Config.BodyTTL) says so on its page
+// and in the API, with its status kept and no body, rather than showing an
+// empty body as if the answer had been empty.
+func TestRecordResponseGone(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := context.Background()
+	c, err := idem.New(idem.Config{BodyTTL: time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	scope := idem.Scope{Actor: "acme", Operation: "charge"}
+	plain, err := idem.New(idem.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, key := range []string{"gone", "kept"} {
+		cl := c
+		if key == "kept" {
+			cl = plain
+		}
+		if _, err := cl.DoInTx(ctx, e.pool, scope, key, fp, func(context.Context, pgx.Tx) (idem.Response, error) {
+			return idem.Response{Status: 201, Body: []byte(`{"id":"ch_1"}`)}, nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	time.Sleep(5 * time.Millisecond)
+	if _, err := c.Prune(ctx, e.pool, idem.PruneOptions{}); err != nil {
+		t.Fatal(err)
+	}
+
+	page := e.get(keyPage(scope, "gone"))
+	if page.status != http.StatusOK || !strings.Contains(page.body, "dropped after <code>Config.BodyTTL</code>") ||
+		strings.Contains(page.body, "The body is empty") {
+		t.Fatalf("the page of a dropped body: %d\n%s", page.status, page.body)
+	}
+	if page := e.get(keyPage(scope, "kept")); strings.Contains(page.body, "dropped after") || !strings.Contains(page.body, "ch_1") {
+		t.Fatalf("the page of a kept body: %d\n%s", page.status, page.body)
+	}
+
+	res := e.get("/idem/api/keys/acme/charge/gone")
+	var out struct {
+		Record struct {
+			ResponseGone bool `json:"response_gone"`
+			Response     *struct {
+				Status int     `json:"status"`
+				Body   *string `json:"body"`
+			} `json:"response"`
+		} `json:"record"`
+	}
+	err = json.Unmarshal([]byte(res.body), &out)
+	rec := out.Record
+	if err != nil || !rec.ResponseGone || rec.Response == nil ||
+		rec.Response.Status != 201 || rec.Response.Body != nil {
+		t.Fatalf("the API's record of a dropped body: %v\n%s", err, res.body)
+	}
+}
