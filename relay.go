@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -39,7 +40,9 @@ type RelayOptions struct {
 	// Schedule has one entry per attempt: the delay before it, counted
 	// from the previous attempt's failure, each delay varied by up to ±10%
 	// (jitter) so that events that failed together are not retried
-	// together. The first entry must be 0: the first attempt is made as
+	// together. A Sender's error with a RetryAfter() time.Duration method
+	// (idemhttp.WebhookError: the answer's Retry-After) lengthens the
+	// delay to what the destination asked, up to the schedule's longest. The first entry must be 0: the first attempt is made as
 	// soon as a relay sees the event. After the last attempt fails, the
 	// event is failed. Default: DefaultSchedule(). At most 100 entries,
 	// none negative.
@@ -539,6 +542,13 @@ func (r *Relay) outcome(c *claimed) (EventStatus, time.Duration) {
 	d := r.opts.Schedule[c.position]
 	if d > 0 {
 		d += time.Duration(rand.Int64N(int64(d/5)+1)) - d/10 // ±10%
+	}
+	// The destination asked for a longer wait (Retry-After, through an
+	// error such as *idemhttp.WebhookError): wait that long, up to the
+	// schedule's longest delay, so that no answer parks an event beyond it.
+	var asked interface{ RetryAfter() time.Duration }
+	if errors.As(c.err, &asked) {
+		d = max(d, min(asked.RetryAfter(), slices.Max(r.opts.Schedule)))
 	}
 	return EventPending, d
 }

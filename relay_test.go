@@ -732,3 +732,49 @@ func TestEventClaimIsHOTAndRecordScansNoTable(t *testing.T) {
 		t.Fatalf("%d attempts logged, %v; want none (deliveries at the first attempt)", logged, err)
 	}
 }
+
+// retryAfterError is a Sender's error that says how long the destination
+// asked to wait, as idemhttp.WebhookError does.
+type retryAfterError time.Duration
+
+func (e retryAfterError) Error() string             { return "429 Too Many Requests" }
+func (e retryAfterError) RetryAfter() time.Duration { return time.Duration(e) }
+
+// A failure whose error asks for a longer wait (Retry-After) puts the next
+// attempt that far away, up to the schedule's longest delay; a shorter ask
+// keeps the schedule's.
+func TestRelayHonoursRetryAfter(t *testing.T) {
+	t.Parallel()
+	pool := pgtest.Pool(t, idem.Migrate)
+	asks := map[string]time.Duration{"ev-1": 30 * time.Minute, "ev-2": 5 * time.Hour, "ev-3": time.Millisecond}
+	c := newCounter(func(d idem.Delivery) error { return retryAfterError(asks[d.Event.ID]) })
+	opts := fastRelay(c)
+	opts.Schedule = []time.Duration{0, time.Second, 2 * time.Hour}
+	runRelay(t, pool, opts)
+	start := time.Now()
+	publish(t, pool, event(1), event(2), event(3))
+	for id, want := range map[string][2]time.Duration{
+		"ev-1": {30 * time.Minute, 30 * time.Minute},              // as asked
+		"ev-2": {2 * time.Hour, 2 * time.Hour},                    // capped at the schedule's longest
+		"ev-3": {900 * time.Millisecond, 1100 * time.Millisecond}, // the schedule's, jittered
+	} {
+		deadline := time.Now().Add(30 * time.Second)
+		for {
+			rec, err := idem.LookupEvent(context.Background(), pool, id, "billing")
+			if err != nil {
+				t.Fatal(err)
+			}
+			if rec.AttemptCount == 1 && len(rec.Attempts) == 1 {
+				wait := rec.NextAttemptAt.Sub(start)
+				if wait < want[0]-100*time.Millisecond || wait > want[1]+10*time.Second { // the record comes after the publish
+					t.Errorf("%s: next attempt %v after the publish, want %v to %v", id, wait, want[0], want[1])
+				}
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: %+v", id, rec)
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+	}
+}
