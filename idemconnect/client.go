@@ -110,7 +110,12 @@ func (c *clientInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc 
 			}
 			defer cancel()
 			resp, err := next(attemptCtx, req)
-			timedOut = err != nil && attemptCtx.Err() != nil && ctx.Err() == nil
+			// Cut at AttemptTimeout: the attempt's own deadline passed, or
+			// the server, which got that deadline with the call
+			// (Connect-Timeout-Ms, grpc-timeout) and whose clock ran it out
+			// first, said so.
+			timedOut = err != nil && ctx.Err() == nil && c.policy.AttemptTimeout() > 0 &&
+				(attemptCtx.Err() != nil || connect.CodeOf(err) == connect.CodeDeadlineExceeded)
 			return resp, err
 		}, func(_ connect.AnyResponse, err error) callretry.Verdict {
 			return judgeError(err, conn, timedOut)

@@ -5,6 +5,7 @@ import (
 
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
@@ -95,7 +96,11 @@ func UnaryClientInterceptor(p idem.RetryPolicy) grpc.UnaryClientInterceptor {
 			}
 			defer cancel()
 			err := invoker(actx, method, req, reply, cc, append(opts, grpc.Peer(&p))...)
-			timedOut = err != nil && actx.Err() != nil && ctx.Err() == nil
+			// Cut at AttemptTimeout: the attempt's own deadline passed, or
+			// the server, which got that deadline with the call
+			// (grpc-timeout) and whose clock ran it out first, said so.
+			timedOut = err != nil && ctx.Err() == nil && policy.AttemptTimeout() > 0 &&
+				(actx.Err() != nil || status.Code(err) == codes.DeadlineExceeded)
 			return p.Addr != nil, err
 		}, func(sent bool, err error) callretry.Verdict {
 			return judgeStatus(sent, err, timedOut)
