@@ -30,8 +30,8 @@ import (
 // benchmark database only.
 
 // storageLimit is the most bytes per retained key the layout may take
-// compact (after VACUUM FULL: heap, indexes and TOAST); beyond it the run
-// fails. It asserts the layout, which the run's speed does not move.
+// compact (after VACUUM FULL: heap, indexes and TOAST, less each
+// relation's first two pages); beyond it the run fails. It asserts the layout, which the run's speed does not move.
 // storageGoal is issue 34's goal for the working size in steady state,
 // reported as MISS only: the working size depends on how far the run got
 // to its steady state, which a loaded machine decides.
@@ -293,8 +293,16 @@ func (b *bench) runStorage(ctx context.Context, out io.Writer) (int, error) {
 
 	failures := 0
 	perKey := working.perKey(wt)
-	if c := compact.perKey(ct); c > storageLimit {
-		fmt.Fprintf(out, "FAIL  %.0f bytes per retained key compact, more than the layout allows (%d)\n", c, storageLimit)
+	// The check leaves out each relation's first two pages (an index's
+	// metapage and root, a heap's first page): a fixed cost that a small
+	// run, or a loaded machine that retained fewer keys, would otherwise
+	// spread over too few keys to read the layout from.
+	var layoutBytes int64
+	for _, r := range compact.rels {
+		layoutBytes += max(0, r.bytes-2*8192)
+	}
+	if c := compact.perKey(layoutBytes); c > storageLimit {
+		fmt.Fprintf(out, "FAIL  %.0f bytes per retained key compact beyond each relation's first two pages, more than the layout allows (%d)\n", c, storageLimit)
 		failures++
 	}
 	switch {
