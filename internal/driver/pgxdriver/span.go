@@ -129,7 +129,7 @@ func (s *span) Claim(ctx context.Context, c driver.Claim) (tx pgx.Tx, claimed, b
 			if s.pooled, err = s.pool.Acquire(ctx); err != nil {
 				return nil, false, false, fmt.Errorf("begin: %w", err)
 			}
-			s.conn = s.pooled.Conn()
+			s.conn, s.lost = s.pooled.Conn(), false
 		}
 		st, citus, err := s.d.connCitus(ctx, s.conn)
 		if err != nil {
