@@ -53,30 +53,28 @@ func (d *Driver) OwnSpan(db Beginner) (driver.Span[pgx.Tx], any, error) {
 		if h == nil {
 			return nil, nil, errNilDB
 		}
-		return &span{d: d, own: true, pool: h}, h, nil
+		return &span{d: d, pool: h}, h, nil
 	case *pgx.Conn:
 		if err := d.CheckDB(h, false); err != nil {
 			return nil, nil, err
 		}
-		return &span{d: d, own: true, conn: h}, nil, nil
+		return &span{d: d, conn: h}, nil, nil
 	}
 	return nil, nil, d.CheckDB(db, false)
 }
 
 // span is where one call claims its key, runs fn and stores the outcome:
-// Do's savepoint in the caller's transaction, or (own) DoInTx's own
-// transactions on conn, one per round, each begun with txOptions by the
-// claim's batch.
+// Do's savepoint in the caller's transaction (pool and conn nil), or
+// DoInTx's own transactions on conn, one per round, each begun with
+// txOptions by the claim's batch.
 type span struct {
-	d   *Driver
-	tx  pgx.Tx // Do: the caller's; DoInTx: the current own transaction
-	own bool   // DoInTx's
-	// DoInTx: the connection of its transactions. On a pool, pooled and
-	// conn are the connection the claim acquired, nil once given back.
+	d  *Driver
+	tx pgx.Tx // Do: the caller's; DoInTx: the current own transaction
+	// DoInTx: the connection of its transactions; on a pool (pool), the
+	// one the claim acquired (pooled), nil once given back.
 	conn   *pgx.Conn
 	pool   *pgxpool.Pool
 	pooled *pgxpool.Conn
-	lost   bool // a connection given back was closed
 	// The batch of every round trip in turn, with room for the longest,
 	// and the fingerprint the statements take: kept here, a call allocates
 	// them with the span, once.
@@ -84,6 +82,9 @@ type span struct {
 	queue [4]*pgx.QueuedQuery
 	fp    [32]byte
 }
+
+// own reports whether the span is DoInTx's, in transactions of its own.
+func (s *span) own() bool { return s.pool != nil || s.conn != nil }
 
 // Claim begins the span and claims the key, and returns the transaction
 // it runs in. The round trips it takes:
@@ -124,12 +125,12 @@ type span struct {
 func (s *span) Claim(ctx context.Context, c driver.Claim) (tx pgx.Tx, claimed, begun bool, err error) {
 	s.fp = c.Fingerprint
 	b := s.reset()
-	if s.own {
+	if s.own() {
 		if s.conn == nil {
 			if s.pooled, err = s.pool.Acquire(ctx); err != nil {
 				return nil, false, false, fmt.Errorf("begin: %w", err)
 			}
-			s.conn, s.lost = s.pooled.Conn(), false
+			s.conn = s.pooled.Conn()
 		}
 		st, citus, err := s.d.connCitus(ctx, s.conn)
 		if err != nil {
@@ -177,7 +178,7 @@ type batchSender interface {
 // that ran. Whether the batch succeeded goes to st (see connState.sent).
 func (s *span) sendClaim(ctx context.Context, q batchSender, st *connState, form string, opens, citus bool) (tx pgx.Tx, claimed, begun bool, err error) {
 	br := q.SendBatch(ctx, &s.batch)
-	if s.own {
+	if s.own() {
 		s.tx = br.Tx()
 	}
 	begun = true
@@ -330,7 +331,7 @@ func readClaim(br pgx.BatchResults, citus bool) (claimed bool, err error) {
 func (s *span) Complete(ctx context.Context, out driver.Outcome) error {
 	b := s.reset()
 	s.d.queueComplete(b, out, s.fp[:])
-	if !s.own {
+	if !s.own() {
 		b.Queue(sqlRelease)
 	} else {
 		b.Queue("COMMIT")
@@ -361,7 +362,7 @@ func (d *Driver) queueComplete(b *pgx.Batch, out driver.Outcome, fp []byte) {
 // ended checks the result of the statement that ends the span: RELEASE, or
 // COMMIT (whose tag says ROLLBACK when the transaction was aborted).
 func (s *span) ended(tag pgconn.CommandTag, err error) error {
-	if !s.own {
+	if !s.own() {
 		if err != nil {
 			return fmt.Errorf("release: %w", err)
 		}
@@ -386,7 +387,7 @@ func (s *span) Read(ctx context.Context, k driver.Key) (row driver.Row, found bo
 	b.Queue(sqlIndexLookup)
 	_, _ = queries.KeyGet(context.Background(), queuer{b},
 		db.KeyGetParams{Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key})
-	if !s.own {
+	if !s.own() {
 		b.Queue(sqlRollbackTo)
 		b.Queue(sqlRelease)
 	} else {
@@ -402,7 +403,7 @@ func (s *span) Read(ctx context.Context, k driver.Key) (row driver.Row, found bo
 			err = nil
 		}
 	}
-	if err == nil && !s.own {
+	if err == nil && !s.own() {
 		if _, err = br.Exec(); err == nil {
 			_, err = br.Exec()
 		}
@@ -438,7 +439,7 @@ func storedOrGone(status pgtype.Int4, headers, body []byte, gone bool) driver.St
 // transaction back (none when it did not begin), and says when fn had
 // ended it already (pgx.ErrTxClosed).
 func (s *span) Undo(ctx context.Context) error {
-	if s.own {
+	if s.own() {
 		if s.tx != nil && rollback(ctx, s.tx) == pgx.ErrTxClosed {
 			return fmt.Errorf("rollback: %w", pgx.ErrTxClosed)
 		}
@@ -470,7 +471,7 @@ func rollback(ctx context.Context, tx pgx.Tx) error {
 // pool, the one the span holds, or else one of the pool's), and reads the
 // row when it marked none.
 func (s *span) Orphaned(ctx context.Context, k driver.Key, fp [32]byte, reason string) (int64, driver.Record, error) {
-	if !s.own {
+	if !s.own() {
 		return 0, driver.Record{}, errors.New("a savepoint has no connection of its own")
 	}
 	var q db.DBTX = s.pool
@@ -499,7 +500,7 @@ func markUnknown(ctx context.Context, q db.DBTX, k driver.Key, fp [32]byte, reas
 // connection is read only when it is still the caller's (callersConn).
 func (s *span) Enclosing(ctx context.Context, k driver.Key, fp [32]byte) (driver.Enclosing, error) {
 	conn := callersConn(s.tx)
-	if s.own || conn == nil {
+	if s.own() || conn == nil {
 		return driver.NoEnclosing, nil
 	}
 	switch conn.PgConn().TxStatus() {
@@ -542,13 +543,14 @@ func callersConn(tx pgx.Tx) *pgx.Conn {
 
 // Lost reports whether DoInTx's connection is closed: the server went away
 // or the connection broke.
-func (s *span) Lost() bool { return s.lost || s.conn != nil && s.conn.IsClosed() }
+// (A span that gave its connection back is not lost: the core asks only
+// while the span holds it.)
+func (s *span) Lost() bool { return s.conn != nil && s.conn.IsClosed() }
 
 // Close gives back the pooled connection of DoInTx on a pool, if the span
 // holds one.
 func (s *span) Close() {
 	if s.pooled != nil {
-		s.lost = s.conn.IsClosed()
 		s.pooled.Release()
 		s.pooled, s.conn, s.tx = nil, nil, nil
 	}
