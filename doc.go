@@ -60,9 +60,10 @@
 // and read there); Reserve and ReserveWith through internal/core/reserve.go
 // and pgxdriver/executor.go. On the way, DoInTx calls helpers that take no
 // ctx: in internal/core, validate.go (the key and the scope), observe.go
-// (the call's span, metrics and log record), flight.go (concurrent
-// duplicates coalesced) and response.go (a response as it is stored); in
-// pgxdriver, driver.go (the handle). A failing call also reads
+// (the call's metrics, log record and span's outcome, at its end),
+// flight.go (concurrent duplicates coalesced) and response.go (a response
+// as it is stored); Do also pgxdriver's driver.go (its nil check of the
+// transaction). A failing call also reads
 // internal/core/errors.go and fnended.go, and convert.go here
 // (docs/development.md walks a call file by file). The statements are sqlc's,
 // generated in internal/db. The public types (Scope, Response, Result,

@@ -4,6 +4,9 @@ import (
 	"context"
 	"time"
 
+	"go.opentelemetry.io/otel/attribute"
+	"go.opentelemetry.io/otel/trace"
+
 	"github.com/pgidem/idem/internal/driver"
 )
 
@@ -36,7 +39,7 @@ func (c *Client[TTx, TDB]) Do(ctx context.Context, tx TTx, scope Scope, key stri
 	if c.drv.NilTx(tx) {
 		return Result{}, errNilTx
 	}
-	ctx, cl := c.obs.begin(ctx, "do", c.spanDo, scope, key)
+	ctx, cl := c.begin(ctx, "do", c.spanDo, scope, key)
 	defer func() {
 		if !cl.ended {
 			cl.endIfPanicking(ctx)
@@ -67,21 +70,48 @@ func (c *Client[TTx, TDB]) DoInTx(ctx context.Context, db TDB, scope Scope, key 
 	if fn == nil {
 		return Result{}, errNilFn
 	}
-	if err := c.checkDB(db, false); err != nil {
-		return Result{}, err
+	s, flight, err := c.drv.OwnSpan(db) // sends nothing
+	if err != nil {
+		return Result{}, errorf("idem: %w: %w", ErrInvalidArgument, err) // as checkDB
 	}
-	ctx, cl := c.obs.begin(ctx, "do_in_tx", c.spanDoInTx, scope, key)
+	ctx, cl := c.begin(ctx, "do_in_tx", c.spanDoInTx, scope, key)
 	defer func() {
 		if !cl.ended {
 			cl.endIfPanicking(ctx)
 		}
 	}()
-	res, err := c.coalesced(ctx, db, scope, key, fp, fn, &cl)
+	res, err := c.coalesced(ctx, db, s, flight, newKey(scope, key), fp, fn, &cl)
 	if err != nil {
 		err = c.preparedStatementsLost(err)
 	}
 	cl.end(ctx, res, err)
 	return res, err
+}
+
+// call is one call in progress, as it is observed: begin starts it, its
+// end method (observe.go) records it.
+type call struct {
+	o        *observer
+	name     string // do, do_in_tx, reserve, ...
+	scope    Scope
+	key      string
+	start    time.Time
+	fnTime   time.Duration // time spent in fn
+	rejected bool          // the stored outcome is a refusal made by this call
+	panicErr error         // what the call would have returned, had fn returned its panic as an error
+	ended    bool
+	span     trace.Span // nil without a TracerProvider
+}
+
+// begin starts observing a call: its clock and, with a TracerProvider, its
+// span (named idem.<Name>, for example idem.DoInTx).
+func (c *Client[TTx, TDB]) begin(ctx context.Context, name, spanName string, scope Scope, key string) (context.Context, call) {
+	cl := call{o: c.obs, name: name, scope: scope, key: key, start: time.Now()}
+	if c.obs.tracer != nil {
+		ctx, cl.span = c.obs.tracer.Start(ctx, spanName, trace.WithSpanKind(trace.SpanKindInternal),
+			trace.WithAttributes(attribute.String("idem.operation", scope.Operation)))
+	}
+	return ctx, cl
 }
 
 // checkDB refuses a database handle the driver cannot use.
@@ -92,18 +122,17 @@ func (c *Client[TTx, TDB]) checkDB(db TDB, commits bool) error {
 	return nil
 }
 
-// coalesced runs DoInTx for scope and key once per concurrent group of
-// callers on one handle: see flights.
-func (c *Client[TTx, TDB]) coalesced(ctx context.Context, db TDB, scope Scope, key string, fp Fingerprint,
+// coalesced runs DoInTx for k once per concurrent group of callers on one
+// handle, the flight the driver named with the span s (nil: none): see
+// flights.
+func (c *Client[TTx, TDB]) coalesced(ctx context.Context, db TDB, s driver.Span[TTx], flight any, k driver.Key, fp Fingerprint,
 	fn func(ctx context.Context, tx TTx) (Response, error), cl *call) (Result, error) {
-	handle, ok := c.drv.FlightKey(db)
-	if !ok {
+	if flight == nil {
 		// A connection serves one call at a time, and other handles have
 		// no identity to share a flight by.
-		return c.doInTx(ctx, db, newKey(scope, key), fp, fn, cl)
+		return c.doInTx(ctx, db, s, k, fp, fn, cl)
 	}
-	k := newKey(scope, key)
-	fk := flightKey{handle: handle, k: k}
+	fk := flightKey{handle: flight, k: k}
 	fl, leader := c.flights.join(fk, fp)
 	if leader {
 		finished := false
@@ -112,7 +141,7 @@ func (c *Client[TTx, TDB]) coalesced(ctx context.Context, db TDB, scope Scope, k
 				c.flights.finish(fk, fl, Result{}, errLeaderPanicked)
 			}
 		}()
-		res, err := c.doInTx(ctx, db, k, fp, fn, cl)
+		res, err := c.doInTx(ctx, db, s, k, fp, fn, cl)
 		finished = true
 		c.flights.finish(fk, fl, res, err)
 		return res, err
@@ -128,7 +157,7 @@ func (c *Client[TTx, TDB]) coalesced(ctx context.Context, db TDB, scope Scope, k
 		return Result{}, c.inProgress()
 	case fl.err != nil:
 		// Nothing was stored: let the database decide for this call.
-		return c.doInTx(ctx, db, k, fp, fn, cl)
+		return c.doInTx(ctx, db, s, k, fp, fn, cl)
 	case fl.fp != fp:
 		return Result{}, ErrKeyReused
 	}
@@ -159,16 +188,12 @@ func (c *Client[TTx, TDB]) await(ctx context.Context, fl *flight) error {
 }
 
 // doInTx is DoInTx after its checks, without coalescing: the call loop in
-// transactions of its own, run again after a serialization failure or a
-// deadlock; or, on a handle that cannot give one (a caller's transaction),
-// Do in a transaction of InTx.
-func (c *Client[TTx, TDB]) doInTx(ctx context.Context, db TDB, k driver.Key, fp Fingerprint,
+// transactions of its own (s), run again after a serialization failure or
+// a deadlock; or, on a handle that cannot give one (a caller's
+// transaction: s nil), Do in a transaction of InTx.
+func (c *Client[TTx, TDB]) doInTx(ctx context.Context, db TDB, s driver.Span[TTx], k driver.Key, fp Fingerprint,
 	fn func(ctx context.Context, tx TTx) (Response, error), cl *call) (res Result, err error) {
-	s, own, err := c.drv.OwnSpan(ctx, db)
-	if err != nil {
-		return Result{}, unavailableIf(c.isUnavailable(err), errorf("idem: begin: %w", err))
-	}
-	if !own {
+	if s == nil {
 		err = c.InTx(ctx, db, func(ctx context.Context, tx TTx) (err error) {
 			res, err = c.call(ctx, c.drv.SavepointSpan(tx), false, k, fp, fn, cl)
 			return err
@@ -178,8 +203,17 @@ func (c *Client[TTx, TDB]) doInTx(ctx context.Context, db TDB, k driver.Key, fp 
 		}
 		return res, nil
 	}
-	defer s.Close()
+	// A call that stored its outcome or read the stored one ended with a
+	// COMMIT, which gave back the connection the span took (Span.Complete,
+	// Span.Read); after a failure, or fn's panic, Close gives it back.
+	ended := false
+	defer func() {
+		if !ended {
+			s.Close()
+		}
+	}()
 	err = c.retry(ctx, false, func() (err error) { res, err = c.call(ctx, s, true, k, fp, fn, cl); return err })
+	ended = err == nil
 	return res, err
 }
 
@@ -207,7 +241,7 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 	claim := driver.Claim{Key: k, Fingerprint: fp}
 	for range maxClaimAttempts {
 		// Round trip 1: begin, and claim.
-		claimed, begun, err := s.Claim(ctx, claim)
+		tx, claimed, begun, err := s.Claim(ctx, claim)
 		switch {
 		case err != nil && !begun && !own:
 			// Do's savepoint did not begin: the failure happened in the
@@ -224,7 +258,7 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 		if claimed {
 			out := decided
 			if out.status == "" {
-				out, err = c.runFn(ctx, s, own, k, fp, fn, cl)
+				out, err = c.runFn(ctx, s, tx, own, k, fp, fn, cl)
 				if err != nil {
 					return Result{}, c.failFn(ctx, s, own, k, fp, err, cl)
 				}
@@ -336,13 +370,14 @@ func (c *Client[TTx, TDB]) claimError(err error, k driver.Key) error {
 	return errorf("idem: %w", c.unsupportedIf(err))
 }
 
-// runFn runs fn in the span and decides the outcome to store. If fn panics,
+// runFn runs fn in the span's transaction tx and decides the outcome to
+// store. If fn panics,
 // the call ends as it would have had fn returned an error: its writes and
 // the claim are undone, and when fn had ended the transaction itself, a
 // claim its COMMIT made durable is marked unknown (DoInTx) or an enclosing
 // transaction that holds it is aborted (Do, fnEnded); then the panic goes
 // on.
-func (c *Client[TTx, TDB]) runFn(ctx context.Context, s driver.Span[TTx], own bool, k driver.Key, fp Fingerprint,
+func (c *Client[TTx, TDB]) runFn(ctx context.Context, s driver.Span[TTx], tx TTx, own bool, k driver.Key, fp Fingerprint,
 	fn func(ctx context.Context, tx TTx) (Response, error), cl *call) (outcome, error) {
 	panicked := true
 	start := time.Now() // fn's time, which the call's overhead leaves out
@@ -352,7 +387,7 @@ func (c *Client[TTx, TDB]) runFn(ctx context.Context, s driver.Span[TTx], own bo
 			cl.panicErr = c.failFn(ctx, s, own, k, fp, errPanicked, cl)
 		}
 	}()
-	resp, err := fn(ctx, s.Tx())
+	resp, err := fn(ctx, tx)
 	cl.fnTime += time.Since(start)
 	panicked = false
 	return c.decide(resp, err)

@@ -20,12 +20,12 @@
 //	             │                      │
 //	queries   internal/db              internal/dbsql             sqlc, from queries/
 //
-// Files, by concern: call.go (Do and DoInTx: the call loop, its retries,
-// judge), fnended.go (fn that ends its own transaction), intx.go (InTx),
+// Files, by concern: call.go (Do and DoInTx: the call in progress, its
+// clock and span begun; the call loop, its retries, judge), fnended.go (fn that ends its own transaction), intx.go (InTx),
 // reserve.go (the reservation mode: Reserve and ReserveWith, which judge
 // decides for like Do and which resumes inside a window, Complete,
 // FailRetryable, MarkUnknown, Heartbeat), observe.go (how a call is
-// observed: its span, metrics and log record), operate.go (the operators'
+// recorded at its end: metrics, log record, the span's outcome), operate.go (the operators'
 // calls: ExpireLeases, ListUnknown and ListResumable, Resolve, Lookup,
 // Forget, Prune, ReadStats), callkey.go, inbox.go, json.go (typed replay),
 // response.go (what can be stored, and replayed), validate.go, flight.go

@@ -29,8 +29,8 @@ type flights struct {
 }
 
 // flightKey names the calls that share a flight: the same key in the same
-// scope on the same handle (a pool: Driver.FlightKey). Keys on different
-// pools (databases) are unrelated.
+// scope on the same handle (a pool: the flight Driver.OwnSpan names). Keys
+// on different pools (databases) are unrelated.
 type flightKey struct {
 	handle any
 	k      driver.Key

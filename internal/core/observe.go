@@ -174,34 +174,9 @@ func (o *observer) measuresOf(callName, operation, outcome string) measures {
 // grow memory without bound.
 const maxAttrSets = 4096
 
-// How a call is observed: begin starts its clock and span, end turns its
-// result into a counter, the histograms, a log record and the span's
-// outcome.
-
-// call is one observed call in progress.
-type call struct {
-	o        *observer
-	name     string // do, do_in_tx, reserve, ...
-	scope    Scope
-	key      string
-	start    time.Time
-	fnTime   time.Duration // time spent in fn
-	rejected bool          // the stored outcome is a refusal made by this call
-	panicErr error         // what the call would have returned, had fn returned its panic as an error
-	ended    bool
-	span     trace.Span // nil without a TracerProvider
-}
-
-// begin starts observing a call: its clock and, with a TracerProvider, its
-// span (named idem.<Name>, for example idem.DoInTx).
-func (o *observer) begin(ctx context.Context, name, spanName string, scope Scope, key string) (context.Context, call) {
-	cl := call{o: o, name: name, scope: scope, key: key, start: time.Now()}
-	if o.tracer != nil {
-		ctx, cl.span = o.tracer.Start(ctx, spanName, trace.WithSpanKind(trace.SpanKindInternal),
-			trace.WithAttributes(attribute.String("idem.operation", scope.Operation)))
-	}
-	return ctx, cl
-}
+// How a call is observed: it begins with its clock and span (Client.begin
+// and the call it returns, in call.go); end turns its result into a
+// counter, the histograms, a log record and the span's outcome.
 
 // api names the public call observed: Do, or DoInTx (which runs Do on a
 // caller's transaction).

@@ -30,11 +30,11 @@ func BenchmarkObserve(b *testing.B) {
 		{"on/fresh", on, Result{}},
 		{"on/replay", on, Result{Replayed: true}},
 	} {
-		o := newObserver(tc.cfg)
+		c := &Client[struct{}, struct{}]{obs: newObserver(tc.cfg)}
 		b.Run(tc.name, func(b *testing.B) {
 			b.ReportAllocs()
 			for b.Loop() {
-				ctx, cl := o.begin(ctx, "do_in_tx", "idem.DoInTx", scope, "dcb654ad-1908-4cf4-93d0-b10e4895ebce")
+				ctx, cl := c.begin(ctx, "do_in_tx", "idem.DoInTx", scope, "dcb654ad-1908-4cf4-93d0-b10e4895ebce")
 				cl.fnTime += time.Since(cl.start)
 				cl.end(ctx, tc.res, nil)
 			}

@@ -53,7 +53,7 @@ func (c *Client[TTx, TDB]) reserveWith(ctx context.Context, db TDB, scope Scope,
 	if err := checkReserveOptions(&opts); err != nil {
 		return Reservation{}, err
 	}
-	ctx, cl := c.obs.begin(ctx, "reserve", c.spanReserve, scope, key)
+	ctx, cl := c.begin(ctx, "reserve", c.spanReserve, scope, key)
 	r, err := c.reserveTx(ctx, db, driver.Reserve{Key: newKey(scope, key), Fingerprint: fp, Lease: opts.Lease, ResumeWithin: opts.ResumeWithin})
 	err = c.preparedStatementsLost(err)
 	cl.end(ctx, r.Result, err)

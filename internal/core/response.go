@@ -4,6 +4,7 @@ import (
 	"encoding/json"
 	"errors"
 	"strings"
+	"unicode/utf8"
 
 	"github.com/pgidem/idem/internal/driver"
 )
@@ -71,13 +72,19 @@ func isToken(s string) bool {
 
 // checkHeaderField reports whether s can be stored as a header value and
 // replayed as one: valid UTF-8 without CR, LF or NUL, which would
-// split or end a header line in any consumer that writes it out.
+// split or end a header line in any consumer that writes it out. (The
+// checks of checkText and the line breaks, in one pass.)
 func checkHeaderField(s string) error {
-	if err := checkText(s); err != nil {
-		return err
+	if !utf8.ValidString(s) {
+		return errors.New("not valid UTF-8")
 	}
-	if strings.ContainsAny(s, "\r\n") {
-		return errors.New("holds a CR or LF")
+	for i := 0; i < len(s); i++ {
+		switch s[i] {
+		case 0:
+			return errors.New("holds a NUL byte")
+		case '\r', '\n':
+			return errors.New("holds a CR or LF")
+		}
 	}
 	return nil
 }

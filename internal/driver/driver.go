@@ -115,14 +115,13 @@ type Driver[TTx, TDB any] interface {
 	// savepoint of it per round. It sends nothing.
 	SavepointSpan(tx TTx) Span[TTx]
 	// OwnSpan is where DoInTx runs on db: a transaction of its own per
-	// round, begun with the claim where the driver can. ok is false when db
-	// cannot give one (a caller's transaction): the core then runs Do in a
-	// transaction begun with Begin. err is the failure to get a connection.
-	// The span must be closed.
-	OwnSpan(ctx context.Context, db TDB) (s Span[TTx], ok bool, err error)
-	// FlightKey identifies db for coalescing concurrent DoInTx calls of one
-	// process (ok false: not coalesced).
-	FlightKey(db TDB) (key any, ok bool)
+	// round, begun with the claim where the driver can. It refuses what
+	// CheckDB(db, false) refuses, and sends nothing: the span takes a
+	// connection when it claims (Claim). s is nil when db cannot give one (a
+	// caller's transaction): the core then runs Do in a transaction begun
+	// with Begin. flight identifies db for coalescing concurrent DoInTx
+	// calls of one process (nil: not coalesced).
+	OwnSpan(db TDB) (s Span[TTx], flight any, err error)
 
 	// Executor runs statements in tx, one method per statement.
 	Executor(tx TTx) Executor
@@ -141,26 +140,30 @@ type Span[TTx any] interface {
 	// inside it, so that no lock wait or cancelled statement of the claim's
 	// fails in the caller's transaction outside the savepoint (pgxdriver's
 	// Claim says what pgx still prepares before a savepoint: SAVEPOINT
-	// itself, and statements it evicted from a full cache). claimed is
-	// false when a committed row holds the key (Read reads it). begun is
-	// false when the span did not begin: there is nothing to undo, and the
-	// core calls no Undo (nor anything else of the span but Lost and
-	// Close); for a savepoint the error happened in the caller's
+	// itself, and statements it evicted from a full cache). A span of the
+	// call's own that holds no connection takes one first (a pool's). tx is
+	// the transaction the span runs in, which fn runs in once claimed.
+	// claimed is false when a committed row holds the key (Read reads it).
+	// begun is false when the span did not begin: there is nothing to
+	// undo, and the core calls no Undo (nor anything else of the span but
+	// Lost and Close); for a savepoint the error happened in the caller's
 	// transaction itself.
-	Claim(ctx context.Context, c Claim) (claimed, begun bool, err error)
-	// Tx is the transaction fn runs in.
-	Tx() TTx
+	Claim(ctx context.Context, c Claim) (tx TTx, claimed, begun bool, err error)
 	// Complete stores the outcome of the claimed key and ends the span
 	// (RELEASE, or COMMIT): on pgx one round trip, in which the end does
 	// not run when the completion fails. Its errors, once interpreted:
 	// ErrKeyRowChanged when fn changed or deleted the claimed row (the span
 	// is still there to undo), ErrTxAborted when a statement of fn's had
-	// aborted the transaction; TxClosed is true when fn ended it.
+	// aborted the transaction; TxClosed is true when fn ended it. When it
+	// returns nil on a span of the call's own, the COMMIT has given back
+	// the connection the span took (see Close).
 	Complete(ctx context.Context, out Outcome) error
 	// Read reads the committed row that holds k as an index lookup and
 	// ends the span without keeping anything of it (its planner setting,
 	// the claim's lock_timeout): on pgx one round trip. found is false when
-	// no row holds the key any more.
+	// no row holds the key any more. When it returns nil on a span of the
+	// call's own, the COMMIT has given back the connection the span took,
+	// as Complete's.
 	Read(ctx context.Context, k Key) (row Row, found bool, err error)
 	// Undo undoes the span: the claim and fn's writes are gone, and so are
 	// the settings made in it. It runs even when ctx is done. For a
@@ -193,7 +196,10 @@ type Span[TTx any] interface {
 	// Lost reports whether the connection of the call's own transaction is
 	// gone (false for a savepoint).
 	Lost() bool
-	// Close gives back what the span holds (a pooled connection).
+	// Close gives back what the span holds (a pooled connection taken by
+	// Claim and not given back by Complete or Read): the core calls it when
+	// the call failed, or fn panicked. It does nothing on a span that holds
+	// nothing.
 	Close()
 }
 

@@ -34,12 +34,12 @@ func exerciseErrors[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 		d := h.New(settings)
 		db := h.DB(t)
 		holder := ownSpan(t, d, db)
-		if claimed, _, err := holder.Claim(ctx, driver.Claim{Key: key("w"), Fingerprint: fpA}); err != nil || !claimed {
+		if _, claimed, _, err := holder.Claim(ctx, driver.Claim{Key: key("w"), Fingerprint: fpA}); err != nil || !claimed {
 			t.Fatal(claimed, err)
 		}
 		defer func() { _ = holder.Undo(ctx) }()
 		s := ownSpan(t, d, db)
-		_, begun, err := s.Claim(ctx, driver.Claim{Key: key("w"), Fingerprint: fpA})
+		_, _, begun, err := s.Claim(ctx, driver.Claim{Key: key("w"), Fingerprint: fpA})
 		ierr := d.Interpret(err)
 		if !begun || !errors.Is(ierr, driver.ErrLockNotAvailable) || errors.Is(ierr, driver.ErrUnavailable) ||
 			!errors.Is(ierr, err) || d.Interpret(ierr) != ierr {
@@ -69,13 +69,14 @@ func exerciseErrors[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 				s = d.SavepointSpan(tx)
 			}
 			k := key("changed")
-			if claimed, _, err := s.Claim(ctx, driver.Claim{Key: k, Fingerprint: fpA}); err != nil || !claimed {
+			stx, claimed, _, err := s.Claim(ctx, driver.Claim{Key: k, Fingerprint: fpA})
+			if err != nil || !claimed {
 				t.Fatal(claimed, err)
 			}
-			if err := h.Exec(ctx, s.Tx(), `UPDATE idem_keys SET fingerprint = '\x00' WHERE actor = 'alice' AND idem_key = 'changed'`); err != nil {
+			if err := h.Exec(ctx, stx, `UPDATE idem_keys SET fingerprint = '\x00' WHERE actor = 'alice' AND idem_key = 'changed'`); err != nil {
 				t.Fatal(err)
 			}
-			err := s.Complete(ctx, driver.Outcome{Key: k, Fingerprint: fpA, Status: "succeeded", Reply: reply})
+			err = s.Complete(ctx, driver.Outcome{Key: k, Fingerprint: fpA, Status: "succeeded", Reply: reply})
 			if ierr := d.Interpret(err); !errors.Is(ierr, driver.ErrKeyRowChanged) || sqlState(ierr) != driver.StateKeyRowChanged ||
 				errors.Is(ierr, driver.ErrUnavailable) || d.TxClosed(err) {
 				t.Fatalf("own %v: Complete after fn changed the row: %v (SQLSTATE %q), want ErrKeyRowChanged", own, err, sqlState(ierr))
@@ -99,7 +100,7 @@ func exerciseErrors[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 		d := h.New(settings)
 		db := h.DB(t)
 		s := ownSpan(t, d, db)
-		if _, _, err := s.Claim(ctx, driver.Claim{Key: key("x"), Fingerprint: fpA}); err != nil {
+		if _, _, _, err := s.Claim(ctx, driver.Claim{Key: key("x"), Fingerprint: fpA}); err != nil {
 			t.Fatal(err)
 		}
 		if err := s.Complete(ctx, driver.Outcome{Key: key("x"), Fingerprint: fpA, Status: "succeeded", Reply: reply}); err != nil {
@@ -107,7 +108,7 @@ func exerciseErrors[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 		}
 		// A claim that claims nothing, then a Read that finds no row (the
 		// row went away in between, as after a Forget).
-		if claimed, _, err := s.Claim(ctx, driver.Claim{Key: key("x"), Fingerprint: fpA}); err != nil || claimed {
+		if _, claimed, _, err := s.Claim(ctx, driver.Claim{Key: key("x"), Fingerprint: fpA}); err != nil || claimed {
 			t.Fatal(claimed, err)
 		}
 		row, found, err := s.Read(ctx, key("none"))
@@ -115,7 +116,7 @@ func exerciseErrors[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 			t.Fatalf("Read of no row: %+v, %v, %v", row, found, err)
 		}
 		// Read ended the span: the next round begins afresh.
-		if claimed, _, err := s.Claim(ctx, driver.Claim{Key: key("y"), Fingerprint: fpA}); err != nil || !claimed {
+		if _, claimed, _, err := s.Claim(ctx, driver.Claim{Key: key("y"), Fingerprint: fpA}); err != nil || !claimed {
 			t.Fatalf("Claim after Read: %v, %v", claimed, err)
 		}
 		if err := s.Undo(ctx); err != nil {
@@ -135,10 +136,10 @@ func exerciseErrors[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 		if err := d.CheckDB(db, true); err != nil {
 			t.Errorf("CheckDB of a pool or database: %v", err)
 		}
-		if k1, ok1 := d.FlightKey(db); ok1 {
-			if k2, ok2 := d.FlightKey(db); !ok2 || k1 != k2 {
-				t.Error("FlightKey is not stable for one handle")
-			}
+		if _, f1, err := d.OwnSpan(db); err != nil {
+			t.Errorf("OwnSpan of a pool or database: %v", err)
+		} else if _, f2, _ := d.OwnSpan(db); f1 != f2 {
+			t.Error("OwnSpan's flight is not stable for one handle")
 		}
 		tx, err := d.Begin(ctx, db)
 		if err != nil || d.NilTx(tx) {
@@ -169,8 +170,8 @@ func exerciseErrors[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 		if !d.Nested(nest) || d.CheckDB(nest, true) == nil || d.CheckDB(nest, false) != nil {
 			t.Error("a transaction as a handle: not Nested, or CheckDB lets Reserve commit in it, or refuses DoInTx")
 		}
-		if _, ok, err := d.OwnSpan(ctx, nest); ok || err != nil {
-			t.Errorf("OwnSpan of a transaction: %v, %v; want none", ok, err)
+		if s, flight, err := d.OwnSpan(nest); s != nil || flight != nil || err != nil {
+			t.Errorf("OwnSpan of a transaction: %v, %v, %v; want none", s, flight, err)
 		}
 	})
 }
@@ -183,13 +184,14 @@ func exerciseFnEnded[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 		d := h.New(settings)
 		db := h.DB(t)
 		s := ownSpan(t, d, db)
-		if _, _, err := s.Claim(ctx, driver.Claim{Key: key("rb"), Fingerprint: fpA}); err != nil {
+		tx, _, _, err := s.Claim(ctx, driver.Claim{Key: key("rb"), Fingerprint: fpA})
+		if err != nil {
 			t.Fatal(err)
 		}
-		if err := d.Rollback(ctx, db, s.Tx()); err {
+		if err := d.Rollback(ctx, db, tx); err {
 			t.Fatal("lost")
 		}
-		err := s.Complete(ctx, driver.Outcome{Key: key("rb"), Fingerprint: fpA, Status: "succeeded", Reply: reply})
+		err = s.Complete(ctx, driver.Outcome{Key: key("rb"), Fingerprint: fpA, Status: "succeeded", Reply: reply})
 		if !d.TxClosed(err) {
 			t.Fatalf("Complete after fn's ROLLBACK: %v, want TxClosed", err)
 		}
@@ -207,10 +209,11 @@ func exerciseFnEnded[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 			t.Fatal(err)
 		}
 		s := d.SavepointSpan(tx)
-		if _, _, err := s.Claim(ctx, driver.Claim{Key: key("c"), Fingerprint: fpA}); err != nil {
+		stx, _, _, err := s.Claim(ctx, driver.Claim{Key: key("c"), Fingerprint: fpA})
+		if err != nil {
 			t.Fatal(err)
 		}
-		if err := h.Commit(ctx, s.Tx()); err != nil {
+		if err := h.Commit(ctx, stx); err != nil {
 			t.Fatal(err)
 		}
 		if err := s.Undo(ctx); !d.TxClosed(err) {
@@ -243,7 +246,7 @@ func exerciseFnEnded[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 				t.Fatal(err)
 			}
 			s := d.SavepointSpan(inner)
-			if _, _, err := s.Claim(ctx, driver.Claim{Key: key("n"), Fingerprint: fpA}); err != nil {
+			if _, _, _, err := s.Claim(ctx, driver.Claim{Key: key("n"), Fingerprint: fpA}); err != nil {
 				t.Fatal(err)
 			}
 			if commit {

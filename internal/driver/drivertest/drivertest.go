@@ -25,6 +25,9 @@ type Harness[TTx, TDB any] struct {
 	Commit func(ctx context.Context, tx TTx) error
 	// Count runs a count(*) query on db, outside any call.
 	Count func(t *testing.T, db TDB, query string) int
+	// InUse is the number of db's connections in use (taken from its pool
+	// and not given back).
+	InUse func(db TDB) int
 	// Nest gives tx as a handle that transactions are begun on (as
 	// savepoints of tx), when the database package has such handles (pgx:
 	// a pgx.Tx is a Beginner); nil when it has none (database/sql).
@@ -60,6 +63,9 @@ func Exercise[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 		if d.CheckDB(zeroDB, false) == nil || d.CheckDB(zeroDB, true) == nil {
 			t.Error("CheckDB accepts a nil handle")
 		}
+		if s, _, err := d.OwnSpan(zeroDB); err == nil || s != nil {
+			t.Error("OwnSpan accepts a nil handle")
+		}
 		var zeroTx TTx
 		if !d.NilTx(zeroTx) {
 			t.Error("NilTx(nil) = false")
@@ -73,7 +79,7 @@ func Exercise[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 		d := h.New(settings)
 		db := h.DB(t)
 		s := ownSpan(t, d, db)
-		claimed, begun, err := s.Claim(ctx, driver.Claim{Key: key("k"), Fingerprint: fpA})
+		_, claimed, begun, err := s.Claim(ctx, driver.Claim{Key: key("k"), Fingerprint: fpA})
 		if err != nil || !claimed || !begun {
 			t.Fatalf("Claim: %v %v %v", claimed, begun, err)
 		}
@@ -82,7 +88,7 @@ func Exercise[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 		}
 		// The key is held by a committed row: the next claim claims
 		// nothing, and Read reads the row and ends the span.
-		claimed, begun, err = s.Claim(ctx, driver.Claim{Key: key("k"), Fingerprint: fpA})
+		_, claimed, begun, err = s.Claim(ctx, driver.Claim{Key: key("k"), Fingerprint: fpA})
 		if err != nil || claimed || !begun {
 			t.Fatalf("Claim of a held key: %v %v %v", claimed, begun, err)
 		}
@@ -91,7 +97,7 @@ func Exercise[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 			string(row.Stored.Body) != "ok" || [32]byte(row.Fingerprint) != fpA || row.Expired || row.Leased {
 			t.Fatalf("Read: %+v %v %v", row, found, err)
 		}
-		claimed, _, err = s.Claim(ctx, driver.Claim{Key: key("gone"), Fingerprint: fpA})
+		_, claimed, _, err = s.Claim(ctx, driver.Claim{Key: key("gone"), Fingerprint: fpA})
 		if err != nil || !claimed {
 			t.Fatalf("Claim: %v %v", claimed, err)
 		}
@@ -102,18 +108,59 @@ func Exercise[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 			t.Fatalf("%d rows after Undo, want 1", n)
 		}
 	})
+	t.Run("OwnSpanHoldsAConnectionInItsTransactions", func(t *testing.T) {
+		ctx := t.Context()
+		d := h.New(settings)
+		db := h.DB(t)
+		s := ownSpan(t, d, db)
+		inUse := func(step string, want int) {
+			t.Helper()
+			if n := h.InUse(db); n != want {
+				t.Fatalf("%s: %d connections in use, want %d", step, n, want)
+			}
+		}
+		inUse("OwnSpan", 0)
+		if _, claimed, _, err := s.Claim(ctx, driver.Claim{Key: key("k"), Fingerprint: fpA}); err != nil || !claimed {
+			t.Fatal(claimed, err)
+		}
+		inUse("Claim", 1)
+		if err := s.Complete(ctx, driver.Outcome{Key: key("k"), Fingerprint: fpA, Status: "succeeded", Reply: reply}); err != nil {
+			t.Fatal(err)
+		}
+		inUse("Complete", 0)
+		if _, claimed, _, err := s.Claim(ctx, driver.Claim{Key: key("k"), Fingerprint: fpA}); err != nil || claimed {
+			t.Fatal(claimed, err)
+		}
+		if _, found, err := s.Read(ctx, key("k")); err != nil || !found {
+			t.Fatal(found, err)
+		}
+		inUse("Read", 0)
+		if s.Lost() {
+			t.Error("a span that gave its connection back is lost")
+		}
+		if _, claimed, _, err := s.Claim(ctx, driver.Claim{Key: key("u"), Fingerprint: fpA}); err != nil || !claimed {
+			t.Fatal(claimed, err)
+		}
+		if err := s.Undo(ctx); err != nil {
+			t.Fatal(err)
+		}
+		s.Close()
+		inUse("Undo and Close", 0)
+		s.Close()
+	})
 	t.Run("CompleteInAbortedTxIsErrTxAborted", func(t *testing.T) {
 		ctx := t.Context()
 		d := h.New(settings)
 		db := h.DB(t)
 		s := ownSpan(t, d, db)
-		if _, _, err := s.Claim(ctx, driver.Claim{Key: key("a"), Fingerprint: fpA}); err != nil {
+		tx, _, _, err := s.Claim(ctx, driver.Claim{Key: key("a"), Fingerprint: fpA})
+		if err != nil {
 			t.Fatal(err)
 		}
-		if err := h.Exec(ctx, s.Tx(), `SELECT 1/0`); err == nil {
+		if err := h.Exec(ctx, tx, `SELECT 1/0`); err == nil {
 			t.Fatal("1/0 succeeded")
 		}
-		err := s.Complete(ctx, driver.Outcome{Key: key("a"), Fingerprint: fpA, Status: "succeeded", Reply: reply})
+		err = s.Complete(ctx, driver.Outcome{Key: key("a"), Fingerprint: fpA, Status: "succeeded", Reply: reply})
 		if !errors.Is(err, driver.ErrTxAborted) || sqlState(err) != "25P02" || errors.Is(d.Interpret(err), driver.ErrUnavailable) {
 			t.Fatalf("Complete: %v (SQLSTATE %q), want ErrTxAborted with 25P02", err, sqlState(err))
 		}
@@ -129,10 +176,11 @@ func Exercise[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 		d := h.New(settings)
 		db := h.DB(t)
 		s := ownSpan(t, d, db)
-		if _, _, err := s.Claim(ctx, driver.Claim{Key: key("o"), Fingerprint: fpA}); err != nil {
+		tx, _, _, err := s.Claim(ctx, driver.Claim{Key: key("o"), Fingerprint: fpA})
+		if err != nil {
 			t.Fatal(err)
 		}
-		if err := h.Commit(ctx, s.Tx()); err != nil {
+		if err := h.Commit(ctx, tx); err != nil {
 			t.Fatal(err)
 		}
 		if err := s.Undo(ctx); !d.TxClosed(err) {
@@ -155,12 +203,12 @@ func Exercise[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 		d := h.New(settings)
 		db := h.DB(t)
 		holder := ownSpan(t, d, db)
-		if claimed, _, err := holder.Claim(ctx, driver.Claim{Key: key("w"), Fingerprint: fpA}); err != nil || !claimed {
+		if _, claimed, _, err := holder.Claim(ctx, driver.Claim{Key: key("w"), Fingerprint: fpA}); err != nil || !claimed {
 			t.Fatal(claimed, err)
 		}
 		defer func() { _ = holder.Undo(ctx) }()
 		s := ownSpan(t, d, db)
-		_, begun, err := s.Claim(ctx, driver.Claim{Key: key("w"), Fingerprint: fpA})
+		_, _, begun, err := s.Claim(ctx, driver.Claim{Key: key("w"), Fingerprint: fpA})
 		if !errors.Is(d.Interpret(err), driver.ErrLockNotAvailable) || sqlState(d.Interpret(err)) != "55P03" || !begun {
 			t.Fatalf("Claim of a key in flight: begun %v, %v; want 55P03", begun, err)
 		}
@@ -177,13 +225,13 @@ func Exercise[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 			t.Fatal(err)
 		}
 		s := d.SavepointSpan(tx)
-		if claimed, begun, err := s.Claim(ctx, driver.Claim{Key: key("s"), Fingerprint: fpA}); err != nil || !claimed || !begun {
+		if _, claimed, begun, err := s.Claim(ctx, driver.Claim{Key: key("s"), Fingerprint: fpA}); err != nil || !claimed || !begun {
 			t.Fatal(claimed, begun, err)
 		}
 		if err := s.Undo(ctx); err != nil {
 			t.Fatalf("Undo: %v", err)
 		}
-		if claimed, _, err := s.Claim(ctx, driver.Claim{Key: key("s"), Fingerprint: fpA}); err != nil || !claimed {
+		if _, claimed, _, err := s.Claim(ctx, driver.Claim{Key: key("s"), Fingerprint: fpA}); err != nil || !claimed {
 			t.Fatal(claimed, err)
 		}
 		if err := s.Complete(ctx, driver.Outcome{Key: key("s"), Fingerprint: fpA, Status: "rejected", Reply: reply}); err != nil {
@@ -256,9 +304,9 @@ func Exercise[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 // ownSpan is DoInTx's span on db, closed when the test ends.
 func ownSpan[TTx, TDB any](t *testing.T, d driver.Driver[TTx, TDB], db TDB) driver.Span[TTx] {
 	t.Helper()
-	s, ok, err := d.OwnSpan(t.Context(), db)
-	if err != nil || !ok {
-		t.Fatalf("OwnSpan: %v %v", ok, err)
+	s, _, err := d.OwnSpan(db)
+	if err != nil || s == nil {
+		t.Fatalf("OwnSpan: %v %v", s, err)
 	}
 	t.Cleanup(s.Close)
 	return s

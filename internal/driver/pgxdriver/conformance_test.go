@@ -5,6 +5,7 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/driver/drivertest"
@@ -23,6 +24,7 @@ func TestConformance(t *testing.T) {
 		},
 		Commit: func(ctx context.Context, tx pgx.Tx) error { return tx.Commit(ctx) },
 		Nest:   func(tx pgx.Tx) pgxdriver.Beginner { return tx },
+		InUse:  func(db pgxdriver.Beginner) int { return int(db.(*pgxpool.Pool).Stat().AcquiredConns()) },
 		Count: func(t *testing.T, db pgxdriver.Beginner, query string) int {
 			var n int
 			tx, err := db.Begin(t.Context())

@@ -33,7 +33,6 @@ import (
 	"reflect"
 
 	"github.com/jackc/pgx/v5"
-	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem/internal/db"
 	"github.com/pgidem/idem/internal/driver"
@@ -128,13 +127,6 @@ func (d *Driver) Interpret(err error) error { return dberr.Interpret(err) }
 
 // PreparedStatementsFix adds nothing: the core's words are pgx's.
 func (d *Driver) PreparedStatementsFix() string { return "" }
-
-// FlightKey identifies a pool: concurrent DoInTx calls on one pool are
-// coalesced.
-func (d *Driver) FlightKey(db Beginner) (any, bool) {
-	pool, ok := db.(*pgxpool.Pool)
-	return pool, ok
-}
 
 // isNil reports whether v is nil or an interface holding a nil pointer (a
 // nil *pgxpool.Pool passed as a Beginner, say), which would panic on use.

@@ -42,32 +42,39 @@ func (d *Driver) SavepointSpan(tx pgx.Tx) driver.Span[pgx.Tx] {
 	return &span{d: d, tx: tx}
 }
 
-// OwnSpan is DoInTx's span on a pool (a connection acquired for the whole
-// call) or a connection: BEGIN goes with the claim, COMMIT with the
-// completion. On a pgx.Tx or another Beginner there is none.
-func (d *Driver) OwnSpan(ctx context.Context, db Beginner) (driver.Span[pgx.Tx], bool, error) {
+// OwnSpan is DoInTx's span on a pool or a connection: BEGIN goes with the
+// claim, COMMIT with the completion. On a pool, the claim acquires a
+// connection and the COMMIT gives it back, as a pgxpool.Tx would; the
+// pool names the call's flight. On a pgx.Tx or another Beginner there is
+// none. It refuses what CheckDB(db, false) refuses.
+func (d *Driver) OwnSpan(db Beginner) (driver.Span[pgx.Tx], any, error) {
 	switch h := db.(type) {
 	case *pgxpool.Pool:
-		conn, err := h.Acquire(ctx)
-		if err != nil {
-			return nil, true, err
+		if h == nil {
+			return nil, nil, errNilDB
 		}
-		return &span{d: d, conn: conn.Conn(), pooled: conn}, true, nil
+		return &span{d: d, pool: h}, h, nil
 	case *pgx.Conn:
-		return &span{d: d, conn: h}, true, nil
+		if err := d.CheckDB(h, false); err != nil {
+			return nil, nil, err
+		}
+		return &span{d: d, conn: h}, nil, nil
 	}
-	return nil, false, nil
+	return nil, nil, d.CheckDB(db, false)
 }
 
 // span is where one call claims its key, runs fn and stores the outcome:
-// Do's savepoint in the caller's transaction (conn nil), or DoInTx's own
-// transactions on conn, one per round, each begun with txOptions by the
-// claim's batch.
+// Do's savepoint in the caller's transaction (pool and conn nil), or
+// DoInTx's own transactions on conn, one per round, each begun with
+// txOptions by the claim's batch.
 type span struct {
-	d      *Driver
-	tx     pgx.Tx // Do: the caller's; DoInTx: the current own transaction
+	d  *Driver
+	tx pgx.Tx // Do: the caller's; DoInTx: the current own transaction
+	// DoInTx: the connection of its transactions; on a pool (pool), the
+	// one the claim acquired (pooled), nil once given back.
 	conn   *pgx.Conn
-	pooled *pgxpool.Conn // DoInTx on a pool: the connection to give back
+	pool   *pgxpool.Pool
+	pooled *pgxpool.Conn
 	// The batch of every round trip in turn, with room for the longest,
 	// and the fingerprint the statements take: kept here, a call allocates
 	// them with the span, once.
@@ -76,11 +83,13 @@ type span struct {
 	fp    [32]byte
 }
 
-// Tx is the transaction fn runs in.
-func (s *span) Tx() pgx.Tx { return s.tx }
+// own reports whether the span is DoInTx's, in transactions of its own.
+func (s *span) own() bool { return s.pool != nil || s.conn != nil }
 
-// Claim begins the span and claims the key. The round trips it takes:
-//   - DoInTx: BEGIN and the claim. Whatever pgx prepares or describes
+// Claim begins the span and claims the key, and returns the transaction
+// it runs in. The round trips it takes:
+//   - DoInTx: BEGIN and the claim, on a connection acquired from the pool
+//     first when the span holds none. Whatever pgx prepares or describes
 //     before sending them runs outside any transaction, and so does the
 //     question whether the database is Citus (on a new connection for this
 //     Client): when that fails, or BEGIN does, begun is false and there is
@@ -113,13 +122,19 @@ func (s *span) Tx() pgx.Tx { return s.tx }
 // a full cache (StatementCacheCapacity, DescriptionCacheCapacity): pgx then
 // prepares them again before the batch, in the caller's transaction, and a
 // failure there is an error that is no refusal.
-func (s *span) Claim(ctx context.Context, c driver.Claim) (claimed, begun bool, err error) {
+func (s *span) Claim(ctx context.Context, c driver.Claim) (tx pgx.Tx, claimed, begun bool, err error) {
 	s.fp = c.Fingerprint
 	b := s.reset()
-	if s.conn != nil {
+	if s.own() {
+		if s.conn == nil {
+			if s.pooled, err = s.pool.Acquire(ctx); err != nil {
+				return nil, false, false, fmt.Errorf("begin: %w", err)
+			}
+			s.conn = s.pooled.Conn()
+		}
 		st, citus, err := s.d.connCitus(ctx, s.conn)
 		if err != nil {
-			return false, false, fmt.Errorf("claim: %w", err)
+			return nil, false, false, fmt.Errorf("claim: %w", err)
 		}
 		b.BeginTx(s.d.txOptions)
 		s.d.queueClaim(b, c, s.fp[:], citus)
@@ -144,10 +159,10 @@ func (s *span) Claim(ctx context.Context, c driver.Claim) (claimed, begun bool, 
 	}
 
 	if _, err := s.tx.Exec(ctx, sqlSavepoint, pgx.QueryExecModeSimpleProtocol); err != nil {
-		return false, false, fmt.Errorf("claim: %w", err)
+		return s.tx, false, false, fmt.Errorf("claim: %w", err)
 	}
 	if citus, err = s.d.isCitus(ctx, st, s.tx); err != nil {
-		return false, true, fmt.Errorf("claim: %w", err)
+		return s.tx, false, true, fmt.Errorf("claim: %w", err)
 	}
 	s.d.queueClaim(b, c, s.fp[:], citus)
 	return s.sendClaim(ctx, s.tx, st, s.d.claimForm(citus, c), false, citus)
@@ -161,9 +176,9 @@ type batchSender interface {
 // sendClaim sends the span's batch, a claim of form, on q, and reads it;
 // opens: the batch begins with BEGIN or SAVEPOINT, and begun says whether
 // that ran. Whether the batch succeeded goes to st (see connState.sent).
-func (s *span) sendClaim(ctx context.Context, q batchSender, st *connState, form string, opens, citus bool) (claimed, begun bool, err error) {
+func (s *span) sendClaim(ctx context.Context, q batchSender, st *connState, form string, opens, citus bool) (tx pgx.Tx, claimed, begun bool, err error) {
 	br := q.SendBatch(ctx, &s.batch)
-	if s.conn != nil {
+	if s.own() {
 		s.tx = br.Tx()
 	}
 	begun = true
@@ -177,9 +192,9 @@ func (s *span) sendClaim(ctx context.Context, q batchSender, st *connState, form
 	err = closeBatch(br, err)
 	st.sent(form, err)
 	if !begun { // nothing to undo
-		return false, false, fmt.Errorf("claim: %w", err)
+		return s.tx, false, false, fmt.Errorf("claim: %w", err)
 	}
-	return claimed, true, claimError(err)
+	return s.tx, claimed, true, claimError(err)
 }
 
 // connCitus is state and isCitus for conn, in one call: DoInTx's claim
@@ -256,8 +271,7 @@ func (s *span) reset() *pgx.Batch {
 // TestQueuedStatementsAreSqlcs holds them to the generated methods.
 func (d *Driver) queueClaim(b *pgx.Batch, c driver.Claim, fp []byte, citus bool) {
 	k := c.Key
-	ttl := d.ttlOf(k.Operation)
-	body := d.ttl.BodyTTL(ttl)
+	ttl, body := d.ttlOf(k.Operation)
 	switch {
 	case citus && c.TakeOver:
 		b.Queue(d.sqlClaimWait)
@@ -274,16 +288,21 @@ func (d *Driver) queueClaim(b *pgx.Batch, c driver.Claim, fp []byte, citus bool)
 	}
 }
 
-// ttlOf is the TTL of operation's keys in microseconds, as Settings.TTL
-// gives it (TestTTLOfIsSettingsTTL), spelled out here so that a call's
-// round trips read in this file.
-func (d *Driver) ttlOf(operation string) int64 {
+// ttlOf is the TTL of operation's keys in microseconds, and the life of
+// the body its claim stores (0: the key's), as Settings.TTL and
+// Settings.BodyTTL give them (TestTTLOfIsSettingsTTL), spelled out here so
+// that a call's round trips read in this file.
+func (d *Driver) ttlOf(operation string) (ttl, body int64) {
+	ttl = d.ttl.TTLMicros
 	if d.ttl.TTLFor != nil {
 		if t := d.ttl.TTLFor(operation).Microseconds(); t > 0 {
-			return t
+			ttl = t
 		}
 	}
-	return d.ttl.TTLMicros
+	if d.ttl.BodyTTLMicros > 0 && d.ttl.BodyTTLMicros < ttl {
+		body = d.ttl.BodyTTLMicros
+	}
+	return ttl, body
 }
 
 // readClaim reads the results of what queueClaim queued: whether the key is
@@ -307,11 +326,12 @@ func readClaim(br pgx.BatchResults, citus bool) (claimed bool, err error) {
 
 // Complete stores the outcome and ends the span, in one round trip: the
 // completion, then RELEASE (Do) or COMMIT (DoInTx), which does not run
-// when the completion fails.
+// when the completion fails. DoInTx's pooled connection goes back to the
+// pool when the COMMIT succeeded.
 func (s *span) Complete(ctx context.Context, out driver.Outcome) error {
 	b := s.reset()
 	s.d.queueComplete(b, out, s.fp[:])
-	if s.conn == nil {
+	if !s.own() {
 		b.Queue(sqlRelease)
 	} else {
 		b.Queue("COMMIT")
@@ -323,7 +343,10 @@ func (s *span) Complete(ctx context.Context, out driver.Outcome) error {
 	} else {
 		err = s.ended(br.Exec())
 	}
-	return closeBatch(br, err)
+	if err = closeBatch(br, err); err == nil {
+		s.Close()
+	}
+	return err
 }
 
 // queueComplete queues the completion of out in b: internal/db's
@@ -331,14 +354,15 @@ func (s *span) Complete(ctx context.Context, out driver.Outcome) error {
 // TestQueuedStatementsAreSqlcs), read in Complete.
 func (d *Driver) queueComplete(b *pgx.Batch, out driver.Outcome, fp []byte) {
 	k, r := out.Key, out.Reply
-	b.Queue(db.KeyComplete, k.Actor, k.Operation, k.Key, fp, out.Status, d.ttlOf(k.Operation),
+	ttl, _ := d.ttlOf(k.Operation)
+	b.Queue(db.KeyComplete, k.Actor, k.Operation, k.Key, fp, out.Status, ttl,
 		r.Status, pgtype.Text{String: r.Headers, Valid: r.HasHeaders}, r.Body)
 }
 
 // ended checks the result of the statement that ends the span: RELEASE, or
 // COMMIT (whose tag says ROLLBACK when the transaction was aborted).
 func (s *span) ended(tag pgconn.CommandTag, err error) error {
-	if s.conn == nil {
+	if !s.own() {
 		if err != nil {
 			return fmt.Errorf("release: %w", err)
 		}
@@ -356,13 +380,14 @@ func (s *span) ended(tag pgconn.CommandTag, err error) error {
 // Read reads the committed row that holds k and ends the span, in one
 // round trip: the planner setting and the read, then ROLLBACK TO and
 // RELEASE (Do) or COMMIT (DoInTx), which undo the setting and the claim's
-// lock_timeout.
+// lock_timeout. DoInTx's pooled connection goes back to the pool when the
+// COMMIT succeeded.
 func (s *span) Read(ctx context.Context, k driver.Key) (row driver.Row, found bool, err error) {
 	b := s.reset()
 	b.Queue(sqlIndexLookup)
 	_, _ = queries.KeyGet(context.Background(), queuer{b},
 		db.KeyGetParams{Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key})
-	if s.conn == nil {
+	if !s.own() {
 		b.Queue(sqlRollbackTo)
 		b.Queue(sqlRelease)
 	} else {
@@ -378,7 +403,7 @@ func (s *span) Read(ctx context.Context, k driver.Key) (row driver.Row, found bo
 			err = nil
 		}
 	}
-	if err == nil && s.conn == nil {
+	if err == nil && !s.own() {
 		if _, err = br.Exec(); err == nil {
 			_, err = br.Exec()
 		}
@@ -388,6 +413,7 @@ func (s *span) Read(ctx context.Context, k driver.Key) (row driver.Row, found bo
 	if err = closeBatch(br, err); err != nil {
 		return row, false, fmt.Errorf("read key: %w", err)
 	}
+	s.Close()
 	return driver.Row{
 		Fingerprint: r.Fingerprint, Status: r.Status, Stored: storedOrGone(r.ResponseStatus, r.ResponseHeaders, r.ResponseBody, r.BodyGone),
 		Expired: r.Expired, Leased: r.Leased, LeaseLeftMs: r.LeaseLeftMs,
@@ -413,7 +439,7 @@ func storedOrGone(status pgtype.Int4, headers, body []byte, gone bool) driver.St
 // transaction back (none when it did not begin), and says when fn had
 // ended it already (pgx.ErrTxClosed).
 func (s *span) Undo(ctx context.Context) error {
-	if s.conn != nil {
+	if s.own() {
 		if s.tx != nil && rollback(ctx, s.tx) == pgx.ErrTxClosed {
 			return fmt.Errorf("rollback: %w", pgx.ErrTxClosed)
 		}
@@ -441,17 +467,22 @@ func rollback(ctx context.Context, tx pgx.Tx) error {
 }
 
 // Orphaned turns the row a committed claim left without an outcome
-// unknown, in a statement of its own on DoInTx's own connection, and reads
-// the row when it marked none.
+// unknown, in a statement of its own on DoInTx's own connection (on a
+// pool, the one the span holds, or else one of the pool's), and reads the
+// row when it marked none.
 func (s *span) Orphaned(ctx context.Context, k driver.Key, fp [32]byte, reason string) (int64, driver.Record, error) {
-	if s.conn == nil {
+	if !s.own() {
 		return 0, driver.Record{}, errors.New("a savepoint has no connection of its own")
 	}
-	n, err := markUnknown(ctx, s.conn, k, fp, reason)
+	var q db.DBTX = s.pool
+	if s.conn != nil {
+		q = s.conn
+	}
+	n, err := markUnknown(ctx, q, k, fp, reason)
 	if err != nil || n == 1 {
 		return n, driver.Record{}, err
 	}
-	row, err := queries.KeyLookup(ctx, planned{s.conn}, db.KeyLookupParams{Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key})
+	row, err := queries.KeyLookup(ctx, planned{q}, db.KeyLookupParams{Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key})
 	return 0, record(row.IdemKey), noRows(err)
 }
 
@@ -469,7 +500,7 @@ func markUnknown(ctx context.Context, q db.DBTX, k driver.Key, fp [32]byte, reas
 // connection is read only when it is still the caller's (callersConn).
 func (s *span) Enclosing(ctx context.Context, k driver.Key, fp [32]byte) (driver.Enclosing, error) {
 	conn := callersConn(s.tx)
-	if s.conn != nil || conn == nil {
+	if s.own() || conn == nil {
 		return driver.NoEnclosing, nil
 	}
 	switch conn.PgConn().TxStatus() {
@@ -512,13 +543,16 @@ func callersConn(tx pgx.Tx) *pgx.Conn {
 
 // Lost reports whether DoInTx's connection is closed: the server went away
 // or the connection broke.
+// (A span that gave its connection back is not lost: the core asks only
+// while the span holds it.)
 func (s *span) Lost() bool { return s.conn != nil && s.conn.IsClosed() }
 
-// Close gives back the pooled connection of DoInTx on a pool.
+// Close gives back the pooled connection of DoInTx on a pool, if the span
+// holds one.
 func (s *span) Close() {
 	if s.pooled != nil {
 		s.pooled.Release()
-		s.pooled = nil
+		s.pooled, s.conn, s.tx = nil, nil, nil
 	}
 }
 

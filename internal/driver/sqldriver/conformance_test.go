@@ -38,6 +38,7 @@ func TestConformance(t *testing.T) {
 					return err
 				},
 				Commit: func(_ context.Context, tx *sql.Tx) error { return tx.Commit() },
+				InUse:  func(db *sql.DB) int { return db.Stats().InUse },
 				Count: func(t *testing.T, db *sql.DB, query string) int {
 					var n int
 					if err := db.QueryRowContext(t.Context(), query).Scan(&n); err != nil {

@@ -95,10 +95,6 @@ func (d *Driver) PreparedStatementsFix() string {
 	return " (on database/sql: default_query_exec_mode=exec, cache_describe or simple_protocol in pgx's connection string)"
 }
 
-// FlightKey: concurrent DoInTx calls on a *sql.DB are not coalesced; they
-// meet at the primary key.
-func (d *Driver) FlightKey(*sql.DB) (any, bool) { return nil, false }
-
 // Executor runs statements in tx.
 func (d *Driver) Executor(tx *sql.Tx) driver.Executor { return &executor{d: d, tx: tx} }
 

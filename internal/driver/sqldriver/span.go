@@ -28,9 +28,15 @@ const (
 // SavepointSpan is Do's span in the caller's transaction tx.
 func (d *Driver) SavepointSpan(tx *sql.Tx) driver.Span[*sql.Tx] { return &span{d: d, tx: tx} }
 
-// OwnSpan is DoInTx's span on db: a transaction of its own per round.
-func (d *Driver) OwnSpan(_ context.Context, db *sql.DB) (driver.Span[*sql.Tx], bool, error) {
-	return &span{d: d, db: db}, true, nil
+// OwnSpan is DoInTx's span on db: a transaction of its own per round (on
+// a connection database/sql takes at BEGIN and gives back at its end). It
+// refuses a nil *sql.DB. Concurrent DoInTx calls on a *sql.DB are not
+// coalesced (no flight): they meet at the primary key.
+func (d *Driver) OwnSpan(db *sql.DB) (driver.Span[*sql.Tx], any, error) {
+	if db == nil {
+		return nil, nil, errNilDB
+	}
+	return &span{d: d, db: db}, nil, nil
 }
 
 // span is where one call claims its key, runs fn and stores the outcome:
@@ -43,28 +49,25 @@ type span struct {
 	lost bool // a ROLLBACK of DoInTx's found the connection gone
 }
 
-// Tx is the transaction fn runs in.
-func (s *span) Tx() *sql.Tx { return s.tx }
-
 // Claim sends SAVEPOINT (or BEGIN), then the claim, which bounds its own
 // wait (on Citus: SET LOCAL lock_timeout before it and back to its default
-// after it, each a round trip).
-func (s *span) Claim(ctx context.Context, c driver.Claim) (claimed, begun bool, err error) {
+// after it, each a round trip), and returns the transaction it runs in.
+func (s *span) Claim(ctx context.Context, c driver.Claim) (tx *sql.Tx, claimed, begun bool, err error) {
 	if s.db != nil {
 		s.tx, s.lost = nil, false
 		tx, err := s.db.BeginTx(ctx, s.d.txOptions)
 		if err != nil { // nothing to undo
-			return false, false, fmt.Errorf("begin: %w", err)
+			return nil, false, false, fmt.Errorf("begin: %w", err)
 		}
 		s.tx = tx
 	} else if _, err := s.tx.ExecContext(ctx, sqlSavepoint); err != nil {
-		return false, false, fmt.Errorf("claim: %w", err)
+		return s.tx, false, false, fmt.Errorf("claim: %w", err)
 	}
 	claimed, err = s.d.claim(ctx, s.tx, c)
 	if err != nil {
-		return false, true, fmt.Errorf("claim: %w", err)
+		return s.tx, false, true, fmt.Errorf("claim: %w", err)
 	}
-	return claimed, true, nil
+	return s.tx, claimed, true, nil
 }
 
 // claim claims c.Key in tx. claimed is false when a committed row holds

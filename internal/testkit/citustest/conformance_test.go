@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem/internal/driver"
 	"github.com/pgidem/idem/internal/driver/drivertest"
@@ -27,6 +28,7 @@ func TestConformance(t *testing.T) {
 			},
 			Commit: func(ctx context.Context, tx pgx.Tx) error { return tx.Commit(ctx) },
 			Nest:   func(tx pgx.Tx) pgxdriver.Beginner { return tx },
+			InUse:  func(db pgxdriver.Beginner) int { return int(db.(*pgxpool.Pool).Stat().AcquiredConns()) },
 			Count: func(t *testing.T, db pgxdriver.Beginner, query string) int {
 				var n int
 				tx, err := db.Begin(t.Context())
@@ -58,6 +60,7 @@ func TestConformance(t *testing.T) {
 					return err
 				},
 				Commit: func(_ context.Context, tx *sql.Tx) error { return tx.Commit() },
+				InUse:  func(db *sql.DB) int { return db.Stats().InUse },
 				Count: func(t *testing.T, db *sql.DB, query string) int {
 					var n int
 					if err := db.QueryRowContext(t.Context(), query).Scan(&n); err != nil {
