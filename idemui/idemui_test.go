@@ -1322,7 +1322,7 @@ func TestAPIFieldsDocumented(t *testing.T) {
 	}
 	// The fields left out when empty were there to be checked.
 	for _, name := range []string{"now", "oldest_needs_person", "oldest_in_flight", "resumable", "resume_until", "completed_at",
-		"lease_expires_at", "last_error", "resolve_reason", "response", "header", "body", "body_base64", "next", "token_before",
+		"lease_expires_at", "unknown_at", "last_error", "resolve_reason", "response", "header", "body", "body_base64", "next", "token_before",
 		"verdict", "detail", "expired"} {
 		if !seen[name] {
 			t.Errorf("no answer had %q to check", name)
@@ -1404,8 +1404,10 @@ func TestAuthorizeDecidesWhatIsOffered(t *testing.T) {
 }
 
 // One verdict over all that the filter matches: counted first, acted on as
-// of the count (a record that needs a person only after it is left; one
-// someone else settled meanwhile is left too), each record with its audit
+// of the count (a record that needs a person only after it is left, also
+// one in flight then that its worker marked unknown since; one whose lease
+// had run out then is the count's however it became unknown; one someone
+// else settled meanwhile is left too), each record with its audit
 // row and one row for the action; then over a selection, where a record
 // whose attempt changed is left.
 func TestBulkVerdict(t *testing.T) {
@@ -1418,20 +1420,29 @@ func TestBulkVerdict(t *testing.T) {
 	b3 := e.unknown(pay, "b3", "timeout")
 	e.lapsed(pay, "b4")
 	e.unknown(other, "g1", "timeout")
+	b6 := e.reserve(pay, "b6", time.Hour)
+	b7 := e.lapsed(pay, "b7")
 
 	page := e.get("/idem/unknown?actor=acme")
-	if !strings.Contains(page.body, `action="/idem/bulk-resolve"`) || strings.Count(page.body, `name="r"`) != 4 {
+	if !strings.Contains(page.body, `action="/idem/bulk-resolve"`) || strings.Count(page.body, `name="r"`) != 5 {
 		t.Fatalf("the list offers no selection:\n%s", page.body)
 	}
 	confirm := e.get("/idem/bulk-resolve?actor=acme&all=yes")
 	m := regexp.MustCompile(`name="cutoff" value="([^"]+)"`).FindStringSubmatch(confirm.body)
-	if confirm.status != 200 || !strings.Contains(confirm.body, "<b>4</b> records need a person") || m == nil {
+	if confirm.status != 200 || !strings.Contains(confirm.body, "<b>5</b> records need a person") || m == nil {
 		t.Fatalf("the confirmation:\n%s", confirm.body)
 	}
 	cutoff := m[1]
-	// After the count: another record needs a person, and someone settles b3.
+	// After the count: another record needs a person, two workers mark
+	// their attempts unknown (b6's lease ran then, b7's had run out), and
+	// someone settles b3.
 	time.Sleep(time.Millisecond)
 	e.unknown(pay, "b5", "timeout")
+	for _, r := range []idem.Reservation{b6, b7} {
+		if err := idem.MarkUnknown(ctx, e.pool, r, "timeout"); err != nil {
+			t.Fatal(err)
+		}
+	}
 	if err := idem.Resolve(ctx, e.pool, pay, "b3", idem.Resolution{Token: b3.Token, Retryable: true, Reason: "elsewhere"}); err != nil {
 		t.Fatal(err)
 	}
@@ -1457,11 +1468,11 @@ func TestBulkVerdict(t *testing.T) {
 		t.Fatalf("a refused bulk verdict changed something:\n%s\n%s", before, after)
 	}
 	res := e.postForm("/idem/bulk-resolve", form)
-	if res.status != http.StatusSeeOther || !strings.Contains(e.flashed(res).body, "3 records settled with one verdict") {
+	if res.status != http.StatusSeeOther || !strings.Contains(e.flashed(res).body, "4 records settled with one verdict") {
 		t.Fatalf("the bulk verdict: %d %s", res.status, res.header.Get("Location"))
 	}
 	for key, want := range map[string]idem.Status{"b1": idem.StatusFailedRetryable, "b2": idem.StatusFailedRetryable,
-		"b4": idem.StatusFailedRetryable, "b5": idem.StatusUnknown} {
+		"b4": idem.StatusFailedRetryable, "b5": idem.StatusUnknown, "b6": idem.StatusUnknown, "b7": idem.StatusFailedRetryable} {
 		if rec := e.lookup(pay, key); rec.Status != want || (want != idem.StatusUnknown && rec.ResolveReason != "provider outage: nothing was charged") {
 			t.Errorf("%s after the bulk verdict: %s %q", key, rec.Status, rec.ResolveReason)
 		}
@@ -1477,7 +1488,7 @@ func TestBulkVerdict(t *testing.T) {
 		coalesce(detail->>'cutoff' IS NOT NULL, false)), E'\n' ORDER BY idem_key) FROM idem_audit`).Scan(&rows); err != nil {
 		t.Fatal(err)
 	}
-	if rows != "resolve * 3 t\nresolve b1 1 f\nresolve b2 1 f\nresolve b4 1 f" {
+	if rows != "resolve * 4 t\nresolve b1 1 f\nresolve b2 1 f\nresolve b4 1 f\nresolve b7 1 f" {
 		t.Fatalf("the audit rows:\n%s", rows)
 	}
 	// A selection: b5, and g1 about an attempt it no longer holds.
@@ -1644,5 +1655,65 @@ func TestBusyRecordSaysSo(t *testing.T) {
 	}
 	if after := e.state(); after != before {
 		t.Fatalf("a busy verdict changed something:\n%s\n%s", before, after)
+	}
+}
+
+// When a record became unknown, on its page and in the API: the worker's
+// MarkUnknown records it (no operator named), a verdict keeps it, and a
+// record marked before migration 10 says it is not recorded.
+func TestRecordBecameUnknown(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := newEnv(t, nil)
+	r := e.unknown(pay, "u1", "gateway timeout")
+	rec := e.lookup(pay, "u1")
+	if rec.UnknownAt.IsZero() {
+		t.Fatalf("MarkUnknown recorded no time: %+v", rec)
+	}
+	apiUnknownAt := func() string {
+		t.Helper()
+		var out struct {
+			Record struct {
+				UnknownAt *time.Time `json:"unknown_at"`
+			} `json:"record"`
+		}
+		res := e.get("/idem/api/key?actor=acme&operation=charge&key=u1")
+		if err := json.Unmarshal([]byte(res.body), &out); err != nil || res.status != 200 {
+			t.Fatalf("api/key: %d %s (%v)", res.status, res.body, err)
+		}
+		if out.Record.UnknownAt == nil {
+			return ""
+		}
+		return out.Record.UnknownAt.Format(time.RFC3339Nano)
+	}
+	if got := apiUnknownAt(); got != rec.UnknownAt.Format(time.RFC3339Nano) {
+		t.Errorf("api/key unknown_at %q, want %s", got, rec.UnknownAt.Format(time.RFC3339Nano))
+	}
+	page := e.get(keyPage(pay, "u1"))
+	for _, want := range []string{"<dt>Became unknown</dt>", "The attempt became unknown"} {
+		if !strings.Contains(page.body, want) {
+			t.Errorf("the page of an unknown record lacks %q:\n%s", want, page.body)
+		}
+	}
+	if strings.Contains(page.body, "not recorded") || strings.Contains(page.body, "expired its lease") {
+		t.Errorf("the page of a record its worker marked says the time is not recorded, or names an operator:\n%s", page.body)
+	}
+	if err := idem.Resolve(ctx, e.pool, pay, "u1", idem.Resolution{Token: r.Token, Retryable: true, Reason: "not charged"}); err != nil {
+		t.Fatal(err)
+	}
+	if got := apiUnknownAt(); got != rec.UnknownAt.Format(time.RFC3339Nano) {
+		t.Errorf("after the verdict, api/key unknown_at %q, want %s", got, rec.UnknownAt.Format(time.RFC3339Nano))
+	}
+	if page := e.get(keyPage(pay, "u1")); !strings.Contains(page.body, "<dt>Became unknown</dt>") {
+		t.Errorf("the page of a settled record no longer says when it became unknown:\n%s", page.body)
+	}
+	// Marked before the column existed.
+	e.unknown(pay, "u2", "gateway timeout")
+	if _, err := e.pool.Exec(ctx, `UPDATE idem_keys SET unknown_at = NULL WHERE idem_key = 'u2'`); err != nil {
+		t.Fatal(err)
+	}
+	if page := e.get(keyPage(pay, "u2")); !strings.Contains(page.body, "<dt>Became unknown</dt><dd><span class=\"muted\">not recorded") ||
+		strings.Contains(page.body, "The attempt became unknown") {
+		t.Errorf("the page of a record without unknown_at:\n%s", page.body)
 	}
 }

@@ -387,9 +387,10 @@ type keyView struct {
 	// NextURL is the page of the oldest other record that needs a person;
 	// empty when none does.
 	NextURL string
-	// BecameUnknown is when an operator's expiry turned the record's
-	// attempt unknown, from the trail; zero when the trail does not say
-	// (the worker, or a sweep of ExpireLeases, marked it).
+	// BecameUnknown is when the record's attempt became unknown
+	// (Record.UnknownAt, or, for a record marked before migration 10, an
+	// operator's expiry in the trail); zero when neither says. ExpiredBy
+	// names the operator whose expiry did it, from the trail.
 	BecameUnknown time.Time
 	ExpiredBy     string
 }
@@ -462,10 +463,11 @@ func (q *request) showKey(status int, p *problem, form resolveInput, forget forg
 			v.Attempt = resolvedAttempt(entries)
 		}
 		v.Timeline = timeline(rec, entries, v.Attempt, now)
-		for _, e := range entries {
-			if e.Action == audit.ActionExpireLeases && e.Key != "" && e.HasBefore && e.TokenBefore == rec.Token {
-				v.BecameUnknown, v.ExpiredBy = e.At, e.Operator
-				break
+		v.BecameUnknown = rec.UnknownAt
+		if e, ok := expiryOf(rec, entries, v.Attempt); ok {
+			v.ExpiredBy = e.Operator
+			if v.BecameUnknown.IsZero() {
+				v.BecameUnknown = e.At
 			}
 		}
 		offers := q.c.offers(q.r)
@@ -559,6 +561,11 @@ func timeline(rec idem.Record, entries []audit.Entry, attempt int64, now time.Ti
 			add(rec.LeaseExpiresAt, "The lease ran out")
 		}
 	}
+	// When the attempt became unknown, unless the trail has the operator's
+	// expiry that made it so (its row says who, at the same time).
+	if _, expired := expiryOf(rec, entries, attempt); !expired {
+		add(rec.UnknownAt, "The attempt became unknown")
+	}
 	audited := slices.ContainsFunc(entries, func(e audit.Entry) bool { return e.Action == audit.ActionResolve })
 	if !rec.CompletedAt.IsZero() && rec.Status != idem.StatusProcessing {
 		switch {
@@ -580,6 +587,22 @@ func timeline(rec idem.Record, entries []audit.Entry, attempt int64, now time.Ti
 	}
 	sort.SliceStable(ev, func(i, j int) bool { return ev[i].When.Before(ev[j].When) })
 	return ev
+}
+
+// expiryOf finds, in entries, the operator's expiry that turned the
+// record's attempt unknown: the record's token, or after a verdict the
+// attempt the verdict was about (attempt, 0 when none).
+func expiryOf(rec idem.Record, entries []audit.Entry, attempt int64) (audit.Entry, bool) {
+	token := rec.Token
+	if attempt != 0 {
+		token = attempt
+	}
+	for _, e := range entries {
+		if e.Action == audit.ActionExpireLeases && e.Key != "" && e.HasBefore && e.TokenBefore == token {
+			return e, true
+		}
+	}
+	return audit.Entry{}, false
 }
 
 // resolvedAttempt is the token of the attempt that the latest verdict in

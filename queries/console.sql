@@ -120,7 +120,8 @@ WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
 -- name: ConsoleExpireLeases :many
 UPDATE idem_keys
 SET status     = 'unknown',
-    last_error = sqlc.arg(reason)::text
+    last_error = sqlc.arg(reason)::text,
+    unknown_at = now()
 WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
   AND status = 'processing'
   AND lease_expires_at <= least(sqlc.arg(cutoff)::timestamptz, now())
@@ -168,15 +169,16 @@ SELECT pg_table_size('idem_keys')::bigint AS table_bytes,
 -- probability @percent / 100; REPEATABLE: the same pages each time while the
 -- table keeps them, so that the page stays in the cache and the counts do not
 -- jump between two views) by status and by the hour, counted back from
--- now, of their outcome (completed_at; created_at for an unknown outcome,
--- which records no time of its own): hours_ago 0 to 23, or -1 for older
--- ones and records in flight.
+-- now, of their outcome (completed_at; for an unknown outcome the time it
+-- became unknown, or created_at when that was not recorded, before
+-- migration 10): hours_ago 0 to 23, or -1 for older ones and records in
+-- flight.
 -- name: ConsoleSample :many
 SELECT status,
        (CASE WHEN status <> 'processing'
-                  AND coalesce(completed_at, created_at) > now() - interval '24 hours'
-                  AND coalesce(completed_at, created_at) <= now()
-             THEN floor(date_part('epoch', now() - coalesce(completed_at, created_at)) / 3600)
+                  AND coalesce(completed_at, unknown_at, created_at) > now() - interval '24 hours'
+                  AND coalesce(completed_at, unknown_at, created_at) <= now()
+             THEN floor(date_part('epoch', now() - coalesce(completed_at, unknown_at, created_at)) / 3600)
              ELSE -1 END)::integer AS hours_ago,
        count(*)::bigint AS keys
 FROM idem_keys TABLESAMPLE SYSTEM (sqlc.arg(percent)::float8) REPEATABLE (0)
@@ -262,13 +264,19 @@ LIMIT 1;
 -- verdict "over the filter" acts on, each with its token now. Every
 -- condition on time is evaluated at that instant, as ConsoleExpireLeases
 -- does: a record whose attempt started after the count, or whose lease ran
--- out or window ended after it, is not the count's.
+-- out or window ended after it, is not the count's. Nor is one that became
+-- unknown after the count (unknown_at) while its lease still ran then: a
+-- record whose lease had run out by then was the count's, however it became
+-- unknown since; one that became unknown before migration 10 (no
+-- unknown_at) did before any count made since.
 -- name: ConsoleNeedsPersonAt :many
 SELECT actor, operation, idem_key, token
 FROM idem_keys
 WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
   -- needs a person, at the cutoff
-  AND (status = 'unknown' OR (status = 'processing' AND lease_expires_at <= least(sqlc.arg(cutoff)::timestamptz, now())))
+  AND ((status = 'unknown' AND (unknown_at IS NULL OR unknown_at <= least(sqlc.arg(cutoff)::timestamptz, now())
+                                OR lease_expires_at <= least(sqlc.arg(cutoff)::timestamptz, now())))
+       OR (status = 'processing' AND lease_expires_at <= least(sqlc.arg(cutoff)::timestamptz, now())))
   AND (resume_until IS NULL OR resume_until <= least(sqlc.arg(cutoff)::timestamptz, now()))
   AND (sqlc.arg(actor)::text = '' OR actor = sqlc.arg(actor)::text)
   AND (sqlc.arg(operation)::text = '' OR operation = sqlc.arg(operation)::text)

@@ -275,7 +275,8 @@ func (q *Queries) ConsoleExpirableCount(ctx context.Context, db DBTX, arg Consol
 const ConsoleExpireLeases = `-- name: ConsoleExpireLeases :many
 UPDATE idem_keys
 SET status     = 'unknown',
-    last_error = $1::text
+    last_error = $1::text,
+    unknown_at = now()
 WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
   AND status = 'processing'
   AND lease_expires_at <= least($2::timestamptz, now())
@@ -471,7 +472,9 @@ SELECT actor, operation, idem_key, token
 FROM idem_keys
 WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
   -- needs a person, at the cutoff
-  AND (status = 'unknown' OR (status = 'processing' AND lease_expires_at <= least($1::timestamptz, now())))
+  AND ((status = 'unknown' AND (unknown_at IS NULL OR unknown_at <= least($1::timestamptz, now())
+                                OR lease_expires_at <= least($1::timestamptz, now())))
+       OR (status = 'processing' AND lease_expires_at <= least($1::timestamptz, now())))
   AND (resume_until IS NULL OR resume_until <= least($1::timestamptz, now()))
   AND ($2::text = '' OR actor = $2::text)
   AND ($3::text = '' OR operation = $3::text)
@@ -507,7 +510,11 @@ type ConsoleNeedsPersonAtRow struct {
 // verdict "over the filter" acts on, each with its token now. Every
 // condition on time is evaluated at that instant, as ConsoleExpireLeases
 // does: a record whose attempt started after the count, or whose lease ran
-// out or window ended after it, is not the count's.
+// out or window ended after it, is not the count's. Nor is one that became
+// unknown after the count (unknown_at) while its lease still ran then: a
+// record whose lease had run out by then was the count's, however it became
+// unknown since; one that became unknown before migration 10 (no
+// unknown_at) did before any count made since.
 func (q *Queries) ConsoleNeedsPersonAt(ctx context.Context, db DBTX, arg ConsoleNeedsPersonAtParams) ([]ConsoleNeedsPersonAtRow, error) {
 	rows, err := db.Query(ctx, ConsoleNeedsPersonAt,
 		arg.Cutoff,
@@ -743,9 +750,9 @@ func (q *Queries) ConsoleOpen(ctx context.Context, db DBTX, capRows int32) (Cons
 const ConsoleSample = `-- name: ConsoleSample :many
 SELECT status,
        (CASE WHEN status <> 'processing'
-                  AND coalesce(completed_at, created_at) > now() - interval '24 hours'
-                  AND coalesce(completed_at, created_at) <= now()
-             THEN floor(date_part('epoch', now() - coalesce(completed_at, created_at)) / 3600)
+                  AND coalesce(completed_at, unknown_at, created_at) > now() - interval '24 hours'
+                  AND coalesce(completed_at, unknown_at, created_at) <= now()
+             THEN floor(date_part('epoch', now() - coalesce(completed_at, unknown_at, created_at)) / 3600)
              ELSE -1 END)::integer AS hours_ago,
        count(*)::bigint AS keys
 FROM idem_keys TABLESAMPLE SYSTEM ($1::float8) REPEATABLE (0)
@@ -762,9 +769,10 @@ type ConsoleSampleRow struct {
 // probability @percent / 100; REPEATABLE: the same pages each time while the
 // table keeps them, so that the page stays in the cache and the counts do not
 // jump between two views) by status and by the hour, counted back from
-// now, of their outcome (completed_at; created_at for an unknown outcome,
-// which records no time of its own): hours_ago 0 to 23, or -1 for older
-// ones and records in flight.
+// now, of their outcome (completed_at; for an unknown outcome the time it
+// became unknown, or created_at when that was not recorded, before
+// migration 10): hours_ago 0 to 23, or -1 for older ones and records in
+// flight.
 func (q *Queries) ConsoleSample(ctx context.Context, db DBTX, percent float64) ([]ConsoleSampleRow, error) {
 	rows, err := db.Query(ctx, ConsoleSample, percent)
 	if err != nil {
