@@ -91,6 +91,8 @@ func TestEveryRouteAskedWithItsAction(t *testing.T) {
 		{"GET", "/idem/api/expire-leases", "", "", idemui.ActionView, 200},
 		{"GET", "/idem/api" + strings.TrimPrefix(keyPath(pay, "u1"), "/idem"), "", "", idemui.ActionView, 200},
 		{"GET", "/idem/api/search?actor=acme", "", "", idemui.ActionView, 200},
+		{"GET", "/idem/status?status=succeeded", "", "", idemui.ActionView, 200},
+		{"GET", "/idem/api/status?status=failed_retryable", "", "", idemui.ActionView, 200},
 		{"GET", "/idem/api/audit", "", "", idemui.ActionView, 200},
 		{"GET", keyPath(pay, "u1") + "/resolve", "", "", idemui.ActionView, 405},
 		{"POST", "/idem/", form, "", idemui.ActionView, 405},
@@ -1287,6 +1289,7 @@ func TestAPIFieldsDocumented(t *testing.T) {
 		{"GET api/keys/{actor}/{operation}/{key}", e.get(api("decided")), []string{"audit", "header"}},
 		{"GET api/keys/{actor}/{operation}/{key}", e.get(api("binary")), []string{"audit", "header"}},
 		{"GET api/search", e.get("/idem/api/search?actor=acme"), nil},
+		{"GET api/status", e.get("/idem/api/status?status=succeeded"), nil},
 		{"GET api/audit", e.get("/idem/api/audit?limit=1"), []string{"detail"}},
 		{"GET api/audit", e.get("/idem/api/audit?action=resolve"), []string{"detail"}},
 		{"GET api/key", e.get("/idem/api/key?actor=acme&operation=charge&key=decided"), []string{"record", "audit"}},
@@ -1715,5 +1718,135 @@ func TestRecordBecameUnknown(t *testing.T) {
 	if page := e.get(keyPage(pay, "u2")); !strings.Contains(page.body, "<dt>Became unknown</dt><dd><span class=\"muted\">not recorded") ||
 		strings.Contains(page.body, "The attempt became unknown") {
 		t.Errorf("the page of a record without unknown_at:\n%s", page.body)
+	}
+}
+
+// The records of one status across actors: failed ones newest outcome
+// first (their own partial index), the others the latest expiry first; pages through
+// the API; the overview's counts link to them; a bad status or position is
+// refused.
+func TestKeysByStatus(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := newEnv(t, nil)
+	other := idem.Scope{Actor: "globex", Operation: "refund"}
+	e.succeeded(pay, "s1", idem.Response{Status: 201})
+	e.succeeded(other, "s2", idem.Response{Status: 201})
+	if err := idem.FailRetryable(ctx, e.pool, e.reserve(other, "f1", time.Hour), "card declined"); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(time.Millisecond)
+	// Failed by a verdict (no error of its own: its lease ran out).
+	f2 := e.lapsed(pay, "f2")
+	if err := idem.Resolve(ctx, e.pool, pay, "f2", idem.Resolution{Token: f2.Token, Retryable: true, Reason: "not charged"}); err != nil {
+		t.Fatal(err)
+	}
+	// Succeeded by a verdict: in the failed index, not in the list.
+	u := e.unknown(pay, "v1", "timeout")
+	if err := idem.Resolve(ctx, e.pool, pay, "v1", idem.Resolution{Token: u.Token, Succeeded: &idem.Response{Status: 201}, Reason: "charged"}); err != nil {
+		t.Fatal(err)
+	}
+	e.unknown(pay, "u1", "timeout")
+
+	type page struct {
+		Keys []struct {
+			Actor, Key, Status string
+		}
+		Next string
+	}
+	list := func(query string) (string, page) {
+		t.Helper()
+		res := e.get("/idem/api/status?" + query)
+		var p page
+		if err := json.Unmarshal([]byte(res.body), &p); err != nil || res.status != 200 {
+			t.Fatalf("api/status?%s: %d %s", query, res.status, res.body)
+		}
+		var got []string
+		for _, k := range p.Keys {
+			got = append(got, k.Actor+"/"+k.Key+":"+k.Status)
+		}
+		return strings.Join(got, " "), p
+	}
+	got, p := list("status=failed_retryable&limit=1")
+	if got != "acme/f2:failed_retryable" || p.Next == "" {
+		t.Fatalf("the first page of failed records: %s (next %q)", got, p.Next)
+	}
+	if got, p := list("status=failed_retryable&limit=1&after=" + url.QueryEscape(p.Next)); got != "globex/f1:failed_retryable" {
+		t.Fatalf("the second page of failed records: %s (next %q)", got, p.Next)
+	} else if p.Next != "" {
+		if got, _ := list("status=failed_retryable&limit=1&after=" + url.QueryEscape(p.Next)); got != "" {
+			t.Fatalf("past the last failed record: %s", got)
+		}
+	}
+	if got, p := list("status=succeeded"); got != "acme/v1:succeeded globex/s2:succeeded acme/s1:succeeded" || p.Next != "" {
+		t.Fatalf("the succeeded records: %s (next %q)", got, p.Next)
+	}
+	if got, _ := list("status=succeeded&limit=2"); got != "acme/v1:succeeded globex/s2:succeeded" {
+		t.Fatalf("a page of succeeded records: %s", got)
+	}
+	if got, _ := list("status=unknown"); got != "acme/u1:unknown" {
+		t.Fatalf("the unknown records: %s", got)
+	}
+	pageRes := e.get("/idem/status?status=failed_retryable")
+	for _, want := range []string{">globex<", ">f1<", ">f2<"} {
+		if !strings.Contains(pageRes.body, want) {
+			t.Errorf("the page of failed records lacks %q:\n%s", want, pageRes.body)
+		}
+	}
+	if strings.Contains(pageRes.body, ">v1<") || strings.Contains(pageRes.body, ">s1<") {
+		t.Errorf("the page of failed records lists others:\n%s", pageRes.body)
+	}
+	if ov := e.get("/idem/"); !strings.Contains(ov.body, `href="/idem/status?status=failed_retryable"`) ||
+		!strings.Contains(ov.body, `href="/idem/status?status=succeeded"`) {
+		t.Errorf("the overview's counts are not links:\n%s", ov.body)
+	}
+	for _, bad := range []struct{ path, code string }{
+		{"/idem/api/status", "invalid_status"},
+		{"/idem/api/status?status=done", "invalid_status"},
+		{"/idem/api/status?status=succeeded&after=nope", "invalid_cursor"},
+		{"/idem/api/status?status=failed_retryable&after=nope", "invalid_cursor"},
+		{"/idem/api/status?status=succeeded&limit=0", "invalid_limit"},
+	} {
+		if res := e.get(bad.path); res.status != 400 || res.code() != bad.code {
+			t.Errorf("%s: %d %s, want 400 %s", bad.path, res.status, res.body, bad.code)
+		}
+	}
+	if res := e.get("/idem/status?status=done"); res.status != 400 {
+		t.Errorf("the page of a bad status: %d", res.status)
+	}
+}
+
+// A rare status across many keys: a page reads a bounded part of the
+// table and says so (walked, and where to go on), the next page goes on
+// from there and finds the record.
+func TestKeysByStatusWalksABoundedPart(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := newEnv(t, nil)
+	// 6000 succeeded keys, and one rejected key expiring before them all.
+	if _, err := e.pool.Exec(ctx, `INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, response_status, response_body,
+		created_at, completed_at, expires_at)
+		SELECT 'acme', 'charge', 'k' || i, '\x00'::bytea, CASE WHEN i = 0 THEN 'rejected' ELSE 'succeeded' END, 200, '\x'::bytea,
+			now(), now(), now() + interval '1 hour' + i * interval '1 ms'
+		FROM generate_series(0, 6000) AS i`); err != nil {
+		t.Fatal(err)
+	}
+	var p struct {
+		Keys   []struct{ Key string }
+		Walked bool
+		Next   string
+	}
+	res := e.get("/idem/api/status?status=rejected")
+	if err := json.Unmarshal([]byte(res.body), &p); err != nil || len(p.Keys) != 0 || !p.Walked || p.Next == "" {
+		t.Fatalf("the first page: %s (%v)", res.body, err)
+	}
+	if page := e.get("/idem/status?status=rejected"); !strings.Contains(page.body, "None among the keys this page read") ||
+		!strings.Contains(page.body, `rel="next"`) {
+		t.Fatalf("the first page:\n%s", page.body)
+	}
+	res = e.get("/idem/api/status?status=rejected&after=" + url.QueryEscape(p.Next))
+	p.Keys, p.Walked, p.Next = nil, false, ""
+	if err := json.Unmarshal([]byte(res.body), &p); err != nil || len(p.Keys) != 1 || p.Keys[0].Key != "k0" || p.Walked || p.Next != "" {
+		t.Fatalf("the second page: %s (%v)", res.body, err)
 	}
 }

@@ -43,7 +43,7 @@ type flash struct {
 }
 
 // pageNames are the templates: each is templates/NAME.html with the layout.
-var pageNames = []string{"overview", "unknown", "expire", "key", "search", "audit", "error", "bulk", "deliveries", "event"}
+var pageNames = []string{"overview", "unknown", "expire", "key", "search", "audit", "error", "bulk", "deliveries", "event", "status"}
 
 // parseTemplates parses every page with the layout.
 func parseTemplates() (map[string]*template.Template, error) {

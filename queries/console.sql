@@ -293,3 +293,53 @@ LIMIT sqlc.arg(max_rows)::integer;
 -- transaction.
 -- name: ConsoleNow :one
 SELECT now()::timestamptz AS now;
+
+-- Pages through the records of one status across actors, the latest
+-- expiry first (about the newest keys first), before the given position
+-- ('infinity' and empty names for the first page): a walk of
+-- idem_keys_expires_at_idx backwards (ties on expires_at in key order, an
+-- incremental sort of each tie) that reads at most @scan_rows rows, so that a
+-- page of a rare status costs no more than one of a common one. The walk
+-- follows the order rows were written, so its heap reads are close together.
+-- Returns, in walk order, up to @max_rows records of the status (match) and
+-- the last row read (edge, with walked_rows, how many were read: fewer than
+-- @scan_rows when the walk reached the end of the table); a row can be both.
+-- The windows follow the walk's order, so nothing is sorted again (a Sort,
+-- which the console turns off, would cost a JIT compilation).
+-- name: ConsoleStatusKeys :many
+SELECT actor, operation, idem_key, status, token, created_at, completed_at, expires_at,
+       lease_expires_at, last_error,
+       (status = sqlc.arg(status)::text AND matched <= sqlc.arg(max_rows)::integer)::boolean AS match,
+       (n = walked_rows)::boolean AS edge, walked_rows::bigint AS walked_rows
+FROM (SELECT w.*, count(*) FILTER (WHERE status = sqlc.arg(status)::text) OVER walk AS matched,
+             row_number() OVER walk AS n, count(*) OVER () AS walked_rows
+      FROM (SELECT actor, operation, idem_key, status, token, created_at, completed_at, expires_at,
+                   lease_expires_at, last_error
+            FROM idem_keys
+            WHERE expires_at <= sqlc.arg(before_expires_at)::timestamptz
+              AND (expires_at < sqlc.arg(before_expires_at)::timestamptz
+                   OR (actor, operation, idem_key) < (sqlc.arg(before_actor)::text, sqlc.arg(before_operation)::text,
+                                                      sqlc.arg(before_key)::text))
+            ORDER BY expires_at DESC, actor DESC, operation DESC, idem_key DESC
+            LIMIT sqlc.arg(scan_rows)::integer) AS w
+      WINDOW walk AS (ORDER BY expires_at DESC, actor DESC, operation DESC, idem_key DESC
+                      ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)) AS walked
+WHERE (status = sqlc.arg(status)::text AND matched <= sqlc.arg(max_rows)::integer) OR n = walked_rows
+ORDER BY expires_at DESC, actor DESC, operation DESC, idem_key DESC;
+
+-- Pages through the failed_retryable records across actors, newest outcome
+-- first, before the given position ('infinity' and empty names for the
+-- first page): a walk of idem_keys_failed_idx backwards (its WHERE repeats
+-- the index predicate).
+-- name: ConsoleFailedKeys :many
+SELECT actor, operation, idem_key, status, token, created_at, completed_at, expires_at,
+       lease_expires_at, last_error
+FROM idem_keys
+WHERE lease_expires_at IS NOT NULL AND completed_at IS NOT NULL
+  AND (last_error IS NOT NULL OR resolve_reason IS NOT NULL)
+  AND status = 'failed_retryable'
+  AND (completed_at, actor, operation, idem_key)
+      < (sqlc.arg(before_completed_at)::timestamptz, sqlc.arg(before_actor)::text,
+         sqlc.arg(before_operation)::text, sqlc.arg(before_key)::text)
+ORDER BY completed_at DESC, actor DESC, operation DESC, idem_key DESC
+LIMIT sqlc.arg(max_rows)::integer;

@@ -360,6 +360,85 @@ func (q *Queries) ConsoleExpireLeases(ctx context.Context, db DBTX, arg ConsoleE
 	return items, nil
 }
 
+const ConsoleFailedKeys = `-- name: ConsoleFailedKeys :many
+SELECT actor, operation, idem_key, status, token, created_at, completed_at, expires_at,
+       lease_expires_at, last_error
+FROM idem_keys
+WHERE lease_expires_at IS NOT NULL AND completed_at IS NOT NULL
+  AND (last_error IS NOT NULL OR resolve_reason IS NOT NULL)
+  AND status = 'failed_retryable'
+  AND (completed_at, actor, operation, idem_key)
+      < ($1::timestamptz, $2::text,
+         $3::text, $4::text)
+ORDER BY completed_at DESC, actor DESC, operation DESC, idem_key DESC
+LIMIT $5::integer
+`
+
+type ConsoleFailedKeysParams struct {
+	BeforeCompletedAt time.Time
+	BeforeActor       string
+	BeforeOperation   string
+	BeforeKey         string
+	MaxRows           int32
+}
+
+type ConsoleFailedKeysRow struct {
+	Actor          string
+	Operation      string
+	IdemKey        string
+	Status         string
+	Token          int64
+	CreatedAt      time.Time
+	CompletedAt    sql.NullTime
+	ExpiresAt      time.Time
+	LeaseExpiresAt sql.NullTime
+	LastError      sql.NullString
+}
+
+// Pages through the failed_retryable records across actors, newest outcome
+// first, before the given position ('infinity' and empty names for the
+// first page): a walk of idem_keys_failed_idx backwards (its WHERE repeats
+// the index predicate).
+func (q *Queries) ConsoleFailedKeys(ctx context.Context, db DBTX, arg ConsoleFailedKeysParams) ([]ConsoleFailedKeysRow, error) {
+	rows, err := db.QueryContext(ctx, ConsoleFailedKeys,
+		arg.BeforeCompletedAt,
+		arg.BeforeActor,
+		arg.BeforeOperation,
+		arg.BeforeKey,
+		arg.MaxRows,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []ConsoleFailedKeysRow
+	for rows.Next() {
+		var i ConsoleFailedKeysRow
+		if err := rows.Scan(
+			&i.Actor,
+			&i.Operation,
+			&i.IdemKey,
+			&i.Status,
+			&i.Token,
+			&i.CreatedAt,
+			&i.CompletedAt,
+			&i.ExpiresAt,
+			&i.LeaseExpiresAt,
+			&i.LastError,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Close(); err != nil {
+		return nil, err
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const ConsoleNeedsPerson = `-- name: ConsoleNeedsPerson :many
 
 SELECT actor, operation, idem_key, status, token, created_at, lease_expires_at, last_error,
@@ -920,6 +999,111 @@ func (q *Queries) ConsoleScopeShape(ctx context.Context, db DBTX, arg ConsoleSco
 	for rows.Next() {
 		var i ConsoleScopeShapeRow
 		if err := rows.Scan(&i.Status, &i.ContentType); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Close(); err != nil {
+		return nil, err
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const ConsoleStatusKeys = `-- name: ConsoleStatusKeys :many
+SELECT actor, operation, idem_key, status, token, created_at, completed_at, expires_at,
+       lease_expires_at, last_error,
+       (status = $1::text AND matched <= $2::integer)::boolean AS match,
+       (n = walked_rows)::boolean AS edge, walked_rows::bigint AS walked_rows
+FROM (SELECT w.actor, w.operation, w.idem_key, w.status, w.token, w.created_at, w.completed_at, w.expires_at, w.lease_expires_at, w.last_error, count(*) FILTER (WHERE status = $1::text) OVER walk AS matched,
+             row_number() OVER walk AS n, count(*) OVER () AS walked_rows
+      FROM (SELECT actor, operation, idem_key, status, token, created_at, completed_at, expires_at,
+                   lease_expires_at, last_error
+            FROM idem_keys
+            WHERE expires_at <= $3::timestamptz
+              AND (expires_at < $3::timestamptz
+                   OR (actor, operation, idem_key) < ($4::text, $5::text,
+                                                      $6::text))
+            ORDER BY expires_at DESC, actor DESC, operation DESC, idem_key DESC
+            LIMIT $7::integer) AS w
+      WINDOW walk AS (ORDER BY expires_at DESC, actor DESC, operation DESC, idem_key DESC
+                      ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)) AS walked
+WHERE (status = $1::text AND matched <= $2::integer) OR n = walked_rows
+ORDER BY expires_at DESC, actor DESC, operation DESC, idem_key DESC
+`
+
+type ConsoleStatusKeysParams struct {
+	Status          string
+	MaxRows         int32
+	BeforeExpiresAt time.Time
+	BeforeActor     string
+	BeforeOperation string
+	BeforeKey       string
+	ScanRows        int32
+}
+
+type ConsoleStatusKeysRow struct {
+	Actor          string
+	Operation      string
+	IdemKey        string
+	Status         string
+	Token          int64
+	CreatedAt      time.Time
+	CompletedAt    sql.NullTime
+	ExpiresAt      time.Time
+	LeaseExpiresAt sql.NullTime
+	LastError      sql.NullString
+	Match          bool
+	Edge           bool
+	WalkedRows     int64
+}
+
+// Pages through the records of one status across actors, the latest
+// expiry first (about the newest keys first), before the given position
+// ('infinity' and empty names for the first page): a walk of
+// idem_keys_expires_at_idx backwards (ties on expires_at in key order, an
+// incremental sort of each tie) that reads at most @scan_rows rows, so that a
+// page of a rare status costs no more than one of a common one. The walk
+// follows the order rows were written, so its heap reads are close together.
+// Returns, in walk order, up to @max_rows records of the status (match) and
+// the last row read (edge, with walked_rows, how many were read: fewer than
+// @scan_rows when the walk reached the end of the table); a row can be both.
+// The windows follow the walk's order, so nothing is sorted again (a Sort,
+// which the console turns off, would cost a JIT compilation).
+func (q *Queries) ConsoleStatusKeys(ctx context.Context, db DBTX, arg ConsoleStatusKeysParams) ([]ConsoleStatusKeysRow, error) {
+	rows, err := db.QueryContext(ctx, ConsoleStatusKeys,
+		arg.Status,
+		arg.MaxRows,
+		arg.BeforeExpiresAt,
+		arg.BeforeActor,
+		arg.BeforeOperation,
+		arg.BeforeKey,
+		arg.ScanRows,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []ConsoleStatusKeysRow
+	for rows.Next() {
+		var i ConsoleStatusKeysRow
+		if err := rows.Scan(
+			&i.Actor,
+			&i.Operation,
+			&i.IdemKey,
+			&i.Status,
+			&i.Token,
+			&i.CreatedAt,
+			&i.CompletedAt,
+			&i.ExpiresAt,
+			&i.LeaseExpiresAt,
+			&i.LastError,
+			&i.Match,
+			&i.Edge,
+			&i.WalkedRows,
+		); err != nil {
 			return nil, err
 		}
 		items = append(items, i)

@@ -440,6 +440,11 @@ func TestMigrate9AfterDistribute(t *testing.T) {
 	if shards == 0 || indexed != shards {
 		t.Fatalf("%d shards, %d of them with idem_keys_body_expires_idx", shards, indexed)
 	}
+	if n := count(t, p, `SELECT count(*) FROM run_command_on_shards('idem_keys',
+		$$SELECT count(*) FROM pg_indexes WHERE tablename = '%s' AND indexname LIKE 'idem_keys_failed_idx%%'$$)
+		WHERE success AND result = '1'`); n != shards {
+		t.Fatalf("%d shards, %d of them with idem_keys_failed_idx", shards, n)
+	}
 	c, err := idem.New(idem.Config{BodyTTL: time.Millisecond})
 	if err != nil {
 		t.Fatal(err)

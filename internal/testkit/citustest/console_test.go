@@ -61,7 +61,8 @@ func TestConsole(t *testing.T) {
 	}
 	time.Sleep(time.Millisecond)
 	for _, path := range []string{"/idem/", "/idem/unknown", "/idem/unknown?actor=alice&error=time",
-		"/idem/expire-leases", "/idem/keys/alice/charge/u1", "/idem/search?actor=alice", "/idem/audit"} {
+		"/idem/expire-leases", "/idem/keys/alice/charge/u1", "/idem/search?actor=alice", "/idem/audit",
+		"/idem/status?status=unknown", "/idem/status?status=failed_retryable"} {
 		if status, body := call("GET", path, ""); status != 200 {
 			t.Errorf("GET %s: %d\n%.500s", path, status, body)
 		}
