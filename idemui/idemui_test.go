@@ -1290,6 +1290,7 @@ func TestAPIFieldsDocumented(t *testing.T) {
 		{"GET api/keys/{actor}/{operation}/{key}", e.get(api("binary")), []string{"audit", "header"}},
 		{"GET api/search", e.get("/idem/api/search?actor=acme"), nil},
 		{"GET api/status", e.get("/idem/api/status?status=succeeded"), nil},
+		{"GET api/search", e.get("/idem/api/search?actor_prefix=ac"), nil},
 		{"GET api/audit", e.get("/idem/api/audit?limit=1"), []string{"detail"}},
 		{"GET api/audit", e.get("/idem/api/audit?action=resolve"), []string{"detail"}},
 		{"GET api/key", e.get("/idem/api/key?actor=acme&operation=charge&key=decided"), []string{"record", "audit"}},
@@ -1848,5 +1849,64 @@ func TestKeysByStatusWalksABoundedPart(t *testing.T) {
 	p.Keys, p.Walked, p.Next = nil, false, ""
 	if err := json.Unmarshal([]byte(res.body), &p); err != nil || len(p.Keys) != 1 || p.Keys[0].Key != "k0" || p.Walked || p.Next != "" {
 		t.Fatalf("the second page: %s (%v)", res.body, err)
+	}
+}
+
+// Actors found by the start of their name, byte for byte, through the
+// primary key (a hop from each actor to the next): a page passes a bounded
+// number of actors and says where the next goes on; an actor prefix goes
+// alone, and a bad one is refused.
+func TestSearchByActorPrefix(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := newEnv(t, nil)
+	for _, actor := range []string{"acme", "acme-eu", "acmex", "ac", "beta", "Acme"} {
+		e.succeeded(idem.Scope{Actor: actor, Operation: "charge"}, "k1", idem.Response{Status: 201})
+	}
+	e.succeeded(idem.Scope{Actor: "acme", Operation: "refund"}, "k2", idem.Response{Status: 201})
+	type page struct {
+		Actors []string
+		Next   string
+	}
+	find := func(query string) page {
+		t.Helper()
+		res := e.get("/idem/api/search?" + query)
+		var p page
+		if err := json.Unmarshal([]byte(res.body), &p); err != nil || res.status != 200 {
+			t.Fatalf("api/search?%s: %d %s", query, res.status, res.body)
+		}
+		return p
+	}
+	p := find("actor_prefix=acme")
+	slices.Sort(p.Actors)
+	if strings.Join(p.Actors, " ") != "acme acme-eu acmex" || p.Next != "" {
+		t.Fatalf("actors starting with acme: %+v", p)
+	}
+	if page := e.get("/idem/search?actor_prefix=acme"); !strings.Contains(page.body, `href="/idem/search?actor=acme-eu"`) {
+		t.Fatalf("the page of actors:\n%s", page.body)
+	}
+	// Past the bound of one page: 1000 more actors before the one sought.
+	if _, err := e.pool.Exec(ctx, `INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, response_status, response_body,
+		created_at, completed_at, expires_at)
+		SELECT 'm' || lpad(i::text, 4, '0'), 'charge', 'k', '\x00'::bytea, 'succeeded', 200, '\x'::bytea, now(), now(), now() + interval '1 hour'
+		FROM generate_series(1, 1000) AS i
+		UNION ALL SELECT 'zz-sought', 'charge', 'k', '\x00'::bytea, 'succeeded', 200, '\x'::bytea, now(), now(), now() + interval '1 hour'`); err != nil {
+		t.Fatal(err)
+	}
+	p = find("actor_prefix=zz")
+	if len(p.Actors) != 0 || p.Next == "" {
+		t.Fatalf("the first page past the bound: %+v", p)
+	}
+	if p = find("actor_prefix=zz&after=" + url.QueryEscape(p.Next)); strings.Join(p.Actors, " ") != "zz-sought" || p.Next != "" {
+		t.Fatalf("the next page: %+v", p)
+	}
+	for _, bad := range []struct{ query, code string }{
+		{"actor_prefix=ac&actor=acme", "invalid_search"},
+		{"actor_prefix=a%FF", "invalid_form"},
+		{"actor_prefix=" + strings.Repeat("a", 256), "invalid_scope"},
+	} {
+		if res := e.get("/idem/api/search?" + bad.query); res.status != 400 || res.code() != bad.code {
+			t.Errorf("%s: %d %s, want 400 %s", bad.query, res.status, res.body, bad.code)
+		}
 	}
 }

@@ -782,10 +782,14 @@ func (q *request) pruneRefused(err error, in pruneInput) {
 
 type searchView struct {
 	Actor, Operation, Key string
-	Items                 []scopeItem
-	Next                  string // the position of the next page
-	NextURL               string
-	Problem               *problem // why the search found nothing, or cannot be made
+	// ActorPrefix: the actors whose name starts with it are listed
+	// (Actors), a bounded walk a page.
+	ActorPrefix string
+	Actors      []string
+	Items       []scopeItem
+	Next        string // the position of the next page
+	NextURL     string
+	Problem     *problem // why the search found nothing, or cannot be made
 }
 
 func (q *request) searchPage() {
@@ -814,7 +818,7 @@ func (q *request) search(vs url.Values) (searchView, error) {
 	for _, f := range []struct {
 		name string
 		v    *string
-	}{{"actor", &v.Actor}, {"operation", &v.Operation}, {"key", &v.Key}} {
+	}{{"actor", &v.Actor}, {"operation", &v.Operation}, {"key", &v.Key}, {"actor_prefix", &v.ActorPrefix}} {
 		// Names are exact (an actor " acme " is not "acme"): never trimmed.
 		if *f.v, err = one(vs, f.name); err != nil {
 			return v, err
@@ -825,6 +829,22 @@ func (q *request) search(vs url.Values) (searchView, error) {
 		return v, err
 	}
 	switch {
+	case v.ActorPrefix != "" && (v.Actor != "" || v.Operation != "" || v.Key != ""):
+		v.Problem = badRequest("invalid_search", "Give an actor prefix alone, or the actor (and the operation, and the key).")
+		return v, nil
+	case v.ActorPrefix != "":
+		if !validText(v.ActorPrefix) || len(v.ActorPrefix) > idem.MaxScopeLength || !validText(after) || len(after) > idem.MaxScopeLength {
+			return v, badRequest("invalid_scope", "The actor prefix is not valid.")
+		}
+		actors, next, err := readActors(q.r.Context(), q.c.opts.DB, v.ActorPrefix, after)
+		if err != nil {
+			return v, err
+		}
+		v.Actors, v.Next = actors, next
+		if next != "" {
+			v.NextURL = q.url("/search", url.Values{"actor_prefix": {v.ActorPrefix}, "after": {next}})
+		}
+		return v, nil
 	case v.Actor == "" && v.Operation == "" && v.Key == "":
 		return v, nil
 	case v.Key != "" && (v.Actor == "" || v.Operation == ""):

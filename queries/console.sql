@@ -343,3 +343,30 @@ WHERE lease_expires_at IS NOT NULL AND completed_at IS NOT NULL
          sqlc.arg(before_operation)::text, sqlc.arg(before_key)::text)
 ORDER BY completed_at DESC, actor DESC, operation DESC, idem_key DESC
 LIMIT sqlc.arg(max_rows)::integer;
+
+-- The actors whose name starts with @prefix (byte for byte, whatever the
+-- database's collation), after the given actor ('' for the first page): a
+-- loose walk of the primary key that hops from each actor to the next one,
+-- at most @scan_actors hops, so that a page costs as many index descents
+-- as actors it passes, never a read of their keys. A range of the
+-- collation's order would not do: under a collation other than C, names
+-- that start alike need not sort together. Returns the matching actors
+-- and, when the walk stopped at its bound, the last actor it reached (n =
+-- @scan_actors), each with its place in the walk (n: the caller orders by
+-- it; an ORDER BY here would be a Sort, which the console turns off).
+-- name: ConsoleActorsByPrefix :many
+WITH RECURSIVE actors AS (
+    (SELECT actor, 1::integer AS n
+     FROM idem_keys
+     WHERE actor > sqlc.arg(after_actor)::text
+     ORDER BY actor
+     LIMIT 1)
+    UNION ALL
+    SELECT (SELECT k.actor FROM idem_keys AS k WHERE k.actor > a.actor ORDER BY k.actor LIMIT 1), a.n + 1
+    FROM actors AS a
+    WHERE a.actor IS NOT NULL AND a.n < sqlc.arg(scan_actors)::integer
+)
+SELECT actor::text AS actor, n::integer AS n, starts_with(actor, sqlc.arg(prefix)::text)::boolean AS match
+FROM actors
+WHERE actor IS NOT NULL
+  AND (starts_with(actor, sqlc.arg(prefix)::text) OR n = sqlc.arg(scan_actors)::integer);

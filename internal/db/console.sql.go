@@ -229,6 +229,66 @@ func (q *Queries) AuditLockKey(ctx context.Context, db DBTX, arg AuditLockKeyPar
 	return i, err
 }
 
+const ConsoleActorsByPrefix = `-- name: ConsoleActorsByPrefix :many
+WITH RECURSIVE actors AS (
+    (SELECT actor, 1::integer AS n
+     FROM idem_keys
+     WHERE actor > $3::text
+     ORDER BY actor
+     LIMIT 1)
+    UNION ALL
+    SELECT (SELECT k.actor FROM idem_keys AS k WHERE k.actor > a.actor ORDER BY k.actor LIMIT 1), a.n + 1
+    FROM actors AS a
+    WHERE a.actor IS NOT NULL AND a.n < $2::integer
+)
+SELECT actor::text AS actor, n::integer AS n, starts_with(actor, $1::text)::boolean AS match
+FROM actors
+WHERE actor IS NOT NULL
+  AND (starts_with(actor, $1::text) OR n = $2::integer)
+`
+
+type ConsoleActorsByPrefixParams struct {
+	Prefix     string
+	ScanActors int32
+	AfterActor string
+}
+
+type ConsoleActorsByPrefixRow struct {
+	Actor string
+	N     int32
+	Match bool
+}
+
+// The actors whose name starts with @prefix (byte for byte, whatever the
+// database's collation), after the given actor (” for the first page): a
+// loose walk of the primary key that hops from each actor to the next one,
+// at most @scan_actors hops, so that a page costs as many index descents
+// as actors it passes, never a read of their keys. A range of the
+// collation's order would not do: under a collation other than C, names
+// that start alike need not sort together. Returns the matching actors
+// and, when the walk stopped at its bound, the last actor it reached (n =
+// @scan_actors), each with its place in the walk (n: the caller orders by
+// it; an ORDER BY here would be a Sort, which the console turns off).
+func (q *Queries) ConsoleActorsByPrefix(ctx context.Context, db DBTX, arg ConsoleActorsByPrefixParams) ([]ConsoleActorsByPrefixRow, error) {
+	rows, err := db.Query(ctx, ConsoleActorsByPrefix, arg.Prefix, arg.ScanActors, arg.AfterActor)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []ConsoleActorsByPrefixRow
+	for rows.Next() {
+		var i ConsoleActorsByPrefixRow
+		if err := rows.Scan(&i.Actor, &i.N, &i.Match); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const ConsoleExpirableCount = `-- name: ConsoleExpirableCount :one
 SELECT count(*)::bigint AS leases, now()::timestamptz AS cutoff
 FROM idem_keys

@@ -67,6 +67,12 @@ func TestConsole(t *testing.T) {
 			t.Errorf("GET %s: %d\n%.500s", path, status, body)
 		}
 	}
+	// A search by actor prefix is a recursive walk, which Citus refuses: a
+	// clear answer, not an internal error.
+	if status, body := call("GET", "/idem/api/search?actor_prefix=al", ""); status != http.StatusNotImplemented ||
+		!strings.Contains(body, `"unsupported"`) {
+		t.Errorf("a search by actor prefix on Citus: %d\n%.500s", status, body)
+	}
 	// The sizes are the shards' (the coordinator's table is empty).
 	if status, body := call("GET", "/idem/api/overview", ""); status != 200 || strings.Contains(body, `"table_bytes": 0`) ||
 		!strings.Contains(body, `"unknown": {
