@@ -267,11 +267,13 @@ func TestMigrateDownKeepsWindows(t *testing.T) {
 }
 
 // Migration 00008 adds idem_refuse, through which the completion refuses
-// with idem's own SQLSTATE, and 00009 the column body_expires_at. Reverted,
-// each is gone: a call fails with ErrUnsupported naming what is missing at
-// the claim, before fn runs, and stores nothing (DoInTx, and Do in each
-// exec mode, whose caller's transaction goes on); migrated again (00009
-// finds its column there and runs anyway), the same call runs.
+// with idem's own SQLSTATE, 00009 the column body_expires_at and 00010 the
+// column unknown_at. Reverted, each is gone: a call fails with
+// ErrUnsupported naming what is missing at the claim, before fn runs, and
+// stores nothing (DoInTx, and Do in each exec mode, whose caller's
+// transaction goes on; without unknown_at, Reserve too); migrated again
+// (00009 and 00010 find their columns there and run anyway), the same call
+// runs.
 func TestMigrateDownFrom8(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -290,7 +292,8 @@ func TestMigrateDownFrom8(t *testing.T) {
 		fix     string // what makes the version's missing part the only one
 		missing string
 	}{
-		{9, "", "body_expires_at"},
+		{10, "", "unknown_at"},
+		{9, `ALTER TABLE idem_keys ADD COLUMN unknown_at timestamptz`, "body_expires_at"},
 		{8, `ALTER TABLE idem_keys ADD COLUMN body_expires_at timestamptz`, "idem_refuse"},
 	} {
 		if v, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{}); err != nil || v != down.version {
@@ -304,6 +307,12 @@ func TestMigrateDownFrom8(t *testing.T) {
 		_, err := idem.DoInTx(ctx, pool, payScope, "k8", fpA, charge)
 		if !errors.Is(err, idem.ErrUnsupported) || !strings.Contains(err.Error(), down.missing) {
 			t.Fatalf("DoInTx at version %d: %v, want ErrUnsupported naming %s", down.version-1, err, down.missing)
+		}
+		if down.version == 10 {
+			_, err := idem.Reserve(ctx, pool, payScope, "r9", fpA, time.Minute)
+			if !errors.Is(err, idem.ErrUnsupported) || !strings.Contains(err.Error(), "unknown_at") {
+				t.Fatalf("Reserve at version 9: %v, want ErrUnsupported naming unknown_at", err)
+			}
 		}
 		// Do in a caller's transaction, in each of pgx's exec modes (the
 		// completion prepared before its batch, or not): the same refusal,
@@ -346,7 +355,7 @@ func TestMigrateDownFrom8(t *testing.T) {
 		t.Fatal(err)
 	}
 	if res, err := idem.DoInTx(ctx, pool, payScope, "k8", fpA, charge); err != nil || res.Status != 201 {
-		t.Fatalf("DoInTx at version 9: %+v, %v", res, err)
+		t.Fatalf("DoInTx at version 10: %+v, %v", res, err)
 	}
 }
 
@@ -372,6 +381,9 @@ func TestMigrateDownFrom9KeepsDroppedBodies(t *testing.T) {
 	time.Sleep(5 * time.Millisecond)
 	if _, err := c.Prune(ctx, pool, idem.PruneOptions{}); err != nil {
 		t.Fatal(err)
+	}
+	if v, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{}); err != nil || v != 10 {
+		t.Fatalf("MigrateDown from 10: %d, %v", v, err)
 	}
 	before := idemRows(t, pool)
 	_, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{})

@@ -32,14 +32,14 @@ func TestMigrateDownFrom8(t *testing.T) {
 		if err := idem.Migrate(ctx, pool); err != nil {
 			t.Fatal(err)
 		}
-		// Down to 7, with 00009's column put back, so that idem_refuse is
-		// the only part missing.
-		for _, v := range []int64{9, 8} {
+		// Down to 7, with the columns of 00009 and 00010 put back, so that
+		// idem_refuse is the only part missing.
+		for _, v := range []int64{10, 9, 8} {
 			if got, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{}); err != nil || got != v {
 				t.Fatalf("MigrateDown: %d, %v; want %d", got, err, v)
 			}
 		}
-		if _, err := pool.Exec(ctx, `ALTER TABLE idem_keys ADD COLUMN body_expires_at timestamptz`); err != nil {
+		if _, err := pool.Exec(ctx, `ALTER TABLE idem_keys ADD COLUMN body_expires_at timestamptz, ADD COLUMN unknown_at timestamptz`); err != nil {
 			t.Fatal(err)
 		}
 		if _, err := pool.Exec(ctx, `CREATE TABLE charges (id text)`); err != nil {

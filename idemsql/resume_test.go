@@ -17,3 +17,13 @@ func TestResume(t *testing.T) {
 		callertest.ResumeRace(t, callertest.SQLFront(db, false), callertest.Trials(16))
 	})
 }
+
+// When a record became unknown, through idemsql with both drivers: see
+// callertest.UnknownAt.
+func TestUnknownAt(t *testing.T) {
+	t.Parallel()
+	eachDriver(t, func(t *testing.T, driver string) {
+		db, _ := migrated(t, driver)
+		callertest.UnknownAt(t, callertest.SQLFront(db, false))
+	})
+}

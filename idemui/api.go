@@ -215,6 +215,16 @@ func (q *request) searchAPI() {
 	switch {
 	case v.Problem != nil:
 		q.fail(v.Problem)
+	case v.ActorPrefix != "":
+		actors := v.Actors
+		if actors == nil {
+			actors = []string{}
+		}
+		out := map[string]any{"actors": actors}
+		if v.Next != "" {
+			out["next"] = v.Next
+		}
+		q.ok(out)
 	case v.Actor == "":
 		q.fail(badRequest("invalid_search", "Give an actor (and an operation, and a key)."))
 	case v.Key != "":

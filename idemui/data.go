@@ -423,17 +423,20 @@ type recordJSON struct {
 	LeaseRanOut bool        `json:"lease_ran_out"`
 	// Resumable: in doubt inside its window (ReserveOptions.ResumeWithin),
 	// which a recovery worker or the next request resumes; not a person's.
-	Resumable      bool          `json:"resumable"`
-	Fingerprint    string        `json:"fingerprint"`
-	Token          int64         `json:"token"`
-	CreatedAt      time.Time     `json:"created_at"`
-	CompletedAt    *time.Time    `json:"completed_at,omitempty"`
-	ExpiresAt      time.Time     `json:"expires_at"`
-	LeaseExpiresAt *time.Time    `json:"lease_expires_at,omitempty"`
-	ResumeUntil    *time.Time    `json:"resume_until,omitempty"`
-	LastError      string        `json:"last_error,omitempty"`
-	ResolveReason  string        `json:"resolve_reason,omitempty"`
-	Response       *responseJSON `json:"response,omitempty"`
+	Resumable      bool       `json:"resumable"`
+	Fingerprint    string     `json:"fingerprint"`
+	Token          int64      `json:"token"`
+	CreatedAt      time.Time  `json:"created_at"`
+	CompletedAt    *time.Time `json:"completed_at,omitempty"`
+	ExpiresAt      time.Time  `json:"expires_at"`
+	LeaseExpiresAt *time.Time `json:"lease_expires_at,omitempty"`
+	ResumeUntil    *time.Time `json:"resume_until,omitempty"`
+	// UnknownAt: when the attempt became unknown (Record.UnknownAt); kept
+	// after a verdict.
+	UnknownAt     *time.Time    `json:"unknown_at,omitempty"`
+	LastError     string        `json:"last_error,omitempty"`
+	ResolveReason string        `json:"resolve_reason,omitempty"`
+	Response      *responseJSON `json:"response,omitempty"`
 	// ResponseGone: the stored body and headers were dropped after
 	// Config.BodyTTL; the status is kept, and a retry gets ErrResponseGone.
 	ResponseGone bool `json:"response_gone,omitempty"`
@@ -468,6 +471,10 @@ func newRecordJSON(rec idem.Record, now time.Time) recordJSON {
 	if !rec.CompletedAt.IsZero() {
 		t := rec.CompletedAt
 		out.CompletedAt = &t
+	}
+	if !rec.UnknownAt.IsZero() {
+		t := rec.UnknownAt
+		out.UnknownAt = &t
 	}
 	if !rec.LeaseExpiresAt.IsZero() {
 		t := rec.LeaseExpiresAt

@@ -15,14 +15,15 @@ import (
 
 // funcs are the templates' functions.
 var funcs = template.FuncMap{
-	"ts":      formatTime,
-	"ago":     ago,
-	"num":     formatInt,
-	"bytes":   formatBytes,
-	"count":   formatCount,
-	"status":  statusLabel,
-	"sclass":  statusClass,
-	"rfc3339": func(t time.Time) string { return t.UTC().Format(time.RFC3339Nano) },
+	"ts":       formatTime,
+	"ago":      ago,
+	"num":      formatInt,
+	"bytes":    formatBytes,
+	"count":    formatCount,
+	"status":   statusLabel,
+	"sclass":   statusClass,
+	"statuses": func() []idem.Status { return statuses },
+	"rfc3339":  func(t time.Time) string { return t.UTC().Format(time.RFC3339Nano) },
 	"keyurl": func(prefix, actor, operation, key string) string {
 		return prefix + keyURL(idem.Scope{Actor: actor, Operation: operation}, key, "")
 	},

@@ -91,6 +91,8 @@ func TestEveryRouteAskedWithItsAction(t *testing.T) {
 		{"GET", "/idem/api/expire-leases", "", "", idemui.ActionView, 200},
 		{"GET", "/idem/api" + strings.TrimPrefix(keyPath(pay, "u1"), "/idem"), "", "", idemui.ActionView, 200},
 		{"GET", "/idem/api/search?actor=acme", "", "", idemui.ActionView, 200},
+		{"GET", "/idem/status?status=succeeded", "", "", idemui.ActionView, 200},
+		{"GET", "/idem/api/status?status=failed_retryable", "", "", idemui.ActionView, 200},
 		{"GET", "/idem/api/audit", "", "", idemui.ActionView, 200},
 		{"GET", keyPath(pay, "u1") + "/resolve", "", "", idemui.ActionView, 405},
 		{"POST", "/idem/", form, "", idemui.ActionView, 405},
@@ -1287,6 +1289,8 @@ func TestAPIFieldsDocumented(t *testing.T) {
 		{"GET api/keys/{actor}/{operation}/{key}", e.get(api("decided")), []string{"audit", "header"}},
 		{"GET api/keys/{actor}/{operation}/{key}", e.get(api("binary")), []string{"audit", "header"}},
 		{"GET api/search", e.get("/idem/api/search?actor=acme"), nil},
+		{"GET api/status", e.get("/idem/api/status?status=succeeded"), nil},
+		{"GET api/search", e.get("/idem/api/search?actor_prefix=ac"), nil},
 		{"GET api/audit", e.get("/idem/api/audit?limit=1"), []string{"detail"}},
 		{"GET api/audit", e.get("/idem/api/audit?action=resolve"), []string{"detail"}},
 		{"GET api/key", e.get("/idem/api/key?actor=acme&operation=charge&key=decided"), []string{"record", "audit"}},
@@ -1322,7 +1326,7 @@ func TestAPIFieldsDocumented(t *testing.T) {
 	}
 	// The fields left out when empty were there to be checked.
 	for _, name := range []string{"now", "oldest_needs_person", "oldest_in_flight", "resumable", "resume_until", "completed_at",
-		"lease_expires_at", "last_error", "resolve_reason", "response", "header", "body", "body_base64", "next", "token_before",
+		"lease_expires_at", "unknown_at", "last_error", "resolve_reason", "response", "header", "body", "body_base64", "next", "token_before",
 		"verdict", "detail", "expired"} {
 		if !seen[name] {
 			t.Errorf("no answer had %q to check", name)
@@ -1404,8 +1408,10 @@ func TestAuthorizeDecidesWhatIsOffered(t *testing.T) {
 }
 
 // One verdict over all that the filter matches: counted first, acted on as
-// of the count (a record that needs a person only after it is left; one
-// someone else settled meanwhile is left too), each record with its audit
+// of the count (a record that needs a person only after it is left, also
+// one in flight then that its worker marked unknown since; one whose lease
+// had run out then is the count's however it became unknown; one someone
+// else settled meanwhile is left too), each record with its audit
 // row and one row for the action; then over a selection, where a record
 // whose attempt changed is left.
 func TestBulkVerdict(t *testing.T) {
@@ -1418,20 +1424,29 @@ func TestBulkVerdict(t *testing.T) {
 	b3 := e.unknown(pay, "b3", "timeout")
 	e.lapsed(pay, "b4")
 	e.unknown(other, "g1", "timeout")
+	b6 := e.reserve(pay, "b6", time.Hour)
+	b7 := e.lapsed(pay, "b7")
 
 	page := e.get("/idem/unknown?actor=acme")
-	if !strings.Contains(page.body, `action="/idem/bulk-resolve"`) || strings.Count(page.body, `name="r"`) != 4 {
+	if !strings.Contains(page.body, `action="/idem/bulk-resolve"`) || strings.Count(page.body, `name="r"`) != 5 {
 		t.Fatalf("the list offers no selection:\n%s", page.body)
 	}
 	confirm := e.get("/idem/bulk-resolve?actor=acme&all=yes")
 	m := regexp.MustCompile(`name="cutoff" value="([^"]+)"`).FindStringSubmatch(confirm.body)
-	if confirm.status != 200 || !strings.Contains(confirm.body, "<b>4</b> records need a person") || m == nil {
+	if confirm.status != 200 || !strings.Contains(confirm.body, "<b>5</b> records need a person") || m == nil {
 		t.Fatalf("the confirmation:\n%s", confirm.body)
 	}
 	cutoff := m[1]
-	// After the count: another record needs a person, and someone settles b3.
+	// After the count: another record needs a person, two workers mark
+	// their attempts unknown (b6's lease ran then, b7's had run out), and
+	// someone settles b3.
 	time.Sleep(time.Millisecond)
 	e.unknown(pay, "b5", "timeout")
+	for _, r := range []idem.Reservation{b6, b7} {
+		if err := idem.MarkUnknown(ctx, e.pool, r, "timeout"); err != nil {
+			t.Fatal(err)
+		}
+	}
 	if err := idem.Resolve(ctx, e.pool, pay, "b3", idem.Resolution{Token: b3.Token, Retryable: true, Reason: "elsewhere"}); err != nil {
 		t.Fatal(err)
 	}
@@ -1457,11 +1472,11 @@ func TestBulkVerdict(t *testing.T) {
 		t.Fatalf("a refused bulk verdict changed something:\n%s\n%s", before, after)
 	}
 	res := e.postForm("/idem/bulk-resolve", form)
-	if res.status != http.StatusSeeOther || !strings.Contains(e.flashed(res).body, "3 records settled with one verdict") {
+	if res.status != http.StatusSeeOther || !strings.Contains(e.flashed(res).body, "4 records settled with one verdict") {
 		t.Fatalf("the bulk verdict: %d %s", res.status, res.header.Get("Location"))
 	}
 	for key, want := range map[string]idem.Status{"b1": idem.StatusFailedRetryable, "b2": idem.StatusFailedRetryable,
-		"b4": idem.StatusFailedRetryable, "b5": idem.StatusUnknown} {
+		"b4": idem.StatusFailedRetryable, "b5": idem.StatusUnknown, "b6": idem.StatusUnknown, "b7": idem.StatusFailedRetryable} {
 		if rec := e.lookup(pay, key); rec.Status != want || (want != idem.StatusUnknown && rec.ResolveReason != "provider outage: nothing was charged") {
 			t.Errorf("%s after the bulk verdict: %s %q", key, rec.Status, rec.ResolveReason)
 		}
@@ -1477,7 +1492,7 @@ func TestBulkVerdict(t *testing.T) {
 		coalesce(detail->>'cutoff' IS NOT NULL, false)), E'\n' ORDER BY idem_key) FROM idem_audit`).Scan(&rows); err != nil {
 		t.Fatal(err)
 	}
-	if rows != "resolve * 3 t\nresolve b1 1 f\nresolve b2 1 f\nresolve b4 1 f" {
+	if rows != "resolve * 4 t\nresolve b1 1 f\nresolve b2 1 f\nresolve b4 1 f\nresolve b7 1 f" {
 		t.Fatalf("the audit rows:\n%s", rows)
 	}
 	// A selection: b5, and g1 about an attempt it no longer holds.
@@ -1644,5 +1659,254 @@ func TestBusyRecordSaysSo(t *testing.T) {
 	}
 	if after := e.state(); after != before {
 		t.Fatalf("a busy verdict changed something:\n%s\n%s", before, after)
+	}
+}
+
+// When a record became unknown, on its page and in the API: the worker's
+// MarkUnknown records it (no operator named), a verdict keeps it, and a
+// record marked before migration 10 says it is not recorded.
+func TestRecordBecameUnknown(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := newEnv(t, nil)
+	r := e.unknown(pay, "u1", "gateway timeout")
+	rec := e.lookup(pay, "u1")
+	if rec.UnknownAt.IsZero() {
+		t.Fatalf("MarkUnknown recorded no time: %+v", rec)
+	}
+	apiUnknownAt := func() string {
+		t.Helper()
+		var out struct {
+			Record struct {
+				UnknownAt *time.Time `json:"unknown_at"`
+			} `json:"record"`
+		}
+		res := e.get("/idem/api/key?actor=acme&operation=charge&key=u1")
+		if err := json.Unmarshal([]byte(res.body), &out); err != nil || res.status != 200 {
+			t.Fatalf("api/key: %d %s (%v)", res.status, res.body, err)
+		}
+		if out.Record.UnknownAt == nil {
+			return ""
+		}
+		return out.Record.UnknownAt.Format(time.RFC3339Nano)
+	}
+	if got := apiUnknownAt(); got != rec.UnknownAt.Format(time.RFC3339Nano) {
+		t.Errorf("api/key unknown_at %q, want %s", got, rec.UnknownAt.Format(time.RFC3339Nano))
+	}
+	page := e.get(keyPage(pay, "u1"))
+	for _, want := range []string{"<dt>Became unknown</dt>", "The attempt became unknown"} {
+		if !strings.Contains(page.body, want) {
+			t.Errorf("the page of an unknown record lacks %q:\n%s", want, page.body)
+		}
+	}
+	if strings.Contains(page.body, "not recorded") || strings.Contains(page.body, "expired its lease") {
+		t.Errorf("the page of a record its worker marked says the time is not recorded, or names an operator:\n%s", page.body)
+	}
+	if err := idem.Resolve(ctx, e.pool, pay, "u1", idem.Resolution{Token: r.Token, Retryable: true, Reason: "not charged"}); err != nil {
+		t.Fatal(err)
+	}
+	if got := apiUnknownAt(); got != rec.UnknownAt.Format(time.RFC3339Nano) {
+		t.Errorf("after the verdict, api/key unknown_at %q, want %s", got, rec.UnknownAt.Format(time.RFC3339Nano))
+	}
+	if page := e.get(keyPage(pay, "u1")); !strings.Contains(page.body, "<dt>Became unknown</dt>") {
+		t.Errorf("the page of a settled record no longer says when it became unknown:\n%s", page.body)
+	}
+	// Marked before the column existed.
+	e.unknown(pay, "u2", "gateway timeout")
+	if _, err := e.pool.Exec(ctx, `UPDATE idem_keys SET unknown_at = NULL WHERE idem_key = 'u2'`); err != nil {
+		t.Fatal(err)
+	}
+	if page := e.get(keyPage(pay, "u2")); !strings.Contains(page.body, "<dt>Became unknown</dt><dd><span class=\"muted\">not recorded") ||
+		strings.Contains(page.body, "The attempt became unknown") {
+		t.Errorf("the page of a record without unknown_at:\n%s", page.body)
+	}
+}
+
+// The records of one status across actors: failed ones newest outcome
+// first (their own partial index), the others the latest expiry first; pages through
+// the API; the overview's counts link to them; a bad status or position is
+// refused.
+func TestKeysByStatus(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := newEnv(t, nil)
+	other := idem.Scope{Actor: "globex", Operation: "refund"}
+	e.succeeded(pay, "s1", idem.Response{Status: 201})
+	e.succeeded(other, "s2", idem.Response{Status: 201})
+	if err := idem.FailRetryable(ctx, e.pool, e.reserve(other, "f1", time.Hour), "card declined"); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(time.Millisecond)
+	// Failed by a verdict (no error of its own: its lease ran out).
+	f2 := e.lapsed(pay, "f2")
+	if err := idem.Resolve(ctx, e.pool, pay, "f2", idem.Resolution{Token: f2.Token, Retryable: true, Reason: "not charged"}); err != nil {
+		t.Fatal(err)
+	}
+	// Succeeded by a verdict: in the failed index, not in the list.
+	u := e.unknown(pay, "v1", "timeout")
+	if err := idem.Resolve(ctx, e.pool, pay, "v1", idem.Resolution{Token: u.Token, Succeeded: &idem.Response{Status: 201}, Reason: "charged"}); err != nil {
+		t.Fatal(err)
+	}
+	e.unknown(pay, "u1", "timeout")
+
+	type page struct {
+		Keys []struct {
+			Actor, Key, Status string
+		}
+		Next string
+	}
+	list := func(query string) (string, page) {
+		t.Helper()
+		res := e.get("/idem/api/status?" + query)
+		var p page
+		if err := json.Unmarshal([]byte(res.body), &p); err != nil || res.status != 200 {
+			t.Fatalf("api/status?%s: %d %s", query, res.status, res.body)
+		}
+		var got []string
+		for _, k := range p.Keys {
+			got = append(got, k.Actor+"/"+k.Key+":"+k.Status)
+		}
+		return strings.Join(got, " "), p
+	}
+	got, p := list("status=failed_retryable&limit=1")
+	if got != "acme/f2:failed_retryable" || p.Next == "" {
+		t.Fatalf("the first page of failed records: %s (next %q)", got, p.Next)
+	}
+	if got, p := list("status=failed_retryable&limit=1&after=" + url.QueryEscape(p.Next)); got != "globex/f1:failed_retryable" {
+		t.Fatalf("the second page of failed records: %s (next %q)", got, p.Next)
+	} else if p.Next != "" {
+		if got, _ := list("status=failed_retryable&limit=1&after=" + url.QueryEscape(p.Next)); got != "" {
+			t.Fatalf("past the last failed record: %s", got)
+		}
+	}
+	if got, p := list("status=succeeded"); got != "acme/v1:succeeded globex/s2:succeeded acme/s1:succeeded" || p.Next != "" {
+		t.Fatalf("the succeeded records: %s (next %q)", got, p.Next)
+	}
+	if got, _ := list("status=succeeded&limit=2"); got != "acme/v1:succeeded globex/s2:succeeded" {
+		t.Fatalf("a page of succeeded records: %s", got)
+	}
+	if got, _ := list("status=unknown"); got != "acme/u1:unknown" {
+		t.Fatalf("the unknown records: %s", got)
+	}
+	pageRes := e.get("/idem/status?status=failed_retryable")
+	for _, want := range []string{">globex<", ">f1<", ">f2<"} {
+		if !strings.Contains(pageRes.body, want) {
+			t.Errorf("the page of failed records lacks %q:\n%s", want, pageRes.body)
+		}
+	}
+	if strings.Contains(pageRes.body, ">v1<") || strings.Contains(pageRes.body, ">s1<") {
+		t.Errorf("the page of failed records lists others:\n%s", pageRes.body)
+	}
+	if ov := e.get("/idem/"); !strings.Contains(ov.body, `href="/idem/status?status=failed_retryable"`) ||
+		!strings.Contains(ov.body, `href="/idem/status?status=succeeded"`) {
+		t.Errorf("the overview's counts are not links:\n%s", ov.body)
+	}
+	for _, bad := range []struct{ path, code string }{
+		{"/idem/api/status", "invalid_status"},
+		{"/idem/api/status?status=done", "invalid_status"},
+		{"/idem/api/status?status=succeeded&after=nope", "invalid_cursor"},
+		{"/idem/api/status?status=failed_retryable&after=nope", "invalid_cursor"},
+		{"/idem/api/status?status=succeeded&limit=0", "invalid_limit"},
+	} {
+		if res := e.get(bad.path); res.status != 400 || res.code() != bad.code {
+			t.Errorf("%s: %d %s, want 400 %s", bad.path, res.status, res.body, bad.code)
+		}
+	}
+	if res := e.get("/idem/status?status=done"); res.status != 400 {
+		t.Errorf("the page of a bad status: %d", res.status)
+	}
+}
+
+// A rare status across many keys: a page reads a bounded part of the
+// table and says so (walked, and where to go on), the next page goes on
+// from there and finds the record.
+func TestKeysByStatusWalksABoundedPart(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := newEnv(t, nil)
+	// 6000 succeeded keys, and one rejected key expiring before them all.
+	if _, err := e.pool.Exec(ctx, `INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, response_status, response_body,
+		created_at, completed_at, expires_at)
+		SELECT 'acme', 'charge', 'k' || i, '\x00'::bytea, CASE WHEN i = 0 THEN 'rejected' ELSE 'succeeded' END, 200, '\x'::bytea,
+			now(), now(), now() + interval '1 hour' + i * interval '1 ms'
+		FROM generate_series(0, 6000) AS i`); err != nil {
+		t.Fatal(err)
+	}
+	var p struct {
+		Keys   []struct{ Key string }
+		Walked bool
+		Next   string
+	}
+	res := e.get("/idem/api/status?status=rejected")
+	if err := json.Unmarshal([]byte(res.body), &p); err != nil || len(p.Keys) != 0 || !p.Walked || p.Next == "" {
+		t.Fatalf("the first page: %s (%v)", res.body, err)
+	}
+	if page := e.get("/idem/status?status=rejected"); !strings.Contains(page.body, "None among the keys this page read") ||
+		!strings.Contains(page.body, `rel="next"`) {
+		t.Fatalf("the first page:\n%s", page.body)
+	}
+	res = e.get("/idem/api/status?status=rejected&after=" + url.QueryEscape(p.Next))
+	p.Keys, p.Walked, p.Next = nil, false, ""
+	if err := json.Unmarshal([]byte(res.body), &p); err != nil || len(p.Keys) != 1 || p.Keys[0].Key != "k0" || p.Walked || p.Next != "" {
+		t.Fatalf("the second page: %s (%v)", res.body, err)
+	}
+}
+
+// Actors found by the start of their name, byte for byte, through the
+// primary key (a hop from each actor to the next): a page passes a bounded
+// number of actors and says where the next goes on; an actor prefix goes
+// alone, and a bad one is refused.
+func TestSearchByActorPrefix(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	e := newEnv(t, nil)
+	for _, actor := range []string{"acme", "acme-eu", "acmex", "ac", "beta", "Acme"} {
+		e.succeeded(idem.Scope{Actor: actor, Operation: "charge"}, "k1", idem.Response{Status: 201})
+	}
+	e.succeeded(idem.Scope{Actor: "acme", Operation: "refund"}, "k2", idem.Response{Status: 201})
+	type page struct {
+		Actors []string
+		Next   string
+	}
+	find := func(query string) page {
+		t.Helper()
+		res := e.get("/idem/api/search?" + query)
+		var p page
+		if err := json.Unmarshal([]byte(res.body), &p); err != nil || res.status != 200 {
+			t.Fatalf("api/search?%s: %d %s", query, res.status, res.body)
+		}
+		return p
+	}
+	p := find("actor_prefix=acme")
+	slices.Sort(p.Actors)
+	if strings.Join(p.Actors, " ") != "acme acme-eu acmex" || p.Next != "" {
+		t.Fatalf("actors starting with acme: %+v", p)
+	}
+	if page := e.get("/idem/search?actor_prefix=acme"); !strings.Contains(page.body, `href="/idem/search?actor=acme-eu"`) {
+		t.Fatalf("the page of actors:\n%s", page.body)
+	}
+	// Past the bound of one page: 1000 more actors before the one sought.
+	if _, err := e.pool.Exec(ctx, `INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, response_status, response_body,
+		created_at, completed_at, expires_at)
+		SELECT 'm' || lpad(i::text, 4, '0'), 'charge', 'k', '\x00'::bytea, 'succeeded', 200, '\x'::bytea, now(), now(), now() + interval '1 hour'
+		FROM generate_series(1, 1000) AS i
+		UNION ALL SELECT 'zz-sought', 'charge', 'k', '\x00'::bytea, 'succeeded', 200, '\x'::bytea, now(), now(), now() + interval '1 hour'`); err != nil {
+		t.Fatal(err)
+	}
+	p = find("actor_prefix=zz")
+	if len(p.Actors) != 0 || p.Next == "" {
+		t.Fatalf("the first page past the bound: %+v", p)
+	}
+	if p = find("actor_prefix=zz&after=" + url.QueryEscape(p.Next)); strings.Join(p.Actors, " ") != "zz-sought" || p.Next != "" {
+		t.Fatalf("the next page: %+v", p)
+	}
+	for _, bad := range []struct{ query, code string }{
+		{"actor_prefix=ac&actor=acme", "invalid_search"},
+		{"actor_prefix=a%FF", "invalid_form"},
+		{"actor_prefix=" + strings.Repeat("a", 256), "invalid_scope"},
+	} {
+		if res := e.get("/idem/api/search?" + bad.query); res.status != 400 || res.code() != bad.code {
+			t.Errorf("%s: %d %s, want 400 %s", bad.query, res.status, res.body, bad.code)
+		}
 	}
 }

@@ -43,7 +43,7 @@ type flash struct {
 }
 
 // pageNames are the templates: each is templates/NAME.html with the layout.
-var pageNames = []string{"overview", "unknown", "expire", "key", "search", "audit", "error", "bulk", "deliveries", "event"}
+var pageNames = []string{"overview", "unknown", "expire", "key", "search", "audit", "error", "bulk", "deliveries", "event", "status"}
 
 // parseTemplates parses every page with the layout.
 func parseTemplates() (map[string]*template.Template, error) {
@@ -387,9 +387,10 @@ type keyView struct {
 	// NextURL is the page of the oldest other record that needs a person;
 	// empty when none does.
 	NextURL string
-	// BecameUnknown is when an operator's expiry turned the record's
-	// attempt unknown, from the trail; zero when the trail does not say
-	// (the worker, or a sweep of ExpireLeases, marked it).
+	// BecameUnknown is when the record's attempt became unknown
+	// (Record.UnknownAt, or, for a record marked before migration 10, an
+	// operator's expiry in the trail); zero when neither says. ExpiredBy
+	// names the operator whose expiry did it, from the trail.
 	BecameUnknown time.Time
 	ExpiredBy     string
 }
@@ -462,10 +463,11 @@ func (q *request) showKey(status int, p *problem, form resolveInput, forget forg
 			v.Attempt = resolvedAttempt(entries)
 		}
 		v.Timeline = timeline(rec, entries, v.Attempt, now)
-		for _, e := range entries {
-			if e.Action == audit.ActionExpireLeases && e.Key != "" && e.HasBefore && e.TokenBefore == rec.Token {
-				v.BecameUnknown, v.ExpiredBy = e.At, e.Operator
-				break
+		v.BecameUnknown = rec.UnknownAt
+		if e, ok := expiryOf(rec, entries, v.Attempt); ok {
+			v.ExpiredBy = e.Operator
+			if v.BecameUnknown.IsZero() {
+				v.BecameUnknown = e.At
 			}
 		}
 		offers := q.c.offers(q.r)
@@ -559,6 +561,11 @@ func timeline(rec idem.Record, entries []audit.Entry, attempt int64, now time.Ti
 			add(rec.LeaseExpiresAt, "The lease ran out")
 		}
 	}
+	// When the attempt became unknown, unless the trail has the operator's
+	// expiry that made it so (its row says who, at the same time).
+	if _, expired := expiryOf(rec, entries, attempt); !expired {
+		add(rec.UnknownAt, "The attempt became unknown")
+	}
 	audited := slices.ContainsFunc(entries, func(e audit.Entry) bool { return e.Action == audit.ActionResolve })
 	if !rec.CompletedAt.IsZero() && rec.Status != idem.StatusProcessing {
 		switch {
@@ -580,6 +587,22 @@ func timeline(rec idem.Record, entries []audit.Entry, attempt int64, now time.Ti
 	}
 	sort.SliceStable(ev, func(i, j int) bool { return ev[i].When.Before(ev[j].When) })
 	return ev
+}
+
+// expiryOf finds, in entries, the operator's expiry that turned the
+// record's attempt unknown: the record's token, or after a verdict the
+// attempt the verdict was about (attempt, 0 when none).
+func expiryOf(rec idem.Record, entries []audit.Entry, attempt int64) (audit.Entry, bool) {
+	token := rec.Token
+	if attempt != 0 {
+		token = attempt
+	}
+	for _, e := range entries {
+		if e.Action == audit.ActionExpireLeases && e.Key != "" && e.HasBefore && e.TokenBefore == token {
+			return e, true
+		}
+	}
+	return audit.Entry{}, false
 }
 
 // resolvedAttempt is the token of the attempt that the latest verdict in
@@ -759,10 +782,14 @@ func (q *request) pruneRefused(err error, in pruneInput) {
 
 type searchView struct {
 	Actor, Operation, Key string
-	Items                 []scopeItem
-	Next                  string // the position of the next page
-	NextURL               string
-	Problem               *problem // why the search found nothing, or cannot be made
+	// ActorPrefix: the actors whose name starts with it are listed
+	// (Actors), a bounded walk a page.
+	ActorPrefix string
+	Actors      []string
+	Items       []scopeItem
+	Next        string // the position of the next page
+	NextURL     string
+	Problem     *problem // why the search found nothing, or cannot be made
 }
 
 func (q *request) searchPage() {
@@ -791,7 +818,7 @@ func (q *request) search(vs url.Values) (searchView, error) {
 	for _, f := range []struct {
 		name string
 		v    *string
-	}{{"actor", &v.Actor}, {"operation", &v.Operation}, {"key", &v.Key}} {
+	}{{"actor", &v.Actor}, {"operation", &v.Operation}, {"key", &v.Key}, {"actor_prefix", &v.ActorPrefix}} {
 		// Names are exact (an actor " acme " is not "acme"): never trimmed.
 		if *f.v, err = one(vs, f.name); err != nil {
 			return v, err
@@ -802,6 +829,22 @@ func (q *request) search(vs url.Values) (searchView, error) {
 		return v, err
 	}
 	switch {
+	case v.ActorPrefix != "" && (v.Actor != "" || v.Operation != "" || v.Key != ""):
+		v.Problem = badRequest("invalid_search", "Give an actor prefix alone, or the actor (and the operation, and the key).")
+		return v, nil
+	case v.ActorPrefix != "":
+		if !validText(v.ActorPrefix) || len(v.ActorPrefix) > idem.MaxScopeLength || !validText(after) || len(after) > idem.MaxScopeLength {
+			return v, badRequest("invalid_scope", "The actor prefix is not valid.")
+		}
+		actors, next, err := readActors(q.r.Context(), q.c.opts.DB, v.ActorPrefix, after)
+		if err != nil {
+			return v, err
+		}
+		v.Actors, v.Next = actors, next
+		if next != "" {
+			v.NextURL = q.url("/search", url.Values{"actor_prefix": {v.ActorPrefix}, "after": {next}})
+		}
+		return v, nil
 	case v.Actor == "" && v.Operation == "" && v.Key == "":
 		return v, nil
 	case v.Key != "" && (v.Actor == "" || v.Operation == ""):

@@ -177,33 +177,37 @@ func TestPagesWithEqualTimes(t *testing.T) {
 	}
 }
 
-// A bulk verdict over a filter settles what needed a person at the count,
-// and, as its page and docs/console.md say, also a record its worker marked
-// unknown after the count (idem keeps no time of that change); a
-// reservation whose lease is still running is left.
+// A bulk verdict over a filter settles what needed a person at the count:
+// a record its worker marked unknown after the count, while its lease still
+// ran then, is left (Record.UnknownAt says when), as is a reservation whose
+// lease is still running; one whose lease had run out by the count is
+// settled however it became unknown since.
 func TestBulkVerdictMarkedUnknownAfterCount(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	e := newEnv(t, nil)
 	e.unknown(pay, "counted", "timeout")
 	late := e.reserve(pay, "late", time.Hour)
+	lapsed := e.lapsed(pay, "lapsed")
 	e.reserve(pay, "running", time.Hour)
 	confirm := e.get("/idem/bulk-resolve?actor=acme&all=yes")
 	m := regexp.MustCompile(`name="cutoff" value="([^"]+)"`).FindStringSubmatch(confirm.body)
-	if m == nil || !strings.Contains(confirm.body, "<b>1</b> record needs a person") ||
-		!strings.Contains(confirm.body, "marks unknown after the count is settled with the others") {
+	if m == nil || !strings.Contains(confirm.body, "<b>2</b> records need a person") ||
+		!strings.Contains(confirm.body, "marks unknown after the count while its lease still ran then") {
 		t.Fatalf("the confirmation:\n%s", confirm.body)
 	}
-	if err := idem.MarkUnknown(ctx, e.pool, late, "timeout"); err != nil {
-		t.Fatal(err)
+	for _, r := range []idem.Reservation{late, lapsed} {
+		if err := idem.MarkUnknown(ctx, e.pool, r, "timeout"); err != nil {
+			t.Fatal(err)
+		}
 	}
 	res := e.postForm("/idem/bulk-resolve", url.Values{"actor": {"acme"}, "all": {"yes"}, "cutoff": {m[1]},
 		"verdict": {"retryable"}, "reason": {"nothing charged"}})
 	if res.status != http.StatusSeeOther {
 		t.Fatalf("the bulk verdict: %d\n%s", res.status, res.body)
 	}
-	for key, want := range map[string]idem.Status{"counted": idem.StatusFailedRetryable, "late": idem.StatusFailedRetryable,
-		"running": idem.StatusProcessing} {
+	for key, want := range map[string]idem.Status{"counted": idem.StatusFailedRetryable, "late": idem.StatusUnknown,
+		"lapsed": idem.StatusFailedRetryable, "running": idem.StatusProcessing} {
 		if got := e.lookup(pay, key).Status; got != want {
 			t.Errorf("%s: %s, want %s", key, got, want)
 		}

@@ -80,6 +80,8 @@ func match(path string, vs url.Values) route {
 		action = ActionRetryEvent
 	case "/search":
 		p = pair{get: pick(api, (*request).searchPage, (*request).searchAPI)}
+	case "/status":
+		p = pair{get: pick(api, (*request).statusPage, (*request).statusAPI)}
 	case "/audit":
 		p = pair{get: pick(api, (*request).auditPage, (*request).auditAPI)}
 	case "/audit.csv", "/audit.json":

@@ -120,7 +120,8 @@ WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
 -- name: ConsoleExpireLeases :many
 UPDATE idem_keys
 SET status     = 'unknown',
-    last_error = sqlc.arg(reason)::text
+    last_error = sqlc.arg(reason)::text,
+    unknown_at = now()
 WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
   AND status = 'processing'
   AND lease_expires_at <= least(sqlc.arg(cutoff)::timestamptz, now())
@@ -168,15 +169,16 @@ SELECT pg_table_size('idem_keys')::bigint AS table_bytes,
 -- probability @percent / 100; REPEATABLE: the same pages each time while the
 -- table keeps them, so that the page stays in the cache and the counts do not
 -- jump between two views) by status and by the hour, counted back from
--- now, of their outcome (completed_at; created_at for an unknown outcome,
--- which records no time of its own): hours_ago 0 to 23, or -1 for older
--- ones and records in flight.
+-- now, of their outcome (completed_at; for an unknown outcome the time it
+-- became unknown, or created_at when that was not recorded, before
+-- migration 10): hours_ago 0 to 23, or -1 for older ones and records in
+-- flight.
 -- name: ConsoleSample :many
 SELECT status,
        (CASE WHEN status <> 'processing'
-                  AND coalesce(completed_at, created_at) > now() - interval '24 hours'
-                  AND coalesce(completed_at, created_at) <= now()
-             THEN floor(date_part('epoch', now() - coalesce(completed_at, created_at)) / 3600)
+                  AND coalesce(completed_at, unknown_at, created_at) > now() - interval '24 hours'
+                  AND coalesce(completed_at, unknown_at, created_at) <= now()
+             THEN floor(date_part('epoch', now() - coalesce(completed_at, unknown_at, created_at)) / 3600)
              ELSE -1 END)::integer AS hours_ago,
        count(*)::bigint AS keys
 FROM idem_keys TABLESAMPLE SYSTEM (sqlc.arg(percent)::float8) REPEATABLE (0)
@@ -262,13 +264,19 @@ LIMIT 1;
 -- verdict "over the filter" acts on, each with its token now. Every
 -- condition on time is evaluated at that instant, as ConsoleExpireLeases
 -- does: a record whose attempt started after the count, or whose lease ran
--- out or window ended after it, is not the count's.
+-- out or window ended after it, is not the count's. Nor is one that became
+-- unknown after the count (unknown_at) while its lease still ran then: a
+-- record whose lease had run out by then was the count's, however it became
+-- unknown since; one that became unknown before migration 10 (no
+-- unknown_at) did before any count made since.
 -- name: ConsoleNeedsPersonAt :many
 SELECT actor, operation, idem_key, token
 FROM idem_keys
 WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
   -- needs a person, at the cutoff
-  AND (status = 'unknown' OR (status = 'processing' AND lease_expires_at <= least(sqlc.arg(cutoff)::timestamptz, now())))
+  AND ((status = 'unknown' AND (unknown_at IS NULL OR unknown_at <= least(sqlc.arg(cutoff)::timestamptz, now())
+                                OR lease_expires_at <= least(sqlc.arg(cutoff)::timestamptz, now())))
+       OR (status = 'processing' AND lease_expires_at <= least(sqlc.arg(cutoff)::timestamptz, now())))
   AND (resume_until IS NULL OR resume_until <= least(sqlc.arg(cutoff)::timestamptz, now()))
   AND (sqlc.arg(actor)::text = '' OR actor = sqlc.arg(actor)::text)
   AND (sqlc.arg(operation)::text = '' OR operation = sqlc.arg(operation)::text)
@@ -285,3 +293,80 @@ LIMIT sqlc.arg(max_rows)::integer;
 -- transaction.
 -- name: ConsoleNow :one
 SELECT now()::timestamptz AS now;
+
+-- Pages through the records of one status across actors, the latest
+-- expiry first (about the newest keys first), before the given position
+-- ('infinity' and empty names for the first page): a walk of
+-- idem_keys_expires_at_idx backwards (ties on expires_at in key order, an
+-- incremental sort of each tie) that reads at most @scan_rows rows, so that a
+-- page of a rare status costs no more than one of a common one. The walk
+-- follows the order rows were written, so its heap reads are close together.
+-- Returns, in walk order, up to @max_rows records of the status (match) and
+-- the last row read (edge, with walked_rows, how many were read: fewer than
+-- @scan_rows when the walk reached the end of the table); a row can be both.
+-- The windows follow the walk's order, so nothing is sorted again (a Sort,
+-- which the console turns off, would cost a JIT compilation).
+-- name: ConsoleStatusKeys :many
+SELECT actor, operation, idem_key, status, token, created_at, completed_at, expires_at,
+       lease_expires_at, last_error,
+       (status = sqlc.arg(status)::text AND matched <= sqlc.arg(max_rows)::integer)::boolean AS match,
+       (n = walked_rows)::boolean AS edge, walked_rows::bigint AS walked_rows
+FROM (SELECT w.*, count(*) FILTER (WHERE status = sqlc.arg(status)::text) OVER walk AS matched,
+             row_number() OVER walk AS n, count(*) OVER () AS walked_rows
+      FROM (SELECT actor, operation, idem_key, status, token, created_at, completed_at, expires_at,
+                   lease_expires_at, last_error
+            FROM idem_keys
+            WHERE expires_at <= sqlc.arg(before_expires_at)::timestamptz
+              AND (expires_at < sqlc.arg(before_expires_at)::timestamptz
+                   OR (actor, operation, idem_key) < (sqlc.arg(before_actor)::text, sqlc.arg(before_operation)::text,
+                                                      sqlc.arg(before_key)::text))
+            ORDER BY expires_at DESC, actor DESC, operation DESC, idem_key DESC
+            LIMIT sqlc.arg(scan_rows)::integer) AS w
+      WINDOW walk AS (ORDER BY expires_at DESC, actor DESC, operation DESC, idem_key DESC
+                      ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)) AS walked
+WHERE (status = sqlc.arg(status)::text AND matched <= sqlc.arg(max_rows)::integer) OR n = walked_rows
+ORDER BY expires_at DESC, actor DESC, operation DESC, idem_key DESC;
+
+-- Pages through the failed_retryable records across actors, newest outcome
+-- first, before the given position ('infinity' and empty names for the
+-- first page): a walk of idem_keys_failed_idx backwards (its WHERE repeats
+-- the index predicate).
+-- name: ConsoleFailedKeys :many
+SELECT actor, operation, idem_key, status, token, created_at, completed_at, expires_at,
+       lease_expires_at, last_error
+FROM idem_keys
+WHERE lease_expires_at IS NOT NULL AND completed_at IS NOT NULL
+  AND (last_error IS NOT NULL OR resolve_reason IS NOT NULL)
+  AND status = 'failed_retryable'
+  AND (completed_at, actor, operation, idem_key)
+      < (sqlc.arg(before_completed_at)::timestamptz, sqlc.arg(before_actor)::text,
+         sqlc.arg(before_operation)::text, sqlc.arg(before_key)::text)
+ORDER BY completed_at DESC, actor DESC, operation DESC, idem_key DESC
+LIMIT sqlc.arg(max_rows)::integer;
+
+-- The actors whose name starts with @prefix (byte for byte, whatever the
+-- database's collation), after the given actor ('' for the first page): a
+-- loose walk of the primary key that hops from each actor to the next one,
+-- at most @scan_actors hops, so that a page costs as many index descents
+-- as actors it passes, never a read of their keys. A range of the
+-- collation's order would not do: under a collation other than C, names
+-- that start alike need not sort together. Returns the matching actors
+-- and, when the walk stopped at its bound, the last actor it reached (n =
+-- @scan_actors), each with its place in the walk (n: the caller orders by
+-- it; an ORDER BY here would be a Sort, which the console turns off).
+-- name: ConsoleActorsByPrefix :many
+WITH RECURSIVE actors AS (
+    (SELECT actor, 1::integer AS n
+     FROM idem_keys
+     WHERE actor > sqlc.arg(after_actor)::text
+     ORDER BY actor
+     LIMIT 1)
+    UNION ALL
+    SELECT (SELECT k.actor FROM idem_keys AS k WHERE k.actor > a.actor ORDER BY k.actor LIMIT 1), a.n + 1
+    FROM actors AS a
+    WHERE a.actor IS NOT NULL AND a.n < sqlc.arg(scan_actors)::integer
+)
+SELECT actor::text AS actor, n::integer AS n, starts_with(actor, sqlc.arg(prefix)::text)::boolean AS match
+FROM actors
+WHERE actor IS NOT NULL
+  AND (starts_with(actor, sqlc.arg(prefix)::text) OR n = sqlc.arg(scan_actors)::integer);

@@ -23,7 +23,10 @@
 --
 -- body_expires_at (Config.BodyTTL; NULL, from a body_ttl_micros of 0, when
 -- the body lives as long as the key) is written with the claim too, never
--- by the completion: it is indexed (migration 00009).
+-- by the completion: it is indexed (migration 00009). unknown_at (migration
+-- 00010) is named, NULL, so that on a database without it the claim fails
+-- (ErrUnsupported, naming the column) before fn runs, not the call's last
+-- step after it.
 --
 -- completed_at is written with the claim: it is the value KeyComplete would
 -- write (now() of the same transaction), and a completion that changes no
@@ -37,10 +40,12 @@
 -- migration does not run fn's effects outside the database on every retry.
 -- (The Citus forms do not: there the completion still refuses, after fn.)
 -- name: KeyClaim :one
-INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at, body_expires_at)
+INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at, body_expires_at,
+                       unknown_at)
 SELECT @actor, @operation, @idem_key, @fingerprint, 'processing', now(), now(),
        now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond'),
-       now() + (nullif(sqlc.arg(body_ttl_micros)::bigint, 0) * interval '1 microsecond')
+       now() + (nullif(sqlc.arg(body_ttl_micros)::bigint, 0) * interval '1 microsecond'),
+       NULL
 FROM (SELECT set_config('lock_timeout', sqlc.arg(lock_timeout)::text, true)
       FROM (SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true),
                    CASE WHEN false THEN idem_refuse('IDMRC', '') END) AS saved) AS wait
@@ -57,10 +62,12 @@ RETURNING (set_config('lock_timeout', current_setting('idem.lock_timeout'), true
 -- UPDATE reads the clock only from the proposed row (excluded.created_at
 -- is now()), never calls a function of its own.
 -- name: KeyTakeOver :one
-INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at, body_expires_at)
+INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at, body_expires_at,
+                            unknown_at)
 SELECT @actor, @operation, @idem_key, @fingerprint, 'processing', now(), now(),
        now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond'),
-       now() + (nullif(sqlc.arg(body_ttl_micros)::bigint, 0) * interval '1 microsecond')
+       now() + (nullif(sqlc.arg(body_ttl_micros)::bigint, 0) * interval '1 microsecond'),
+       NULL
 FROM (SELECT set_config('lock_timeout', sqlc.arg(lock_timeout)::text, true)
       FROM (SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true),
                    CASE WHEN false THEN idem_refuse('IDMRC', '') END) AS saved) AS wait
@@ -78,7 +85,8 @@ SET fingerprint      = excluded.fingerprint,
     lease_expires_at = NULL,
     resume_until     = NULL,
     last_error       = NULL,
-    resolve_reason   = NULL
+    resolve_reason   = NULL,
+    unknown_at       = NULL
 WHERE (k.expires_at <= excluded.created_at AND k.status IN ('succeeded', 'rejected', 'failed_retryable'))
    OR (k.status = 'failed_retryable' AND k.fingerprint = excluded.fingerprint)
 RETURNING (set_config('lock_timeout', current_setting('idem.lock_timeout'), true) IS NOT NULL)::boolean AS claimed;
@@ -89,20 +97,24 @@ RETURNING (set_config('lock_timeout', current_setting('idem.lock_timeout'), true
 -- statements around this one instead, which Citus propagates to the
 -- workers (citus.propagate_set_commands = 'local'; see claim.go).
 -- name: KeyClaimCitus :one
-INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at, body_expires_at)
+INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at, body_expires_at,
+                       unknown_at)
 VALUES (@actor, @operation, @idem_key, @fingerprint, 'processing', now(), now(),
         now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond'),
-        now() + (nullif(sqlc.arg(body_ttl_micros)::bigint, 0) * interval '1 microsecond'))
+        now() + (nullif(sqlc.arg(body_ttl_micros)::bigint, 0) * interval '1 microsecond'),
+        NULL)
 ON CONFLICT (actor, operation, idem_key) DO NOTHING
 RETURNING true AS claimed;
 
 -- KeyTakeOver for Citus (see KeyClaimCitus). Citus accepts the DO UPDATE
 -- because it reads the clock only from the proposed row.
 -- name: KeyTakeOverCitus :one
-INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at, body_expires_at)
+INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at, body_expires_at,
+                            unknown_at)
 VALUES (@actor, @operation, @idem_key, @fingerprint, 'processing', now(), now(),
         now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond'),
-        now() + (nullif(sqlc.arg(body_ttl_micros)::bigint, 0) * interval '1 microsecond'))
+        now() + (nullif(sqlc.arg(body_ttl_micros)::bigint, 0) * interval '1 microsecond'),
+        NULL)
 ON CONFLICT (actor, operation, idem_key) DO UPDATE
 SET fingerprint      = excluded.fingerprint,
     status           = 'processing',
@@ -117,7 +129,8 @@ SET fingerprint      = excluded.fingerprint,
     lease_expires_at = NULL,
     resume_until     = NULL,
     last_error       = NULL,
-    resolve_reason   = NULL
+    resolve_reason   = NULL,
+    unknown_at       = NULL
 WHERE (k.expires_at <= excluded.created_at AND k.status IN ('succeeded', 'rejected', 'failed_retryable'))
    OR (k.status = 'failed_retryable' AND k.fingerprint = excluded.fingerprint)
 RETURNING true AS claimed;
@@ -190,7 +203,8 @@ SET status           = 'unknown',
     token            = (SELECT next.token FROM next),
     lease_expires_at = now(),
     completed_at     = NULL,
-    last_error       = sqlc.arg(reason)::text
+    last_error       = sqlc.arg(reason)::text,
+    unknown_at       = now()
 WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
   AND status = 'processing' AND idem_keys.token = 0 AND lease_expires_at IS NULL
   AND fingerprint = @fingerprint;

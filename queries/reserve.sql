@@ -12,15 +12,18 @@
 -- the window of the key's generation (none when resume_micros is 0). No row
 -- means a row holds the key (ReserveLock reads it). While another transaction
 -- holds an uncommitted claim on the key, the INSERT waits for it, at most the
--- lock_timeout that Reserve set for its transaction.
+-- lock_timeout that Reserve set for its transaction. It names unknown_at
+-- (NULL, as the column's default would be) so that on a database below
+-- migration 10 Reserve fails (ErrUnsupported) before its caller's work runs.
 -- name: ReserveInsert :one
 INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, token,
-                       lease_expires_at, expires_at, resume_until)
+                       lease_expires_at, expires_at, resume_until, unknown_at)
 VALUES (@actor, @operation, @idem_key, @fingerprint, 'processing',
         nextval('idem_keys_token_seq'),
         now() + (sqlc.arg(lease_micros)::bigint * interval '1 microsecond'),
         now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond'),
-        now() + (nullif(sqlc.arg(resume_micros)::bigint, 0) * interval '1 microsecond'))
+        now() + (nullif(sqlc.arg(resume_micros)::bigint, 0) * interval '1 microsecond'),
+        NULL)
 ON CONFLICT (actor, operation, idem_key) DO NOTHING
 RETURNING token, lease_expires_at;
 
@@ -44,7 +47,8 @@ FOR UPDATE;
 -- when resume_micros is 0), a new attempt after a retryable failure, or a
 -- resume of an attempt in doubt inside its window (resume: the lease ends
 -- no later than the window). Only a new generation sets the window; the
--- other two keep it. The new token is drawn in a CTE, not in SET: Citus
+-- other two keep it. The new attempt is not unknown (unknown_at cleared).
+-- The new token is drawn in a CTE, not in SET: Citus
 -- refuses a volatile function in an UPDATE of a distributed table, and runs
 -- the CTE on the coordinator, whose sequence it is.
 -- name: ReserveAcquire :one
@@ -67,7 +71,8 @@ SET fingerprint      = @fingerprint,
                             THEN now() + (nullif(sqlc.arg(resume_micros)::bigint, 0) * interval '1 microsecond')
                             ELSE resume_until END,
     last_error       = NULL,
-    resolve_reason   = NULL
+    resolve_reason   = NULL,
+    unknown_at       = NULL
 WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
   AND idem_keys.token = @token
 RETURNING idem_keys.token, lease_expires_at;
@@ -98,11 +103,15 @@ WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
   AND token = @token AND status = 'processing';
 
 -- Records that a reservation may have executed. The same token may mark its
--- record unknown again (a repeated call, or the lease ran out first).
+-- record unknown again (a repeated call, or the lease ran out first): the
+-- record keeps the time it first became unknown (least ignores the NULL of
+-- a record that was not; Citus refuses now() inside coalesce or CASE in a
+-- distributed UPDATE, not inside least).
 -- name: ReserveMarkUnknown :execrows
 UPDATE idem_keys
 SET status     = 'unknown',
-    last_error = sqlc.arg(reason)::text
+    last_error = sqlc.arg(reason)::text,
+    unknown_at = least(unknown_at, now())
 WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
   AND token = @token AND status IN ('processing', 'unknown');
 
@@ -127,7 +136,8 @@ RETURNING lease_expires_at;
 -- name: ReserveExpireLeases :execrows
 UPDATE idem_keys AS k
 SET status     = 'unknown',
-    last_error = sqlc.arg(reason)::text
+    last_error = sqlc.arg(reason)::text,
+    unknown_at = now()
 FROM (SELECT actor, operation, idem_key
       FROM idem_keys
       WHERE status = 'processing' AND lease_expires_at IS NOT NULL AND completed_at IS NULL
@@ -148,7 +158,8 @@ WHERE k.actor = expired.actor AND k.operation = expired.operation AND k.idem_key
 -- name: ReserveExpireLeasesCitus :execrows
 UPDATE idem_keys AS k
 SET status     = 'unknown',
-    last_error = sqlc.arg(reason)::text
+    last_error = sqlc.arg(reason)::text,
+    unknown_at = now()
 FROM (SELECT actor, operation, idem_key
       FROM idem_keys
       WHERE status = 'processing' AND lease_expires_at IS NOT NULL AND completed_at IS NULL

@@ -281,6 +281,8 @@ func unsupportedIf(err error) error {
 		return errorf("idem: %w (on Citus, connect to the coordinator; otherwise run idem.Migrate): %w", ErrUnsupported, err)
 	case errors.Is(err, driver.ErrNoBodyExpiry):
 		return errorf("idem: %w (the key table lacks body_expires_at, migration 9: run idem.Migrate): %w", ErrUnsupported, err)
+	case errors.Is(err, driver.ErrNoUnknownAt):
+		return errorf("idem: %w (the key table lacks unknown_at, migration 10: run idem.Migrate): %w", ErrUnsupported, err)
 	case errors.Is(err, driver.ErrNoRefusal):
 		return errorf("idem: %w (idem's function idem_refuse is missing: run idem.Migrate; on Citus, run Distribute "+
 			"again, which creates it on the workers): %w", ErrUnsupported, err)

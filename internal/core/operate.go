@@ -378,6 +378,7 @@ func newRecord(k driver.Record) (Record, error) {
 		ExpiresAt:      k.ExpiresAt,
 		LeaseExpiresAt: k.LeaseExpiresAt,
 		ResumeUntil:    k.ResumeUntil,
+		UnknownAt:      k.UnknownAt,
 	}
 	switch {
 	case k.Stored.Valid && k.Stored.Gone:

@@ -103,6 +103,14 @@ type Record struct {
 	// left for a person. Zero when the key was reserved without one, and for
 	// records Do wrote.
 	ResumeUntil time.Time
+	// UnknownAt is when the record's latest attempt became unknown (by the
+	// database clock), whoever made it so: its worker (MarkUnknown),
+	// ExpireLeases, an operator's expiry in the console, or a call that
+	// found a claim of Do or DoInTx left without an outcome. Marked unknown
+	// again, it keeps the first time; a verdict (Resolve) keeps it; a new
+	// attempt clears it. Zero when the attempt never became unknown, or
+	// became unknown before migration 10, which records it.
+	UnknownAt time.Time
 	// Response is the stored outcome; nil when none is stored.
 	Response *Response
 	// ResponseGone: the response's body and headers were dropped, or their

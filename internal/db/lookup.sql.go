@@ -60,7 +60,7 @@ func (q *Queries) KeyLockForForget(ctx context.Context, db DBTX, arg KeyLockForF
 }
 
 const KeyLookup = `-- name: KeyLookup :one
-SELECT idem_keys.actor, idem_keys.operation, idem_keys.idem_key, idem_keys.fingerprint, idem_keys.status, idem_keys.response_status, idem_keys.response_headers, idem_keys.response_body, idem_keys.created_at, idem_keys.completed_at, idem_keys.expires_at, idem_keys.token, idem_keys.lease_expires_at, idem_keys.last_error, idem_keys.resolve_reason, idem_keys.resume_until, idem_keys.body_expires_at,
+SELECT idem_keys.actor, idem_keys.operation, idem_keys.idem_key, idem_keys.fingerprint, idem_keys.status, idem_keys.response_status, idem_keys.response_headers, idem_keys.response_body, idem_keys.created_at, idem_keys.completed_at, idem_keys.expires_at, idem_keys.token, idem_keys.lease_expires_at, idem_keys.last_error, idem_keys.resolve_reason, idem_keys.resume_until, idem_keys.body_expires_at, idem_keys.unknown_at,
        ((status IN ('succeeded', 'rejected') AND response_status IS NOT NULL AND response_body IS NULL)
         OR coalesce(body_expires_at <= now(), false))::boolean AS body_gone
 FROM idem_keys
@@ -101,6 +101,7 @@ func (q *Queries) KeyLookup(ctx context.Context, db DBTX, arg KeyLookupParams) (
 		&i.IdemKey.ResolveReason,
 		&i.IdemKey.ResumeUntil,
 		&i.IdemKey.BodyExpiresAt,
+		&i.IdemKey.UnknownAt,
 		&i.BodyGone,
 	)
 	return i, err

@@ -79,4 +79,5 @@ type IdemKey struct {
 	ResolveReason   pgtype.Text
 	ResumeUntil     pgtype.Timestamptz
 	BodyExpiresAt   pgtype.Timestamptz
+	UnknownAt       pgtype.Timestamptz
 }

@@ -31,7 +31,8 @@ SET fingerprint      = $1,
                             THEN now() + (nullif($6::bigint, 0) * interval '1 microsecond')
                             ELSE resume_until END,
     last_error       = NULL,
-    resolve_reason   = NULL
+    resolve_reason   = NULL,
+    unknown_at       = NULL
 WHERE actor = $7 AND operation = $8 AND idem_key = $9
   AND idem_keys.token = $10
 RETURNING idem_keys.token, lease_expires_at
@@ -60,7 +61,8 @@ type ReserveAcquireRow struct {
 // when resume_micros is 0), a new attempt after a retryable failure, or a
 // resume of an attempt in doubt inside its window (resume: the lease ends
 // no later than the window). Only a new generation sets the window; the
-// other two keep it. The new token is drawn in a CTE, not in SET: Citus
+// other two keep it. The new attempt is not unknown (unknown_at cleared).
+// The new token is drawn in a CTE, not in SET: Citus
 // refuses a volatile function in an UPDATE of a distributed table, and runs
 // the CTE on the coordinator, whose sequence it is.
 func (q *Queries) ReserveAcquire(ctx context.Context, db DBTX, arg ReserveAcquireParams) (ReserveAcquireRow, error) {
@@ -128,7 +130,8 @@ func (q *Queries) ReserveComplete(ctx context.Context, db DBTX, arg ReserveCompl
 const ReserveExpireLeases = `-- name: ReserveExpireLeases :execrows
 UPDATE idem_keys AS k
 SET status     = 'unknown',
-    last_error = $1::text
+    last_error = $1::text,
+    unknown_at = now()
 FROM (SELECT actor, operation, idem_key
       FROM idem_keys
       WHERE status = 'processing' AND lease_expires_at IS NOT NULL AND completed_at IS NULL
@@ -164,7 +167,8 @@ func (q *Queries) ReserveExpireLeases(ctx context.Context, db DBTX, arg ReserveE
 const ReserveExpireLeasesCitus = `-- name: ReserveExpireLeasesCitus :execrows
 UPDATE idem_keys AS k
 SET status     = 'unknown',
-    last_error = $1::text
+    last_error = $1::text,
+    unknown_at = now()
 FROM (SELECT actor, operation, idem_key
       FROM idem_keys
       WHERE status = 'processing' AND lease_expires_at IS NOT NULL AND completed_at IS NULL
@@ -269,12 +273,13 @@ func (q *Queries) ReserveHeartbeat(ctx context.Context, db DBTX, arg ReserveHear
 const ReserveInsert = `-- name: ReserveInsert :one
 
 INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, token,
-                       lease_expires_at, expires_at, resume_until)
+                       lease_expires_at, expires_at, resume_until, unknown_at)
 VALUES ($1, $2, $3, $4, 'processing',
         nextval('idem_keys_token_seq'),
         now() + ($5::bigint * interval '1 microsecond'),
         now() + ($6::bigint * interval '1 microsecond'),
-        now() + (nullif($7::bigint, 0) * interval '1 microsecond'))
+        now() + (nullif($7::bigint, 0) * interval '1 microsecond'),
+        NULL)
 ON CONFLICT (actor, operation, idem_key) DO NOTHING
 RETURNING token, lease_expires_at
 `
@@ -307,7 +312,9 @@ type ReserveInsertRow struct {
 // the window of the key's generation (none when resume_micros is 0). No row
 // means a row holds the key (ReserveLock reads it). While another transaction
 // holds an uncommitted claim on the key, the INSERT waits for it, at most the
-// lock_timeout that Reserve set for its transaction.
+// lock_timeout that Reserve set for its transaction. It names unknown_at
+// (NULL, as the column's default would be) so that on a database below
+// migration 10 Reserve fails (ErrUnsupported) before its caller's work runs.
 func (q *Queries) ReserveInsert(ctx context.Context, db DBTX, arg ReserveInsertParams) (ReserveInsertRow, error) {
 	row := db.QueryRow(ctx, ReserveInsert,
 		arg.Actor,
@@ -324,7 +331,7 @@ func (q *Queries) ReserveInsert(ctx context.Context, db DBTX, arg ReserveInsertP
 }
 
 const ReserveListResumable = `-- name: ReserveListResumable :many
-SELECT actor, operation, idem_key, fingerprint, status, response_status, response_headers, response_body, created_at, completed_at, expires_at, token, lease_expires_at, last_error, resolve_reason, resume_until, body_expires_at
+SELECT actor, operation, idem_key, fingerprint, status, response_status, response_headers, response_body, created_at, completed_at, expires_at, token, lease_expires_at, last_error, resolve_reason, resume_until, body_expires_at, unknown_at
 FROM idem_keys
 WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
   AND resume_until > now()
@@ -381,6 +388,7 @@ func (q *Queries) ReserveListResumable(ctx context.Context, db DBTX, arg Reserve
 			&i.ResolveReason,
 			&i.ResumeUntil,
 			&i.BodyExpiresAt,
+			&i.UnknownAt,
 		); err != nil {
 			return nil, err
 		}
@@ -393,7 +401,7 @@ func (q *Queries) ReserveListResumable(ctx context.Context, db DBTX, arg Reserve
 }
 
 const ReserveListUnknown = `-- name: ReserveListUnknown :many
-SELECT actor, operation, idem_key, fingerprint, status, response_status, response_headers, response_body, created_at, completed_at, expires_at, token, lease_expires_at, last_error, resolve_reason, resume_until, body_expires_at
+SELECT actor, operation, idem_key, fingerprint, status, response_status, response_headers, response_body, created_at, completed_at, expires_at, token, lease_expires_at, last_error, resolve_reason, resume_until, body_expires_at, unknown_at
 FROM idem_keys
 WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
   AND (status = 'unknown' OR (status = 'processing' AND lease_expires_at <= now()))
@@ -453,6 +461,7 @@ func (q *Queries) ReserveListUnknown(ctx context.Context, db DBTX, arg ReserveLi
 			&i.ResolveReason,
 			&i.ResumeUntil,
 			&i.BodyExpiresAt,
+			&i.UnknownAt,
 		); err != nil {
 			return nil, err
 		}
@@ -465,7 +474,7 @@ func (q *Queries) ReserveListUnknown(ctx context.Context, db DBTX, arg ReserveLi
 }
 
 const ReserveLock = `-- name: ReserveLock :one
-SELECT idem_keys.actor, idem_keys.operation, idem_keys.idem_key, idem_keys.fingerprint, idem_keys.status, idem_keys.response_status, idem_keys.response_headers, idem_keys.response_body, idem_keys.created_at, idem_keys.completed_at, idem_keys.expires_at, idem_keys.token, idem_keys.lease_expires_at, idem_keys.last_error, idem_keys.resolve_reason, idem_keys.resume_until, idem_keys.body_expires_at,
+SELECT idem_keys.actor, idem_keys.operation, idem_keys.idem_key, idem_keys.fingerprint, idem_keys.status, idem_keys.response_status, idem_keys.response_headers, idem_keys.response_body, idem_keys.created_at, idem_keys.completed_at, idem_keys.expires_at, idem_keys.token, idem_keys.lease_expires_at, idem_keys.last_error, idem_keys.resolve_reason, idem_keys.resume_until, idem_keys.body_expires_at, idem_keys.unknown_at,
        (expires_at <= now())::boolean AS expired,
        (lease_expires_at IS NOT NULL)::boolean AS leased,
        coalesce(ceil(extract(epoch FROM lease_expires_at - now()) * 1000)::bigint, 0)::bigint AS lease_left_ms,
@@ -516,6 +525,7 @@ func (q *Queries) ReserveLock(ctx context.Context, db DBTX, arg ReserveLockParam
 		&i.IdemKey.ResolveReason,
 		&i.IdemKey.ResumeUntil,
 		&i.IdemKey.BodyExpiresAt,
+		&i.IdemKey.UnknownAt,
 		&i.Expired,
 		&i.Leased,
 		&i.LeaseLeftMs,
@@ -528,7 +538,8 @@ func (q *Queries) ReserveLock(ctx context.Context, db DBTX, arg ReserveLockParam
 const ReserveMarkUnknown = `-- name: ReserveMarkUnknown :execrows
 UPDATE idem_keys
 SET status     = 'unknown',
-    last_error = $1::text
+    last_error = $1::text,
+    unknown_at = least(unknown_at, now())
 WHERE actor = $2 AND operation = $3 AND idem_key = $4
   AND token = $5 AND status IN ('processing', 'unknown')
 `
@@ -542,7 +553,10 @@ type ReserveMarkUnknownParams struct {
 }
 
 // Records that a reservation may have executed. The same token may mark its
-// record unknown again (a repeated call, or the lease ran out first).
+// record unknown again (a repeated call, or the lease ran out first): the
+// record keeps the time it first became unknown (least ignores the NULL of
+// a record that was not; Citus refuses now() inside coalesce or CASE in a
+// distributed UPDATE, not inside least).
 func (q *Queries) ReserveMarkUnknown(ctx context.Context, db DBTX, arg ReserveMarkUnknownParams) (int64, error) {
 	result, err := db.Exec(ctx, ReserveMarkUnknown,
 		arg.Reason,

@@ -232,6 +232,69 @@ func (q *Queries) AuditLockKey(ctx context.Context, db DBTX, arg AuditLockKeyPar
 	return i, err
 }
 
+const ConsoleActorsByPrefix = `-- name: ConsoleActorsByPrefix :many
+WITH RECURSIVE actors AS (
+    (SELECT actor, 1::integer AS n
+     FROM idem_keys
+     WHERE actor > $3::text
+     ORDER BY actor
+     LIMIT 1)
+    UNION ALL
+    SELECT (SELECT k.actor FROM idem_keys AS k WHERE k.actor > a.actor ORDER BY k.actor LIMIT 1), a.n + 1
+    FROM actors AS a
+    WHERE a.actor IS NOT NULL AND a.n < $2::integer
+)
+SELECT actor::text AS actor, n::integer AS n, starts_with(actor, $1::text)::boolean AS match
+FROM actors
+WHERE actor IS NOT NULL
+  AND (starts_with(actor, $1::text) OR n = $2::integer)
+`
+
+type ConsoleActorsByPrefixParams struct {
+	Prefix     string
+	ScanActors int32
+	AfterActor string
+}
+
+type ConsoleActorsByPrefixRow struct {
+	Actor string
+	N     int32
+	Match bool
+}
+
+// The actors whose name starts with @prefix (byte for byte, whatever the
+// database's collation), after the given actor (” for the first page): a
+// loose walk of the primary key that hops from each actor to the next one,
+// at most @scan_actors hops, so that a page costs as many index descents
+// as actors it passes, never a read of their keys. A range of the
+// collation's order would not do: under a collation other than C, names
+// that start alike need not sort together. Returns the matching actors
+// and, when the walk stopped at its bound, the last actor it reached (n =
+// @scan_actors), each with its place in the walk (n: the caller orders by
+// it; an ORDER BY here would be a Sort, which the console turns off).
+func (q *Queries) ConsoleActorsByPrefix(ctx context.Context, db DBTX, arg ConsoleActorsByPrefixParams) ([]ConsoleActorsByPrefixRow, error) {
+	rows, err := db.QueryContext(ctx, ConsoleActorsByPrefix, arg.Prefix, arg.ScanActors, arg.AfterActor)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []ConsoleActorsByPrefixRow
+	for rows.Next() {
+		var i ConsoleActorsByPrefixRow
+		if err := rows.Scan(&i.Actor, &i.N, &i.Match); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Close(); err != nil {
+		return nil, err
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const ConsoleExpirableCount = `-- name: ConsoleExpirableCount :one
 SELECT count(*)::bigint AS leases, now()::timestamptz AS cutoff
 FROM idem_keys
@@ -278,7 +341,8 @@ func (q *Queries) ConsoleExpirableCount(ctx context.Context, db DBTX, arg Consol
 const ConsoleExpireLeases = `-- name: ConsoleExpireLeases :many
 UPDATE idem_keys
 SET status     = 'unknown',
-    last_error = $1::text
+    last_error = $1::text,
+    unknown_at = now()
 WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
   AND status = 'processing'
   AND lease_expires_at <= least($2::timestamptz, now())
@@ -345,6 +409,85 @@ func (q *Queries) ConsoleExpireLeases(ctx context.Context, db DBTX, arg ConsoleE
 			&i.IdemKey,
 			&i.Token,
 			&i.LeaseExpiresAt,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Close(); err != nil {
+		return nil, err
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const ConsoleFailedKeys = `-- name: ConsoleFailedKeys :many
+SELECT actor, operation, idem_key, status, token, created_at, completed_at, expires_at,
+       lease_expires_at, last_error
+FROM idem_keys
+WHERE lease_expires_at IS NOT NULL AND completed_at IS NOT NULL
+  AND (last_error IS NOT NULL OR resolve_reason IS NOT NULL)
+  AND status = 'failed_retryable'
+  AND (completed_at, actor, operation, idem_key)
+      < ($1::timestamptz, $2::text,
+         $3::text, $4::text)
+ORDER BY completed_at DESC, actor DESC, operation DESC, idem_key DESC
+LIMIT $5::integer
+`
+
+type ConsoleFailedKeysParams struct {
+	BeforeCompletedAt time.Time
+	BeforeActor       string
+	BeforeOperation   string
+	BeforeKey         string
+	MaxRows           int32
+}
+
+type ConsoleFailedKeysRow struct {
+	Actor          string
+	Operation      string
+	IdemKey        string
+	Status         string
+	Token          int64
+	CreatedAt      time.Time
+	CompletedAt    sql.NullTime
+	ExpiresAt      time.Time
+	LeaseExpiresAt sql.NullTime
+	LastError      sql.NullString
+}
+
+// Pages through the failed_retryable records across actors, newest outcome
+// first, before the given position ('infinity' and empty names for the
+// first page): a walk of idem_keys_failed_idx backwards (its WHERE repeats
+// the index predicate).
+func (q *Queries) ConsoleFailedKeys(ctx context.Context, db DBTX, arg ConsoleFailedKeysParams) ([]ConsoleFailedKeysRow, error) {
+	rows, err := db.QueryContext(ctx, ConsoleFailedKeys,
+		arg.BeforeCompletedAt,
+		arg.BeforeActor,
+		arg.BeforeOperation,
+		arg.BeforeKey,
+		arg.MaxRows,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []ConsoleFailedKeysRow
+	for rows.Next() {
+		var i ConsoleFailedKeysRow
+		if err := rows.Scan(
+			&i.Actor,
+			&i.Operation,
+			&i.IdemKey,
+			&i.Status,
+			&i.Token,
+			&i.CreatedAt,
+			&i.CompletedAt,
+			&i.ExpiresAt,
+			&i.LeaseExpiresAt,
+			&i.LastError,
 		); err != nil {
 			return nil, err
 		}
@@ -480,7 +623,9 @@ SELECT actor, operation, idem_key, token
 FROM idem_keys
 WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL
   -- needs a person, at the cutoff
-  AND (status = 'unknown' OR (status = 'processing' AND lease_expires_at <= least($1::timestamptz, now())))
+  AND ((status = 'unknown' AND (unknown_at IS NULL OR unknown_at <= least($1::timestamptz, now())
+                                OR lease_expires_at <= least($1::timestamptz, now())))
+       OR (status = 'processing' AND lease_expires_at <= least($1::timestamptz, now())))
   AND (resume_until IS NULL OR resume_until <= least($1::timestamptz, now()))
   AND ($2::text = '' OR actor = $2::text)
   AND ($3::text = '' OR operation = $3::text)
@@ -516,7 +661,11 @@ type ConsoleNeedsPersonAtRow struct {
 // verdict "over the filter" acts on, each with its token now. Every
 // condition on time is evaluated at that instant, as ConsoleExpireLeases
 // does: a record whose attempt started after the count, or whose lease ran
-// out or window ended after it, is not the count's.
+// out or window ended after it, is not the count's. Nor is one that became
+// unknown after the count (unknown_at) while its lease still ran then: a
+// record whose lease had run out by then was the count's, however it became
+// unknown since; one that became unknown before migration 10 (no
+// unknown_at) did before any count made since.
 func (q *Queries) ConsoleNeedsPersonAt(ctx context.Context, db DBTX, arg ConsoleNeedsPersonAtParams) ([]ConsoleNeedsPersonAtRow, error) {
 	rows, err := db.QueryContext(ctx, ConsoleNeedsPersonAt,
 		arg.Cutoff,
@@ -758,9 +907,9 @@ func (q *Queries) ConsoleOpen(ctx context.Context, db DBTX, capRows int32) (Cons
 const ConsoleSample = `-- name: ConsoleSample :many
 SELECT status,
        (CASE WHEN status <> 'processing'
-                  AND coalesce(completed_at, created_at) > now() - interval '24 hours'
-                  AND coalesce(completed_at, created_at) <= now()
-             THEN floor(date_part('epoch', now() - coalesce(completed_at, created_at)) / 3600)
+                  AND coalesce(completed_at, unknown_at, created_at) > now() - interval '24 hours'
+                  AND coalesce(completed_at, unknown_at, created_at) <= now()
+             THEN floor(date_part('epoch', now() - coalesce(completed_at, unknown_at, created_at)) / 3600)
              ELSE -1 END)::integer AS hours_ago,
        count(*)::bigint AS keys
 FROM idem_keys TABLESAMPLE SYSTEM ($1::float8) REPEATABLE (0)
@@ -777,9 +926,10 @@ type ConsoleSampleRow struct {
 // probability @percent / 100; REPEATABLE: the same pages each time while the
 // table keeps them, so that the page stays in the cache and the counts do not
 // jump between two views) by status and by the hour, counted back from
-// now, of their outcome (completed_at; created_at for an unknown outcome,
-// which records no time of its own): hours_ago 0 to 23, or -1 for older
-// ones and records in flight.
+// now, of their outcome (completed_at; for an unknown outcome the time it
+// became unknown, or created_at when that was not recorded, before
+// migration 10): hours_ago 0 to 23, or -1 for older ones and records in
+// flight.
 func (q *Queries) ConsoleSample(ctx context.Context, db DBTX, percent float64) ([]ConsoleSampleRow, error) {
 	rows, err := db.QueryContext(ctx, ConsoleSample, percent)
 	if err != nil {
@@ -912,6 +1062,111 @@ func (q *Queries) ConsoleScopeShape(ctx context.Context, db DBTX, arg ConsoleSco
 	for rows.Next() {
 		var i ConsoleScopeShapeRow
 		if err := rows.Scan(&i.Status, &i.ContentType); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Close(); err != nil {
+		return nil, err
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const ConsoleStatusKeys = `-- name: ConsoleStatusKeys :many
+SELECT actor, operation, idem_key, status, token, created_at, completed_at, expires_at,
+       lease_expires_at, last_error,
+       (status = $1::text AND matched <= $2::integer)::boolean AS match,
+       (n = walked_rows)::boolean AS edge, walked_rows::bigint AS walked_rows
+FROM (SELECT w.actor, w.operation, w.idem_key, w.status, w.token, w.created_at, w.completed_at, w.expires_at, w.lease_expires_at, w.last_error, count(*) FILTER (WHERE status = $1::text) OVER walk AS matched,
+             row_number() OVER walk AS n, count(*) OVER () AS walked_rows
+      FROM (SELECT actor, operation, idem_key, status, token, created_at, completed_at, expires_at,
+                   lease_expires_at, last_error
+            FROM idem_keys
+            WHERE expires_at <= $3::timestamptz
+              AND (expires_at < $3::timestamptz
+                   OR (actor, operation, idem_key) < ($4::text, $5::text,
+                                                      $6::text))
+            ORDER BY expires_at DESC, actor DESC, operation DESC, idem_key DESC
+            LIMIT $7::integer) AS w
+      WINDOW walk AS (ORDER BY expires_at DESC, actor DESC, operation DESC, idem_key DESC
+                      ROWS BETWEEN UNBOUNDED PRECEDING AND CURRENT ROW)) AS walked
+WHERE (status = $1::text AND matched <= $2::integer) OR n = walked_rows
+ORDER BY expires_at DESC, actor DESC, operation DESC, idem_key DESC
+`
+
+type ConsoleStatusKeysParams struct {
+	Status          string
+	MaxRows         int32
+	BeforeExpiresAt time.Time
+	BeforeActor     string
+	BeforeOperation string
+	BeforeKey       string
+	ScanRows        int32
+}
+
+type ConsoleStatusKeysRow struct {
+	Actor          string
+	Operation      string
+	IdemKey        string
+	Status         string
+	Token          int64
+	CreatedAt      time.Time
+	CompletedAt    sql.NullTime
+	ExpiresAt      time.Time
+	LeaseExpiresAt sql.NullTime
+	LastError      sql.NullString
+	Match          bool
+	Edge           bool
+	WalkedRows     int64
+}
+
+// Pages through the records of one status across actors, the latest
+// expiry first (about the newest keys first), before the given position
+// ('infinity' and empty names for the first page): a walk of
+// idem_keys_expires_at_idx backwards (ties on expires_at in key order, an
+// incremental sort of each tie) that reads at most @scan_rows rows, so that a
+// page of a rare status costs no more than one of a common one. The walk
+// follows the order rows were written, so its heap reads are close together.
+// Returns, in walk order, up to @max_rows records of the status (match) and
+// the last row read (edge, with walked_rows, how many were read: fewer than
+// @scan_rows when the walk reached the end of the table); a row can be both.
+// The windows follow the walk's order, so nothing is sorted again (a Sort,
+// which the console turns off, would cost a JIT compilation).
+func (q *Queries) ConsoleStatusKeys(ctx context.Context, db DBTX, arg ConsoleStatusKeysParams) ([]ConsoleStatusKeysRow, error) {
+	rows, err := db.QueryContext(ctx, ConsoleStatusKeys,
+		arg.Status,
+		arg.MaxRows,
+		arg.BeforeExpiresAt,
+		arg.BeforeActor,
+		arg.BeforeOperation,
+		arg.BeforeKey,
+		arg.ScanRows,
+	)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []ConsoleStatusKeysRow
+	for rows.Next() {
+		var i ConsoleStatusKeysRow
+		if err := rows.Scan(
+			&i.Actor,
+			&i.Operation,
+			&i.IdemKey,
+			&i.Status,
+			&i.Token,
+			&i.CreatedAt,
+			&i.CompletedAt,
+			&i.ExpiresAt,
+			&i.LeaseExpiresAt,
+			&i.LastError,
+			&i.Match,
+			&i.Edge,
+			&i.WalkedRows,
+		); err != nil {
 			return nil, err
 		}
 		items = append(items, i)

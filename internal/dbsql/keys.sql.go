@@ -52,10 +52,12 @@ func (q *Queries) KeyAbortIfClaimed(ctx context.Context, db DBTX, arg KeyAbortIf
 
 const KeyClaim = `-- name: KeyClaim :one
 
-INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at, body_expires_at)
+INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at, body_expires_at,
+                       unknown_at)
 SELECT $1, $2, $3, $4, 'processing', now(), now(),
        now() + ($5::bigint * interval '1 microsecond'),
-       now() + (nullif($6::bigint, 0) * interval '1 microsecond')
+       now() + (nullif($6::bigint, 0) * interval '1 microsecond'),
+       NULL
 FROM (SELECT set_config('lock_timeout', $7::text, true)
       FROM (SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true),
                    CASE WHEN false THEN idem_refuse('IDMRC', '') END) AS saved) AS wait
@@ -97,7 +99,10 @@ type KeyClaimParams struct {
 //
 // body_expires_at (Config.BodyTTL; NULL, from a body_ttl_micros of 0, when
 // the body lives as long as the key) is written with the claim too, never
-// by the completion: it is indexed (migration 00009).
+// by the completion: it is indexed (migration 00009). unknown_at (migration
+// 00010) is named, NULL, so that on a database without it the claim fails
+// (ErrUnsupported, naming the column) before fn runs, not the call's last
+// step after it.
 //
 // completed_at is written with the claim: it is the value KeyComplete would
 // write (now() of the same transaction), and a completion that changes no
@@ -126,10 +131,12 @@ func (q *Queries) KeyClaim(ctx context.Context, db DBTX, arg KeyClaimParams) (bo
 }
 
 const KeyClaimCitus = `-- name: KeyClaimCitus :one
-INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at, body_expires_at)
+INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at, body_expires_at,
+                       unknown_at)
 VALUES ($1, $2, $3, $4, 'processing', now(), now(),
         now() + ($5::bigint * interval '1 microsecond'),
-        now() + (nullif($6::bigint, 0) * interval '1 microsecond'))
+        now() + (nullif($6::bigint, 0) * interval '1 microsecond'),
+        NULL)
 ON CONFLICT (actor, operation, idem_key) DO NOTHING
 RETURNING true AS claimed
 `
@@ -284,7 +291,8 @@ SET status           = 'unknown',
     token            = (SELECT next.token FROM next),
     lease_expires_at = now(),
     completed_at     = NULL,
-    last_error       = $1::text
+    last_error       = $1::text,
+    unknown_at       = now()
 WHERE actor = $2 AND operation = $3 AND idem_key = $4
   AND status = 'processing' AND idem_keys.token = 0 AND lease_expires_at IS NULL
   AND fingerprint = $5
@@ -323,10 +331,12 @@ func (q *Queries) KeyMarkUnknown(ctx context.Context, db DBTX, arg KeyMarkUnknow
 }
 
 const KeyTakeOver = `-- name: KeyTakeOver :one
-INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at, body_expires_at)
+INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at, body_expires_at,
+                            unknown_at)
 SELECT $1, $2, $3, $4, 'processing', now(), now(),
        now() + ($5::bigint * interval '1 microsecond'),
-       now() + (nullif($6::bigint, 0) * interval '1 microsecond')
+       now() + (nullif($6::bigint, 0) * interval '1 microsecond'),
+       NULL
 FROM (SELECT set_config('lock_timeout', $7::text, true)
       FROM (SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true),
                    CASE WHEN false THEN idem_refuse('IDMRC', '') END) AS saved) AS wait
@@ -344,7 +354,8 @@ SET fingerprint      = excluded.fingerprint,
     lease_expires_at = NULL,
     resume_until     = NULL,
     last_error       = NULL,
-    resolve_reason   = NULL
+    resolve_reason   = NULL,
+    unknown_at       = NULL
 WHERE (k.expires_at <= excluded.created_at AND k.status IN ('succeeded', 'rejected', 'failed_retryable'))
    OR (k.status = 'failed_retryable' AND k.fingerprint = excluded.fingerprint)
 RETURNING (set_config('lock_timeout', current_setting('idem.lock_timeout'), true) IS NOT NULL)::boolean AS claimed
@@ -385,10 +396,12 @@ func (q *Queries) KeyTakeOver(ctx context.Context, db DBTX, arg KeyTakeOverParam
 }
 
 const KeyTakeOverCitus = `-- name: KeyTakeOverCitus :one
-INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at, body_expires_at)
+INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at, body_expires_at,
+                            unknown_at)
 VALUES ($1, $2, $3, $4, 'processing', now(), now(),
         now() + ($5::bigint * interval '1 microsecond'),
-        now() + (nullif($6::bigint, 0) * interval '1 microsecond'))
+        now() + (nullif($6::bigint, 0) * interval '1 microsecond'),
+        NULL)
 ON CONFLICT (actor, operation, idem_key) DO UPDATE
 SET fingerprint      = excluded.fingerprint,
     status           = 'processing',
@@ -403,7 +416,8 @@ SET fingerprint      = excluded.fingerprint,
     lease_expires_at = NULL,
     resume_until     = NULL,
     last_error       = NULL,
-    resolve_reason   = NULL
+    resolve_reason   = NULL,
+    unknown_at       = NULL
 WHERE (k.expires_at <= excluded.created_at AND k.status IN ('succeeded', 'rejected', 'failed_retryable'))
    OR (k.status = 'failed_retryable' AND k.fingerprint = excluded.fingerprint)
 RETURNING true AS claimed

@@ -82,4 +82,5 @@ type IdemKey struct {
 	ResolveReason   sql.NullString
 	ResumeUntil     sql.NullTime
 	BodyExpiresAt   sql.NullTime
+	UnknownAt       sql.NullTime
 }

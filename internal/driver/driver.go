@@ -295,6 +295,7 @@ type Record struct {
 	ExpiresAt      time.Time
 	LeaseExpiresAt time.Time // zero: NULL
 	ResumeUntil    time.Time // zero: NULL
+	UnknownAt      time.Time // zero: NULL
 }
 
 // Reserve asks for a reservation of a key.

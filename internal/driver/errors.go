@@ -56,6 +56,9 @@ const (
 	// ErrNoBodyExpiry: the key table lacks the column body_expires_at (a
 	// database not migrated to version 9).
 	ErrNoBodyExpiry
+	// ErrNoUnknownAt: the key table lacks the column unknown_at (a
+	// database not migrated to version 10).
+	ErrNoUnknownAt
 )
 
 // The SQLSTATEs idem's statements raise on purpose (class ID is idem's;
@@ -76,7 +79,7 @@ var faultNames = [...]string{
 	"unavailable", "server unavailable", "lock not available", "retryable", "transaction aborted",
 	"key row changed", "claim released", "prepared statements lost", "feature not supported",
 	"no token sequence", "no lock_timeout setting", "no refusal function",
-	"no body_expires_at column",
+	"no body_expires_at column", "no unknown_at column",
 }
 
 func (f Fault) Error() string {

@@ -80,6 +80,9 @@ func faults(err error, code string) driver.Fault {
 		if strings.Contains(err.Error(), "body_expires_at") {
 			f |= driver.ErrNoBodyExpiry
 		}
+		if strings.Contains(err.Error(), "unknown_at") {
+			f |= driver.ErrNoUnknownAt
+		}
 	}
 	return f
 }

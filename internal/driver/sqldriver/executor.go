@@ -206,7 +206,7 @@ func record(k dbsql.IdemKey) driver.Record {
 		Stored:    stored(k.ResponseStatus, k.ResponseHeaders, k.ResponseBody),
 		LastError: k.LastError.String, ResolveReason: k.ResolveReason.String,
 		CreatedAt: k.CreatedAt, CompletedAt: k.CompletedAt.Time, ExpiresAt: k.ExpiresAt,
-		LeaseExpiresAt: k.LeaseExpiresAt.Time, ResumeUntil: k.ResumeUntil.Time,
+		LeaseExpiresAt: k.LeaseExpiresAt.Time, ResumeUntil: k.ResumeUntil.Time, UnknownAt: k.UnknownAt.Time,
 	}
 }
 

@@ -408,10 +408,10 @@ func TestDistributeCreatesRefuseOnWorkers(t *testing.T) {
 	}
 }
 
-// Migration 00009 on a table Distribute distributed at version 8: the
-// column and the partial index built concurrently reach every shard, calls
-// with Config.BodyTTL work, and its Down (one DO statement, the table
-// locked) reverts it on the distributed table.
+// Migrations 00009 and 00010 on a table Distribute distributed at version
+// 8: their columns and the partial index built concurrently reach every
+// shard, calls with Config.BodyTTL work, and their Downs (00009's one DO
+// statement, the table locked) revert them on the distributed table.
 func TestMigrate9AfterDistribute(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -431,7 +431,7 @@ func TestMigrate9AfterDistribute(t *testing.T) {
 		t.Fatal(err)
 	}
 	if err := idem.Migrate(ctx, p); err != nil {
-		t.Fatalf("Migrate to 9 on the distributed table: %v", err)
+		t.Fatalf("Migrate to 10 on the distributed table: %v", err)
 	}
 	shards := count(t, p, `SELECT count(*) FROM citus_shards WHERE table_name = 'idem_keys'::regclass`)
 	indexed := count(t, p, `SELECT count(*) FROM run_command_on_shards('idem_keys',
@@ -439,6 +439,11 @@ func TestMigrate9AfterDistribute(t *testing.T) {
 		WHERE success AND result = '1'`)
 	if shards == 0 || indexed != shards {
 		t.Fatalf("%d shards, %d of them with idem_keys_body_expires_idx", shards, indexed)
+	}
+	if n := count(t, p, `SELECT count(*) FROM run_command_on_shards('idem_keys',
+		$$SELECT count(*) FROM pg_indexes WHERE tablename = '%s' AND indexname LIKE 'idem_keys_failed_idx%%'$$)
+		WHERE success AND result = '1'`); n != shards {
+		t.Fatalf("%d shards, %d of them with idem_keys_failed_idx", shards, n)
 	}
 	c, err := idem.New(idem.Config{BodyTTL: time.Millisecond})
 	if err != nil {
@@ -453,6 +458,17 @@ func TestMigrate9AfterDistribute(t *testing.T) {
 	}
 	if n := count(t, p, `SELECT count(*) FROM idem_keys WHERE body_expires_at IS NOT NULL`); n != 1 {
 		t.Fatalf("%d rows with body_expires_at, want 1", n)
+	}
+	if n := count(t, p, `SELECT count(*) FROM run_command_on_shards('idem_keys',
+		$$SELECT count(*) FROM information_schema.columns WHERE table_name = '%s' AND column_name = 'unknown_at'$$)
+		WHERE success AND result = '1'`); n != shards {
+		t.Fatalf("%d shards, %d of them with unknown_at", shards, n)
+	}
+	if v, err := idem.MigrateDown(ctx, p, idem.MigrateDownOptions{}); err != nil || v != 10 {
+		t.Fatalf("MigrateDown from 10 on the distributed table: %d, %v", v, err)
+	}
+	if n := count(t, p, `SELECT count(*) FROM information_schema.columns WHERE table_name = 'idem_keys' AND column_name = 'unknown_at'`); n != 0 {
+		t.Fatalf("unknown_at still there after the Down")
 	}
 	if v, err := idem.MigrateDown(ctx, p, idem.MigrateDownOptions{}); err != nil || v != 9 {
 		t.Fatalf("MigrateDown from 9 on the distributed table: %d, %v", v, err)

@@ -10,7 +10,9 @@ import (
 // Reservations made with a window through the coordinator: resumed inside
 // the window (the new token from the coordinator's sequence), left alone
 // by ExpireLeases (its Citus form), a person's past it; two recovery
-// workers and the client's retry racing for each attempt. With idem, and
+// workers and the client's retry racing for each attempt; when a record
+// became unknown (callertest.UnknownAt: MarkUnknown's least(unknown_at,
+// now()), ExpireLeases' Citus form). With idem, and
 // with idemsql's NewCitus Client on both database/sql drivers.
 func TestCallsResume(t *testing.T) {
 	t.Parallel()
@@ -20,6 +22,8 @@ func TestCallsResume(t *testing.T) {
 		callertest.Resume(t, callertest.PgxFront(p))
 		_, p = newDB(t)
 		callertest.ResumeRace(t, callertest.PgxFront(p), callertest.Trials(8))
+		_, p = newDB(t)
+		callertest.UnknownAt(t, callertest.PgxFront(p))
 	})
 	for _, driverName := range []string{"pgx", "postgres"} {
 		t.Run("idemsql/"+driverName, func(t *testing.T) {
@@ -27,6 +31,7 @@ func TestCallsResume(t *testing.T) {
 			for _, scenario := range []func(t *testing.T, f callertest.NewFront){
 				func(t *testing.T, f callertest.NewFront) { callertest.Resume(t, f) },
 				func(t *testing.T, f callertest.NewFront) { callertest.ResumeRace(t, f, callertest.Trials(8)) },
+				func(t *testing.T, f callertest.NewFront) { callertest.UnknownAt(t, f) },
 			} {
 				cdb, _ := newDB(t)
 				db, err := sql.Open(driverName, cdb.URL)
