@@ -114,7 +114,10 @@ const (
 // by the token, so a relay that stalled past its lease cannot overwrite a
 // newer claim's outcome. The records of the attempts that finished go with
 // the next claim, in one pipeline of statements (one round trip and one
-// commit on a pool).
+// commit on a pool). With fast senders, on a *pgxpool.Pool of PostgreSQL,
+// a batch is claimed by row locks only, sent, and recorded in one
+// transaction (see fastCycle): the sends still running after fastBound
+// get a lease there, and go on as above.
 //
 // Delivery is at least once: when a relay dies between a send and its
 // record (or the database cannot record it), the event is sent again after
