@@ -514,7 +514,14 @@ func (r *Relay) fastCycle(ctx context.Context, done []*claimed, n int, jobs chan
 		return false, 0, err
 	}
 	open := false // a transaction is open on conn
-	defer func() {
+	released := false
+	// release gives conn back (before a record on its own, which takes
+	// another connection of the pool).
+	release := func() {
+		if released {
+			return
+		}
+		released = true
 		if open {
 			// A failed statement leaves the transaction open (aborted):
 			// roll it back, or the pool drops a broken connection.
@@ -523,7 +530,8 @@ func (r *Relay) fastCycle(ctx context.Context, done []*claimed, n int, jobs chan
 			cancel()
 		}
 		conn.Release()
-	}()
+	}
+	defer release()
 
 	var p fastPipeline
 	p.begin(r, done, n)
@@ -552,6 +560,7 @@ func (r *Relay) fastCycle(ctx context.Context, done []*claimed, n int, jobs chan
 			for range p.running {
 				recs = append(recs, <-results)
 			}
+			release()
 			recordAlone(recs)
 			return false, 0, err
 		}
@@ -563,6 +572,7 @@ func (r *Relay) fastCycle(ctx context.Context, done []*claimed, n int, jobs chan
 			}
 		}
 		if err != nil {
+			release()
 			recordAlone(p.inTx)
 			return false, len(p.running), err
 		}
