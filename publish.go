@@ -147,7 +147,8 @@ type EventRecord struct {
 	Status EventStatus
 	// AttemptCount is the number of attempts made, every claim by a relay
 	// counting one (an attempt cut by a relay's crash is counted here and
-	// has no entry in Attempts).
+	// has no entry in Attempts, unless the relay held the event by a row
+	// lock only, a fast batch: then it is neither counted nor logged).
 	AttemptCount int
 	// Attempts is the attempt log, in order.
 	Attempts []EventAttempt

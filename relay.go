@@ -97,6 +97,13 @@ const (
 	pruneBatch = 1000
 	// stopGrace bounds the recording of the attempts that Run's end cut.
 	stopGrace = 5 * time.Second
+	// fastBound is how long a fast batch holds its transaction (and its
+	// events' row locks) for its sends; the sends still running then get
+	// a lease. See Run.
+	fastBound = 100 * time.Millisecond
+	// slowPause is how long a relay claims with leases only after a fast
+	// batch's send outlived fastBound.
+	slowPause = 30 * time.Second
 )
 
 // Relay sends the events that Publish wrote, from the outbox to their
@@ -107,7 +114,10 @@ const (
 // by the token, so a relay that stalled past its lease cannot overwrite a
 // newer claim's outcome. The records of the attempts that finished go with
 // the next claim, in one pipeline of statements (one round trip and one
-// commit on a pool).
+// commit on a pool). With fast senders, on a *pgxpool.Pool of PostgreSQL,
+// a batch is claimed by row locks only, sent, and recorded in one
+// transaction (see fastCycle): the sends still running after fastBound
+// get a lease there, and go on as above.
 //
 // Delivery is at least once: when a relay dies between a send and its
 // record (or the database cannot record it), the event is sent again after
@@ -120,6 +130,8 @@ type Relay struct {
 	log     *slog.Logger
 	running atomic.Bool
 	citus   atomic.Int32 // 0: not known yet; 1: PostgreSQL; 2: Citus
+	// fastBound is fastBound, but for tests.
+	fastBound time.Duration
 }
 
 // NewRelay returns a relay that sends the outbox of db's database with
@@ -132,7 +144,7 @@ func NewRelay(db Beginner, opts RelayOptions) (*Relay, error) {
 	if err := opts.fill(); err != nil {
 		return nil, core.Errorf("idem: new relay: %w: %s", ErrInvalidConfig, err.Error())
 	}
-	r := &Relay{db: db, opts: opts, log: opts.Logger}
+	r := &Relay{db: db, opts: opts, log: opts.Logger, fastBound: fastBound}
 	if p, ok := db.(*pgxpool.Pool); ok && !opts.PollOnly {
 		r.pool = p
 	}
@@ -209,6 +221,30 @@ type claimed struct {
 	err        error
 	sent       bool // the Sender was called
 	stoppedRun bool // Run's end cut the attempt
+	// fast: claimed by a row lock only (EventLock), in the transaction of
+	// batch, which records the attempt; no lease written, the attempt not
+	// counted yet. Cleared when the send outlived fastBound and its lease
+	// was written.
+	fast     bool
+	batch    *fastBatch
+	state    atomic.Int32 // queued, sending or dropped
+	lostLock bool         // batch's transaction failed while the send ran: the send was cut
+}
+
+// The states of a claimed event with the workers.
+const (
+	queued  int32 = iota // in jobs
+	sending              // a worker took it
+	dropped              // a fast batch gave it up before any worker took it
+)
+
+// fastBatch is the events a fast batch locked: ctx ends when the batch's
+// transaction fails (cutting the sends still running) or when every send
+// ended.
+type fastBatch struct {
+	ctx    context.Context
+	cancel context.CancelFunc
+	left   atomic.Int32 // sends not yet ended (or dropped)
 }
 
 // Run sends events until ctx ends, then returns ctx's error once the
@@ -249,9 +285,14 @@ func (r *Relay) Run(ctx context.Context) error {
 	for range r.opts.Workers {
 		workers.Go(func() {
 			for c := range jobs {
-				r.send(ctx, c)
-				results <- c
-				signal()
+				if c.state.CompareAndSwap(queued, sending) {
+					r.send(ctx, c)
+					results <- c
+					signal()
+				}
+				if c.batch != nil && c.batch.left.Add(-1) == 0 {
+					c.batch.cancel()
+				}
 			}
 		})
 	}
@@ -264,6 +305,7 @@ func (r *Relay) Run(ctx context.Context) error {
 	defer poll.Stop()
 	var done []*claimed
 	var oldest time.Time
+	var slowUntil time.Time // claim with leases only until then
 	for ctx.Err() == nil {
 		before := len(done)
 		done = drain(results, done)
@@ -276,7 +318,20 @@ func (r *Relay) Run(ctx context.Context) error {
 			n = r.opts.BatchSize
 		}
 		wait := r.opts.PollInterval
-		if n > 0 || len(done) > 0 && time.Since(oldest) >= recordDelay {
+		if n > 0 && unsent == 0 && r.fastPath(ctx) && time.Now().After(slowUntil) {
+			full, out, err := r.fastCycle(ctx, done, n, jobs, results)
+			if err != nil && ctx.Err() == nil {
+				r.log.Warn("idem: relay: claim failed", "err", err)
+			}
+			done = done[:0]
+			unsent += out
+			if out > 0 {
+				slowUntil = time.Now().Add(slowPause)
+			}
+			if full && err == nil {
+				continue // more may be due
+			}
+		} else if n > 0 || len(done) > 0 && time.Since(oldest) >= recordDelay {
 			batch, err := r.cycle(ctx, done, n)
 			if err != nil && ctx.Err() == nil {
 				r.log.Warn("idem: relay: claim failed", "err", err)
@@ -411,6 +466,332 @@ func (r *Relay) cycle(ctx context.Context, done []*claimed, n int) ([]*claimed, 
 	return out, nil
 }
 
+// fastPath reports whether the relay may claim with row locks only (see
+// fastCycle): on a *pgxpool.Pool of PostgreSQL (Citus refuses FOR UPDATE
+// over a distributed table).
+func (r *Relay) fastPath(ctx context.Context) bool {
+	if _, ok := r.db.(*pgxpool.Pool); !ok {
+		return false
+	}
+	citus, err := r.onCitus(ctx)
+	return err == nil && !citus
+}
+
+// fastCycle is the path for fast senders, while every send ends within
+// fastBound. On a connection of its own, one transaction per batch: it
+// records the attempts of done and locks up to n due events (EventLock: no
+// write; other relays skip them), hands them to the workers, and once
+// every send ended records their attempts (one write per event) and
+// commits. While each batch is full and its sends end in time, the commit
+// of a batch and the lock of the next go in one pipeline (one round trip a
+// batch). When fastBound passes with sends still running, it gives them a
+// lease (EventLeaseLocked) and commits: they go on under the lease, and
+// an event no worker took yet is left unwritten, due again at once. It
+// returns whether the last lock took n events (more may be due) and how
+// many sends are still out with the workers (their results come back on
+// results, to be recorded as the lease path records them).
+//
+// When a transaction fails (its connection broke: the locks are gone), the
+// sends still running are cut (their ctx ends) and awaited, and the
+// attempts are recorded on their own, each written only while its event
+// still carries the token the lock read.
+func (r *Relay) fastCycle(ctx context.Context, done []*claimed, n int, jobs chan<- *claimed, results <-chan *claimed) (bool, int, error) {
+	// The locks end with ctx; the records land whatever ctx does.
+	lctx, lcancel := context.WithCancel(ctx)
+	defer lcancel()
+	recordAlone := func(recs []*claimed) {
+		if len(recs) == 0 {
+			return
+		}
+		if _, err := r.cycle(ctx, recs, 0); err != nil {
+			r.log.Warn("idem: relay: recording attempts failed; the events are sent again",
+				"events", len(recs), "err", err)
+		}
+	}
+	conn, err := r.db.(*pgxpool.Pool).Acquire(lctx)
+	if err != nil {
+		recordAlone(done)
+		return false, 0, err
+	}
+	open := false // a transaction is open on conn
+	released := false
+	// release gives conn back (before a record on its own, which takes
+	// another connection of the pool).
+	release := func() {
+		if released {
+			return
+		}
+		released = true
+		if open {
+			// A failed statement leaves the transaction open (aborted):
+			// roll it back, or the pool drops a broken connection.
+			rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+			_ = conn.Conn().PgConn().Exec(rctx, "ROLLBACK").Close()
+			cancel()
+		}
+		conn.Release()
+	}
+	defer release()
+
+	var p fastPipeline
+	p.begin(r, done, n)
+	var fb *fastBatch // the batch whose transaction is open
+	for {
+		start := time.Now()
+		pctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), max(stopGrace, r.opts.AttemptTimeout))
+		stop := func() bool { return false }
+		if p.lock {
+			// The records land whatever ctx does, the lock ends with it.
+			stop = context.AfterFunc(lctx, cancel)
+		}
+		open = true
+		err := p.run(pctx, conn)
+		stop()
+		cancel()
+		if !p.committed {
+			// The previous batch's transaction is gone, its locks, records
+			// and leases with it: cut the sends still running, wait for
+			// them (before any new claim, which would number its attempt
+			// as theirs), and record them all on their own.
+			if fb != nil {
+				fb.cancel()
+			}
+			recs := append(append([]*claimed(nil), p.landing...), p.inTx...)
+			for range p.running {
+				recs = append(recs, <-results)
+			}
+			release()
+			recordAlone(recs)
+			return false, 0, err
+		}
+		if fb != nil {
+			for _, c := range p.running {
+				if l, found := p.leased[[2]string{c.ev.Destination, c.ev.ID}]; found {
+					c.claim, c.version, c.fast = l.Claim, l.RowVersion, false
+				}
+			}
+		}
+		if err != nil {
+			release()
+			recordAlone(p.inTx)
+			return false, len(p.running), err
+		}
+		if !p.lock {
+			open = false
+			return p.full, len(p.running), nil
+		}
+		rows := p.rows
+		if len(rows) == 0 {
+			p.end(r, nil, nil)
+			continue
+		}
+
+		fb = &fastBatch{}
+		fb.ctx, fb.cancel = context.WithCancel(ctx)
+		fb.left.Store(int32(len(rows)))
+		batch := make([]*claimed, 0, len(rows))
+		for _, row := range rows {
+			header, err := outbox.DecodeHeader(row.Header)
+			c := &claimed{
+				ev:      Event{ID: row.ID, Topic: row.Topic, Destination: row.Destination, Payload: row.Payload, Header: header},
+				attempt: int(row.Attempts), position: int(row.Attempts - row.RetryFrom), claim: row.Claim,
+				version: row.RowVersion, fast: true, batch: fb,
+				// The lease written for a send that outlives fastBound
+				// ends later than this.
+				leaseEnd: start.Add(r.opts.Lease),
+			}
+			if err != nil {
+				c.err = Permanent(fmt.Errorf("stored header: %w", err))
+			}
+			batch = append(batch, c)
+			jobs <- c
+		}
+
+		// Wait for the sends, up to fastBound.
+		var recs []*claimed
+		back := 0
+		bound := time.NewTimer(r.fastBound)
+	wait:
+		for back < len(batch) {
+			select {
+			case c := <-results:
+				recs = append(recs, c)
+				if c.batch == fb {
+					back++
+				}
+			case <-bound.C:
+				break wait
+			}
+		}
+		bound.Stop()
+		var running []*claimed
+		if back < len(batch) {
+			got := make(map[*claimed]bool, len(recs))
+			for _, c := range recs {
+				got[c] = true
+			}
+			for _, c := range batch {
+				if !got[c] && !c.state.CompareAndSwap(queued, dropped) {
+					running = append(running, c)
+				}
+			}
+		}
+		if len(running) > 0 || len(rows) < n || back < len(batch) || ctx.Err() != nil {
+			p.end(r, recs, running)
+			p.full = len(rows) == n
+			continue
+		}
+		p.chain(r, recs, n)
+	}
+}
+
+// fastPipeline is one round trip of fastCycle: the end of the open
+// transaction (the records of its batch, the leases of its sends still
+// running, COMMIT), then, when lock is set, the next transaction's start
+// (BEGIN, records, EventLock).
+type fastPipeline struct {
+	b             pgx.Batch
+	steps         []int      // what each statement of b is
+	landing, inTx []*claimed // the attempts recorded before COMMIT, after BEGIN
+	running       []*claimed // the sends given a lease before COMMIT
+	lock          bool       // ends with EventLock
+	full          bool       // the last lock took n events
+	committed     bool       // after run: the COMMIT landed (true when there was none)
+	rows          []db.EventLockRow
+	leased        map[[2]string]db.EventLeaseLockedRow
+}
+
+// Steps of a fastPipeline.
+const (
+	stepExec = iota
+	stepCommit
+	stepLease
+	stepLock
+)
+
+func (p *fastPipeline) reset() {
+	*p = fastPipeline{committed: true}
+}
+
+func (p *fastPipeline) queue(step int, sql string, args ...any) {
+	p.b.Queue(sql, args...)
+	p.steps = append(p.steps, step)
+}
+
+// records queues the records of recs; queueRecords fails only when the
+// attempts cannot be encoded, which they always can.
+func (p *fastPipeline) records(r *Relay, recs []*claimed) {
+	before := p.b.Len()
+	_ = r.queueRecords(&p.b, recs, false)
+	for range p.b.Len() - before {
+		p.steps = append(p.steps, stepExec)
+	}
+}
+
+// begin is the first pipeline: BEGIN, the records of done, EventLock.
+func (p *fastPipeline) begin(r *Relay, done []*claimed, n int) {
+	p.reset()
+	p.queue(stepExec, "BEGIN")
+	p.records(r, done)
+	p.inTx = done
+	p.queue(stepLock, db.EventLock, int32(n))
+	p.lock = true
+}
+
+// end ends the open transaction: the records of recs, the leases of
+// running, COMMIT.
+func (p *fastPipeline) end(r *Relay, recs, running []*claimed) {
+	p.reset()
+	p.records(r, recs)
+	p.landing, p.running = recs, running
+	if len(running) > 0 {
+		versions := make([]string, len(running))
+		for i, c := range running {
+			versions[i] = c.version
+		}
+		p.queue(stepLease, db.EventLeaseLocked, r.opts.Lease.Microseconds(), versions)
+	}
+	p.queue(stepCommit, "COMMIT")
+}
+
+// chain ends the open transaction with the records of recs and starts the
+// next one, with EventLock.
+func (p *fastPipeline) chain(r *Relay, recs []*claimed, n int) {
+	p.end(r, recs, nil)
+	p.queue(stepExec, "BEGIN")
+	p.queue(stepLock, db.EventLock, int32(n))
+	p.lock = true
+}
+
+// run sends the pipeline on conn and reads its results.
+func (p *fastPipeline) run(ctx context.Context, conn *pgxpool.Conn) error {
+	for _, s := range p.steps {
+		if s == stepCommit {
+			p.committed = false
+		}
+	}
+	p.leased = map[[2]string]db.EventLeaseLockedRow{}
+	return readBatch(conn.SendBatch(ctx, &p.b), func(br pgx.BatchResults) error {
+		for _, s := range p.steps {
+			switch s {
+			case stepExec:
+				if _, err := br.Exec(); err != nil {
+					return err
+				}
+			case stepCommit:
+				tag, err := br.Exec()
+				if err != nil {
+					return err
+				}
+				if tag.String() != "COMMIT" {
+					return fmt.Errorf("the fast batch's transaction ended with %s", tag.String())
+				}
+				p.committed = true
+			case stepLease:
+				qr, err := br.Query()
+				if err != nil {
+					return err
+				}
+				for qr.Next() {
+					var l db.EventLeaseLockedRow
+					if err := qr.Scan(&l.Destination, &l.ID, &l.Claim, &l.RowVersion); err != nil {
+						qr.Close()
+						return err
+					}
+					p.leased[[2]string{l.Destination, l.ID}] = l
+				}
+				qr.Close()
+				if err := qr.Err(); err != nil {
+					return err
+				}
+			case stepLock:
+				qr, err := br.Query()
+				if err != nil {
+					return err
+				}
+				p.rows, err = pgx.CollectRows(qr, func(row pgx.CollectableRow) (db.EventLockRow, error) {
+					var c db.EventLockRow
+					err := row.Scan(&c.Destination, &c.ID, &c.Topic, &c.Payload, &c.Header, &c.Attempts, &c.RetryFrom, &c.Claim, &c.RowVersion)
+					return c, err
+				})
+				if err != nil {
+					return err
+				}
+			}
+		}
+		return nil
+	})
+}
+
+// readBatch reads br's results with read, then closes it.
+func readBatch(br pgx.BatchResults, read func(pgx.BatchResults) error) error {
+	err := read(br)
+	if cerr := br.Close(); err == nil {
+		err = cerr
+	}
+	return err
+}
+
 // pipeline sends b on the relay's db and reads its results with read: on a
 // *pgxpool.Pool or a *pgx.Conn in one round trip, as one implicit
 // transaction; on another Beginner in a transaction begun on it.
@@ -449,13 +830,21 @@ func (r *Relay) send(ctx context.Context, c *claimed) {
 	if time.Until(deadline) < r.opts.AttemptTimeout/10 {
 		return // left to the next claim
 	}
-	sctx, cancel := context.WithDeadline(ctx, deadline)
+	parent := ctx
+	if c.batch != nil {
+		parent = c.batch.ctx // ends with ctx, or when the batch's transaction failed
+	}
+	sctx, cancel := context.WithDeadline(parent, deadline)
 	defer cancel()
 	c.sent, c.started = true, time.Now()
 	c.err = r.opts.Sender.Send(sctx, Delivery{Event: c.ev, Attempt: c.attempt})
 	c.duration = time.Since(c.started)
-	if c.err != nil && ctx.Err() != nil {
+	switch {
+	case c.err == nil:
+	case ctx.Err() != nil:
 		c.stoppedRun = true
+	case c.batch != nil && c.batch.ctx.Err() != nil:
+		c.lostLock = true
 	}
 }
 
@@ -464,10 +853,14 @@ func (r *Relay) send(ctx context.Context, c *claimed) {
 // attempted (given back, due at once).
 func (r *Relay) queueRecords(b *pgx.Batch, done []*claimed, citus bool) error {
 	var attempts []recordedAttempt
+	var del db.EventRecordDeliveriesParams // the deliveries, as arrays
 	for _, c := range done {
 		if !c.sent && c.err == nil {
-			// Not attempted: due again at once, for any relay.
-			b.Queue(db.EventRelease, c.ev.Destination, c.ev.ID, c.claim)
+			// Not attempted: due again at once, for any relay (a lock
+			// alone is released with its transaction).
+			if !c.fast {
+				b.Queue(db.EventRelease, c.ev.Destination, c.ev.ID, c.claim)
+			}
 			continue
 		}
 		status, delay := r.outcome(c)
@@ -479,8 +872,11 @@ func (r *Relay) queueRecords(b *pgx.Batch, done []*claimed, citus bool) error {
 		}
 		if c.err != nil {
 			msg := errorText(c.err)
-			if c.stoppedRun {
+			switch {
+			case c.stoppedRun:
 				msg = "relay stopped: " + msg
+			case c.lostLock:
+				msg = "relay lost its claim: " + msg
 			}
 			a.Error = &msg
 		}
@@ -488,6 +884,14 @@ func (r *Relay) queueRecords(b *pgx.Batch, done []*claimed, citus bool) error {
 			a.TTLMicros = r.opts.FailedTTL.Microseconds()
 			r.log.Warn("idem: relay: event failed", "id", c.ev.ID, "destination", c.ev.Destination,
 				"attempt", c.attempt, "err", c.err)
+		}
+		if !citus && status == EventDelivered {
+			del.Destinations, del.Ids = append(del.Destinations, a.Destination), append(del.Ids, a.ID)
+			del.Claims, del.RowVersions = append(del.Claims, a.Claim), append(del.RowVersions, a.RowVersion)
+			del.Attempts = append(del.Attempts, int32(a.Attempt))
+			del.StartedAt = append(del.StartedAt, pgtype.Timestamptz{Time: a.StartedAt, Valid: true})
+			del.DurationMicros = append(del.DurationMicros, a.DurationMicros)
+			continue
 		}
 		if citus {
 			// One statement per attempt, each routed to its worker.
@@ -508,6 +912,10 @@ func (r *Relay) queueRecords(b *pgx.Batch, done []*claimed, citus bool) error {
 			return err
 		}
 		b.Queue(db.EventRecord, string(js))
+	}
+	if len(del.Ids) > 0 {
+		b.Queue(db.EventRecordDeliveries, del.Destinations, del.Ids, del.Claims, del.RowVersions, del.Attempts, del.StartedAt,
+			del.DurationMicros, r.opts.TTL.Microseconds())
 	}
 	return nil
 }
@@ -534,7 +942,7 @@ func (r *Relay) outcome(c *claimed) (EventStatus, time.Duration) {
 	switch {
 	case c.err == nil:
 		return EventDelivered, 0
-	case c.stoppedRun:
+	case c.stoppedRun || c.lostLock:
 		return EventPending, 0
 	case IsPermanent(c.err) || c.position >= len(r.opts.Schedule):
 		return EventFailed, 0

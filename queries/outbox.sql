@@ -49,6 +49,34 @@ WHERE e.ctid = ANY (ARRAY(
 RETURNING e.destination, e.id, e.topic, e.payload, coalesce(e.header::text, '')::text AS header, e.attempts, e.retry_from, e.claim,
           e.ctid::text AS row_version;
 
+-- The fast path's claim (Relay: senders that answer within fastBound):
+-- locks up to @max_rows due pending events, earliest first, in the relay's
+-- transaction, without writing them; the same transaction records their
+-- attempts (EventRecord) or, for the sends still running after the bound,
+-- writes their leases (EventLeaseLocked), then commits. Returns the next
+-- attempt's number. Other relays skip the locked events (SKIP LOCKED) as
+-- they skip leased ones.
+-- name: EventLock :many
+SELECT destination, id, topic, payload, coalesce(header::text, '')::text AS header, attempts + 1 AS attempts, retry_from, claim,
+       ctid::text AS row_version
+FROM idem_events
+WHERE status = 'pending' AND next_attempt_at <= now() AND (lease_until IS NULL OR lease_until <= now())
+ORDER BY next_attempt_at
+LIMIT sqlc.arg(max_rows)::integer
+FOR UPDATE SKIP LOCKED;
+
+-- Gives the events that EventLock locked, and whose sends still run, a
+-- lease, as EventClaim would have (one more attempt, a new token), in the
+-- transaction that locked them: when it commits, the sends go on under the
+-- lease. Found by the row versions EventLock returned (a TID scan).
+-- name: EventLeaseLocked :many
+UPDATE idem_events
+SET attempts = attempts + 1,
+    claim = claim + 1,
+    lease_until = now() + sqlc.arg(lease_micros)::bigint * interval '1 microsecond'
+WHERE ctid = ANY (sqlc.arg(row_versions)::text[]::tid[]) AND status = 'pending'
+RETURNING destination, id, claim, ctid::text AS row_version;
+
 -- Records a batch of attempts and their events' new states, given as a
 -- JSON array of objects (one per attempt: destination, id, claim, attempt,
 -- started_at, duration_micros, error, permanent, and the new state: status
@@ -59,7 +87,9 @@ RETURNING e.destination, e.id, e.topic, e.payload, coalesce(e.header::text, ''):
 -- that is written goes into the event's row (delivered_attempt, ...); every
 -- other attempt gets a row in idem_event_attempts
 -- (the same attempt twice is kept once). Returns how many states were
--- written. Each event is found by the row version its claim returned (a
+-- written. A written state counts the attempt (attempts: a claim by
+-- EventLock counts none) and moves the token on, so that no other record
+-- of the same claim lands after it. Each event is found by the row version its claim returned (a
 -- TID scan, never a scan of the table): a row that changed since (a newer
 -- claim) is not found, which is as if its token had changed. Which
 -- deliveries were not written is read from the UPDATE's own RETURNING,
@@ -80,6 +110,8 @@ WITH r AS (
 ), written AS (
     UPDATE idem_events AS e
     SET status = r.status,
+        attempts = greatest(e.attempts, r.attempt),
+        claim = e.claim + 1,
         next_attempt_at = CASE WHEN r.status = 'pending'
                                THEN now() + r.delay_micros * interval '1 microsecond'
                                ELSE e.next_attempt_at END,
@@ -101,6 +133,48 @@ WITH r AS (
     FROM r
     WHERE r.error IS NOT NULL
        OR NOT EXISTS (SELECT 1 FROM written w WHERE w.destination = r.destination AND w.id = r.id)
+    ON CONFLICT DO NOTHING
+)
+SELECT count(*)::bigint AS written FROM written;
+
+-- EventRecord for deliveries alone (no error: each event delivered), the
+-- common case, as arrays rather than JSON (measured: a tenth of the cost of
+-- a batch less than EventRecord's JSON). Same rules as EventRecord: each
+-- event found by its claim's row version, written only while it carries
+-- the claim's token and is pending, the attempt counted and the token moved
+-- on; a delivery not written gets a row in idem_event_attempts. The row
+-- versions go through ARRAY(SELECT ...), which the planner cannot weigh:
+-- with them as a plain array it scans a small table rather than look up a
+-- hundred row versions.
+-- name: EventRecordDeliveries :one
+WITH d AS (
+    -- Set-returning functions side by side in a select list run in step.
+    SELECT unnest(sqlc.arg(destinations)::text[]) AS destination, unnest(sqlc.arg(ids)::text[]) AS id,
+           unnest(sqlc.arg(claims)::bigint[]) AS claim, unnest(sqlc.arg(row_versions)::text[]::tid[]) AS row_version,
+           unnest(sqlc.arg(attempts)::integer[]) AS attempt, unnest(sqlc.arg(started_at)::timestamptz[]) AS started_at,
+           unnest(sqlc.arg(duration_micros)::bigint[]) AS duration_micros
+), written AS (
+    UPDATE idem_events AS e
+    SET status = 'delivered',
+        attempts = greatest(e.attempts, d.attempt),
+        claim = e.claim + 1,
+        lease_until = NULL,
+        delivered_at = now(),
+        failed_at = NULL,
+        delivered_attempt = d.attempt,
+        delivery_started_at = d.started_at,
+        delivery_micros = d.duration_micros,
+        last_error = NULL,
+        expires_at = now() + sqlc.arg(ttl_micros)::bigint * interval '1 microsecond'
+    FROM d
+    WHERE e.ctid = ANY (ARRAY(SELECT row_version FROM d)) AND e.ctid = d.row_version
+      AND e.destination = d.destination AND e.id = d.id AND e.claim = d.claim AND e.status = 'pending'
+    RETURNING e.destination, e.id
+), logged AS (
+    INSERT INTO idem_event_attempts (destination, event_id, attempt, started_at, duration_micros, error, permanent, claim)
+    SELECT d.destination, d.id, d.attempt, d.started_at, d.duration_micros, NULL, false, d.claim
+    FROM d
+    WHERE NOT EXISTS (SELECT 1 FROM written w WHERE w.destination = d.destination AND w.id = d.id)
     ON CONFLICT DO NOTHING
 )
 SELECT count(*)::bigint AS written FROM written;

@@ -9,6 +9,8 @@ import (
 	"context"
 	"database/sql"
 	"time"
+
+	"github.com/lib/pq"
 )
 
 const EventAttempts = `-- name: EventAttempts :many
@@ -187,6 +189,121 @@ func (q *Queries) EventClaimCitus(ctx context.Context, db DBTX, arg EventClaimCi
 	var items []EventClaimCitusRow
 	for rows.Next() {
 		var i EventClaimCitusRow
+		if err := rows.Scan(
+			&i.Destination,
+			&i.ID,
+			&i.Topic,
+			&i.Payload,
+			&i.Header,
+			&i.Attempts,
+			&i.RetryFrom,
+			&i.Claim,
+			&i.RowVersion,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Close(); err != nil {
+		return nil, err
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const EventLeaseLocked = `-- name: EventLeaseLocked :many
+UPDATE idem_events
+SET attempts = attempts + 1,
+    claim = claim + 1,
+    lease_until = now() + $1::bigint * interval '1 microsecond'
+WHERE ctid = ANY ($2::text[]::tid[]) AND status = 'pending'
+RETURNING destination, id, claim, ctid::text AS row_version
+`
+
+type EventLeaseLockedParams struct {
+	LeaseMicros int64
+	RowVersions []string
+}
+
+type EventLeaseLockedRow struct {
+	Destination string
+	ID          string
+	Claim       int64
+	RowVersion  string
+}
+
+// Gives the events that EventLock locked, and whose sends still run, a
+// lease, as EventClaim would have (one more attempt, a new token), in the
+// transaction that locked them: when it commits, the sends go on under the
+// lease. Found by the row versions EventLock returned (a TID scan).
+func (q *Queries) EventLeaseLocked(ctx context.Context, db DBTX, arg EventLeaseLockedParams) ([]EventLeaseLockedRow, error) {
+	rows, err := db.QueryContext(ctx, EventLeaseLocked, arg.LeaseMicros, pq.Array(arg.RowVersions))
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []EventLeaseLockedRow
+	for rows.Next() {
+		var i EventLeaseLockedRow
+		if err := rows.Scan(
+			&i.Destination,
+			&i.ID,
+			&i.Claim,
+			&i.RowVersion,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Close(); err != nil {
+		return nil, err
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
+const EventLock = `-- name: EventLock :many
+SELECT destination, id, topic, payload, coalesce(header::text, '')::text AS header, attempts + 1 AS attempts, retry_from, claim,
+       ctid::text AS row_version
+FROM idem_events
+WHERE status = 'pending' AND next_attempt_at <= now() AND (lease_until IS NULL OR lease_until <= now())
+ORDER BY next_attempt_at
+LIMIT $1::integer
+FOR UPDATE SKIP LOCKED
+`
+
+type EventLockRow struct {
+	Destination string
+	ID          string
+	Topic       string
+	Payload     []byte
+	Header      string
+	Attempts    int32
+	RetryFrom   int32
+	Claim       int64
+	RowVersion  string
+}
+
+// The fast path's claim (Relay: senders that answer within fastBound):
+// locks up to @max_rows due pending events, earliest first, in the relay's
+// transaction, without writing them; the same transaction records their
+// attempts (EventRecord) or, for the sends still running after the bound,
+// writes their leases (EventLeaseLocked), then commits. Returns the next
+// attempt's number. Other relays skip the locked events (SKIP LOCKED) as
+// they skip leased ones.
+func (q *Queries) EventLock(ctx context.Context, db DBTX, maxRows int32) ([]EventLockRow, error) {
+	rows, err := db.QueryContext(ctx, EventLock, maxRows)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []EventLockRow
+	for rows.Next() {
+		var i EventLockRow
 		if err := rows.Scan(
 			&i.Destination,
 			&i.ID,
@@ -400,6 +517,8 @@ WITH r AS (
 ), written AS (
     UPDATE idem_events AS e
     SET status = r.status,
+        attempts = greatest(e.attempts, r.attempt),
+        claim = e.claim + 1,
         next_attempt_at = CASE WHEN r.status = 'pending'
                                THEN now() + r.delay_micros * interval '1 microsecond'
                                ELSE e.next_attempt_at END,
@@ -436,7 +555,9 @@ SELECT count(*)::bigint AS written FROM written
 // that is written goes into the event's row (delivered_attempt, ...); every
 // other attempt gets a row in idem_event_attempts
 // (the same attempt twice is kept once). Returns how many states were
-// written. Each event is found by the row version its claim returned (a
+// written. A written state counts the attempt (attempts: a claim by
+// EventLock counts none) and moves the token on, so that no other record
+// of the same claim lands after it. Each event is found by the row version its claim returned (a
 // TID scan, never a scan of the table): a row that changed since (a newer
 // claim) is not found, which is as if its token had changed. Which
 // deliveries were not written is read from the UPDATE's own RETURNING,
@@ -446,6 +567,76 @@ SELECT count(*)::bigint AS written FROM written
 // a delivered event's TTL could log one for a pruned event).
 func (q *Queries) EventRecord(ctx context.Context, db DBTX, attempts string) (int64, error) {
 	row := db.QueryRowContext(ctx, EventRecord, attempts)
+	var written int64
+	err := row.Scan(&written)
+	return written, err
+}
+
+const EventRecordDeliveries = `-- name: EventRecordDeliveries :one
+WITH d AS (
+    -- Set-returning functions side by side in a select list run in step.
+    SELECT unnest($1::text[]) AS destination, unnest($2::text[]) AS id,
+           unnest($3::bigint[]) AS claim, unnest($4::text[]::tid[]) AS row_version,
+           unnest($5::integer[]) AS attempt, unnest($6::timestamptz[]) AS started_at,
+           unnest($7::bigint[]) AS duration_micros
+), written AS (
+    UPDATE idem_events AS e
+    SET status = 'delivered',
+        attempts = greatest(e.attempts, d.attempt),
+        claim = e.claim + 1,
+        lease_until = NULL,
+        delivered_at = now(),
+        failed_at = NULL,
+        delivered_attempt = d.attempt,
+        delivery_started_at = d.started_at,
+        delivery_micros = d.duration_micros,
+        last_error = NULL,
+        expires_at = now() + $8::bigint * interval '1 microsecond'
+    FROM d
+    WHERE e.ctid = ANY (ARRAY(SELECT row_version FROM d)) AND e.ctid = d.row_version
+      AND e.destination = d.destination AND e.id = d.id AND e.claim = d.claim AND e.status = 'pending'
+    RETURNING e.destination, e.id
+), logged AS (
+    INSERT INTO idem_event_attempts (destination, event_id, attempt, started_at, duration_micros, error, permanent, claim)
+    SELECT d.destination, d.id, d.attempt, d.started_at, d.duration_micros, NULL, false, d.claim
+    FROM d
+    WHERE NOT EXISTS (SELECT 1 FROM written w WHERE w.destination = d.destination AND w.id = d.id)
+    ON CONFLICT DO NOTHING
+)
+SELECT count(*)::bigint AS written FROM written
+`
+
+type EventRecordDeliveriesParams struct {
+	Destinations   []string
+	Ids            []string
+	Claims         []int64
+	RowVersions    []string
+	Attempts       []int32
+	StartedAt      []time.Time
+	DurationMicros []int64
+	TtlMicros      int64
+}
+
+// EventRecord for deliveries alone (no error: each event delivered), the
+// common case, as arrays rather than JSON (measured: a tenth of the cost of
+// a batch less than EventRecord's JSON). Same rules as EventRecord: each
+// event found by its claim's row version, written only while it carries
+// the claim's token and is pending, the attempt counted and the token moved
+// on; a delivery not written gets a row in idem_event_attempts. The row
+// versions go through ARRAY(SELECT ...), which the planner cannot weigh:
+// with them as a plain array it scans a small table rather than look up a
+// hundred row versions.
+func (q *Queries) EventRecordDeliveries(ctx context.Context, db DBTX, arg EventRecordDeliveriesParams) (int64, error) {
+	row := db.QueryRowContext(ctx, EventRecordDeliveries,
+		pq.Array(arg.Destinations),
+		pq.Array(arg.Ids),
+		pq.Array(arg.Claims),
+		pq.Array(arg.RowVersions),
+		pq.Array(arg.Attempts),
+		pq.Array(arg.StartedAt),
+		pq.Array(arg.DurationMicros),
+		arg.TtlMicros,
+	)
 	var written int64
 	err := row.Scan(&written)
 	return written, err
