@@ -113,9 +113,12 @@ func (c *clientInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc 
 			// Cut at AttemptTimeout: the attempt's own deadline passed, or
 			// the server, which got that deadline with the call
 			// (Connect-Timeout-Ms, grpc-timeout) and whose clock ran it out
-			// first, said so.
+			// first, said so. A cut ends the attempt with
+			// deadline_exceeded (or canceled); any other code is an answer
+			// even when the deadline has passed by the time it is read.
+			code := connect.CodeOf(err)
 			timedOut = err != nil && ctx.Err() == nil && c.policy.AttemptTimeout() > 0 &&
-				(attemptCtx.Err() != nil || connect.CodeOf(err) == connect.CodeDeadlineExceeded)
+				(code == connect.CodeDeadlineExceeded || code == connect.CodeCanceled && attemptCtx.Err() != nil)
 			return resp, err
 		}, func(_ connect.AnyResponse, err error) callretry.Verdict {
 			return judgeError(err, conn, timedOut)

@@ -283,3 +283,34 @@ func TestClientInterceptorAttemptTimeout(t *testing.T) {
 		t.Fatalf("keys %q, %d runs", keys, runs.Load())
 	}
 }
+
+// An answer that arrives as the attempt's AttemptTimeout passes is an
+// answer, not a cut: the interceptor returns it, once, rather than retry
+// it and end with an outcome it calls unknown. The client interceptor
+// inside the one under test holds the answer until the attempt's deadline
+// has passed, as a loaded machine may before the interceptor reads it.
+func TestClientInterceptorAnswerAtAttemptTimeout(t *testing.T) {
+	t.Parallel()
+	var runs, attempts atomic.Int64
+	refuse := connect.UnaryInterceptorFunc(func(connect.UnaryFunc) connect.UnaryFunc {
+		return func(context.Context, connect.AnyRequest) (connect.AnyResponse, error) {
+			attempts.Add(1)
+			return nil, connect.NewError(connect.CodeFailedPrecondition, errors.New("the key was used for another request"))
+		}
+	})
+	url := plainServer(t, rpctest.Insert(&runs), refuse)
+	late := connect.UnaryInterceptorFunc(func(next connect.UnaryFunc) connect.UnaryFunc {
+		return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
+			resp, err := next(ctx, req)
+			<-ctx.Done() // the attempt's deadline passes before the answer is read
+			return resp, err
+		}
+	})
+	p := quickPolicy
+	p.AttemptTimeout = 100 * time.Millisecond
+	a := call(t.Context(), url, http.DefaultClient, "alice", nil, rpctest.Request("x", 1),
+		connect.WithInterceptors(idemconnect.NewClientInterceptor(p), late))
+	if connect.CodeOf(a.Err) != connect.CodeFailedPrecondition || errors.Is(a.Err, idem.ErrOutcomeUnknown) || attempts.Load() != 1 {
+		t.Fatalf("%v after %d attempts", a.Err, attempts.Load())
+	}
+}

@@ -381,3 +381,42 @@ func TestClientInterceptorAttemptTimeout(t *testing.T) {
 		t.Fatal("the stalled attempt was never cut")
 	}
 }
+
+// An answer that arrives as the attempt's AttemptTimeout passes is an
+// answer, not a cut: the interceptor returns it, once, rather than retry
+// it and end with an outcome it calls unknown. The client interceptor
+// inside the one under test holds the answer until the attempt's deadline
+// has passed, as a loaded machine may before the interceptor reads it.
+func TestClientInterceptorAnswerAtAttemptTimeout(t *testing.T) {
+	t.Parallel()
+	var attempts atomic.Int64
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := grpc.NewServer(grpc.UnaryInterceptor(func(context.Context, any, *grpc.UnaryServerInfo, grpc.UnaryHandler) (any, error) {
+		attempts.Add(1)
+		return nil, status.Error(codes.FailedPrecondition, "the key was used for another request")
+	}))
+	var runs atomic.Int64
+	srv.RegisterService(serviceDesc(rpctest.Transfer, rpctest.Insert(&runs)), nil)
+	go func() { _ = srv.Serve(ln) }()
+	t.Cleanup(srv.Stop)
+	late := func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		err := invoker(ctx, method, req, reply, cc, opts...)
+		<-ctx.Done() // the attempt's deadline passes before the answer is read
+		return err
+	}
+	p := quickPolicy
+	p.AttemptTimeout = 100 * time.Millisecond
+	conn, err := grpc.NewClient(ln.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithChainUnaryInterceptor(idemgrpc.UnaryClientInterceptor(p), late))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	a := client{conn: conn, procedure: rpctest.Transfer}.Call(t.Context(), "alice", nil, rpctest.Request("x", 1))
+	if status.Code(a.Err) != codes.FailedPrecondition || errors.Is(a.Err, idem.ErrOutcomeUnknown) || attempts.Load() != 1 {
+		t.Fatalf("%v after %d attempts", a.Err, attempts.Load())
+	}
+}
