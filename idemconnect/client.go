@@ -113,9 +113,11 @@ func (c *clientInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc 
 			// Cut at AttemptTimeout: the attempt's own deadline passed, or
 			// the server, which got that deadline with the call
 			// (Connect-Timeout-Ms, grpc-timeout) and whose clock ran it out
-			// first, said so.
+			// first, said so. An error the server sent (connect.IsWireError)
+			// other than deadline_exceeded is an answer, even when the
+			// deadline has passed by the time it is read.
 			timedOut = err != nil && ctx.Err() == nil && c.policy.AttemptTimeout() > 0 &&
-				(attemptCtx.Err() != nil || connect.CodeOf(err) == connect.CodeDeadlineExceeded)
+				(connect.CodeOf(err) == connect.CodeDeadlineExceeded || attemptCtx.Err() != nil && !connect.IsWireError(err))
 			return resp, err
 		}, func(_ connect.AnyResponse, err error) callretry.Verdict {
 			return judgeError(err, conn, timedOut)

@@ -236,11 +236,33 @@ func TestClientInterceptorNothingSent(t *testing.T) {
 // longer than the attempt may take) is cut at RetryPolicy.AttemptTimeout,
 // well before the call's deadline, and retried with the same key: the
 // retry replays. One run.
+//
+// Nothing here races the scheduler: the first attempt commits whatever
+// its deadline (which the server gets with the call), so that a loaded
+// machine cannot turn it into a rolled-back call that the retry runs
+// afresh; the retry waits for that commit, so that it never finds the
+// call in progress; and AttemptTimeout is far above what one attempt
+// takes, so that only the stalled attempt is cut.
 func TestClientInterceptorAttemptTimeout(t *testing.T) {
 	t.Parallel()
 	pool := pgtest.Pool(t, rpctest.Migrate)
-	var runs atomic.Int64
-	url := plainServer(t, rpctest.Insert(&runs), idemconnect.NewInterceptor(pool, idemconnect.Options{Scope: scopeFromHeader}))
+	var runs, attempts atomic.Int64
+	committed := make(chan struct{})
+	first := connect.UnaryInterceptorFunc(func(next connect.UnaryFunc) connect.UnaryFunc {
+		return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
+			if attempts.Add(1) == 1 {
+				defer close(committed)
+				return next(context.WithoutCancel(ctx), req)
+			}
+			select {
+			case <-committed:
+			case <-ctx.Done():
+				return nil, connect.NewError(connect.CodeOf(ctx.Err()), ctx.Err())
+			}
+			return next(ctx, req)
+		}
+	})
+	url := plainServer(t, rpctest.Insert(&runs), first, idemconnect.NewInterceptor(pool, idemconnect.Options{Scope: scopeFromHeader}))
 	relay := httprelay.New(t, url, func(_ *http.Request, attempt int) httprelay.Action {
 		if attempt == 1 {
 			return httprelay.Action{Delay: time.Minute}
@@ -248,7 +270,7 @@ func TestClientInterceptorAttemptTimeout(t *testing.T) {
 		return httprelay.Action{}
 	})
 	p := quickPolicy
-	p.AttemptTimeout = 300 * time.Millisecond
+	p.AttemptTimeout = 2 * time.Second
 	ctx, cancel := context.WithTimeout(t.Context(), 30*time.Second)
 	defer cancel()
 	hc := &http.Client{Transport: &http.Transport{DisableKeepAlives: true}}
@@ -259,5 +281,36 @@ func TestClientInterceptorAttemptTimeout(t *testing.T) {
 	}
 	if len(keys) != 2 || keys[0] != keys[1] || keys[0] == "" || runs.Load() != 1 {
 		t.Fatalf("keys %q, %d runs", keys, runs.Load())
+	}
+}
+
+// An answer that arrives as the attempt's AttemptTimeout passes is an
+// answer, not a cut: the interceptor returns it, once, rather than retry
+// it and end with an outcome it calls unknown. The client interceptor
+// inside the one under test holds the answer until the attempt's deadline
+// has passed, as a loaded machine may before the interceptor reads it.
+func TestClientInterceptorAnswerAtAttemptTimeout(t *testing.T) {
+	t.Parallel()
+	var runs, attempts atomic.Int64
+	refuse := connect.UnaryInterceptorFunc(func(connect.UnaryFunc) connect.UnaryFunc {
+		return func(context.Context, connect.AnyRequest) (connect.AnyResponse, error) {
+			attempts.Add(1)
+			return nil, connect.NewError(connect.CodeFailedPrecondition, errors.New("the key was used for another request"))
+		}
+	})
+	url := plainServer(t, rpctest.Insert(&runs), refuse)
+	late := connect.UnaryInterceptorFunc(func(next connect.UnaryFunc) connect.UnaryFunc {
+		return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
+			resp, err := next(ctx, req)
+			<-ctx.Done() // the attempt's deadline passes before the answer is read
+			return resp, err
+		}
+	})
+	p := quickPolicy
+	p.AttemptTimeout = 100 * time.Millisecond
+	a := call(t.Context(), url, http.DefaultClient, "alice", nil, rpctest.Request("x", 1),
+		connect.WithInterceptors(idemconnect.NewClientInterceptor(p), late))
+	if connect.CodeOf(a.Err) != connect.CodeFailedPrecondition || errors.Is(a.Err, idem.ErrOutcomeUnknown) || attempts.Load() != 1 {
+		t.Fatalf("%v after %d attempts", a.Err, attempts.Load())
 	}
 }

@@ -98,9 +98,13 @@ func UnaryClientInterceptor(p idem.RetryPolicy) grpc.UnaryClientInterceptor {
 			err := invoker(actx, method, req, reply, cc, append(opts, grpc.Peer(&p))...)
 			// Cut at AttemptTimeout: the attempt's own deadline passed, or
 			// the server, which got that deadline with the call
-			// (grpc-timeout) and whose clock ran it out first, said so.
+			// (grpc-timeout) and whose clock ran it out first, said so. A
+			// cut ends the attempt with DEADLINE_EXCEEDED (or CANCELLED);
+			// any other status is an answer even when the deadline has
+			// passed by the time it is read.
+			code := status.Code(err)
 			timedOut = err != nil && ctx.Err() == nil && policy.AttemptTimeout() > 0 &&
-				(actx.Err() != nil || status.Code(err) == codes.DeadlineExceeded)
+				(code == codes.DeadlineExceeded || code == codes.Canceled && actx.Err() != nil)
 			return p.Addr != nil, err
 		}, func(sent bool, err error) callretry.Verdict {
 			return judgeStatus(sent, err, timedOut)

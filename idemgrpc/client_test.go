@@ -320,23 +320,44 @@ func TestClientInterceptorNothingSent(t *testing.T) {
 // A stalled attempt (the server ran the call, committed, and its reply
 // hangs) is cut at RetryPolicy.AttemptTimeout, well before the call's
 // deadline, and retried with the same key: the retry replays. One run.
+//
+// Nothing here races the scheduler: the first attempt commits whatever
+// its deadline (which the server gets with the call), so that a loaded
+// machine cannot turn it into a rolled-back call that the retry runs
+// afresh; the retry waits for that commit, so that it never finds the
+// call in progress; and AttemptTimeout is far above what one attempt
+// takes, so that only the stalled attempt is cut.
 func TestClientInterceptorAttemptTimeout(t *testing.T) {
 	t.Parallel()
 	pool := pgtest.Pool(t, rpctest.Migrate)
-	var runs, stalls atomic.Int64
+	var runs, attempts atomic.Int64
 	seen := &seenKeys{}
+	committed := make(chan struct{})
+	cut := make(chan error, 1)
 	p := quickPolicy
-	p.AttemptTimeout = 300 * time.Millisecond
+	p.AttemptTimeout = 2 * time.Second
 	conn := clientServer(t, p, rpctest.Insert(&runs), func(l *cutter) []grpc.UnaryServerInterceptor {
 		return []grpc.UnaryServerInterceptor{
 			seen.record(l, func(int) bool { return false }),
 			func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
-				resp, err := handler(ctx, req)
-				if stalls.Add(1) == 1 { // the first reply hangs until the client gives up on it
+				if attempts.Add(1) == 1 {
+					// The call runs to its commit; then its reply hangs
+					// until the client gives up on it.
+					_, err := handler(context.WithoutCancel(ctx), req)
+					close(committed)
+					if err != nil {
+						return nil, err
+					}
 					<-ctx.Done()
+					cut <- ctx.Err()
 					return nil, status.FromContextError(ctx.Err()).Err()
 				}
-				return resp, err
+				select {
+				case <-committed:
+				case <-ctx.Done():
+					return nil, status.FromContextError(ctx.Err()).Err()
+				}
+				return handler(ctx, req)
 			},
 			idemgrpc.UnaryServerInterceptor(pool, idemgrpc.Options{Scope: scopeFromMetadata}),
 		}
@@ -350,5 +371,52 @@ func TestClientInterceptorAttemptTimeout(t *testing.T) {
 	}
 	if len(keys) != 2 || keys[0] != keys[1] || keys[0] == "" || runs.Load() != 1 {
 		t.Fatalf("keys %q, %d runs", keys, runs.Load())
+	}
+	select {
+	case err := <-cut: // the client's cut (CANCELLED) or its deadline, sent with the call
+		if !errors.Is(err, context.Canceled) && !errors.Is(err, context.DeadlineExceeded) {
+			t.Fatalf("the stalled attempt ended with %v", err)
+		}
+	case <-ctx.Done():
+		t.Fatal("the stalled attempt was never cut")
+	}
+}
+
+// An answer that arrives as the attempt's AttemptTimeout passes is an
+// answer, not a cut: the interceptor returns it, once, rather than retry
+// it and end with an outcome it calls unknown. The client interceptor
+// inside the one under test holds the answer until the attempt's deadline
+// has passed, as a loaded machine may before the interceptor reads it.
+func TestClientInterceptorAnswerAtAttemptTimeout(t *testing.T) {
+	t.Parallel()
+	var attempts atomic.Int64
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := grpc.NewServer(grpc.UnaryInterceptor(func(context.Context, any, *grpc.UnaryServerInfo, grpc.UnaryHandler) (any, error) {
+		attempts.Add(1)
+		return nil, status.Error(codes.FailedPrecondition, "the key was used for another request")
+	}))
+	var runs atomic.Int64
+	srv.RegisterService(serviceDesc(rpctest.Transfer, rpctest.Insert(&runs)), nil)
+	go func() { _ = srv.Serve(ln) }()
+	t.Cleanup(srv.Stop)
+	late := func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		err := invoker(ctx, method, req, reply, cc, opts...)
+		<-ctx.Done() // the attempt's deadline passes before the answer is read
+		return err
+	}
+	p := quickPolicy
+	p.AttemptTimeout = 100 * time.Millisecond
+	conn, err := grpc.NewClient(ln.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithChainUnaryInterceptor(idemgrpc.UnaryClientInterceptor(p), late))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = conn.Close() })
+	a := client{conn: conn, procedure: rpctest.Transfer}.Call(t.Context(), "alice", nil, rpctest.Request("x", 1))
+	if status.Code(a.Err) != codes.FailedPrecondition || errors.Is(a.Err, idem.ErrOutcomeUnknown) || attempts.Load() != 1 {
+		t.Fatalf("%v after %d attempts", a.Err, attempts.Load())
 	}
 }

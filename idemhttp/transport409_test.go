@@ -89,13 +89,19 @@ func TestTransportConflictStripeBeforeAttempt(t *testing.T) {
 }
 
 // An attempt cut at AttemptTimeout after it was sent, as the last one, is
-// a CallError (ErrOutcomeUnknown), and NewClient keeps it.
+// a CallError (ErrOutcomeUnknown), and NewClient keeps it. Both attempts
+// reach the server, with the call's key; the test waits for the server to
+// get them rather than counting them when the call returns, since a loaded
+// machine may run the server's handler only after the client gave up on
+// it (the client rightly counts such an attempt as may-have-happened).
+// AttemptTimeout is far above the time it takes to send an attempt, so
+// that each is sent before it is cut.
 func TestTransportAttemptTimeout(t *testing.T) {
 	t.Parallel()
-	var n atomic.Int64
+	arrived := make(chan string, 3) // the key of each request the server got
 	release := make(chan struct{})
 	srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
-		n.Add(1)
+		arrived <- r.Header.Get(idemhttp.HeaderKey)
 		select {
 		case <-release:
 		case <-r.Context().Done():
@@ -104,12 +110,22 @@ func TestTransportAttemptTimeout(t *testing.T) {
 	defer srv.Close()
 	defer close(release)
 	client := idemhttp.NewClient(&idemhttp.Transport{Policy: idem.RetryPolicy{
-		MaxAttempts: 2, BaseDelay: time.Millisecond, AttemptTimeout: 50 * time.Millisecond,
-	}}, 10*time.Second)
+		MaxAttempts: 2, BaseDelay: time.Millisecond, AttemptTimeout: time.Second,
+	}}, time.Minute)
 	req, _ := http.NewRequestWithContext(t.Context(), http.MethodPost, srv.URL, strings.NewReader("x"))
 	_, err := client.Do(req)
 	var ce *idem.CallError
-	if !errors.As(err, &ce) || ce.Attempts != 2 || errors.Is(err, idem.ErrNotSent) || n.Load() != 2 {
-		t.Fatalf("%v after %d attempts", err, n.Load())
+	if !errors.As(err, &ce) || ce.Attempts != 2 || ce.Key == "" || errors.Is(err, idem.ErrNotSent) {
+		t.Fatalf("%v", err)
+	}
+	for i := range 2 {
+		select {
+		case key := <-arrived:
+			if key != ce.Key {
+				t.Fatalf("attempt %d's key %q, the call's %q", i+1, key, ce.Key)
+			}
+		case <-time.After(time.Minute):
+			t.Fatalf("the server got %d of the 2 attempts", i)
+		}
 	}
 }
