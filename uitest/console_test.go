@@ -35,6 +35,12 @@ func TestSettleAnUnknownOutcome(t *testing.T) {
 		t.Errorf("the overview draws %d bars, want 96", n)
 	}
 	screenshot(t, ctx, "overview")
+	step(t, ctx, "open the records of one status", chromedp.Navigate(c.url("/status?status=succeeded")), chromedp.WaitVisible(chromedp.CSS("main")))
+	if txt := text(t, ctx); !strings.Contains(txt, "Signed in as") {
+		t.Fatalf("the status list:\n%s", txt)
+	}
+	screenshot(t, ctx, "status")
+	step(t, ctx, "back to the overview", chromedp.Navigate(c.url("/")), chromedp.WaitVisible(chromedp.CSS(".cards")))
 
 	if _, err := chromedp.RunResponse(ctx, chromedp.Click(chromedp.CSS("a.card.alert"))); err != nil {
 		t.Fatalf("follow the card to the list: %v", err)

@@ -130,6 +130,7 @@ func TestLongNamesWrapOnEveryPage(t *testing.T) {
 		"/key?actor=" + long + "&operation=" + scope.Operation + "&key=" + keyName,
 		"/key?actor=" + long + "&operation=" + scope.Operation + "&key=short",
 		"/key?actor=" + long + "&operation=" + scope.Operation + "&key=done-" + strings.Repeat("d", 200),
+		"/status?status=succeeded", "/status?status=unknown", "/search?actor_prefix=" + long[:150],
 	}
 	for _, width := range []int64{1280, 375} {
 		step(t, ctx, "set the width", chromedp.EmulateViewport(width, 900))
