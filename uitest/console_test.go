@@ -39,7 +39,7 @@ func TestSettleAnUnknownOutcome(t *testing.T) {
 	if txt := text(t, ctx); !strings.Contains(txt, "Signed in as") {
 		t.Fatalf("the status list:\n%s", txt)
 	}
-	screenshot(t, ctx, "status")
+	screenshotTop(t, ctx, "status")
 	step(t, ctx, "back to the overview", chromedp.Navigate(c.url("/")), chromedp.WaitVisible(chromedp.CSS(".cards")))
 
 	if _, err := chromedp.RunResponse(ctx, chromedp.Click(chromedp.CSS("a.card.alert"))); err != nil {
