@@ -143,12 +143,44 @@ RETURNING true AS claimed;
 -- the COMMIT of DoInTx, not the RELEASE of Do's savepoint. The call then
 -- undoes fn's writes and the claim (ErrKeyRowChanged).
 --
+-- One INSERT ... ON CONFLICT, no subquery or CTE around it: the refusal
+-- lives in its RETURNING, which sees the row the statement wrote. The
+-- update keeps token 0 only when the row is as the claim left it, and
+-- writes -1 otherwise; should the row be gone, the proposed row (token -1,
+-- which no claim writes) is inserted. Either way RETURNING then raises,
+-- which undoes the write. (The CTE with an aggregate this replaced cost
+-- about a tenth of a fresh call's server time in executor setup:
+-- docs/benchmarks.md, "Issue 30: where the time went".)
+--
 -- The update changes status, the response columns and expires_at (to the
--- value the claim wrote: now() of the same transaction plus the TTL), none
--- of them read by an index predicate and expires_at unchanged, so it is
--- HOT. Should the row be gone, the proposed row (token -1, which no claim
--- writes) is inserted and the statement fails, which undoes the insert.
+-- value the claim wrote: now() of the same transaction plus the TTL) and
+-- token (to the value it had), none of them read by an index predicate and
+-- the indexed ones unchanged, so it is HOT.
 -- name: KeyComplete :exec
+INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, token, expires_at,
+                            response_status, response_headers, response_body, completed_at)
+VALUES (@actor, @operation, @idem_key, @fingerprint, @status, -1,
+        now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond'),
+        sqlc.arg(response_status)::integer, sqlc.narg(response_headers)::text::jsonb,
+        sqlc.arg(response_body)::bytea, now())
+ON CONFLICT (actor, operation, idem_key) DO UPDATE
+SET status           = excluded.status,
+    response_status  = excluded.response_status,
+    response_headers = excluded.response_headers,
+    response_body    = excluded.response_body,
+    expires_at       = excluded.expires_at,
+    token            = CASE WHEN k.status = 'processing' AND k.token = 0 AND k.lease_expires_at IS NULL
+                              AND k.fingerprint = excluded.fingerprint AND k.expires_at = excluded.expires_at
+                            THEN 0 ELSE -1 END
+RETURNING CASE WHEN k.token = 0 THEN 1
+               ELSE idem_refuse('IDMRC', 'idem_keys row changed under fn')
+          END::integer AS stored;
+
+-- KeyComplete for Citus, which refuses a function that is not IMMUTABLE in
+-- a RETURNING clause: the same completion, its refusal in a query around
+-- it, which the coordinator runs (the CTE costs executor setup that the
+-- PostgreSQL form saves).
+-- name: KeyCompleteCitus :exec
 WITH stored AS (
     INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, token, expires_at,
                                 response_status, response_headers, response_body, completed_at)

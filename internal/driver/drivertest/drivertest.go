@@ -224,6 +224,7 @@ func Exercise[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 		if err != nil {
 			t.Fatal(err)
 		}
+		defer d.Rollback(ctx, db, tx) // after a failure: the pool closes only once tx is over
 		s := d.SavepointSpan(tx)
 		if _, claimed, begun, err := s.Claim(ctx, driver.Claim{Key: key("s"), Fingerprint: fpA}); err != nil || !claimed || !begun {
 			t.Fatal(claimed, begun, err)

@@ -67,14 +67,22 @@ func TestQueuedStatementsAreSqlcs(t *testing.T) {
 
 	out := driver.Outcome{Key: k, Fingerprint: fp, Status: "succeeded",
 		Reply: driver.Reply{Status: 201, Headers: `{"A":["b"]}`, HasHeaders: true, Body: []byte("ok")}}
-	var want recorder
-	_ = queries.KeyComplete(context.Background(), &want, db.KeyCompleteParams{Actor: p.actor, Operation: p.op, IdemKey: p.key,
-		Fingerprint: p.fp, Status: out.Status, TtlMicros: p.ttl, ResponseStatus: out.Reply.Status,
-		ResponseHeaders: pgtype.Text{String: out.Reply.Headers, Valid: true}, ResponseBody: out.Reply.Body})
-	var b pgx.Batch
-	d.queueComplete(&b, out, fp[:])
-	if got := b.QueuedQueries[0]; got.SQL != want.sql || !reflect.DeepEqual(got.Arguments, want.args) {
-		t.Errorf("KeyComplete queued as %q %#v; sqlc sends %q %#v", got.SQL, got.Arguments, want.sql, want.args)
+	for _, citus := range []bool{false, true} {
+		var want recorder
+		if citus {
+			_ = queries.KeyCompleteCitus(context.Background(), &want, db.KeyCompleteCitusParams{Actor: p.actor, Operation: p.op,
+				IdemKey: p.key, Fingerprint: p.fp, Status: out.Status, TtlMicros: p.ttl, ResponseStatus: out.Reply.Status,
+				ResponseHeaders: pgtype.Text{String: out.Reply.Headers, Valid: true}, ResponseBody: out.Reply.Body})
+		} else {
+			_ = queries.KeyComplete(context.Background(), &want, db.KeyCompleteParams{Actor: p.actor, Operation: p.op,
+				IdemKey: p.key, Fingerprint: p.fp, Status: out.Status, TtlMicros: p.ttl, ResponseStatus: out.Reply.Status,
+				ResponseHeaders: pgtype.Text{String: out.Reply.Headers, Valid: true}, ResponseBody: out.Reply.Body})
+		}
+		var b pgx.Batch
+		d.queueComplete(&b, out, fp[:], citus)
+		if got := b.QueuedQueries[0]; got.SQL != want.sql || !reflect.DeepEqual(got.Arguments, want.args) {
+			t.Errorf("completion (Citus %v) queued as %q %#v; sqlc sends %q %#v", citus, got.SQL, got.Arguments, want.sql, want.args)
+		}
 	}
 }
 

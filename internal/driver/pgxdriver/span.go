@@ -81,6 +81,7 @@ type span struct {
 	batch pgx.Batch
 	queue [4]*pgx.QueuedQuery
 	fp    [32]byte
+	citus bool // the last claim's form, which the completion follows
 }
 
 // own reports whether the span is DoInTx's, in transactions of its own.
@@ -177,6 +178,7 @@ type batchSender interface {
 // opens: the batch begins with BEGIN or SAVEPOINT, and begun says whether
 // that ran. Whether the batch succeeded goes to st (see connState.sent).
 func (s *span) sendClaim(ctx context.Context, q batchSender, st *connState, form string, opens, citus bool) (tx pgx.Tx, claimed, begun bool, err error) {
+	s.citus = citus
 	br := q.SendBatch(ctx, &s.batch)
 	if s.own() {
 		s.tx = br.Tx()
@@ -330,7 +332,7 @@ func readClaim(br pgx.BatchResults, citus bool) (claimed bool, err error) {
 // pool when the COMMIT succeeded.
 func (s *span) Complete(ctx context.Context, out driver.Outcome) error {
 	b := s.reset()
-	s.d.queueComplete(b, out, s.fp[:])
+	s.d.queueComplete(b, out, s.fp[:], s.citus)
 	if !s.own() {
 		b.Queue(sqlRelease)
 	} else {
@@ -350,12 +352,17 @@ func (s *span) Complete(ctx context.Context, out driver.Outcome) error {
 }
 
 // queueComplete queues the completion of out in b: internal/db's
-// KeyComplete (its text and the order of its arguments, as queueClaim's;
-// TestQueuedStatementsAreSqlcs), read in Complete.
-func (d *Driver) queueComplete(b *pgx.Batch, out driver.Outcome, fp []byte) {
+// KeyComplete, or KeyCompleteCitus on Citus (their text and the order of
+// their arguments, as queueClaim's; TestQueuedStatementsAreSqlcs), read in
+// Complete.
+func (d *Driver) queueComplete(b *pgx.Batch, out driver.Outcome, fp []byte, citus bool) {
 	k, r := out.Key, out.Reply
 	ttl, _ := d.ttlOf(k.Operation)
-	b.Queue(db.KeyComplete, k.Actor, k.Operation, k.Key, fp, out.Status, ttl,
+	sql := db.KeyComplete
+	if citus {
+		sql = db.KeyCompleteCitus
+	}
+	b.Queue(sql, k.Actor, k.Operation, k.Key, fp, out.Status, ttl,
 		r.Status, pgtype.Text{String: r.Headers, Valid: r.HasHeaders}, r.Body)
 }
 

@@ -109,11 +109,17 @@ func (d *Driver) claim(ctx context.Context, tx *sql.Tx, c driver.Claim) (claimed
 // pgx's, the completion has run when the end finds the transaction ended.
 func (s *span) Complete(ctx context.Context, out driver.Outcome) error {
 	k, r := out.Key, out.Reply
-	err := queries.KeyComplete(ctx, s.tx, dbsql.KeyCompleteParams{
+	p := dbsql.KeyCompleteParams{
 		Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key, Fingerprint: out.Fingerprint[:],
 		Status: out.Status, TtlMicros: s.d.ttl.TTL(k.Operation), ResponseStatus: r.Status,
 		ResponseHeaders: sql.NullString{String: r.Headers, Valid: r.HasHeaders}, ResponseBody: r.Body,
-	})
+	}
+	var err error
+	if s.d.citus {
+		err = queries.KeyCompleteCitus(ctx, s.tx, dbsql.KeyCompleteCitusParams(p))
+	} else {
+		err = queries.KeyComplete(ctx, s.tx, p)
+	}
 	if err != nil {
 		return fmt.Errorf("store response: %w", dberr.Interpret(err))
 	}
