@@ -390,3 +390,39 @@ func TestBulkVerdictSelectionAndAllRefused(t *testing.T) {
 		t.Fatalf("an ambiguous bulk verdict changed something:\n%s\n%s", before, after)
 	}
 }
+
+// The console's nav marks the page a page belongs to, as a sub-page marks
+// the list it is reached from (a bulk verdict or an expiry marks "Needs a
+// person", an event "Deliveries"): a list of one status is reached from
+// the overview's counts, so it marks the overview, not "Look up a key".
+func TestNavMarksWhereThePageBelongs(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	nav := regexp.MustCompile(`(?s)<nav aria-label="Console">(.*?)</nav>`)
+	current := regexp.MustCompile(`<a href="[^"]*" aria-current="page">([^<]*)</a>`)
+	for _, tc := range []struct{ path, want string }{
+		{"/idem/", "Overview"},
+		{"/idem/status?status=succeeded", "Overview"},
+		{"/idem/status?status=failed_retryable", "Overview"},
+		{"/idem/status?status=unknown", "Overview"},
+		{"/idem/unknown", "Needs a person"},
+		{"/idem/expire-leases", "Needs a person"},
+		{"/idem/deliveries", "Deliveries"},
+		{"/idem/search", "Look up a key"},
+		{"/idem/audit", "Audit trail"},
+	} {
+		res := e.get(tc.path)
+		m := nav.FindStringSubmatch(res.body)
+		if res.status != http.StatusOK || m == nil {
+			t.Errorf("%s: %d, no nav:\n%.600s", tc.path, res.status, res.body)
+			continue
+		}
+		var got []string
+		for _, c := range current.FindAllStringSubmatch(m[1], -1) {
+			got = append(got, c[1])
+		}
+		if len(got) != 1 || got[0] != tc.want {
+			t.Errorf("%s marks %q in the nav, want %q", tc.path, got, tc.want)
+		}
+	}
+}

@@ -153,7 +153,7 @@ func (q *request) statusPage() {
 	if next != "" {
 		v.NextURL = q.url("/status", url.Values{"status": {string(status)}, "after": {next}})
 	}
-	q.page(http.StatusOK, "status", "Keys: "+string(status), "search", v, nil)
+	q.page(http.StatusOK, "status", "Keys: "+string(status), "overview", v, nil)
 }
 
 func (q *request) statusAPI() {
