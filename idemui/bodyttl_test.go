@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"net/http"
+	"os"
 	"strings"
 	"testing"
 	"time"
@@ -46,9 +47,15 @@ func TestRecordResponseGone(t *testing.T) {
 	}
 
 	page := e.get(keyPage(scope, "gone"))
-	if page.status != http.StatusOK || !strings.Contains(page.body, "dropped after <code>Config.BodyTTL</code>") ||
-		strings.Contains(page.body, "The body is empty") {
+	if page.status != http.StatusOK || strings.Contains(page.body, "The body is empty") {
 		t.Fatalf("the page of a dropped body: %d\n%s", page.status, page.body)
+	}
+	// It says what was dropped, and what the key still does.
+	for _, want := range []string{"dropped after its body TTL (<code>Config.BodyTTL</code>)",
+		"still refuses a different request", "<code>idem.ErrResponseGone</code>", "HTTP 410"} {
+		if !strings.Contains(page.body, want) {
+			t.Errorf("the page of a dropped body does not say %q:\n%s", want, page.body)
+		}
 	}
 	if page := e.get(keyPage(scope, "kept")); strings.Contains(page.body, "dropped after") || !strings.Contains(page.body, "ch_1") {
 		t.Fatalf("the page of a kept body: %d\n%s", page.status, page.body)
@@ -69,5 +76,19 @@ func TestRecordResponseGone(t *testing.T) {
 	if err != nil || !rec.ResponseGone || rec.Response == nil ||
 		rec.Response.Status != 201 || rec.Response.Body != nil {
 		t.Fatalf("the API's record of a dropped body: %v\n%s", err, res.body)
+	}
+	// The API's table of the record's fields names it.
+	doc, err := os.ReadFile("../docs/console.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	documented := false
+	for _, line := range strings.Split(string(doc), "\n") {
+		if strings.HasPrefix(line, "| `GET api/keys/{actor}/{operation}/{key}` |") {
+			documented = strings.Contains(line, "`response_gone`")
+		}
+	}
+	if !documented {
+		t.Error("docs/console.md's row of GET api/keys/... does not name response_gone")
 	}
 }

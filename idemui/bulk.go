@@ -47,7 +47,7 @@ func targetRef(scope idem.Scope, key string, token int64) string {
 func decodeTarget(ref string) (bulkTarget, error) {
 	var v []json.RawMessage
 	bad := badRequest("invalid_form", "A selected record in the form is damaged: select the records again.")
-	if decodeCursor(ref, &v) != nil || len(v) != 4 {
+	if decodeJSON64(ref, &v) != nil || len(v) != 4 {
 		return bulkTarget{}, bad
 	}
 	var t audit.Target

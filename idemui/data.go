@@ -221,9 +221,6 @@ func readNeedsPerson(ctx context.Context, db idem.Beginner, f audit.Filter, orde
 		if err := decodeCursor(pos, &cur); err != nil {
 			return p, err
 		}
-		if err := cur.check(); err != nil {
-			return p, err
-		}
 	}
 	forward := before == ""
 	asc := (order != orderNewest) == forward
@@ -335,6 +332,13 @@ type scopeCursor struct {
 	Key       string `json:"k"`
 }
 
+func (cur *scopeCursor) check() error {
+	if !cursorName(cur.Operation) || !cursorName(cur.Key) {
+		return errDamagedCursor()
+	}
+	return nil
+}
+
 // readScope reads a page of the keys of an actor (and operation), in key
 // order, after the position after ("" for the first page).
 func readScope(ctx context.Context, db idem.Beginner, scope idem.Scope, after string, limit int) ([]scopeItem, string, error) {
@@ -343,9 +347,6 @@ func readScope(ctx context.Context, db idem.Beginner, scope idem.Scope, after st
 		var cur scopeCursor
 		if err := decodeCursor(after, &cur); err != nil {
 			return nil, "", err
-		}
-		if !validText(cur.Operation) || !validText(cur.Key) {
-			return nil, "", badRequest("invalid_cursor", "The page position in the address is damaged: start again from the first page.")
 		}
 		arg.AfterOperation, arg.AfterKey = cur.Operation, cur.Key
 	}
@@ -380,6 +381,13 @@ type auditCursor struct {
 	ID int64     `json:"i"`
 }
 
+func (cur *auditCursor) check() error {
+	if !cursorTime(cur.At) || cur.ID <= 0 {
+		return errDamagedCursor()
+	}
+	return nil
+}
+
 // readAudit reads a page of the trail, newest first, before the position
 // before ("" for the first page).
 func readAudit(ctx context.Context, db idem.Beginner, f audit.ListFilter, before string) ([]audit.Entry, string, error) {
@@ -387,9 +395,6 @@ func readAudit(ctx context.Context, db idem.Beginner, f audit.ListFilter, before
 		var cur auditCursor
 		if err := decodeCursor(before, &cur); err != nil {
 			return nil, "", err
-		}
-		if y := cur.At.Year(); y < 1 || y > 9999 {
-			return nil, "", badRequest("invalid_cursor", "The page position in the address is damaged: start again from the first page.")
 		}
 		f.BeforeAt, f.BeforeID = cur.At, cur.ID
 	}

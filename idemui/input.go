@@ -89,22 +89,46 @@ func (in filterInput) query() url.Values {
 }
 
 // encodeCursor and decodeCursor carry a page's position in a query string:
-// base64url of a JSON array.
+// base64url of JSON.
 func encodeCursor(v any) string {
 	b, _ := json.Marshal(v)
 	return base64.RawURLEncoding.EncodeToString(b)
 }
 
-func decodeCursor(s string, v any) error {
-	b, err := base64.RawURLEncoding.DecodeString(s)
-	if err == nil {
-		err = json.Unmarshal(b, v)
-	}
-	if err != nil {
-		return badRequest("invalid_cursor", "The page position in the address is damaged: start again from the first page.")
+// A cursor is a page's position; check refuses one the console never
+// writes (no time, no record's names: {} or null, say), which would
+// otherwise be read as a position before everything or after nothing.
+type cursor interface{ check() error }
+
+// decodeCursor reads a position encodeCursor wrote into cur, and checks
+// it.
+func decodeCursor(s string, cur cursor) error {
+	if err := decodeJSON64(s, cur); err != nil || cur.check() != nil {
+		return errDamagedCursor()
 	}
 	return nil
 }
+
+// decodeJSON64 reads base64url of JSON into v.
+func decodeJSON64(s string, v any) error {
+	b, err := base64.RawURLEncoding.DecodeString(s)
+	if err != nil {
+		return err
+	}
+	return json.Unmarshal(b, v)
+}
+
+func errDamagedCursor() *problem {
+	return badRequest("invalid_cursor", "The page position in the address is damaged: start again from the first page.")
+}
+
+// cursorName reports whether s can be a name (actor, operation or key)
+// in a position: one a record has.
+func cursorName(s string) bool { return s != "" && len(s) <= 4096 && validText(s) }
+
+// cursorTime reports whether t can be the time in a position: one
+// PostgreSQL stored.
+func cursorTime(t time.Time) bool { y := t.Year(); return !t.IsZero() && y >= 1 && y <= 9999 }
 
 // needsPersonCursor is the position after a record of the list.
 type needsPersonCursor struct {
@@ -115,14 +139,9 @@ type needsPersonCursor struct {
 	N         int64     `json:"n,omitempty"` // the record's place in the list, from 1; 0: not known
 }
 
-func (cur needsPersonCursor) check() error {
-	for _, s := range []string{cur.Actor, cur.Operation, cur.Key} {
-		if !validText(s) || len(s) > 4096 {
-			return badRequest("invalid_cursor", "The page position in the address is damaged: start again from the first page.")
-		}
-	}
-	if y := cur.CreatedAt.Year(); y < 1 || y > 9999 || cur.N < 0 {
-		return badRequest("invalid_cursor", "The page position in the address is damaged: start again from the first page.")
+func (cur *needsPersonCursor) check() error {
+	if !cursorTime(cur.CreatedAt) || !cursorName(cur.Actor) || !cursorName(cur.Operation) || !cursorName(cur.Key) || cur.N < 0 {
+		return errDamagedCursor()
 	}
 	return nil
 }

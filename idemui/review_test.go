@@ -3,6 +3,7 @@ package idemui_test
 import (
 	"cmp"
 	"context"
+	"encoding/base64"
 	"encoding/csv"
 	"encoding/json"
 	"fmt"
@@ -388,5 +389,93 @@ func TestBulkVerdictSelectionAndAllRefused(t *testing.T) {
 	}
 	if after := e.state(); after != before {
 		t.Fatalf("an ambiguous bulk verdict changed something:\n%s\n%s", before, after)
+	}
+}
+
+// The console's nav marks the page a page belongs to, as a sub-page marks
+// the list it is reached from (a bulk verdict or an expiry marks "Needs a
+// person", an event "Deliveries"): a list of one status is reached from
+// the overview's counts, so it marks the overview, not "Look up a key".
+func TestNavMarksWhereThePageBelongs(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	nav := regexp.MustCompile(`(?s)<nav aria-label="Console">(.*?)</nav>`)
+	current := regexp.MustCompile(`<a href="[^"]*" aria-current="page">([^<]*)</a>`)
+	for _, tc := range []struct{ path, want string }{
+		{"/idem/", "Overview"},
+		{"/idem/status?status=succeeded", "Overview"},
+		{"/idem/status?status=failed_retryable", "Overview"},
+		{"/idem/status?status=unknown", "Overview"},
+		{"/idem/unknown", "Needs a person"},
+		{"/idem/expire-leases", "Needs a person"},
+		{"/idem/deliveries", "Deliveries"},
+		{"/idem/search", "Look up a key"},
+		{"/idem/audit", "Audit trail"},
+	} {
+		res := e.get(tc.path)
+		m := nav.FindStringSubmatch(res.body)
+		if res.status != http.StatusOK || m == nil {
+			t.Errorf("%s: %d, no nav:\n%.600s", tc.path, res.status, res.body)
+			continue
+		}
+		var got []string
+		for _, c := range current.FindAllStringSubmatch(m[1], -1) {
+			got = append(got, c[1])
+		}
+		if len(got) != 1 || got[0] != tc.want {
+			t.Errorf("%s marks %q in the nav, want %q", tc.path, got, tc.want)
+		}
+	}
+}
+
+// A page position that is valid JSON but names no position ({}, null, a
+// time without the record's names) is refused as damaged (400
+// invalid_cursor) by every list that takes one, page and API alike,
+// rather than read as a position before everything (an empty page) or
+// after nothing; nothing changes.
+func TestEmptyCursorRefused(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	e.unknown(pay, "u1", "timeout")
+	e.succeeded(pay, "s1", idem.Response{Status: 201})
+	if err := idem.FailRetryable(context.Background(), e.pool, e.reserve(pay, "f1", time.Hour), "card declined"); err != nil {
+		t.Fatal(err)
+	}
+	u := e.unknown(pay, "u2", "timeout")
+	if res := e.postJSON("/idem/api"+strings.TrimPrefix(keyPath(pay, "u2"), "/idem")+"/resolve",
+		map[string]any{"token": u.Token, "verdict": "retryable", "reason": "not charged"}); res.status != http.StatusOK {
+		t.Fatalf("a verdict for the trail: %d %s", res.status, res.body)
+	}
+	b64 := func(s string) string { return base64.RawURLEncoding.EncodeToString([]byte(s)) }
+	cursors := []string{"e30", b64("null"), b64(`{"x":1}`), b64(`{"t":"2026-12-05T00:00:00Z"}`),
+		b64(`{"t":"2026-12-05T00:00:00Z","a":"","o":"","k":""}`), b64(`{"o":"charge"}`), b64(`{"i":7}`)}
+	lists := []string{
+		"/idem/unknown?after=", "/idem/unknown?before=", "/idem/api/unknown?after=", "/idem/api/unknown?before=",
+		"/idem/search?actor=acme&after=", "/idem/api/search?actor=acme&after=",
+		"/idem/search?actor=acme&operation=charge&after=", "/idem/api/search?actor=acme&operation=charge&after=",
+		"/idem/status?status=succeeded&after=", "/idem/api/status?status=succeeded&after=",
+		"/idem/status?status=failed_retryable&after=", "/idem/api/status?status=failed_retryable&after=",
+		"/idem/audit?before=", "/idem/api/audit?before=",
+	}
+	before := e.state()
+	for _, list := range lists {
+		for _, c := range cursors {
+			path := list + c
+			res := e.get(path)
+			if res.status != http.StatusBadRequest {
+				t.Errorf("%s: status %d, want 400\n%.400s", path, res.status, res.body)
+				continue
+			}
+			if strings.Contains(path, "/api/") {
+				if got := res.code(); got != "invalid_cursor" {
+					t.Errorf("%s: code %q, want invalid_cursor (%s)", path, got, res.body)
+				}
+			} else if !strings.Contains(res.body, "<code>invalid_cursor</code>") && !strings.Contains(res.body, `data-code="invalid_cursor"`) {
+				t.Errorf("%s: the page does not name invalid_cursor:\n%.600s", path, res.body)
+			}
+		}
+	}
+	if after := e.state(); after != before {
+		t.Fatalf("a damaged position changed something:\n%s\n%s", before, after)
 	}
 }

@@ -34,6 +34,13 @@ type statusCursor struct {
 	Key       string    `json:"k"`
 }
 
+func (cur *statusCursor) check() error {
+	if !cursorTime(cur.At) || !cursorName(cur.Actor) || !cursorName(cur.Operation) || !cursorName(cur.Key) {
+		return errDamagedCursor()
+	}
+	return nil
+}
+
 // readStatus reads a page of the records of status across actors, after
 // the position after ("" for the first page). next is the position of the
 // next page ("" at the end); walked is true when the page's walk stopped
@@ -44,9 +51,6 @@ func readStatus(ctx context.Context, db idem.Beginner, status idem.Status, after
 	if after != "" {
 		if err := decodeCursor(after, &cur); err != nil {
 			return nil, "", false, err
-		}
-		if !validText(cur.Actor) || !validText(cur.Operation) || !validText(cur.Key) {
-			return nil, "", false, badRequest("invalid_cursor", "The page position in the address is damaged: start again from the first page.")
 		}
 	}
 	now := time.Now()
@@ -153,7 +157,7 @@ func (q *request) statusPage() {
 	if next != "" {
 		v.NextURL = q.url("/status", url.Values{"status": {string(status)}, "after": {next}})
 	}
-	q.page(http.StatusOK, "status", "Keys: "+string(status), "search", v, nil)
+	q.page(http.StatusOK, "status", "Keys: "+string(status), "overview", v, nil)
 }
 
 func (q *request) statusAPI() {
