@@ -161,18 +161,49 @@ func template(ctx context.Context) (string, error) {
 		if err := exec(ctx, n, name, "CREATE EXTENSION citus"); err != nil {
 			return "", fmt.Errorf("citustest: citus extension on %s:%s: %w", n.Host, n.Port, err)
 		}
-		// Citus's maintenance daemon connects to every database with the
-		// extension: keep it out, so that the template can be copied.
-		if err := exec(ctx, n, "postgres", "ALTER DATABASE "+ident(name)+" ALLOW_CONNECTIONS false"); err != nil {
-			return "", err
-		}
-		if err := exec(ctx, n, "postgres",
-			"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1", name); err != nil {
+		if err := seal(ctx, n, name); err != nil {
 			return "", err
 		}
 	}
 	tplName = name
 	return name, nil
+}
+
+// seal makes database name on n (when it exists) one that nobody is
+// connected to and that refuses connections, so that it can be copied or
+// dropped: it ends the sessions there and waits until they have gone.
+// Citus's maintenance daemon connects to every database with the
+// extension, to the coordinator's own too; a connection it opens while
+// CREATE or DROP DATABASE holds the database's lock waits for that
+// statement, which waits (5 s, then fails) for the daemon to leave.
+func seal(ctx context.Context, n Node, name string) error {
+	conn, err := pgx.Connect(ctx, urlOf(n, "postgres"))
+	if err != nil {
+		return fmt.Errorf("citustest: sealing %s on %s:%s: %w", name, n.Host, n.Port, err)
+	}
+	defer conn.Close(context.Background())
+	var exists bool
+	err = conn.QueryRow(ctx, "SELECT EXISTS (SELECT FROM pg_database WHERE datname = $1)", name).Scan(&exists)
+	if err == nil && exists {
+		_, err = conn.Exec(ctx, "ALTER DATABASE "+ident(name)+" ALLOW_CONNECTIONS false")
+	}
+	for err == nil && exists {
+		var left int
+		err = conn.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+			WHERE datname = $1 AND pid <> pg_backend_pid()`, name).Scan(&left)
+		if err != nil || left == 0 {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			err = ctx.Err()
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	if err != nil {
+		return fmt.Errorf("citustest: sealing %s on %s:%s: %w", name, n.Host, n.Port, err)
+	}
+	return nil
 }
 
 // New creates a test's database on the cluster: the citus extension on
@@ -258,16 +289,26 @@ func create(ctx context.Context) (DB, error) {
 	return db, nil
 }
 
-// drop drops database name on every node, disconnecting anyone connected.
+// drop drops database name on every node, coordinator first, sealing it
+// first (see seal). It stays tracked, for cleanup to try again, when a
+// node refused.
 func drop(name string) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
+	dropped := true
 	for _, n := range nodes() {
-		if err := exec(ctx, n, "postgres", "DROP DATABASE IF EXISTS "+ident(name)+" WITH (FORCE)"); err != nil {
+		err := seal(ctx, n, name)
+		if err == nil {
+			err = exec(ctx, n, "postgres", "DROP DATABASE IF EXISTS "+ident(name)+" WITH (FORCE)")
+		}
+		if err != nil {
 			fmt.Fprintf(os.Stderr, "citustest: dropping %s on %s:%s: %v\n", name, n.Host, n.Port, err)
+			dropped = false
 		}
 	}
-	track(name, false)
+	if dropped {
+		track(name, false)
+	}
 }
 
 // cleanup drops what this process created and did not drop yet.
