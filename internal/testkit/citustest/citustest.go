@@ -8,10 +8,11 @@
 //
 // A Citus database is a database of the same name on every node, each with
 // the citus extension, and the workers registered in the coordinator's. For
-// every test, [New] creates such a database (copied on each node from a
-// template that already holds the extension, made once per process),
-// registers the workers, runs idem.Migrate and idem.Distribute and the
-// test's own schema, and drops it on every node when the test ends.
+// every test, [New] copies such a database on each node from a [Template]
+// (idem.Migrate, idem.Distribute and the tests' own schema run once per
+// process, in a database made the same way) and drops it on every node
+// when the test ends; [Empty] copies one that holds only the extension and
+// registers the workers.
 package citustest
 
 import (
@@ -62,9 +63,26 @@ type DB struct {
 	Workers []string
 }
 
-// Schema is a test's own schema, run on the coordinator after idem's
+// Schema is the tests' own schema, run on the coordinator after idem's
 // migrations and Distribute.
 type Schema func(ctx context.Context, pool *pgxpool.Pool) error
+
+// Template is the database that [New] copies for a test: the citus
+// extension on every node, the workers registered, idem migrated and
+// idem_keys distributed, then Schema (nil for none). It is made once per
+// process, by the first New that asks for it, and a test's database starts
+// as that copy: a Schema sees no test's data, and a test changes its copy
+// only. Declare one per schema as a package-level variable.
+type Template struct {
+	Schema Schema
+
+	mu   sync.Mutex
+	name string
+	err  error
+}
+
+// migrated is the Template of New(t, nil): idem's tables, nothing else.
+var migrated = &Template{}
 
 var (
 	clusterOnce sync.Once
@@ -73,7 +91,7 @@ var (
 	coordinator Node
 	workers     []Node
 
-	tplMu   sync.Mutex // serializes copies of the template (one at a time per source)
+	tplMu   sync.Mutex // serializes the copies of databases (one at a time)
 	tplName string
 	liveMu  sync.Mutex
 	live    = map[string]bool{}
@@ -206,32 +224,61 @@ func seal(ctx context.Context, n Node, name string) error {
 	return nil
 }
 
-// New creates a test's database on the cluster: the citus extension on
-// every node, the workers registered, idem migrated and idem_keys
-// distributed, then schema (nil for none). It is dropped on every node when
-// the test ends. Failures fail the test.
-func New(t testing.TB, schema Schema) DB {
-	t.Helper()
-	db := Empty(t)
-	ctx, cancel := context.WithTimeout(t.Context(), 3*time.Minute)
-	defer cancel()
+// make returns tp's database on the cluster, making it the first time
+// (a failure is kept: every later call returns it).
+func (tp *Template) make(ctx context.Context) (string, error) {
+	tp.mu.Lock()
+	defer tp.mu.Unlock()
+	if tp.name != "" || tp.err != nil {
+		return tp.name, tp.err
+	}
+	tp.name, tp.err = tp.build(ctx)
+	if tp.err != nil {
+		tp.name = ""
+	}
+	return tp.name, tp.err
+}
+
+func (tp *Template) build(ctx context.Context) (string, error) {
+	db, err := create(ctx, "")
+	if err != nil {
+		return "", err
+	}
 	pool, err := pgxpool.New(ctx, db.URL)
 	if err != nil {
-		t.Fatal(err)
+		return "", err
 	}
-	defer pool.Close()
-	if err := idem.Migrate(ctx, pool); err != nil {
-		t.Fatal(err)
+	err = idem.Migrate(ctx, pool)
+	if err == nil {
+		err = idem.Distribute(ctx, pool)
 	}
-	if err := idem.Distribute(ctx, pool); err != nil {
-		t.Fatal(err)
-	}
-	if schema != nil {
-		if err := schema(ctx, pool); err != nil {
-			t.Fatalf("citustest: schema: %v", err)
+	if err == nil && tp.Schema != nil {
+		if err = tp.Schema(ctx, pool); err != nil {
+			err = fmt.Errorf("citustest: schema: %w", err)
 		}
 	}
-	return db
+	pool.Close()
+	if err != nil {
+		return "", fmt.Errorf("citustest: template: %w", err)
+	}
+	for _, n := range nodes() {
+		if err := seal(ctx, n, db.Name); err != nil {
+			return "", err
+		}
+	}
+	return db.Name, nil
+}
+
+// New creates a test's database on the cluster, a copy of tpl's on every
+// node (nil: idem migrated and idem_keys distributed, no schema of the
+// test's). It is dropped on every node when the test ends. Failures fail
+// the test.
+func New(t testing.TB, tpl *Template) DB {
+	t.Helper()
+	if tpl == nil {
+		tpl = migrated
+	}
+	return newDB(t, tpl)
 }
 
 // Empty creates a test's database on the cluster, the citus extension on
@@ -239,12 +286,24 @@ func New(t testing.TB, schema Schema) DB {
 // dropped on every node when the test ends. Failures fail the test.
 func Empty(t testing.TB) DB {
 	t.Helper()
+	return newDB(t, nil)
+}
+
+func newDB(t testing.TB, tpl *Template) DB {
+	t.Helper()
 	if err := cluster(); err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithTimeout(t.Context(), 3*time.Minute)
 	defer cancel()
-	db, err := create(ctx)
+	from := ""
+	if tpl != nil {
+		var err error
+		if from, err = tpl.make(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	db, err := create(ctx, from)
 	if db.Name != "" {
 		t.Cleanup(func() { drop(db.Name) })
 	}
@@ -254,21 +313,32 @@ func Empty(t testing.TB) DB {
 	return db
 }
 
-// create copies the template on every node and registers the workers.
-func create(ctx context.Context) (DB, error) {
+// create copies database from on every node ("": the template with the
+// extension, then registers the workers; a copy of a Template has them
+// registered already).
+func create(ctx context.Context, from string) (DB, error) {
 	tplMu.Lock()
 	defer tplMu.Unlock()
-	tpl, err := template(ctx)
-	if err != nil {
-		return DB{}, err
+	register := from == ""
+	if register {
+		var err error
+		if from, err = template(ctx); err != nil {
+			return DB{}, err
+		}
 	}
 	db := DB{Name: "idemcitus_" + randomHex()}
 	db.URL = urlOf(coordinator, db.Name)
 	for _, n := range nodes() {
-		if err := exec(ctx, n, "postgres", "CREATE DATABASE "+ident(db.Name)+" TEMPLATE "+ident(tpl)); err != nil {
+		if err := exec(ctx, n, "postgres", "CREATE DATABASE "+ident(db.Name)+" TEMPLATE "+ident(from)); err != nil {
 			return db, fmt.Errorf("citustest: database on %s:%s: %w", n.Host, n.Port, err)
 		}
 		track(db.Name, true)
+	}
+	for _, w := range workers {
+		db.Workers = append(db.Workers, urlOf(w, db.Name))
+	}
+	if !register {
+		return db, nil
 	}
 	conn, err := pgx.Connect(ctx, db.URL)
 	if err != nil {
@@ -284,7 +354,6 @@ func create(ctx context.Context) (DB, error) {
 		if _, err := conn.Exec(ctx, "SELECT citus_add_node($1, $2)", w.Host, port); err != nil {
 			return db, fmt.Errorf("citustest: adding worker %s:%s: %w", w.Host, w.Port, err)
 		}
-		db.Workers = append(db.Workers, urlOf(w, db.Name))
 	}
 	return db, nil
 }
