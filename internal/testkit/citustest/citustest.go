@@ -328,11 +328,21 @@ func create(ctx context.Context, from string) (DB, error) {
 	}
 	db := DB{Name: "idemcitus_" + randomHex()}
 	db.URL = urlOf(coordinator, db.Name)
-	for _, n := range nodes() {
-		if err := exec(ctx, n, "postgres", "CREATE DATABASE "+ident(db.Name)+" TEMPLATE "+ident(from)); err != nil {
-			return db, fmt.Errorf("citustest: database on %s:%s: %w", n.Host, n.Port, err)
-		}
-		track(db.Name, true)
+	// On every node at once (each a server of its own).
+	track(db.Name, true)
+	all := nodes()
+	errs := make([]error, len(all))
+	var wg sync.WaitGroup
+	for i, n := range all {
+		wg.Go(func() {
+			if err := exec(ctx, n, "postgres", "CREATE DATABASE "+ident(db.Name)+" TEMPLATE "+ident(from)); err != nil {
+				errs[i] = fmt.Errorf("citustest: database on %s:%s: %w", n.Host, n.Port, err)
+			}
+		})
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return db, err
 	}
 	for _, w := range workers {
 		db.Workers = append(db.Workers, urlOf(w, db.Name))
