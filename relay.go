@@ -1040,11 +1040,9 @@ func (r *Relay) pruneBatch(ctx context.Context) (int64, error) {
 	defer func() { _ = tx.Rollback(ctx) }()
 	var n int64
 	if citus {
-		// One snapshot for both statements (EventPruneCitus).
-		if _, err = tx.Exec(ctx, "SET TRANSACTION ISOLATION LEVEL REPEATABLE READ"); err == nil {
-			if err = dbQueries.EventPruneAttemptsCitus(ctx, tx, pruneBatch); err == nil {
-				n, err = dbQueries.EventPruneCitus(ctx, tx, pruneBatch)
-			}
+		// READ COMMITTED whatever the database's default (EventPruneCitus).
+		if _, err = tx.Exec(ctx, "SET TRANSACTION ISOLATION LEVEL READ COMMITTED"); err == nil {
+			n, err = dbQueries.EventPruneCitus(ctx, tx, pruneBatch)
 		}
 	} else {
 		n, err = dbQueries.EventPrune(ctx, tx, pruneBatch)

@@ -264,28 +264,30 @@ WHERE (e.destination, e.id) IN (
 RETURNING e.destination, e.id, e.topic, e.payload, coalesce(e.header::text, '')::text AS header, e.attempts, e.retry_from, e.claim,
           e.ctid::text AS row_version;
 
--- EventPrune for Citus, in two statements run in one REPEATABLE READ
--- transaction (one snapshot: both pick the same events): the attempt logs
--- of up to @batch_size finished events past their expiry, then the events,
--- their conditions checked again on the rows the DELETE locks.
--- name: EventPruneAttemptsCitus :exec
-DELETE FROM idem_event_attempts
-WHERE (destination, event_id) IN (
-        SELECT destination, id
-        FROM idem_events
-        WHERE expires_at <= now() AND status IN ('delivered', 'failed')
-        ORDER BY expires_at, destination, id
-        LIMIT sqlc.arg(batch_size)::integer);
-
--- name: EventPruneCitus :execrows
-DELETE FROM idem_events
-WHERE (destination, id) IN (
-        SELECT destination, id
-        FROM idem_events
-        WHERE expires_at <= now() AND status IN ('delivered', 'failed')
-        ORDER BY expires_at, destination, id
-        LIMIT sqlc.arg(batch_size)::integer)
-  AND expires_at <= now() AND status IN ('delivered', 'failed');
+-- EventPrune for Citus, which refuses FOR UPDATE in a query over a
+-- distributed table: deletes up to @batch_size finished events past their
+-- expiry, their conditions checked again on the rows the DELETE locks, and
+-- the attempt logs of the events it deleted. Run at READ COMMITTED: a
+-- relay that picked the events another relay is pruning waits for that
+-- batch (Citus serializes multi-shard modifications shard by shard), then
+-- finds them gone and deletes nothing. At REPEATABLE READ it would fail
+-- instead (40001, could not serialize access due to concurrent delete).
+-- name: EventPruneCitus :one
+WITH old AS (
+    DELETE FROM idem_events
+    WHERE (destination, id) IN (
+            SELECT destination, id
+            FROM idem_events
+            WHERE expires_at <= now() AND status IN ('delivered', 'failed')
+            ORDER BY expires_at, destination, id
+            LIMIT sqlc.arg(batch_size)::integer)
+      AND expires_at <= now() AND status IN ('delivered', 'failed')
+    RETURNING destination, id
+), gone AS (
+    DELETE FROM idem_event_attempts
+    WHERE (destination, event_id) IN (SELECT destination, id FROM old)
+)
+SELECT count(*)::bigint FROM old;
 
 -- EventRecord for one attempt, for Citus: every statement names one
 -- destination, so Citus routes it to one worker (it refuses EventRecord's

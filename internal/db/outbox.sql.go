@@ -407,42 +407,37 @@ func (q *Queries) EventPrune(ctx context.Context, db DBTX, batchSize int32) (int
 	return column_1, err
 }
 
-const EventPruneAttemptsCitus = `-- name: EventPruneAttemptsCitus :exec
-DELETE FROM idem_event_attempts
-WHERE (destination, event_id) IN (
-        SELECT destination, id
-        FROM idem_events
-        WHERE expires_at <= now() AND status IN ('delivered', 'failed')
-        ORDER BY expires_at, destination, id
-        LIMIT $1::integer)
+const EventPruneCitus = `-- name: EventPruneCitus :one
+WITH old AS (
+    DELETE FROM idem_events
+    WHERE (destination, id) IN (
+            SELECT destination, id
+            FROM idem_events
+            WHERE expires_at <= now() AND status IN ('delivered', 'failed')
+            ORDER BY expires_at, destination, id
+            LIMIT $1::integer)
+      AND expires_at <= now() AND status IN ('delivered', 'failed')
+    RETURNING destination, id
+), gone AS (
+    DELETE FROM idem_event_attempts
+    WHERE (destination, event_id) IN (SELECT destination, id FROM old)
+)
+SELECT count(*)::bigint FROM old
 `
 
-// EventPrune for Citus, in two statements run in one REPEATABLE READ
-// transaction (one snapshot: both pick the same events): the attempt logs
-// of up to @batch_size finished events past their expiry, then the events,
-// their conditions checked again on the rows the DELETE locks.
-func (q *Queries) EventPruneAttemptsCitus(ctx context.Context, db DBTX, batchSize int32) error {
-	_, err := db.Exec(ctx, EventPruneAttemptsCitus, batchSize)
-	return err
-}
-
-const EventPruneCitus = `-- name: EventPruneCitus :execrows
-DELETE FROM idem_events
-WHERE (destination, id) IN (
-        SELECT destination, id
-        FROM idem_events
-        WHERE expires_at <= now() AND status IN ('delivered', 'failed')
-        ORDER BY expires_at, destination, id
-        LIMIT $1::integer)
-  AND expires_at <= now() AND status IN ('delivered', 'failed')
-`
-
+// EventPrune for Citus, which refuses FOR UPDATE in a query over a
+// distributed table: deletes up to @batch_size finished events past their
+// expiry, their conditions checked again on the rows the DELETE locks, and
+// the attempt logs of the events it deleted. Run at READ COMMITTED: a
+// relay that picked the events another relay is pruning waits for that
+// batch (Citus serializes multi-shard modifications shard by shard), then
+// finds them gone and deletes nothing. At REPEATABLE READ it would fail
+// instead (40001, could not serialize access due to concurrent delete).
 func (q *Queries) EventPruneCitus(ctx context.Context, db DBTX, batchSize int32) (int64, error) {
-	result, err := db.Exec(ctx, EventPruneCitus, batchSize)
-	if err != nil {
-		return 0, err
-	}
-	return result.RowsAffected(), nil
+	row := db.QueryRow(ctx, EventPruneCitus, batchSize)
+	var column_1 int64
+	err := row.Scan(&column_1)
+	return column_1, err
 }
 
 const EventPublish = `-- name: EventPublish :one

@@ -8,10 +8,11 @@
 //
 // A Citus database is a database of the same name on every node, each with
 // the citus extension, and the workers registered in the coordinator's. For
-// every test, [New] creates such a database (copied on each node from a
-// template that already holds the extension, made once per process),
-// registers the workers, runs idem.Migrate and idem.Distribute and the
-// test's own schema, and drops it on every node when the test ends.
+// every test, [New] copies such a database on each node from a [Template]
+// (idem.Migrate, idem.Distribute and the tests' own schema run once per
+// process, in a database made the same way) and drops it on every node
+// when the test ends; [Empty] copies one that holds only the extension and
+// registers the workers.
 package citustest
 
 import (
@@ -62,9 +63,26 @@ type DB struct {
 	Workers []string
 }
 
-// Schema is a test's own schema, run on the coordinator after idem's
+// Schema is the tests' own schema, run on the coordinator after idem's
 // migrations and Distribute.
 type Schema func(ctx context.Context, pool *pgxpool.Pool) error
+
+// Template is the database that [New] copies for a test: the citus
+// extension on every node, the workers registered, idem migrated and
+// idem_keys distributed, then Schema (nil for none). It is made once per
+// process, by the first New that asks for it, and a test's database starts
+// as that copy: a Schema sees no test's data, and a test changes its copy
+// only. Declare one per schema as a package-level variable.
+type Template struct {
+	Schema Schema
+
+	mu   sync.Mutex
+	name string
+	err  error
+}
+
+// migrated is the Template of New(t, nil): idem's tables, nothing else.
+var migrated = &Template{}
 
 var (
 	clusterOnce sync.Once
@@ -73,7 +91,7 @@ var (
 	coordinator Node
 	workers     []Node
 
-	tplMu   sync.Mutex // serializes copies of the template (one at a time per source)
+	tplMu   sync.Mutex // serializes the copies of databases (one at a time)
 	tplName string
 	liveMu  sync.Mutex
 	live    = map[string]bool{}
@@ -161,13 +179,7 @@ func template(ctx context.Context) (string, error) {
 		if err := exec(ctx, n, name, "CREATE EXTENSION citus"); err != nil {
 			return "", fmt.Errorf("citustest: citus extension on %s:%s: %w", n.Host, n.Port, err)
 		}
-		// Citus's maintenance daemon connects to every database with the
-		// extension: keep it out, so that the template can be copied.
-		if err := exec(ctx, n, "postgres", "ALTER DATABASE "+ident(name)+" ALLOW_CONNECTIONS false"); err != nil {
-			return "", err
-		}
-		if err := exec(ctx, n, "postgres",
-			"SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = $1", name); err != nil {
+		if err := seal(ctx, n, name); err != nil {
 			return "", err
 		}
 	}
@@ -175,32 +187,98 @@ func template(ctx context.Context) (string, error) {
 	return name, nil
 }
 
-// New creates a test's database on the cluster: the citus extension on
-// every node, the workers registered, idem migrated and idem_keys
-// distributed, then schema (nil for none). It is dropped on every node when
-// the test ends. Failures fail the test.
-func New(t testing.TB, schema Schema) DB {
-	t.Helper()
-	db := Empty(t)
-	ctx, cancel := context.WithTimeout(t.Context(), 3*time.Minute)
-	defer cancel()
-	pool, err := pgxpool.New(ctx, db.URL)
+// seal makes database name on n (when it exists) one that nobody is
+// connected to and that refuses connections, so that it can be copied or
+// dropped: it ends the sessions there and waits until they have gone.
+// Citus's maintenance daemon connects to every database with the
+// extension, to the coordinator's own too; a connection it opens while
+// CREATE or DROP DATABASE holds the database's lock waits for that
+// statement, which waits (5 s, then fails) for the daemon to leave.
+func seal(ctx context.Context, n Node, name string) error {
+	conn, err := pgx.Connect(ctx, urlOf(n, "postgres"))
 	if err != nil {
-		t.Fatal(err)
+		return fmt.Errorf("citustest: sealing %s on %s:%s: %w", name, n.Host, n.Port, err)
 	}
-	defer pool.Close()
-	if err := idem.Migrate(ctx, pool); err != nil {
-		t.Fatal(err)
+	defer conn.Close(context.Background())
+	var exists bool
+	err = conn.QueryRow(ctx, "SELECT EXISTS (SELECT FROM pg_database WHERE datname = $1)", name).Scan(&exists)
+	if err == nil && exists {
+		_, err = conn.Exec(ctx, "ALTER DATABASE "+ident(name)+" ALLOW_CONNECTIONS false")
 	}
-	if err := idem.Distribute(ctx, pool); err != nil {
-		t.Fatal(err)
-	}
-	if schema != nil {
-		if err := schema(ctx, pool); err != nil {
-			t.Fatalf("citustest: schema: %v", err)
+	for err == nil && exists {
+		var left int
+		err = conn.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+			WHERE datname = $1 AND pid <> pg_backend_pid()`, name).Scan(&left)
+		if err != nil || left == 0 {
+			break
+		}
+		select {
+		case <-ctx.Done():
+			err = ctx.Err()
+		case <-time.After(10 * time.Millisecond):
 		}
 	}
-	return db
+	if err != nil {
+		return fmt.Errorf("citustest: sealing %s on %s:%s: %w", name, n.Host, n.Port, err)
+	}
+	return nil
+}
+
+// make returns tp's database on the cluster, making it the first time
+// (a failure is kept: every later call returns it).
+func (tp *Template) make(ctx context.Context) (string, error) {
+	tp.mu.Lock()
+	defer tp.mu.Unlock()
+	if tp.name != "" || tp.err != nil {
+		return tp.name, tp.err
+	}
+	tp.name, tp.err = tp.build(ctx)
+	if tp.err != nil {
+		tp.name = ""
+	}
+	return tp.name, tp.err
+}
+
+func (tp *Template) build(ctx context.Context) (string, error) {
+	db, err := create(ctx, "")
+	if err != nil {
+		return "", err
+	}
+	pool, err := pgxpool.New(ctx, db.URL)
+	if err != nil {
+		return "", err
+	}
+	err = idem.Migrate(ctx, pool)
+	if err == nil {
+		err = idem.Distribute(ctx, pool)
+	}
+	if err == nil && tp.Schema != nil {
+		if err = tp.Schema(ctx, pool); err != nil {
+			err = fmt.Errorf("citustest: schema: %w", err)
+		}
+	}
+	pool.Close()
+	if err != nil {
+		return "", fmt.Errorf("citustest: template: %w", err)
+	}
+	for _, n := range nodes() {
+		if err := seal(ctx, n, db.Name); err != nil {
+			return "", err
+		}
+	}
+	return db.Name, nil
+}
+
+// New creates a test's database on the cluster, a copy of tpl's on every
+// node (nil: idem migrated and idem_keys distributed, no schema of the
+// test's). It is dropped on every node when the test ends. Failures fail
+// the test.
+func New(t testing.TB, tpl *Template) DB {
+	t.Helper()
+	if tpl == nil {
+		tpl = migrated
+	}
+	return newDB(t, tpl)
 }
 
 // Empty creates a test's database on the cluster, the citus extension on
@@ -208,12 +286,24 @@ func New(t testing.TB, schema Schema) DB {
 // dropped on every node when the test ends. Failures fail the test.
 func Empty(t testing.TB) DB {
 	t.Helper()
+	return newDB(t, nil)
+}
+
+func newDB(t testing.TB, tpl *Template) DB {
+	t.Helper()
 	if err := cluster(); err != nil {
 		t.Fatal(err)
 	}
 	ctx, cancel := context.WithTimeout(t.Context(), 3*time.Minute)
 	defer cancel()
-	db, err := create(ctx)
+	from := ""
+	if tpl != nil {
+		var err error
+		if from, err = tpl.make(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	db, err := create(ctx, from)
 	if db.Name != "" {
 		t.Cleanup(func() { drop(db.Name) })
 	}
@@ -223,21 +313,42 @@ func Empty(t testing.TB) DB {
 	return db
 }
 
-// create copies the template on every node and registers the workers.
-func create(ctx context.Context) (DB, error) {
+// create copies database from on every node ("": the template with the
+// extension, then registers the workers; a copy of a Template has them
+// registered already).
+func create(ctx context.Context, from string) (DB, error) {
 	tplMu.Lock()
 	defer tplMu.Unlock()
-	tpl, err := template(ctx)
-	if err != nil {
-		return DB{}, err
+	register := from == ""
+	if register {
+		var err error
+		if from, err = template(ctx); err != nil {
+			return DB{}, err
+		}
 	}
 	db := DB{Name: "idemcitus_" + randomHex()}
 	db.URL = urlOf(coordinator, db.Name)
-	for _, n := range nodes() {
-		if err := exec(ctx, n, "postgres", "CREATE DATABASE "+ident(db.Name)+" TEMPLATE "+ident(tpl)); err != nil {
-			return db, fmt.Errorf("citustest: database on %s:%s: %w", n.Host, n.Port, err)
-		}
-		track(db.Name, true)
+	// On every node at once (each a server of its own).
+	track(db.Name, true)
+	all := nodes()
+	errs := make([]error, len(all))
+	var wg sync.WaitGroup
+	for i, n := range all {
+		wg.Go(func() {
+			if err := exec(ctx, n, "postgres", "CREATE DATABASE "+ident(db.Name)+" TEMPLATE "+ident(from)); err != nil {
+				errs[i] = fmt.Errorf("citustest: database on %s:%s: %w", n.Host, n.Port, err)
+			}
+		})
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return db, err
+	}
+	for _, w := range workers {
+		db.Workers = append(db.Workers, urlOf(w, db.Name))
+	}
+	if !register {
+		return db, nil
 	}
 	conn, err := pgx.Connect(ctx, db.URL)
 	if err != nil {
@@ -253,21 +364,30 @@ func create(ctx context.Context) (DB, error) {
 		if _, err := conn.Exec(ctx, "SELECT citus_add_node($1, $2)", w.Host, port); err != nil {
 			return db, fmt.Errorf("citustest: adding worker %s:%s: %w", w.Host, w.Port, err)
 		}
-		db.Workers = append(db.Workers, urlOf(w, db.Name))
 	}
 	return db, nil
 }
 
-// drop drops database name on every node, disconnecting anyone connected.
+// drop drops database name on every node, coordinator first, sealing it
+// first (see seal). It stays tracked, for cleanup to try again, when a
+// node refused.
 func drop(name string) {
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
+	dropped := true
 	for _, n := range nodes() {
-		if err := exec(ctx, n, "postgres", "DROP DATABASE IF EXISTS "+ident(name)+" WITH (FORCE)"); err != nil {
+		err := seal(ctx, n, name)
+		if err == nil {
+			err = exec(ctx, n, "postgres", "DROP DATABASE IF EXISTS "+ident(name)+" WITH (FORCE)")
+		}
+		if err != nil {
 			fmt.Fprintf(os.Stderr, "citustest: dropping %s on %s:%s: %v\n", name, n.Host, n.Port, err)
+			dropped = false
 		}
 	}
-	track(name, false)
+	if dropped {
+		track(name, false)
+	}
 }
 
 // cleanup drops what this process created and did not drop yet.

@@ -16,9 +16,13 @@ import (
 )
 
 // The driver conformance suite through a Citus coordinator: pgx, and
-// database/sql (Citus's statement forms) with pgx's stdlib and lib/pq.
+// database/sql (Citus's statement forms) with pgx's stdlib and lib/pq,
+// the three at once (and with the rest of the suite), each test on a
+// database of its own.
 func TestConformance(t *testing.T) {
+	t.Parallel()
 	t.Run("pgx", func(t *testing.T) {
+		t.Parallel()
 		drivertest.Exercise(t, drivertest.Harness[pgx.Tx, pgxdriver.Beginner]{
 			New: pgxdriver.New,
 			DB:  func(t *testing.T) pgxdriver.Beginner { return pool(t, citustest.New(t, nil).URL) },
@@ -45,6 +49,7 @@ func TestConformance(t *testing.T) {
 	})
 	for _, name := range []string{"pgx", "postgres"} {
 		t.Run("sql-"+name, func(t *testing.T) {
+			t.Parallel()
 			drivertest.Exercise(t, drivertest.Harness[*sql.Tx, *sql.DB]{
 				New: func(s driver.Settings) driver.Driver[*sql.Tx, *sql.DB] { return sqldriver.New(s, true) },
 				DB: func(t *testing.T) *sql.DB {

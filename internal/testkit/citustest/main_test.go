@@ -36,10 +36,13 @@ func orders(ctx context.Context, pool *pgxpool.Pool) error {
 	return err
 }
 
+// withOrders is the template of newDB's databases: idem's tables and orders.
+var withOrders = &citustest.Template{Schema: orders}
+
 // newDB makes a test's database with orders, and a pool on the coordinator.
 func newDB(t testing.TB) (citustest.DB, *pgxpool.Pool) {
 	t.Helper()
-	db := citustest.New(t, orders)
+	db := citustest.New(t, withOrders)
 	return db, pool(t, db.URL)
 }
 

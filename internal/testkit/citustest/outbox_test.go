@@ -1,9 +1,12 @@
 package citustest_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -16,7 +19,8 @@ import (
 // On Citus, Distribute shards the outbox by destination (the attempt log
 // co-located); an event published with a request's writes is delivered
 // once by two relays at once, a failed one is sent again by RetryEvent,
-// and delivered events are pruned after the TTL.
+// and delivered events are pruned after the TTL, by both relays without a
+// prune failing (they pick the same batches and wait for each other).
 func TestOutbox(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -37,9 +41,11 @@ func TestOutbox(t *testing.T) {
 		}
 		return nil
 	})
+	var logged lockedBuffer
+	log := slog.New(slog.NewTextHandler(&logged, nil))
 	for range 2 {
 		r, err := idem.NewRelay(pool(t, p.Config().ConnString()), idem.RelayOptions{Sender: sender, BatchSize: 7, Workers: 3,
-			PollInterval: 10 * time.Millisecond, TTL: 50 * time.Millisecond})
+			PollInterval: 10 * time.Millisecond, TTL: 50 * time.Millisecond, Logger: log})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -114,4 +120,25 @@ func TestOutbox(t *testing.T) {
 	if sends["poison"] != 2 {
 		t.Fatalf("poison sent %d times, want 2", sends["poison"])
 	}
+	if out := logged.String(); strings.Contains(out, "prune failed") {
+		t.Fatalf("a relay's prune failed:\n%s", out)
+	}
+}
+
+// lockedBuffer is a bytes.Buffer that goroutines write to at once.
+type lockedBuffer struct {
+	mu sync.Mutex
+	b  bytes.Buffer
+}
+
+func (l *lockedBuffer) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.Write(p)
+}
+
+func (l *lockedBuffer) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
 }
