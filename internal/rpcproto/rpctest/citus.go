@@ -34,7 +34,7 @@ func RunCitus(t *testing.T, tr Transport) {
 		t.Run(d.Name, func(t *testing.T) {
 			t.Parallel()
 			ctx := t.Context()
-			cdb := citustest.New(t, citusTransfers)
+			cdb := citustest.New(t, citusTemplate)
 			db := d.Open(t, cdb.URL)
 			check := d.pool(t, cdb.URL)
 			count := func(query string) int {
@@ -87,6 +87,11 @@ func RunCitus(t *testing.T, tr Transport) {
 		})
 	}
 }
+
+// citusTemplate is the database RunCitus's tests copy: idem's tables and
+// citusTransfers. (Without citustest.Main in these test processes, the
+// template itself stays on the cluster, which .ci/citus throws away.)
+var citusTemplate = &citustest.Template{Schema: citusTransfers}
 
 // citusTransfers is the transfers table of RunCitus's handler: distributed
 // by actor and co-located with idem_keys, so a call's key and its write

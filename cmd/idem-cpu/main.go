@@ -1,0 +1,199 @@
+// Command idem-cpu measures the CPU time one call costs, on the client (this
+// process, getrusage) and on the server (the backends serving the calls,
+// read from /proc: only when PostgreSQL runs on this machine), for fresh
+// Do, fresh DoInTx and replays. Unlike throughput, CPU time per call moves
+// little with the machine's other load, so two builds can be compared on a
+// shared machine: it uses only idem's public API, so the same file builds
+// in an older tree (copy the folder there; docs/benchmarks.md, "Issue 30:
+// where the time went").
+//
+//	go run ./cmd/idem-cpu -calls 6000 -rounds 3
+package main
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+
+	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
+	"github.com/pgidem/idem"
+)
+
+// replayKeys is how many completed keys the replays draw from.
+const replayKeys = 2000
+
+func main() {
+	admin := flag.String("db", cmp.Or(os.Getenv("DATABASE_URL"), "postgres://postgres@127.0.0.1:5432/postgres"),
+		"admin connection URL (a role that may create databases)")
+	name := flag.String("database", "idem_cpu", "name of the database to recreate and drop")
+	calls := flag.Int("calls", 6000, "measured calls per workload and round")
+	workers := flag.Int("workers", 8, "concurrent callers, each with a connection of its own")
+	rounds := flag.Int("rounds", 1, "rounds; each runs do, doInTx and replay in turn")
+	flag.Parse()
+	if *calls < 1 || *workers < 1 || *rounds < 1 {
+		fmt.Fprintln(os.Stderr, "idem-cpu: -calls, -workers and -rounds must be positive")
+		os.Exit(2)
+	}
+	if err := run(context.Background(), *admin, *name, *calls, *workers, *rounds); err != nil {
+		fmt.Fprintln(os.Stderr, "idem-cpu:", err)
+		os.Exit(1)
+	}
+}
+
+func run(ctx context.Context, adminURL, name string, calls, workers, rounds int) error {
+	admin, err := pgx.Connect(ctx, adminURL)
+	if err != nil {
+		return err
+	}
+	defer admin.Close(ctx)
+	db := pgx.Identifier{name}.Sanitize()
+	if _, err := admin.Exec(ctx, "DROP DATABASE IF EXISTS "+db+" WITH (FORCE)"); err != nil {
+		return err
+	}
+	if _, err := admin.Exec(ctx, "CREATE DATABASE "+db); err != nil {
+		return err
+	}
+	defer admin.Exec(context.WithoutCancel(ctx), "DROP DATABASE IF EXISTS "+db+" WITH (FORCE)") //nolint:errcheck
+
+	cfg, err := pgxpool.ParseConfig(adminURL)
+	if err != nil {
+		return err
+	}
+	cfg.ConnConfig.Database = name
+	cfg.MaxConns, cfg.MinConns = int32(workers), int32(workers)
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		return err
+	}
+	defer pool.Close()
+	if err := idem.Migrate(ctx, pool); err != nil {
+		return err
+	}
+
+	scope := idem.Scope{Actor: "acct_1", Operation: "charge"}
+	fp := idem.Fingerprint{1}
+	fn := func(context.Context, pgx.Tx) (idem.Response, error) {
+		return idem.Response{Status: 201, Body: []byte(`{"id":"ch_1","amount":100,"currency":"EUR"}`)}, nil
+	}
+	for i := range replayKeys {
+		if _, err := idem.DoInTx(ctx, pool, scope, fmt.Sprint("replay-", i), fp, fn); err != nil {
+			return err
+		}
+	}
+	if _, err := pool.Exec(ctx, "VACUUM ANALYZE idem_keys"); err != nil {
+		return err
+	}
+
+	var fresh atomic.Int64 // every fresh call's key is new
+	workloads := []struct {
+		name string
+		call func(i int64) error
+	}{
+		{"do", func(int64) error {
+			return pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+				_, err := idem.Do(ctx, tx, scope, fmt.Sprint("fresh-", fresh.Add(1)), fp, fn)
+				return err
+			})
+		}},
+		{"doInTx", func(int64) error {
+			_, err := idem.DoInTx(ctx, pool, scope, fmt.Sprint("fresh-", fresh.Add(1)), fp, fn)
+			return err
+		}},
+		{"replay", func(i int64) error {
+			res, err := idem.DoInTx(ctx, pool, scope, fmt.Sprint("replay-", i%replayKeys), fp, fn)
+			if err == nil && !res.Replayed {
+				err = errors.New("a replay ran fn")
+			}
+			return err
+		}},
+	}
+	fmt.Printf("CPU per call (µs), %d calls on %d workers; server: the backends' user+system time from /proc\n", calls, workers)
+	for round := 1; round <= rounds; round++ {
+		for _, w := range workloads {
+			if err := callAll(workers, calls/10+1, w.call); err != nil { // warm every connection's statement cache
+				return err
+			}
+			backends, err := backendPIDs(ctx, admin, name)
+			if err != nil {
+				return err
+			}
+			s0, c0 := serverCPU(backends), clientCPU()
+			if err := callAll(workers, calls, w.call); err != nil {
+				return fmt.Errorf("%s: %w", w.name, err)
+			}
+			s1, c1 := serverCPU(backends), clientCPU()
+			server := "n/a (server not on this machine)"
+			if s0 >= 0 && s1 >= 0 {
+				server = fmt.Sprintf("%6.1f", float64(s1-s0)/float64(calls)/1e3)
+			}
+			fmt.Printf("round %d  %-7s server %s  client %6.1f\n", round, w.name, server, float64(c1-c0)/float64(calls)/1e3)
+		}
+	}
+	return nil
+}
+
+// callAll makes n calls on workers goroutines, numbered from 1.
+func callAll(workers, n int, call func(i int64) error) error {
+	var next atomic.Int64
+	var wg sync.WaitGroup
+	errs := make([]error, workers)
+	for w := range workers {
+		wg.Go(func() {
+			for i := next.Add(1); i <= int64(n); i = next.Add(1) {
+				if err := call(i); err != nil {
+					errs[w] = err
+					return
+				}
+			}
+		})
+	}
+	wg.Wait()
+	return errors.Join(errs...)
+}
+
+// backendPIDs are the server processes of the benchmark's connections.
+func backendPIDs(ctx context.Context, admin *pgx.Conn, name string) ([]int, error) {
+	rows, err := admin.Query(ctx, "SELECT pid FROM pg_stat_activity WHERE datname = $1", name)
+	if err != nil {
+		return nil, err
+	}
+	return pgx.CollectRows(rows, pgx.RowTo[int])
+}
+
+// serverCPU is the user and system time of pids in nanoseconds, read from
+// /proc/PID/stat (fields 14 and 15, in clock ticks of 10 ms); -1 when one
+// cannot be read (the server runs elsewhere).
+func serverCPU(pids []int) int64 {
+	var total int64
+	for _, pid := range pids {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+		if err != nil {
+			return -1
+		}
+		s := string(b)
+		f := strings.Fields(s[strings.LastIndexByte(s, ')')+2:]) // fields from the third on
+		user, err1 := strconv.ParseInt(f[11], 10, 64)
+		sys, err2 := strconv.ParseInt(f[12], 10, 64)
+		if err1 != nil || err2 != nil {
+			return -1
+		}
+		total += (user + sys) * 10_000_000
+	}
+	return total
+}
+
+// clientCPU is this process's user and system time in nanoseconds.
+func clientCPU() int64 {
+	var r syscall.Rusage
+	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &r)
+	return r.Utime.Nano() + r.Stime.Nano()
+}
