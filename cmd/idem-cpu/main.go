@@ -81,8 +81,9 @@ func run(ctx context.Context, adminURL, name string, calls, workers, rounds int)
 
 	scope := idem.Scope{Actor: "acct_1", Operation: "charge"}
 	fp := idem.Fingerprint{1}
+	header := map[string][]string{"Content-Type": {"application/json"}} // stored and replayed, as a service's
 	fn := func(context.Context, pgx.Tx) (idem.Response, error) {
-		return idem.Response{Status: 201, Body: []byte(`{"id":"ch_1","amount":100,"currency":"EUR"}`)}, nil
+		return idem.Response{Status: 201, Header: header, Body: []byte(`{"id":"ch_1","amount":100,"currency":"EUR"}`)}, nil
 	}
 	for i := range replayKeys {
 		if _, err := idem.DoInTx(ctx, pool, scope, fmt.Sprint("replay-", i), fp, fn); err != nil {
