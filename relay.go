@@ -516,18 +516,21 @@ func (r *Relay) fastPath(ctx context.Context) bool {
 }
 
 // fastCycle is the path for fast senders, while every send ends within
-// fastBound. On a connection of its own, one transaction per batch: it
-// records the attempts of done and locks up to n due events (EventLock: no
-// write; other relays skip them), hands them to the workers, and once
-// every send ended records their attempts (one write per event) and
-// commits. While each batch is full and its sends end in time, the commit
-// of a batch and the lock of the next go in one pipeline (one round trip a
-// batch). When fastBound passes with sends still running, it gives them a
-// lease (EventLeaseLocked) and commits: they go on under the lease, and
-// an event no worker took yet is left unwritten, due again at once. It
-// returns whether the last lock took n events (more may be due) and how
-// many sends are still out with the workers (their results come back on
-// results, to be recorded as the lease path records them).
+// fastBound. On a connection of its own, one transaction for up to two
+// batches: it records the attempts of done and locks up to n due events
+// (EventLock: no write; other relays skip them), hands them to the
+// workers, and once every send ended records their attempts (one write
+// per event) and commits. While the batches are full and their sends end
+// in time, the database works while the workers send: the first batch's
+// sends run while the next batch is locked in the same transaction, and
+// the second batch's while the first's attempts are recorded; then the
+// second's records, the COMMIT and the next transaction's lock go in one
+// pipeline. When fastBound passes with sends still running, it gives them
+// a lease (EventLeaseLocked) and commits: they go on under the lease, and
+// an event no worker took yet (or of a batch locked ahead) is left
+// unwritten, due again at once. It returns whether more events may be due
+// and how many sends are still out with the workers (their results come
+// back on results, to be recorded as the lease path records them).
 //
 // When a transaction fails (its connection broke: the locks are gone), the
 // sends still running are cut (their ctx ends) and awaited, and the
@@ -570,38 +573,56 @@ func (r *Relay) fastCycle(ctx context.Context, done []*claimed, n int, jobs chan
 		conn.Release()
 	}
 	defer release()
-
-	var p fastPipeline
-	p.begin(r, done, n)
-	var fb *fastBatch // the batch whose transaction is open
-	for {
-		start := time.Now()
+	// send sends q on conn and returns the reading of its results, which
+	// must come before anything else is sent on conn.
+	send := func(q *fastPipeline) func() error {
 		pctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), max(stopGrace, r.opts.AttemptTimeout))
 		stop := func() bool { return false }
-		if p.lock {
+		if q.lock {
 			// The records land whatever ctx does, the lock ends with it.
 			stop = context.AfterFunc(lctx, cancel)
 		}
 		open = true
-		err := p.run(pctx, conn)
-		stop()
-		cancel()
-		if !p.committed {
-			// The previous batch's transaction is gone, its locks, records
-			// and leases with it: cut the sends still running, wait for
-			// them (before any new claim, which would number its attempt
-			// as theirs), and record them all on their own.
-			if fb != nil {
-				fb.cancel()
-			}
-			recs := append(append([]*claimed(nil), p.landing...), p.inTx...)
-			for range p.running {
-				recs = append(recs, <-results)
-			}
-			release()
-			recordAlone(recs)
-			return false, 0, err
+		br := q.send(pctx, conn)
+		return func() error {
+			err := q.read(br)
+			stop()
+			cancel()
+			return err
 		}
+	}
+
+	var p fastPipeline
+	p.begin(r, done, n)
+	var fb *fastBatch      // the batch being sent
+	var earlier []*claimed // the attempts recorded in the open transaction by the pipelines read already
+	var running []*claimed // the sends of fb that outlived fastBound
+	// lost ends the cycle when the open transaction failed: its locks,
+	// records and leases are gone. It cuts the sends still running, waits
+	// for them (before any new claim, which would number its attempt as
+	// theirs), and records them all on their own, with every attempt of
+	// the transaction.
+	lost := func(err error, recs []*claimed) (bool, int, error) {
+		if fb != nil {
+			fb.cancel()
+		}
+		recs = append(append([]*claimed(nil), earlier...), recs...)
+		for range running {
+			recs = append(recs, <-results)
+		}
+		release()
+		recordAlone(recs)
+		return false, 0, err
+	}
+	for {
+		start := time.Now()
+		err := send(&p)()
+		if !p.committed {
+			// The open transaction's COMMIT did not land.
+			running = p.running
+			return lost(err, append(p.landing, p.inTx...))
+		}
+		earlier = p.inTx
 		if fb != nil {
 			for _, c := range p.running {
 				if l, found := p.leased[[2]string{c.ev.Destination, c.ev.ID}]; found {
@@ -618,60 +639,105 @@ func (r *Relay) fastCycle(ctx context.Context, done []*claimed, n int, jobs chan
 			open = false
 			return p.full, len(p.running), nil
 		}
-		locked := len(p.events)
-		if locked == 0 {
-			p.end(r, nil, nil)
-			continue
-		}
 
-		fb = &fastBatch{done: make(chan struct{})}
-		fb.ctx, fb.cancel = context.WithCancel(ctx)
-		fb.left.Store(int32(locked))
-		batch := make([]*claimed, locked)
-		for i := range p.events {
-			c := &p.events[i]
-			c.fast, c.batch = true, fb
-			// The lease written for a send that outlives fastBound ends
-			// later than this.
-			c.leaseEnd = start.Add(r.opts.Lease)
-			batch[i] = c
-		}
-		handOut(jobs, batch, r.opts.Workers)
-
-		// Wait for the sends, up to fastBound, then sort them: a send that
-		// ended is recorded, one still running gets a lease, an event no
-		// worker took is dropped (left unwritten: due again at once).
-		bound := time.NewTimer(r.fastBound)
-		select {
-		case <-fb.done:
-		case <-bound.C:
-		}
-		bound.Stop()
-		recs := make([]*claimed, 0, len(batch))
-		var running []*claimed
-		all := true // every event was sent (or refused) within the bound
-		for _, c := range batch {
-			for {
-				st := c.state.Load()
-				if st == finished {
-					recs = append(recs, c)
-				} else if st == queued && c.state.CompareAndSwap(queued, dropped) {
-					all = false
-				} else if st == sending && c.state.CompareAndSwap(sending, leased) {
-					running = append(running, c)
-					all = false
-				} else {
-					continue // it moved on meanwhile
-				}
+		// The batches of the open transaction: the one p locked, and the
+		// one locked ahead while its sends ran.
+		events := p.events
+		second := false
+		var records func() error // reads the first batch's records, sent during the second's sends
+		var recorded []*claimed  // their attempts
+		for {
+			locked := len(events)
+			if locked == 0 {
+				p.end(r, nil, nil)
 				break
 			}
+			fb = &fastBatch{done: make(chan struct{})}
+			fb.ctx, fb.cancel = context.WithCancel(ctx)
+			fb.left.Store(int32(locked))
+			batch := make([]*claimed, locked)
+			for i := range events {
+				c := &events[i]
+				c.fast, c.batch = true, fb
+				// The lease written for a send that outlives fastBound
+				// ends later than this.
+				c.leaseEnd = start.Add(r.opts.Lease)
+				batch[i] = c
+			}
+			handOut(jobs, batch, r.opts.Workers)
+			var ahead *fastPipeline
+			var lockAhead func() error
+			if !second && locked == n && ctx.Err() == nil {
+				ahead = &fastPipeline{}
+				ahead.lockAhead(n, batch)
+				lockAhead = send(ahead)
+			}
+
+			// Wait for the sends, up to fastBound, then sort them: a send
+			// that ended is recorded, one still running gets a lease, an
+			// event no worker took is dropped (left unwritten: due again
+			// at once).
+			bound := time.NewTimer(r.fastBound)
+			select {
+			case <-fb.done:
+			case <-bound.C:
+			}
+			bound.Stop()
+			recs := make([]*claimed, 0, len(batch))
+			running = nil
+			all := true // every event was sent (or refused) within the bound
+			for _, c := range batch {
+				for {
+					st := c.state.Load()
+					if st == finished {
+						recs = append(recs, c)
+					} else if st == queued && c.state.CompareAndSwap(queued, dropped) {
+						all = false
+					} else if st == sending && c.state.CompareAndSwap(sending, leased) {
+						running = append(running, c)
+						all = false
+					} else {
+						continue // it moved on meanwhile
+					}
+					break
+				}
+			}
+			if records != nil {
+				err := records()
+				records = nil
+				if err != nil {
+					return lost(err, append(recorded, recs...))
+				}
+				earlier = append(earlier, recorded...)
+			}
+			if lockAhead != nil {
+				if err := lockAhead(); err != nil {
+					return lost(err, recs)
+				}
+			}
+			more := locked == n // more events may be due
+			if ahead != nil {
+				more = len(ahead.events) > 0
+			}
+			if all && ctx.Err() == nil && ahead != nil && len(ahead.events) > 0 {
+				// Record this batch while the next one's sends run.
+				var q fastPipeline
+				q.reset()
+				if q.records(r, recs, true); q.b.Len() > 0 {
+					recorded, records = recs, send(&q)
+				}
+				events, second = ahead.events, true
+				start = time.Now()
+				continue
+			}
+			if all && ctx.Err() == nil && more && ahead == nil {
+				p.chain(r, recs, n)
+			} else {
+				p.end(r, recs, running)
+				p.full = more
+			}
+			break
 		}
-		if !all || locked < n || ctx.Err() != nil {
-			p.end(r, recs, running)
-			p.full = locked == n
-			continue
-		}
-		p.chain(r, recs, n)
 	}
 }
 
@@ -755,15 +821,33 @@ func (p *fastPipeline) chain(r *Relay, recs []*claimed, n int) {
 	p.lock, p.n = true, n
 }
 
-// run sends the pipeline on conn and reads its results.
-func (p *fastPipeline) run(ctx context.Context, conn *pgxpool.Conn) error {
+// lockAhead is a pipeline of EventLockAhead alone, in the open
+// transaction, which holds the locks of batch.
+func (p *fastPipeline) lockAhead(n int, batch []*claimed) {
+	p.reset()
+	skip := make([]string, len(batch))
+	for i, c := range batch {
+		skip[i] = c.version
+	}
+	p.queue(stepLock, db.EventLockAhead, skip, int32(n))
+	p.lock, p.n = true, n
+}
+
+// send sends the pipeline on conn; read reads its results, before anything
+// else is sent on conn.
+func (p *fastPipeline) send(ctx context.Context, conn *pgxpool.Conn) pgx.BatchResults {
 	for _, s := range p.steps {
 		if s == stepCommit {
 			p.committed = false
 		}
 	}
 	p.leased = map[[2]string]db.EventLeaseLockedRow{}
-	return readBatch(conn.SendBatch(ctx, &p.b), func(br pgx.BatchResults) error {
+	return conn.SendBatch(ctx, &p.b)
+}
+
+// read reads the results of the pipeline that send sent.
+func (p *fastPipeline) read(br pgx.BatchResults) error {
+	return readBatch(br, func(br pgx.BatchResults) error {
 		for _, s := range p.steps {
 			switch s {
 			case stepExec:

@@ -530,11 +530,17 @@ func TestEventClaimUsesTheDueIndex(t *testing.T) {
 		t.Fatal(err)
 	}
 	var plan []string
-	// The lease path's claim and the fast path's lock.
+	// The lease path's claim and the fast path's locks (the one ahead
+	// leaving out the 100 row versions of the batch before).
+	var skip []string
+	for i := range 100 {
+		skip = append(skip, fmt.Sprintf("(%d,%d)", i/50, i%50+1))
+	}
 	for _, q := range []struct {
 		sql  string
 		args []any
-	}{{db.EventClaim, []any{int64(time.Minute / time.Microsecond), int32(100)}}, {db.EventLock, []any{int32(100)}}} {
+	}{{db.EventClaim, []any{int64(time.Minute / time.Microsecond), int32(100)}}, {db.EventLock, []any{int32(100)}},
+		{db.EventLockAhead, []any{skip, int32(100)}}} {
 		rows, err := pool.Query(ctx, "EXPLAIN "+q.sql, q.args...)
 		if err == nil {
 			plan, err = pgx.CollectRows(rows, pgx.RowTo[string])

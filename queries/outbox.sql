@@ -65,6 +65,20 @@ ORDER BY next_attempt_at
 LIMIT sqlc.arg(max_rows)::integer
 FOR UPDATE SKIP LOCKED;
 
+-- EventLock again in the same transaction, for the batch a relay locks
+-- while the previous batch's sends run (Relay's fastCycle): a transaction
+-- does not skip the rows it locked itself, so the previous batch's events
+-- (@skip, their row versions, still pending until recorded) are left out.
+-- name: EventLockAhead :many
+SELECT destination, id, topic, payload, coalesce(header::text, '')::text AS header, attempts + 1 AS attempts, retry_from, claim,
+       ctid::text AS row_version
+FROM idem_events
+WHERE status = 'pending' AND next_attempt_at <= now() AND (lease_until IS NULL OR lease_until <= now())
+  AND NOT (ctid = ANY (sqlc.arg(skip)::text[]::tid[]))
+ORDER BY next_attempt_at
+LIMIT sqlc.arg(max_rows)::integer
+FOR UPDATE SKIP LOCKED;
+
 -- Gives the events that EventLock locked, and whose sends still run, a
 -- lease, as EventClaim would have (one more attempt, a new token), in the
 -- transaction that locked them: when it commits, the sends go on under the
