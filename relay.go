@@ -885,14 +885,15 @@ func (p *fastPipeline) read(br pgx.BatchResults) error {
 				if err != nil {
 					return err
 				}
-				// Scanned straight into the batch's events (grown by
-				// copying: none is handed out yet).
+				// Scanned straight into the batch's events: room for a
+				// whole batch up to 128 at the first row (none at idle),
+				// grown by copying beyond (none is handed out yet).
 				p.events = nil
 				k := 0
 				var row db.EventLockRow
 				for qr.Next() {
 					if k == len(p.events) {
-						grown := make([]claimed, min(p.n, max(16, 2*k)))
+						grown := make([]claimed, min(p.n, max(128, 2*k)))
 						if k == len(grown) {
 							qr.Close()
 							return fmt.Errorf("EventLock returned more than %d events", p.n)
