@@ -708,7 +708,7 @@ func (r *Relay) fastCycle(ctx context.Context, done []*claimed, n int, jobs chan
 				if err != nil {
 					return lost(err, append(recorded, recs...))
 				}
-				earlier = append(earlier, recorded...)
+				earlier = append(earlier[:len(earlier):len(earlier)], recorded...) // not into done's array
 			}
 			if lockAhead != nil {
 				if err := lockAhead(); err != nil {
