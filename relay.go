@@ -227,23 +227,38 @@ type claimed struct {
 	// was written.
 	fast     bool
 	batch    *fastBatch
-	state    atomic.Int32 // queued, sending or dropped
+	state    atomic.Int32 // queued, sending, finished, leased or dropped
 	lostLock bool         // batch's transaction failed while the send ran: the send was cut
 }
 
-// The states of a claimed event with the workers.
+// The states of a claimed event with the workers. An event of the lease
+// path goes from queued to sending, and back on results. An event of a
+// fast batch that a worker took ends finished (its batch reads it) or,
+// when fastBound passed first, leased (back on results, as the lease
+// path's); one that no worker took by then is dropped.
 const (
-	queued  int32 = iota // in jobs
-	sending              // a worker took it
-	dropped              // a fast batch gave it up before any worker took it
+	queued   int32 = iota // in a work, not taken yet
+	sending               // a worker took it
+	finished              // a fast batch's send ended within fastBound
+	leased                // a fast batch's send outlived fastBound: it got a lease
+	dropped               // a fast batch gave it up before any worker took it
 )
+
+// work is a claimed batch handed to the workers as one slice: each worker
+// that receives it takes its events one at a time, by next, until none is
+// left, so a batch costs a channel send per worker rather than per event.
+type work struct {
+	items []*claimed
+	next  atomic.Int32
+}
 
 // fastBatch is the events a fast batch locked: ctx ends when the batch's
 // transaction fails (cutting the sends still running) or when every send
-// ended.
+// ended; done is closed when every event's send ended (or it was dropped).
 type fastBatch struct {
 	ctx    context.Context
 	cancel context.CancelFunc
+	done   chan struct{}
 	left   atomic.Int32 // sends not yet ended (or dropped)
 }
 
@@ -270,10 +285,11 @@ func (r *Relay) Run(ctx context.Context) error {
 		default:
 		}
 	}
-	// Both channels hold every claimed event at once (at most BatchSize
-	// plus Workers - 1): neither the loop nor a worker ever blocks on them.
+	// results holds every claimed event at once (at most BatchSize plus
+	// Workers - 1), jobs at most Workers copies of each batch and so no more
+	// than its events: neither the loop nor a worker ever blocks on them.
 	capacity := r.opts.BatchSize + r.opts.Workers
-	jobs := make(chan *claimed, capacity)
+	jobs := make(chan *work, capacity)
 	results := make(chan *claimed, capacity)
 	unsent := 0 // claimed, not yet back from a worker
 	var wg sync.WaitGroup
@@ -284,14 +300,27 @@ func (r *Relay) Run(ctx context.Context) error {
 	var workers sync.WaitGroup
 	for range r.opts.Workers {
 		workers.Go(func() {
-			for c := range jobs {
-				if c.state.CompareAndSwap(queued, sending) {
-					r.send(ctx, c)
-					results <- c
-					signal()
-				}
-				if c.batch != nil && c.batch.left.Add(-1) == 0 {
-					c.batch.cancel()
+			for w := range jobs {
+				for {
+					i := int(w.next.Add(1)) - 1
+					if i >= len(w.items) {
+						break
+					}
+					c := w.items[i]
+					if c.state.CompareAndSwap(queued, sending) {
+						r.send(ctx, c)
+						// A fast batch reads its finished sends itself; a
+						// send it gave a lease comes back as the lease
+						// path's.
+						if c.batch == nil || !c.state.CompareAndSwap(sending, finished) {
+							results <- c
+							signal()
+						}
+					}
+					if c.batch != nil && c.batch.left.Add(-1) == 0 {
+						close(c.batch.done)
+						c.batch.cancel()
+					}
 				}
 			}
 		})
@@ -338,9 +367,7 @@ func (r *Relay) Run(ctx context.Context) error {
 			}
 			done = done[:0]
 			unsent += len(batch)
-			for _, c := range batch {
-				jobs <- c
-			}
+			handOut(jobs, batch, r.opts.Workers)
 			if n > 0 && len(batch) == n && err == nil {
 				continue // more may be due
 			}
@@ -365,6 +392,17 @@ func (r *Relay) Run(ctx context.Context) error {
 	}
 	wg.Wait()
 	return ctx.Err()
+}
+
+// handOut gives batch to up to workers workers, as one work.
+func handOut(jobs chan<- *work, batch []*claimed, workers int) {
+	if len(batch) == 0 {
+		return
+	}
+	w := &work{items: batch}
+	for range min(workers, len(batch)) {
+		jobs <- w
+	}
 }
 
 // drain appends to done the results waiting in results, without blocking.
@@ -402,7 +440,7 @@ func (r *Relay) cycle(ctx context.Context, done []*claimed, n int) ([]*claimed, 
 		return nil, err
 	}
 	var b pgx.Batch
-	if err := r.queueRecords(&b, done, citus); err != nil {
+	if err := r.queueRecords(&b, done, citus, false); err != nil {
 		return nil, err
 	}
 	records := b.Len()
@@ -478,24 +516,27 @@ func (r *Relay) fastPath(ctx context.Context) bool {
 }
 
 // fastCycle is the path for fast senders, while every send ends within
-// fastBound. On a connection of its own, one transaction per batch: it
-// records the attempts of done and locks up to n due events (EventLock: no
-// write; other relays skip them), hands them to the workers, and once
-// every send ended records their attempts (one write per event) and
-// commits. While each batch is full and its sends end in time, the commit
-// of a batch and the lock of the next go in one pipeline (one round trip a
-// batch). When fastBound passes with sends still running, it gives them a
-// lease (EventLeaseLocked) and commits: they go on under the lease, and
-// an event no worker took yet is left unwritten, due again at once. It
-// returns whether the last lock took n events (more may be due) and how
-// many sends are still out with the workers (their results come back on
-// results, to be recorded as the lease path records them).
+// fastBound. On a connection of its own, one transaction for up to two
+// batches: it records the attempts of done and locks up to n due events
+// (EventLock: no write; other relays skip them), hands them to the
+// workers, and once every send ended records their attempts (one write
+// per event) and commits. While the batches are full and their sends end
+// in time, the database works while the workers send: the first batch's
+// sends run while the next batch is locked in the same transaction, and
+// the second batch's while the first's attempts are recorded; then the
+// second's records, the COMMIT and the next transaction's lock go in one
+// pipeline. When fastBound passes with sends still running, it gives them
+// a lease (EventLeaseLocked) and commits: they go on under the lease, and
+// an event no worker took yet (or of a batch locked ahead) is left
+// unwritten, due again at once. It returns whether more events may be due
+// and how many sends are still out with the workers (their results come
+// back on results, to be recorded as the lease path records them).
 //
 // When a transaction fails (its connection broke: the locks are gone), the
 // sends still running are cut (their ctx ends) and awaited, and the
 // attempts are recorded on their own, each written only while its event
 // still carries the token the lock read.
-func (r *Relay) fastCycle(ctx context.Context, done []*claimed, n int, jobs chan<- *claimed, results <-chan *claimed) (bool, int, error) {
+func (r *Relay) fastCycle(ctx context.Context, done []*claimed, n int, jobs chan<- *work, results <-chan *claimed) (bool, int, error) {
 	// The locks end with ctx; the records land whatever ctx does.
 	lctx, lcancel := context.WithCancel(ctx)
 	defer lcancel()
@@ -532,38 +573,56 @@ func (r *Relay) fastCycle(ctx context.Context, done []*claimed, n int, jobs chan
 		conn.Release()
 	}
 	defer release()
-
-	var p fastPipeline
-	p.begin(r, done, n)
-	var fb *fastBatch // the batch whose transaction is open
-	for {
-		start := time.Now()
+	// send sends q on conn and returns the reading of its results, which
+	// must come before anything else is sent on conn.
+	send := func(q *fastPipeline) func() error {
 		pctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), max(stopGrace, r.opts.AttemptTimeout))
 		stop := func() bool { return false }
-		if p.lock {
+		if q.lock {
 			// The records land whatever ctx does, the lock ends with it.
 			stop = context.AfterFunc(lctx, cancel)
 		}
 		open = true
-		err := p.run(pctx, conn)
-		stop()
-		cancel()
-		if !p.committed {
-			// The previous batch's transaction is gone, its locks, records
-			// and leases with it: cut the sends still running, wait for
-			// them (before any new claim, which would number its attempt
-			// as theirs), and record them all on their own.
-			if fb != nil {
-				fb.cancel()
-			}
-			recs := append(append([]*claimed(nil), p.landing...), p.inTx...)
-			for range p.running {
-				recs = append(recs, <-results)
-			}
-			release()
-			recordAlone(recs)
-			return false, 0, err
+		br := q.send(pctx, conn)
+		return func() error {
+			err := q.read(br)
+			stop()
+			cancel()
+			return err
 		}
+	}
+
+	var p fastPipeline
+	p.begin(r, done, n)
+	var fb *fastBatch      // the batch being sent
+	var earlier []*claimed // the attempts recorded in the open transaction by the pipelines read already
+	var running []*claimed // the sends of fb that outlived fastBound
+	// lost ends the cycle when the open transaction failed: its locks,
+	// records and leases are gone. It cuts the sends still running, waits
+	// for them (before any new claim, which would number its attempt as
+	// theirs), and records them all on their own, with every attempt of
+	// the transaction.
+	lost := func(err error, recs []*claimed) (bool, int, error) {
+		if fb != nil {
+			fb.cancel()
+		}
+		recs = append(append([]*claimed(nil), earlier...), recs...)
+		for range running {
+			recs = append(recs, <-results)
+		}
+		release()
+		recordAlone(recs)
+		return false, 0, err
+	}
+	for {
+		start := time.Now()
+		err := send(&p)()
+		if !p.committed {
+			// The open transaction's COMMIT did not land.
+			running = p.running
+			return lost(err, append(p.landing, p.inTx...))
+		}
+		earlier = p.inTx
 		if fb != nil {
 			for _, c := range p.running {
 				if l, found := p.leased[[2]string{c.ev.Destination, c.ev.ID}]; found {
@@ -580,68 +639,105 @@ func (r *Relay) fastCycle(ctx context.Context, done []*claimed, n int, jobs chan
 			open = false
 			return p.full, len(p.running), nil
 		}
-		rows := p.rows
-		if len(rows) == 0 {
-			p.end(r, nil, nil)
-			continue
-		}
 
-		fb = &fastBatch{}
-		fb.ctx, fb.cancel = context.WithCancel(ctx)
-		fb.left.Store(int32(len(rows)))
-		batch := make([]*claimed, 0, len(rows))
-		for _, row := range rows {
-			header, err := outbox.DecodeHeader(row.Header)
-			c := &claimed{
-				ev:      Event{ID: row.ID, Topic: row.Topic, Destination: row.Destination, Payload: row.Payload, Header: header},
-				attempt: int(row.Attempts), position: int(row.Attempts - row.RetryFrom), claim: row.Claim,
-				version: row.RowVersion, fast: true, batch: fb,
+		// The batches of the open transaction: the one p locked, and the
+		// one locked ahead while its sends ran.
+		events := p.events
+		second := false
+		var records func() error // reads the first batch's records, sent during the second's sends
+		var recorded []*claimed  // their attempts
+		for {
+			locked := len(events)
+			if locked == 0 {
+				p.end(r, nil, nil)
+				break
+			}
+			fb = &fastBatch{done: make(chan struct{})}
+			fb.ctx, fb.cancel = context.WithCancel(ctx)
+			fb.left.Store(int32(locked))
+			batch := make([]*claimed, locked)
+			for i := range events {
+				c := &events[i]
+				c.fast, c.batch = true, fb
 				// The lease written for a send that outlives fastBound
 				// ends later than this.
-				leaseEnd: start.Add(r.opts.Lease),
+				c.leaseEnd = start.Add(r.opts.Lease)
+				batch[i] = c
 			}
-			if err != nil {
-				c.err = Permanent(fmt.Errorf("stored header: %w", err))
+			handOut(jobs, batch, r.opts.Workers)
+			var ahead *fastPipeline
+			var lockAhead func() error
+			if !second && locked == n && ctx.Err() == nil {
+				ahead = &fastPipeline{}
+				ahead.lockAhead(n, batch)
+				lockAhead = send(ahead)
 			}
-			batch = append(batch, c)
-			jobs <- c
-		}
 
-		// Wait for the sends, up to fastBound.
-		var recs []*claimed
-		back := 0
-		bound := time.NewTimer(r.fastBound)
-	wait:
-		for back < len(batch) {
+			// Wait for the sends, up to fastBound, then sort them: a send
+			// that ended is recorded, one still running gets a lease, an
+			// event no worker took is dropped (left unwritten: due again
+			// at once).
+			bound := time.NewTimer(r.fastBound)
 			select {
-			case c := <-results:
-				recs = append(recs, c)
-				if c.batch == fb {
-					back++
-				}
+			case <-fb.done:
 			case <-bound.C:
-				break wait
 			}
-		}
-		bound.Stop()
-		var running []*claimed
-		if back < len(batch) {
-			got := make(map[*claimed]bool, len(recs))
-			for _, c := range recs {
-				got[c] = true
-			}
+			bound.Stop()
+			recs := make([]*claimed, 0, len(batch))
+			running = nil
+			all := true // every event was sent (or refused) within the bound
 			for _, c := range batch {
-				if !got[c] && !c.state.CompareAndSwap(queued, dropped) {
-					running = append(running, c)
+				for {
+					st := c.state.Load()
+					if st == finished {
+						recs = append(recs, c)
+					} else if st == queued && c.state.CompareAndSwap(queued, dropped) {
+						all = false
+					} else if st == sending && c.state.CompareAndSwap(sending, leased) {
+						running = append(running, c)
+						all = false
+					} else {
+						continue // it moved on meanwhile
+					}
+					break
 				}
 			}
+			if records != nil {
+				err := records()
+				records = nil
+				if err != nil {
+					return lost(err, append(recorded, recs...))
+				}
+				earlier = append(earlier[:len(earlier):len(earlier)], recorded...) // not into done's array
+			}
+			if lockAhead != nil {
+				if err := lockAhead(); err != nil {
+					return lost(err, recs)
+				}
+			}
+			more := locked == n // more events may be due
+			if ahead != nil {
+				more = len(ahead.events) > 0
+			}
+			if all && ctx.Err() == nil && ahead != nil && len(ahead.events) > 0 {
+				// Record this batch while the next one's sends run.
+				var q fastPipeline
+				q.reset()
+				if q.records(r, recs, true); q.b.Len() > 0 {
+					recorded, records = recs, send(&q)
+				}
+				events, second = ahead.events, true
+				start = time.Now()
+				continue
+			}
+			if all && ctx.Err() == nil && more && ahead == nil {
+				p.chain(r, recs, n)
+			} else {
+				p.end(r, recs, running)
+				p.full = more
+			}
+			break
 		}
-		if len(running) > 0 || len(rows) < n || back < len(batch) || ctx.Err() != nil {
-			p.end(r, recs, running)
-			p.full = len(rows) == n
-			continue
-		}
-		p.chain(r, recs, n)
 	}
 }
 
@@ -657,7 +753,8 @@ type fastPipeline struct {
 	lock          bool       // ends with EventLock
 	full          bool       // the last lock took n events
 	committed     bool       // after run: the COMMIT landed (true when there was none)
-	rows          []db.EventLockRow
+	n             int        // EventLock's limit
+	events        []claimed  // what EventLock locked, in one allocation
 	leased        map[[2]string]db.EventLeaseLockedRow
 }
 
@@ -679,10 +776,11 @@ func (p *fastPipeline) queue(step int, sql string, args ...any) {
 }
 
 // records queues the records of recs; queueRecords fails only when the
-// attempts cannot be encoded, which they always can.
-func (p *fastPipeline) records(r *Relay, recs []*claimed) {
+// attempts cannot be encoded, which they always can. locked: the fast
+// events of recs are locked by the transaction the records go in.
+func (p *fastPipeline) records(r *Relay, recs []*claimed, locked bool) {
 	before := p.b.Len()
-	_ = r.queueRecords(&p.b, recs, false)
+	_ = r.queueRecords(&p.b, recs, false, locked)
 	for range p.b.Len() - before {
 		p.steps = append(p.steps, stepExec)
 	}
@@ -692,17 +790,17 @@ func (p *fastPipeline) records(r *Relay, recs []*claimed) {
 func (p *fastPipeline) begin(r *Relay, done []*claimed, n int) {
 	p.reset()
 	p.queue(stepExec, "BEGIN")
-	p.records(r, done)
+	p.records(r, done, false)
 	p.inTx = done
 	p.queue(stepLock, db.EventLock, int32(n))
-	p.lock = true
+	p.lock, p.n = true, n
 }
 
 // end ends the open transaction: the records of recs, the leases of
 // running, COMMIT.
 func (p *fastPipeline) end(r *Relay, recs, running []*claimed) {
 	p.reset()
-	p.records(r, recs)
+	p.records(r, recs, true)
 	p.landing, p.running = recs, running
 	if len(running) > 0 {
 		versions := make([]string, len(running))
@@ -720,18 +818,36 @@ func (p *fastPipeline) chain(r *Relay, recs []*claimed, n int) {
 	p.end(r, recs, nil)
 	p.queue(stepExec, "BEGIN")
 	p.queue(stepLock, db.EventLock, int32(n))
-	p.lock = true
+	p.lock, p.n = true, n
 }
 
-// run sends the pipeline on conn and reads its results.
-func (p *fastPipeline) run(ctx context.Context, conn *pgxpool.Conn) error {
+// lockAhead is a pipeline of EventLockAhead alone, in the open
+// transaction, which holds the locks of batch.
+func (p *fastPipeline) lockAhead(n int, batch []*claimed) {
+	p.reset()
+	skip := make([]string, len(batch))
+	for i, c := range batch {
+		skip[i] = c.version
+	}
+	p.queue(stepLock, db.EventLockAhead, skip, int32(n))
+	p.lock, p.n = true, n
+}
+
+// send sends the pipeline on conn; read reads its results, before anything
+// else is sent on conn.
+func (p *fastPipeline) send(ctx context.Context, conn *pgxpool.Conn) pgx.BatchResults {
 	for _, s := range p.steps {
 		if s == stepCommit {
 			p.committed = false
 		}
 	}
 	p.leased = map[[2]string]db.EventLeaseLockedRow{}
-	return readBatch(conn.SendBatch(ctx, &p.b), func(br pgx.BatchResults) error {
+	return conn.SendBatch(ctx, &p.b)
+}
+
+// read reads the results of the pipeline that send sent.
+func (p *fastPipeline) read(br pgx.BatchResults) error {
+	return readBatch(br, func(br pgx.BatchResults) error {
 		for _, s := range p.steps {
 			switch s {
 			case stepExec:
@@ -769,14 +885,43 @@ func (p *fastPipeline) run(ctx context.Context, conn *pgxpool.Conn) error {
 				if err != nil {
 					return err
 				}
-				p.rows, err = pgx.CollectRows(qr, func(row pgx.CollectableRow) (db.EventLockRow, error) {
-					var c db.EventLockRow
-					err := row.Scan(&c.Destination, &c.ID, &c.Topic, &c.Payload, &c.Header, &c.Attempts, &c.RetryFrom, &c.Claim, &c.RowVersion)
-					return c, err
-				})
-				if err != nil {
+				// Scanned straight into the batch's events: room for a
+				// whole batch up to 128 at the first row (none at idle),
+				// grown by copying beyond (none is handed out yet).
+				p.events = nil
+				k := 0
+				var row db.EventLockRow
+				for qr.Next() {
+					if k == len(p.events) {
+						grown := make([]claimed, min(p.n, max(128, 2*k)))
+						if k == len(grown) {
+							qr.Close()
+							return fmt.Errorf("EventLock returned more than %d events", p.n)
+						}
+						copy(grown, p.events)
+						p.events = grown
+					}
+					if err := qr.Scan(&row.Destination, &row.ID, &row.Topic, &row.Payload, &row.Header, &row.Attempts, &row.RetryFrom,
+						&row.Claim, &row.RowVersion); err != nil {
+						qr.Close()
+						return err
+					}
+					c := &p.events[k]
+					c.ev = Event{ID: row.ID, Topic: row.Topic, Destination: row.Destination, Payload: row.Payload}
+					c.attempt, c.position, c.claim, c.version = int(row.Attempts), int(row.Attempts-row.RetryFrom), row.Claim, row.RowVersion
+					header, err := outbox.DecodeHeader(row.Header)
+					c.ev.Header = header
+					if err != nil {
+						c.err = Permanent(fmt.Errorf("stored header: %w", err))
+					}
+					row.Payload = nil // a new one for the next row
+					k++
+				}
+				qr.Close()
+				if err := qr.Err(); err != nil {
 					return err
 				}
+				p.events = p.events[:k]
 			}
 		}
 		return nil
@@ -850,10 +995,13 @@ func (r *Relay) send(ctx context.Context, c *claimed) {
 
 // queueRecords queues in b the statements that record the attempts of
 // done: one for every attempt, and one per claimed event that was not
-// attempted (given back, due at once).
-func (r *Relay) queueRecords(b *pgx.Batch, done []*claimed, citus bool) error {
+// attempted (given back, due at once). locked: b runs in the transaction
+// that holds the locks of done's fast events, so their deliveries are
+// written without a guard's log (EventRecordLocked).
+func (r *Relay) queueRecords(b *pgx.Batch, done []*claimed, citus, locked bool) error {
 	var attempts []recordedAttempt
 	var del db.EventRecordDeliveriesParams // the deliveries, as arrays
+	var lk db.EventRecordLockedParams      // the deliveries of locked events
 	for _, c := range done {
 		if !c.sent && c.err == nil {
 			// Not attempted: due again at once, for any relay (a lock
@@ -861,6 +1009,16 @@ func (r *Relay) queueRecords(b *pgx.Batch, done []*claimed, citus bool) error {
 			if !c.fast {
 				b.Queue(db.EventRelease, c.ev.Destination, c.ev.ID, c.claim)
 			}
+			continue
+		}
+		if c.err == nil && locked && c.fast {
+			if lk.RowVersions == nil {
+				lk.RowVersions, lk.Claims, lk.Attempts = make([]string, 0, len(done)), make([]int64, 0, len(done)), make([]int32, 0, len(done))
+				lk.StartedAt, lk.DurationMicros = make([]pgtype.Timestamptz, 0, len(done)), make([]int64, 0, len(done))
+			}
+			lk.RowVersions, lk.Claims, lk.Attempts = append(lk.RowVersions, c.version), append(lk.Claims, c.claim), append(lk.Attempts, int32(c.attempt))
+			lk.StartedAt = append(lk.StartedAt, pgtype.Timestamptz{Time: c.started, Valid: true})
+			lk.DurationMicros = append(lk.DurationMicros, c.duration.Microseconds())
 			continue
 		}
 		status, delay := r.outcome(c)
@@ -916,6 +1074,9 @@ func (r *Relay) queueRecords(b *pgx.Batch, done []*claimed, citus bool) error {
 	if len(del.Ids) > 0 {
 		b.Queue(db.EventRecordDeliveries, del.Destinations, del.Ids, del.Claims, del.RowVersions, del.Attempts, del.StartedAt,
 			del.DurationMicros, r.opts.TTL.Microseconds())
+	}
+	if len(lk.RowVersions) > 0 {
+		b.Queue(db.EventRecordLocked, lk.RowVersions, lk.Claims, lk.Attempts, lk.StartedAt, lk.DurationMicros, r.opts.TTL.Microseconds())
 	}
 	return nil
 }

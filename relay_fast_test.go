@@ -183,3 +183,80 @@ func TestRelayFastPathLostConnection(t *testing.T) {
 		t.Fatalf("after the lost connection: %+v (sent again %d times)", rec, c.count(event(1).ID))
 	}
 }
+
+// A fast batch's transaction holds two batches: the second is locked while
+// the first's sends run, and sent while the first's records are written.
+// The connection is terminated while the second batch's send runs: the
+// first batch's records, which went down with the transaction, are written
+// again on their own (each event sent once, delivered at its first
+// attempt), and the cut send is logged and sent again.
+func TestRelayFastPathLostConnectionAfterTwoBatches(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := pgtest.URL(t, idem.Migrate)
+	pool := openApp(t, url, "test")
+	// Two transactions, so the first batch (BatchSize 5) is ev-0..4.
+	publish(t, pool, event(0), event(1), event(2), event(3), event(4))
+	publish(t, pool, event(5), event(6), event(7), event(8), event(9))
+	c := newCounter(nil)
+	cut := make(chan error, 1)
+	send := idem.SenderFunc(func(sctx context.Context, d idem.Delivery) error {
+		if d.Event.ID != "ev-7" || d.Attempt > 1 {
+			return c.Send(sctx, d)
+		}
+		// The relay's transaction is idle once the first batch's records
+		// are written; terminate it then.
+		for sctx.Err() == nil {
+			var killed bool
+			if err := pool.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) > 0 FROM pg_stat_activity
+				WHERE application_name = 'relay' AND datname = current_database() AND state LIKE 'idle in transaction%'`).Scan(&killed); err != nil {
+				t.Error(err)
+				break
+			}
+			if killed {
+				break
+			}
+			time.Sleep(time.Millisecond)
+		}
+		<-sctx.Done()
+		select {
+		case cut <- sctx.Err():
+		default:
+		}
+		return sctx.Err()
+	})
+	opts := fastRelay(send)
+	opts.BatchSize, opts.Workers = 5, 2
+	opts.AttemptTimeout, opts.Lease = time.Minute, 2*time.Minute
+	r, err := idem.NewRelay(openApp(t, url, "relay"), opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	idem.SetFastBound(r, 2*time.Second)
+	rctx, cancel := context.WithCancel(ctx)
+	done := make(chan error, 1)
+	go func() { done <- r.Run(rctx) }()
+	defer func() {
+		cancel()
+		if err := <-done; !errors.Is(err, context.Canceled) {
+			t.Errorf("Run: %v", err)
+		}
+	}()
+	rec := waitStatus(t, pool, "ev-7", "billing", idem.EventDelivered)
+	if err := <-cut; !errors.Is(err, context.Canceled) {
+		t.Fatalf("the first send of ev-7 ended with %v, want context.Canceled (cut by the relay)", err)
+	}
+	if rec.AttemptCount != 2 || len(rec.Attempts) != 2 || !strings.HasPrefix(rec.Attempts[0].Error, "relay lost its claim: ") ||
+		rec.Attempts[1].Error != "" || c.count("ev-7") != 1 {
+		t.Fatalf("ev-7 after the lost connection: %+v (sent again %d times)", rec, c.count("ev-7"))
+	}
+	for i := range 10 {
+		if i == 7 {
+			continue
+		}
+		rec := waitStatus(t, pool, event(i).ID, "billing", idem.EventDelivered)
+		if n := c.count(event(i).ID); n != 1 || rec.AttemptCount != 1 || len(rec.Attempts) != 1 || rec.Attempts[0].Error != "" {
+			t.Fatalf("event %d, sent %d times: %+v", i, n, rec)
+		}
+	}
+}

@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgtype"
 	"github.com/jackc/pgx/v5/pgxpool"
 
@@ -529,11 +530,17 @@ func TestEventClaimUsesTheDueIndex(t *testing.T) {
 		t.Fatal(err)
 	}
 	var plan []string
-	// The lease path's claim and the fast path's lock.
+	// The lease path's claim and the fast path's locks (the one ahead
+	// leaving out the 100 row versions of the batch before).
+	var skip []string
+	for i := range 100 {
+		skip = append(skip, fmt.Sprintf("(%d,%d)", i/50, i%50+1))
+	}
 	for _, q := range []struct {
 		sql  string
 		args []any
-	}{{db.EventClaim, []any{int64(time.Minute / time.Microsecond), int32(100)}}, {db.EventLock, []any{int32(100)}}} {
+	}{{db.EventClaim, []any{int64(time.Minute / time.Microsecond), int32(100)}}, {db.EventLock, []any{int32(100)}},
+		{db.EventLockAhead, []any{skip, int32(100)}}} {
 		rows, err := pool.Query(ctx, "EXPLAIN "+q.sql, q.args...)
 		if err == nil {
 			plan, err = pgx.CollectRows(rows, pgx.RowTo[string])
@@ -768,6 +775,88 @@ func TestEventClaimIsHOTAndRecordScansNoTable(t *testing.T) {
 	var logged int
 	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem_event_attempts`).Scan(&logged); err != nil || logged != 100 {
 		t.Fatalf("%d attempts logged, %v; want 100 (only the late deliveries)", logged, err)
+	}
+}
+
+// The fast path's record of its own locked events (EventRecordLocked)
+// finds them by their row versions, one TID scan each, and writes each
+// delivery with its attempt's time and duration; when a row is not as
+// EventLock left it (another token here), the statement fails with
+// SQLSTATE IDMRL, taking its transaction with it.
+func TestEventRecordLockedWritesOrRefuses(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t, idem.Migrate)
+	if _, err := pool.Exec(ctx, `INSERT INTO idem_events (destination, id, topic, payload)
+		SELECT 'd' || (g % 5), 'e' || g, 'bench.event', '{}'::bytea FROM generate_series(1, 2000) g`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `VACUUM ANALYZE idem_events`); err != nil {
+		t.Fatal(err)
+	}
+	q := db.New()
+	started := time.Date(2026, 1, 2, 3, 4, 5, 0, time.UTC)
+	record := func(tx pgx.Tx, badClaim bool) (db.EventRecordLockedParams, error) {
+		rows, err := q.EventLock(ctx, tx, 100)
+		if err != nil || len(rows) != 100 {
+			t.Fatalf("locked %d events, %v; want 100", len(rows), err)
+		}
+		p := db.EventRecordLockedParams{TtlMicros: time.Hour.Microseconds()}
+		for i, r := range rows {
+			claim := r.Claim
+			if badClaim && i == 7 {
+				claim++
+			}
+			p.RowVersions, p.Claims, p.Attempts = append(p.RowVersions, r.RowVersion), append(p.Claims, claim), append(p.Attempts, r.Attempts)
+			p.StartedAt = append(p.StartedAt, pgtype.Timestamptz{Time: started, Valid: true})
+			p.DurationMicros = append(p.DurationMicros, int64(i))
+		}
+		plan, err := tx.Query(ctx, "EXPLAIN (COSTS off) "+db.EventRecordLocked, p.RowVersions, p.Claims, p.Attempts, p.StartedAt,
+			p.DurationMicros, p.TtlMicros)
+		if err != nil {
+			t.Fatal(err)
+		}
+		lines, err := pgx.CollectRows(plan, pgx.RowTo[string])
+		if err != nil {
+			t.Fatal(err)
+		}
+		if pl := strings.Join(lines, "\n"); strings.Contains(pl, "Seq Scan on idem_events") || !strings.Contains(pl, "Tid Scan") {
+			t.Fatalf("the locked record does not find its events by TID scans:\n%s", pl)
+		}
+		n, err := q.EventRecordLocked(ctx, tx, p)
+		if err == nil && n != 100 {
+			t.Fatalf("the locked record wrote %d states; want 100", n)
+		}
+		return p, err
+	}
+	var p db.EventRecordLockedParams
+	if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) (err error) {
+		p, err = record(tx, false)
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	var delivered, logged int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem_events WHERE status = 'delivered' AND attempts = 1 AND claim = 1
+		AND delivered_attempt = 1 AND delivery_started_at = $1 AND expires_at IS NOT NULL AND lease_until IS NULL`, started).Scan(&delivered); err != nil {
+		t.Fatal(err)
+	}
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem_event_attempts`).Scan(&logged); err != nil {
+		t.Fatal(err)
+	}
+	if delivered != 100 || logged != 0 || len(p.RowVersions) != 100 {
+		t.Fatalf("%d events delivered at attempt 1 with their start, %d attempt rows; want 100, 0", delivered, logged)
+	}
+	err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		_, err := record(tx, true)
+		return err
+	})
+	var pgErr *pgconn.PgError
+	if !errors.As(err, &pgErr) || pgErr.Code != "IDMRL" {
+		t.Fatalf("the locked record of a changed row: %v; want SQLSTATE IDMRL", err)
+	}
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem_events WHERE status = 'delivered'`).Scan(&delivered); err != nil || delivered != 100 {
+		t.Fatalf("%d events delivered after the refused record, %v; want 100 (the refusal wrote nothing)", delivered, err)
 	}
 }
 

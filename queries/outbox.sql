@@ -65,6 +65,20 @@ ORDER BY next_attempt_at
 LIMIT sqlc.arg(max_rows)::integer
 FOR UPDATE SKIP LOCKED;
 
+-- EventLock again in the same transaction, for the batch a relay locks
+-- while the previous batch's sends run (Relay's fastCycle): a transaction
+-- does not skip the rows it locked itself, so the previous batch's events
+-- (@skip, their row versions, still pending until recorded) are left out.
+-- name: EventLockAhead :many
+SELECT destination, id, topic, payload, coalesce(header::text, '')::text AS header, attempts + 1 AS attempts, retry_from, claim,
+       ctid::text AS row_version
+FROM idem_events
+WHERE status = 'pending' AND next_attempt_at <= now() AND (lease_until IS NULL OR lease_until <= now())
+  AND NOT (ctid = ANY (sqlc.arg(skip)::text[]::tid[]))
+ORDER BY next_attempt_at
+LIMIT sqlc.arg(max_rows)::integer
+FOR UPDATE SKIP LOCKED;
+
 -- Gives the events that EventLock locked, and whose sends still run, a
 -- lease, as EventClaim would have (one more attempt, a new token), in the
 -- transaction that locked them: when it commits, the sends go on under the
@@ -178,6 +192,46 @@ WITH d AS (
     ON CONFLICT DO NOTHING
 )
 SELECT count(*)::bigint AS written FROM written;
+
+-- The fast path's record of the deliveries of the events its own
+-- transaction locked (EventLock), before its COMMIT: while the locks hold,
+-- no other relay, RetryEvent or pruner can change the rows, so each is
+-- found by the row version EventLock returned and written, with nothing to
+-- log (no RETURNING of which were written, no attempt row). Found by a
+-- TID scan of the row versions (through ARRAY(SELECT ...), as in
+-- EventRecordDeliveries: joined to the arrays directly, a small table is
+-- scanned whole). Should a row not be as
+-- EventLock left it (not pending, another token or attempt), the statement
+-- fails (idem_refuse, SQLSTATE IDMRL) and its transaction with it: the
+-- relay then records the batch as when its connection breaks, with
+-- EventRecordDeliveries, which logs what it cannot write.
+-- name: EventRecordLocked :one
+WITH d AS (
+    SELECT unnest(sqlc.arg(row_versions)::text[]::tid[]) AS row_version, unnest(sqlc.arg(claims)::bigint[]) AS claim,
+           unnest(sqlc.arg(attempts)::integer[]) AS attempt, unnest(sqlc.arg(started_at)::timestamptz[]) AS started_at,
+           unnest(sqlc.arg(duration_micros)::bigint[]) AS duration_micros
+), written AS (
+    UPDATE idem_events AS e
+    SET status = 'delivered',
+        attempts = d.attempt,
+        claim = e.claim + 1,
+        lease_until = NULL,
+        delivered_at = now(),
+        failed_at = NULL,
+        delivered_attempt = d.attempt,
+        delivery_started_at = d.started_at,
+        delivery_micros = d.duration_micros,
+        last_error = NULL,
+        expires_at = now() + sqlc.arg(ttl_micros)::bigint * interval '1 microsecond'
+    FROM d
+    WHERE e.ctid = ANY (ARRAY(SELECT row_version FROM d)) AND e.ctid = d.row_version
+      AND e.claim = d.claim AND e.attempts = d.attempt - 1 AND e.status = 'pending'
+    RETURNING 1
+)
+SELECT (CASE WHEN count(*) = cardinality(sqlc.arg(row_versions)::text[]) THEN count(*)
+             ELSE idem_refuse('IDMRL', 'the relay''s locked events changed under its transaction (' || count(*) || ' of '
+                                       || cardinality(sqlc.arg(row_versions)::text[]) || ' written)') END)::bigint AS written
+FROM written;
 
 -- Deletes up to @batch_size finished events past their expiry, and their
 -- attempt logs. SKIP LOCKED: several relays prune without waiting for each

@@ -311,6 +311,68 @@ func (q *Queries) EventLock(ctx context.Context, db DBTX, maxRows int32) ([]Even
 	return items, nil
 }
 
+const EventLockAhead = `-- name: EventLockAhead :many
+SELECT destination, id, topic, payload, coalesce(header::text, '')::text AS header, attempts + 1 AS attempts, retry_from, claim,
+       ctid::text AS row_version
+FROM idem_events
+WHERE status = 'pending' AND next_attempt_at <= now() AND (lease_until IS NULL OR lease_until <= now())
+  AND NOT (ctid = ANY ($1::text[]::tid[]))
+ORDER BY next_attempt_at
+LIMIT $2::integer
+FOR UPDATE SKIP LOCKED
+`
+
+type EventLockAheadParams struct {
+	Skip    []string
+	MaxRows int32
+}
+
+type EventLockAheadRow struct {
+	Destination string
+	ID          string
+	Topic       string
+	Payload     []byte
+	Header      string
+	Attempts    int32
+	RetryFrom   int32
+	Claim       int64
+	RowVersion  string
+}
+
+// EventLock again in the same transaction, for the batch a relay locks
+// while the previous batch's sends run (Relay's fastCycle): a transaction
+// does not skip the rows it locked itself, so the previous batch's events
+// (@skip, their row versions, still pending until recorded) are left out.
+func (q *Queries) EventLockAhead(ctx context.Context, db DBTX, arg EventLockAheadParams) ([]EventLockAheadRow, error) {
+	rows, err := db.Query(ctx, EventLockAhead, arg.Skip, arg.MaxRows)
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var items []EventLockAheadRow
+	for rows.Next() {
+		var i EventLockAheadRow
+		if err := rows.Scan(
+			&i.Destination,
+			&i.ID,
+			&i.Topic,
+			&i.Payload,
+			&i.Header,
+			&i.Attempts,
+			&i.RetryFrom,
+			&i.Claim,
+			&i.RowVersion,
+		); err != nil {
+			return nil, err
+		}
+		items = append(items, i)
+	}
+	if err := rows.Err(); err != nil {
+		return nil, err
+	}
+	return items, nil
+}
+
 const EventLookup = `-- name: EventLookup :one
 SELECT destination, id, topic, payload, coalesce(header::text, '')::text AS header, status, attempts, retry_from,
        (CASE WHEN status = 'pending' AND lease_until > next_attempt_at THEN lease_until
@@ -610,6 +672,70 @@ func (q *Queries) EventRecordDeliveries(ctx context.Context, db DBTX, arg EventR
 		arg.Ids,
 		arg.Claims,
 		arg.RowVersions,
+		arg.Attempts,
+		arg.StartedAt,
+		arg.DurationMicros,
+		arg.TtlMicros,
+	)
+	var written int64
+	err := row.Scan(&written)
+	return written, err
+}
+
+const EventRecordLocked = `-- name: EventRecordLocked :one
+WITH d AS (
+    SELECT unnest($1::text[]::tid[]) AS row_version, unnest($2::bigint[]) AS claim,
+           unnest($3::integer[]) AS attempt, unnest($4::timestamptz[]) AS started_at,
+           unnest($5::bigint[]) AS duration_micros
+), written AS (
+    UPDATE idem_events AS e
+    SET status = 'delivered',
+        attempts = d.attempt,
+        claim = e.claim + 1,
+        lease_until = NULL,
+        delivered_at = now(),
+        failed_at = NULL,
+        delivered_attempt = d.attempt,
+        delivery_started_at = d.started_at,
+        delivery_micros = d.duration_micros,
+        last_error = NULL,
+        expires_at = now() + $6::bigint * interval '1 microsecond'
+    FROM d
+    WHERE e.ctid = ANY (ARRAY(SELECT row_version FROM d)) AND e.ctid = d.row_version
+      AND e.claim = d.claim AND e.attempts = d.attempt - 1 AND e.status = 'pending'
+    RETURNING 1
+)
+SELECT (CASE WHEN count(*) = cardinality($1::text[]) THEN count(*)
+             ELSE idem_refuse('IDMRL', 'the relay''s locked events changed under its transaction (' || count(*) || ' of '
+                                       || cardinality($1::text[]) || ' written)') END)::bigint AS written
+FROM written
+`
+
+type EventRecordLockedParams struct {
+	RowVersions    []string
+	Claims         []int64
+	Attempts       []int32
+	StartedAt      []pgtype.Timestamptz
+	DurationMicros []int64
+	TtlMicros      int64
+}
+
+// The fast path's record of the deliveries of the events its own
+// transaction locked (EventLock), before its COMMIT: while the locks hold,
+// no other relay, RetryEvent or pruner can change the rows, so each is
+// found by the row version EventLock returned and written, with nothing to
+// log (no RETURNING of which were written, no attempt row). Found by a
+// TID scan of the row versions (through ARRAY(SELECT ...), as in
+// EventRecordDeliveries: joined to the arrays directly, a small table is
+// scanned whole). Should a row not be as
+// EventLock left it (not pending, another token or attempt), the statement
+// fails (idem_refuse, SQLSTATE IDMRL) and its transaction with it: the
+// relay then records the batch as when its connection breaks, with
+// EventRecordDeliveries, which logs what it cannot write.
+func (q *Queries) EventRecordLocked(ctx context.Context, db DBTX, arg EventRecordLockedParams) (int64, error) {
+	row := db.QueryRow(ctx, EventRecordLocked,
+		arg.RowVersions,
+		arg.Claims,
 		arg.Attempts,
 		arg.StartedAt,
 		arg.DurationMicros,
