@@ -578,8 +578,11 @@ func (r *Relay) fastCycle(ctx context.Context, done []*claimed, n int, jobs chan
 	send := func(q *fastPipeline) func() error {
 		pctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), max(stopGrace, r.opts.AttemptTimeout))
 		stop := func() bool { return false }
-		if q.lock {
-			// The records land whatever ctx does, the lock ends with it.
+		if q.lock && !q.ahead {
+			// The records land whatever ctx does, the lock ends with it;
+			// not the lock ahead, sent while the first batch's sends run:
+			// cut, it would break the connection under them, where its
+			// answer read to the end lets the transaction end as usual.
 			stop = context.AfterFunc(lctx, cancel)
 		}
 		open = true
@@ -660,7 +663,8 @@ func (r *Relay) fastCycle(ctx context.Context, done []*claimed, n int, jobs chan
 				c := &events[i]
 				c.fast, c.batch = true, fb
 				// The lease written for a send that outlives fastBound
-				// ends later than this.
+				// (now() of the transaction plus Lease) ends later than
+				// this: start was read before the BEGIN was sent.
 				c.leaseEnd = start.Add(r.opts.Lease)
 				batch[i] = c
 			}
@@ -726,8 +730,9 @@ func (r *Relay) fastCycle(ctx context.Context, done []*claimed, n int, jobs chan
 				if q.records(r, recs, true); q.b.Len() > 0 {
 					recorded, records = recs, send(&q)
 				}
+				// start stays the transaction's: the leases EventLeaseLocked
+				// writes for this batch too count from its now().
 				events, second = ahead.events, true
-				start = time.Now()
 				continue
 			}
 			if all && ctx.Err() == nil && more && ahead == nil {
@@ -751,6 +756,7 @@ type fastPipeline struct {
 	landing, inTx []*claimed // the attempts recorded before COMMIT, after BEGIN
 	running       []*claimed // the sends given a lease before COMMIT
 	lock          bool       // ends with EventLock
+	ahead         bool       // the lock is EventLockAhead's, in a transaction with sends running
 	full          bool       // the last lock took n events
 	committed     bool       // after run: the COMMIT landed (true when there was none)
 	n             int        // EventLock's limit
@@ -830,7 +836,7 @@ func (p *fastPipeline) lockAhead(n int, batch []*claimed) {
 		skip[i] = c.version
 	}
 	p.queue(stepLock, db.EventLockAhead, skip, int32(n))
-	p.lock, p.n = true, n
+	p.lock, p.ahead, p.n = true, true, n
 }
 
 // send sends the pipeline on conn; read reads its results, before anything
