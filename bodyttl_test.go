@@ -2,6 +2,7 @@ package idem_test
 
 import (
 	"errors"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -131,5 +132,62 @@ func TestBodyTTLConfig(t *testing.T) {
 	}
 	if n := count(t, pool, `SELECT count(*) FROM idem_keys WHERE body_expires_at IS NULL`); n != 1 {
 		t.Errorf("BodyTTL over the TTL: %d rows without body_expires_at, want 1", n)
+	}
+}
+
+// Config.BodyTTLFor gives each operation its body's life, in place of
+// BodyTTL (0: BodyTTL), through Do and DoInTx; a life at least the key's
+// keeps the body as long as the key; a value under a microsecond fails the
+// call with ErrInvalidConfig before anything is written or fn runs.
+func TestBodyTTLFor(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	pool := newPool(t)
+	c, err := idem.New(idem.Config{TTL: time.Hour, BodyTTL: 30 * time.Second,
+		BodyTTLFor: func(operation string) time.Duration {
+			switch operation {
+			case "receipt":
+				return time.Minute
+			case "archive":
+				return 2 * time.Hour // past the key's TTL: as long as the key
+			case "bad":
+				return -time.Second
+			}
+			return 0
+		}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int64
+	for op, want := range map[string]string{"receipt": "00:01:00", "order": "00:00:30", "archive": ""} {
+		s := idem.Scope{Actor: "a", Operation: op}
+		if _, err := c.DoInTx(ctx, pool, s, "intx", fpA, recordEffect(&calls, op)); err != nil {
+			t.Fatal(err)
+		}
+		err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			_, err := c.Do(ctx, tx, s, "do", fpA, recordEffect(&calls, op))
+			return err
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, key := range []string{"intx", "do"} {
+			var life string
+			if err := pool.QueryRow(ctx, `SELECT coalesce((body_expires_at - created_at)::text, '')
+				FROM idem_keys WHERE operation = $1 AND idem_key = $2`, op, key).Scan(&life); err != nil {
+				t.Fatal(err)
+			}
+			if life != want {
+				t.Errorf("%s %s: body life %q, want %q", op, key, life, want)
+			}
+		}
+	}
+	ran, rows := calls.Load(), count(t, pool, `SELECT count(*) FROM idem_keys`)
+	_, err = c.DoInTx(ctx, pool, idem.Scope{Actor: "a", Operation: "bad"}, "k", fpA, recordEffect(&calls, "bad"))
+	if !errors.Is(err, idem.ErrInvalidConfig) || !strings.Contains(err.Error(), "BodyTTLFor") {
+		t.Errorf("BodyTTLFor under a microsecond: %v, want ErrInvalidConfig naming BodyTTLFor", err)
+	}
+	if calls.Load() != ran || count(t, pool, `SELECT count(*) FROM idem_keys`) != rows {
+		t.Error("a refused BodyTTLFor ran fn or wrote a row")
 	}
 }

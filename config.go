@@ -35,6 +35,15 @@ type Config struct {
 	// microsecond (negative) is refused (ErrInvalidConfig).
 	BodyTTL time.Duration
 
+	// BodyTTLFor, when set, gives the body life of an operation's keys
+	// (Scope.Operation) in place of BodyTTL, as TTLFor does for the key's
+	// TTL: drop a large receipt's body after an hour, keep a small one as
+	// long as the key. 0 means BodyTTL. It is called on every claim, so it
+	// must be fast and safe for concurrent use; a value under a microsecond
+	// (negative) fails the call with ErrInvalidConfig before anything is
+	// written. A body keeps the life it was claimed with.
+	BodyTTLFor func(operation string) time.Duration
+
 	// Wait bounds how long a call waits for a concurrent transaction that
 	// holds the same key before it gives up with ErrInProgress. (On Citus
 	// the wait happens on a worker, which the bound reaches only when

@@ -74,14 +74,14 @@ func stats(s core.Stats) Stats {
 }
 
 func coreConfig(c Config) core.Config {
-	return core.Config{TTL: c.TTL, TTLFor: c.TTLFor, BodyTTL: c.BodyTTL, Wait: c.Wait, MinKeyLength: c.MinKeyLength, MaxKeyLength: c.MaxKeyLength,
+	return core.Config{TTL: c.TTL, TTLFor: c.TTLFor, BodyTTL: c.BodyTTL, BodyTTLFor: c.BodyTTLFor, Wait: c.Wait, MinKeyLength: c.MinKeyLength, MaxKeyLength: c.MaxKeyLength,
 		MaxResponseBytes: c.MaxResponseBytes, IsolationLevel: core.IsolationLevel(c.IsolationLevel),
 		MeterProvider: c.MeterProvider, TracerProvider: c.TracerProvider, Logger: c.Logger,
 		LogHashKey: c.LogHashKey, MaxRetries: c.MaxRetries}
 }
 
 func config(c core.Config) Config {
-	return Config{TTL: c.TTL, TTLFor: c.TTLFor, BodyTTL: c.BodyTTL, Wait: c.Wait, MinKeyLength: c.MinKeyLength, MaxKeyLength: c.MaxKeyLength,
+	return Config{TTL: c.TTL, TTLFor: c.TTLFor, BodyTTL: c.BodyTTL, BodyTTLFor: c.BodyTTLFor, Wait: c.Wait, MinKeyLength: c.MinKeyLength, MaxKeyLength: c.MaxKeyLength,
 		MaxResponseBytes: c.MaxResponseBytes, IsolationLevel: pgx.TxIsoLevel(c.IsolationLevel),
 		MeterProvider: c.MeterProvider, TracerProvider: c.TracerProvider, Logger: c.Logger,
 		LogHashKey: c.LogHashKey, MaxRetries: c.MaxRetries}

@@ -92,3 +92,50 @@ func TestBodyTTL(t *testing.T) {
 		check("after Prune")
 	})
 }
+
+// Config.BodyTTLFor through idemsql, with pgx's stdlib and lib/pq: each
+// operation's body life in place of BodyTTL; under a microsecond the call
+// is refused with ErrInvalidConfig, nothing written.
+func TestBodyTTLFor(t *testing.T) {
+	t.Parallel()
+	eachDriver(t, func(t *testing.T, driver string) {
+		ctx := t.Context()
+		db, pool := migrated(t, driver)
+		c, err := idemsql.New(idem.Config{TTL: time.Hour, BodyTTL: 30 * time.Second,
+			BodyTTLFor: func(operation string) time.Duration {
+				switch operation {
+				case "receipt":
+					return time.Minute
+				case "bad":
+					return -time.Second
+				}
+				return 0
+			}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var calls atomic.Int64
+		fn := func(context.Context, *sql.Tx) (idem.Response, error) {
+			calls.Add(1)
+			return idem.Response{Status: 201, Body: []byte(`{"id":1}`)}, nil
+		}
+		for op, want := range map[string]string{"receipt": "00:01:00", "order": "00:00:30"} {
+			if _, err := c.DoInTx(ctx, db, idem.Scope{Actor: "a", Operation: op}, "k", idem.Fingerprint{1}, fn); err != nil {
+				t.Fatal(err)
+			}
+			var life string
+			if err := pool.QueryRow(ctx, `SELECT (body_expires_at - created_at)::text FROM idem_keys WHERE operation = $1`,
+				op).Scan(&life); err != nil || life != want {
+				t.Errorf("%s: body life %q, %v; want %q", op, life, err, want)
+			}
+		}
+		_, err = c.DoInTx(ctx, db, idem.Scope{Actor: "a", Operation: "bad"}, "k", idem.Fingerprint{1}, fn)
+		if !errors.Is(err, idem.ErrInvalidConfig) || calls.Load() != 2 {
+			t.Errorf("BodyTTLFor under a microsecond: %v (fn ran %d times); want ErrInvalidConfig, fn not run", err, calls.Load()-2)
+		}
+		var rows int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem_keys`).Scan(&rows); err != nil || rows != 2 {
+			t.Errorf("%d rows, %v; want 2 (nothing written by the refused call)", rows, err)
+		}
+	})
+}

@@ -78,14 +78,14 @@ func stats(s core.Stats) idem.Stats {
 }
 
 func coreConfig(c idem.Config) core.Config {
-	return core.Config{TTL: c.TTL, TTLFor: c.TTLFor, BodyTTL: c.BodyTTL, Wait: c.Wait, MinKeyLength: c.MinKeyLength, MaxKeyLength: c.MaxKeyLength,
+	return core.Config{TTL: c.TTL, TTLFor: c.TTLFor, BodyTTL: c.BodyTTL, BodyTTLFor: c.BodyTTLFor, Wait: c.Wait, MinKeyLength: c.MinKeyLength, MaxKeyLength: c.MaxKeyLength,
 		MaxResponseBytes: c.MaxResponseBytes, IsolationLevel: core.IsolationLevel(c.IsolationLevel),
 		MeterProvider: c.MeterProvider, TracerProvider: c.TracerProvider, Logger: c.Logger,
 		LogHashKey: c.LogHashKey, MaxRetries: c.MaxRetries}
 }
 
 func config(c core.Config) idem.Config {
-	return idem.Config{TTL: c.TTL, TTLFor: c.TTLFor, BodyTTL: c.BodyTTL, Wait: c.Wait, MinKeyLength: c.MinKeyLength, MaxKeyLength: c.MaxKeyLength,
+	return idem.Config{TTL: c.TTL, TTLFor: c.TTLFor, BodyTTL: c.BodyTTL, BodyTTLFor: c.BodyTTLFor, Wait: c.Wait, MinKeyLength: c.MinKeyLength, MaxKeyLength: c.MaxKeyLength,
 		MaxResponseBytes: c.MaxResponseBytes, IsolationLevel: pgx.TxIsoLevel(c.IsolationLevel),
 		MeterProvider: c.MeterProvider, TracerProvider: c.TracerProvider, Logger: c.Logger,
 		LogHashKey: c.LogHashKey, MaxRetries: c.MaxRetries}

@@ -43,6 +43,9 @@ type Settings struct {
 	// stored response's body and headers live after the claim of Do or
 	// DoInTx (body_expires_at).
 	BodyTTLMicros int64
+	// BodyTTLFor is Config.BodyTTLFor: nil, or the body life of an
+	// operation's keys (0: BodyTTLMicros).
+	BodyTTLFor func(operation string) time.Duration
 	// LockTimeout is Config.Wait as a lock_timeout value ("2000ms"), at
 	// least a millisecond.
 	LockTimeout string
@@ -64,12 +67,20 @@ func (s *Settings) TTL(operation string) int64 {
 }
 
 // BodyTTL is the life in microseconds of the stored body of a key of
-// operation claimed by Do or DoInTx: BodyTTLMicros when it is shorter than
-// the key's TTL (ttl, Settings.TTL), otherwise 0: the body lives as long as
-// the key.
-func (s *Settings) BodyTTL(ttl int64) int64 {
-	if s.BodyTTLMicros > 0 && s.BodyTTLMicros < ttl {
-		return s.BodyTTLMicros
+// operation claimed by Do or DoInTx: BodyTTLFor's when it gives one,
+// BodyTTLMicros otherwise, when that is shorter than the key's TTL (ttl,
+// Settings.TTL); otherwise 0: the body lives as long as the key. The calls
+// refused a BodyTTLFor value under a microsecond before any statement ran
+// (ErrInvalidConfig).
+func (s *Settings) BodyTTL(operation string, ttl int64) int64 {
+	body := s.BodyTTLMicros
+	if s.BodyTTLFor != nil {
+		if t := s.BodyTTLFor(operation).Microseconds(); t > 0 {
+			body = t
+		}
+	}
+	if body > 0 && body < ttl {
+		return body
 	}
 	return 0
 }

@@ -75,7 +75,7 @@ var _ driver.Driver[pgx.Tx, Beginner] = (*Driver)(nil)
 // New returns the pgx driver for a Client's settings.
 func New(s driver.Settings) driver.Driver[pgx.Tx, Beginner] {
 	d := &Driver{
-		ttl:          driver.Settings{TTLMicros: s.TTLMicros, TTLFor: s.TTLFor, BodyTTLMicros: s.BodyTTLMicros},
+		ttl:          driver.Settings{TTLMicros: s.TTLMicros, TTLFor: s.TTLFor, BodyTTLMicros: s.BodyTTLMicros, BodyTTLFor: s.BodyTTLFor},
 		lockTimeout:  s.LockTimeout,
 		txOptions:    pgx.TxOptions{IsoLevel: pgx.TxIsoLevel(s.IsolationLevel)},
 		sqlSetWait:   "SET LOCAL lock_timeout = '" + s.LockTimeout + "'",

@@ -301,8 +301,14 @@ func (d *Driver) ttlOf(operation string) (ttl, body int64) {
 			ttl = t
 		}
 	}
-	if d.ttl.BodyTTLMicros > 0 && d.ttl.BodyTTLMicros < ttl {
-		body = d.ttl.BodyTTLMicros
+	body = d.ttl.BodyTTLMicros
+	if d.ttl.BodyTTLFor != nil {
+		if t := d.ttl.BodyTTLFor(operation).Microseconds(); t > 0 {
+			body = t
+		}
+	}
+	if body >= ttl {
+		body = 0
 	}
 	return ttl, body
 }

@@ -45,7 +45,7 @@ var _ driver.Driver[*sql.Tx, *sql.DB] = (*Driver)(nil)
 // waits on its workers.
 func New(s driver.Settings, citus bool) *Driver {
 	d := &Driver{
-		ttl:         driver.Settings{TTLMicros: s.TTLMicros, TTLFor: s.TTLFor, BodyTTLMicros: s.BodyTTLMicros},
+		ttl:         driver.Settings{TTLMicros: s.TTLMicros, TTLFor: s.TTLFor, BodyTTLMicros: s.BodyTTLMicros, BodyTTLFor: s.BodyTTLFor},
 		lockTimeout: s.LockTimeout,
 		sqlSetWait:  "SET LOCAL lock_timeout = '" + s.LockTimeout + "'",
 		citus:       citus,

@@ -82,10 +82,10 @@ func (d *Driver) claim(ctx context.Context, tx *sql.Tx, c driver.Claim) (claimed
 		}
 		if c.TakeOver {
 			claimed, err = queries.KeyTakeOverCitus(ctx, tx, dbsql.KeyTakeOverCitusParams{Actor: k.Actor, Operation: k.Operation,
-				IdemKey: k.Key, Fingerprint: fp, TtlMicros: ttl, BodyTtlMicros: d.ttl.BodyTTL(ttl)})
+				IdemKey: k.Key, Fingerprint: fp, TtlMicros: ttl, BodyTtlMicros: d.ttl.BodyTTL(k.Operation, ttl)})
 		} else {
 			claimed, err = queries.KeyClaimCitus(ctx, tx, dbsql.KeyClaimCitusParams{Actor: k.Actor, Operation: k.Operation,
-				IdemKey: k.Key, Fingerprint: fp, TtlMicros: ttl, BodyTtlMicros: d.ttl.BodyTTL(ttl)})
+				IdemKey: k.Key, Fingerprint: fp, TtlMicros: ttl, BodyTtlMicros: d.ttl.BodyTTL(k.Operation, ttl)})
 		}
 		if err == nil || errors.Is(err, sql.ErrNoRows) {
 			if _, waitErr := tx.ExecContext(ctx, sqlWaitDefault); waitErr != nil {
@@ -94,10 +94,10 @@ func (d *Driver) claim(ctx context.Context, tx *sql.Tx, c driver.Claim) (claimed
 		}
 	case c.TakeOver:
 		claimed, err = queries.KeyTakeOver(ctx, tx, dbsql.KeyTakeOverParams{Actor: k.Actor, Operation: k.Operation,
-			IdemKey: k.Key, Fingerprint: fp, TtlMicros: ttl, BodyTtlMicros: d.ttl.BodyTTL(ttl), LockTimeout: d.lockTimeout})
+			IdemKey: k.Key, Fingerprint: fp, TtlMicros: ttl, BodyTtlMicros: d.ttl.BodyTTL(k.Operation, ttl), LockTimeout: d.lockTimeout})
 	default:
 		claimed, err = queries.KeyClaim(ctx, tx, dbsql.KeyClaimParams{Actor: k.Actor, Operation: k.Operation,
-			IdemKey: k.Key, Fingerprint: fp, TtlMicros: ttl, BodyTtlMicros: d.ttl.BodyTTL(ttl), LockTimeout: d.lockTimeout})
+			IdemKey: k.Key, Fingerprint: fp, TtlMicros: ttl, BodyTtlMicros: d.ttl.BodyTTL(k.Operation, ttl), LockTimeout: d.lockTimeout})
 	}
 	if errors.Is(err, sql.ErrNoRows) {
 		return false, nil
