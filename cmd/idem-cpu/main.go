@@ -34,7 +34,7 @@ const replayKeys = 2000
 func main() {
 	admin := flag.String("db", cmp.Or(os.Getenv("DATABASE_URL"), "postgres://postgres@127.0.0.1:5432/postgres"),
 		"admin connection URL (a role that may create databases)")
-	name := flag.String("database", "idem_cpu", "name of the database to recreate and drop")
+	name := flag.String("database", "idem_cpu", "name of the database to create and drop (never one it did not create)")
 	calls := flag.Int("calls", 6000, "measured calls per workload and round")
 	workers := flag.Int("workers", 8, "concurrent callers, each with a connection of its own")
 	rounds := flag.Int("rounds", 1, "rounds; each runs do, doInTx and replay in turn")
@@ -56,13 +56,10 @@ func run(ctx context.Context, adminURL, name string, calls, workers, rounds int)
 	}
 	defer admin.Close(ctx)
 	db := pgx.Identifier{name}.Sanitize()
-	if _, err := admin.Exec(ctx, "DROP DATABASE IF EXISTS "+db+" WITH (FORCE)"); err != nil {
+	if err := recreate(ctx, admin, name); err != nil {
 		return err
 	}
-	if _, err := admin.Exec(ctx, "CREATE DATABASE "+db); err != nil {
-		return err
-	}
-	defer admin.Exec(context.WithoutCancel(ctx), "DROP DATABASE IF EXISTS "+db+" WITH (FORCE)") //nolint:errcheck
+	defer admin.Exec(context.WithoutCancel(ctx), "DROP DATABASE IF EXISTS "+db+" WITH (FORCE)") //nolint:errcheck // created above
 
 	cfg, err := pgxpool.ParseConfig(adminURL)
 	if err != nil {
@@ -140,6 +137,36 @@ func run(ctx context.Context, adminURL, name string, calls, workers, rounds int)
 		}
 	}
 	return nil
+}
+
+// cpuMark is the comment idem-cpu puts on the database it creates: only a
+// database that carries it is ever dropped.
+const cpuMark = "idem-cpu's database: dropped and recreated by every run"
+
+// recreate creates the database name, marked as idem-cpu's. One of that
+// name that exists already is dropped first only when it carries the mark
+// (a run that stopped early); anything else is refused and left as it is.
+func recreate(ctx context.Context, admin *pgx.Conn, name string) error {
+	var mark *string
+	err := admin.QueryRow(ctx, `SELECT shobj_description(oid, 'pg_database') FROM pg_database WHERE datname = $1`,
+		name).Scan(&mark)
+	db := pgx.Identifier{name}.Sanitize()
+	switch {
+	case errors.Is(err, pgx.ErrNoRows):
+	case err != nil:
+		return err
+	case mark == nil || *mark != cpuMark:
+		return fmt.Errorf("database %s exists and is not idem-cpu's (it never drops a database it did not create): pass -database with another name", name)
+	default:
+		if _, err := admin.Exec(ctx, "DROP DATABASE "+db+" WITH (FORCE)"); err != nil {
+			return err
+		}
+	}
+	if _, err := admin.Exec(ctx, "CREATE DATABASE "+db); err != nil {
+		return err
+	}
+	_, err = admin.Exec(ctx, "COMMENT ON DATABASE "+db+" IS '"+strings.ReplaceAll(cpuMark, "'", "''")+"'")
+	return err
 }
 
 // callAll makes n calls on workers goroutines, numbered from 1.
