@@ -41,7 +41,7 @@ type Config struct {
 	// BodyTTLFor, when set, gives the body life of an operation's keys
 	// (Scope.Operation) in place of BodyTTL, as TTLFor does for the key's
 	// TTL: drop a large receipt's body after an hour, keep a small one as
-	// long as the key. 0 means BodyTTL. It is called on every claim, so it
+	// long as the key. 0 means BodyTTL. It is called on every call, so it
 	// must be fast and safe for concurrent use; a value under a microsecond
 	// (negative) fails the call with ErrInvalidConfig before anything is
 	// written. A body keeps the life it was claimed with.
