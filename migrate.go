@@ -91,7 +91,7 @@ func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
 	if err := checkNotWorker(ctx, pool); err != nil {
 		return core.Errorf("idem: migrate: %w", err)
 	}
-	err := withProvider(pool, func(p *goose.Provider) error {
+	err := withProvider(ctx, pool, func(p *goose.Provider) error {
 		_, err := p.Up(ctx)
 		return err
 	})
@@ -141,7 +141,7 @@ func MigrateDown(ctx context.Context, pool *pgxpool.Pool, opts MigrateDownOption
 		pool = forced
 	}
 	var version int64
-	err := withProvider(pool, func(p *goose.Provider) error {
+	err := withProvider(ctx, pool, func(p *goose.Provider) error {
 		res, err := p.Down(ctx)
 		if res != nil && err == nil {
 			version = res.Source.Version
@@ -169,8 +169,20 @@ func MigrateDown(ctx context.Context, pool *pgxpool.Pool, opts MigrateDownOption
 }
 
 // withProvider runs fn with a goose provider for idem's migrations on pool,
-// locked with the table lock.
-func withProvider(pool *pgxpool.Pool, fn func(*goose.Provider) error) error {
+// locked with the table lock. goose's lock keeps a connection while the
+// migrations run on another, so a pool of one connection lends fn a pool
+// of its own of two, configured as pool is (TestMigrateOnAPoolOfOneConnection).
+func withProvider(ctx context.Context, pool *pgxpool.Pool, fn func(*goose.Provider) error) error {
+	if pool.Config().MaxConns < 2 {
+		cfg := pool.Config().Copy()
+		cfg.MinConns, cfg.MaxConns = 0, 2
+		two, err := pgxpool.NewWithConfig(ctx, cfg)
+		if err != nil {
+			return err
+		}
+		defer two.Close()
+		pool = two
+	}
 	db := stdlib.OpenDBFromPool(pool)
 	defer db.Close()
 	return migrate.WithProvider(db, Migrations(), fn)

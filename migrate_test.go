@@ -459,3 +459,38 @@ func TestMigrateDownKeepsEvents(t *testing.T) {
 		t.Fatalf("forced MigrateDown: %d, %v", v, err)
 	}
 }
+
+// A pool of one connection migrates (goose's lock holds a connection of its
+// own while the migrations run on another: Migrate and MigrateDown lend
+// themselves a second one).
+func TestMigrateOnAPoolOfOneConnection(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	cfg, err := pgxpool.ParseConfig(pgtest.URL(t, noMigrate))
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.MaxConns = 1
+	pool, err := pgxpool.NewWithConfig(ctx, cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	if err := idem.Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	if v, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{}); err != nil || v == 0 {
+		t.Fatalf("MigrateDown: %d %v", v, err)
+	}
+	if err := idem.Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := idem.DoInTx(ctx, pool, idem.Scope{Actor: "a", Operation: "op"}, "k", idem.Fingerprint{1},
+		func(context.Context, pgx.Tx) (idem.Response, error) { return idem.Response{Status: 200}, nil }); err != nil {
+		t.Fatal(err)
+	}
+	if n := pool.Stat().MaxConns(); n != 1 {
+		t.Fatalf("the pool's MaxConns is %d after Migrate, want 1", n)
+	}
+}

@@ -521,3 +521,27 @@ func TestDoJSON(t *testing.T) {
 		}
 	})
 }
+
+// A handle limited to one open connection migrates (goose's lock keeps a
+// connection while the migrations run on another: Migrate lets the handle
+// open a second one for the run, and puts its limit back).
+func TestMigrateOnOneConnection(t *testing.T) {
+	t.Parallel()
+	eachDriver(t, func(t *testing.T, driver string) {
+		ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+		defer cancel()
+		db := open(t, driver, pgtest.URL(t, nil))
+		db.SetMaxOpenConns(1)
+		if err := idemsql.Migrate(ctx, db); err != nil {
+			t.Fatal(err)
+		}
+		if n := db.Stats().MaxOpenConnections; n != 1 {
+			t.Fatalf("MaxOpenConnections %d after Migrate, want 1", n)
+		}
+		if _, err := idemsql.DoInTx(ctx, db, scope, "k1", fpOf("a"), func(ctx context.Context, tx *sql.Tx) (idem.Response, error) {
+			return created, nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+	})
+}

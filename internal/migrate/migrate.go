@@ -24,7 +24,15 @@ const (
 
 // WithProvider runs fn with a goose provider for the migrations in fsys on
 // db, locked with idem's table lock.
+//
+// goose's lock keeps a connection while the migrations run on another: a
+// handle limited to one open connection (SetMaxOpenConns(1)) may open a
+// second one for the run, and gets its limit of one back after it.
 func WithProvider(db *sql.DB, fsys fs.FS, fn func(*goose.Provider) error) error {
+	if db.Stats().MaxOpenConnections == 1 {
+		db.SetMaxOpenConns(2)
+		defer db.SetMaxOpenConns(1)
+	}
 	locker, err := lock.NewPostgresTableLocker(
 		lock.WithTableName(LockTable),
 		lock.WithTableLockID(LockID),
