@@ -58,8 +58,8 @@ SELECT $1, $2, $3, $4, 'processing', now(), now(),
        now() + (nullif($6::bigint, 0) * interval '1 microsecond'),
        NULL
 FROM (SELECT set_config('lock_timeout', $7::text, true)
-      FROM (SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true),
-                   CASE WHEN false THEN idem_refuse('IDMRC', '') END) AS saved) AS wait
+      FROM (SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true)
+            WHERE 'idem_refuse(text,text)'::regprocedure IS NOT NULL) AS saved) AS wait
 ON CONFLICT (actor, operation, idem_key) DO NOTHING
 RETURNING (set_config('lock_timeout', current_setting('idem.lock_timeout'), true) IS NOT NULL)::boolean AS claimed
 `
@@ -109,7 +109,9 @@ type KeyClaimParams struct {
 // migration 00003).
 //
 // The claim names idem_refuse, which the completion calls, and never calls
-// it (WHEN false, folded away when the statement is planned): on a database
+// it: the saved subquery's WHERE reads it as a regprocedure constant, which
+// the parser resolves and the planner folds away (a column naming it, even
+// one folded to NULL, cost a projection step on every claim): on a database
 // below migration 8 the claim fails (ErrUnsupported) before fn runs, rather
 // than the completion after it, so that a service deployed before its
 // migration does not run fn's effects outside the database on every retry.
@@ -294,8 +296,7 @@ func (q *Queries) KeyCompleteCitus(ctx context.Context, db DBTX, arg KeyComplete
 
 const KeyGet = `-- name: KeyGet :one
 SELECT fingerprint, status, response_status, response_headers, response_body,
-       ((status IN ('succeeded', 'rejected') AND response_status IS NOT NULL AND response_body IS NULL)
-        OR coalesce(body_expires_at <= now(), false))::boolean AS body_gone,
+       coalesce(body_expires_at <= now(), false)::boolean AS body_due,
        (expires_at <= now())::boolean AS expired,
        (lease_expires_at IS NOT NULL)::boolean AS leased,
        coalesce((extract(epoch FROM lease_expires_at - now()) * 1000)::bigint, 0)::bigint AS lease_left_ms
@@ -315,17 +316,19 @@ type KeyGetRow struct {
 	ResponseStatus  pgtype.Int4
 	ResponseHeaders []byte
 	ResponseBody    []byte
-	BodyGone        bool
+	BodyDue         bool
 	Expired         bool
 	Leased          bool
 	LeaseLeftMs     int64
 }
 
 // Reads the committed row that holds a key, with what the database clock
-// says of its TTL and lease, and whether its response's body is gone:
-// dropped by Prune (a finished row keeps response_status, its body is NULL,
-// which idem never writes), or past its body_expires_at and not dropped yet.
-// Run only with enable_seqscan off (see above).
+// says of its TTL and lease, and whether its response's body is past its
+// body_expires_at (body_due; Prune may not have dropped it yet). A body
+// Prune dropped (a finished row keeps response_status, its body is NULL,
+// which idem never writes) the driver tells from the columns
+// (driver.BodyDropped): every expression here costs executor setup on
+// every replay. Run only with enable_seqscan off (see above).
 func (q *Queries) KeyGet(ctx context.Context, db DBTX, arg KeyGetParams) (KeyGetRow, error) {
 	row := db.QueryRow(ctx, KeyGet, arg.Actor, arg.Operation, arg.IdemKey)
 	var i KeyGetRow
@@ -335,7 +338,7 @@ func (q *Queries) KeyGet(ctx context.Context, db DBTX, arg KeyGetParams) (KeyGet
 		&i.ResponseStatus,
 		&i.ResponseHeaders,
 		&i.ResponseBody,
-		&i.BodyGone,
+		&i.BodyDue,
 		&i.Expired,
 		&i.Leased,
 		&i.LeaseLeftMs,
@@ -397,8 +400,8 @@ SELECT $1, $2, $3, $4, 'processing', now(), now(),
        now() + (nullif($6::bigint, 0) * interval '1 microsecond'),
        NULL
 FROM (SELECT set_config('lock_timeout', $7::text, true)
-      FROM (SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true),
-                   CASE WHEN false THEN idem_refuse('IDMRC', '') END) AS saved) AS wait
+      FROM (SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true)
+            WHERE 'idem_refuse(text,text)'::regprocedure IS NOT NULL) AS saved) AS wait
 ON CONFLICT (actor, operation, idem_key) DO UPDATE
 SET fingerprint      = excluded.fingerprint,
     status           = 'processing',

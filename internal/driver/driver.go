@@ -277,6 +277,18 @@ type Stored struct {
 	Gone bool
 }
 
+// BodyDropped reports whether a row read with these columns lost its body
+// to Prune (Config.BodyTTL): a finished row whose response_status is kept
+// and whose response_body is NULL, which idem never writes (an empty body
+// is stored as an empty bytea, which every driver reads as a non-nil
+// slice). KeyGet leaves this test to the driver and computes only whether
+// the body's time has passed (body_due): each expression of its select
+// list costs the server executor setup on every replay (docs/benchmarks.md,
+// "Issue 30 in instructions").
+func BodyDropped(status string, hasStatus bool, body []byte) bool {
+	return (status == "succeeded" || status == "rejected") && hasStatus && body == nil
+}
+
 // Row is the committed row that holds a key, with what the database clock
 // says of its TTL and lease.
 type Row struct {

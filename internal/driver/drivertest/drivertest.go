@@ -108,6 +108,57 @@ func Exercise[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 			t.Fatalf("%d rows after Undo, want 1", n)
 		}
 	})
+	t.Run("ReadTellsAnEmptyBodyFromAGoneOne", func(t *testing.T) {
+		// KeyGet leaves the dropped-body test to the driver
+		// (driver.BodyDropped): an empty body is stored as an empty
+		// bytea, which must read as a non-nil slice; a body Prune dropped
+		// (NULL) or whose time has passed is gone.
+		ctx := t.Context()
+		d := h.New(settings)
+		db := h.DB(t)
+		s := ownSpan(t, d, db)
+		empty := driver.Reply{Status: 204, Body: []byte{}}
+		for _, name := range []string{"empty", "dropped", "due"} {
+			if _, claimed, _, err := s.Claim(ctx, driver.Claim{Key: key(name), Fingerprint: fpA}); err != nil || !claimed {
+				t.Fatalf("Claim %s: %v %v", name, claimed, err)
+			}
+			if err := s.Complete(ctx, driver.Outcome{Key: key(name), Fingerprint: fpA, Status: "succeeded", Reply: empty}); err != nil {
+				t.Fatalf("Complete %s: %v", name, err)
+			}
+		}
+		// Drop one body as Prune does, and set another's time in the past,
+		// in the transaction of a call that commits them.
+		tx, claimed, _, err := s.Claim(ctx, driver.Claim{Key: key("writer"), Fingerprint: fpA})
+		if err != nil || !claimed {
+			t.Fatalf("Claim writer: %v %v", claimed, err)
+		}
+		for _, q := range []string{
+			`UPDATE idem_keys SET response_body = NULL, response_headers = NULL WHERE idem_key = 'dropped'`,
+			`UPDATE idem_keys SET body_expires_at = now() - interval '1 second' WHERE idem_key = 'due'`,
+		} {
+			if err := h.Exec(ctx, tx, q); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := s.Complete(ctx, driver.Outcome{Key: key("writer"), Fingerprint: fpA, Status: "succeeded", Reply: empty}); err != nil {
+			t.Fatalf("Complete writer: %v", err)
+		}
+		for _, c := range []struct {
+			name string
+			gone bool
+		}{{"empty", false}, {"dropped", true}, {"due", true}} {
+			if _, claimed, _, err := s.Claim(ctx, driver.Claim{Key: key(c.name), Fingerprint: fpA}); err != nil || claimed {
+				t.Fatalf("Claim of held %s: %v %v", c.name, claimed, err)
+			}
+			row, found, err := s.Read(ctx, key(c.name))
+			if err != nil || !found || !row.Stored.Valid || row.Stored.Status != 204 || row.Stored.Gone != c.gone {
+				t.Fatalf("Read %s: %+v %v %v, want gone %v", c.name, row, found, err, c.gone)
+			}
+			if !c.gone && (row.Stored.Body == nil || len(row.Stored.Body) != 0) {
+				t.Errorf("Read %s: body %#v, want an empty non-nil one", c.name, row.Stored.Body)
+			}
+		}
+	})
 	t.Run("OwnSpanHoldsAConnectionInItsTransactions", func(t *testing.T) {
 		ctx := t.Context()
 		d := h.New(settings)
