@@ -8,6 +8,11 @@
 // where the time went").
 //
 //	go run ./cmd/idem-cpu -calls 6000 -rounds 3
+//
+// -only runs one workload, -cpuprofile writes the client's CPU profile of
+// its measured calls; run against a server under callgrind, it counts the
+// server's instructions per call (docs/benchmarks.md, "Issue 30 in
+// instructions").
 package main
 
 import (
@@ -17,6 +22,7 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"runtime/pprof"
 	"strconv"
 	"strings"
 	"sync"
@@ -38,18 +44,38 @@ func main() {
 	calls := flag.Int("calls", 6000, "measured calls per workload and round")
 	workers := flag.Int("workers", 8, "concurrent callers, each with a connection of its own")
 	rounds := flag.Int("rounds", 1, "rounds; each runs do, doInTx and replay in turn")
+	only := flag.String("only", "", "run only this workload (do, doInTx or replay)")
+	profile := flag.String("cpuprofile", "", "write the client's CPU profile of the measured calls to this file")
 	flag.Parse()
 	if *calls < 1 || *workers < 1 || *rounds < 1 {
 		fmt.Fprintln(os.Stderr, "idem-cpu: -calls, -workers and -rounds must be positive")
 		os.Exit(2)
 	}
-	if err := run(context.Background(), *admin, *name, *calls, *workers, *rounds); err != nil {
+	switch *only {
+	case "", "do", "doInTx", "replay":
+	default:
+		fmt.Fprintf(os.Stderr, "idem-cpu: -only %q: want do, doInTx or replay\n", *only)
+		os.Exit(2)
+	}
+	if *profile != "" {
+		f, err := os.Create(*profile)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "idem-cpu:", err)
+			os.Exit(1)
+		}
+		profileFile = f
+	}
+	if err := run(context.Background(), *admin, *name, *only, *calls, *workers, *rounds); err != nil {
 		fmt.Fprintln(os.Stderr, "idem-cpu:", err)
 		os.Exit(1)
 	}
 }
 
-func run(ctx context.Context, adminURL, name string, calls, workers, rounds int) error {
+// profileFile, when set, receives the client's CPU profile of the measured
+// calls (not the warm-up's).
+var profileFile *os.File
+
+func run(ctx context.Context, adminURL, name, only string, calls, workers, rounds int) error {
 	admin, err := pgx.Connect(ctx, adminURL)
 	if err != nil {
 		return err
@@ -117,6 +143,9 @@ func run(ctx context.Context, adminURL, name string, calls, workers, rounds int)
 	fmt.Printf("CPU per call (µs), %d calls on %d workers; server: the backends' user+system time from /proc\n", calls, workers)
 	for round := 1; round <= rounds; round++ {
 		for _, w := range workloads {
+			if only != "" && w.name != only {
+				continue
+			}
 			if err := callAll(workers, calls/10+1, w.call); err != nil { // warm every connection's statement cache
 				return err
 			}
@@ -124,11 +153,23 @@ func run(ctx context.Context, adminURL, name string, calls, workers, rounds int)
 			if err != nil {
 				return err
 			}
+			if profileFile != nil {
+				if err := pprof.StartCPUProfile(profileFile); err != nil {
+					return err
+				}
+			}
 			s0, c0 := serverCPU(backends), clientCPU()
 			if err := callAll(workers, calls, w.call); err != nil {
 				return fmt.Errorf("%s: %w", w.name, err)
 			}
 			s1, c1 := serverCPU(backends), clientCPU()
+			if profileFile != nil {
+				pprof.StopCPUProfile()
+				if err := profileFile.Close(); err != nil {
+					return err
+				}
+				profileFile = nil // the first measured workload only
+			}
 			server := "n/a (the server is not on this machine, or a backend ended)"
 			if s0 >= 0 && s1 >= 0 {
 				server = fmt.Sprintf("%6.1f", float64(s1-s0)/float64(calls)/1e3)
