@@ -96,3 +96,36 @@ func TestTTLFor(t *testing.T) {
 		t.Errorf("refused calls wrote %d rows, ran fn %d times (%v)", n, calls.Load()-before, err)
 	}
 }
+
+// A TTLFor whose answer changes between two of its calls (a setting
+// reloaded while a call runs) gives each call the TTL its claim read: the
+// completion stores that one, and does not take the change for fn having
+// changed the key's row.
+func TestTTLForChangingMidCall(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	pool := newPool(t)
+	var n atomic.Int64
+	c, err := idem.New(idem.Config{TTLFor: func(string) time.Duration {
+		return time.Hour + time.Duration(n.Add(1))*time.Minute // a new answer on every call
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ok := func(context.Context, pgx.Tx) (idem.Response, error) { return idem.Response{Status: 200}, nil }
+	scope := idem.Scope{Actor: "a", Operation: "op"}
+	if _, err := c.DoInTx(ctx, pool, scope, "intx", idem.Fingerprint{1}, ok); err != nil {
+		t.Fatalf("DoInTx: %v", err)
+	}
+	if err := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		_, err := c.Do(ctx, tx, scope, "do", idem.Fingerprint{1}, ok)
+		return err
+	}); err != nil {
+		t.Fatalf("Do: %v", err)
+	}
+	var odd int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem_keys
+		WHERE status <> 'succeeded' OR expires_at - created_at < interval '61 minutes'`).Scan(&odd); err != nil || odd != 0 {
+		t.Fatalf("%d rows not stored with a TTL TTLFor gave (%v)", odd, err)
+	}
+}

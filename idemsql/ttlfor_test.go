@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -74,6 +75,44 @@ func TestTTLFor(t *testing.T) {
 		}
 		if n := keyCount(t, pool); n != before {
 			t.Errorf("refused calls wrote %d rows", n-before)
+		}
+	})
+}
+
+// A TTLFor whose answer changes between two of its calls gives each call
+// the TTL its claim read (as idem's TestTTLForChangingMidCall).
+func TestTTLForChangingMidCall(t *testing.T) {
+	t.Parallel()
+	eachDriver(t, func(t *testing.T, driver string) {
+		ctx := t.Context()
+		db, pool := migrated(t, driver)
+		var n atomic.Int64
+		c, err := idemsql.New(idem.Config{TTLFor: func(string) time.Duration {
+			return time.Hour + time.Duration(n.Add(1))*time.Minute // a new answer on every call
+		}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ok := func(context.Context, *sql.Tx) (idem.Response, error) { return idem.Response{Status: 200}, nil }
+		scope := idem.Scope{Actor: "a", Operation: "op"}
+		if _, err := c.DoInTx(ctx, db, scope, "intx", idem.Fingerprint{1}, ok); err != nil {
+			t.Fatalf("DoInTx: %v", err)
+		}
+		tx, err := db.BeginTx(ctx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := c.Do(ctx, tx, scope, "do", idem.Fingerprint{1}, ok); err != nil {
+			_ = tx.Rollback()
+			t.Fatalf("Do: %v", err)
+		}
+		if err := tx.Commit(); err != nil {
+			t.Fatal(err)
+		}
+		var odd int
+		if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem_keys
+			WHERE status <> 'succeeded' OR expires_at - created_at < interval '61 minutes'`).Scan(&odd); err != nil || odd != 0 {
+			t.Fatalf("%d rows not stored with a TTL TTLFor gave (%v)", odd, err)
 		}
 	})
 }

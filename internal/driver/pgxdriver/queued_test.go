@@ -55,7 +55,9 @@ func TestQueuedStatementsAreSqlcs(t *testing.T) {
 		var want recorder
 		c.sqlc(&want)
 		var b pgx.Batch
-		d.queueClaim(&b, driver.Claim{Key: k, Fingerprint: fp, TakeOver: c.takeOver}, fp[:], c.citus)
+		if ttl := d.queueClaim(&b, driver.Claim{Key: k, Fingerprint: fp, TakeOver: c.takeOver}, fp[:], c.citus); ttl != p.ttl {
+			t.Errorf("%s: queueClaim says it queued a TTL of %d µs, want %d", c.name, ttl, p.ttl)
+		}
 		i := 0
 		if c.citus {
 			i = 1 // between the SET LOCALs of the wait
@@ -79,7 +81,7 @@ func TestQueuedStatementsAreSqlcs(t *testing.T) {
 				ResponseHeaders: pgtype.Text{String: out.Reply.Headers, Valid: true}, ResponseBody: out.Reply.Body})
 		}
 		var b pgx.Batch
-		d.queueComplete(&b, out, fp[:], citus)
+		d.queueComplete(&b, out, fp[:], p.ttl, citus)
 		if got := b.QueuedQueries[0]; got.SQL != want.sql || !reflect.DeepEqual(got.Arguments, want.args) {
 			t.Errorf("completion (Citus %v) queued as %q %#v; sqlc sends %q %#v", citus, got.SQL, got.Arguments, want.sql, want.args)
 		}

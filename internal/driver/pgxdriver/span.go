@@ -82,6 +82,9 @@ type span struct {
 	queue [4]*pgx.QueuedQuery
 	fp    [32]byte
 	citus bool // the last claim's form, which the completion follows
+	// The TTL (µs) the last claim wrote, which the completion writes
+	// again: TTLFor is read once a claim, and may answer otherwise later.
+	ttl int64
 }
 
 // own reports whether the span is DoInTx's, in transactions of its own.
@@ -138,7 +141,7 @@ func (s *span) Claim(ctx context.Context, c driver.Claim) (tx pgx.Tx, claimed, b
 			return nil, false, false, fmt.Errorf("claim: %w", err)
 		}
 		b.BeginTx(s.d.txOptions)
-		s.d.queueClaim(b, c, s.fp[:], citus)
+		s.ttl = s.d.queueClaim(b, c, s.fp[:], citus)
 		return s.sendClaim(ctx, s.conn, st, s.d.claimForm(citus, c), true, citus)
 	}
 
@@ -155,7 +158,7 @@ func (s *span) Claim(ctx context.Context, c driver.Claim) (tx pgx.Tx, claimed, b
 	}
 	if warm {
 		b.Queue(sqlSavepoint)
-		s.d.queueClaim(b, c, s.fp[:], citus)
+		s.ttl = s.d.queueClaim(b, c, s.fp[:], citus)
 		return s.sendClaim(ctx, s.tx, st, s.d.claimForm(citus, c), true, citus)
 	}
 
@@ -165,7 +168,7 @@ func (s *span) Claim(ctx context.Context, c driver.Claim) (tx pgx.Tx, claimed, b
 	if citus, err = s.d.isCitus(ctx, st, s.tx); err != nil {
 		return s.tx, false, true, fmt.Errorf("claim: %w", err)
 	}
-	s.d.queueClaim(b, c, s.fp[:], citus)
+	s.ttl = s.d.queueClaim(b, c, s.fp[:], citus)
 	return s.sendClaim(ctx, s.tx, st, s.d.claimForm(citus, c), false, citus)
 }
 
@@ -270,8 +273,10 @@ func (s *span) reset() *pgx.Batch {
 // KeyTakeOver, KeyClaimCitus, KeyTakeOverCitus), queued here rather than
 // through the generated methods, so that a call reads its round trips in
 // this file (docs/development.md, the walk of a call);
-// TestQueuedStatementsAreSqlcs holds them to the generated methods.
-func (d *Driver) queueClaim(b *pgx.Batch, c driver.Claim, fp []byte, citus bool) {
+// TestQueuedStatementsAreSqlcs holds them to the generated methods. It
+// returns the TTL (µs) it queued, which the span's completion writes again
+// (TTLFor may answer otherwise by then: TestTTLForChangingMidCall).
+func (d *Driver) queueClaim(b *pgx.Batch, c driver.Claim, fp []byte, citus bool) (ttl int64) {
 	k := c.Key
 	ttl, body := d.ttlOf(k.Operation)
 	switch {
@@ -288,6 +293,7 @@ func (d *Driver) queueClaim(b *pgx.Batch, c driver.Claim, fp []byte, citus bool)
 	default:
 		b.Queue(db.KeyClaim, k.Actor, k.Operation, k.Key, fp, ttl, body, d.lockTimeout)
 	}
+	return ttl
 }
 
 // ttlOf is the TTL of operation's keys in microseconds, and the life of
@@ -338,7 +344,7 @@ func readClaim(br pgx.BatchResults, citus bool) (claimed bool, err error) {
 // pool when the COMMIT succeeded.
 func (s *span) Complete(ctx context.Context, out driver.Outcome) error {
 	b := s.reset()
-	s.d.queueComplete(b, out, s.fp[:], s.citus)
+	s.d.queueComplete(b, out, s.fp[:], s.ttl, s.citus)
 	if !s.own() {
 		b.Queue(sqlRelease)
 	} else {
@@ -357,13 +363,12 @@ func (s *span) Complete(ctx context.Context, out driver.Outcome) error {
 	return err
 }
 
-// queueComplete queues the completion of out in b: internal/db's
-// KeyComplete, or KeyCompleteCitus on Citus (their text and the order of
-// their arguments, as queueClaim's; TestQueuedStatementsAreSqlcs), read in
-// Complete.
-func (d *Driver) queueComplete(b *pgx.Batch, out driver.Outcome, fp []byte, citus bool) {
+// queueComplete queues the completion of out in b, with the TTL (µs) of
+// the claim: internal/db's KeyComplete, or KeyCompleteCitus on Citus (their
+// text and the order of their arguments, as queueClaim's;
+// TestQueuedStatementsAreSqlcs), read in Complete.
+func (d *Driver) queueComplete(b *pgx.Batch, out driver.Outcome, fp []byte, ttl int64, citus bool) {
 	k, r := out.Key, out.Reply
-	ttl, _ := d.ttlOf(k.Operation)
 	sql := db.KeyComplete
 	if citus {
 		sql = db.KeyCompleteCitus

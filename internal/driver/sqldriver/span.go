@@ -47,6 +47,9 @@ type span struct {
 	tx   *sql.Tx // Do: the caller's; DoInTx: the current own transaction
 	db   *sql.DB
 	lost bool // a ROLLBACK of DoInTx's found the connection gone
+	// The TTL (µs) the last claim wrote, which the completion writes
+	// again: TTLFor is read once a claim, and may answer otherwise later.
+	ttl int64
 }
 
 // Claim sends SAVEPOINT (or BEGIN), then the claim, which bounds its own
@@ -63,18 +66,18 @@ func (s *span) Claim(ctx context.Context, c driver.Claim) (tx *sql.Tx, claimed, 
 	} else if _, err := s.tx.ExecContext(ctx, sqlSavepoint); err != nil {
 		return s.tx, false, false, fmt.Errorf("claim: %w", err)
 	}
-	claimed, err = s.d.claim(ctx, s.tx, c)
+	s.ttl = s.d.ttl.TTL(c.Key.Operation)
+	claimed, err = s.d.claim(ctx, s.tx, c, s.ttl)
 	if err != nil {
 		return s.tx, false, true, fmt.Errorf("claim: %w", err)
 	}
 	return s.tx, claimed, true, nil
 }
 
-// claim claims c.Key in tx. claimed is false when a committed row holds
-// the key.
-func (d *Driver) claim(ctx context.Context, tx *sql.Tx, c driver.Claim) (claimed bool, err error) {
+// claim claims c.Key in tx for ttl µs. claimed is false when a committed
+// row holds the key.
+func (d *Driver) claim(ctx context.Context, tx *sql.Tx, c driver.Claim, ttl int64) (claimed bool, err error) {
 	k, fp := c.Key, c.Fingerprint[:]
-	ttl := d.ttl.TTL(k.Operation)
 	switch {
 	case d.citus:
 		if _, err := tx.ExecContext(ctx, d.sqlSetWait); err != nil {
@@ -111,7 +114,7 @@ func (s *span) Complete(ctx context.Context, out driver.Outcome) error {
 	k, r := out.Key, out.Reply
 	p := dbsql.KeyCompleteParams{
 		Actor: k.Actor, Operation: k.Operation, IdemKey: k.Key, Fingerprint: out.Fingerprint[:],
-		Status: out.Status, TtlMicros: s.d.ttl.TTL(k.Operation), ResponseStatus: r.Status,
+		Status: out.Status, TtlMicros: s.ttl, ResponseStatus: r.Status,
 		ResponseHeaders: sql.NullString{String: r.Headers, Valid: r.HasHeaders}, ResponseBody: r.Body,
 	}
 	var err error
