@@ -4,12 +4,15 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"fmt"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemsql"
+	"github.com/pgidem/idem/internal/testkit/pgtest"
 )
 
 // Config.BodyTTL through idemsql, with pgx's stdlib and lib/pq: past the
@@ -138,4 +141,29 @@ func TestBodyTTLFor(t *testing.T) {
 			t.Errorf("%d rows, %v; want 2 (nothing written by the refused call)", rows, err)
 		}
 	})
+}
+
+// An empty body replays as an empty body, not as a dropped one, through
+// lib/pq with its parameters sent in binary (docs/sql.md), which reads
+// results as text: in bytea's escape format it reads an empty bytea as nil.
+func TestEmptyBodyReplaysThroughLibPQEscape(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	url := pgtest.URL(t, idem.Migrate)
+	sep := "?"
+	if strings.Contains(url, "?") {
+		sep = "&"
+	}
+	db := open(t, "postgres", url+sep+"binary_parameters=yes&options=-c%20bytea_output%3Descape")
+	for _, body := range [][]byte{nil, {}} {
+		key := fmt.Sprintf("empty-%v", body == nil)
+		for i := range 2 {
+			res, err := idemsql.DoInTx(ctx, db, scope, key, fpOf("e"), func(context.Context, *sql.Tx) (idem.Response, error) {
+				return idem.Response{Status: 204, Body: body}, nil
+			})
+			if err != nil || res.Replayed != (i == 1) || res.Status != 204 || res.Body == nil || len(res.Body) != 0 {
+				t.Fatalf("%s call %d: %+v %v, want an empty body", key, i+1, res, err)
+			}
+		}
+	}
 }

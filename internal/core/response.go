@@ -97,6 +97,9 @@ func replay(st driver.Stored) (Result, error) {
 		return res, errorf("idem: %w: the operation finished with status %d; its body was dropped after Config.BodyTTL", ErrResponseGone, st.Status)
 	}
 	res.Body = st.Body
+	if res.Body == nil {
+		res.Body = []byte{} // as the call that stored it returned it (some drivers read an empty bytea as nil)
+	}
 	if st.Headers != nil {
 		if err := json.Unmarshal(st.Headers, &res.Header); err != nil {
 			return Result{}, errorf("idem: stored response headers: %w", err)

@@ -297,7 +297,7 @@ func (q *Queries) KeyCompleteCitus(ctx context.Context, db DBTX, arg KeyComplete
 
 const KeyGet = `-- name: KeyGet :one
 SELECT fingerprint, status, response_status, response_headers, response_body,
-       coalesce(body_expires_at <= now(), false)::boolean AS body_due,
+       coalesce(body_expires_at <= now(), response_body IS NULL)::boolean AS body_gone,
        (expires_at <= now())::boolean AS expired,
        (lease_expires_at IS NOT NULL)::boolean AS leased,
        coalesce((extract(epoch FROM lease_expires_at - now()) * 1000)::bigint, 0)::bigint AS lease_left_ms
@@ -317,19 +317,21 @@ type KeyGetRow struct {
 	ResponseStatus  sql.NullInt32
 	ResponseHeaders nulljson.JSON
 	ResponseBody    []byte
-	BodyDue         bool
+	BodyGone        bool
 	Expired         bool
 	Leased          bool
 	LeaseLeftMs     int64
 }
 
 // Reads the committed row that holds a key, with what the database clock
-// says of its TTL and lease, and whether its response's body is past its
-// body_expires_at (body_due; Prune may not have dropped it yet). A body
-// Prune dropped (a finished row keeps response_status, its body is NULL,
-// which idem never writes) the driver tells from the columns
-// (driver.BodyDropped): every expression here costs executor setup on
-// every replay. Run only with enable_seqscan off (see above).
+// says of its TTL and lease, and whether its response's body may be gone
+// (body_gone): past its body_expires_at (Prune may not have dropped it
+// yet), or, with no body_expires_at, NULL, which idem writes only when
+// Prune drops a body. The driver keeps it for finished rows that kept
+// their response_status (driver.BodyGone), as a replay reads it. (One
+// coalesce, not an OR of a status test and the time: every expression
+// here costs executor setup on every replay; docs/benchmarks.md, "Issue
+// 30 in instructions".) Run only with enable_seqscan off (see above).
 func (q *Queries) KeyGet(ctx context.Context, db DBTX, arg KeyGetParams) (KeyGetRow, error) {
 	row := db.QueryRowContext(ctx, KeyGet, arg.Actor, arg.Operation, arg.IdemKey)
 	var i KeyGetRow
@@ -339,7 +341,7 @@ func (q *Queries) KeyGet(ctx context.Context, db DBTX, arg KeyGetParams) (KeyGet
 		&i.ResponseStatus,
 		&i.ResponseHeaders,
 		&i.ResponseBody,
-		&i.BodyDue,
+		&i.BodyGone,
 		&i.Expired,
 		&i.Leased,
 		&i.LeaseLeftMs,

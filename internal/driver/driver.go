@@ -273,20 +273,17 @@ type Stored struct {
 	Headers []byte
 	Body    []byte
 	// Gone: the body and headers were dropped (Config.BodyTTL), or their
-	// time has passed; Status is the one stored. Read by KeyGet only.
+	// time has passed; Status is the one stored. Set by the reads that
+	// compute body_gone (KeyGet, KeyLookup, ReserveLock).
 	Gone bool
 }
 
-// BodyDropped reports whether a row read with these columns lost its body
-// to Prune (Config.BodyTTL): a finished row whose response_status is kept
-// and whose response_body is NULL, which idem never writes (an empty body
-// is stored as an empty bytea, which every driver reads as a non-nil
-// slice). KeyGet leaves this test to the driver and computes only whether
-// the body's time has passed (body_due): each expression of its select
-// list costs the server executor setup on every replay (docs/benchmarks.md,
-// "Issue 30 in instructions").
-func BodyDropped(status string, hasStatus bool, body []byte) bool {
-	return (status == "succeeded" || status == "rejected") && hasStatus && body == nil
+// BodyGone is KeyGet's body_gone kept for a finished row that kept its
+// response_status, the only rows a replay reads a body of: the body's time
+// has passed, or (with no body time) Prune dropped the body (NULL, which
+// idem never writes otherwise).
+func BodyGone(status string, hasStatus, bodyGone bool) bool {
+	return bodyGone && hasStatus && (status == "succeeded" || status == "rejected")
 }
 
 // Row is the committed row that holds a key, with what the database clock

@@ -164,7 +164,7 @@ func (s *span) Read(ctx context.Context, k driver.Key) (row driver.Row, found bo
 	}
 	return driver.Row{
 		Fingerprint: r.Fingerprint, Status: r.Status, Stored: storedOrGone(r.ResponseStatus, r.ResponseHeaders, r.ResponseBody,
-			r.BodyDue || driver.BodyDropped(r.Status, r.ResponseStatus.Valid, r.ResponseBody)),
+			driver.BodyGone(r.Status, r.ResponseStatus.Valid, r.BodyGone)),
 		Expired: r.Expired, Leased: r.Leased, LeaseLeftMs: r.LeaseLeftMs,
 	}, found, nil
 }
@@ -174,8 +174,8 @@ func stored(status sql.NullInt32, headers, body []byte) driver.Stored {
 	return driver.Stored{Valid: status.Valid, Status: status.Int32, Headers: headers, Body: body}
 }
 
-// storedOrGone is stored with a body that is gone (KeyGet's body_due or a
-// dropped body, a row's body_gone): a gone body keeps only its status.
+// storedOrGone is stored with a row's body_gone: a gone body keeps only
+// its status.
 func storedOrGone(status sql.NullInt32, headers, body []byte, gone bool) driver.Stored {
 	if gone {
 		return driver.Stored{Valid: status.Valid, Status: status.Int32, Gone: true}
