@@ -84,6 +84,11 @@ func Migrations() fs.FS {
 // pool's exec mode does (see docs/poolers.md). On
 // Citus, run it on the coordinator (then Distribute): a worker is refused
 // with ErrUnsupported.
+//
+// A run holds two connections at once (goose's lock keeps one while the
+// migrations run on another): on a pool of one connection it opens a pool
+// of two of its own for the run, configured as pool is, and this process's
+// runs on one pool take turns (as MigrateDown's do).
 func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
 	if pool == nil {
 		return core.Errorf("idem: %w: nil pool", ErrInvalidArgument)
@@ -169,10 +174,13 @@ func MigrateDown(ctx context.Context, pool *pgxpool.Pool, opts MigrateDownOption
 }
 
 // withProvider runs fn with a goose provider for idem's migrations on pool,
-// locked with the table lock. goose's lock keeps a connection while the
-// migrations run on another, so a pool of one connection lends fn a pool
-// of its own of two, configured as pool is (TestMigrateOnAPoolOfOneConnection).
+// locked with the table lock, one run of this process on pool at a time
+// (see migrate.WithProvider). goose's lock keeps a connection while the
+// migrations run on another, so a pool of one connection lends the run a
+// pool of its own of two, configured as pool is
+// (TestMigrateOnAPoolOfOneConnection).
 func withProvider(ctx context.Context, pool *pgxpool.Pool, fn func(*goose.Provider) error) error {
+	handle := pool
 	if pool.Config().MaxConns < 2 {
 		cfg := pool.Config().Copy()
 		cfg.MinConns, cfg.MaxConns = 0, 2
@@ -185,5 +193,5 @@ func withProvider(ctx context.Context, pool *pgxpool.Pool, fn func(*goose.Provid
 	}
 	db := stdlib.OpenDBFromPool(pool)
 	defer db.Close()
-	return migrate.WithProvider(db, Migrations(), fn)
+	return migrate.WithProvider(ctx, handle, db, Migrations(), fn)
 }

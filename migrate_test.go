@@ -3,6 +3,7 @@ package idem_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io/fs"
 	"strings"
 	"sync"
@@ -460,37 +461,49 @@ func TestMigrateDownKeepsEvents(t *testing.T) {
 	}
 }
 
-// A pool of one connection migrates (goose's lock holds a connection of its
-// own while the migrations run on another: Migrate and MigrateDown lend
-// themselves a second one).
+// A pool of one or two connections migrates, with concurrent runs too: a
+// run holds two connections at once (goose's lock keeps one while the
+// migrations run on another), so Migrate and MigrateDown lend a pool of one
+// a second connection, and the runs of one process on one pool take turns.
 func TestMigrateOnAPoolOfOneConnection(t *testing.T) {
 	t.Parallel()
-	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
-	defer cancel()
-	cfg, err := pgxpool.ParseConfig(pgtest.URL(t, noMigrate))
-	if err != nil {
-		t.Fatal(err)
-	}
-	cfg.MaxConns = 1
-	pool, err := pgxpool.NewWithConfig(ctx, cfg)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer pool.Close()
-	if err := idem.Migrate(ctx, pool); err != nil {
-		t.Fatal(err)
-	}
-	if v, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{}); err != nil || v == 0 {
-		t.Fatalf("MigrateDown: %d %v", v, err)
-	}
-	if err := idem.Migrate(ctx, pool); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := idem.DoInTx(ctx, pool, idem.Scope{Actor: "a", Operation: "op"}, "k", idem.Fingerprint{1},
-		func(context.Context, pgx.Tx) (idem.Response, error) { return idem.Response{Status: 200}, nil }); err != nil {
-		t.Fatal(err)
-	}
-	if n := pool.Stat().MaxConns(); n != 1 {
-		t.Fatalf("the pool's MaxConns is %d after Migrate, want 1", n)
+	for _, conns := range []int32{1, 2} {
+		t.Run(fmt.Sprint(conns), func(t *testing.T) {
+			t.Parallel()
+			ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+			defer cancel()
+			cfg, err := pgxpool.ParseConfig(pgtest.URL(t, noMigrate))
+			if err != nil {
+				t.Fatal(err)
+			}
+			cfg.MaxConns = conns
+			pool, err := pgxpool.NewWithConfig(ctx, cfg)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer pool.Close()
+			var wg sync.WaitGroup
+			errs := make([]error, 3)
+			for i := range errs {
+				wg.Go(func() { errs[i] = idem.Migrate(ctx, pool) })
+			}
+			wg.Wait()
+			if err := errors.Join(errs...); err != nil {
+				t.Fatal(err)
+			}
+			if v, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{}); err != nil || v == 0 {
+				t.Fatalf("MigrateDown: %d %v", v, err)
+			}
+			if err := idem.Migrate(ctx, pool); err != nil {
+				t.Fatal(err)
+			}
+			if _, err := idem.DoInTx(ctx, pool, idem.Scope{Actor: "a", Operation: "op"}, "k", idem.Fingerprint{1},
+				func(context.Context, pgx.Tx) (idem.Response, error) { return idem.Response{Status: 200}, nil }); err != nil {
+				t.Fatal(err)
+			}
+			if n := pool.Stat().MaxConns(); n != conns {
+				t.Fatalf("the pool's MaxConns is %d after Migrate, want %d", n, conns)
+			}
+		})
 	}
 }

@@ -522,9 +522,10 @@ func TestDoJSON(t *testing.T) {
 	})
 }
 
-// A handle limited to one open connection migrates (goose's lock keeps a
-// connection while the migrations run on another: Migrate lets the handle
-// open a second one for the run, and puts its limit back).
+// A handle limited to one open connection migrates, with concurrent runs
+// too (goose's lock keeps a connection while the migrations run on another:
+// Migrate lets the handle open a second one for the run, the runs of one
+// process on one handle take turns, and the limit of one comes back).
 func TestMigrateOnOneConnection(t *testing.T) {
 	t.Parallel()
 	eachDriver(t, func(t *testing.T, driver string) {
@@ -532,7 +533,13 @@ func TestMigrateOnOneConnection(t *testing.T) {
 		defer cancel()
 		db := open(t, driver, pgtest.URL(t, nil))
 		db.SetMaxOpenConns(1)
-		if err := idemsql.Migrate(ctx, db); err != nil {
+		var wg sync.WaitGroup
+		errs := make([]error, 3)
+		for i := range errs {
+			wg.Go(func() { errs[i] = idemsql.Migrate(ctx, db) })
+		}
+		wg.Wait()
+		if err := errors.Join(errs...); err != nil {
 			t.Fatal(err)
 		}
 		if n := db.Stats().MaxOpenConnections; n != 1 {

@@ -17,12 +17,16 @@ import (
 // lock, idem.MigrationLockID in idem.MigrationLockTable), so a database
 // migrated by either form is migrated for both, and concurrent runs of
 // either serialize. It does nothing when everything is applied, and works
-// through a transaction pooler.
+// through a transaction pooler. A run holds two of db's connections at once
+// (goose's lock keeps one while the migrations run on another): on a handle
+// limited to one (SetMaxOpenConns(1)) it raises the limit to two for the
+// run and puts it back after, and this process's runs on one handle take
+// turns.
 func Migrate(ctx context.Context, db *sql.DB) error {
 	if db == nil {
 		return core.Errorf("idem: %w: nil database handle", idem.ErrInvalidArgument)
 	}
-	err := migrate.WithProvider(db, idem.Migrations(), func(p *goose.Provider) error {
+	err := migrate.WithProvider(ctx, db, db, idem.Migrations(), func(p *goose.Provider) error {
 		_, err := p.Up(ctx)
 		return err
 	})

@@ -4,8 +4,10 @@
 package migrate
 
 import (
+	"context"
 	"database/sql"
 	"io/fs"
+	"sync"
 	"time"
 
 	"github.com/pressly/goose/v3"
@@ -23,15 +25,29 @@ const (
 )
 
 // WithProvider runs fn with a goose provider for the migrations in fsys on
-// db, locked with idem's table lock.
+// db, locked with idem's table lock, after this process's other runs on
+// handle (db, or the pool db was opened from) have ended.
 //
-// goose's lock keeps a connection while the migrations run on another: a
-// handle limited to one open connection (SetMaxOpenConns(1)) may open a
-// second one for the run, and gets its limit of one back after it.
-func WithProvider(db *sql.DB, fsys fs.FS, fn func(*goose.Provider) error) error {
+// A run holds two of the handle's connections at once: goose's lock keeps
+// one while the migrations run on another. So two runs on a handle of two
+// connections would each hold one and wait for the other forever: the runs
+// of one process on one handle take turns (goose's lock serializes the
+// rest, across handles and processes). A handle limited to one open
+// connection (SetMaxOpenConns(1)) may open a second one for the run, and
+// gets its limit of one back after it, unless it was changed meanwhile.
+func WithProvider(ctx context.Context, handle any, db *sql.DB, fsys fs.FS, fn func(*goose.Provider) error) error {
+	done, err := takeTurn(ctx, handle)
+	if err != nil {
+		return err
+	}
+	defer done()
 	if db.Stats().MaxOpenConnections == 1 {
 		db.SetMaxOpenConns(2)
-		defer db.SetMaxOpenConns(1)
+		defer func() {
+			if db.Stats().MaxOpenConnections == 2 {
+				db.SetMaxOpenConns(1)
+			}
+		}()
 	}
 	locker, err := lock.NewPostgresTableLocker(
 		lock.WithTableName(LockTable),
@@ -54,4 +70,47 @@ func WithProvider(db *sql.DB, fsys fs.FS, fn func(*goose.Provider) error) error 
 		return err
 	}
 	return fn(provider)
+}
+
+// turns holds, for each handle a run of this process is on, the turn that
+// run holds (a channel of one, full while a run holds it) and how many runs
+// hold it or wait for it.
+var turns struct {
+	mu sync.Mutex
+	m  map[any]*turn
+}
+
+type turn struct {
+	held    chan struct{}
+	waiting int
+}
+
+// takeTurn waits until no other run of this process is on handle, or ctx
+// ends, and returns the function that ends the turn.
+func takeTurn(ctx context.Context, handle any) (done func(), err error) {
+	turns.mu.Lock()
+	if turns.m == nil {
+		turns.m = map[any]*turn{}
+	}
+	t := turns.m[handle]
+	if t == nil {
+		t = &turn{held: make(chan struct{}, 1)}
+		turns.m[handle] = t
+	}
+	t.waiting++
+	turns.mu.Unlock()
+	leave := func() {
+		turns.mu.Lock()
+		if t.waiting--; t.waiting == 0 {
+			delete(turns.m, handle)
+		}
+		turns.mu.Unlock()
+	}
+	select {
+	case t.held <- struct{}{}:
+		return func() { <-t.held; leave() }, nil
+	case <-ctx.Done():
+		leave()
+		return nil, context.Cause(ctx)
+	}
 }
