@@ -45,7 +45,7 @@ func main() {
 	workers := flag.Int("workers", 8, "concurrent callers, each with a connection of its own")
 	rounds := flag.Int("rounds", 1, "rounds; each runs do, doInTx and replay in turn")
 	only := flag.String("only", "", "run only this workload (do, doInTx or replay)")
-	profile := flag.String("cpuprofile", "", "write the client's CPU profile of the measured calls to this file")
+	profile := flag.String("cpuprofile", "", "write the client's CPU profile of the first measured workload's calls (first round) to this file")
 	flag.Parse()
 	if *calls < 1 || *workers < 1 || *rounds < 1 {
 		fmt.Fprintln(os.Stderr, "idem-cpu: -calls, -workers and -rounds must be positive")
@@ -57,23 +57,34 @@ func main() {
 		fmt.Fprintf(os.Stderr, "idem-cpu: -only %q: want do, doInTx or replay\n", *only)
 		os.Exit(2)
 	}
-	if *profile != "" {
-		f, err := os.Create(*profile)
-		if err != nil {
-			fmt.Fprintln(os.Stderr, "idem-cpu:", err)
-			os.Exit(1)
-		}
-		profileFile = f
-	}
+	profilePath = *profile
 	if err := run(context.Background(), *admin, *name, *only, *calls, *workers, *rounds); err != nil {
 		fmt.Fprintln(os.Stderr, "idem-cpu:", err)
 		os.Exit(1)
 	}
 }
 
-// profileFile, when set, receives the client's CPU profile of the measured
-// calls (not the warm-up's).
-var profileFile *os.File
+// profilePath, when set, receives the client's CPU profile of the first
+// measured workload's calls (not the warm-up's).
+var profilePath string
+
+// startProfile starts the CPU profile into profilePath, once, and returns
+// the function that stops it and closes the file (nil when none started).
+func startProfile() (stop func() error, err error) {
+	if profilePath == "" {
+		return nil, nil
+	}
+	f, err := os.Create(profilePath)
+	if err != nil {
+		return nil, err
+	}
+	profilePath = "" // the first measured workload only
+	if err := pprof.StartCPUProfile(f); err != nil {
+		_ = f.Close()
+		return nil, err
+	}
+	return func() error { pprof.StopCPUProfile(); return f.Close() }, nil
+}
 
 func run(ctx context.Context, adminURL, name, only string, calls, workers, rounds int) error {
 	admin, err := pgx.Connect(ctx, adminURL)
@@ -153,22 +164,18 @@ func run(ctx context.Context, adminURL, name, only string, calls, workers, round
 			if err != nil {
 				return err
 			}
-			if profileFile != nil {
-				if err := pprof.StartCPUProfile(profileFile); err != nil {
-					return err
-				}
+			stopProfile, err := startProfile()
+			if err != nil {
+				return err
 			}
 			s0, c0 := serverCPU(backends), clientCPU()
-			if err := callAll(workers, calls, w.call); err != nil {
-				return fmt.Errorf("%s: %w", w.name, err)
-			}
+			err = callAll(workers, calls, w.call)
 			s1, c1 := serverCPU(backends), clientCPU()
-			if profileFile != nil {
-				pprof.StopCPUProfile()
-				if err := profileFile.Close(); err != nil {
-					return err
-				}
-				profileFile = nil // the first measured workload only
+			if stopProfile != nil {
+				err = errors.Join(err, stopProfile())
+			}
+			if err != nil {
+				return fmt.Errorf("%s: %w", w.name, err)
 			}
 			server := "n/a (the server is not on this machine, or a backend ended)"
 			if s0 >= 0 && s1 >= 0 {
