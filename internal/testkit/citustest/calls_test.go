@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -351,4 +352,35 @@ func TestCallsBodyTTL(t *testing.T) {
 		t.Fatalf("%d bodies dropped, %v; want 3", dropped, err)
 	}
 	check("after Prune")
+}
+
+// A TTLFor whose answer changes between two of its calls gives each call
+// the TTL its claim read, on Citus too (whose completion is KeyCompleteCitus):
+// the completion does not take the change for fn having changed its row.
+func TestCallsTTLForChangingMidCall(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	_, p := newDB(t)
+	var n atomic.Int64
+	c, err := idem.New(idem.Config{TTLFor: func(string) time.Duration {
+		return time.Hour + time.Duration(n.Add(1))*time.Minute // a new answer on every call
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	scope := idem.Scope{Actor: "frank", Operation: "order"}
+	if _, err := c.DoInTx(ctx, p, scope, "t1", fp("t1"), order("frank", "t1", "t1")); err != nil {
+		t.Fatalf("DoInTx: %v", err)
+	}
+	if err := pgx.BeginFunc(ctx, p, func(tx pgx.Tx) error {
+		_, err := c.Do(ctx, tx, scope, "t2", fp("t2"), order("frank", "t2", "t2"))
+		return err
+	}); err != nil {
+		t.Fatalf("Do: %v", err)
+	}
+	var odd int
+	if err := p.QueryRow(ctx, `SELECT count(*) FROM idem_keys WHERE actor = 'frank'
+		AND (status <> 'succeeded' OR expires_at - created_at < interval '61 minutes')`).Scan(&odd); err != nil || odd != 0 {
+		t.Fatalf("%d rows not stored with a TTL TTLFor gave (%v)", odd, err)
+	}
 }
