@@ -5,7 +5,6 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -149,12 +148,7 @@ func TestBodyTTLFor(t *testing.T) {
 func TestEmptyBodyReplaysThroughLibPQEscape(t *testing.T) {
 	t.Parallel()
 	ctx := t.Context()
-	url := pgtest.URL(t, idem.Migrate)
-	sep := "?"
-	if strings.Contains(url, "?") {
-		sep = "&"
-	}
-	db := open(t, "postgres", url+sep+"binary_parameters=yes&options=-c%20bytea_output%3Descape")
+	db := open(t, "postgres", pgtest.WithParams(t, pgtest.URL(t, idem.Migrate), "binary_parameters=yes&options=-c%20bytea_output%3Descape"))
 	for _, body := range [][]byte{nil, {}} {
 		key := fmt.Sprintf("empty-%v", body == nil)
 		for i := range 2 {

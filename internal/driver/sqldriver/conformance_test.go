@@ -4,7 +4,6 @@ import (
 	"context"
 	"database/sql"
 	"os"
-	"strings"
 	"testing"
 
 	_ "github.com/jackc/pgx/v5/stdlib"
@@ -35,11 +34,7 @@ func TestConformance(t *testing.T) {
 			drivertest.Exercise(t, drivertest.Harness[*sql.Tx, *sql.DB]{
 				New: func(s driver.Settings) driver.Driver[*sql.Tx, *sql.DB] { return sqldriver.New(s, false) },
 				DB: func(t *testing.T) *sql.DB {
-					url := pgtest.URL(t, idem.Migrate)
-					if c.params != "" {
-						url += map[bool]string{true: "&", false: "?"}[strings.Contains(url, "?")] + c.params
-					}
-					db, err := sql.Open(c.driver, url)
+					db, err := sql.Open(c.driver, pgtest.WithParams(t, pgtest.URL(t, idem.Migrate), c.params))
 					if err != nil {
 						t.Fatal(err)
 					}

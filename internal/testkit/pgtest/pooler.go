@@ -36,3 +36,25 @@ func BehindPooler(t testing.TB, migrate MigrateFunc) string {
 	u.Path, u.RawPath = "/"+cfg.Database, ""
 	return u.String()
 }
+
+// WithParams returns rawURL (a postgres:// URL) with the query parameters
+// of params (as "k=v&k2=v2", URL-encoded) added to its own.
+func WithParams(t testing.TB, rawURL, params string) string {
+	t.Helper()
+	u, err := url.Parse(rawURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	extra, err := url.ParseQuery(params)
+	if err != nil {
+		t.Fatal(err)
+	}
+	q := u.Query()
+	for k, vs := range extra {
+		for _, v := range vs {
+			q.Add(k, v)
+		}
+	}
+	u.RawQuery = q.Encode()
+	return u.String()
+}
