@@ -288,6 +288,11 @@ func TestMigrateDownFrom8(t *testing.T) {
 		_, err := tx.Exec(ctx, `INSERT INTO charges VALUES ('c1')`)
 		return idem.Response{Status: 201}, err
 	}
+	// Migration 11 changes no statement's needs: only the table's
+	// autovacuum setting goes.
+	if v, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{}); err != nil || v != 11 {
+		t.Fatalf("MigrateDown: %d, %v; want 11", v, err)
+	}
 	for _, down := range []struct {
 		version int64
 		fix     string // what makes the version's missing part the only one
@@ -356,7 +361,7 @@ func TestMigrateDownFrom8(t *testing.T) {
 		t.Fatal(err)
 	}
 	if res, err := idem.DoInTx(ctx, pool, payScope, "k8", fpA, charge); err != nil || res.Status != 201 {
-		t.Fatalf("DoInTx at version 10: %+v, %v", res, err)
+		t.Fatalf("DoInTx at the latest version: %+v, %v", res, err)
 	}
 }
 
@@ -383,8 +388,10 @@ func TestMigrateDownFrom9KeepsDroppedBodies(t *testing.T) {
 	if _, err := c.Prune(ctx, pool, idem.PruneOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	if v, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{}); err != nil || v != 10 {
-		t.Fatalf("MigrateDown from 10: %d, %v", v, err)
+	for _, want := range []int64{11, 10} {
+		if v, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{}); err != nil || v != want {
+			t.Fatalf("MigrateDown from %d: %d, %v", want, v, err)
+		}
 	}
 	before := idemRows(t, pool)
 	_, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{})
@@ -505,5 +512,49 @@ func TestMigrateOnAPoolOfOneConnection(t *testing.T) {
 				t.Fatalf("the pool's MaxConns is %d after Migrate, want %d", n, conns)
 			}
 		})
+	}
+}
+
+// Migration 11 sets idem_keys' autovacuum_vacuum_scale_factor to 0.05, but
+// keeps a value an operator set before it; its Down puts back the server's
+// default, but not an operator's value.
+func TestMigration11Autovacuum(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t, idem.Migrate)
+	scale := func() string {
+		t.Helper()
+		var v string
+		if err := pool.QueryRow(ctx, `SELECT coalesce((SELECT option_value FROM pg_class c, pg_options_to_table(c.reloptions)
+			WHERE c.oid = 'idem_keys'::regclass AND option_name = 'autovacuum_vacuum_scale_factor'), 'unset')`).Scan(&v); err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	down := func() {
+		t.Helper()
+		if v, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{}); err != nil || v != 11 {
+			t.Fatalf("MigrateDown: %d, %v; want 11", v, err)
+		}
+	}
+	if got := scale(); got != "0.05" {
+		t.Fatalf("after Migrate: autovacuum_vacuum_scale_factor %s, want 0.05", got)
+	}
+	down()
+	if got := scale(); got != "unset" {
+		t.Fatalf("after MigrateDown: autovacuum_vacuum_scale_factor %s, want the server's (unset)", got)
+	}
+	if _, err := pool.Exec(ctx, `ALTER TABLE idem_keys SET (autovacuum_vacuum_scale_factor = 0.01)`); err != nil {
+		t.Fatal(err)
+	}
+	if err := idem.Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	if got := scale(); got != "0.01" {
+		t.Fatalf("after Migrate over an operator's 0.01: %s", got)
+	}
+	down()
+	if got := scale(); got != "0.01" {
+		t.Fatalf("after MigrateDown over an operator's 0.01: %s", got)
 	}
 }

@@ -74,6 +74,7 @@ type options struct {
 	storageKeys, storageWALCalls   int
 	storageFillfactor              int
 	storageBodyTTL                 time.Duration
+	storageVacuumScale             float64
 	storageRate                    float64
 	relay                          bool // the outbox run alone (-smoke runs a small one too)
 	relayRounds, relayEvents       int
@@ -105,6 +106,7 @@ func main() {
 	flag.Float64Var(&o.storageRate, "storage-rate", 1000, "fresh calls per second in the storage run")
 	flag.IntVar(&o.storageWALCalls, "storage-wal-calls", 2_000, "calls per workload in the storage run's WAL count")
 	flag.IntVar(&o.storageFillfactor, "storage-fillfactor", 0, "fillfactor of idem_keys in the storage run (0: the migrations')")
+	flag.Float64Var(&o.storageVacuumScale, "storage-vacuum-scale", 0, "autovacuum_vacuum_scale_factor of idem_keys in the storage run (0: the migrations')")
 	flag.BoolVar(&o.relay, "relay", false, "only the outbox run: Relay against a hand-written SKIP LOCKED poller, commit-to-send with LISTEN, the claim's plan (-smoke runs a small one too)")
 	flag.IntVar(&o.relayRounds, "relay-rounds", 5, "interleaved rounds of the outbox run")
 	flag.IntVar(&o.relayEvents, "relay-events", 20_000, "backlogged events each contender sends in each round")

@@ -83,12 +83,13 @@ func TestStorageFlagsChecked(t *testing.T) {
 		t.Fatalf("good options refused: %v", err)
 	}
 	for name, bad := range map[string]func(*options){
-		"no keys":        func(o *options) { o.storageKeys = 0 },
-		"no rate":        func(o *options) { o.storageRate = 0 },
-		"negative rate":  func(o *options) { o.storageRate = -1 },
-		"no WAL calls":   func(o *options) { o.storageWALCalls = 0 },
-		"fillfactor 5":   func(o *options) { o.storageFillfactor = 5 },
-		"fillfactor 101": func(o *options) { o.storageFillfactor = 101 },
+		"no keys":         func(o *options) { o.storageKeys = 0 },
+		"no rate":         func(o *options) { o.storageRate = 0 },
+		"negative rate":   func(o *options) { o.storageRate = -1 },
+		"no WAL calls":    func(o *options) { o.storageWALCalls = 0 },
+		"fillfactor 5":    func(o *options) { o.storageFillfactor = 5 },
+		"fillfactor 101":  func(o *options) { o.storageFillfactor = 101 },
+		"vacuum scale -1": func(o *options) { o.storageVacuumScale = -1 },
 	} {
 		o := good
 		bad(&o)

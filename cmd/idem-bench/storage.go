@@ -19,15 +19,30 @@ import (
 
 // The storage run (-storage) measures what a retained key costs at rest:
 // calls at a fixed rate with a TTL of -storage-keys / -storage-rate, Prune
-// deleting the expired keys beside them, and VACUUM whenever Prune has
-// deleted as many rows as autovacuum's defaults wait for (50 plus 20% of
-// the table), until the table has held its steady state for one TTL. Then
+// deleting the expired keys beside them, and VACUUM whenever the table's
+// dead rows reach what autovacuum waits for (vacuumDue), until the table has held its steady state for one TTL. Then
 // it reports the bytes per retained key of the heap, each index and TOAST
 // (the working size), the same after VACUUM FULL (the compact size), the
 // share of completions that were HOT updates, and the WAL bytes a fresh
 // call writes against the floor's (the bare transaction plus one INSERT of
 // a finished key row), read from pg_walinspect and counted for the
 // benchmark database only.
+
+// vacuumDue says whether autovacuum would VACUUM idem_keys now: its dead
+// rows (the statistics autovacuum reads) past autovacuum_vacuum_threshold
+// plus autovacuum_vacuum_scale_factor times the rows the last VACUUM
+// counted, each the table's own setting (migration 00011) or else the
+// server's.
+const vacuumDue = `
+SELECT s.n_dead_tup > coalesce(o.threshold, current_setting('autovacuum_vacuum_threshold')::float8)
+       + coalesce(o.scale, current_setting('autovacuum_vacuum_scale_factor')::float8) * greatest(c.reltuples, 0)
+FROM pg_class c
+JOIN pg_stat_user_tables s ON s.relid = c.oid
+CROSS JOIN LATERAL (
+    SELECT max(option_value::float8) FILTER (WHERE option_name = 'autovacuum_vacuum_threshold') AS threshold,
+           max(option_value::float8) FILTER (WHERE option_name = 'autovacuum_vacuum_scale_factor') AS scale
+    FROM pg_options_to_table(c.reloptions)) o
+WHERE c.oid = 'idem_keys'::regclass`
 
 // storageLimit is the most bytes per retained key the layout may take
 // compact (after VACUUM FULL: heap, indexes and TOAST, less each
@@ -125,7 +140,7 @@ func (b *bench) runStorage(ctx context.Context, out io.Writer) (int, error) {
 	if err != nil {
 		return 0, err
 	}
-	fmt.Fprintf(out, "\nstorage: %.0f calls/s for %s, TTL %s (steady state: %d keys), Prune every %s, VACUUM after 50 + 20%% of the keys were pruned\n",
+	fmt.Fprintf(out, "\nstorage: %.0f calls/s for %s, TTL %s (steady state: %d keys), Prune every %s, VACUUM when autovacuum would\n",
 		o.storageRate, (2 * ttl).Round(time.Second), ttl.Round(time.Millisecond), o.storageKeys, (ttl / 20).Round(time.Millisecond))
 	// Only the storage run's keys: -smoke's workloads ran before it on
 	// the same table.
@@ -137,8 +152,16 @@ func (b *bench) runStorage(ctx context.Context, out io.Writer) (int, error) {
 			return 0, err
 		}
 	}
+	if o.storageVacuumScale != 0 {
+		if err := execSQL(ctx, pool, fmt.Sprintf(`ALTER TABLE idem_keys SET (autovacuum_vacuum_scale_factor = %g)`, o.storageVacuumScale)); err != nil {
+			return 0, err
+		}
+	}
 	var layout string
-	if err := pool.QueryRow(ctx, `SELECT coalesce(array_to_string(reloptions, ', '), 'defaults') FROM pg_class WHERE oid = 'idem_keys'::regclass`).Scan(&layout); err != nil {
+	if err := pool.QueryRow(ctx, `SELECT coalesce(array_to_string(reloptions, ', '), 'defaults')
+		|| format(' (server: autovacuum_vacuum_threshold %s, autovacuum_vacuum_scale_factor %s)',
+			current_setting('autovacuum_vacuum_threshold'), current_setting('autovacuum_vacuum_scale_factor'))
+		FROM pg_class WHERE oid = 'idem_keys'::regclass`).Scan(&layout); err != nil {
 		return 0, err
 	}
 	fmt.Fprintf(out, "idem_keys storage: %s\n", layout)
@@ -200,7 +223,6 @@ func (b *bench) runStorage(ctx context.Context, out io.Writer) (int, error) {
 	wg.Add(1)
 	go func() { // Prune, and VACUUM as autovacuum would
 		defer wg.Done()
-		var since int64
 		t := time.NewTicker(ttl / 20)
 		defer t.Stop()
 		for {
@@ -217,12 +239,18 @@ func (b *bench) runStorage(ctx context.Context, out io.Writer) (int, error) {
 				return
 			}
 			pruned.Add(n)
-			if since += n; since >= 50+int64(o.storageKeys)/5 {
+			var due bool
+			if err := pool.QueryRow(runCtx, vacuumDue).Scan(&due); err != nil {
+				if runCtx.Err() == nil {
+					errs <- fmt.Errorf("vacuum due: %w", err)
+				}
+				return
+			}
+			if due {
 				if _, err := pool.Exec(runCtx, `VACUUM idem_keys`); err != nil && runCtx.Err() == nil {
 					errs <- fmt.Errorf("vacuum: %w", err)
 					return
 				}
-				since = 0
 				vacuums.Add(1)
 			}
 		}
@@ -471,6 +499,9 @@ func (o *options) storageCheck() error {
 	}
 	if o.storageFillfactor != 0 && (o.storageFillfactor < 10 || o.storageFillfactor > 100) {
 		return errors.New("-storage-fillfactor must be between 10 and 100 (0: the migrations')")
+	}
+	if o.storageVacuumScale < 0 || o.storageVacuumScale > 100 {
+		return errors.New("-storage-vacuum-scale must be between 0 and 100 (0: the migrations')")
 	}
 	return nil
 }

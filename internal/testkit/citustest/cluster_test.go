@@ -464,6 +464,21 @@ func TestMigrate9AfterDistribute(t *testing.T) {
 		WHERE success AND result = '1'`); n != shards {
 		t.Fatalf("%d shards, %d of them with unknown_at", shards, n)
 	}
+	// Migration 11's autovacuum setting reaches every shard, where
+	// autovacuum runs, and its Down takes it back from them.
+	const scaled = `SELECT count(*) FROM run_command_on_shards('idem_keys',
+		$$SELECT count(*) FROM pg_class c, pg_options_to_table(c.reloptions)
+		  WHERE c.oid = '%s'::regclass AND option_name = 'autovacuum_vacuum_scale_factor' AND option_value = '0.05'$$)
+		WHERE success AND result = '1'`
+	if n := count(t, p, scaled); n != shards {
+		t.Fatalf("%d shards, %d of them with autovacuum_vacuum_scale_factor 0.05", shards, n)
+	}
+	if v, err := idem.MigrateDown(ctx, p, idem.MigrateDownOptions{}); err != nil || v != 11 {
+		t.Fatalf("MigrateDown from 11 on the distributed table: %d, %v", v, err)
+	}
+	if n := count(t, p, scaled); n != 0 {
+		t.Fatalf("%d shards keep autovacuum_vacuum_scale_factor 0.05 after the Down", n)
+	}
 	if v, err := idem.MigrateDown(ctx, p, idem.MigrateDownOptions{}); err != nil || v != 10 {
 		t.Fatalf("MigrateDown from 10 on the distributed table: %d, %v", v, err)
 	}
