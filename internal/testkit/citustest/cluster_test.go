@@ -10,12 +10,11 @@ import (
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
-	"github.com/jackc/pgx/v5/stdlib"
-	"github.com/pressly/goose/v3"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/audit"
 	"github.com/pgidem/idem/internal/testkit/citustest"
+	"github.com/pgidem/idem/internal/testkit/migratetest"
 )
 
 // ReadStats reports the size of idem_keys' shards on the workers, not the
@@ -251,16 +250,7 @@ func TestMigrateAfterDistribute(t *testing.T) {
 	ctx := context.Background()
 	db := citustest.Empty(t)
 	p := pool(t, db.URL)
-	sqlDB := stdlib.OpenDBFromPool(p)
-	defer sqlDB.Close()
-	provider, err := goose.NewProvider(goose.DialectPostgres, sqlDB, idem.Migrations(),
-		goose.WithTableName(idem.MigrationTable), goose.WithDisableGlobalRegistry(true))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := provider.UpTo(ctx, 2); err != nil {
-		t.Fatal(err)
-	}
+	migratetest.UpTo(t, p, 2)
 	if err := idem.Distribute(ctx, p); err != nil {
 		t.Fatal(err)
 	}
@@ -417,16 +407,7 @@ func TestMigrate9AfterDistribute(t *testing.T) {
 	ctx := context.Background()
 	db := citustest.Empty(t)
 	p := pool(t, db.URL)
-	sqlDB := stdlib.OpenDBFromPool(p)
-	defer sqlDB.Close()
-	provider, err := goose.NewProvider(goose.DialectPostgres, sqlDB, idem.Migrations(),
-		goose.WithTableName(idem.MigrationTable), goose.WithDisableGlobalRegistry(true))
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, err := provider.UpTo(ctx, 8); err != nil {
-		t.Fatal(err)
-	}
+	migratetest.UpTo(t, p, 8)
 	if err := idem.Distribute(ctx, p); err != nil {
 		t.Fatal(err)
 	}
