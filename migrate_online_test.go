@@ -12,7 +12,7 @@ import (
 // CONCURRENTLY; 11: a storage setting) while the service runs: calls of
 // the version-8 service go on throughout, the first run is interrupted
 // while it builds an index and run again, and nothing is lost
-// (migratetest.Run). 200,000 keys; IDEM_MIGRATION_ROWS for more
+// (migratetest.Online). 200,000 keys; IDEM_MIGRATION_ROWS for more
 // (docs/operations.md gives the figures at 3,000,000).
 func TestMigrateOnline(t *testing.T) {
 	if testing.Short() {
@@ -22,5 +22,5 @@ func TestMigrateOnline(t *testing.T) {
 	pool := pgtest.Pool(t, noMigrate)
 	migratetest.UpTo(t, pool, migratetest.From)
 	migratetest.Online(t, pool, migratetest.Rows(t, 200_000), `SELECT EXISTS (SELECT FROM pg_stat_progress_create_index
-		WHERE relid = 'idem_keys'::regclass)`)
+		WHERE relid = 'idem_keys'::regclass AND datname = current_database())`)
 }

@@ -515,9 +515,9 @@ func TestMigrateOnAPoolOfOneConnection(t *testing.T) {
 	}
 }
 
-// Migration 11 sets idem_keys' autovacuum_vacuum_scale_factor to 0.05, but
-// keeps a value an operator set before it; its Down puts back the server's
-// default, but not an operator's value.
+// Migration 11 sets idem_keys' autovacuum_vacuum_scale_factor to 0.05
+// (written 0.050), but keeps a value an operator set before it; its Down
+// puts back the server's default, but not an operator's value, even 0.05.
 func TestMigration11Autovacuum(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -537,24 +537,26 @@ func TestMigration11Autovacuum(t *testing.T) {
 			t.Fatalf("MigrateDown: %d, %v; want 11", v, err)
 		}
 	}
-	if got := scale(); got != "0.05" {
-		t.Fatalf("after Migrate: autovacuum_vacuum_scale_factor %s, want 0.05", got)
+	if got := scale(); got != "0.050" {
+		t.Fatalf("after Migrate: autovacuum_vacuum_scale_factor %s, want 0.050", got)
 	}
 	down()
 	if got := scale(); got != "unset" {
 		t.Fatalf("after MigrateDown: autovacuum_vacuum_scale_factor %s, want the server's (unset)", got)
 	}
-	if _, err := pool.Exec(ctx, `ALTER TABLE idem_keys SET (autovacuum_vacuum_scale_factor = 0.01)`); err != nil {
-		t.Fatal(err)
-	}
-	if err := idem.Migrate(ctx, pool); err != nil {
-		t.Fatal(err)
-	}
-	if got := scale(); got != "0.01" {
-		t.Fatalf("after Migrate over an operator's 0.01: %s", got)
-	}
-	down()
-	if got := scale(); got != "0.01" {
-		t.Fatalf("after MigrateDown over an operator's 0.01: %s", got)
+	for _, mine := range []string{"0.01", "0.05"} {
+		if _, err := pool.Exec(ctx, `ALTER TABLE idem_keys SET (autovacuum_vacuum_scale_factor = `+mine+`)`); err != nil {
+			t.Fatal(err)
+		}
+		if err := idem.Migrate(ctx, pool); err != nil {
+			t.Fatal(err)
+		}
+		if got := scale(); got != mine {
+			t.Fatalf("after Migrate over an operator's %s: %s", mine, got)
+		}
+		down()
+		if got := scale(); got != mine {
+			t.Fatalf("after MigrateDown over an operator's %s: %s", mine, got)
+		}
 	}
 }

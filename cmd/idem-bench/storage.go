@@ -28,19 +28,32 @@ import (
 // a finished key row), read from pg_walinspect and counted for the
 // benchmark database only.
 
-// vacuumDue says whether autovacuum would VACUUM idem_keys now: its dead
-// rows (the statistics autovacuum reads) past autovacuum_vacuum_threshold
-// plus autovacuum_vacuum_scale_factor times the rows the last VACUUM
-// counted, each the table's own setting (migration 00011) or else the
-// server's.
+// vacuumDue says whether autovacuum would VACUUM idem_keys now, as
+// PostgreSQL 15 decides (relation_needs_vacanalyze): its dead rows past
+// autovacuum_vacuum_threshold plus autovacuum_vacuum_scale_factor times the
+// rows the last VACUUM counted, or its rows inserted since that VACUUM past
+// autovacuum_vacuum_insert_threshold (-1: never) plus
+// autovacuum_vacuum_insert_scale_factor times those rows; each the table's
+// own setting (migration 00011) or else the server's. It reads the
+// statistics autovacuum reads, which each backend sends at most about once
+// a second. autovacuum_naptime (how often autovacuum looks at a database,
+// a minute by default) is left out: against a production TTL (a day) it is
+// nothing, against the run's TTL of a minute it would be everything.
 const vacuumDue = `
-SELECT s.n_dead_tup > coalesce(o.threshold, current_setting('autovacuum_vacuum_threshold')::float8)
-       + coalesce(o.scale, current_setting('autovacuum_vacuum_scale_factor')::float8) * greatest(c.reltuples, 0)
+SELECT s.n_dead_tup > threshold + scale * tuples
+       OR (insert_threshold <> -1 AND s.n_ins_since_vacuum > insert_threshold + insert_scale * tuples)
 FROM pg_class c
 JOIN pg_stat_user_tables s ON s.relid = c.oid
 CROSS JOIN LATERAL (
-    SELECT max(option_value::float8) FILTER (WHERE option_name = 'autovacuum_vacuum_threshold') AS threshold,
-           max(option_value::float8) FILTER (WHERE option_name = 'autovacuum_vacuum_scale_factor') AS scale
+    SELECT greatest(c.reltuples, 0) AS tuples,
+           coalesce((max(option_value) FILTER (WHERE option_name = 'autovacuum_vacuum_threshold'))::float8,
+                    current_setting('autovacuum_vacuum_threshold')::float8) AS threshold,
+           coalesce((max(option_value) FILTER (WHERE option_name = 'autovacuum_vacuum_scale_factor'))::float8,
+                    current_setting('autovacuum_vacuum_scale_factor')::float8) AS scale,
+           coalesce((max(option_value) FILTER (WHERE option_name = 'autovacuum_vacuum_insert_threshold'))::float8,
+                    current_setting('autovacuum_vacuum_insert_threshold')::float8) AS insert_threshold,
+           coalesce((max(option_value) FILTER (WHERE option_name = 'autovacuum_vacuum_insert_scale_factor'))::float8,
+                    current_setting('autovacuum_vacuum_insert_scale_factor')::float8) AS insert_scale
     FROM pg_options_to_table(c.reloptions)) o
 WHERE c.oid = 'idem_keys'::regclass`
 
@@ -220,41 +233,44 @@ func (b *bench) runStorage(ctx context.Context, out io.Writer) (int, error) {
 		}()
 	}
 	var pruned, vacuums atomic.Int64
-	wg.Add(1)
-	go func() { // Prune, and VACUUM as autovacuum would
-		defer wg.Done()
-		t := time.NewTicker(ttl / 20)
-		defer t.Stop()
-		for {
-			select {
-			case <-runCtx.Done():
-				return
-			case <-t.C:
-			}
-			n, err := idem.Prune(runCtx, pool, idem.PruneOptions{})
-			if err != nil {
-				if runCtx.Err() == nil {
-					errs <- fmt.Errorf("prune: %w", err)
+	// every runs f every period until the run ends or f fails.
+	every := func(period time.Duration, name string, f func() error) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			t := time.NewTicker(period)
+			defer t.Stop()
+			for {
+				select {
+				case <-runCtx.Done():
+					return
+				case <-t.C:
 				}
-				return
-			}
-			pruned.Add(n)
-			var due bool
-			if err := pool.QueryRow(runCtx, vacuumDue).Scan(&due); err != nil {
-				if runCtx.Err() == nil {
-					errs <- fmt.Errorf("vacuum due: %w", err)
-				}
-				return
-			}
-			if due {
-				if _, err := pool.Exec(runCtx, `VACUUM idem_keys`); err != nil && runCtx.Err() == nil {
-					errs <- fmt.Errorf("vacuum: %w", err)
+				if err := f(); err != nil {
+					if runCtx.Err() == nil {
+						errs <- fmt.Errorf("%s: %w", name, err)
+					}
 					return
 				}
-				vacuums.Add(1)
 			}
+		}()
+	}
+	every(ttl/20, "prune", func() error {
+		n, err := idem.Prune(runCtx, pool, idem.PruneOptions{})
+		pruned.Add(n)
+		return err
+	})
+	// VACUUM as autovacuum would, looked at ten times as often as Prune
+	// runs, so that a threshold below Prune's share shows.
+	every(max(ttl/200, 50*time.Millisecond), "vacuum", func() error {
+		var due bool
+		if err := pool.QueryRow(runCtx, vacuumDue).Scan(&due); err != nil || !due {
+			return err
 		}
-	}()
+		vacuums.Add(1)
+		_, err := pool.Exec(runCtx, `VACUUM idem_keys`)
+		return err
+	})
 	wg.Wait()
 	close(errs)
 	if err := <-errs; err != nil {

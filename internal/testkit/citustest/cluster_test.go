@@ -398,10 +398,11 @@ func TestDistributeCreatesRefuseOnWorkers(t *testing.T) {
 	}
 }
 
-// Migrations 00009 and 00010 on a table Distribute distributed at version
-// 8: their columns and the partial index built concurrently reach every
-// shard, calls with Config.BodyTTL work, and their Downs (00009's one DO
-// statement, the table locked) revert them on the distributed table.
+// Migrations 00009 to 00011 on a table Distribute distributed at version
+// 8: their columns, the partial indexes built concurrently and 00011's
+// autovacuum setting reach every shard, calls with Config.BodyTTL work, and
+// their Downs (00009's one DO statement, the table locked; 00011's reset)
+// revert them on the distributed table.
 func TestMigrate9AfterDistribute(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
@@ -447,18 +448,14 @@ func TestMigrate9AfterDistribute(t *testing.T) {
 	}
 	// Migration 11's autovacuum setting reaches every shard, where
 	// autovacuum runs, and its Down takes it back from them.
-	const scaled = `SELECT count(*) FROM run_command_on_shards('idem_keys',
-		$$SELECT count(*) FROM pg_class c, pg_options_to_table(c.reloptions)
-		  WHERE c.oid = '%s'::regclass AND option_name = 'autovacuum_vacuum_scale_factor' AND option_value = '0.05'$$)
-		WHERE success AND result = '1'`
-	if n := count(t, p, scaled); n != shards {
-		t.Fatalf("%d shards, %d of them with autovacuum_vacuum_scale_factor 0.05", shards, n)
+	if n := count(t, p, scaledShards); n != shards {
+		t.Fatalf("%d shards, %d of them with autovacuum_vacuum_scale_factor 0.050", shards, n)
 	}
 	if v, err := idem.MigrateDown(ctx, p, idem.MigrateDownOptions{}); err != nil || v != 11 {
 		t.Fatalf("MigrateDown from 11 on the distributed table: %d, %v", v, err)
 	}
-	if n := count(t, p, scaled); n != 0 {
-		t.Fatalf("%d shards keep autovacuum_vacuum_scale_factor 0.05 after the Down", n)
+	if n := count(t, p, scaledShards); n != 0 {
+		t.Fatalf("%d shards keep autovacuum_vacuum_scale_factor 0.050 after the Down", n)
 	}
 	if v, err := idem.MigrateDown(ctx, p, idem.MigrateDownOptions{}); err != nil || v != 10 {
 		t.Fatalf("MigrateDown from 10 on the distributed table: %d, %v", v, err)
@@ -473,3 +470,22 @@ func TestMigrate9AfterDistribute(t *testing.T) {
 		t.Fatalf("body_expires_at still there after the Down")
 	}
 }
+
+// Migrate, then Distribute (the order docs/citus.md gives): the shards that
+// create_distributed_table makes carry migration 00011's autovacuum
+// setting, where autovacuum runs.
+func TestAutovacuumSettingOnShards(t *testing.T) {
+	t.Parallel()
+	_, p := newDB(t)
+	shards := count(t, p, `SELECT count(*) FROM citus_shards WHERE table_name = 'idem_keys'::regclass`)
+	if n := count(t, p, scaledShards); shards == 0 || n != shards {
+		t.Fatalf("%d shards, %d of them with autovacuum_vacuum_scale_factor 0.050", shards, n)
+	}
+}
+
+// scaledShards counts the shards of idem_keys that carry migration 00011's
+// autovacuum setting.
+const scaledShards = `SELECT count(*) FROM run_command_on_shards('idem_keys',
+	$$SELECT count(*) FROM pg_class c, pg_options_to_table(c.reloptions)
+	  WHERE c.oid = '%s'::regclass AND option_name = 'autovacuum_vacuum_scale_factor' AND option_value = '0.050'$$)
+	WHERE success AND result = '1'`
