@@ -61,22 +61,22 @@ func Rows(t testing.TB, def int) int {
 	return n
 }
 
-// Online populates idem_keys (at version From) with rows finished keys, then
-// migrates it to the latest version while four workers keep sending what
-// the version-8 service's calls send (the claim and completion of a fresh
+// Online populates idem_keys (at version From) in the database of db with
+// rows finished keys, then migrates it to the latest version while four
+// workers keep sending what the version-8 service's calls send (the claim and completion of a fresh
 // key in one transaction, and a replay's read by primary key). building is
 // a query that answers true while the migration builds an index: the first
-// run is stopped then, and run again. Run logs the longest call before the
+// run is stopped then, and run again. Online logs the longest call before the
 // migration and during it (no time is asserted: the machine's load moves
 // both; a call counts as during the migration when it began during it) and
 // fails the test when a populated key or a call's key is lost or
 // changed, or the migrated table does not replay a populated key.
-func Online(t *testing.T, pool *pgxpool.Pool, rows int, building string) {
+func Online(t *testing.T, db *pgxpool.Pool, rows int, building string) {
 	t.Helper()
 	ctx := t.Context()
-	// A pool of its own, large enough that no call waits for a connection:
-	// four callers, the migration's two, the watcher's one.
-	cfg := pool.Config().Copy()
+	// A pool of its own on db's database, large enough that no call waits
+	// for a connection: four callers, the migration's two, the watcher's one.
+	cfg := db.Config().Copy()
 	cfg.MaxConns = 8
 	pool, err := pgxpool.NewWithConfig(ctx, cfg)
 	if err != nil {
