@@ -10,8 +10,8 @@ import (
 // Migrating a populated table from version 8 to the latest (migrations 9
 // and 10: a column each, added in place, and a partial index each, built
 // CONCURRENTLY; 11: a storage setting) while the service runs: calls of
-// the version-8 service go on throughout, the first run is interrupted
-// while it builds an index and run again, and nothing is lost
+// the version-8 service go on throughout, the first run is stopped if it
+// is seen building an index, and run again, and nothing is lost
 // (migratetest.Online). 200,000 keys; IDEM_MIGRATION_ROWS for more
 // (docs/operations.md gives the figures at 3,000,000).
 func TestMigrateOnline(t *testing.T) {

@@ -3,7 +3,7 @@
 // migrate a populated idem_keys while the service runs (TestMigrateOnline
 // on PostgreSQL and on Citus): it writes finished keys at version 8, keeps
 // calls of the version-8 service going, runs idem.Migrate to the latest
-// version (interrupted once while it builds an index, then run again), and
+// version (stopped if it is seen building an index, then run again), and
 // checks that nothing was lost. docs/operations.md gives its figures.
 package migratetest
 
@@ -63,14 +63,15 @@ func Rows(t testing.TB, def int) int {
 
 // Online populates idem_keys (at version From) in the database of db with
 // rows finished keys, then migrates it to the latest version while four
-// workers keep sending what the version-8 service's calls send (the claim and completion of a fresh
-// key in one transaction, and a replay's read by primary key). building is
-// a query that answers true while the migration builds an index: the first
-// run is stopped then, and run again. Online logs the longest call before the
-// migration and during it (no time is asserted: the machine's load moves
-// both; a call counts as during the migration when it began during it) and
-// fails the test when a populated key or a call's key is lost or
-// changed, or the migrated table does not replay a populated key.
+// workers keep sending what the version-8 service's calls send (the claim
+// and completion of a fresh key in one transaction, and a replay's read by
+// primary key). building is a query that answers true while the migration
+// builds an index: the first run is stopped when it does, and run again.
+// Online logs the longest call before the migration and during it (no time
+// is asserted: the machine's load moves both; a call counts as during the
+// migration when it began during it) and fails the test when a populated
+// key or a call's key is lost or changed, or the migrated table does not
+// replay a populated key.
 func Online(t *testing.T, db *pgxpool.Pool, rows int, building string) {
 	t.Helper()
 	ctx := t.Context()
@@ -160,7 +161,7 @@ func Online(t *testing.T, db *pgxpool.Pool, rows int, building string) {
 	}
 	time.Sleep(2 * time.Second) // the service before the migration
 
-	// Interrupted while it builds an index, then run again.
+	// Stopped if it is seen building an index, then run again.
 	migrating.Store(true)
 	began := time.Now()
 	cut, cancel := context.WithCancel(ctx)
