@@ -75,6 +75,7 @@ type options struct {
 	storageFillfactor              int
 	storageBodyTTL                 time.Duration
 	storageVacuumScale             float64
+	storageFloor                   bool // the storage run writes the floor's row, not DoInTx's
 	storageRate                    float64
 	relay                          bool // the outbox run alone (-smoke runs a small one too)
 	relayRounds, relayEvents       int
@@ -112,6 +113,7 @@ func main() {
 	flag.IntVar(&o.relayEvents, "relay-events", 20_000, "backlogged events each contender sends in each round")
 	flag.IntVar(&o.relayLatencyEvents, "relay-latency-events", 200, "events published one at a time for commit-to-send")
 	flag.IntVar(&o.relayPending, "relay-pending", 1_000_000, "pending events under the claim whose plan is checked")
+	flag.BoolVar(&o.storageFloor, "storage-floor", false, "the storage run writes each key once, as the floor does (one INSERT of a finished row), not by DoInTx's claim and completion")
 	flag.DurationVar(&o.storageBodyTTL, "storage-body-ttl", 0, "Config.BodyTTL of the storage run: stored bodies dropped by Prune this long after the claim (0: kept as long as the key)")
 	flag.BoolVar(&o.keep, "keep", false, "keep the database after the run")
 	flag.Parse()

@@ -90,6 +90,9 @@ func TestStorageFlagsChecked(t *testing.T) {
 		"fillfactor 5":    func(o *options) { o.storageFillfactor = 5 },
 		"fillfactor 101":  func(o *options) { o.storageFillfactor = 101 },
 		"vacuum scale -1": func(o *options) { o.storageVacuumScale = -1 },
+		"floor with bodies' time": func(o *options) {
+			o.storageFloor, o.storageBodyTTL = true, time.Second
+		},
 	} {
 		o := good
 		bad(&o)

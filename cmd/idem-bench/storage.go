@@ -183,6 +183,9 @@ func (b *bench) runStorage(ctx context.Context, out io.Writer) (int, error) {
 	if o.storageBodyTTL > 0 {
 		fmt.Fprintf(out, "bodies kept %s (Config.BodyTTL), then dropped by Prune\n", o.storageBodyTTL)
 	}
+	if o.storageFloor {
+		fmt.Fprintln(out, "calls: the floor's business transaction and one INSERT of a finished row, not DoInTx (-storage-floor)")
+	}
 	if err := execSQL(ctx, pool, `SELECT pg_stat_reset_single_table_counters('idem_keys'::regclass)`); err != nil {
 		return 0, err
 	}
@@ -223,7 +226,13 @@ func (b *bench) runStorage(ctx context.Context, out io.Writer) (int, error) {
 			w := &worker{rng: rand.New(rand.NewPCG(uint64(time.Now().UnixNano()), uint64(id)))}
 			for range tokens {
 				r := storageRequest("u"+strconv.Itoa(1+w.rng.IntN(o.users)), int64(1000+1+w.rng.IntN(o.boxes)))
-				if _, err := client.DoInTx(runCtx, pool, r.scope, w.newKey(), r.fp, r.run); err != nil {
+				var err error
+				if o.storageFloor {
+					err = floorTx(runCtx, pool, r, w.newKey(), ttl.Microseconds())
+				} else {
+					_, err = client.DoInTx(runCtx, pool, r.scope, w.newKey(), r.fp, r.run)
+				}
+				if err != nil {
 					if runCtx.Err() != nil {
 						return
 					}
@@ -300,11 +309,15 @@ func (b *bench) runStorage(ctx context.Context, out io.Writer) (int, error) {
 	}
 	defer sp.Close()
 	var upd, hot int64
+	completions := calls.Load() // one update each, HOT when it fits its page
+	if o.storageFloor {
+		completions = 0 // a key is written once
+	}
 	for range 50 { // the last sessions' counters may take a moment
 		if err := sp.QueryRow(ctx, `SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE relid = 'idem_keys'::regclass`).Scan(&upd, &hot); err != nil {
 			return 0, err
 		}
-		if upd >= calls.Load() {
+		if upd >= completions {
 			break
 		}
 		time.Sleep(100 * time.Millisecond)
@@ -327,7 +340,10 @@ func (b *bench) runStorage(ctx context.Context, out io.Writer) (int, error) {
 	wt, ct := working.total(), compact.total()
 	fmt.Fprintf(out, "%-32s %14d %10.1f %14d %10.1f\n", "total (heap, indexes, TOAST)", wt, working.perKey(wt), ct, compact.perKey(ct))
 	share := float64(hot) / float64(max(upd, 1))
-	fmt.Fprintf(out, "HOT updates: %d of %d (%.1f%%); completions: %d calls\n", hot, upd, 100*share, calls.Load())
+	fmt.Fprintf(out, "HOT updates: %d of %d (%.1f%%); completions: %d calls\n", hot, upd, 100*share, completions)
+	if o.storageFloor {
+		share = 1 // no completion to be HOT
+	}
 	if o.storageBodyTTL > 0 {
 		// Prune's body drops are updates too, never HOT (they leave the
 		// index of body_expires_at): the share is the completions'.
@@ -523,6 +539,9 @@ func (o *options) storageCheck() error {
 	}
 	if o.storageVacuumScale < 0 || o.storageVacuumScale > 100 {
 		return errors.New("-storage-vacuum-scale must be between 0 and 100 (0: the migrations')")
+	}
+	if o.storageFloor && o.storageBodyTTL != 0 {
+		return errors.New("-storage-floor writes no body's time: it does not go with -storage-body-ttl")
 	}
 	return nil
 }

@@ -232,8 +232,13 @@ VALUES ($1, $2, $3, $4, 'succeeded', $5, $6, $7, now(), now() + ($8::bigint * in
 
 // opFloor is bare plus one INSERT of a finished key row.
 func opFloor(ctx context.Context, w *worker) error {
-	r, key := w.biz.request(w), w.newKey()
-	return pgx.BeginFunc(ctx, w.db, func(tx pgx.Tx) error {
+	return floorTx(ctx, w.db, w.biz.request(w), w.newKey(), ttlMicros)
+}
+
+// floorTx runs r's business transaction on d with the floor's INSERT of
+// key, kept ttl µs.
+func floorTx(ctx context.Context, d db, r request, key string, ttl int64) error {
+	return pgx.BeginFunc(ctx, d, func(tx pgx.Tx) error {
 		resp, err := r.run(ctx, tx)
 		if err != nil {
 			return err
@@ -243,7 +248,7 @@ func opFloor(ctx context.Context, w *worker) error {
 			return err
 		}
 		_, err = tx.Exec(ctx, floorInsert, r.scope.Actor, r.scope.Operation, key, r.fp[:],
-			resp.Status, hdr, resp.Body, ttlMicros)
+			resp.Status, hdr, resp.Body, ttl)
 		return err
 	})
 }
