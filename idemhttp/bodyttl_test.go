@@ -16,7 +16,8 @@ import (
 // IDEMPOTENCY_RESPONSE_EXPIRED naming the status it finished with (with
 // the key's lifetime), and the handler does not run again; a different
 // request with the key is still 422. Prune drops the bodies; the answer
-// stays the same. StatusHandler answers the key's status URL the same 410.
+// stays the same. StatusHandler answers the key's status URL the same 410,
+// and with the key's lifetime as the retry gets it.
 func TestResponseExpired(t *testing.T) {
 	t.Parallel()
 	const life = 300 * time.Millisecond
@@ -33,6 +34,10 @@ func TestResponseExpired(t *testing.T) {
 	if again := e.do(c); !again.replayed() || again.status != http.StatusCreated {
 		t.Fatalf("retry inside BodyTTL: %s", again)
 	}
+	if r := e.do(call{method: "GET", path: statusOf("POST /items", c.key), actor: "alice"}); r.status != http.StatusCreated ||
+		!r.replayed() || r.header.Get(idemhttp.HeaderKeyLifetime) != "3600" {
+		t.Errorf("status URL inside BodyTTL: %s %v, want the 201 replayed with %s 3600", r, r.header, idemhttp.HeaderKeyLifetime)
+	}
 	time.Sleep(life + 100*time.Millisecond)
 	ran := e.calls.Load()
 	check := func(when string) {
@@ -43,8 +48,8 @@ func TestResponseExpired(t *testing.T) {
 			t.Errorf("retry %s: %s %v, want 410 %s naming status 201", when, gone, gone.header, idemhttp.CodeResponseExpired)
 		}
 		if r := e.do(call{method: "GET", path: statusOf("POST /items", c.key), actor: "alice"}); r.status != http.StatusGone ||
-			r.problem(t) != idemhttp.CodeResponseExpired {
-			t.Errorf("status URL %s: %s, want 410 %s", when, r, idemhttp.CodeResponseExpired)
+			r.problem(t) != idemhttp.CodeResponseExpired || r.header.Get(idemhttp.HeaderKeyLifetime) != "3600" {
+			t.Errorf("status URL %s: %s %v, want 410 %s with %s 3600", when, r, r.header, idemhttp.CodeResponseExpired, idemhttp.HeaderKeyLifetime)
 		}
 		other := c
 		other.body = `{"n":2}`

@@ -1,6 +1,7 @@
 package idemhttp_test
 
 import (
+	"math"
 	"net/http"
 	"strings"
 	"testing"
@@ -12,8 +13,8 @@ import (
 
 // A stored response, fresh or replayed, tells the client how long its key
 // is remembered (Idem-Key-Lifetime, in seconds): the operation's TTL from
-// Config.TTLFor, else Config.TTL. A response that was not stored (a
-// transient failure) does not.
+// Config.TTLFor, else Config.TTL, the largest time.Duration included. A
+// response that was not stored (a transient failure) does not.
 func TestKeyLifetimeHeader(t *testing.T) {
 	t.Parallel()
 	e := newEnv(t, envConfig{opts: idemhttp.Options{Config: idem.Config{
@@ -46,5 +47,18 @@ func TestKeyLifetimeHeader(t *testing.T) {
 	failed := e.do(call{path: "/fail", actor: "alice", key: "key-fail", body: `{}`})
 	if failed.status != http.StatusInternalServerError || failed.header.Get(idemhttp.HeaderKeyLifetime) != "" {
 		t.Errorf("a response not stored: %s with %s %q, want none", failed, idemhttp.HeaderKeyLifetime, failed.header.Get(idemhttp.HeaderKeyLifetime))
+	}
+}
+
+// The largest TTL (a time.Duration of math.MaxInt64, a common "forever") is
+// said in whole seconds too, rounded up: 9,223,372,036.85 s.
+func TestKeyLifetimeHeaderLargestTTL(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, envConfig{opts: idemhttp.Options{Config: idem.Config{TTL: math.MaxInt64}}})
+	c := call{path: "/items", actor: "alice", key: "key-forever", body: `{}`}
+	for _, name := range []string{"first", "replay"} {
+		if r := e.do(c); r.header.Get(idemhttp.HeaderKeyLifetime) != "9223372037" {
+			t.Errorf("%s: %s with %s %q, want 9223372037", name, r, idemhttp.HeaderKeyLifetime, r.header.Get(idemhttp.HeaderKeyLifetime))
+		}
 	}
 }

@@ -695,7 +695,17 @@ func (m *middleware) lifetime(operation string) string {
 			ttl = t
 		}
 	}
-	return strconv.FormatInt(int64((ttl+time.Second-1)/time.Second), 10)
+	return lifetimeSeconds(ttl)
+}
+
+// lifetimeSeconds is ttl in whole seconds, rounded up, as
+// HeaderKeyLifetime says it (the largest time.Duration included).
+func lifetimeSeconds(ttl time.Duration) string {
+	s := ttl / time.Second
+	if ttl%time.Second > 0 {
+		s++
+	}
+	return strconv.FormatInt(int64(s), 10)
 }
 
 // storeStatus classifies an error of the store with idem.Unavailable: 503

@@ -369,6 +369,9 @@ func (h *statusHandler) answer(w http.ResponseWriter, r *http.Request, key strin
 		if rec.Response != nil {
 			resp = *rec.Response
 		}
+		// How long the key is remembered, from its record: from the first
+		// request that carried it to its expiry.
+		w.Header().Set(HeaderKeyLifetime, lifetimeSeconds(rec.ExpiresAt.Sub(rec.CreatedAt)))
 		if rec.ResponseGone {
 			writeResponseExpired(w, resp.Status) // as Middleware answers the retry
 			return

@@ -17,7 +17,11 @@ import (
 type Config struct {
 	// TTL is how long a key is remembered after it is claimed (for a
 	// reservation, also at least a TTL after its outcome is recorded). Past
-	// it a finished key counts as a new request. Default 24 hours.
+	// it a finished key counts as a new request. Default 24 hours. It is
+	// counted, as BodyTTL is, from the start of the transaction the claim
+	// runs in (PostgreSQL's now()): DoInTx's own, which the claim begins;
+	// for Do, the caller's, so the time that transaction spent before Do
+	// counts too.
 	TTL time.Duration
 
 	// TTLFor, when set, gives the TTL of the keys of an operation
