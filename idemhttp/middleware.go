@@ -695,17 +695,17 @@ func (m *middleware) lifetime(operation string) string {
 			ttl = t
 		}
 	}
-	return lifetimeSeconds(ttl)
+	return strconv.FormatInt(ceilSeconds(ttl), 10)
 }
 
-// lifetimeSeconds is ttl in whole seconds, rounded up, as
-// HeaderKeyLifetime says it (the largest time.Duration included).
-func lifetimeSeconds(ttl time.Duration) string {
-	s := ttl / time.Second
-	if ttl%time.Second > 0 {
+// ceilSeconds is d in whole seconds, rounded up, without overflow for the
+// largest time.Duration (9223372037).
+func ceilSeconds(d time.Duration) int64 {
+	s := int64(d / time.Second)
+	if d%time.Second > 0 {
 		s++
 	}
-	return strconv.FormatInt(int64(s), 10)
+	return s
 }
 
 // storeStatus classifies an error of the store with idem.Unavailable: 503

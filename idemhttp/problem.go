@@ -99,8 +99,7 @@ func writeProblem(w http.ResponseWriter, status int, code, detail string, retryA
 	h.Set("Content-Length", strconv.Itoa(len(body)))
 	h.Set("Cache-Control", "no-store")
 	if retryAfter > 0 {
-		secs := int64((retryAfter + time.Second - 1) / time.Second)
-		h.Set("Retry-After", strconv.FormatInt(secs, 10))
+		h.Set("Retry-After", strconv.FormatInt(ceilSeconds(retryAfter), 10))
 	}
 	w.WriteHeader(status)
 	_, _ = w.Write(body)

@@ -89,7 +89,7 @@ func writeAccepted(w http.ResponseWriter, location string, retryAfter time.Durat
 
 // retrySeconds is d in whole seconds, rounded up, at least 1.
 func retrySeconds(d time.Duration) int64 {
-	return max(1, int64((d+time.Second-1)/time.Second))
+	return max(1, ceilSeconds(d))
 }
 
 // authenticate returns the actor of r by actorOf, or an error when there is
@@ -371,7 +371,7 @@ func (h *statusHandler) answer(w http.ResponseWriter, r *http.Request, key strin
 		}
 		// How long the key is remembered, from its record: from the first
 		// request that carried it to its expiry.
-		w.Header().Set(HeaderKeyLifetime, lifetimeSeconds(rec.ExpiresAt.Sub(rec.CreatedAt)))
+		w.Header().Set(HeaderKeyLifetime, strconv.FormatInt(ceilSeconds(rec.ExpiresAt.Sub(rec.CreatedAt)), 10))
 		if rec.ResponseGone {
 			writeResponseExpired(w, resp.Status) // as Middleware answers the retry
 			return
