@@ -166,6 +166,91 @@ func TestFnCommittingThenPanickingInCallersTx(t *testing.T) {
 	}
 }
 
+// An fn that commits the transaction it runs in while the call's context
+// ends (a deadline passing, a client gone), then panics or returns: the
+// call does what it does with the context live, as pgx never ends a
+// transaction for its context and a COMMIT cannot be undone. DoInTx on a
+// pool marks the claim unknown (ListUnknown lists it); Do in a savepoint
+// of the caller's transaction and DoInTx on a caller's pgx.Tx abort it, so
+// the caller's COMMIT commits nothing.
+func TestFnCommittingAsTheContextEnds(t *testing.T) {
+	t.Parallel()
+	pool := newPool(t)
+	var calls atomic.Int64
+	// fn records its effect, commits, and the call's context ends; then it
+	// panics, or returns a response.
+	fn := func(key string, cancel context.CancelFunc, panics bool) func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+		return func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+			if _, err := recordEffect(&calls, key)(ctx, tx); err != nil {
+				return idem.Response{}, err
+			}
+			if err := tx.Commit(ctx); err != nil {
+				t.Errorf("%s: commit: %v", key, err)
+			}
+			cancel()
+			if panics {
+				panic(errFnPanic)
+			}
+			return idem.Response{Status: 201, Body: []byte(`{}`)}, nil
+		}
+	}
+	run := func(panics bool, call func() error) (err error) {
+		v := recovered(func() { err = call() })
+		if panics && v != errFnPanic || !panics && (v != nil || err == nil) {
+			t.Errorf("panicked with %v, err %v; want fn's panic, or an error when fn returned", v, err)
+		}
+		return err
+	}
+	for _, panics := range []bool{true, false} {
+		key := fmt.Sprintf("ctx-pool-%t", panics)
+		ctx, cancel := context.WithCancel(t.Context())
+		run(panics, func() error {
+			_, err := idem.DoInTx(ctx, pool, scope, key, fpA, fn(key, cancel, panics))
+			return err
+		})
+		if row := readRow(t, pool, scope, key); row.Status != "unknown" || row.LastError == nil || !strings.Contains(*row.LastError, "fn committed") {
+			t.Errorf("%s: row %+v, want an unknown record", key, row)
+		}
+		if _, err := idem.DoInTx(t.Context(), pool, scope, key, fpA, recordEffect(&calls, key)); !errors.Is(err, idem.ErrOutcomeUnknown) {
+			t.Errorf("%s: a retry: %v, want ErrOutcomeUnknown", key, err)
+		}
+
+		for _, form := range []string{"Do", "DoInTx"} {
+			key := fmt.Sprintf("ctx-tx-%s-%t", form, panics)
+			tx, err := pool.Begin(t.Context())
+			if err != nil {
+				t.Fatal(err)
+			}
+			ctx, cancel := context.WithCancel(t.Context())
+			run(panics, func() error {
+				if form == "DoInTx" {
+					_, err := idem.DoInTx(ctx, tx, scope, key, fpA, fn(key, cancel, panics))
+					return err
+				}
+				nested, err := tx.Begin(ctx)
+				if err != nil {
+					return err
+				}
+				_, err = idem.Do(ctx, nested, scope, key, fpA, fn(key, cancel, panics))
+				return err
+			})
+			if err := tx.Commit(t.Context()); err == nil {
+				t.Errorf("%s: the caller's COMMIT succeeded", key)
+			}
+			if n := count(t, pool, `SELECT count(*) FROM effects WHERE key = $1`, key); n != 0 {
+				t.Errorf("%s: %d of fn's effects committed", key, n)
+			}
+			if row := readRow(t, pool, scope, key); row.Found {
+				t.Errorf("%s: key row %+v committed", key, row)
+			}
+		}
+	}
+	page, err := idem.ListUnknown(t.Context(), pool, 10, nil)
+	if err != nil || len(page) != 2 {
+		t.Errorf("ListUnknown: %d records, %v; want the two pool keys", len(page), err)
+	}
+}
+
 // An fn that swallows a failed statement and returns a response: nothing
 // is stored, the call returns ErrTxAborted with the server's SQLSTATE
 // 25P02 in the chain, Do's caller's transaction stays usable, and the key

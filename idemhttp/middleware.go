@@ -604,7 +604,8 @@ var errPanicked = errors.New("idemhttp: handler panicked")
 
 // guard calls f, which runs the handler in a transaction. If the handler
 // panics, the transaction has been rolled back by the time the panic
-// reaches guard, which answers 500 and returns errPanicked.
+// reaches guard (or, had the handler committed it, its claim marked
+// unknown), which answers 500 and returns errPanicked.
 // http.ErrAbortHandler is passed on.
 func (m *middleware) guard(ctx context.Context, w http.ResponseWriter, r *http.Request, key string, f func() error) (err error) {
 	defer func() {
@@ -615,7 +616,10 @@ func (m *middleware) guard(ctx context.Context, w http.ResponseWriter, r *http.R
 		if v == http.ErrAbortHandler {
 			panic(v)
 		}
-		m.log.LogAttrs(ctx, slog.LevelError, "idemhttp: handler panicked; rolled back, nothing stored",
+		// No response was stored; the transaction was rolled back, unless
+		// the handler had committed it itself (then its writes stand and
+		// the key is unknown: the retry gets 409 IDEMPOTENCY_OUTCOME_UNKNOWN).
+		m.log.LogAttrs(ctx, slog.LevelError, "idemhttp: handler panicked; no response stored",
 			append(m.logAttrs(r, key), slog.Any("panic", v), slog.String("stack", string(debug.Stack())))...)
 		writeProblem(w, http.StatusInternalServerError, CodeInternal, "The request failed; nothing was stored.", 0)
 		err = errPanicked

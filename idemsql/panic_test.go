@@ -99,6 +99,59 @@ func TestFnPanicking(t *testing.T) {
 	})
 }
 
+// An fn that commits DoInTx's transaction while the call's context ends,
+// then panics or returns, on both drivers: database/sql cannot undo the
+// COMMIT, so the claim it made durable is marked unknown as it would be
+// with the context live, by the call itself (ListUnknown lists it, a retry
+// gets ErrOutcomeUnknown).
+func TestFnCommittingAsTheContextEnds(t *testing.T) {
+	t.Parallel()
+	eachDriver(t, func(t *testing.T, driver string) {
+		db, _ := migrated(t, driver)
+		if _, err := db.ExecContext(t.Context(), `CREATE TABLE effects (key text NOT NULL)`); err != nil {
+			t.Fatal(err)
+		}
+		for _, panics := range []bool{true, false} {
+			key := fmt.Sprintf("ctx-%t", panics)
+			ctx, cancel := context.WithCancel(t.Context())
+			var err error
+			v := recovered(func() {
+				_, err = idemsql.DoInTx(ctx, db, scope, key, fpOf("a"), func(ctx context.Context, tx *sql.Tx) (idem.Response, error) {
+					if _, err := tx.ExecContext(ctx, `INSERT INTO effects VALUES ($1)`, key); err != nil {
+						return idem.Response{}, err
+					}
+					if err := tx.Commit(); err != nil {
+						t.Errorf("%s: commit: %v", key, err)
+					}
+					cancel()
+					if panics {
+						panic(errFnPanic)
+					}
+					return created, nil
+				})
+			})
+			if panics && v != errFnPanic || !panics && (v != nil || err == nil) {
+				t.Errorf("%s: panicked with %v, err %v; want fn's panic, or an error when fn returned", key, v, err)
+			}
+			// Marked by the call itself, not by the retry below.
+			if rec, err := idemsql.Lookup(t.Context(), db, scope, key); err != nil || rec.Status != idem.StatusUnknown || rec.UnknownAt.IsZero() {
+				t.Errorf("%s: record %+v, %v; want it unknown", key, rec, err)
+			}
+			again := func(context.Context, *sql.Tx) (idem.Response, error) {
+				t.Errorf("%s: fn ran again", key)
+				return created, nil
+			}
+			if _, err := idemsql.DoInTx(t.Context(), db, scope, key, fpOf("a"), again); !errors.Is(err, idem.ErrOutcomeUnknown) {
+				t.Errorf("%s: a retry: %v, want ErrOutcomeUnknown", key, err)
+			}
+		}
+		page, err := idemsql.ListUnknown(t.Context(), db, 10, nil)
+		if err != nil || len(page) != 2 {
+			t.Errorf("ListUnknown: %+v, %v; want the two keys", page, err)
+		}
+	})
+}
+
 // An fn that swallows a failed statement and returns a response, on both
 // drivers, under concurrent duplicates: ErrTxAborted, with the driver's
 // own error of SQLSTATE 25P02 in the chain, not Unavailable; nothing is

@@ -266,7 +266,7 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 					// Undo fn's writes (and the claim), then store the
 					// refusal in a claim of its own.
 					switch err := s.Undo(ctx); {
-					case c.drv.TxClosed(err) && ctx.Err() == nil:
+					case c.drv.TxClosed(err):
 						return Result{}, c.fnEnded(ctx, s, own, k, fp, nil, cl)
 					case err != nil && !own:
 						return Result{}, errorf("idem: %w", err)
@@ -288,17 +288,25 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 				// fn swallowed a failed statement and returned a response:
 				// its transaction cannot store it.
 				return Result{}, c.fail(ctx, s, own, errorf("idem: %w: %w", ErrTxAborted, err))
-			case c.drv.TxClosed(err) && ctx.Err() == nil:
-				// fn ended the transaction: pgx sent nothing on it;
-				// database/sql ran the completion, then found it ended
-				// at COMMIT or RELEASE.
-				return Result{}, c.fnEnded(ctx, s, own, k, fp, nil, cl)
 			case c.drv.TxClosed(err):
-				// database/sql rolled the transaction back when ctx
-				// ended, after the completion ran (as failFn).
-				return Result{}, c.endedWithCtx(ctx, own, cl)
+				// fn ended the transaction (pgx sent nothing on it;
+				// database/sql ran the completion, then found it ended
+				// at COMMIT or RELEASE), or database/sql rolled it back
+				// when ctx ended: fnEnded tells them apart.
+				return Result{}, c.fnEnded(ctx, s, own, k, fp, nil, cl)
 			}
-			return Result{}, c.fail(ctx, s, own, errorf("idem: %w", c.unsupportedIf(err)))
+			if ctx.Err() == nil {
+				return Result{}, c.fail(ctx, s, own, errorf("idem: %w", c.unsupportedIf(err)))
+			}
+			// Once ctx has ended, database/sql refuses every statement
+			// with ctx's error, whatever fn did before: should fn have
+			// ended the transaction, the undo finds it ended, and
+			// fnEnded tells how.
+			undoErr := s.Undo(ctx)
+			if c.drv.TxClosed(undoErr) {
+				return Result{}, c.fnEnded(ctx, s, own, k, fp, nil, cl)
+			}
+			return Result{}, c.undone(s, own, undoErr, errorf("idem: %w", c.unsupportedIf(err)))
 		}
 
 		// Round trip 2: read the row that holds the key, and end.
@@ -326,7 +334,11 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 // ErrUnavailable when the connection was lost), and names err in words
 // only.
 func (c *Client[TTx, TDB]) fail(ctx context.Context, s driver.Span[TTx], own bool, err error) error {
-	undoErr := s.Undo(ctx)
+	return c.undone(s, own, s.Undo(ctx), err)
+}
+
+// undone is fail once the span's undo has returned undoErr.
+func (c *Client[TTx, TDB]) undone(s driver.Span[TTx], own bool, undoErr, err error) error {
 	if !own {
 		if undoErr != nil {
 			return unavailableIf(c.isUnavailable(undoErr),
@@ -344,7 +356,7 @@ func (c *Client[TTx, TDB]) fail(ctx context.Context, s driver.Span[TTx], own boo
 // fn had ended the transaction itself, the call's error says so (fnEnded).
 func (c *Client[TTx, TDB]) failFn(ctx context.Context, s driver.Span[TTx], own bool, k driver.Key, fp Fingerprint, err error, cl *call) error {
 	undoErr := s.Undo(ctx)
-	if c.drv.TxClosed(undoErr) && ctx.Err() == nil { // (with ctx done, database/sql ends the transaction itself)
+	if c.drv.TxClosed(undoErr) {
 		return c.fnEnded(ctx, s, own, k, fp, err, cl)
 	}
 	if !own {

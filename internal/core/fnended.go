@@ -14,20 +14,6 @@ import (
 // claim (marked unknown for DoInTx, the enclosing transaction aborted for
 // Do).
 
-// endedWithCtx is the error of a call whose transaction had ended when its
-// outcome was to be committed, once ctx had ended too: database/sql rolls a
-// transaction back when the context it began with ends, so nothing of the
-// call's committed and nothing was stored. (pgx never ends a transaction
-// for its context: there fn did, and, should it have committed, the next
-// DoInTx or Reserve of the key with the same fingerprint marks its claim.)
-func (c *Client[TTx, TDB]) endedWithCtx(ctx context.Context, own bool, cl *call) error {
-	if own {
-		return errorf("idem: %w before DoInTx's COMMIT: database/sql rolled the transaction back, and nothing was stored", context.Cause(ctx))
-	}
-	return errorf("idem: %w before %s's savepoint was released: the caller's transaction had ended (database/sql rolls it "+
-		"back when its context ends), and nothing was stored", context.Cause(ctx), cl.api())
-}
-
 // orphanReason is the last_error of a record whose claim was committed
 // without an outcome.
 const orphanReason = "the claim was committed without an outcome (fn committed the transaction of Do or DoInTx itself): fn's writes may be durable"
@@ -37,15 +23,19 @@ const orphanReason = "the claim was committed without an outcome (fn committed t
 var errOrphaned = errorf("idem: %w (its claim was committed without an outcome: fn committed the transaction of Do or DoInTx itself; reconcile it with Resolve)",
 	ErrOutcomeUnknown)
 
-// fnEnded is the error of a call whose fn committed or rolled back the
-// transaction it runs in (found closed when the call went on with it,
-// after fn returned fnErr: nil when it succeeded). For DoInTx the row of
-// the claim, when fn's COMMIT made it durable, is marked unknown in a
+// fnEnded is the error of a call whose transaction was found ended when
+// the call went on with it, after fn returned fnErr (nil when it
+// succeeded) or panicked: fn committed or rolled it back, or, once ctx had
+// ended, database/sql rolled it back (it does so when the context a
+// transaction began with ends; pgx never does). For DoInTx the row of the
+// claim, when fn's COMMIT made it durable, is marked unknown in a
 // statement of its own, so that the key's retries get ErrOutcomeUnknown
 // and an operator finds it (ListUnknown) and settles it (Resolve). Do has
 // no connection of its own to do that on: the next DoInTx or Reserve of
 // the key with the same fingerprint does it. (fnSavepointEnded: Do's
-// transaction was a savepoint of an enclosing one.)
+// transaction was a savepoint of an enclosing one.) Whether ctx had ended
+// or not, the same is done: database/sql cannot undo a COMMIT fn made
+// before.
 func (c *Client[TTx, TDB]) fnEnded(ctx context.Context, s driver.Span[TTx], own bool, k driver.Key, fp Fingerprint, fnErr error, cl *call) error {
 	after := ""
 	if fnErr != nil {
@@ -54,6 +44,8 @@ func (c *Client[TTx, TDB]) fnEnded(ctx context.Context, s driver.Span[TTx], own 
 	if !own {
 		return c.fnSavepointEnded(ctx, s, k, fp, fnErr, cl.api(), after)
 	}
+	ended := ctx.Err() != nil
+	cause := context.Cause(ctx)
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), driver.CleanupTimeout)
 	defer cancel()
 	committed, err := orphanedRow(ctx, s, k, fp)
@@ -66,6 +58,13 @@ func (c *Client[TTx, TDB]) fnEnded(ctx context.Context, s driver.Span[TTx], own 
 		return errorf("idem: %w: fn committed DoInTx's transaction itself%s: fn's writes are durable, but no outcome was stored; "+
 			"the key's record is now unknown (retries get ErrOutcomeUnknown; ListUnknown lists it, Resolve settles it)%w",
 			ErrInvalidArgument, after, joinedText(fnErr))
+	case ended:
+		// database/sql rolled the transaction back (or fn did), or, if
+		// ctx ended while the COMMIT was under way, it may have committed
+		// the outcome: either way no claim was left without one.
+		return errorf("idem: %w before DoInTx's outcome was committed, and its transaction had ended (database/sql rolls "+
+			"it back when the context ends): no claim was left without an outcome; a retry with the same key runs the "+
+			"request or replays its outcome%w", cause, joinedText(fnErr))
 	}
 	return errorf("idem: %w: fn rolled back DoInTx's transaction itself%s: fn's writes and the claim are gone, nothing was stored, "+
 		"and the key is free%w", ErrInvalidArgument, after, joinedText(fnErr))
@@ -100,10 +99,18 @@ func (c *Client[TTx, TDB]) fnSavepointEnded(ctx context.Context, s driver.Span[T
 			"a savepoint of an enclosing transaction, which is aborted%s: roll it back; nothing of fn's is committed and nothing "+
 			"was stored%w", ErrInvalidArgument, api, after, why, joinedText(fnErr)))
 	}
-	return errorf("idem: %w: fn committed or rolled back the caller's transaction that %s runs in%s (fn must leave it open; "+
-		"on database/sql, its context may have ended): nothing was stored; if it committed, fn's writes and the key's claim "+
-		"are durable, and the key answers ErrOutcomeUnknown to DoInTx and Reserve with the same fingerprint, which mark it "+
-		"unknown for Resolve%w", ErrInvalidArgument, api, after, joinedText(fnErr))
+	// Enclosing says no more when the transaction was the connection's own
+	// (or a pgx.Tx of another making, which idem does not look into).
+	const rest = "nothing was stored; if it committed, fn's writes and the key's claim are durable (or, in a savepoint of a " +
+		"pgx.Tx of another making, pending in its enclosing transaction: roll that back), and the key answers " +
+		"ErrOutcomeUnknown to DoInTx and Reserve with the same fingerprint, which mark it unknown for Resolve"
+	if ctx.Err() != nil {
+		return errorf("idem: %w before %s's savepoint was released, and the caller's transaction had ended (database/sql "+
+			"rolls it back when its context ends; fn may have committed or rolled it back): "+rest+"%w",
+			context.Cause(ctx), api, joinedText(fnErr))
+	}
+	return errorf("idem: %w: fn committed or rolled back the caller's transaction that %s runs in%s (fn must leave it open): "+
+		rest+"%w", ErrInvalidArgument, api, after, joinedText(fnErr))
 }
 
 // joinedText is ": " and err for a message that wraps it, or nothing for
