@@ -16,8 +16,9 @@ type Config struct {
 	// reservation, also at least a TTL after its outcome is recorded). Past
 	// it a finished key counts as a new request. Default 24 hours. It is
 	// counted, as BodyTTL is, from the start of the transaction the claim
-	// runs in (PostgreSQL's now()): DoInTx's own, which the claim begins;
-	// for Do, the caller's, so the time that transaction spent before Do
+	// runs in (PostgreSQL's now()): DoInTx's own on a pool or connection,
+	// which the claim begins; for Do, and DoInTx on a caller's
+	// transaction, the caller's, so the time it spent before the call
 	// counts too.
 	TTL time.Duration
 

@@ -621,7 +621,7 @@ func (m *middleware) guard(ctx context.Context, w http.ResponseWriter, r *http.R
 		// the key is unknown: the retry gets 409 IDEMPOTENCY_OUTCOME_UNKNOWN).
 		m.log.LogAttrs(ctx, slog.LevelError, "idemhttp: handler panicked; no response stored",
 			append(m.logAttrs(r, key), slog.Any("panic", v), slog.String("stack", string(debug.Stack())))...)
-		writeProblem(w, http.StatusInternalServerError, CodeInternal, "The request failed; nothing was stored.", 0)
+		writeProblem(w, http.StatusInternalServerError, CodeInternal, "The request failed; no response was stored.", 0)
 		err = errPanicked
 	}()
 	return f()

@@ -130,8 +130,8 @@ func TestFnCommittingAsTheContextEnds(t *testing.T) {
 					return created, nil
 				})
 			})
-			if panics && v != errFnPanic || !panics && (v != nil || err == nil) {
-				t.Errorf("%s: panicked with %v, err %v; want fn's panic, or an error when fn returned", key, v, err)
+			if panics && v != errFnPanic || !panics && (v != nil || !errors.Is(err, idem.ErrInvalidArgument)) {
+				t.Errorf("%s: panicked with %v, err %v; want fn's panic, or ErrInvalidArgument when fn returned", key, v, err)
 			}
 			// Marked by the call itself, not by the retry below.
 			if rec, err := idemsql.Lookup(t.Context(), db, scope, key); err != nil || rec.Status != idem.StatusUnknown || rec.UnknownAt.IsZero() {
@@ -148,6 +148,24 @@ func TestFnCommittingAsTheContextEnds(t *testing.T) {
 		page, err := idemsql.ListUnknown(t.Context(), db, 10, nil)
 		if err != nil || len(page) != 2 {
 			t.Errorf("ListUnknown: %+v, %v; want the two keys", page, err)
+		}
+
+		// fn that does not end its transaction, whose context ends while it
+		// runs: database/sql rolls the transaction back; the call says so
+		// with the context's error, and does not blame fn.
+		ctx, cancel := context.WithCancel(t.Context())
+		_, err = idemsql.DoInTx(ctx, db, scope, "ctx-innocent", fpOf("a"), func(ctx context.Context, tx *sql.Tx) (idem.Response, error) {
+			if _, err := tx.ExecContext(ctx, `INSERT INTO effects VALUES ('ctx-innocent')`); err != nil {
+				return idem.Response{}, err
+			}
+			cancel()
+			return created, nil
+		})
+		if !errors.Is(err, context.Canceled) || errors.Is(err, idem.ErrInvalidArgument) {
+			t.Errorf("an innocent fn: err = %v, want the context's error only", err)
+		}
+		if _, err := idemsql.Lookup(t.Context(), db, scope, "ctx-innocent"); !errors.Is(err, idem.ErrNotFound) {
+			t.Errorf("an innocent fn: Lookup: %v, want ErrNotFound", err)
 		}
 	})
 }

@@ -267,7 +267,7 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 					// refusal in a claim of its own.
 					switch err := s.Undo(ctx); {
 					case c.drv.TxClosed(err):
-						return Result{}, c.fnEnded(ctx, s, own, k, fp, nil, cl)
+						return Result{}, c.fnEnded(ctx, s, own, k, fp, nil, nil, cl)
 					case err != nil && !own:
 						return Result{}, errorf("idem: %w", err)
 					}
@@ -293,18 +293,19 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 				// database/sql ran the completion, then found it ended
 				// at COMMIT or RELEASE), or database/sql rolled it back
 				// when ctx ended: fnEnded tells them apart.
-				return Result{}, c.fnEnded(ctx, s, own, k, fp, nil, cl)
+				return Result{}, c.fnEnded(ctx, s, own, k, fp, nil, err, cl)
 			}
 			if ctx.Err() == nil {
 				return Result{}, c.fail(ctx, s, own, errorf("idem: %w", c.unsupportedIf(err)))
 			}
 			// Once ctx has ended, database/sql refuses every statement
-			// with ctx's error, whatever fn did before: should fn have
-			// ended the transaction, the undo finds it ended, and
-			// fnEnded tells how.
+			// with ctx's error, whatever fn did before, and rolls the
+			// transaction back (also while its COMMIT is under way):
+			// should fn have ended the transaction, or database/sql, the
+			// undo finds it ended, and fnEnded tells how.
 			undoErr := s.Undo(ctx)
 			if c.drv.TxClosed(undoErr) {
-				return Result{}, c.fnEnded(ctx, s, own, k, fp, nil, cl)
+				return Result{}, c.fnEnded(ctx, s, own, k, fp, nil, err, cl)
 			}
 			return Result{}, c.undone(s, own, undoErr, errorf("idem: %w", c.unsupportedIf(err)))
 		}
@@ -357,7 +358,7 @@ func (c *Client[TTx, TDB]) undone(s driver.Span[TTx], own bool, undoErr, err err
 func (c *Client[TTx, TDB]) failFn(ctx context.Context, s driver.Span[TTx], own bool, k driver.Key, fp Fingerprint, err error, cl *call) error {
 	undoErr := s.Undo(ctx)
 	if c.drv.TxClosed(undoErr) {
-		return c.fnEnded(ctx, s, own, k, fp, err, cl)
+		return c.fnEnded(ctx, s, own, k, fp, err, nil, cl)
 	}
 	if !own {
 		// When the undo failed, the caller's transaction is not as fn's

@@ -25,9 +25,10 @@ var errOrphaned = errorf("idem: %w (its claim was committed without an outcome: 
 
 // fnEnded is the error of a call whose transaction was found ended when
 // the call went on with it, after fn returned fnErr (nil when it
-// succeeded) or panicked: fn committed or rolled it back, or, once ctx had
-// ended, database/sql rolled it back (it does so when the context a
-// transaction began with ends; pgx never does). For DoInTx the row of the
+// succeeded) or panicked, or when storing the outcome failed with storeErr:
+// fn committed or rolled it back, or, once ctx had ended, database/sql
+// rolled it back (it does so when the context a transaction began with
+// ends: Driver.CtxEndsTx; pgx never does). For DoInTx the row of the
 // claim, when fn's COMMIT made it durable, is marked unknown in a
 // statement of its own, so that the key's retries get ErrOutcomeUnknown
 // and an operator finds it (ListUnknown) and settles it (Resolve). Do has
@@ -36,20 +37,26 @@ var errOrphaned = errorf("idem: %w (its claim was committed without an outcome: 
 // transaction was a savepoint of an enclosing one.) Whether ctx had ended
 // or not, the same is done: database/sql cannot undo a COMMIT fn made
 // before.
-func (c *Client[TTx, TDB]) fnEnded(ctx context.Context, s driver.Span[TTx], own bool, k driver.Key, fp Fingerprint, fnErr error, cl *call) error {
+func (c *Client[TTx, TDB]) fnEnded(ctx context.Context, s driver.Span[TTx], own bool, k driver.Key, fp Fingerprint,
+	fnErr, storeErr error, cl *call) error {
 	after := ""
 	if fnErr != nil {
 		after = ", and then returned an error"
 	}
+	ended := ctx.Err() != nil && c.drv.CtxEndsTx() // database/sql may have ended it
 	if !own {
-		return c.fnSavepointEnded(ctx, s, k, fp, fnErr, cl.api(), after)
+		return c.fnSavepointEnded(ctx, s, k, fp, fnErr, cl.api(), after, ended)
 	}
-	ended := ctx.Err() != nil
 	cause := context.Cause(ctx)
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), driver.CleanupTimeout)
 	defer cancel()
 	committed, err := orphanedRow(ctx, s, k, fp)
 	switch {
+	case err != nil && ended:
+		return unavailableIf(c.isUnavailable(err), errorf("idem: %w before DoInTx's outcome was committed, and its transaction "+
+			"had ended (database/sql rolls it back when the context ends); whether fn had committed it could not be checked "+
+			"(%w): if it had, fn's writes and the key's claim are durable, and the next DoInTx or Reserve of the key with the "+
+			"same fingerprint marks the record unknown%w", cause, err, joinedText(fnErr)))
 	case err != nil:
 		return errorf("idem: %w: fn committed or rolled back DoInTx's transaction itself%s (idem could not tell which: marking "+
 			"the key's record failed): nothing was stored; if it committed, fn's writes and the key's claim are durable, and the next DoInTx or "+
@@ -58,13 +65,17 @@ func (c *Client[TTx, TDB]) fnEnded(ctx context.Context, s driver.Span[TTx], own 
 		return errorf("idem: %w: fn committed DoInTx's transaction itself%s: fn's writes are durable, but no outcome was stored; "+
 			"the key's record is now unknown (retries get ErrOutcomeUnknown; ListUnknown lists it, Resolve settles it)%w",
 			ErrInvalidArgument, after, joinedText(fnErr))
+	case ended && storeErr != nil && !c.drv.TxClosed(storeErr):
+		// The COMMIT was under way when ctx ended: it may have
+		// committed the outcome; either way no claim was left without
+		// one.
+		return unavailableIf(c.isUnavailable(storeErr), errorf("idem: %w while DoInTx's outcome was being committed (%w): "+
+			"it may have committed; no claim was left without an outcome, and a retry with the same key replays it or runs "+
+			"the request", cause, storeErr))
 	case ended:
-		// database/sql rolled the transaction back (or fn did), or, if
-		// ctx ended while the COMMIT was under way, it may have committed
-		// the outcome: either way no claim was left without one.
 		return errorf("idem: %w before DoInTx's outcome was committed, and its transaction had ended (database/sql rolls "+
-			"it back when the context ends): no claim was left without an outcome; a retry with the same key runs the "+
-			"request or replays its outcome%w", cause, joinedText(fnErr))
+			"it back when the context ends): nothing was stored, nothing of fn's committed, and the key is free%w",
+			cause, joinedText(fnErr))
 	}
 	return errorf("idem: %w: fn rolled back DoInTx's transaction itself%s: fn's writes and the claim are gone, nothing was stored, "+
 		"and the key is free%w", ErrInvalidArgument, after, joinedText(fnErr))
@@ -78,7 +89,7 @@ func (c *Client[TTx, TDB]) fnEnded(ctx context.Context, s driver.Span[TTx], own 
 // driver aborts it (Span.Enclosing), so that it cannot commit them without
 // an outcome.
 func (c *Client[TTx, TDB]) fnSavepointEnded(ctx context.Context, s driver.Span[TTx], k driver.Key, fp Fingerprint,
-	fnErr error, api, after string) error {
+	fnErr error, api, after string, ended bool) error {
 	enc, err := s.Enclosing(ctx, k, fp)
 	switch enc {
 	case driver.EnclosingAborted:
@@ -104,7 +115,7 @@ func (c *Client[TTx, TDB]) fnSavepointEnded(ctx context.Context, s driver.Span[T
 	const rest = "nothing was stored; if it committed, fn's writes and the key's claim are durable (or, in a savepoint of a " +
 		"pgx.Tx of another making, pending in its enclosing transaction: roll that back), and the key answers " +
 		"ErrOutcomeUnknown to DoInTx and Reserve with the same fingerprint, which mark it unknown for Resolve"
-	if ctx.Err() != nil {
+	if ended {
 		return errorf("idem: %w before %s's savepoint was released, and the caller's transaction had ended (database/sql "+
 			"rolls it back when its context ends; fn may have committed or rolled it back): "+rest+"%w",
 			context.Cause(ctx), api, joinedText(fnErr))

@@ -102,6 +102,11 @@ type Driver[TTx, TDB any] interface {
 	// TxClosed reports whether err says the caller's transaction was
 	// already committed or rolled back.
 	TxClosed(err error) bool
+	// CtxEndsTx reports whether the database package rolls a transaction
+	// back when the context it was begun with ends (database/sql does;
+	// pgx never does): only then may a transaction found closed once the
+	// call's context has ended not be fn's doing.
+	CtxEndsTx() bool
 	// Interpret translates an error of the database package (of one of
 	// the driver's statements, or of fn's) into the driver package's terms:
 	// an *Error that matches the faults it shows (ErrUnavailable,

@@ -1,6 +1,7 @@
 package drivertest
 
 import (
+	"context"
 	"errors"
 	"testing"
 	"time"
@@ -158,6 +159,24 @@ func exerciseErrors[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 		if n := h.Count(t, db, `SELECT count(*) FROM idem_keys`); n != 0 {
 			t.Fatalf("%d rows after Rollback", n)
 		}
+		// CtxEndsTx: a transaction begun with a context that then ends is
+		// rolled back by the database package, or stays open.
+		cctx, cancel := context.WithCancel(ctx)
+		tx, err = d.Begin(cctx, db)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cancel()
+		deadline := time.Now().Add(5 * time.Second)
+		err = h.Exec(ctx, tx, `SELECT 1`)
+		for d.CtxEndsTx() && !d.TxClosed(err) && time.Now().Before(deadline) { // database/sql rolls back in a goroutine
+			time.Sleep(10 * time.Millisecond)
+			err = h.Exec(ctx, tx, `SELECT 1`)
+		}
+		if d.TxClosed(err) != d.CtxEndsTx() {
+			t.Errorf("a statement after the transaction's context ended: %v; CtxEndsTx says %t", err, d.CtxEndsTx())
+		}
+		d.Rollback(ctx, db, tx)
 		if h.Nest == nil {
 			return
 		}

@@ -122,6 +122,9 @@ func (d *Driver) NilTx(tx pgx.Tx) bool { return isNil(tx) }
 // TxClosed reports pgx's error of a transaction already ended.
 func (d *Driver) TxClosed(err error) bool { return errors.Is(err, pgx.ErrTxClosed) }
 
+// CtxEndsTx is false: pgx never ends a transaction for its context.
+func (d *Driver) CtxEndsTx() bool { return false }
+
 // Interpret translates pgx's errors into the driver package's terms.
 func (d *Driver) Interpret(err error) error { return dberr.Interpret(err) }
 

@@ -86,6 +86,10 @@ func (d *Driver) NilTx(tx *sql.Tx) bool { return tx == nil }
 // TxClosed reports database/sql's error of a transaction already ended.
 func (d *Driver) TxClosed(err error) bool { return errors.Is(err, sql.ErrTxDone) }
 
+// CtxEndsTx is true: database/sql rolls a transaction back when the
+// context given to BeginTx ends.
+func (d *Driver) CtxEndsTx() bool { return true }
+
 // Interpret translates the errors of database/sql and its driver (pgx's
 // stdlib, lib/pq) into the driver package's terms.
 func (d *Driver) Interpret(err error) error { return dberr.Interpret(err) }

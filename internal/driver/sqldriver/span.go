@@ -128,8 +128,10 @@ func (s *span) Complete(ctx context.Context, out driver.Outcome) error {
 	}
 	if s.db != nil {
 		// After the completion ran: sql.ErrTxDone when fn ended the
-		// transaction, or when ctx ended meanwhile (database/sql then
-		// rolled it back; the core tells them apart by ctx).
+		// transaction, or when ctx ended meanwhile and database/sql
+		// rolled it back (ctx's error when it has not yet): the core
+		// tells them apart by looking for a claim fn's COMMIT orphaned
+		// (Orphaned).
 		if err := s.tx.Commit(); err != nil {
 			return fmt.Errorf("commit: %w", err)
 		}
