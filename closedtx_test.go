@@ -491,4 +491,27 @@ func TestFnEndingASavepointOfTheCallersTransaction(t *testing.T) {
 	if row := readRow(t, pool, scope, "top"); row.Status != "processing" {
 		t.Errorf("top: row %+v, want the claim fn committed", row)
 	}
+	if strings.Contains(err.Error(), "a type idem does not look into") {
+		t.Errorf("top: err = %v, names a transaction of another making", err)
+	}
+
+	// A pgx.Tx of another making, a savepoint: idem does not look into it
+	// (documented), and the error says what to do.
+	tx, err = pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = tx.Rollback(ctx) }()
+	nested, err := tx.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = idem.Do(ctx, wrappedTx{nested}, scope, "wrapped", fpA, fn("wrapped", "commit"))
+	if !errors.Is(err, idem.ErrInvalidArgument) || !strings.Contains(err.Error(), "a type idem does not look into") ||
+		!strings.Contains(err.Error(), "roll it back") {
+		t.Errorf("wrapped: err = %v, want ErrInvalidArgument saying to roll the enclosing transaction back", err)
+	}
 }
+
+// wrappedTx is a pgx.Tx of another making.
+type wrappedTx struct{ pgx.Tx }

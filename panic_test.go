@@ -246,7 +246,16 @@ func TestFnCommittingAsTheContextEnds(t *testing.T) {
 				t.Errorf("%s: the caller's COMMIT succeeded", key)
 			}
 			if form == "DoItself" {
-				continue // fn's own COMMIT committed its writes and the claim (documented)
+				// fn's own COMMIT committed its writes and the claim
+				// (documented): the row stays processing for the next
+				// DoInTx or Reserve of the key to mark unknown.
+				if n := count(t, pool, `SELECT count(*) FROM effects WHERE key = $1`, key); n != 1 {
+					t.Errorf("%s: %d of fn's effects committed, want fn's one", key, n)
+				}
+				if row := readRow(t, pool, scope, key); row.Status != "processing" {
+					t.Errorf("%s: key row %+v, want the claim fn committed", key, row)
+				}
+				continue
 			}
 			if n := count(t, pool, `SELECT count(*) FROM effects WHERE key = $1`, key); n != 0 {
 				t.Errorf("%s: %d of fn's effects committed", key, n)

@@ -133,7 +133,8 @@ const (
 //     gets 204 once it commits.
 //   - 500 (CodeWebhookFailed): fn returned an error (logged); fn's writes
 //     are rolled back, nothing is recorded, and a redelivery runs fn again.
-//     A panic of fn is rolled back and answered 500 (CodeInternal).
+//     A panic of fn is answered 500 (CodeInternal); its transaction is
+//     rolled back, unless fn had committed it itself.
 //   - 503 (CodeStoreUnavailable, CodeTimeout): the database failed or the
 //     webhook ran out of WebhookOptions.Timeout; rolled back, or its
 //     commit's outcome unknown: a redelivery runs fn or is a duplicate.
@@ -316,8 +317,9 @@ func (h *webhookHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	}
 }
 
-// run runs fn through the Inbox. A panic of fn, rolled back by the time it
-// reaches run, is answered 500 and run returns errPanicked;
+// run runs fn through the Inbox. A panic of fn (its transaction rolled back
+// by the time it reaches run, unless fn had committed it itself) is
+// answered 500 and run returns errPanicked;
 // http.ErrAbortHandler is passed on.
 // fnErr is the error of fn's last run, if it failed.
 func (h *webhookHandler) run(ctx context.Context, w http.ResponseWriter, r *http.Request, hook Webhook) (dup bool, fnErr, err error) {
@@ -329,9 +331,9 @@ func (h *webhookHandler) run(ctx context.Context, w http.ResponseWriter, r *http
 		if v == http.ErrAbortHandler {
 			panic(v)
 		}
-		h.log.LogAttrs(ctx, slog.LevelError, "idemhttp: webhook handler panicked; rolled back",
+		h.log.LogAttrs(ctx, slog.LevelError, "idemhttp: webhook handler panicked",
 			append(h.attrs(r, hook.ID), slog.Any("panic", v), slog.String("stack", string(debug.Stack())))...)
-		writeProblem(w, http.StatusInternalServerError, CodeInternal, "The webhook failed; nothing was committed.", 0)
+		writeProblem(w, http.StatusInternalServerError, CodeInternal, "The webhook failed.", 0)
 		err = errPanicked
 	}()
 	dup, err = h.client.InboxInTx(ctx, h.db, h.consumer, hook.ID, hook.Body, func(ctx context.Context, tx pgx.Tx) error {

@@ -5,9 +5,11 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/lib/pq"
@@ -151,21 +153,171 @@ func TestFnCommittingAsTheContextEnds(t *testing.T) {
 		}
 
 		// fn that does not end its transaction, whose context ends while it
-		// runs: database/sql rolls the transaction back; the call says so
-		// with the context's error, and does not blame fn.
-		ctx, cancel := context.WithCancel(t.Context())
-		_, err = idemsql.DoInTx(ctx, db, scope, "ctx-innocent", fpOf("a"), func(ctx context.Context, tx *sql.Tx) (idem.Response, error) {
-			if _, err := tx.ExecContext(ctx, `INSERT INTO effects VALUES ('ctx-innocent')`); err != nil {
-				return idem.Response{}, err
+		// runs (or as it returns, in the race below): database/sql rolls the
+		// transaction back; the call says so with the context's error, does
+		// not blame fn, and says nothing committed, which holds.
+		for i := range 20 {
+			key := fmt.Sprintf("ctx-innocent-%d", i)
+			ctx, cancel := context.WithCancelCause(t.Context())
+			_, err = idemsql.DoInTx(ctx, db, scope, key, fpOf("a"), func(ctx context.Context, tx *sql.Tx) (idem.Response, error) {
+				if _, err := tx.ExecContext(ctx, `INSERT INTO effects VALUES ($1)`, key); err != nil {
+					return idem.Response{}, err
+				}
+				if i%2 == 0 {
+					cancel(errClientGone)
+				} else {
+					go cancel(errClientGone) // as the call goes on to store the outcome
+				}
+				return created, nil
+			})
+			if err == nil {
+				// The cancel came after the COMMIT.
+				if rec, err := idemsql.Lookup(t.Context(), db, scope, key); err != nil || rec.Status != idem.StatusSucceeded {
+					t.Errorf("%s: the call succeeded, but the record is %+v, %v", key, rec, err)
+				}
+				continue
 			}
-			cancel()
-			return created, nil
-		})
-		if !errors.Is(err, context.Canceled) || errors.Is(err, idem.ErrInvalidArgument) {
-			t.Errorf("an innocent fn: err = %v, want the context's error only", err)
+			// The context's error, from the statement database/sql refused
+			// or, when the transaction was found ended, with its cause.
+			if !errors.Is(err, context.Canceled) || errors.Is(err, idem.ErrInvalidArgument) ||
+				strings.Contains(err.Error(), "fn ") || strings.Contains(err.Error(), "may have committed") ||
+				strings.Contains(err.Error(), "transaction had ended") && !errors.Is(err, errClientGone) {
+				t.Errorf("%s: an innocent fn: err = %v, want the context's error, no blame for fn, nothing said committed", key, err)
+			}
+			if _, err := idemsql.Lookup(t.Context(), db, scope, key); !errors.Is(err, idem.ErrNotFound) {
+				t.Errorf("%s: an innocent fn: Lookup: %v, want ErrNotFound", key, err)
+			}
+			var n int
+			if err := db.QueryRowContext(t.Context(), `SELECT count(*) FROM effects WHERE key = $1`, key).Scan(&n); err != nil || n != 0 {
+				t.Errorf("%s: an innocent fn: %d of its effects committed (%v)", key, n, err)
+			}
 		}
-		if _, err := idemsql.Lookup(t.Context(), db, scope, "ctx-innocent"); !errors.Is(err, idem.ErrNotFound) {
-			t.Errorf("an innocent fn: Lookup: %v, want ErrNotFound", err)
+	})
+}
+
+var errClientGone = errors.New("the client went away")
+
+// The call's context ends while DoInTx's COMMIT is under way (held back by
+// a deferred trigger waiting for a lock the test holds), on both drivers:
+// pgx's stdlib stops waiting for the answer, and the call says the outcome
+// may have committed; lib/pq has the server cancel the COMMIT, and the call
+// says nothing committed; either with the context's error, no blame for
+// fn. The key then holds what the COMMIT did (the outcome, or nothing),
+// never a claim without one, and a retry replays the outcome or runs once.
+func TestCommitUnderWayAsTheContextEnds(t *testing.T) {
+	t.Parallel()
+	eachDriver(t, func(t *testing.T, driver string) {
+		db, pool := migrated(t, driver)
+		if _, err := db.ExecContext(t.Context(), `
+			CREATE TABLE effects (key text NOT NULL);
+			CREATE FUNCTION wait_for_test() RETURNS trigger LANGUAGE plpgsql AS
+				$$ BEGIN PERFORM pg_advisory_xact_lock(4242); RETURN NULL; END $$;
+			CREATE CONSTRAINT TRIGGER at_commit AFTER INSERT ON effects DEFERRABLE INITIALLY DEFERRED
+				FOR EACH ROW EXECUTE FUNCTION wait_for_test();`); err != nil {
+			t.Fatal(err)
+		}
+		lock, err := pool.Acquire(t.Context())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer lock.Release()
+		if _, err := lock.Exec(t.Context(), `SELECT pg_advisory_lock(4242)`); err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(t.Context())
+		defer cancel()
+		released := make(chan struct{})
+		defer func() { <-released }() // before lock.Release
+		go func() {
+			// Once the COMMIT waits for the lock, end the call's context,
+			// give the driver a moment to give up, and let the COMMIT go.
+			defer close(released)
+			defer func() { _, _ = lock.Exec(context.Background(), `SELECT pg_advisory_unlock(4242)`) }()
+			for ctx.Err() == nil {
+				var waiting bool
+				if err := pool.QueryRow(ctx, `SELECT count(*) > 0 FROM pg_stat_activity WHERE datname = current_database()
+					AND wait_event_type = 'Lock' AND wait_event = 'advisory' AND query ILIKE 'commit%'`).Scan(&waiting); err != nil {
+					return
+				}
+				if waiting {
+					cancel()
+					time.Sleep(200 * time.Millisecond)
+					return
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+		}()
+		var runs atomic.Int64
+		fn := func(ctx context.Context, tx *sql.Tx) (idem.Response, error) {
+			runs.Add(1)
+			_, err := tx.ExecContext(ctx, `INSERT INTO effects VALUES ('c')`)
+			return created, err
+		}
+		_, err = idemsql.DoInTx(ctx, db, scope, "c", fpOf("a"), fn)
+		// pgx's stdlib stops reading (the COMMIT is in doubt); lib/pq has
+		// the server cancel it (57014: it rolled back).
+		want := "may have committed"
+		if driver == "postgres" {
+			want = "nothing was stored, nothing of fn's committed"
+		}
+		if !errors.Is(err, context.Canceled) || errors.Is(err, idem.ErrInvalidArgument) || !strings.Contains(err.Error(), want) {
+			t.Errorf("err = %v, want the context's error saying %q", err, want)
+		}
+		// Wait for the COMMIT, given up on or not, to finish on the server.
+		for {
+			var n int
+			if err := pool.QueryRow(t.Context(), `SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()
+				AND query ILIKE 'commit%' AND state = 'active'`).Scan(&n); err != nil || n == 0 {
+				break
+			}
+			time.Sleep(5 * time.Millisecond)
+		}
+		rec, lookupErr := idemsql.Lookup(t.Context(), db, scope, "c")
+		var effects int
+		if err := pool.QueryRow(t.Context(), `SELECT count(*) FROM effects`).Scan(&effects); err != nil {
+			t.Fatal(err)
+		}
+		switch {
+		case lookupErr == nil && rec.Status == idem.StatusSucceeded && effects == 1:
+		case errors.Is(lookupErr, idem.ErrNotFound) && effects == 0:
+		default:
+			t.Errorf("after the COMMIT: record %+v (%v), %d effects; want the outcome with fn's effect, or nothing", rec, lookupErr, effects)
+		}
+		if _, err := idemsql.DoInTx(t.Context(), db, scope, "c", fpOf("a"), fn); err != nil {
+			t.Errorf("a retry: %v", err)
+		}
+		if n := runs.Load(); n > 2 || n == 2 && lookupErr == nil {
+			t.Errorf("fn ran %d times; want once more only when nothing had committed", n)
+		}
+	})
+}
+
+// Do on a caller's transaction whose own context ends while fn runs, the
+// call's context live: database/sql rolls the caller's transaction back,
+// so the call cannot tell fn's doing from the context's and says both.
+func TestCallersTransactionEndedByItsContext(t *testing.T) {
+	t.Parallel()
+	eachDriver(t, func(t *testing.T, driver string) {
+		db, pool := migrated(t, driver)
+		txCtx, cancel := context.WithCancel(t.Context())
+		tx, err := db.BeginTx(txCtx, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = idemsql.Do(t.Context(), tx, scope, "d", fpOf("a"), func(ctx context.Context, tx *sql.Tx) (idem.Response, error) {
+			cancel()
+			for { // until database/sql has rolled the transaction back
+				if _, err := tx.ExecContext(ctx, `SELECT 1`); errors.Is(err, sql.ErrTxDone) {
+					return created, nil
+				}
+				time.Sleep(time.Millisecond)
+			}
+		})
+		if !errors.Is(err, idem.ErrInvalidArgument) || !strings.Contains(err.Error(), "the context it was begun with ended") {
+			t.Errorf("err = %v, want ErrInvalidArgument naming the transaction's context", err)
+		}
+		if keyCount(t, pool) != 0 {
+			t.Errorf("%d key rows", keyCount(t, pool))
 		}
 	})
 }

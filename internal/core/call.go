@@ -2,6 +2,7 @@ package core
 
 import (
 	"context"
+	"errors"
 	"time"
 
 	"go.opentelemetry.io/otel/attribute"
@@ -181,7 +182,7 @@ func (c *Client[TTx, TDB]) await(ctx context.Context, fl *flight) error {
 	case <-fl.done:
 		return nil
 	case <-ctx.Done():
-		return errorf("idem: waiting for a concurrent call with this key: %w", context.Cause(ctx))
+		return errorf("idem: waiting for a concurrent call with this key: %w", ctxError(ctx))
 	case <-t.C:
 		return c.inProgress()
 	}
@@ -306,6 +307,10 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 			undoErr := s.Undo(ctx)
 			if c.drv.TxClosed(undoErr) {
 				return Result{}, c.fnEnded(ctx, s, own, k, fp, nil, err, cl)
+			}
+			if !errors.Is(err, ctx.Err()) {
+				// A driver that broke the connection for ctx (lib/pq).
+				err = errorf("%w (the context had ended: %w)", err, ctxError(ctx))
 			}
 			return Result{}, c.undone(s, own, undoErr, errorf("idem: %w", c.unsupportedIf(err)))
 		}

@@ -1,6 +1,7 @@
 package core
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"strings"
@@ -205,6 +206,16 @@ func RejectedResponse(err error) (Response, bool) {
 // Reject is returned by fn to refuse a request deterministically (see
 // idem.Reject).
 func Reject(resp Response) error { return &rejection{resp: resp} }
+
+// ctxError is ctx's error, joined by its cause when it was given one
+// (context.WithCancelCause, WithDeadlineCause): errors.Is matches both.
+func ctxError(ctx context.Context) error {
+	err, cause := ctx.Err(), context.Cause(ctx)
+	if cause == nil || cause == err {
+		return err
+	}
+	return fmt.Errorf("%w: %w", err, cause)
+}
 
 // fault reports whether err shows f, in the driver's terms: the driver
 // translates the database's error (Driver.Interpret), and the core reads

@@ -43,11 +43,19 @@ func (c *Client[TTx, TDB]) fnEnded(ctx context.Context, s driver.Span[TTx], own 
 	if fnErr != nil {
 		after = ", and then returned an error"
 	}
-	ended := ctx.Err() != nil && c.drv.CtxEndsTx() // database/sql may have ended it
 	if !own {
-		return c.fnSavepointEnded(ctx, s, k, fp, fnErr, cl.api(), after, ended)
+		return c.fnSavepointEnded(ctx, s, k, fp, fnErr, cl.api(), after)
 	}
-	cause := context.Cause(ctx)
+	ended := ctx.Err() != nil && c.drv.CtxEndsTx() // database/sql may have ended it
+	if ended && c.fault(storeErr, driver.ErrCommitInDoubt) {
+		// The completion ran, so fn had left the transaction open, and
+		// its COMMIT was under way when ctx ended: no claim was left
+		// without an outcome, whether it committed or not.
+		return unavailableIf(c.isUnavailable(storeErr), errorf("idem: %w while DoInTx's outcome was being committed (%w): "+
+			"it may have committed; no claim was left without an outcome, and a retry with the same key replays it or runs "+
+			"the request", ctxError(ctx), storeErr))
+	}
+	cause := ctxError(ctx)
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), driver.CleanupTimeout)
 	defer cancel()
 	committed, err := orphanedRow(ctx, s, k, fp)
@@ -65,13 +73,6 @@ func (c *Client[TTx, TDB]) fnEnded(ctx context.Context, s driver.Span[TTx], own 
 		return errorf("idem: %w: fn committed DoInTx's transaction itself%s: fn's writes are durable, but no outcome was stored; "+
 			"the key's record is now unknown (retries get ErrOutcomeUnknown; ListUnknown lists it, Resolve settles it)%w",
 			ErrInvalidArgument, after, joinedText(fnErr))
-	case ended && storeErr != nil && !c.drv.TxClosed(storeErr):
-		// The COMMIT was under way when ctx ended: it may have
-		// committed the outcome; either way no claim was left without
-		// one.
-		return unavailableIf(c.isUnavailable(storeErr), errorf("idem: %w while DoInTx's outcome was being committed (%w): "+
-			"it may have committed; no claim was left without an outcome, and a retry with the same key replays it or runs "+
-			"the request", cause, storeErr))
 	case ended:
 		return errorf("idem: %w before DoInTx's outcome was committed, and its transaction had ended (database/sql rolls "+
 			"it back when the context ends): nothing was stored, nothing of fn's committed, and the key is free%w",
@@ -89,7 +90,7 @@ func (c *Client[TTx, TDB]) fnEnded(ctx context.Context, s driver.Span[TTx], own 
 // driver aborts it (Span.Enclosing), so that it cannot commit them without
 // an outcome.
 func (c *Client[TTx, TDB]) fnSavepointEnded(ctx context.Context, s driver.Span[TTx], k driver.Key, fp Fingerprint,
-	fnErr error, api, after string, ended bool) error {
+	fnErr error, api, after string) error {
 	enc, err := s.Enclosing(ctx, k, fp)
 	switch enc {
 	case driver.EnclosingAborted:
@@ -110,18 +111,29 @@ func (c *Client[TTx, TDB]) fnSavepointEnded(ctx context.Context, s driver.Span[T
 			"a savepoint of an enclosing transaction, which is aborted%s: roll it back; nothing of fn's is committed and nothing "+
 			"was stored%w", ErrInvalidArgument, api, after, why, joinedText(fnErr)))
 	}
-	// Enclosing says no more when the transaction was the connection's own
-	// (or a pgx.Tx of another making, which idem does not look into).
-	const rest = "nothing was stored; if it committed, fn's writes and the key's claim are durable (or, in a savepoint of a " +
-		"pgx.Tx of another making, pending in its enclosing transaction: roll that back), and the key answers " +
-		"ErrOutcomeUnknown to DoInTx and Reserve with the same fingerprint, which mark it unknown for Resolve"
-	if ended {
-		return errorf("idem: %w before %s's savepoint was released, and the caller's transaction had ended (database/sql "+
-			"rolls it back when its context ends; fn may have committed or rolled it back): "+rest+"%w",
-			context.Cause(ctx), api, joinedText(fnErr))
+	// Enclosing says no more when the transaction was the connection's own,
+	// or of a type it does not look into (EnclosingNotRead).
+	durable := "durable"
+	if enc == driver.EnclosingNotRead {
+		durable = "durable (or, if the transaction, of a type idem does not look into, was a savepoint of another, pending " +
+			"in that one: roll it back)"
 	}
-	return errorf("idem: %w: fn committed or rolled back the caller's transaction that %s runs in%s (fn must leave it open): "+
-		rest+"%w", ErrInvalidArgument, api, after, joinedText(fnErr))
+	rest := "nothing was stored; if it committed, fn's writes and the key's claim are " + durable + ", and the key answers " +
+		"ErrOutcomeUnknown to DoInTx and Reserve with the same fingerprint, which mark it unknown for Resolve"
+	if !c.drv.CtxEndsTx() {
+		return errorf("idem: %w: fn committed or rolled back the caller's transaction that %s runs in%s (fn must leave it "+
+			"open): %s%w", ErrInvalidArgument, api, after, rest, joinedText(fnErr))
+	}
+	// database/sql also rolls the caller's transaction back when the
+	// context it was begun with ends, which may not be the call's.
+	if ctx.Err() != nil {
+		return errorf("idem: %w before %s's savepoint was released, and the caller's transaction had ended (database/sql "+
+			"rolls it back when its context ends; fn may have committed or rolled it back): %s%w",
+			ctxError(ctx), api, rest, joinedText(fnErr))
+	}
+	return errorf("idem: %w: fn committed or rolled back the caller's transaction that %s runs in%s (fn must leave it "+
+		"open), or the context it was begun with ended (database/sql then rolls it back): %s%w",
+		ErrInvalidArgument, api, after, rest, joinedText(fnErr))
 }
 
 // joinedText is ": " and err for a message that wraps it, or nothing for

@@ -2,7 +2,6 @@ package core
 
 import (
 	"context"
-	"errors"
 	"math/rand/v2"
 	"time"
 )
@@ -62,6 +61,6 @@ func sleep(ctx context.Context, d time.Duration) error {
 	case <-t.C:
 		return nil
 	case <-ctx.Done():
-		return errors.Join(ctx.Err(), context.Cause(ctx))
+		return ctxError(ctx)
 	}
 }

@@ -238,6 +238,11 @@ const (
 	// the statement failed otherwise; whether fn committed or rolled back
 	// is not known.
 	EnclosingUnknown
+	// EnclosingNotRead: the transaction is of a type the driver does not
+	// look into (a wrapper of another making, which may have given its
+	// connection back when it ended): it may have been a savepoint of
+	// another transaction, which then holds what fn's COMMIT released.
+	EnclosingNotRead
 )
 
 // Key names a key row.

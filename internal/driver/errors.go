@@ -59,6 +59,11 @@ const (
 	// ErrNoUnknownAt: the key table lacks the column unknown_at (a
 	// database not migrated to version 10).
 	ErrNoUnknownAt
+	// ErrCommitInDoubt: the COMMIT that ends a span of the call's own
+	// was sent, and no answer came back (its context ended, or the
+	// connection broke): it may have committed. A driver marks it on
+	// Span.Complete's error; never when nothing was sent.
+	ErrCommitInDoubt
 )
 
 // The SQLSTATEs idem's statements raise on purpose (class ID is idem's;
@@ -79,7 +84,7 @@ var faultNames = [...]string{
 	"unavailable", "server unavailable", "lock not available", "retryable", "transaction aborted",
 	"key row changed", "claim released", "prepared statements lost", "feature not supported",
 	"no token sequence", "no lock_timeout setting", "no refusal function",
-	"no body_expires_at column", "no unknown_at column",
+	"no body_expires_at column", "no unknown_at column", "commit in doubt",
 }
 
 func (f Fault) Error() string {

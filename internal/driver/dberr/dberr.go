@@ -36,6 +36,23 @@ func Interpret(err error) error {
 	return &driver.Error{Faults: f, SQLState: code, Err: err}
 }
 
+// CommitError marks err, the error of a COMMIT, in doubt
+// (driver.ErrCommitInDoubt) when the COMMIT may have reached the server and
+// no answer came back: not when the server answered (an SQLSTATE: the
+// transaction rolled back), nor when database/sql refused before sending
+// (sql.ErrTxDone), nor when the driver says nothing was sent
+// (pgconn.SafeToRetry). (database/sql's Tx.Commit also refuses with the
+// context's error itself, before sending, once its context has ended, and
+// pgx's stdlib returns the same when the context ends during the COMMIT:
+// the caller tells them apart by not committing once its context has
+// ended.)
+func CommitError(err error) error {
+	if err == nil || SQLState(err) != "" || errors.Is(err, sql.ErrTxDone) || pgconn.SafeToRetry(err) {
+		return err
+	}
+	return &driver.Error{Faults: driver.ErrCommitInDoubt | faults(err, ""), Err: err}
+}
+
 // faults are the faults err (of SQLSTATE code) shows.
 func faults(err error, code string) driver.Fault {
 	var f driver.Fault

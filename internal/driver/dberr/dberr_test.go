@@ -1,6 +1,7 @@
 package dberr_test
 
 import (
+	"context"
 	"database/sql"
 	sqldriver "database/sql/driver"
 	"errors"
@@ -96,3 +97,38 @@ func TestInterpretByMessage(t *testing.T) {
 		}
 	}
 }
+
+// A COMMIT's error is in doubt only when the COMMIT may have reached the
+// server and no answer came back.
+func TestCommitError(t *testing.T) {
+	for _, c := range []struct {
+		name    string
+		err     error
+		inDoubt bool
+	}{
+		{"the connection broke", io.ErrUnexpectedEOF, true},
+		{"database/sql bad conn", sqldriver.ErrBadConn, true},
+		{"pgx's stdlib stopped reading", context.Canceled, true},
+		{"the server rolled back", &pgconn.PgError{Code: "40001"}, false},
+		{"lib/pq, the server cancelled it", &pq.Error{Code: "57014"}, false},
+		{"database/sql: the transaction had ended", sql.ErrTxDone, false},
+		{"pgx: nothing was sent", unsent{}, false},
+	} {
+		got := dberr.CommitError(c.err)
+		if errors.Is(got, driver.ErrCommitInDoubt) != c.inDoubt || !errors.Is(got, c.err) {
+			t.Errorf("%s: %v; want in doubt %v, the error kept", c.name, got, c.inDoubt)
+		}
+		if c.inDoubt && errors.Is(got, driver.ErrUnavailable) != dberr.Unavailable(c.err) {
+			t.Errorf("%s: %v; want its other faults kept", c.name, got)
+		}
+	}
+	if dberr.CommitError(nil) != nil {
+		t.Error("CommitError(nil) is not nil")
+	}
+}
+
+// unsent is an error of pgx's that says nothing was sent.
+type unsent struct{}
+
+func (unsent) Error() string     { return "conn busy" }
+func (unsent) SafeToRetry() bool { return true }

@@ -516,10 +516,17 @@ func markUnknown(ctx context.Context, q db.DBTX, k driver.Key, fp [32]byte, reas
 // fn ended, cannot commit the claim (see driver.Span): when tx was a
 // savepoint of a transaction still open on its connection, KeyAbortIfClaimed
 // runs in that transaction, and aborts it when the claim is there. The
-// connection is read only when it is still the caller's (callersConn).
+// connection is read only when it is still the caller's (callersConn); a
+// pgx.Tx of another making is not read (EnclosingNotRead).
 func (s *span) Enclosing(ctx context.Context, k driver.Key, fp [32]byte) (driver.Enclosing, error) {
-	conn := callersConn(s.tx)
-	if s.own() || conn == nil {
+	if s.own() {
+		return driver.NoEnclosing, nil
+	}
+	conn, read := callersConn(s.tx)
+	switch {
+	case !read:
+		return driver.EnclosingNotRead, nil
+	case conn == nil:
 		return driver.NoEnclosing, nil
 	}
 	switch conn.PgConn().TxStatus() {
@@ -543,21 +550,31 @@ func (s *span) Enclosing(ctx context.Context, k driver.Key, fp [32]byte) (driver
 	return driver.EnclosingUnknown, fmt.Errorf("abort the enclosing transaction: %w", err)
 }
 
-// pgxPackage is the import path of pgx's own transactions.
-var pgxPackage = reflect.TypeFor[pgx.Conn]().PkgPath()
+// The import paths of pgx's own transactions and pgxpool's.
+var (
+	pgxPackage     = reflect.TypeFor[pgx.Conn]().PkgPath()
+	pgxpoolPackage = reflect.TypeFor[pgxpool.Pool]().PkgPath()
+)
 
 // callersConn returns the connection of tx, ended by fn, when the caller
 // still holds it: tx is one of pgx's own transactions (a *pgx.Conn's, or a
 // savepoint begun on a pgx.Tx), which give nothing back when they end. A
-// *pgxpool.Tx gives its connection back to the pool when it ends, and a
-// pgx.Tx of another making may too: their connection may serve another
-// call by now, and is never read (nil).
-func callersConn(tx pgx.Tx) *pgx.Conn {
+// *pgxpool.Tx, never a savepoint, gives its connection back to the pool
+// when it ends (nil). read is false for a pgx.Tx of another making, which
+// may have been a savepoint and may have given its connection back too:
+// that connection may serve another call by now, and is never read.
+func callersConn(tx pgx.Tx) (conn *pgx.Conn, read bool) {
 	t := reflect.TypeOf(tx)
-	if t == nil || t.Kind() != reflect.Pointer || t.Elem().PkgPath() != pgxPackage {
-		return nil
+	if t == nil || t.Kind() != reflect.Pointer {
+		return nil, false
 	}
-	return tx.Conn()
+	switch t.Elem().PkgPath() {
+	case pgxPackage:
+		return tx.Conn(), true
+	case pgxpoolPackage:
+		return nil, true
+	}
+	return nil, false
 }
 
 // Lost reports whether DoInTx's connection is closed: the server went away

@@ -131,9 +131,16 @@ func (s *span) Complete(ctx context.Context, out driver.Outcome) error {
 		// transaction, or when ctx ended meanwhile and database/sql
 		// rolled it back (ctx's error when it has not yet): the core
 		// tells them apart by looking for a claim fn's COMMIT orphaned
-		// (Orphaned).
-		if err := s.tx.Commit(); err != nil {
+		// (Orphaned). A COMMIT sent and not answered is in doubt
+		// (driver.ErrCommitInDoubt); so that one never sent is not
+		// taken for it, none is sent once ctx has ended (database/sql
+		// would refuse it with ctx's error, which pgx's stdlib also
+		// returns when ctx ends during the COMMIT).
+		if err := ctx.Err(); err != nil {
 			return fmt.Errorf("commit: %w", err)
+		}
+		if err := s.tx.Commit(); err != nil {
+			return fmt.Errorf("commit: %w", dberr.CommitError(err))
 		}
 		return nil
 	}
