@@ -1,9 +1,11 @@
 package core
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5/pgconn"
 
@@ -84,5 +86,29 @@ func TestInterpretedFaults(t *testing.T) {
 		if got := dberr.Interpret(err); got != err {
 			t.Errorf("Interpret(%v) = %v, want it as it is", err, got)
 		}
+	}
+}
+
+// A context's error keeps its cause, and matches both: errors.Is finds
+// context.Canceled (or DeadlineExceeded) whatever the cause.
+func TestCtxError(t *testing.T) {
+	plain, cancel := context.WithCancel(context.Background())
+	cancel()
+	if err := ctxError(plain); err != context.Canceled {
+		t.Errorf("no cause: %v, want context.Canceled itself", err)
+	}
+	gone := errors.New("the client went away")
+	caused, cancelCause := context.WithCancelCause(context.Background())
+	cancelCause(gone)
+	if err := ctxError(caused); !errors.Is(err, context.Canceled) || !errors.Is(err, gone) || err.Error() != "context canceled: the client went away" {
+		t.Errorf("a cause: %v, want both matched", err)
+	}
+	late, cancelLate := context.WithDeadlineCause(context.Background(), time.Now().Add(-time.Second), gone)
+	defer cancelLate()
+	if err := ctxError(late); !errors.Is(err, context.DeadlineExceeded) || !errors.Is(err, gone) {
+		t.Errorf("a deadline's cause: %v, want both matched", err)
+	}
+	if err := ctxError(context.Background()); err != nil {
+		t.Errorf("a live context: %v", err)
 	}
 }
