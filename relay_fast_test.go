@@ -31,6 +31,37 @@ func openApp(t *testing.T, url, app string) *pgxpool.Pool {
 	return p
 }
 
+// terminateClaim terminates the connection of the relay's fast batch that
+// holds the row lock of event id (billing), once its transaction is idle,
+// retrying until it does or ctx ends. The backend is found by what it
+// holds: the row's xmax is the id of the transaction that locked it, and
+// that transaction's backend has it as backend_xid. Any other connection
+// of the relay (the pruner's transaction, the LISTEN connection) is left
+// alone. When the event has a lease instead (the fast batch's transaction
+// committed before it was found), it says so (t.Errorf) and gives up.
+func terminateClaim(ctx context.Context, t *testing.T, pool *pgxpool.Pool, id string) {
+	for ctx.Err() == nil {
+		var killed, leased bool
+		if err := pool.QueryRow(context.Background(), `SELECT
+				(SELECT count(pg_terminate_backend(a.pid)) > 0 FROM pg_stat_activity a
+				 WHERE a.datname = current_database() AND a.application_name = 'relay'
+				   AND a.state LIKE 'idle in transaction%' AND a.backend_xid = e.xmax),
+				e.lease_until IS NOT NULL
+			FROM idem_events e WHERE e.destination = 'billing' AND e.id = $1`, id).Scan(&killed, &leased); err != nil {
+			t.Error(err)
+			return
+		}
+		switch {
+		case killed:
+			return
+		case leased:
+			t.Errorf("%s has a lease: the transaction that locked it committed before the test found it", id)
+			return
+		}
+		time.Sleep(time.Millisecond)
+	}
+}
+
 // With a fast sender, the relay claims by row locks only: each event is
 // written once, by the record of its delivery (its token moved on once,
 // no lease ever written), and its attempt is logged (time, duration).
@@ -148,10 +179,7 @@ func TestRelayFastPathLostConnection(t *testing.T) {
 		}
 		// The relay's transaction is idle while the Sender runs (and
 		// the batch waits for it up to its bound, long here).
-		if _, err := pool.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity
-			WHERE application_name = 'relay' AND datname = current_database() AND state LIKE 'idle in transaction%'`); err != nil {
-			t.Error(err)
-		}
+		terminateClaim(sctx, t, pool, d.Event.ID)
 		<-sctx.Done()
 		select {
 		case cut <- sctx.Err():
@@ -205,20 +233,11 @@ func TestRelayFastPathLostConnectionAfterTwoBatches(t *testing.T) {
 		if d.Event.ID != "ev-7" || d.Attempt > 1 {
 			return c.Send(sctx, d)
 		}
-		// The relay's transaction is idle once the first batch's records
-		// are written; terminate it then.
-		for sctx.Err() == nil {
-			var killed bool
-			if err := pool.QueryRow(ctx, `SELECT count(pg_terminate_backend(pid)) > 0 FROM pg_stat_activity
-				WHERE application_name = 'relay' AND datname = current_database() AND state LIKE 'idle in transaction%'`).Scan(&killed); err != nil {
-				t.Error(err)
-				break
-			}
-			if killed {
-				break
-			}
-			time.Sleep(time.Millisecond)
-		}
+		// The relay's transaction, which holds ev-7's lock, is idle once
+		// the first batch's records are sent into it; terminate it then
+		// (and no other connection of the relay: not the pruner's
+		// transaction, which runs as the relay starts).
+		terminateClaim(sctx, t, pool, d.Event.ID)
 		<-sctx.Done()
 		select {
 		case cut <- sctx.Err():
