@@ -301,7 +301,13 @@ func (h *webhookHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	case ctx.Err() != nil:
 		h.log.LogAttrs(ctx, slog.LevelError, "idemhttp: webhook timed out", append(h.attrs(r, hook.ID), slog.Any("error", err))...)
 		writeProblem(w, http.StatusServiceUnavailable, CodeTimeout,
-			"The webhook did not finish in time; nothing was committed. Deliver it again.", time.Second)
+			"The webhook did not finish in time; deliver it again.", time.Second)
+	case errors.Is(err, idem.ErrInvalidArgument):
+		// fn committed or rolled back the transaction it was given: what
+		// it committed stands (the error says which).
+		h.log.LogAttrs(ctx, slog.LevelError, "idemhttp: webhook handler ended its transaction itself",
+			append(h.attrs(r, hook.ID), slog.Any("error", err))...)
+		writeProblem(w, http.StatusInternalServerError, CodeInternal, "The webhook failed.", 0)
 	case fnErr != nil && errors.Is(err, fnErr):
 		h.log.LogAttrs(ctx, slog.LevelError, "idemhttp: webhook handler failed; rolled back",
 			append(h.attrs(r, hook.ID), slog.Any("error", err))...)
@@ -313,7 +319,7 @@ func (h *webhookHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			"The idempotency store is unavailable; deliver the webhook again.", time.Second)
 	default:
 		h.log.LogAttrs(ctx, slog.LevelError, "idemhttp: webhook failed", append(h.attrs(r, hook.ID), slog.Any("error", err))...)
-		writeProblem(w, http.StatusInternalServerError, CodeInternal, "The webhook failed; nothing was committed.", 0)
+		writeProblem(w, http.StatusInternalServerError, CodeInternal, "The webhook failed.", 0)
 	}
 }
 

@@ -598,8 +598,8 @@ func TestWebhookSenderToHandler(t *testing.T) {
 	}
 }
 
-// A panic of fn is rolled back and answered 500; fn running past Timeout is
-// rolled back and answered 503. The next delivery runs fn again.
+// A panic of fn (which left its transaction open) is rolled back and
+// answered 500; fn running past Timeout is rolled back and answered 503. The next delivery runs fn again.
 func TestWebhookHandlerPanicAndTimeout(t *testing.T) {
 	pool := newPool(t, migrateWebhooks)
 	var runs atomic.Int64
@@ -644,6 +644,44 @@ func TestWebhookHandlerPanicAndTimeout(t *testing.T) {
 	mode.Store("")
 	if status, _, _ := postWebhook(t, srv.URL, sign(t, oldSecret, "evt-p", time.Now(), body), body); status != 204 || runs.Load() != 3 || count() != 2 {
 		t.Fatalf("redelivery: %d, fn ran %d times, %d rows", status, runs.Load(), count())
+	}
+}
+
+// A handler that commits the transaction it was given and then fails: its
+// writes stand, so the answer is a 500 that does not say nothing was
+// committed (CodeInternal, not CodeWebhookFailed), and the handler's
+// ending of its transaction is logged as such.
+func TestWebhookHandlerEndingItsTransaction(t *testing.T) {
+	pool := newPool(t, migrateWebhooks)
+	var logs bytes.Buffer
+	h := idemhttp.WebhookHandler(pool, idemhttp.WebhookOptions{Secrets: []string{oldSecret}, Logger: slog.New(slog.NewTextHandler(&logs, nil))},
+		func(ctx context.Context, tx pgx.Tx, w idemhttp.Webhook) error {
+			if _, err := tx.Exec(ctx, `INSERT INTO received (id, body) VALUES ($1, $2)`, w.ID, string(w.Body)); err != nil {
+				return err
+			}
+			if err := tx.Commit(ctx); err != nil {
+				return err
+			}
+			return errors.New("the handler failed after its COMMIT")
+		})
+	srv := httptest.NewServer(h)
+	t.Cleanup(srv.Close)
+	body := []byte(`{}`)
+	status, code, _ := postWebhook(t, srv.URL, sign(t, oldSecret, "evt-c", time.Now(), body), body)
+	if status != 500 || code != idemhttp.CodeInternal || !strings.Contains(logs.String(), "ended its transaction itself") {
+		t.Fatalf("%d %s, logs %s; want 500 %s, logged", status, code, logs.String(), idemhttp.CodeInternal)
+	}
+	var n int
+	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM received`).Scan(&n); err != nil || n != 1 {
+		t.Fatalf("%d of the handler's rows committed (%v), want its one", n, err)
+	}
+	// The webhook-id is unknown now: a redelivery gets 500, fn does not
+	// run again.
+	if status, code, _ := postWebhook(t, srv.URL, sign(t, oldSecret, "evt-c", time.Now(), body), body); status != 500 || code != idemhttp.CodeInternal {
+		t.Fatalf("redelivery: %d %s, want 500 %s", status, code, idemhttp.CodeInternal)
+	}
+	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM received`).Scan(&n); err != nil || n != 1 {
+		t.Fatalf("redelivery: %d rows (%v), want fn's one", n, err)
 	}
 }
 

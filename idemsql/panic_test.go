@@ -224,10 +224,10 @@ func TestCommitUnderWayAsTheContextEnds(t *testing.T) {
 		if _, err := lock.Exec(t.Context(), `SELECT pg_advisory_lock(4242)`); err != nil {
 			t.Fatal(err)
 		}
-		ctx, cancel := context.WithCancel(t.Context())
-		defer cancel()
 		released := make(chan struct{})
 		defer func() { <-released }() // before lock.Release
+		ctx, cancel := context.WithCancel(t.Context())
+		defer cancel() // before the wait for released
 		go func() {
 			// Once the COMMIT waits for the lock, end the call's context,
 			// give the driver a moment to give up, and let the COMMIT go.

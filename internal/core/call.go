@@ -308,7 +308,7 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 			if c.drv.TxClosed(undoErr) {
 				return Result{}, c.fnEnded(ctx, s, own, k, fp, nil, err, cl)
 			}
-			if !errors.Is(err, ctx.Err()) {
+			if c.isUnavailable(err) && !errors.Is(err, ctx.Err()) {
 				// A driver that broke the connection for ctx (lib/pq).
 				err = errorf("%w (the context had ended: %w)", err, ctxError(ctx))
 			}

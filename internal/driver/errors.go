@@ -60,9 +60,11 @@ const (
 	// database not migrated to version 10).
 	ErrNoUnknownAt
 	// ErrCommitInDoubt: the COMMIT that ends a span of the call's own
-	// was sent, and no answer came back (its context ended, or the
-	// connection broke): it may have committed. A driver marks it on
-	// Span.Complete's error; never when nothing was sent.
+	// may have been sent, and no answer came back (its context ended, or
+	// the connection broke): it may have committed. The database/sql
+	// driver marks it on Span.Complete's error (dberr.CommitError); not
+	// when it knows nothing was sent, which leaves one case: the context
+	// ending at the very moment database/sql's Tx.Commit checks it.
 	ErrCommitInDoubt
 )
 

@@ -44,8 +44,8 @@ func Interpret(err error) error {
 // (pgconn.SafeToRetry). (database/sql's Tx.Commit also refuses with the
 // context's error itself, before sending, once its context has ended, and
 // pgx's stdlib returns the same when the context ends during the COMMIT:
-// the caller tells them apart by not committing once its context has
-// ended.)
+// the caller tells them apart, all but the context ending at that very
+// moment, by not committing once its context has ended.)
 func CommitError(err error) error {
 	if err == nil || SQLState(err) != "" || errors.Is(err, sql.ErrTxDone) || pgconn.SafeToRetry(err) {
 		return err
