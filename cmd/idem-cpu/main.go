@@ -1,15 +1,22 @@
 // Command idem-cpu measures the CPU time one call costs, on the client (this
 // process, getrusage) and on the server (the backends serving the calls,
 // read from /proc: only when PostgreSQL runs on this machine), for fresh
-// Do, fresh DoInTx and replays. Unlike throughput, CPU time per call moves
-// little with the machine's other load, so two builds can be compared on a
-// shared machine: it uses only idem's public API, so the same file builds
-// in an older tree (copy the folder there; docs/benchmarks.md, "Issue 30:
-// where the time went").
+// Do, fresh DoInTx and replays: replay, of a 44-byte body under one
+// scope, and replayDraw, of a response shaped as idem-bench's draw stores
+// it (internal/demo/draw's 201, its Content-Type header, a 93-byte
+// Outcome, a wallet's scope per key, UUID-shaped keys). It also prints the
+// client's allocations and bytes per call (runtime.MemStats, exact). Unlike
+// throughput, CPU time per call moves little with the machine's other
+// load, so two builds can be compared on a shared machine: it uses only
+// idem's public API, so the same file builds in an older tree (copy the
+// folder there; docs/benchmarks.md, "Issue 30: where the time went"). An
+// older tree's Migrate may need two connections: keep -workers at 2 or
+// more.
 //
 //	go run ./cmd/idem-cpu -calls 6000 -rounds 3
 //
-// -only runs one workload, -cpuprofile writes the client's CPU profile of
+// -only runs only the workloads it names (do, doInTx, replay, replayDraw;
+// a comma-separated list), -cpuprofile writes the client's CPU profile of
 // its measured calls; run against a server under callgrind, it counts the
 // server's instructions per call (docs/benchmarks.md, "Issue 30 in
 // instructions").
@@ -22,7 +29,9 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"runtime"
 	"runtime/pprof"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -43,19 +52,21 @@ func main() {
 	name := flag.String("database", "idem_cpu", "name of the database to create and drop (never one it did not create)")
 	calls := flag.Int("calls", 6000, "measured calls per workload and round")
 	workers := flag.Int("workers", 8, "concurrent callers, each with a connection of its own")
-	rounds := flag.Int("rounds", 1, "rounds; each runs do, doInTx and replay in turn")
-	only := flag.String("only", "", "run only this workload (do, doInTx or replay)")
+	rounds := flag.Int("rounds", 1, "rounds; each runs do, doInTx, replay and replayDraw in turn")
+	only := flag.String("only", "", "run only these workloads, comma-separated (do, doInTx, replay, replayDraw)")
 	profile := flag.String("cpuprofile", "", "write the client's CPU profile of the first measured workload's calls (first round) to this file")
 	flag.Parse()
 	if *calls < 1 || *workers < 1 || *rounds < 1 {
 		fmt.Fprintln(os.Stderr, "idem-cpu: -calls, -workers and -rounds must be positive")
 		os.Exit(2)
 	}
-	switch *only {
-	case "", "do", "doInTx", "replay":
-	default:
-		fmt.Fprintf(os.Stderr, "idem-cpu: -only %q: want do, doInTx or replay\n", *only)
-		os.Exit(2)
+	for w := range strings.SplitSeq(*only, ",") {
+		switch w {
+		case "", "do", "doInTx", "replay", "replayDraw":
+		default:
+			fmt.Fprintf(os.Stderr, "idem-cpu: -only %q: want do, doInTx, replay or replayDraw\n", w)
+			os.Exit(2)
+		}
 	}
 	profilePath = *profile
 	if err := run(context.Background(), *admin, *name, *only, *calls, *workers, *rounds); err != nil {
@@ -124,6 +135,26 @@ func run(ctx context.Context, adminURL, name, only string, calls, workers, round
 			return err
 		}
 	}
+	// The draw's replays: keys as idem-bench's draw stores them (a wallet's
+	// actor, the draw operation, a UUID-shaped key) holding a response of
+	// internal/demo/draw's shape: 201, one Content-Type header, an Outcome
+	// of one prize (about 90 bytes).
+	// Scopes and keys are made here, so that a replay allocates only what
+	// idem and pgx do.
+	drawScopes, drawKeys := make([]idem.Scope, replayKeys), make([]string, replayKeys)
+	drawFP := idem.Fingerprint{2}
+	for i := range int64(replayKeys) {
+		drawScopes[i] = idem.Scope{Actor: fmt.Sprint("u", 1+i*37%100_000), Operation: "draw"}
+		drawKeys[i] = fmt.Sprintf("%08x-%04x-4%03x-8%03x-%012x", i*2654435761%(1<<32), i%65536, i%4096, i%4096, i*40503)
+		body := fmt.Appendf(nil, `{"batch_id":%d,"prizes":["Goose Sticker"],"points_spent":1,"points_left":%d}`,
+			100_000+i, 1_000_000_000_000_000-1-i)
+		drawFn := func(context.Context, pgx.Tx) (idem.Response, error) {
+			return idem.Response{Status: 201, Header: map[string][]string{"Content-Type": {"application/json"}}, Body: body}, nil
+		}
+		if _, err := idem.DoInTx(ctx, pool, drawScopes[i], drawKeys[i], drawFP, drawFn); err != nil {
+			return err
+		}
+	}
 	if _, err := pool.Exec(ctx, "VACUUM ANALYZE idem_keys"); err != nil {
 		return err
 	}
@@ -150,11 +181,19 @@ func run(ctx context.Context, adminURL, name, only string, calls, workers, round
 			}
 			return err
 		}},
+		{"replayDraw", func(i int64) error {
+			k := i % replayKeys
+			res, err := idem.DoInTx(ctx, pool, drawScopes[k], drawKeys[k], drawFP, mustNotRun)
+			if err == nil && (!res.Replayed || res.Status != 201 || len(res.Body) < 80) {
+				err = errors.New("a draw replay did not replay the stored draw")
+			}
+			return err
+		}},
 	}
-	fmt.Printf("CPU per call (µs), %d calls on %d workers; server: the backends' user+system time from /proc\n", calls, workers)
+	fmt.Printf("CPU per call (µs), %d calls on %d workers; server: the backends' user+system time from /proc; the client's allocations and bytes per call\n", calls, workers)
 	for round := 1; round <= rounds; round++ {
 		for _, w := range workloads {
-			if only != "" && w.name != only {
+			if only != "" && !slices.Contains(strings.Split(only, ","), w.name) {
 				continue
 			}
 			if err := callAll(workers, calls/10+1, w.call); err != nil { // warm every connection's statement cache
@@ -168,9 +207,12 @@ func run(ctx context.Context, adminURL, name, only string, calls, workers, round
 			if err != nil {
 				return err
 			}
+			var m0, m1 runtime.MemStats
+			runtime.ReadMemStats(&m0)
 			s0, c0 := serverCPU(backends), clientCPU()
 			err = callAll(workers, calls, w.call)
 			s1, c1 := serverCPU(backends), clientCPU()
+			runtime.ReadMemStats(&m1)
 			if stopProfile != nil {
 				err = errors.Join(err, stopProfile())
 			}
@@ -181,10 +223,16 @@ func run(ctx context.Context, adminURL, name, only string, calls, workers, round
 			if s0 >= 0 && s1 >= 0 {
 				server = fmt.Sprintf("%6.1f", float64(s1-s0)/float64(calls)/1e3)
 			}
-			fmt.Printf("round %d  %-7s server %s  client %6.1f\n", round, w.name, server, float64(c1-c0)/float64(calls)/1e3)
+			fmt.Printf("round %d  %-10s server %s  client %6.1f  allocs %5.1f  bytes %6.0f\n", round, w.name, server,
+				float64(c1-c0)/float64(calls)/1e3,
+				float64(m1.Mallocs-m0.Mallocs)/float64(calls), float64(m1.TotalAlloc-m0.TotalAlloc)/float64(calls))
 		}
 	}
 	return nil
+}
+
+func mustNotRun(context.Context, pgx.Tx) (idem.Response, error) {
+	return idem.Response{}, errors.New("fn ran on a replay")
 }
 
 // cpuMark is the comment idem-cpu puts on the database it creates: only a
