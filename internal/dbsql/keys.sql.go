@@ -52,15 +52,16 @@ func (q *Queries) KeyAbortIfClaimed(ctx context.Context, db DBTX, arg KeyAbortIf
 
 const KeyClaim = `-- name: KeyClaim :one
 
-INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at, body_expires_at,
-                       unknown_at)
-SELECT $1, $2, $3, $4, 'processing', now(), now(),
-       now() + ($5::bigint * interval '1 microsecond'),
-       now() + (nullif($6::bigint, 0) * interval '1 microsecond'),
-       NULL
-FROM (SELECT set_config('lock_timeout', $7::text, true)
-      FROM (SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true)
-            WHERE 'idem_refuse(text,text)'::regprocedure IS NOT NULL) AS saved) AS wait
+INSERT INTO idem_keys (actor, operation, idem_key, fingerprint, created_at, completed_at, expires_at, body_expires_at,
+                       unknown_at, status)
+VALUES ($1, $2, $3, $4, now(), now(),
+        now() + ($5::bigint * interval '1 microsecond'),
+        now() + (nullif($6::bigint, 0) * interval '1 microsecond'),
+        NULL,
+        CASE WHEN 'idem_refuse(text,text)'::regprocedure IS NULL THEN NULL
+             WHEN set_config('idem.lock_timeout', current_setting('lock_timeout'), true) IS NULL THEN NULL
+             WHEN set_config('lock_timeout', $7::text, true) IS NULL THEN NULL
+             ELSE 'processing' END)
 ON CONFLICT (actor, operation, idem_key) DO NOTHING
 RETURNING (set_config('lock_timeout', current_setting('idem.lock_timeout'), true) IS NOT NULL)::boolean AS claimed
 `
@@ -87,11 +88,16 @@ type KeyClaimParams struct {
 // key, the INSERT waits for it to end, at most @lock_timeout. No row means a
 // committed row holds the key: KeyGet reads it.
 //
-// The bounded wait costs no statement of its own. The innermost subquery
-// saves the caller's lock_timeout in idem.lock_timeout, the next one sets
-// @lock_timeout, both local to the transaction (or savepoint), before the row
-// is inserted: a subquery whose output is volatile is never flattened into
-// the INSERT, and runs first. RETURNING puts the caller's value back on the
+// The bounded wait costs no statement of its own. The row's status (last,
+// so that the arguments keep their order) is a CASE whose arms run in
+// order, before the row is inserted (the VALUES row
+// is computed first, then the INSERT looks for a conflict and waits): the
+// first saves the caller's lock_timeout in idem.lock_timeout, the second
+// sets @lock_timeout, both local to the transaction (or savepoint), and
+// neither is ever NULL, so the status is 'processing'. (Until 2026-12-06 two
+// nested subqueries did this: the CASE spares the executor their setup,
+// about 5,400 instructions of the server's per claim, fresh or replayed;
+// docs/benchmarks.md.) RETURNING puts the caller's value back on the
 // one path that returns to the caller's code with the key claimed. On every
 // other path (nothing claimed, or the wait ran out) the caller rolls back to
 // its savepoint or ends the transaction before any code of the caller runs,
@@ -110,7 +116,7 @@ type KeyClaimParams struct {
 // migration 00003).
 //
 // The claim names idem_refuse, which the completion calls, and never calls
-// it: the saved subquery's WHERE reads it as a regprocedure constant, which
+// it: the status CASE's first arm reads it as a regprocedure constant, which
 // the parser resolves and the planner folds away (a column naming it, even
 // one folded to NULL, cost a projection step on every claim): on a database
 // below migration 8 the claim fails (ErrUnsupported) before fn runs, rather
@@ -396,15 +402,16 @@ func (q *Queries) KeyMarkUnknown(ctx context.Context, db DBTX, arg KeyMarkUnknow
 }
 
 const KeyTakeOver = `-- name: KeyTakeOver :one
-INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, status, created_at, completed_at, expires_at, body_expires_at,
-                            unknown_at)
-SELECT $1, $2, $3, $4, 'processing', now(), now(),
-       now() + ($5::bigint * interval '1 microsecond'),
-       now() + (nullif($6::bigint, 0) * interval '1 microsecond'),
-       NULL
-FROM (SELECT set_config('lock_timeout', $7::text, true)
-      FROM (SELECT set_config('idem.lock_timeout', current_setting('lock_timeout'), true)
-            WHERE 'idem_refuse(text,text)'::regprocedure IS NOT NULL) AS saved) AS wait
+INSERT INTO idem_keys AS k (actor, operation, idem_key, fingerprint, created_at, completed_at, expires_at, body_expires_at,
+                            unknown_at, status)
+VALUES ($1, $2, $3, $4, now(), now(),
+        now() + ($5::bigint * interval '1 microsecond'),
+        now() + (nullif($6::bigint, 0) * interval '1 microsecond'),
+        NULL,
+        CASE WHEN 'idem_refuse(text,text)'::regprocedure IS NULL THEN NULL
+             WHEN set_config('idem.lock_timeout', current_setting('lock_timeout'), true) IS NULL THEN NULL
+             WHEN set_config('lock_timeout', $7::text, true) IS NULL THEN NULL
+             ELSE 'processing' END)
 ON CONFLICT (actor, operation, idem_key) DO UPDATE
 SET fingerprint      = excluded.fingerprint,
     status           = 'processing',
