@@ -15,6 +15,7 @@ import (
 	standardwebhooks "github.com/standard-webhooks/standard-webhooks/libraries/go"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/core"
 	"github.com/pgidem/idem/internal/loghash"
 )
 
@@ -135,6 +136,10 @@ const (
 //     are rolled back, nothing is recorded, and a redelivery runs fn again.
 //     A panic of fn is answered 500 (CodeInternal); its transaction is
 //     rolled back, unless fn had committed it itself.
+//   - 500 (CodeInternal): fn committed or rolled back the transaction it
+//     was given (logged). When it committed on a pool, its writes stand and
+//     the webhook-id is unknown: redeliveries get 500 until an operator
+//     settles it (idem.Resolve).
 //   - 503 (CodeStoreUnavailable, CodeTimeout): the database failed or the
 //     webhook ran out of WebhookOptions.Timeout; rolled back, or its
 //     commit's outcome unknown: a redelivery runs fn or is a duplicate.
@@ -298,16 +303,17 @@ func (h *webhookHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	case errors.Is(err, idem.ErrInProgress):
 		writeProblem(w, http.StatusConflict, CodeInProgress,
 			"A delivery of this webhook-id is in progress; deliver it again later.", time.Second)
+	case errors.Is(err, core.ErrFnEndedTx):
+		// fn committed or rolled back the transaction it was given (also
+		// when it then ran out of time): what it committed stands, and the
+		// error says what became of the webhook-id.
+		h.log.LogAttrs(ctx, slog.LevelError, "idemhttp: webhook handler ended its transaction itself",
+			append(h.attrs(r, hook.ID), slog.Any("error", err))...)
+		writeProblem(w, http.StatusInternalServerError, CodeInternal, "The webhook failed.", 0)
 	case ctx.Err() != nil:
 		h.log.LogAttrs(ctx, slog.LevelError, "idemhttp: webhook timed out", append(h.attrs(r, hook.ID), slog.Any("error", err))...)
 		writeProblem(w, http.StatusServiceUnavailable, CodeTimeout,
 			"The webhook did not finish in time; deliver it again.", time.Second)
-	case errors.Is(err, idem.ErrInvalidArgument):
-		// fn committed or rolled back the transaction it was given: what
-		// it committed stands (the error says which).
-		h.log.LogAttrs(ctx, slog.LevelError, "idemhttp: webhook handler ended its transaction itself",
-			append(h.attrs(r, hook.ID), slog.Any("error", err))...)
-		writeProblem(w, http.StatusInternalServerError, CodeInternal, "The webhook failed.", 0)
 	case fnErr != nil && errors.Is(err, fnErr):
 		h.log.LogAttrs(ctx, slog.LevelError, "idemhttp: webhook handler failed; rolled back",
 			append(h.attrs(r, hook.ID), slog.Any("error", err))...)

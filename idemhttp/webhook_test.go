@@ -647,41 +647,69 @@ func TestWebhookHandlerPanicAndTimeout(t *testing.T) {
 	}
 }
 
-// A handler that commits the transaction it was given and then fails: its
-// writes stand, so the answer is a 500 that does not say nothing was
-// committed (CodeInternal, not CodeWebhookFailed), and the handler's
-// ending of its transaction is logged as such.
+// A handler that commits the transaction it was given and then fails, or
+// runs out of time: its writes stand, so the answer is a 500 that does not
+// say nothing was committed (CodeInternal, not CodeWebhookFailed or a 503
+// asking for a redelivery), the handler's ending of its transaction is
+// logged as such, and a redelivery gets 500 without running fn. A handler
+// whose own error wraps idem.ErrInvalidArgument, its transaction left
+// open, is a failed handler (CodeWebhookFailed).
 func TestWebhookHandlerEndingItsTransaction(t *testing.T) {
 	pool := newPool(t, migrateWebhooks)
 	var logs bytes.Buffer
-	h := idemhttp.WebhookHandler(pool, idemhttp.WebhookOptions{Secrets: []string{oldSecret}, Logger: slog.New(slog.NewTextHandler(&logs, nil))},
+	var mode atomic.Value // "commit", "commit, stall" or "invalid"
+	h := idemhttp.WebhookHandler(pool, idemhttp.WebhookOptions{Secrets: []string{oldSecret}, Timeout: time.Second,
+		Logger: slog.New(slog.NewTextHandler(&logs, nil))},
 		func(ctx context.Context, tx pgx.Tx, w idemhttp.Webhook) error {
 			if _, err := tx.Exec(ctx, `INSERT INTO received (id, body) VALUES ($1, $2)`, w.ID, string(w.Body)); err != nil {
 				return err
 			}
+			if mode.Load() == "invalid" {
+				return fmt.Errorf("forwarding the webhook: %w", idem.Publish(ctx, nil, idem.Event{}))
+			}
 			if err := tx.Commit(ctx); err != nil {
 				return err
+			}
+			if mode.Load() == "commit, stall" {
+				<-ctx.Done()
+				return ctx.Err()
 			}
 			return errors.New("the handler failed after its COMMIT")
 		})
 	srv := httptest.NewServer(h)
 	t.Cleanup(srv.Close)
 	body := []byte(`{}`)
-	status, code, _ := postWebhook(t, srv.URL, sign(t, oldSecret, "evt-c", time.Now(), body), body)
-	if status != 500 || code != idemhttp.CodeInternal || !strings.Contains(logs.String(), "ended its transaction itself") {
-		t.Fatalf("%d %s, logs %s; want 500 %s, logged", status, code, logs.String(), idemhttp.CodeInternal)
+	rows := func(id string) (n int) {
+		if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM received WHERE id = $1`, id).Scan(&n); err != nil {
+			t.Fatal(err)
+		}
+		return n
 	}
-	var n int
-	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM received`).Scan(&n); err != nil || n != 1 {
-		t.Fatalf("%d of the handler's rows committed (%v), want its one", n, err)
+	for _, m := range []string{"commit", "commit, stall"} {
+		mode.Store(m)
+		logs.Reset()
+		id := "evt-" + strings.ReplaceAll(m, ", ", "-")
+		status, code, _ := postWebhook(t, srv.URL, sign(t, oldSecret, id, time.Now(), body), body)
+		if status != 500 || code != idemhttp.CodeInternal || !strings.Contains(logs.String(), "ended its transaction itself") {
+			t.Fatalf("%s: %d %s, logs %s; want 500 %s, logged", m, status, code, logs.String(), idemhttp.CodeInternal)
+		}
+		if n := rows(id); n != 1 {
+			t.Fatalf("%s: %d of the handler's rows committed, want its one", m, n)
+		}
+		// The webhook-id is unknown now: a redelivery gets 500, fn does
+		// not run again.
+		if status, code, _ := postWebhook(t, srv.URL, sign(t, oldSecret, id, time.Now(), body), body); status != 500 || code != idemhttp.CodeInternal {
+			t.Fatalf("%s: redelivery: %d %s, want 500 %s", m, status, code, idemhttp.CodeInternal)
+		}
+		if n := rows(id); n != 1 {
+			t.Fatalf("%s: redelivery: %d rows, want fn's one", m, n)
+		}
 	}
-	// The webhook-id is unknown now: a redelivery gets 500, fn does not
-	// run again.
-	if status, code, _ := postWebhook(t, srv.URL, sign(t, oldSecret, "evt-c", time.Now(), body), body); status != 500 || code != idemhttp.CodeInternal {
-		t.Fatalf("redelivery: %d %s, want 500 %s", status, code, idemhttp.CodeInternal)
-	}
-	if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM received`).Scan(&n); err != nil || n != 1 {
-		t.Fatalf("redelivery: %d rows (%v), want fn's one", n, err)
+	mode.Store("invalid")
+	logs.Reset()
+	status, code, _ := postWebhook(t, srv.URL, sign(t, oldSecret, "evt-invalid", time.Now(), body), body)
+	if status != 500 || code != idemhttp.CodeWebhookFailed || strings.Contains(logs.String(), "ended its transaction") || rows("evt-invalid") != 0 {
+		t.Fatalf("fn's own invalid argument: %d %s, logs %s; want 500 %s, nothing committed", status, code, logs.String(), idemhttp.CodeWebhookFailed)
 	}
 }
 

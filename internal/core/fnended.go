@@ -66,20 +66,20 @@ func (c *Client[TTx, TDB]) fnEnded(ctx context.Context, s driver.Span[TTx], own 
 			"(%w): if it had, fn's writes and the key's claim are durable, and the next DoInTx or Reserve of the key with the "+
 			"same fingerprint marks the record unknown%w", cause, err, joinedText(fnErr)))
 	case err != nil:
-		return errorf("idem: %w: fn committed or rolled back DoInTx's transaction itself%s (idem could not tell which: marking "+
+		return endedByFn(errorf("idem: %w: fn committed or rolled back DoInTx's transaction itself%s (idem could not tell which: marking "+
 			"the key's record failed): nothing was stored; if it committed, fn's writes and the key's claim are durable, and the next DoInTx or "+
-			"Reserve of the key with the same fingerprint marks the record unknown: %w%w", ErrInvalidArgument, after, err, joinedText(fnErr))
+			"Reserve of the key with the same fingerprint marks the record unknown: %w%w", ErrInvalidArgument, after, err, joinedText(fnErr)))
 	case committed:
-		return errorf("idem: %w: fn committed DoInTx's transaction itself%s: fn's writes are durable, but no outcome was stored; "+
+		return endedByFn(errorf("idem: %w: fn committed DoInTx's transaction itself%s: fn's writes are durable, but no outcome was stored; "+
 			"the key's record is now unknown (retries get ErrOutcomeUnknown; ListUnknown lists it, Resolve settles it)%w",
-			ErrInvalidArgument, after, joinedText(fnErr))
+			ErrInvalidArgument, after, joinedText(fnErr)))
 	case ended:
 		return errorf("idem: %w before DoInTx's outcome was committed, and its transaction had ended (database/sql rolls "+
 			"it back when the context ends): nothing was stored, nothing of fn's committed, and the key is free%w",
 			cause, joinedText(fnErr))
 	}
-	return errorf("idem: %w: fn rolled back DoInTx's transaction itself%s: fn's writes and the claim are gone, nothing was stored, "+
-		"and the key is free%w", ErrInvalidArgument, after, joinedText(fnErr))
+	return endedByFn(errorf("idem: %w: fn rolled back DoInTx's transaction itself%s: fn's writes and the claim are gone, nothing was stored, "+
+		"and the key is free%w", ErrInvalidArgument, after, joinedText(fnErr)))
 }
 
 // fnSavepointEnded is fnEnded for Do, whose transaction is a savepoint of
@@ -94,22 +94,22 @@ func (c *Client[TTx, TDB]) fnSavepointEnded(ctx context.Context, s driver.Span[T
 	enc, err := s.Enclosing(ctx, k, fp)
 	switch enc {
 	case driver.EnclosingAborted:
-		return errorf("idem: %w: fn committed the transaction that %s runs in%s, a savepoint of an enclosing transaction: "+
+		return endedByFn(errorf("idem: %w: fn committed the transaction that %s runs in%s, a savepoint of an enclosing transaction: "+
 			"that released fn's writes and the key's claim into the enclosing transaction, pending, and idem has aborted it so "+
 			"that they cannot commit without an outcome: roll it back; nothing of fn's is committed and nothing was stored%w",
-			ErrInvalidArgument, api, after, joinedText(fnErr))
+			ErrInvalidArgument, api, after, joinedText(fnErr)))
 	case driver.EnclosingUsable:
-		return errorf("idem: %w: fn rolled back the transaction that %s runs in%s, a savepoint of an enclosing transaction: "+
+		return endedByFn(errorf("idem: %w: fn rolled back the transaction that %s runs in%s, a savepoint of an enclosing transaction: "+
 			"fn's writes and the claim are gone, nothing was stored, the key is free, and the enclosing transaction is usable%w",
-			ErrInvalidArgument, api, after, joinedText(fnErr))
+			ErrInvalidArgument, api, after, joinedText(fnErr)))
 	case driver.EnclosingUnknown:
 		why := ""
 		if err != nil {
 			why = " (" + quiet{err}.Error() + ")"
 		}
-		return unavailableIf(c.isUnavailable(err), errorf("idem: %w: fn committed or rolled back the transaction that %s runs in%s, "+
+		return unavailableIf(c.isUnavailable(err), endedByFn(errorf("idem: %w: fn committed or rolled back the transaction that %s runs in%s, "+
 			"a savepoint of an enclosing transaction, which is aborted%s: roll it back; nothing of fn's is committed and nothing "+
-			"was stored%w", ErrInvalidArgument, api, after, why, joinedText(fnErr)))
+			"was stored%w", ErrInvalidArgument, api, after, why, joinedText(fnErr))))
 	}
 	// Enclosing says no more when the transaction was the connection's own,
 	// or of a type it does not look into (EnclosingNotRead).
@@ -121,8 +121,8 @@ func (c *Client[TTx, TDB]) fnSavepointEnded(ctx context.Context, s driver.Span[T
 	rest := "nothing was stored; if it committed, fn's writes and the key's claim are " + durable + ", and the key answers " +
 		"ErrOutcomeUnknown to DoInTx and Reserve with the same fingerprint, which mark it unknown for Resolve"
 	if !c.drv.CtxEndsTx() {
-		return errorf("idem: %w: fn committed or rolled back the caller's transaction that %s runs in%s (fn must leave it "+
-			"open): %s%w", ErrInvalidArgument, api, after, rest, joinedText(fnErr))
+		return endedByFn(errorf("idem: %w: fn committed or rolled back the caller's transaction that %s runs in%s (fn must leave it "+
+			"open): %s%w", ErrInvalidArgument, api, after, rest, joinedText(fnErr)))
 	}
 	// database/sql also rolls the caller's transaction back when the
 	// context it was begun with ends, which may not be the call's.
@@ -131,10 +131,26 @@ func (c *Client[TTx, TDB]) fnSavepointEnded(ctx context.Context, s driver.Span[T
 			"rolls it back when its context ends; fn may have committed or rolled it back): %s%w",
 			ctxError(ctx), api, rest, joinedText(fnErr))
 	}
-	return errorf("idem: %w: fn committed or rolled back the caller's transaction that %s runs in%s (fn must leave it "+
+	return endedByFn(errorf("idem: %w: fn committed or rolled back the caller's transaction that %s runs in%s (fn must leave it "+
 		"open), or the context it was begun with ended (database/sql then rolls it back): %s%w",
-		ErrInvalidArgument, api, after, rest, joinedText(fnErr))
+		ErrInvalidArgument, api, after, rest, joinedText(fnErr)))
 }
+
+// ErrFnEndedTx is in the chain of the error of a call whose fn committed or
+// rolled back the transaction it was given (beside ErrInvalidArgument), so
+// that a front can tell it from an ErrInvalidArgument of fn's own error
+// (idemhttp's webhook receiver). It adds no text.
+var ErrFnEndedTx = errors.New("fn ended its transaction")
+
+// endedByFn marks err, which blames fn for ending its transaction, with
+// ErrFnEndedTx.
+func endedByFn(err error) error { return fnEndedError{err} }
+
+// fnEndedError is err, marked ErrFnEndedTx; its text is err's.
+type fnEndedError struct{ err error }
+
+func (e fnEndedError) Error() string   { return e.err.Error() }
+func (e fnEndedError) Unwrap() []error { return []error{e.err, ErrFnEndedTx} }
 
 // joinedText is ": " and err for a message that wraps it, or nothing for
 // nil.
