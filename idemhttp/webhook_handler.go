@@ -303,7 +303,7 @@ func (h *webhookHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	case errors.Is(err, idem.ErrInProgress):
 		writeProblem(w, http.StatusConflict, CodeInProgress,
 			"A delivery of this webhook-id is in progress; deliver it again later.", time.Second)
-	case errors.Is(err, core.ErrFnEndedTx):
+	case core.EndedByFn(err):
 		// fn committed or rolled back the transaction it was given (also
 		// when it then ran out of time): what it committed stands, and the
 		// error says what became of the webhook-id.

@@ -136,21 +136,24 @@ func (c *Client[TTx, TDB]) fnSavepointEnded(ctx context.Context, s driver.Span[T
 		ErrInvalidArgument, api, after, rest, joinedText(fnErr)))
 }
 
-// ErrFnEndedTx is in the chain of the error of a call whose fn committed or
-// rolled back the transaction it was given (beside ErrInvalidArgument), so
-// that a front can tell it from an ErrInvalidArgument of fn's own error
-// (idemhttp's webhook receiver). It adds no text.
-var ErrFnEndedTx = errors.New("fn ended its transaction")
+// EndedByFn reports whether err is the error of a call whose fn committed
+// or rolled back the transaction it was given (an ErrInvalidArgument that
+// endedByFn marked), so that a front can tell it from an
+// ErrInvalidArgument of fn's own error (idemhttp's webhook receiver).
+func EndedByFn(err error) bool { return errors.Is(err, errFnEndedTx) }
 
-// endedByFn marks err, which blames fn for ending its transaction, with
-// ErrFnEndedTx.
+// errFnEndedTx is the mark endedByFn puts in an error's chain.
+var errFnEndedTx = errors.New("fn ended its transaction")
+
+// endedByFn marks err, which blames fn for ending its transaction (see
+// EndedByFn).
 func endedByFn(err error) error { return fnEndedError{err} }
 
-// fnEndedError is err, marked ErrFnEndedTx; its text is err's.
+// fnEndedError is err, marked errFnEndedTx; its text is err's.
 type fnEndedError struct{ err error }
 
 func (e fnEndedError) Error() string   { return e.err.Error() }
-func (e fnEndedError) Unwrap() []error { return []error{e.err, ErrFnEndedTx} }
+func (e fnEndedError) Unwrap() []error { return []error{e.err, errFnEndedTx} }
 
 // joinedText is ": " and err for a message that wraps it, or nothing for
 // nil.
