@@ -212,21 +212,23 @@ SELECT CASE WHEN min(token) = 0 THEN 1
        END::integer AS stored
 FROM stored;
 
--- Reads the committed row that holds a key, with what the database clock
--- says of its TTL and lease, and whether its response's body may be gone
--- (body_gone): past its body_expires_at (Prune may not have dropped it
--- yet), or, with no body_expires_at, NULL, which idem writes only when
--- Prune drops a body. The driver keeps it for finished rows that kept
--- their response_status (driver.BodyGone), as a replay reads it. (One
--- coalesce, not an OR of a status test and the time: every expression
--- here costs executor setup on every replay; docs/benchmarks.md, "Issue
--- 30 in instructions".) Run only with enable_seqscan off (see above).
+-- Reads the committed row that holds a key: its response, whether its
+-- body may be gone (body_gone), its TTL and lease, and now() of the same
+-- statement, against which the driver judges those two (driver.KeyTimes).
+-- body_gone: past its body_expires_at (Prune may not have dropped it yet),
+-- or, with no body_expires_at, NULL, which idem writes only when Prune
+-- drops a body (computed here: lib/pq reads an empty bytea as nil in the
+-- escape format). The driver keeps it for finished rows that kept their
+-- response_status (driver.Row.Judge), as a replay reads it. Nothing else
+-- is computed here: every expression in a read's select list costs
+-- executor setup on every replay (until 2026-12-06 the statement also
+-- computed expired, leased and the lease's time left, about 6,000
+-- instructions of the server's per replay; docs/benchmarks.md, "A
+-- replay's read"). Run only with enable_seqscan off (see above).
 -- name: KeyGet :one
 SELECT fingerprint, status, response_status, response_headers, response_body,
        coalesce(body_expires_at <= now(), response_body IS NULL)::boolean AS body_gone,
-       (expires_at <= now())::boolean AS expired,
-       (lease_expires_at IS NOT NULL)::boolean AS leased,
-       coalesce((extract(epoch FROM lease_expires_at - now()) * 1000)::bigint, 0)::bigint AS lease_left_ms
+       expires_at, lease_expires_at, now()::timestamptz AS now
 FROM idem_keys
 WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key;
 

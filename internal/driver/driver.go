@@ -288,12 +288,34 @@ type Stored struct {
 	Gone bool
 }
 
-// BodyGone is KeyGet's body_gone kept for a finished row that kept its
-// response_status, the only rows a replay reads a body of: the body's time
-// has passed, or (with no body time) Prune dropped the body (NULL, which
-// idem never writes otherwise).
-func BodyGone(status string, hasStatus, bodyGone bool) bool {
-	return bodyGone && hasStatus && (status == "succeeded" || status == "rejected")
+// KeyTimes is what KeyGet reads of a row's clock: its expiry, its lease's
+// (zero: NULL), and Now, the database's now() of the same statement,
+// against which Row.Judge judges them.
+type KeyTimes struct {
+	Now, ExpiresAt, LeaseExpiresAt time.Time
+}
+
+// Judge sets what the database clock says of the row KeyGet read, as the
+// statement itself computed it until 2026-12-06 (queries/keys.sql): Expired
+// (expires_at has come), Leased and LeaseLeftMs (the lease's time left,
+// rounded to the nearest millisecond, half away from zero, as PostgreSQL
+// rounds numeric to bigint). It keeps KeyGet's body_gone (bodyGone) for a
+// finished row that kept its response_status, the only rows a replay reads
+// a body of: a gone body keeps only its status.
+func (r *Row) Judge(t KeyTimes, bodyGone bool) {
+	r.Expired = !t.ExpiresAt.After(t.Now)
+	r.Leased = !t.LeaseExpiresAt.IsZero()
+	if r.Leased {
+		us := t.LeaseExpiresAt.Sub(t.Now).Microseconds()
+		if us >= 0 {
+			r.LeaseLeftMs = (us + 500) / 1000
+		} else {
+			r.LeaseLeftMs = (us - 500) / 1000
+		}
+	}
+	if bodyGone && r.Stored.Valid && (r.Status == "succeeded" || r.Status == "rejected") {
+		r.Stored = Stored{Valid: true, Status: r.Stored.Status, Gone: true}
+	}
 }
 
 // Row is the committed row that holds a key, with what the database clock

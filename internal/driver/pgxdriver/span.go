@@ -432,11 +432,12 @@ func (s *span) Read(ctx context.Context, k driver.Key) (row driver.Row, found bo
 		return row, false, fmt.Errorf("read key: %w", err)
 	}
 	s.Close()
-	return driver.Row{
-		Fingerprint: r.Fingerprint, Status: r.Status, Stored: storedOrGone(r.ResponseStatus, r.ResponseHeaders, r.ResponseBody,
-			driver.BodyGone(r.Status, r.ResponseStatus.Valid, r.BodyGone)),
-		Expired: r.Expired, Leased: r.Leased, LeaseLeftMs: r.LeaseLeftMs,
-	}, found, nil
+	if !found {
+		return row, false, nil
+	}
+	row = driver.Row{Fingerprint: r.Fingerprint, Status: r.Status, Stored: stored(r.ResponseStatus, r.ResponseHeaders, r.ResponseBody)}
+	row.Judge(driver.KeyTimes{Now: r.Now.Time, ExpiresAt: r.ExpiresAt.Time, LeaseExpiresAt: r.LeaseExpiresAt.Time}, r.BodyGone)
+	return row, found, nil
 }
 
 // stored is a response as read from its columns.

@@ -171,11 +171,12 @@ func (s *span) Read(ctx context.Context, k driver.Key) (row driver.Row, found bo
 	if err != nil {
 		return row, false, fmt.Errorf("read key: %w", err)
 	}
-	return driver.Row{
-		Fingerprint: r.Fingerprint, Status: r.Status, Stored: storedOrGone(r.ResponseStatus, r.ResponseHeaders, r.ResponseBody,
-			driver.BodyGone(r.Status, r.ResponseStatus.Valid, r.BodyGone)),
-		Expired: r.Expired, Leased: r.Leased, LeaseLeftMs: r.LeaseLeftMs,
-	}, found, nil
+	if !found {
+		return row, false, nil
+	}
+	row = driver.Row{Fingerprint: r.Fingerprint, Status: r.Status, Stored: stored(r.ResponseStatus, r.ResponseHeaders, r.ResponseBody)}
+	row.Judge(driver.KeyTimes{Now: r.Now, ExpiresAt: r.ExpiresAt, LeaseExpiresAt: r.LeaseExpiresAt.Time}, r.BodyGone)
+	return row, found, nil
 }
 
 // stored is a response as read from its columns.
