@@ -103,7 +103,7 @@ type Resolution struct {
 }
 
 // ExpireLeases turns at most limit 'processing' records whose lease ran out
-// (by the database clock) into 'unknown', oldest lease first, in one
+// (by the database clock) into 'unknown', oldest attempt first, in one
 // statement of a short transaction begun on db, and returns how many. Rows
 // that another worker holds locked are skipped, so several workers can run
 // it at once (on Citus, which has no SKIP LOCKED over a distributed table,

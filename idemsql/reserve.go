@@ -115,7 +115,7 @@ func (c *Client) Heartbeat(ctx context.Context, db *sql.DB, r idem.Reservation, 
 
 // ExpireLeases is idem.ExpireLeases on a *sql.DB: it turns at most limit
 // 'processing' records whose lease ran out, outside their key's window,
-// into 'unknown', oldest lease first, and returns how many. limit <= 0 is
+// into 'unknown', oldest attempt first, and returns how many. limit <= 0 is
 // idem.ErrInvalidArgument.
 func ExpireLeases(ctx context.Context, db *sql.DB, limit int) (int64, error) {
 	return defaultClient.ExpireLeases(ctx, db, limit)

@@ -1,8 +1,8 @@
 -- The operator's console (package idemui) and the audit trail
 -- (internal/audit). Every page's statement walks an index or a sample of
 -- idem_keys, never the whole table: the open reservations through
--- idem_keys_open_created_idx and idem_keys_open_lease_idx (their WHERE
--- repeats the indexes' predicate: a lease, no outcome), one scope through
+-- idem_keys_open_created_idx (their WHERE repeats the index's predicate: a
+-- lease, no outcome), one scope through
 -- the primary key, the statuses and the last 24 hours through a
 -- TABLESAMPLE of a bounded number of pages. The console runs them with
 -- enable_seqscan off for its transaction and plans each with its values

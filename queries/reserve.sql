@@ -127,12 +127,14 @@ WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key
 RETURNING lease_expires_at;
 
 -- Turns at most @max_rows reservations whose lease ran out, and that need a
--- person (no window, or one that ended), into 'unknown', oldest lease
+-- person (no window, or one that ended), into 'unknown', oldest attempt
 -- first: inside its window a lapsed attempt stays 'processing' for a
 -- recovery worker (ReserveListResumable) or the next Reserve. Rows another
 -- worker has locked are skipped, so several workers can run it at once. It
--- walks idem_keys_open_lease_idx: its WHERE repeats the index predicate
--- (open reservations: a lease, no outcome).
+-- walks idem_keys_open_created_idx in its order (its WHERE repeats the index
+-- predicate: open reservations, a lease and no outcome), passing the leases
+-- that have not run out: the table has no index of leases, which every
+-- claim of Do would pay for (migration 00012).
 -- name: ReserveExpireLeases :execrows
 UPDATE idem_keys AS k
 SET status     = 'unknown',
@@ -143,7 +145,7 @@ FROM (SELECT actor, operation, idem_key
       WHERE status = 'processing' AND lease_expires_at IS NOT NULL AND completed_at IS NULL
         AND lease_expires_at <= now()
         AND (resume_until IS NULL OR resume_until <= now())
-      ORDER BY lease_expires_at
+      ORDER BY created_at, actor, operation, idem_key
       LIMIT @max_rows
       FOR UPDATE SKIP LOCKED) AS expired
 WHERE k.actor = expired.actor AND k.operation = expired.operation AND k.idem_key = expired.idem_key
@@ -165,7 +167,7 @@ FROM (SELECT actor, operation, idem_key
       WHERE status = 'processing' AND lease_expires_at IS NOT NULL AND completed_at IS NULL
         AND lease_expires_at <= now()
         AND (resume_until IS NULL OR resume_until <= now())
-      ORDER BY lease_expires_at
+      ORDER BY created_at, actor, operation, idem_key
       LIMIT @max_rows) AS expired
 WHERE k.actor = expired.actor AND k.operation = expired.operation AND k.idem_key = expired.idem_key
   AND k.status = 'processing' AND k.lease_expires_at <= now()

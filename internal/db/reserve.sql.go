@@ -137,7 +137,7 @@ FROM (SELECT actor, operation, idem_key
       WHERE status = 'processing' AND lease_expires_at IS NOT NULL AND completed_at IS NULL
         AND lease_expires_at <= now()
         AND (resume_until IS NULL OR resume_until <= now())
-      ORDER BY lease_expires_at
+      ORDER BY created_at, actor, operation, idem_key
       LIMIT $2
       FOR UPDATE SKIP LOCKED) AS expired
 WHERE k.actor = expired.actor AND k.operation = expired.operation AND k.idem_key = expired.idem_key
@@ -150,12 +150,14 @@ type ReserveExpireLeasesParams struct {
 }
 
 // Turns at most @max_rows reservations whose lease ran out, and that need a
-// person (no window, or one that ended), into 'unknown', oldest lease
+// person (no window, or one that ended), into 'unknown', oldest attempt
 // first: inside its window a lapsed attempt stays 'processing' for a
 // recovery worker (ReserveListResumable) or the next Reserve. Rows another
 // worker has locked are skipped, so several workers can run it at once. It
-// walks idem_keys_open_lease_idx: its WHERE repeats the index predicate
-// (open reservations: a lease, no outcome).
+// walks idem_keys_open_created_idx in its order (its WHERE repeats the index
+// predicate: open reservations, a lease and no outcome), passing the leases
+// that have not run out: the table has no index of leases, which every
+// claim of Do would pay for (migration 00012).
 func (q *Queries) ReserveExpireLeases(ctx context.Context, db DBTX, arg ReserveExpireLeasesParams) (int64, error) {
 	result, err := db.Exec(ctx, ReserveExpireLeases, arg.Reason, arg.MaxRows)
 	if err != nil {
@@ -174,7 +176,7 @@ FROM (SELECT actor, operation, idem_key
       WHERE status = 'processing' AND lease_expires_at IS NOT NULL AND completed_at IS NULL
         AND lease_expires_at <= now()
         AND (resume_until IS NULL OR resume_until <= now())
-      ORDER BY lease_expires_at
+      ORDER BY created_at, actor, operation, idem_key
       LIMIT $2) AS expired
 WHERE k.actor = expired.actor AND k.operation = expired.operation AND k.idem_key = expired.idem_key
   AND k.status = 'processing' AND k.lease_expires_at <= now()

@@ -182,7 +182,7 @@ func TestReservationScansUseTheirIndexWithStaleStatistics(t *testing.T) {
 			}
 		}
 		p := explain(pgxdriver.SQLIndexWalk, db.ReserveExpireLeases, "'x'", "1000")
-		if !strings.Contains(p, "idem_keys_open_lease_idx") || strings.Contains(p, "Seq Scan") ||
+		if !strings.Contains(p, "idem_keys_open_created_idx") || strings.Contains(p, "Seq Scan") ||
 			strings.Contains(p, "Sort") || strings.Contains(p, "Bitmap") {
 			t.Errorf("ReserveExpireLeases, %s statistics:\n%s", stats, p)
 		}

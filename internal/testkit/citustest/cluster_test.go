@@ -283,16 +283,20 @@ func TestMigrateAfterDistribute(t *testing.T) {
 	if err := orders(ctx, p); err != nil {
 		t.Fatal(err)
 	}
-	// The newest index is on every shard.
-	var shards, indexed int64
+	// 00003's index of open reservations is on every shard, and the
+	// other one, which 00012 dropped, on none.
+	var shards, indexed, dropped int64
 	if err := p.QueryRow(ctx, `SELECT count(*) FROM citus_shards WHERE table_name = 'idem_keys'::regclass`).Scan(&shards); err != nil {
 		t.Fatal(err)
 	}
 	indexed = count(t, p, `SELECT count(*) FROM run_command_on_shards('idem_keys',
-		$$SELECT count(*) FROM pg_indexes WHERE tablename = '%s' AND indexname LIKE 'idem_keys_open_lease_idx%%'$$)
+		$$SELECT count(*) FROM pg_indexes WHERE tablename = '%s' AND indexname LIKE 'idem_keys_open_created_idx%%'$$)
 		WHERE success AND result = '1'`)
-	if shards == 0 || indexed != shards {
-		t.Fatalf("%d shards, %d of them with the newest index", shards, indexed)
+	dropped = count(t, p, `SELECT count(*) FROM run_command_on_shards('idem_keys',
+		$$SELECT count(*) FROM pg_indexes WHERE tablename = '%s' AND indexname LIKE 'idem_keys_open_lease_idx%%'$$)
+		WHERE success AND result <> '0'`)
+	if shards == 0 || indexed != shards || dropped != 0 {
+		t.Fatalf("%d shards, %d of them with idem_keys_open_created_idx, %d with idem_keys_open_lease_idx", shards, indexed, dropped)
 	}
 	scope := idem.Scope{Actor: "judy", Operation: "order"}
 	if _, err := idem.DoInTx(ctx, p, scope, "m1", fp("x"), order("judy", "m1", "x")); err != nil {
