@@ -159,6 +159,63 @@ func Exercise[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 			}
 		}
 	})
+	t.Run("ReadJudgesTheRowsTimes", func(t *testing.T) {
+		// Read judges the row's times against the database's now() of
+		// its own statement (driver.Row.Judge): expired, leased, the
+		// lease's time left. An expiry of 'infinity' (idem never writes
+		// one; an operator might) is never expired: Read says so, or
+		// fails (database/sql's drivers cannot scan it into a time).
+		ctx := t.Context()
+		d := h.New(settings)
+		db := h.DB(t)
+		s := ownSpan(t, d, db)
+		names := []string{"live", "expired", "forever", "leased"}
+		for _, name := range names {
+			if _, claimed, _, err := s.Claim(ctx, driver.Claim{Key: key(name), Fingerprint: fpA}); err != nil || !claimed {
+				t.Fatalf("Claim %s: %v %v", name, claimed, err)
+			}
+			if err := s.Complete(ctx, driver.Outcome{Key: key(name), Fingerprint: fpA, Status: "succeeded", Reply: reply}); err != nil {
+				t.Fatalf("Complete %s: %v", name, err)
+			}
+		}
+		tx, claimed, _, err := s.Claim(ctx, driver.Claim{Key: key("writer"), Fingerprint: fpA})
+		if err != nil || !claimed {
+			t.Fatalf("Claim writer: %v %v", claimed, err)
+		}
+		for _, q := range []string{
+			`UPDATE idem_keys SET expires_at = now() - interval '1 second' WHERE idem_key = 'expired'`,
+			`UPDATE idem_keys SET expires_at = 'infinity' WHERE idem_key = 'forever'`,
+			`UPDATE idem_keys SET status = 'processing', token = 7, completed_at = NULL,
+			        lease_expires_at = now() + interval '90 seconds' WHERE idem_key = 'leased'`,
+		} {
+			if err := h.Exec(ctx, tx, q); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if err := s.Complete(ctx, driver.Outcome{Key: key("writer"), Fingerprint: fpA, Status: "succeeded", Reply: reply}); err != nil {
+			t.Fatalf("Complete writer: %v", err)
+		}
+		for _, name := range names {
+			if _, claimed, _, err := s.Claim(ctx, driver.Claim{Key: key(name), Fingerprint: fpA}); err != nil || claimed {
+				t.Fatalf("Claim of held %s: %v %v", name, claimed, err)
+			}
+			row, found, err := s.Read(ctx, key(name))
+			switch {
+			case name == "forever" && err != nil:
+				continue
+			case err != nil || !found:
+				t.Fatalf("Read %s: %+v %v %v", name, row, found, err)
+			case row.Expired != (name == "expired"):
+				t.Errorf("Read %s: expired %v", name, row.Expired)
+			case row.Leased != (name == "leased"):
+				t.Errorf("Read %s: leased %v", name, row.Leased)
+			case name == "leased" && (row.LeaseLeftMs <= 80_000 || row.LeaseLeftMs > 90_000):
+				t.Errorf("Read %s: %d ms of its lease left, want about 90 s", name, row.LeaseLeftMs)
+			case name != "leased" && row.LeaseLeftMs != 0:
+				t.Errorf("Read %s: %d ms of a lease left, want none", name, row.LeaseLeftMs)
+			}
+		}
+	})
 	t.Run("OwnSpanHoldsAConnectionInItsTransactions", func(t *testing.T) {
 		ctx := t.Context()
 		d := h.New(settings)

@@ -7,6 +7,7 @@ import (
 	"reflect"
 	"runtime"
 	"sync"
+	"time"
 	"weak"
 
 	"github.com/jackc/pgx/v5"
@@ -436,8 +437,21 @@ func (s *span) Read(ctx context.Context, k driver.Key) (row driver.Row, found bo
 		return row, false, nil
 	}
 	row = driver.Row{Fingerprint: r.Fingerprint, Status: r.Status, Stored: stored(r.ResponseStatus, r.ResponseHeaders, r.ResponseBody)}
-	row.Judge(driver.KeyTimes{Now: r.Now.Time, ExpiresAt: r.ExpiresAt.Time, LeaseExpiresAt: r.LeaseExpiresAt.Time}, r.BodyGone)
+	row.Judge(driver.KeyTimes{Now: r.Now.Time, ExpiresAt: timeOf(r.ExpiresAt), LeaseExpiresAt: timeOf(r.LeaseExpiresAt)}, r.BodyGone)
 	return row, found, nil
+}
+
+// timeOf is a time KeyGet read, for Row.Judge: PostgreSQL's infinities
+// (which idem never writes, an operator might) as times beyond any clock,
+// as PostgreSQL compares them; NULL as the zero time.
+func timeOf(t pgtype.Timestamptz) time.Time {
+	switch t.InfinityModifier {
+	case pgtype.Infinity:
+		return time.Date(294276, 1, 1, 0, 0, 0, 0, time.UTC)
+	case pgtype.NegativeInfinity:
+		return time.Date(-4713, 1, 1, 0, 0, 0, 0, time.UTC)
+	}
+	return t.Time
 }
 
 // stored is a response as read from its columns.

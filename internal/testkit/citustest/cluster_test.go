@@ -402,10 +402,11 @@ func TestDistributeCreatesRefuseOnWorkers(t *testing.T) {
 	}
 }
 
-// Migrations 00009 to 00011 on a table Distribute distributed at version
-// 8: their columns, the partial indexes built concurrently and 00011's
-// autovacuum setting reach every shard, calls with Config.BodyTTL work, and
-// their Downs (00009's one DO statement, the table locked; 00011's reset)
+// Migrations 00009 to 00012 on a table Distribute distributed at version
+// 8: their columns, the partial indexes built concurrently, 00011's
+// autovacuum setting and 00012's dropped index reach every shard, calls
+// with Config.BodyTTL work, and their Downs (00012's index built again
+// concurrently; 00009's one DO statement, the table locked; 00011's reset)
 // revert them on the distributed table.
 func TestMigrate9AfterDistribute(t *testing.T) {
 	t.Parallel()
@@ -417,7 +418,7 @@ func TestMigrate9AfterDistribute(t *testing.T) {
 		t.Fatal(err)
 	}
 	if err := idem.Migrate(ctx, p); err != nil {
-		t.Fatalf("Migrate to 10 on the distributed table: %v", err)
+		t.Fatalf("Migrate to the latest on the distributed table: %v", err)
 	}
 	shards := count(t, p, `SELECT count(*) FROM citus_shards WHERE table_name = 'idem_keys'::regclass`)
 	indexed := count(t, p, `SELECT count(*) FROM run_command_on_shards('idem_keys',
@@ -449,6 +450,21 @@ func TestMigrate9AfterDistribute(t *testing.T) {
 		$$SELECT count(*) FROM information_schema.columns WHERE table_name = '%s' AND column_name = 'unknown_at'$$)
 		WHERE success AND result = '1'`); n != shards {
 		t.Fatalf("%d shards, %d of them with unknown_at", shards, n)
+	}
+	// Migration 12's Down builds the lease index again, valid, on every
+	// shard.
+	leaseIndexes := `SELECT count(*) FROM run_command_on_shards('idem_keys',
+		$$SELECT count(*) FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid
+		  WHERE i.indrelid = '%s'::regclass AND c.relname LIKE 'idem_keys_open_lease_idx%%' AND i.indisvalid$$)
+		WHERE success AND result = '1'`
+	if n := count(t, p, leaseIndexes); n != 0 {
+		t.Fatalf("%d shards with idem_keys_open_lease_idx at the latest version", n)
+	}
+	if v, err := idem.MigrateDown(ctx, p, idem.MigrateDownOptions{}); err != nil || v != 12 {
+		t.Fatalf("MigrateDown from 12 on the distributed table: %d, %v", v, err)
+	}
+	if n := count(t, p, leaseIndexes); n != shards {
+		t.Fatalf("%d shards, %d of them with a valid idem_keys_open_lease_idx after 12's Down", shards, n)
 	}
 	// Migration 11's autovacuum setting reaches every shard, where
 	// autovacuum runs, and its Down takes it back from them.
