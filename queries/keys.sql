@@ -222,9 +222,9 @@ FROM stored;
 -- response_status (driver.Row.Judge), as a replay reads it. Nothing else
 -- is computed here: every expression in a read's select list costs
 -- executor setup on every replay (until 2026-12-06 the statement also
--- computed expired, leased and the lease's time left, about 6,000
--- instructions of the server's per replay; docs/benchmarks.md, issue
--- 30's sixth look). Run only with enable_seqscan off (see above).
+-- computed expired, leased and the lease's time left: 8,800 instructions
+-- of the server's a replay; docs/benchmarks.md, issue 30's sixth look).
+-- Run only with enable_seqscan off (see above).
 -- name: KeyGet :one
 SELECT fingerprint, status, response_status, response_headers, response_body,
        coalesce(body_expires_at <= now(), response_body IS NULL)::boolean AS body_gone,

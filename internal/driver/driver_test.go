@@ -25,9 +25,9 @@ func TestRowJudge(t *testing.T) {
 		{"expires now", now, time.Time{}, true, false, 0},
 		{"expired", at(-1), time.Time{}, true, false, 0},
 		{"lease ends now", at(1e9), now, false, true, 0},
-		{"lease 1.4999 ms", at(1e9), at(1499), false, true, 1},
+		{"lease 1.499 ms", at(1e9), at(1499), false, true, 1},
 		{"lease 1.5 ms", at(1e9), at(1500), false, true, 2},
-		{"lease 0.4999 ms ago", at(1e9), at(-499), false, true, 0},
+		{"lease 0.499 ms ago", at(1e9), at(-499), false, true, 0},
 		{"lease 1.5 ms ago", at(1e9), at(-1500), false, true, -2},
 		{"lease 2 days", at(1e9), now.Add(48 * time.Hour), false, true, 172_800_000},
 	} {
