@@ -118,14 +118,7 @@ func Exercise[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 		db := h.DB(t)
 		s := ownSpan(t, d, db)
 		empty := driver.Reply{Status: 204, Body: []byte{}}
-		for _, name := range []string{"empty", "dropped", "due"} {
-			if _, claimed, _, err := s.Claim(ctx, driver.Claim{Key: key(name), Fingerprint: fpA}); err != nil || !claimed {
-				t.Fatalf("Claim %s: %v %v", name, claimed, err)
-			}
-			if err := s.Complete(ctx, driver.Outcome{Key: key(name), Fingerprint: fpA, Status: "succeeded", Reply: empty}); err != nil {
-				t.Fatalf("Complete %s: %v", name, err)
-			}
-		}
+		succeed(t, s, empty, "empty", "dropped", "due")
 		// Drop one body as Prune does, and set another's time in the past,
 		// in the transaction of a call that commits them.
 		tx, claimed, _, err := s.Claim(ctx, driver.Claim{Key: key("writer"), Fingerprint: fpA})
@@ -170,14 +163,7 @@ func Exercise[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 		db := h.DB(t)
 		s := ownSpan(t, d, db)
 		names := []string{"live", "expired", "forever", "leased"}
-		for _, name := range names {
-			if _, claimed, _, err := s.Claim(ctx, driver.Claim{Key: key(name), Fingerprint: fpA}); err != nil || !claimed {
-				t.Fatalf("Claim %s: %v %v", name, claimed, err)
-			}
-			if err := s.Complete(ctx, driver.Outcome{Key: key(name), Fingerprint: fpA, Status: "succeeded", Reply: reply}); err != nil {
-				t.Fatalf("Complete %s: %v", name, err)
-			}
-		}
+		succeed(t, s, reply, names...)
 		tx, claimed, _, err := s.Claim(ctx, driver.Claim{Key: key("writer"), Fingerprint: fpA})
 		if err != nil || !claimed {
 			t.Fatalf("Claim writer: %v %v", claimed, err)
@@ -411,6 +397,20 @@ func Exercise[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 }
 
 // ownSpan is DoInTx's span on db, closed when the test ends.
+// succeed claims each key in s and completes it with r, as calls whose fn
+// succeeded.
+func succeed[TTx any](t *testing.T, s driver.Span[TTx], r driver.Reply, names ...string) {
+	t.Helper()
+	for _, name := range names {
+		if _, claimed, _, err := s.Claim(t.Context(), driver.Claim{Key: key(name), Fingerprint: fpA}); err != nil || !claimed {
+			t.Fatalf("Claim %s: %v %v", name, claimed, err)
+		}
+		if err := s.Complete(t.Context(), driver.Outcome{Key: key(name), Fingerprint: fpA, Status: "succeeded", Reply: r}); err != nil {
+			t.Fatalf("Complete %s: %v", name, err)
+		}
+	}
+}
+
 func ownSpan[TTx, TDB any](t *testing.T, d driver.Driver[TTx, TDB], db TDB) driver.Span[TTx] {
 	t.Helper()
 	s, _, err := d.OwnSpan(db)
