@@ -10,6 +10,7 @@ import (
 	"database/sql"
 	"time"
 
+	"github.com/pgidem/idem/internal/nullbytea"
 	"github.com/pgidem/idem/internal/nulljson"
 )
 
@@ -304,8 +305,7 @@ func (q *Queries) KeyCompleteCitus(ctx context.Context, db DBTX, arg KeyComplete
 
 const KeyGet = `-- name: KeyGet :one
 SELECT fingerprint, status, response_status, response_headers, response_body,
-       coalesce(body_expires_at <= now(), response_body IS NULL)::boolean AS body_gone,
-       expires_at, lease_expires_at, now()::timestamptz AS now
+       body_expires_at, expires_at, lease_expires_at, now()::timestamptz AS now
 FROM idem_keys
 WHERE actor = $1 AND operation = $2 AND idem_key = $3
 `
@@ -321,26 +321,25 @@ type KeyGetRow struct {
 	Status          string
 	ResponseStatus  sql.NullInt32
 	ResponseHeaders nulljson.JSON
-	ResponseBody    []byte
-	BodyGone        bool
+	ResponseBody    nullbytea.Bytes
+	BodyExpiresAt   sql.NullTime
 	ExpiresAt       time.Time
 	LeaseExpiresAt  sql.NullTime
 	Now             time.Time
 }
 
-// Reads the committed row that holds a key: its response, whether its
-// body may be gone (body_gone), its TTL and lease, and now() of the same
-// statement, against which the driver judges those two (driver.KeyTimes).
-// body_gone: past its body_expires_at (Prune may not have dropped it yet),
-// or, with no body_expires_at, NULL, which idem writes only when Prune
-// drops a body (computed here: lib/pq reads an empty bytea as nil in the
-// escape format). The driver keeps it for finished rows that kept their
-// response_status (driver.Row.Judge), as a replay reads it. Nothing else
-// is computed here: every expression in a read's select list costs
-// executor setup on every replay (until 2026-12-06 the statement also
-// computed expired, leased and the lease's time left: 8,800 instructions
-// of the server's a replay; docs/benchmarks.md, issue 30's sixth look).
-// Run only with enable_seqscan off (see above).
+// Reads the committed row that holds a key: its response, its TTL, lease
+// and body's time, and now() of the same statement, against which the
+// driver judges those (driver.Row.Judge: expired, leased, the lease's time
+// left, and whether the body is gone: past its body_expires_at, or, with
+// none, NULL, which idem writes only when Prune drops a body; the drivers
+// read NULL as nil and an empty body as empty, database/sql through
+// nullbytea.Bytes). Nothing is computed here: every expression in a read's
+// select list costs executor setup on every replay (until 2026-12-06 the
+// statement also computed expired, leased and the lease's time left, 8,800
+// instructions of the server's a replay, and whether the body was gone,
+// about 3,000 more; docs/benchmarks.md, issue 30's sixth and seventh
+// looks). Run only with enable_seqscan off (see above).
 func (q *Queries) KeyGet(ctx context.Context, db DBTX, arg KeyGetParams) (KeyGetRow, error) {
 	row := db.QueryRowContext(ctx, KeyGet, arg.Actor, arg.Operation, arg.IdemKey)
 	var i KeyGetRow
@@ -350,7 +349,7 @@ func (q *Queries) KeyGet(ctx context.Context, db DBTX, arg KeyGetParams) (KeyGet
 		&i.ResponseStatus,
 		&i.ResponseHeaders,
 		&i.ResponseBody,
-		&i.BodyGone,
+		&i.BodyExpiresAt,
 		&i.ExpiresAt,
 		&i.LeaseExpiresAt,
 		&i.Now,

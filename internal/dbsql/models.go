@@ -8,6 +8,7 @@ import (
 	"database/sql"
 	"time"
 
+	"github.com/pgidem/idem/internal/nullbytea"
 	"github.com/pgidem/idem/internal/nulljson"
 )
 
@@ -72,7 +73,7 @@ type IdemKey struct {
 	Status          string
 	ResponseStatus  sql.NullInt32
 	ResponseHeaders nulljson.JSON
-	ResponseBody    []byte
+	ResponseBody    nullbytea.Bytes
 	CreatedAt       time.Time
 	CompletedAt     sql.NullTime
 	ExpiresAt       time.Time

@@ -9,6 +9,8 @@ import (
 	"context"
 	"database/sql"
 	"time"
+
+	"github.com/pgidem/idem/internal/nullbytea"
 )
 
 const ReserveAcquire = `-- name: ReserveAcquire :one
@@ -98,7 +100,7 @@ WHERE actor = $5 AND operation = $6 AND idem_key = $7
 type ReserveCompleteParams struct {
 	ResponseStatus  int32
 	ResponseHeaders sql.NullString
-	ResponseBody    []byte
+	ResponseBody    nullbytea.Bytes
 	TtlMicros       int64
 	Actor           string
 	Operation       string
@@ -598,7 +600,7 @@ type ReserveResolveParams struct {
 	Status          string
 	ResponseStatus  sql.NullInt32
 	ResponseHeaders sql.NullString
-	ResponseBody    []byte
+	ResponseBody    nullbytea.Bytes
 	TtlMicros       int64
 	Reason          string
 	Actor           string

@@ -284,25 +284,28 @@ type Stored struct {
 	Body    []byte
 	// Gone: the body and headers were dropped (Config.BodyTTL), or their
 	// time has passed; Status is the one stored. Set by the reads that
-	// compute body_gone (KeyGet, KeyLookup, ReserveLock).
+	// compute body_gone (KeyLookup, ReserveLock) and by Row.Judge for
+	// KeyGet's.
 	Gone bool
 }
 
 // KeyTimes is what KeyGet reads of a row's clock: its expiry, its lease's
-// (zero: NULL), and Now, the database's now() of the same statement,
-// against which Row.Judge judges them.
+// and its body's (zero: NULL), and Now, the database's now() of the same
+// statement, against which Row.Judge judges them.
 type KeyTimes struct {
-	Now, ExpiresAt, LeaseExpiresAt time.Time
+	Now, ExpiresAt, LeaseExpiresAt, BodyExpiresAt time.Time
 }
 
 // Judge sets what the database clock says of the row KeyGet read, as the
 // statement itself computed it until 2026-12-06 (queries/keys.sql): Expired
 // (expires_at has come), Leased and LeaseLeftMs (the lease's time left,
 // rounded to the nearest millisecond, half away from zero, as PostgreSQL
-// rounds numeric to bigint). It keeps KeyGet's body_gone (bodyGone) for a
-// finished row that kept its response_status, the only rows a replay reads
-// a body of: a gone body keeps only its status.
-func (r *Row) Judge(t KeyTimes, bodyGone bool) {
+// rounds numeric to bigint), and, for a finished row that kept its
+// response_status (the only rows a replay reads a body of), whether its
+// body is gone: past body_expires_at, or, with none, NULL (r.Stored.Body
+// nil: the drivers read only NULL as nil). A gone body keeps only its
+// status.
+func (r *Row) Judge(t KeyTimes) {
 	r.Expired = !t.ExpiresAt.After(t.Now)
 	r.Leased = !t.LeaseExpiresAt.IsZero()
 	if r.Leased {
@@ -313,7 +316,11 @@ func (r *Row) Judge(t KeyTimes, bodyGone bool) {
 			r.LeaseLeftMs = (us - 500) / 1000
 		}
 	}
-	if bodyGone && r.Stored.Valid && (r.Status == "succeeded" || r.Status == "rejected") {
+	gone := r.Stored.Body == nil
+	if !t.BodyExpiresAt.IsZero() {
+		gone = !t.BodyExpiresAt.After(t.Now)
+	}
+	if gone && r.Stored.Valid && (r.Status == "succeeded" || r.Status == "rejected") {
 		r.Stored = Stored{Valid: true, Status: r.Stored.Status, Gone: true}
 	}
 }

@@ -437,7 +437,8 @@ func (s *span) Read(ctx context.Context, k driver.Key) (row driver.Row, found bo
 		return row, false, nil
 	}
 	row = driver.Row{Fingerprint: r.Fingerprint, Status: r.Status, Stored: stored(r.ResponseStatus, r.ResponseHeaders, r.ResponseBody)}
-	row.Judge(driver.KeyTimes{Now: r.Now.Time, ExpiresAt: timeOf(r.ExpiresAt), LeaseExpiresAt: timeOf(r.LeaseExpiresAt)}, r.BodyGone)
+	row.Judge(driver.KeyTimes{Now: r.Now.Time, ExpiresAt: timeOf(r.ExpiresAt), LeaseExpiresAt: timeOf(r.LeaseExpiresAt),
+		BodyExpiresAt: timeOf(r.BodyExpiresAt)})
 	return row, found, nil
 }
 

@@ -175,7 +175,8 @@ func (s *span) Read(ctx context.Context, k driver.Key) (row driver.Row, found bo
 		return row, false, nil
 	}
 	row = driver.Row{Fingerprint: r.Fingerprint, Status: r.Status, Stored: stored(r.ResponseStatus, r.ResponseHeaders, r.ResponseBody)}
-	row.Judge(driver.KeyTimes{Now: r.Now, ExpiresAt: r.ExpiresAt, LeaseExpiresAt: r.LeaseExpiresAt.Time}, r.BodyGone)
+	row.Judge(driver.KeyTimes{Now: r.Now, ExpiresAt: r.ExpiresAt, LeaseExpiresAt: r.LeaseExpiresAt.Time,
+		BodyExpiresAt: r.BodyExpiresAt.Time})
 	return row, found, nil
 }
 
