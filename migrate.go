@@ -118,9 +118,9 @@ type MigrateDownOptions struct {
 }
 
 // MigrateDown reverts the latest applied migration of idem in the database
-// of pool, in one transaction (00003, 00009, 00010, 00012 and 00013 excepted:
-// they build or drop their indexes concurrently, outside a transaction, and
-// can be run again after an interruption; 00009's Down is one statement), and
+// of pool, in one transaction (00003, 00009, 00010 and 00012 excepted: they
+// build or drop their indexes concurrently, outside a transaction, and can be
+// run again after an interruption; 00009's Down is one statement), and
 // returns its version (0 when none is applied). It serializes with Migrate like Migrate does.
 //
 // Migrations never delete outcomes or the audit trail on their own: when

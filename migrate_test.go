@@ -288,10 +288,9 @@ func TestMigrateDownFrom8(t *testing.T) {
 		_, err := tx.Exec(ctx, `INSERT INTO charges VALUES ('c1')`)
 		return idem.Response{Status: 201}, err
 	}
-	// Migrations 13, 12 and 11 change no statement's needs: the key's
-	// collation goes back to the database's, the lease index comes back,
-	// then only the table's autovacuum setting goes.
-	for _, want := range []int64{13, 12, 11} {
+	// Migrations 12 and 11 change no statement's needs: the lease index
+	// comes back, then only the table's autovacuum setting goes.
+	for _, want := range []int64{12, 11} {
 		if v, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{}); err != nil || v != want {
 			t.Fatalf("MigrateDown: %d, %v; want %d", v, err, want)
 		}
@@ -391,7 +390,7 @@ func TestMigrateDownFrom9KeepsDroppedBodies(t *testing.T) {
 	if _, err := c.Prune(ctx, pool, idem.PruneOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	for _, want := range []int64{13, 12, 11, 10} {
+	for _, want := range []int64{12, 11, 10} {
 		if v, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{}); err != nil || v != want {
 			t.Fatalf("MigrateDown from %d: %d, %v", want, v, err)
 		}
@@ -534,9 +533,9 @@ func TestMigration11Autovacuum(t *testing.T) {
 		}
 		return v
 	}
-	down := func() { // 13 (a collation), 12 (an index), then 11
+	down := func() { // 12 (an index), then 11
 		t.Helper()
-		for _, want := range []int64{13, 12, 11} {
+		for _, want := range []int64{12, 11} {
 			if v, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{}); err != nil || v != want {
 				t.Fatalf("MigrateDown: %d, %v; want %d", v, err, want)
 			}

@@ -223,7 +223,9 @@ FROM stored;
 -- statement also computed expired, leased and the lease's time left, 8,800
 -- instructions of the server's a replay, and whether the body was gone,
 -- about 3,000 more; docs/benchmarks.md, issue 30's sixth and seventh
--- looks). Run only with enable_seqscan off (see above).
+-- looks). A body_expires_at of +-infinity (idem never writes one) fails
+-- database/sql's scan, as expires_at's does. Run only with enable_seqscan
+-- off (see above).
 -- name: KeyGet :one
 SELECT fingerprint, status, response_status, response_headers, response_body,
        body_expires_at, expires_at, lease_expires_at, now()::timestamptz AS now

@@ -339,7 +339,9 @@ type KeyGetRow struct {
 // statement also computed expired, leased and the lease's time left, 8,800
 // instructions of the server's a replay, and whether the body was gone,
 // about 3,000 more; docs/benchmarks.md, issue 30's sixth and seventh
-// looks). Run only with enable_seqscan off (see above).
+// looks). A body_expires_at of +-infinity (idem never writes one) fails
+// database/sql's scan, as expires_at's does. Run only with enable_seqscan
+// off (see above).
 func (q *Queries) KeyGet(ctx context.Context, db DBTX, arg KeyGetParams) (KeyGetRow, error) {
 	row := db.QueryRowContext(ctx, KeyGet, arg.Actor, arg.Operation, arg.IdemKey)
 	var i KeyGetRow

@@ -402,11 +402,10 @@ func TestDistributeCreatesRefuseOnWorkers(t *testing.T) {
 	}
 }
 
-// Migrations 00009 to 00013 on a table Distribute distributed at version
+// Migrations 00009 to 00012 on a table Distribute distributed at version
 // 8: their columns, the partial indexes built concurrently, 00011's
-// autovacuum setting, 00012's dropped index and 00013's collation reach
-// every shard, calls with Config.BodyTTL work, and their Downs (00013's
-// collation back, 00012's index built again
+// autovacuum setting and 00012's dropped index reach every shard, calls
+// with Config.BodyTTL work, and their Downs (00012's index built again
 // concurrently; 00009's one DO statement, the table locked; 00011's reset)
 // revert them on the distributed table.
 func TestMigrate9AfterDistribute(t *testing.T) {
@@ -451,27 +450,6 @@ func TestMigrate9AfterDistribute(t *testing.T) {
 		$$SELECT count(*) FROM information_schema.columns WHERE table_name = '%s' AND column_name = 'unknown_at'$$)
 		WHERE success AND result = '1'`); n != shards {
 		t.Fatalf("%d shards, %d of them with unknown_at", shards, n)
-	}
-	// Migration 13 puts the key's operation and idem_key in "C" on every
-	// shard, their primary key with them, five valid indexes each; its Down
-	// puts them back in the database's collation.
-	collated := func(coll string) int64 {
-		t.Helper()
-		return count(t, p, `SELECT count(*) FROM run_command_on_shards('idem_keys',
-			$$SELECT string_agg(attcollation::regcollation::text, ',' ORDER BY attname)
-			  || ' ' || (SELECT array_to_string(indcollation::oid[]::regcollation[], ',') FROM pg_index WHERE indrelid = '%1$s'::regclass AND indisprimary)
-			  || ' ' || (SELECT count(*) FROM pg_index WHERE indrelid = '%1$s'::regclass AND indisvalid AND indisready)
-			  FROM pg_attribute WHERE attrelid = '%1$s'::regclass AND attname IN ('operation', 'idem_key')$$)
-			WHERE success AND result = $1`, coll)
-	}
-	if n := collated(`"C","C" "default","C","C" 5`); n != shards {
-		t.Fatalf("%d shards, %d of them with the key in \"C\" and 5 valid indexes", shards, n)
-	}
-	if v, err := idem.MigrateDown(ctx, p, idem.MigrateDownOptions{}); err != nil || v != 13 {
-		t.Fatalf("MigrateDown from 13 on the distributed table: %d, %v", v, err)
-	}
-	if n := collated(`"default","default" "default","default","default" 5`); n != shards {
-		t.Fatalf("%d shards, %d of them with the key in the database's collation and 5 valid indexes after 13's Down", shards, n)
 	}
 	// Migration 12's Down builds the lease index again, valid, on every
 	// shard.
