@@ -177,6 +177,20 @@ func TestFnCommittingAsTheContextEnds(t *testing.T) {
 				}
 				continue
 			}
+			if errors.Is(err, context.Canceled) && strings.Contains(err.Error(), "outcome was being committed") {
+				// The cancel came during the COMMIT (the race above, rarely):
+				// the call cannot know whether it committed, and says so; the
+				// claim and fn's effect committed together or not at all.
+				rec, lerr := idemsql.Lookup(t.Context(), db, scope, key)
+				var n int
+				if err := db.QueryRowContext(t.Context(), `SELECT count(*) FROM effects WHERE key = $1`, key).Scan(&n); err != nil ||
+					lerr == nil && (rec.Status != idem.StatusSucceeded || n != 1) ||
+					lerr != nil && (!errors.Is(lerr, idem.ErrNotFound) || n != 0) {
+					t.Errorf("%s: the COMMIT in doubt: Lookup %+v, %v, %d effects (%v); want the outcome and the effect, or neither",
+						key, rec, lerr, n, err)
+				}
+				continue
+			}
 			// The context's error, from the statement database/sql refused
 			// or, when the transaction was found ended, with its cause.
 			if !errors.Is(err, context.Canceled) || errors.Is(err, idem.ErrInvalidArgument) ||
