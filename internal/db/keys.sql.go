@@ -328,10 +328,10 @@ type KeyGetRow struct {
 // Reads the committed row that holds a key: its response, its TTL, lease
 // and body's time, and now() of the same statement, against which the
 // driver judges those (driver.Row.Judge: expired, leased, the lease's time
-// left, and whether the body is gone: past its body_expires_at, or, with
-// none, NULL, which idem writes only when Prune drops a body; the drivers
-// read NULL as nil and an empty body as empty, database/sql through
-// nullbytea.Bytes). Nothing is computed here: every expression in a read's
+// left, and whether the body is gone: NULL, which idem writes only when
+// Prune drops a body, or past its body_expires_at, as KeyLookup says it;
+// the drivers read NULL as nil and an empty body as empty, database/sql
+// through nullbytea.Bytes). Nothing is computed here: every expression in a read's
 // select list costs executor setup on every replay (until 2026-12-06 the
 // statement also computed expired, leased and the lease's time left, 8,800
 // instructions of the server's a replay, and whether the body was gone,

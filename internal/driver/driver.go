@@ -302,9 +302,11 @@ type KeyTimes struct {
 // rounded to the nearest millisecond, half away from zero, as PostgreSQL
 // rounds numeric to bigint), and, for a finished row that kept its
 // response_status (the only rows a replay reads a body of), whether its
-// body is gone: past body_expires_at, or, with none, NULL (r.Stored.Body
-// nil: the drivers read only NULL as nil). A gone body keeps only its
-// status.
+// body is gone: NULL (r.Stored.Body nil: the drivers read only NULL as nil;
+// Prune drops a body so), or past body_expires_at, as KeyLookup and
+// ReserveLock say it (until 2026-12-06 a NULL body before its
+// body_expires_at, which idem never writes, was replayed as empty here). A
+// gone body keeps only its status.
 func (r *Row) Judge(t KeyTimes) {
 	r.Expired = !t.ExpiresAt.After(t.Now)
 	r.Leased = !t.LeaseExpiresAt.IsZero()
@@ -316,10 +318,7 @@ func (r *Row) Judge(t KeyTimes) {
 			r.LeaseLeftMs = (us - 500) / 1000
 		}
 	}
-	gone := r.Stored.Body == nil
-	if !t.BodyExpiresAt.IsZero() {
-		gone = !t.BodyExpiresAt.After(t.Now)
-	}
+	gone := r.Stored.Body == nil || (!t.BodyExpiresAt.IsZero() && !t.BodyExpiresAt.After(t.Now))
 	if gone && r.Stored.Valid && (r.Status == "succeeded" || r.Status == "rejected") {
 		r.Stored = Stored{Valid: true, Status: r.Stored.Status, Gone: true}
 	}

@@ -10,9 +10,10 @@ import (
 // TestRowJudge: what KeyGet's statement computed until 2026-12-06, now in
 // Go from its times: expires_at <= now(), lease_expires_at IS NOT NULL,
 // coalesce((extract(epoch FROM lease_expires_at - now()) * 1000)::bigint, 0)
-// (numeric to bigint rounds half away from zero), and
-// coalesce(body_expires_at <= now(), response_body IS NULL) kept for
-// finished rows that kept their response_status.
+// (numeric to bigint rounds half away from zero), and whether the body is
+// gone as KeyLookup and ReserveLock say it (response_body IS NULL OR
+// body_expires_at <= now()), for finished rows that kept their
+// response_status.
 func TestRowJudge(t *testing.T) {
 	now := time.Date(2026, 12, 6, 12, 0, 0, 0, time.UTC)
 	at := func(us int64) time.Time { return now.Add(time.Duration(us) * time.Microsecond) }
@@ -57,7 +58,7 @@ func TestRowJudge(t *testing.T) {
 		{"empty body", "succeeded", empty, time.Time{}, false},
 		{"dropped body", "succeeded", dropped, time.Time{}, true},
 		{"dropped body, rejected", "rejected", dropped, time.Time{}, true},
-		{"NULL body before its time", "succeeded", dropped, at(1), false},
+		{"NULL body before its time", "succeeded", dropped, at(1), true},
 		{"not finished", "failed_retryable", stored, at(-1), false},
 		{"no outcome", "processing", driver.Stored{}, at(-1), false},
 		{"no response", "succeeded", driver.Stored{}, time.Time{}, false},

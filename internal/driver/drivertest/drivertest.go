@@ -111,14 +111,16 @@ func Exercise[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 	t.Run("ReadTellsAnEmptyBodyFromAGoneOne", func(t *testing.T) {
 		// An empty body is stored as an empty bytea, which is not a
 		// dropped one (some drivers read it as nil: lib/pq in bytea's
-		// escape format); a body Prune dropped (NULL) or whose time has
-		// passed is gone.
+		// escape format); a body Prune dropped (NULL), one whose time has
+		// passed, and one set NULL before its time (idem never writes
+		// that; an operator might) are gone, for Read (KeyGet, judged in
+		// Go) and KeyLookup (judged in SQL) alike.
 		ctx := t.Context()
 		d := h.New(settings)
 		db := h.DB(t)
 		s := ownSpan(t, d, db)
 		empty := driver.Reply{Status: 204, Body: []byte{}}
-		succeed(t, s, empty, "empty", "dropped", "due")
+		succeed(t, s, empty, "empty", "dropped", "due", "early")
 		// Drop one body as Prune does, and set another's time in the past,
 		// in the transaction of a call that commits them.
 		tx, claimed, _, err := s.Claim(ctx, driver.Claim{Key: key("writer"), Fingerprint: fpA})
@@ -128,6 +130,7 @@ func Exercise[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 		for _, q := range []string{
 			`UPDATE idem_keys SET response_body = NULL, response_headers = NULL WHERE idem_key = 'dropped'`,
 			`UPDATE idem_keys SET body_expires_at = now() - interval '1 second' WHERE idem_key = 'due'`,
+			`UPDATE idem_keys SET response_body = NULL, body_expires_at = now() + interval '1 hour' WHERE idem_key = 'early'`,
 		} {
 			if err := h.Exec(ctx, tx, q); err != nil {
 				t.Fatal(err)
@@ -139,7 +142,7 @@ func Exercise[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 		for _, c := range []struct {
 			name string
 			gone bool
-		}{{"empty", false}, {"dropped", true}, {"due", true}} {
+		}{{"empty", false}, {"dropped", true}, {"due", true}, {"early", true}} {
 			if _, claimed, _, err := s.Claim(ctx, driver.Claim{Key: key(c.name), Fingerprint: fpA}); err != nil || claimed {
 				t.Fatalf("Claim of held %s: %v %v", c.name, claimed, err)
 			}
@@ -149,6 +152,15 @@ func Exercise[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 			}
 			if !c.gone && len(row.Stored.Body) != 0 {
 				t.Errorf("Read %s: body %#v, want an empty one", c.name, row.Stored.Body)
+			}
+			tx, err := d.Begin(ctx, db)
+			if err != nil {
+				t.Fatal(err)
+			}
+			rec, err := d.Executor(tx).KeyLookup(ctx, key(c.name))
+			d.Rollback(ctx, db, tx)
+			if err != nil || rec.Stored.Gone != c.gone || rec.Stored.Status != 204 {
+				t.Errorf("KeyLookup %s: %+v %v, want gone %v", c.name, rec.Stored, err, c.gone)
 			}
 		}
 	})
