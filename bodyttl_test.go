@@ -1,6 +1,7 @@
 package idem_test
 
 import (
+	"context"
 	"errors"
 	"strings"
 	"sync/atomic"
@@ -189,5 +190,59 @@ func TestBodyTTLFor(t *testing.T) {
 	}
 	if calls.Load() != ran || count(t, pool, `SELECT count(*) FROM idem_keys`) != rows {
 		t.Error("a refused BodyTTLFor ran fn or wrote a row")
+	}
+}
+
+// A response Resolve stores lives as long as the key, whatever BodyTTL
+// said of the claim that left the record without an outcome: the key
+// replays it past BodyTTL, and Prune keeps it. So does a record marked
+// unknown before 2026-12-06, which kept its claim's body time.
+func TestBodyTTLResolvedResponseStays(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	pool := newPool(t)
+	const life = 100 * time.Millisecond
+	c, err := idem.New(idem.Config{TTL: time.Hour, BodyTTL: life})
+	if err != nil {
+		t.Fatal(err)
+	}
+	commits := func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+		return idem.Response{Status: 201}, tx.Commit(ctx)
+	}
+	for _, key := range []string{"orphan", "orphan-old"} {
+		if _, err := c.DoInTx(ctx, pool, scope, key, fpA, commits); !errors.Is(err, idem.ErrInvalidArgument) {
+			t.Fatalf("%s: fn's COMMIT: %v, want ErrInvalidArgument", key, err)
+		}
+	}
+	if n := count(t, pool, `SELECT count(*) FROM idem_keys WHERE status = 'unknown' AND body_expires_at IS NULL`); n != 2 {
+		t.Fatalf("%d unknown records without a body time, want 2", n)
+	}
+	if _, err := pool.Exec(ctx, `UPDATE idem_keys SET body_expires_at = created_at + interval '100 milliseconds'
+		WHERE idem_key = 'orphan-old'`); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(life + 50*time.Millisecond)
+	var calls atomic.Int64
+	for _, key := range []string{"orphan", "orphan-old"} {
+		rec, err := c.Lookup(ctx, pool, scope, key)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := c.Resolve(ctx, pool, scope, key, idem.Resolution{Token: rec.Token,
+			Succeeded: &idem.Response{Status: 201, Body: []byte(`{"id":1}`)}, Reason: "found at the provider"}); err != nil {
+			t.Fatalf("Resolve %s: %v", key, err)
+		}
+	}
+	if _, err := c.Prune(ctx, pool, idem.PruneOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	for _, key := range []string{"orphan", "orphan-old"} {
+		res, err := c.DoInTx(ctx, pool, scope, key, fpA, recordEffect(&calls, key))
+		if err != nil || !res.Replayed || string(res.Body) != `{"id":1}` {
+			t.Errorf("%s after Resolve and Prune: %+v, %v; want the resolved response replayed", key, res, err)
+		}
+	}
+	if calls.Load() != 0 {
+		t.Errorf("fn ran %d times", calls.Load())
 	}
 }

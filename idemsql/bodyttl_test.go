@@ -161,3 +161,46 @@ func TestEmptyBodyReplaysThroughLibPQEscape(t *testing.T) {
 		}
 	}
 }
+
+// A response Resolve stores lives as long as the key, whatever BodyTTL
+// said of the claim fn's own COMMIT left without an outcome: past BodyTTL
+// and after Prune the key replays it, with pgx's stdlib and lib/pq.
+func TestBodyTTLResolvedResponseStays(t *testing.T) {
+	t.Parallel()
+	eachDriver(t, func(t *testing.T, driver string) {
+		ctx := t.Context()
+		db, _ := migrated(t, driver)
+		const life = 100 * time.Millisecond
+		c, err := idemsql.New(idem.Config{TTL: time.Hour, BodyTTL: life})
+		if err != nil {
+			t.Fatal(err)
+		}
+		scope := idem.Scope{Actor: "a", Operation: "pay"}
+		commits := func(_ context.Context, tx *sql.Tx) (idem.Response, error) {
+			return idem.Response{Status: 201}, tx.Commit()
+		}
+		if _, err := c.DoInTx(ctx, db, scope, "orphan", idem.Fingerprint{1}, commits); !errors.Is(err, idem.ErrInvalidArgument) {
+			t.Fatalf("fn's COMMIT: %v, want ErrInvalidArgument", err)
+		}
+		time.Sleep(life + 50*time.Millisecond)
+		rec, err := c.Lookup(ctx, db, scope, "orphan")
+		if err != nil || rec.Status != idem.StatusUnknown {
+			t.Fatalf("Lookup: %+v, %v; want an unknown record", rec, err)
+		}
+		if err := c.Resolve(ctx, db, scope, "orphan", idem.Resolution{Token: rec.Token,
+			Succeeded: &idem.Response{Status: 201, Body: []byte(`{"id":1}`)}, Reason: "found at the provider"}); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := c.Prune(ctx, db, idem.PruneOptions{}); err != nil {
+			t.Fatal(err)
+		}
+		ran := false
+		res, err := c.DoInTx(ctx, db, scope, "orphan", idem.Fingerprint{1}, func(context.Context, *sql.Tx) (idem.Response, error) {
+			ran = true
+			return idem.Response{}, nil
+		})
+		if err != nil || ran || !res.Replayed || string(res.Body) != `{"id":1}` {
+			t.Errorf("after Resolve and Prune: %+v, %v, fn ran %v; want the resolved response replayed", res, err, ran)
+		}
+	})
+}

@@ -239,7 +239,10 @@ WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key;
 -- again blindly. The record becomes what a reservation whose lease ran out
 -- becomes, so that ListUnknown finds it (a lease that ended now, no
 -- completed_at: idem_keys_open_created_idx) and Resolve names it (a new
--- token, drawn in a CTE: see ReserveAcquire). No row changed: no such row
+-- token, drawn in a CTE: see ReserveAcquire). Like a reservation's, its
+-- body has no time of its own (body_expires_at NULL: the claim's BodyTTL
+-- was for the response the call would have stored), so that a response
+-- Resolve stores lives as long as the key. No row changed: no such row
 -- (fn rolled back, and the claim with it; or another call marked it
 -- first, KeyLookup tells).
 -- name: KeyMarkUnknown :execrows
@@ -249,6 +252,7 @@ SET status           = 'unknown',
     token            = (SELECT next.token FROM next),
     lease_expires_at = now(),
     completed_at     = NULL,
+    body_expires_at  = NULL,
     last_error       = sqlc.arg(reason)::text,
     unknown_at       = now()
 WHERE actor = @actor AND operation = @operation AND idem_key = @idem_key

@@ -212,8 +212,12 @@ LIMIT @max_rows;
 -- operator named): 'succeeded' with the response found at the provider, or
 -- 'failed_retryable'. The token advances, so the reservation that held the
 -- key is fenced. last_error keeps why the record failed or became unknown;
--- the operator's reason goes beside it. (The new token is drawn in a CTE:
--- see ReserveAcquire.)
+-- the operator's reason goes beside it. The response found lives as long
+-- as the key, as a reservation's does: body_expires_at is cleared (a
+-- record that a claim of Do or DoInTx left without an outcome was marked
+-- unknown with its claim's body time until 2026-12-06, and a response
+-- resolved there was gone at once). (The new token is drawn in a CTE: see
+-- ReserveAcquire.)
 -- name: ReserveResolve :execrows
 WITH next AS (SELECT nextval('idem_keys_token_seq') AS token)
 UPDATE idem_keys
@@ -221,6 +225,7 @@ SET status           = @status,
     response_status  = sqlc.narg(response_status),
     response_headers = sqlc.narg(response_headers)::text::jsonb,
     response_body    = sqlc.narg(response_body),
+    body_expires_at  = NULL,
     completed_at     = now(),
     expires_at       = greatest(expires_at, now() + (sqlc.arg(ttl_micros)::bigint * interval '1 microsecond')),
     token            = (SELECT next.token FROM next),

@@ -580,6 +580,7 @@ SET status           = $1,
     response_status  = $2,
     response_headers = $3::text::jsonb,
     response_body    = $4,
+    body_expires_at  = NULL,
     completed_at     = now(),
     expires_at       = greatest(expires_at, now() + ($5::bigint * interval '1 microsecond')),
     token            = (SELECT next.token FROM next),
@@ -605,8 +606,12 @@ type ReserveResolveParams struct {
 // operator named): 'succeeded' with the response found at the provider, or
 // 'failed_retryable'. The token advances, so the reservation that held the
 // key is fenced. last_error keeps why the record failed or became unknown;
-// the operator's reason goes beside it. (The new token is drawn in a CTE:
-// see ReserveAcquire.)
+// the operator's reason goes beside it. The response found lives as long
+// as the key, as a reservation's does: body_expires_at is cleared (a
+// record that a claim of Do or DoInTx left without an outcome was marked
+// unknown with its claim's body time until 2026-12-06, and a response
+// resolved there was gone at once). (The new token is drawn in a CTE: see
+// ReserveAcquire.)
 func (q *Queries) ReserveResolve(ctx context.Context, db DBTX, arg ReserveResolveParams) (int64, error) {
 	result, err := db.Exec(ctx, ReserveResolve,
 		arg.Status,
