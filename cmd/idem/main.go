@@ -817,7 +817,12 @@ func recordFields(r idem.Record) []field {
 	if r.ResolveReason != "" {
 		f = append(f, field{"resolve_reason", r.ResolveReason})
 	}
-	if r.Response != nil {
+	switch {
+	case r.Response != nil && r.ResponseGone:
+		// Its body and headers were dropped (Config.BodyTTL): an empty
+		// body would say the response had none.
+		f = append(f, field{"response", map[string]any{"status": r.Response.Status, "gone": true}})
+	case r.Response != nil:
 		f = append(f, field{"response", map[string]any{
 			"status": r.Response.Status, "header": r.Response.Header, "body": string(r.Response.Body),
 		}})
@@ -851,6 +856,10 @@ func recordText(r idem.Record) string {
 			line(f.name, v.UTC().Format(time.RFC3339Nano))
 		case map[string]any: // the response
 			line("response_status", fmt.Sprint(r.Response.Status))
+			if r.ResponseGone {
+				line("response_body", "(gone: dropped with its headers after the body's life, Config.BodyTTL)")
+				continue
+			}
 			for _, name := range slices.Sorted(maps.Keys(r.Response.Header)) {
 				line("response_header", name+": "+strings.Join(r.Response.Header[name], ", "))
 			}

@@ -757,6 +757,48 @@ func TestCLIInspectFieldsAgree(t *testing.T) {
 	}
 }
 
+// inspect tells a body dropped after its life (Config.BodyTTL) from an
+// empty one, in text and JSON: a gone response shows its status and says
+// it is gone, with no body or headers.
+func TestCLIInspectGoneBody(t *testing.T) {
+	ctx := t.Context()
+	pool := pgtest.Pool(t, idem.Migrate)
+	url := pool.Config().ConnString()
+	scope := idem.Scope{Actor: "alice", Operation: "draw"}
+	c, err := idem.New(idem.Config{TTL: time.Hour, BodyTTL: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for key, body := range map[string]string{"empty": "", "gone": `{"id":1}`} {
+		_, err := c.DoInTx(ctx, pool, scope, key, idem.FingerprintParts([]byte("a")), func(context.Context, pgx.Tx) (idem.Response, error) {
+			return idem.Response{Status: 201, Body: []byte(body)}, nil
+		})
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := pool.Exec(ctx, `UPDATE idem_keys SET body_expires_at = now() WHERE idem_key = 'gone'`); err != nil {
+		t.Fatal(err)
+	}
+	for key, gone := range map[string]bool{"empty": false, "gone": true} {
+		out, _, code := runCLI(t, url, "inspect", "--json", "alice", "draw", key)
+		var fields struct {
+			Response map[string]any `json:"response"`
+		}
+		if code != exitOK || json.Unmarshal([]byte(out), &fields) != nil {
+			t.Fatalf("%s: inspect --json: exit %d\n%s", key, code, out)
+		}
+		_, hasBody := fields.Response["body"]
+		if fields.Response["gone"] != (map[bool]any{true: true}[gone]) || hasBody == gone || fields.Response["status"] != float64(201) {
+			t.Errorf("%s: inspect --json response %v, want gone %v", key, fields.Response, gone)
+		}
+		text, _, code := runCLI(t, url, "inspect", "alice", "draw", key)
+		if code != exitOK || strings.Contains(text, "(gone") != gone || strings.Contains(text, `response_body    ""`) == gone {
+			t.Errorf("%s: inspect: exit %d, want gone %v\n%s", key, code, gone, text)
+		}
+	}
+}
+
 // migrate status aligns its columns whatever the length of the names.
 func TestCLIMigrateStatusAligned(t *testing.T) {
 	url := pgtest.URL(t, idem.Migrate)
