@@ -246,3 +246,29 @@ func TestBodyTTLResolvedResponseStays(t *testing.T) {
 		t.Errorf("fn ran %d times", calls.Load())
 	}
 }
+
+// Reserve of a key whose stored body is gone answers ErrResponseGone with
+// the stored status (Replayed, no body, no token), as Do does.
+func TestBodyTTLReserveSaysGone(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	pool := newPool(t)
+	c, err := idem.New(idem.Config{TTL: time.Hour, BodyTTL: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int64
+	if _, err := c.DoInTx(ctx, pool, scope, "k", fpA, recordEffect(&calls, "k")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `UPDATE idem_keys SET body_expires_at = now()`); err != nil {
+		t.Fatal(err)
+	}
+	r, err := c.Reserve(ctx, pool, scope, "k", fpA, time.Minute)
+	if !errors.Is(err, idem.ErrResponseGone) || !r.Replayed || r.Status != 201 || r.Body != nil || r.Token != 0 {
+		t.Errorf("Reserve: %+v, %v; want ErrResponseGone with status 201", r, err)
+	}
+	if n := count(t, pool, `SELECT count(*) FROM idem_keys WHERE status = 'succeeded' AND token = 0`); n != 1 {
+		t.Errorf("Reserve changed the record (%d rows as they were)", n)
+	}
+}

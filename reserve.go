@@ -135,6 +135,10 @@ const MaxReasonLength = 1024
 //     same call keys.
 //   - replay: a nil error and r.Replayed: an earlier execution succeeded (or
 //     Do stored an outcome); r.Response is what it stored, r.Token is 0.
+//   - ErrResponseGone: an earlier execution succeeded (or Do stored an
+//     outcome), but its body was dropped after its life (Config.BodyTTL);
+//     r.Replayed is true and r.Status the stored status, with no body or
+//     header. Do not execute.
 //   - ErrKeyReused: the record holds a different fingerprint.
 //   - ErrInProgress (an *InProgressError): a live lease holds the key;
 //     RetryAfter is the lease's remaining time, between one second and a

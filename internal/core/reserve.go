@@ -101,6 +101,8 @@ func (c *Client[TTx, TDB]) reserveTx(ctx context.Context, db TDB, req driver.Res
 	case refusal == errLeaseRanOut:
 		c.obs.count(ctx, "zombie_key", "reserve", req.Key.Operation, 1)
 		return Reservation{}, refusal
+	case errors.Is(refusal, ErrResponseGone):
+		return r, refusal // r.Result: the stored status, replayed
 	case refusal != nil:
 		return Reservation{}, refusal
 	case r.Resumed:
@@ -169,6 +171,9 @@ func (c *Client[TTx, TDB]) reserve(ctx context.Context, ex driver.Executor, req 
 				return r, nil, err
 			}
 			return r, errLeaseRanOut, nil
+		case errors.Is(refusal, ErrResponseGone):
+			r.Result = res // the stored status, its body dropped
+			return r, refusal, nil
 		case refusal != nil:
 			return r, refusal, nil
 		default:
