@@ -26,7 +26,7 @@ type Config struct {
 	// (Scope.Operation), in place of TTL: a short one for a payment
 	// attempt, a long one for an order. 0 means TTL. It is called on every
 	// call, so it must be fast and safe for concurrent use; a value under a
-	// microsecond (negative) fails the call with ErrInvalidConfig before
+	// microsecond (negative, or 1-999ns) fails the call with ErrInvalidConfig before
 	// anything is written. A key keeps the TTL it was claimed with.
 	TTLFor func(operation string) time.Duration
 
@@ -37,7 +37,7 @@ type Config struct {
 	// ErrResponseGone with the stored status: nothing runs again. Prune
 	// drops the bodies. 0 means the body lives as long as the key;
 	// reservations (Reserve) always keep theirs. A value under a
-	// microsecond (negative) is refused (ErrInvalidConfig).
+	// microsecond (negative, or 1-999ns) is refused (ErrInvalidConfig).
 	BodyTTL time.Duration
 
 	// BodyTTLFor, when set, gives the body life of an operation's keys
@@ -45,7 +45,7 @@ type Config struct {
 	// TTL: drop a large receipt's body after an hour, keep a small one as
 	// long as the key. 0 means BodyTTL. It is called on every call, so it
 	// must be fast and safe for concurrent use; a value under a microsecond
-	// (negative) fails the call with ErrInvalidConfig before anything is
+	// (negative, or 1-999ns) fails the call with ErrInvalidConfig before anything is
 	// written. A body keeps the life it was claimed with.
 	BodyTTLFor func(operation string) time.Duration
 

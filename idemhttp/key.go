@@ -18,7 +18,9 @@ const HeaderReplayed = "Idempotent-Replayed"
 // (Config.TTLFor, else Config.TTL) in whole seconds, counted from the first
 // request that carried the key. The middleware sets it on every stored
 // response, fresh or replayed; within that time a retry with the same key
-// gets the stored response, after it the key is a new request.
+// gets the stored response (or, past Config.BodyTTL, a 410 saying its body
+// is gone: the operation does not run again), after it the key is a new
+// request.
 const HeaderKeyLifetime = "Idem-Key-Lifetime"
 
 // Errors of the Idempotency-Key header, returned by ParseKey. The
