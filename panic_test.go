@@ -46,6 +46,18 @@ func TestFnCommittingThenPanickingInDoInTx(t *testing.T) {
 			panic(errFnPanic)
 		}
 	}
+	// One call alone: the call itself marks the record unknown (no
+	// duplicate or retry does it for it), before the panic goes on.
+	if v := recovered(func() { _, _ = idem.DoInTx(ctx, pool, scope, "panic-alone", fpA, fn("panic-alone")) }); v != errFnPanic {
+		t.Fatalf("panic-alone: panicked with %v, want fn's panic", v)
+	}
+	if row := readRow(t, pool, scope, "panic-alone"); row.Status != "unknown" || row.LastError == nil || !strings.Contains(*row.LastError, "fn committed") {
+		t.Errorf("panic-alone: row %+v, want an unknown record", row)
+	}
+	if page, err := idem.ListUnknown(ctx, pool, 10, nil); err != nil || len(page) != 1 || page[0].Key != "panic-alone" {
+		t.Errorf("ListUnknown after one call: %+v, %v; want panic-alone", page, err)
+	}
+
 	other := waitingClient(t, 0)
 	const dups = 8
 	for _, key := range []string{"panic-a", "panic-b", "panic-c"} {
@@ -76,12 +88,12 @@ func TestFnCommittingThenPanickingInDoInTx(t *testing.T) {
 			t.Errorf("%s: %d effects, want 1", key, n)
 		}
 	}
-	if n := calls.Load(); n != 3 {
-		t.Errorf("fn ran %d times, want 3 (once per key)", n)
+	if n := calls.Load(); n != 4 {
+		t.Errorf("fn ran %d times, want 4 (once per key)", n)
 	}
 	page, err := idem.ListUnknown(ctx, pool, 10, nil)
-	if err != nil || len(page) != 3 {
-		t.Fatalf("ListUnknown: %d records, %v; want 3", len(page), err)
+	if err != nil || len(page) != 4 {
+		t.Fatalf("ListUnknown: %d records, %v; want 4", len(page), err)
 	}
 
 	// fn that panics without ending its transaction: nothing remains, and

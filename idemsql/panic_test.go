@@ -52,6 +52,16 @@ func TestFnPanicking(t *testing.T) {
 			}
 			panic(errFnPanic)
 		}
+		// One call alone: the call itself marks the record unknown, before
+		// any duplicate or retry of the key could.
+		if v := recovered(func() { _, _ = idemsql.DoInTx(ctx, db, scope, "alone", fpOf("a"), commitThenPanic) }); v != errFnPanic {
+			t.Fatalf("alone: panicked with %v, want fn's panic", v)
+		}
+		if page, err := idemsql.ListUnknown(ctx, db, 10, nil); err != nil || len(page) != 1 || page[0].Key != "alone" {
+			t.Errorf("ListUnknown after one call: %+v, %v; want the key", page, err)
+		}
+		runs.Store(0)
+
 		var wg sync.WaitGroup
 		for range 6 {
 			wg.Go(func() {
@@ -70,8 +80,8 @@ func TestFnPanicking(t *testing.T) {
 			t.Errorf("fn ran %d times, want once", n)
 		}
 		page, err := idemsql.ListUnknown(ctx, db, 10, nil)
-		if err != nil || len(page) != 1 || page[0].Key != "p" {
-			t.Errorf("ListUnknown: %+v, %v; want the key", page, err)
+		if err != nil || len(page) != 2 || page[1].Key != "p" {
+			t.Errorf("ListUnknown: %+v, %v; want the two keys", page, err)
 		}
 
 		tx, err := db.BeginTx(ctx, nil)
@@ -95,8 +105,8 @@ func TestFnPanicking(t *testing.T) {
 		if err := pool.QueryRow(ctx, `SELECT count(*) FROM effects WHERE key = 'q'`).Scan(&n); err != nil || n != 0 {
 			t.Errorf("%d of fn's effects committed (%v)", n, err)
 		}
-		if keyCount(t, pool) != 1 {
-			t.Errorf("%d key rows, want only the unknown one", keyCount(t, pool))
+		if keyCount(t, pool) != 2 {
+			t.Errorf("%d key rows, want only the two unknown ones", keyCount(t, pool))
 		}
 	})
 }

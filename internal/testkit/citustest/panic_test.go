@@ -5,6 +5,7 @@ import (
 	"database/sql"
 	"errors"
 	"sync"
+	"sync/atomic"
 	"testing"
 
 	"github.com/jackc/pgx/v5"
@@ -23,69 +24,101 @@ func recovered(f func()) (v any) {
 	return nil
 }
 
-// fn commits its transaction and panics, through the coordinator, under
-// concurrent duplicates: DoInTx (pgx, and idemsql's NewCitus on both
-// drivers) marks the claim fn's COMMIT made durable unknown before the
-// panic goes on (ListUnknown lists it); Do on a savepoint of the caller's
-// transaction aborts that transaction, so the caller's COMMIT commits
-// nothing of fn's and no claim.
+// fn commits its transaction and panics, through the coordinator: DoInTx
+// (pgx, and idemsql's NewCitus on both drivers) marks the claim fn's
+// COMMIT made durable unknown before the panic goes on (ListUnknown lists
+// it after one call alone, before any retry could mark it), and under
+// concurrent duplicates fn runs once and its panic goes on once; Do, and
+// DoInTx, on a savepoint of the caller's transaction abort that
+// transaction, so the caller's COMMIT commits nothing of fn's and no
+// claim.
 func TestFnCommittingThenPanicking(t *testing.T) {
 	t.Parallel()
 	ctx := context.Background()
 	_, p := newDB(t)
 	scope := idem.Scope{Actor: "alice", Operation: "order"}
-	storm := func(call func()) {
+	// storm runs call n times at once and returns how many times fn's
+	// panic went on.
+	storm := func(n int, call func()) int {
 		var wg sync.WaitGroup
-		for range 4 {
+		var panics atomic.Int64
+		for range n {
 			wg.Go(func() {
-				if v := recovered(call); v != nil && v != errFnPanic {
+				switch v := recovered(call); v {
+				case nil:
+				case errFnPanic:
+					panics.Add(1)
+				default:
 					t.Errorf("panicked with %v", v)
 				}
 			})
 		}
 		wg.Wait()
+		return int(panics.Load())
 	}
-	storm(func() {
-		_, err := idem.DoInTx(ctx, p, scope, "p1", fp("book"), func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
-			if _, err := order("alice", "p1", "book")(ctx, tx); err != nil {
-				return idem.Response{}, err
+	doInTx := func(key string) func() {
+		return func() {
+			_, err := idem.DoInTx(ctx, p, scope, key, fp("book"), func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+				if _, err := order("alice", key, "book")(ctx, tx); err != nil {
+					return idem.Response{}, err
+				}
+				_ = tx.Commit(ctx)
+				panic(errFnPanic)
+			})
+			if !errors.Is(err, idem.ErrOutcomeUnknown) && !errors.Is(err, idem.ErrInProgress) {
+				t.Errorf("%s, a duplicate: %v", key, err)
 			}
-			_ = tx.Commit(ctx)
-			panic(errFnPanic)
-		})
-		if !errors.Is(err, idem.ErrOutcomeUnknown) && !errors.Is(err, idem.ErrInProgress) {
-			t.Errorf("a duplicate: %v", err)
 		}
+	}
+	if n := storm(1, doInTx("p0")); n != 1 {
+		t.Errorf("p0: the panic went on %d times, want 1", n)
+	}
+	settle(t, p, 1, func(rec idem.Record, res idem.Resolution) error {
+		return idem.Resolve(ctx, p, rec.Scope, rec.Key, res)
 	})
+	if n := storm(4, doInTx("p1")); n != 1 {
+		t.Errorf("p1: the panic went on %d times, want 1 (fn ran once)", n)
+	}
 	if n := ordersOf(t, p, "alice", "p1"); n != 1 {
 		t.Errorf("%d orders, want 1", n)
 	}
-	storm(func() {
-		tx, err := p.Begin(ctx)
-		if err != nil {
-			t.Error(err)
-			return
-		}
-		defer func() { _ = tx.Rollback(ctx) }()
-		nested, err := tx.Begin(ctx)
-		if err != nil {
-			t.Error(err)
-			return
-		}
-		defer func() { _ = tx.Commit(ctx) }() // the caller recovers, and commits
-		_, _ = idem.Do(ctx, nested, scope, "p2", fp("book"), func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
-			if _, err := order("alice", "p2", "book")(ctx, tx); err != nil {
-				return idem.Response{}, err
+	for _, call := range []string{"Do", "DoInTx"} {
+		key := "p2-" + call
+		panics := storm(4, func() {
+			tx, err := p.Begin(ctx)
+			if err != nil {
+				t.Error(err)
+				return
 			}
-			_ = tx.Commit(ctx)
-			panic(errFnPanic)
+			defer func() { _ = tx.Rollback(ctx) }()
+			defer func() { _ = tx.Commit(ctx) }() // the caller recovers, and commits
+			fn := func(ctx context.Context, tx pgx.Tx) (idem.Response, error) {
+				if _, err := order("alice", key, "book")(ctx, tx); err != nil {
+					return idem.Response{}, err
+				}
+				_ = tx.Commit(ctx)
+				panic(errFnPanic)
+			}
+			if call == "DoInTx" {
+				_, _ = idem.DoInTx(ctx, tx, scope, key, fp("book"), fn)
+				return
+			}
+			nested, err := tx.Begin(ctx)
+			if err != nil {
+				t.Error(err)
+				return
+			}
+			_, _ = idem.Do(ctx, nested, scope, key, fp("book"), fn)
 		})
-	})
-	if n := ordersOf(t, p, "alice", "p2"); n != 0 {
-		t.Errorf("Do: %d orders committed", n)
-	}
-	if n := count(t, p, `SELECT count(*) FROM idem_keys WHERE idem_key = 'p2'`); n != 0 {
-		t.Errorf("Do: %d key rows committed", n)
+		if panics < 1 {
+			t.Errorf("%s: fn's panic never went on", call)
+		}
+		if n := ordersOf(t, p, "alice", key); n != 0 {
+			t.Errorf("%s: %d orders committed", call, n)
+		}
+		if n := count(t, p, `SELECT count(*) FROM idem_keys WHERE idem_key = $1`, key); n != 0 {
+			t.Errorf("%s: %d key rows committed", call, n)
+		}
 	}
 	settle(t, p, 1, func(rec idem.Record, res idem.Resolution) error {
 		return idem.Resolve(ctx, p, rec.Scope, rec.Key, res)
@@ -96,18 +129,29 @@ func TestFnCommittingThenPanicking(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		storm(func() {
-			_, err := c.DoInTx(ctx, db, scope, "s1", fp("pen"), func(ctx context.Context, tx *sql.Tx) (idem.Response, error) {
-				if _, err := sqlOrder("alice", "s1", "pen")(ctx, tx); err != nil {
-					return idem.Response{}, err
+		doInTx := func(key string) func() {
+			return func() {
+				_, err := c.DoInTx(ctx, db, scope, key, fp("pen"), func(ctx context.Context, tx *sql.Tx) (idem.Response, error) {
+					if _, err := sqlOrder("alice", key, "pen")(ctx, tx); err != nil {
+						return idem.Response{}, err
+					}
+					_ = tx.Commit()
+					panic(errFnPanic)
+				})
+				if !errors.Is(err, idem.ErrOutcomeUnknown) && !errors.Is(err, idem.ErrInProgress) {
+					t.Errorf("%s, a duplicate: %v", key, err)
 				}
-				_ = tx.Commit()
-				panic(errFnPanic)
-			})
-			if !errors.Is(err, idem.ErrOutcomeUnknown) && !errors.Is(err, idem.ErrInProgress) {
-				t.Errorf("a duplicate: %v", err)
 			}
+		}
+		if n := storm(1, doInTx("s0")); n != 1 {
+			t.Errorf("s0: the panic went on %d times, want 1", n)
+		}
+		settle(t, p, 1, func(rec idem.Record, res idem.Resolution) error {
+			return c.Resolve(ctx, db, rec.Scope, rec.Key, res)
 		})
+		if n := storm(4, doInTx("s1")); n != 1 {
+			t.Errorf("s1: the panic went on %d times, want 1 (fn ran once)", n)
+		}
 		settle(t, p, 1, func(rec idem.Record, res idem.Resolution) error {
 			return c.Resolve(ctx, db, rec.Scope, rec.Key, res)
 		})
