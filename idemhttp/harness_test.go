@@ -181,6 +181,15 @@ func newEnv(t *testing.T, cfg envConfig) *env {
 		_, _ = idemhttp.Tx(r.Context()).Exec(r.Context(), `SELECT 1/0`)
 		w.WriteHeader(http.StatusCreated)
 	})
+	// /commit-panic writes, commits the middleware's transaction itself
+	// and panics (a handler bug: its write is durable, no outcome stored).
+	handle("POST /commit-panic", func(w http.ResponseWriter, r *http.Request) {
+		effect(r)
+		if err := idemhttp.Tx(r.Context()).Commit(r.Context()); err != nil {
+			panic(err)
+		}
+		panic("the handler's panic")
+	})
 	// /refuse: a deterministic refusal after a write.
 	handle("POST /refuse", func(w http.ResponseWriter, r *http.Request) {
 		effect(r)
