@@ -79,6 +79,12 @@ func serve(t testing.TB, db rpctest.DB, o rpctest.Options, outer []connect.Inter
 		procedure = rpctest.Transfer
 	}
 	opts := []connect.HandlerOption{connect.WithRequestInitializer(initRequest),
+		// A handler's panic, which the idempotency interceptor lets go
+		// on, answered INTERNAL, as a service's recovery would: outside
+		// every other interceptor (the first added is the outermost).
+		connect.WithRecover(func(_ context.Context, _ connect.Spec, _ http.Header, v any) error {
+			return connect.NewError(connect.CodeInternal, fmt.Errorf("panic: %v", v))
+		}),
 		connect.WithInterceptors(append(outer, interceptor(db, o))...)}
 	if procedure == rpctest.Transfer {
 		opts = append(opts, connect.WithSchema(rpctest.Method))

@@ -74,7 +74,7 @@ func (transport) Serve(t testing.TB, db rpctest.DB, o rpctest.Options, h rpctest
 	if procedure == "" {
 		procedure = rpctest.Transfer
 	}
-	srv := grpc.NewServer(grpc.UnaryInterceptor(interceptor(db, o)))
+	srv := grpc.NewServer(grpc.ChainUnaryInterceptor(recoverPanic, interceptor(db, o)))
 	srv.RegisterService(serviceDesc(procedure, h), nil)
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
@@ -88,6 +88,18 @@ func (transport) Serve(t testing.TB, db rpctest.DB, o rpctest.Options, h rpctest
 	}
 	t.Cleanup(func() { _ = conn.Close() })
 	return client{conn: conn, procedure: procedure}
+}
+
+// recoverPanic answers a handler's panic, which the idempotency
+// interceptor lets go on, with INTERNAL, as a service's recovery
+// interceptor would (grpc-go's server would crash).
+func recoverPanic(ctx context.Context, req any, _ *grpc.UnaryServerInfo, next grpc.UnaryHandler) (resp any, err error) {
+	defer func() {
+		if v := recover(); v != nil {
+			resp, err = nil, status.Errorf(codes.Internal, "panic: %v", v)
+		}
+	}()
+	return next(ctx, req)
 }
 
 // serviceDesc serves h as procedure, as generated code would.

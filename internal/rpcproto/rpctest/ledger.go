@@ -198,6 +198,9 @@ type Tx interface {
 	Insert(ctx context.Context, note string, amount int64) (int64, error)
 	// Exec runs a statement.
 	Exec(ctx context.Context, sql string) error
+	// Commit commits the transaction (a handler's bug: the interceptor's
+	// transaction is not the handler's to end).
+	Commit(ctx context.Context) error
 }
 
 // TxOf is the Tx of a handler's context: the one of pgxTx and sqlTx that
@@ -225,6 +228,8 @@ func (w pgxWriter) Exec(ctx context.Context, sql string) error {
 	return err
 }
 
+func (w pgxWriter) Commit(ctx context.Context) error { return w.tx.Commit(ctx) }
+
 type sqlWriter struct{ tx *sql.Tx }
 
 func (w sqlWriter) Insert(ctx context.Context, note string, amount int64) (id int64, err error) {
@@ -235,3 +240,5 @@ func (w sqlWriter) Exec(ctx context.Context, sql string) error {
 	_, err := w.tx.ExecContext(ctx, sql)
 	return err
 }
+
+func (w sqlWriter) Commit(context.Context) error { return w.tx.Commit() }

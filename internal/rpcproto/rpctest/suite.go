@@ -317,6 +317,7 @@ func Run(t *testing.T, tr Transport) {
 				{"ReplyTooLarge", testReplyTooLarge},
 				{"HandlerSerializationFailure", testHandlerSerializationFailure},
 				{"HandlerHidingAFailedStatement", testHandlerHidingAFailedStatement},
+				{"HandlerCommittingThenPanicking", testHandlerCommittingThenPanicking},
 				{"ScopeErrors", testScopeErrors},
 				{"NoSchema", testNoSchema},
 				{"UnresolvableReplyType", testUnresolvableReplyType},
@@ -840,6 +841,38 @@ func testHandlerHidingAFailedStatement(e *env) {
 	}
 	if n := e.count(`SELECT count(*) FROM idem_keys`); n != 0 || e.transfers() != 0 {
 		t.Errorf("%d keys, %d rows", n, e.transfers())
+	}
+}
+
+// A handler that commits the interceptor's transaction itself and then
+// panics: the panic goes on (the transport's server, which recovers it
+// outside every interceptor, answers INTERNAL), and the record of the key,
+// whose claim the handler's COMMIT made durable, is unknown at once:
+// ListUnknown lists it before any retry, and a retry is refused with
+// IDEMPOTENCY_OUTCOME_UNKNOWN without running the handler again.
+func testHandlerCommittingThenPanicking(e *env) {
+	t, ctx := e.t, e.t.Context()
+	var runs atomic.Int64
+	insert := Insert(&runs)
+	srv := e.serve(Options{}, func(ctx context.Context, tx Tx, req *dynamicpb.Message) Outcome {
+		insert(ctx, tx, req)
+		if err := tx.Commit(ctx); err != nil {
+			t.Errorf("the handler's COMMIT: %v", err)
+		}
+		panic("the handler's panic")
+	})
+	if a := srv.Call(ctx, "alice", []string{"orphan-1"}, Request("o", 1)); a.Code() != codeInternal {
+		t.Errorf("%s, want INTERNAL (the recovered panic)", a)
+	}
+	if page, err := idem.ListUnknown(ctx, e.check, 10, nil); err != nil || len(page) != 1 || page[0].Key != "orphan-1" {
+		t.Errorf("ListUnknown before any retry: %+v, %v", page, err)
+	}
+	if a := srv.Call(ctx, "alice", []string{"orphan-1"}, Request("o", 1)); a.Code() != codeFailedPrecondition ||
+		a.Reason() != rpcidem.ReasonOutcomeUnknown {
+		t.Errorf("a retry: %s, want %s", a, rpcidem.ReasonOutcomeUnknown)
+	}
+	if runs.Load() != 1 || e.transfers() != 1 {
+		t.Errorf("%d runs, %d rows; want 1 and 1 (the handler's COMMIT)", runs.Load(), e.transfers())
 	}
 }
 
