@@ -3,6 +3,7 @@ package drivertest
 import (
 	"context"
 	"errors"
+	"strings"
 	"testing"
 	"time"
 
@@ -444,6 +445,123 @@ func exerciseExecutor[TTx, TDB any](t *testing.T, h Harness[TTx, TDB]) {
 			}
 			return nil
 		})
+	})
+	t.Run("ExecutorMaintenance", func(t *testing.T) {
+		// Each maintenance statement with rows to act on, and each kind of
+		// attempt ReserveAcquire hands a row over for.
+		ctx := t.Context()
+		d := h.New(settings)
+		db := h.DB(t)
+		inTx := func(f func(tx TTx, ex driver.Executor)) {
+			t.Helper()
+			tx, err := d.Begin(ctx, db)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer d.Rollback(ctx, db, tx) // when f fails the test
+			f(tx, d.Executor(tx))
+			if err := d.Commit(ctx, tx); err != nil {
+				t.Fatal(err)
+			}
+		}
+		exec := func(tx TTx, sql string) {
+			t.Helper()
+			if err := h.Exec(ctx, tx, sql); err != nil {
+				t.Fatalf("%s: %v", sql, err)
+			}
+		}
+		s := ownSpan(t, d, db)
+		succeed(t, s, reply, "old-1", "old-2", "old-3", "body-1", "body-2", "live")
+		window := driver.Reserve{Key: key("window"), Fingerprint: fpA, Lease: time.Hour, ResumeWithin: 2 * time.Hour}
+		ranOut := driver.Reserve{Key: key("ran-out"), Fingerprint: fpA, Lease: time.Hour}
+		inTx(func(tx TTx, ex driver.Executor) {
+			for _, r := range []driver.Reserve{window, ranOut} {
+				if got, err := ex.ReserveInsertOrLock(ctx, r); err != nil || !got.Inserted {
+					t.Fatalf("ReserveInsertOrLock %s: %+v, %v", r.Key.Key, got, err)
+				}
+			}
+			exec(tx, `UPDATE idem_keys SET expires_at = now() - interval '1 second' WHERE idem_key LIKE 'old-%'`)
+			exec(tx, `UPDATE idem_keys SET body_expires_at = now() - interval '1 second' WHERE idem_key LIKE 'body-%'`)
+			exec(tx, `UPDATE idem_keys SET lease_expires_at = now() - interval '1 second' WHERE idem_key IN ('window', 'ran-out')`)
+		})
+		inTx(func(_ TTx, ex driver.Executor) {
+			if err := ex.WalkIndexes(ctx); err != nil {
+				t.Fatal(err)
+			}
+			if n, err := ex.KeyCountPrunable(ctx); err != nil || n != 3 {
+				t.Fatalf("KeyCountPrunable: %d, %v; want 3", n, err)
+			}
+			if n, err := ex.KeyPrune(ctx, 2); err != nil || n != 2 {
+				t.Fatalf("KeyPrune of a batch of 2: %d, %v", n, err)
+			}
+			if n, err := ex.KeyPrune(ctx, 10); err != nil || n != 1 {
+				t.Fatalf("KeyPrune of the rest: %d, %v; want 1", n, err)
+			}
+			if n, err := ex.KeyDropBodies(ctx, 10); err != nil || n != 2 {
+				t.Fatalf("KeyDropBodies: %d, %v; want 2", n, err)
+			}
+			// The lease outside a window turns unknown; the one inside
+			// its window stays for the next Reserve to resume.
+			if n, err := ex.ReserveExpireLeases(ctx, "lease ran out", 10); err != nil || n != 1 {
+				t.Fatalf("ReserveExpireLeases: %d, %v; want 1", n, err)
+			}
+		})
+		inTx(func(_ TTx, ex driver.Executor) {
+			if err := ex.UseIndexes(ctx); err != nil {
+				t.Fatal(err)
+			}
+			for name, gone := range map[string]bool{"body-1": true, "live": false} {
+				if rec, err := ex.KeyLookup(ctx, key(name)); err != nil || rec.Stored.Gone != gone {
+					t.Fatalf("KeyLookup %s: %+v, %v; want gone %v", name, rec.Stored, err, gone)
+				}
+			}
+			if _, err := ex.KeyLookup(ctx, key("old-1")); !errors.Is(err, driver.ErrNoRows) {
+				t.Fatalf("KeyLookup of a pruned key: %v, want ErrNoRows", err)
+			}
+			unknown, err := ex.ReserveListUnknown(ctx, nil, 10)
+			if err != nil || len(unknown) != 1 || unknown[0].Key != ranOut.Key || unknown[0].LastError != "lease ran out" {
+				t.Fatalf("ReserveListUnknown: %+v, %v", unknown, err)
+			}
+			resumable, err := ex.ReserveListResumable(ctx, nil, 10)
+			if err != nil || len(resumable) != 1 || resumable[0].Key != window.Key || resumable[0].ResumeUntil.IsZero() {
+				t.Fatalf("ReserveListResumable: %+v, %v", resumable, err)
+			}
+			// Resume: a new token, a lease no later than the window.
+			row, err := ex.ReserveLock(ctx, window.Key)
+			if err != nil || !row.InWindow {
+				t.Fatalf("ReserveLock of a key in its window: %+v, %v", row, err)
+			}
+			next, lease, err := ex.ReserveAcquire(ctx, window, row.Token, driver.Resume)
+			if err != nil || next <= row.Token || lease.IsZero() || lease.After(resumable[0].ResumeUntil) {
+				t.Fatalf("ReserveAcquire to resume: %d, %v, %v (window until %v)", next, lease, err, resumable[0].ResumeUntil)
+			}
+			// A verdict of failed_retryable, then a new request: a new
+			// token and a window of its own.
+			row, err = ex.ReserveLock(ctx, ranOut.Key)
+			if err != nil || row.Status != "unknown" {
+				t.Fatalf("ReserveLock: %+v, %v", row, err)
+			}
+			if n, err := ex.ReserveResolve(ctx, ranOut.Key, row.Token, driver.Resolve{Status: "failed_retryable", Reason: "not charged"}); err != nil || n != 1 {
+				t.Fatalf("ReserveResolve to failed_retryable: %d, %v", n, err)
+			}
+			rec, err := ex.KeyLookup(ctx, ranOut.Key)
+			if err != nil || rec.Status != "failed_retryable" || rec.ResolveReason != "not charged" || rec.Stored.Valid {
+				t.Fatalf("KeyLookup after Resolve: %+v, %v", rec, err)
+			}
+			fresh := ranOut
+			fresh.ResumeWithin = time.Hour
+			next, lease, err = ex.ReserveAcquire(ctx, fresh, rec.Token, driver.NewRequest)
+			if err != nil || next <= rec.Token || lease.IsZero() {
+				t.Fatalf("ReserveAcquire for a new request: %d, %v, %v", next, lease, err)
+			}
+			if rec, err := ex.KeyLookup(ctx, ranOut.Key); err != nil || rec.Status != "processing" || rec.ResumeUntil.IsZero() ||
+				rec.ResolveReason != "" || rec.LastError != "" {
+				t.Fatalf("KeyLookup of the new request: %+v, %v", rec, err)
+			}
+		})
+		if fix := d.PreparedStatementsFix(); strings.ContainsAny(fix, "\r\n") {
+			t.Errorf("PreparedStatementsFix spans lines: %q", fix)
+		}
 	})
 	t.Run("ExecutorInAbortedTx", func(t *testing.T) {
 		ctx := t.Context()
