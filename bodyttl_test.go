@@ -62,6 +62,14 @@ func TestBodyTTL(t *testing.T) {
 	if n := count(t, pool, `SELECT count(*) FROM idem_keys WHERE body_expires_at IS NOT NULL`); n != 2 {
 		t.Fatalf("%d rows with a body_expires_at, want 2 (the BodyTTL client's)", n)
 	}
+	// Lookup says when the body goes: BodyTTL after the claim; never for
+	// a body that lives as long as its key.
+	if rec, err := short.Lookup(ctx, pool, s, "intx"); err != nil || !rec.BodyExpiresAt.Equal(rec.CreatedAt.Add(life)) {
+		t.Errorf("Lookup: BodyExpiresAt %v, CreatedAt %v (%v); want BodyTTL after it", rec.BodyExpiresAt, rec.CreatedAt, err)
+	}
+	if rec, err := keep.Lookup(ctx, pool, s, "intx-kept"); err != nil || !rec.BodyExpiresAt.IsZero() {
+		t.Errorf("Lookup of a key without BodyTTL: BodyExpiresAt %v (%v), want zero", rec.BodyExpiresAt, err)
+	}
 
 	time.Sleep(life + 100*time.Millisecond)
 	ran := calls.Load()
@@ -108,6 +116,9 @@ func TestBodyTTL(t *testing.T) {
 	}
 	if got := count(t, pool, `SELECT count(*) FROM idem_keys WHERE response_body IS NOT NULL`); got != 2 {
 		t.Errorf("%d rows keep their body, want 2 (the kept client's)", got)
+	}
+	if rec, err := short.Lookup(ctx, pool, s, "intx"); err != nil || !rec.ResponseGone || !rec.BodyExpiresAt.IsZero() {
+		t.Errorf("Lookup after Prune: %+v, %v; want ResponseGone and no BodyExpiresAt", rec, err)
 	}
 	check("after Prune")
 }

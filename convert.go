@@ -32,7 +32,7 @@ func record(r core.Record) Record {
 	return Record{Scope: Scope(r.Scope), Key: r.Key, Status: Status(r.Status), Fingerprint: Fingerprint(r.Fingerprint),
 		Token: r.Token, LastError: r.LastError, ResolveReason: r.ResolveReason, CreatedAt: r.CreatedAt,
 		CompletedAt: r.CompletedAt, ExpiresAt: r.ExpiresAt, LeaseExpiresAt: r.LeaseExpiresAt,
-		ResumeUntil: r.ResumeUntil, UnknownAt: r.UnknownAt, Response: (*Response)(r.Response), ResponseGone: r.ResponseGone}
+		ResumeUntil: r.ResumeUntil, UnknownAt: r.UnknownAt, BodyExpiresAt: r.BodyExpiresAt, Response: (*Response)(r.Response), ResponseGone: r.ResponseGone}
 }
 
 func coreRecord(r *Record) *core.Record {
@@ -42,7 +42,7 @@ func coreRecord(r *Record) *core.Record {
 	return &core.Record{Scope: core.Scope(r.Scope), Key: r.Key, Status: core.Status(r.Status),
 		Fingerprint: core.Fingerprint(r.Fingerprint), Token: r.Token, LastError: r.LastError,
 		ResolveReason: r.ResolveReason, CreatedAt: r.CreatedAt, CompletedAt: r.CompletedAt,
-		ExpiresAt: r.ExpiresAt, LeaseExpiresAt: r.LeaseExpiresAt, ResumeUntil: r.ResumeUntil, UnknownAt: r.UnknownAt,
+		ExpiresAt: r.ExpiresAt, LeaseExpiresAt: r.LeaseExpiresAt, ResumeUntil: r.ResumeUntil, UnknownAt: r.UnknownAt, BodyExpiresAt: r.BodyExpiresAt,
 		Response: (*core.Response)(r.Response), ResponseGone: r.ResponseGone}
 }
 

@@ -36,7 +36,7 @@ func record(r core.Record) idem.Record {
 	return idem.Record{Scope: idem.Scope(r.Scope), Key: r.Key, Status: idem.Status(r.Status), Fingerprint: idem.Fingerprint(r.Fingerprint),
 		Token: r.Token, LastError: r.LastError, ResolveReason: r.ResolveReason, CreatedAt: r.CreatedAt,
 		CompletedAt: r.CompletedAt, ExpiresAt: r.ExpiresAt, LeaseExpiresAt: r.LeaseExpiresAt,
-		ResumeUntil: r.ResumeUntil, UnknownAt: r.UnknownAt, Response: (*idem.Response)(r.Response), ResponseGone: r.ResponseGone}
+		ResumeUntil: r.ResumeUntil, UnknownAt: r.UnknownAt, BodyExpiresAt: r.BodyExpiresAt, Response: (*idem.Response)(r.Response), ResponseGone: r.ResponseGone}
 }
 
 func coreRecord(r *idem.Record) *core.Record {
@@ -46,7 +46,7 @@ func coreRecord(r *idem.Record) *core.Record {
 	return &core.Record{Scope: core.Scope(r.Scope), Key: r.Key, Status: core.Status(r.Status),
 		Fingerprint: core.Fingerprint(r.Fingerprint), Token: r.Token, LastError: r.LastError,
 		ResolveReason: r.ResolveReason, CreatedAt: r.CreatedAt, CompletedAt: r.CompletedAt,
-		ExpiresAt: r.ExpiresAt, LeaseExpiresAt: r.LeaseExpiresAt, ResumeUntil: r.ResumeUntil, UnknownAt: r.UnknownAt,
+		ExpiresAt: r.ExpiresAt, LeaseExpiresAt: r.LeaseExpiresAt, ResumeUntil: r.ResumeUntil, UnknownAt: r.UnknownAt, BodyExpiresAt: r.BodyExpiresAt,
 		Response: (*core.Response)(r.Response), ResponseGone: r.ResponseGone}
 }
 

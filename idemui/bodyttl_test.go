@@ -92,3 +92,49 @@ func TestRecordResponseGone(t *testing.T) {
 		t.Error("docs/console.md's row of GET api/keys/... does not name response_gone")
 	}
 }
+
+// A record whose body has a life of its own (Config.BodyTTL) shows when it
+// goes: on its page, on its timeline and in the API (body_expires_at);
+// one whose body lives as long as the key shows none.
+func TestRecordBodyExpiresAt(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := context.Background()
+	c, err := idem.New(idem.Config{TTL: 2 * time.Hour, BodyTTL: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	plain, err := idem.New(idem.Config{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	scope := idem.Scope{Actor: "acme", Operation: "charge"}
+	for key, cl := range map[string]*idem.Client{"short": c, "whole": plain} {
+		if _, err := cl.DoInTx(ctx, e.pool, scope, key, fp, func(context.Context, pgx.Tx) (idem.Response, error) {
+			return idem.Response{Status: 201, Body: []byte(`{"id":"ch_1"}`)}, nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	rec, err := c.Lookup(ctx, e.pool, scope, "short")
+	if err != nil || rec.BodyExpiresAt.IsZero() {
+		t.Fatalf("Lookup: %+v, %v", rec, err)
+	}
+	for key, want := range map[string]bool{"short": true, "whole": false} {
+		page := e.get(keyPage(scope, key))
+		if page.status != http.StatusOK || strings.Contains(page.body, "<dt>Body kept</dt>") != want ||
+			strings.Contains(page.body, "The stored body&#39;s life ends") != want {
+			t.Errorf("the page of %s: %d, want the body's time shown: %v\n%s", key, page.status, want, page.body)
+		}
+		var out struct {
+			Record struct {
+				BodyExpiresAt *time.Time `json:"body_expires_at"`
+			} `json:"record"`
+		}
+		res := e.get("/idem/api/keys/acme/charge/" + key)
+		if err := json.Unmarshal([]byte(res.body), &out); err != nil || (out.Record.BodyExpiresAt != nil) != want ||
+			want && !out.Record.BodyExpiresAt.Equal(rec.BodyExpiresAt) {
+			t.Errorf("api/keys of %s: %v\n%s", key, err, res.body)
+		}
+	}
+}

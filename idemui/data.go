@@ -438,7 +438,11 @@ type recordJSON struct {
 	ResumeUntil    *time.Time `json:"resume_until,omitempty"`
 	// UnknownAt: when the attempt became unknown (Record.UnknownAt); kept
 	// after a verdict.
-	UnknownAt     *time.Time    `json:"unknown_at,omitempty"`
+	UnknownAt *time.Time `json:"unknown_at,omitempty"`
+	// BodyExpiresAt: when the stored body and headers are dropped
+	// (Record.BodyExpiresAt, Config.BodyTTL); absent when they live as
+	// long as the key, or were dropped.
+	BodyExpiresAt *time.Time    `json:"body_expires_at,omitempty"`
 	LastError     string        `json:"last_error,omitempty"`
 	ResolveReason string        `json:"resolve_reason,omitempty"`
 	Response      *responseJSON `json:"response,omitempty"`
@@ -480,6 +484,10 @@ func newRecordJSON(rec idem.Record, now time.Time) recordJSON {
 	if !rec.UnknownAt.IsZero() {
 		t := rec.UnknownAt
 		out.UnknownAt = &t
+	}
+	if !rec.BodyExpiresAt.IsZero() {
+		t := rec.BodyExpiresAt
+		out.BodyExpiresAt = &t
 	}
 	if !rec.LeaseExpiresAt.IsZero() {
 		t := rec.LeaseExpiresAt

@@ -580,6 +580,7 @@ func timeline(rec idem.Record, entries []audit.Entry, attempt int64, now time.Ti
 		add(e.At, fmt.Sprintf("%s: %s", e.Operator, actionText(e)))
 	}
 	if rec.Status != idem.StatusProcessing && rec.Status != idem.StatusUnknown {
+		add(rec.BodyExpiresAt, "The stored body's life ends (Config.BodyTTL): a retry then gets the status alone")
 		add(rec.ExpiresAt, "The key expires: a request with it then runs as a new one")
 	}
 	if rec.Status == idem.StatusProcessing || rec.Status == idem.StatusUnknown || rec.Status == idem.StatusFailedRetryable {

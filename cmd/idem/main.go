@@ -805,6 +805,9 @@ func recordFields(r idem.Record) []field {
 		f = append(f, field{"completed_at", r.CompletedAt})
 	}
 	f = append(f, field{"expires_at", r.ExpiresAt})
+	if !r.BodyExpiresAt.IsZero() {
+		f = append(f, field{"body_expires_at", r.BodyExpiresAt})
+	}
 	if r.Token != 0 {
 		f = append(f, field{"token", r.Token})
 	}

@@ -759,7 +759,8 @@ func TestCLIInspectFieldsAgree(t *testing.T) {
 
 // inspect tells a body dropped after its life (Config.BodyTTL) from an
 // empty one, in text and JSON: a gone response shows its status and says
-// it is gone, with no body or headers.
+// it is gone, with no body or headers; body_expires_at says when the body
+// goes.
 func TestCLIInspectGoneBody(t *testing.T) {
 	ctx := t.Context()
 	pool := pgtest.Pool(t, idem.Migrate)
@@ -783,7 +784,8 @@ func TestCLIInspectGoneBody(t *testing.T) {
 	for key, gone := range map[string]bool{"empty": false, "gone": true} {
 		out, _, code := runCLI(t, url, "inspect", "--json", "alice", "draw", key)
 		var fields struct {
-			Response map[string]any `json:"response"`
+			Response      map[string]any `json:"response"`
+			BodyExpiresAt *time.Time     `json:"body_expires_at"`
 		}
 		if code != exitOK || json.Unmarshal([]byte(out), &fields) != nil {
 			t.Fatalf("%s: inspect --json: exit %d\n%s", key, code, out)
@@ -791,6 +793,9 @@ func TestCLIInspectGoneBody(t *testing.T) {
 		_, hasBody := fields.Response["body"]
 		if fields.Response["gone"] != (map[bool]any{true: true}[gone]) || hasBody == gone || fields.Response["status"] != float64(201) {
 			t.Errorf("%s: inspect --json response %v, want gone %v", key, fields.Response, gone)
+		}
+		if fields.BodyExpiresAt == nil { // BodyTTL: when the body goes (or went), until Prune drops it
+			t.Errorf("%s: inspect --json has no body_expires_at\n%s", key, out)
 		}
 		text, _, code := runCLI(t, url, "inspect", "alice", "draw", key)
 		if code != exitOK || strings.Contains(text, "(gone") != gone || strings.Contains(text, `response_body    ""`) == gone {

@@ -379,6 +379,7 @@ func newRecord(k driver.Record) (Record, error) {
 		LeaseExpiresAt: k.LeaseExpiresAt,
 		ResumeUntil:    k.ResumeUntil,
 		UnknownAt:      k.UnknownAt,
+		BodyExpiresAt:  k.BodyExpiresAt,
 	}
 	switch {
 	case k.Stored.Valid && k.Stored.Gone:

@@ -111,6 +111,12 @@ type Record struct {
 	// attempt clears it. Zero when the attempt never became unknown, or
 	// became unknown before migration 10, which records it.
 	UnknownAt time.Time
+	// BodyExpiresAt is when the stored response's body and headers are
+	// dropped (Config.BodyTTL, BodyTTLFor: a replay past it gets
+	// ErrResponseGone, and Prune drops them); zero when the body lives as
+	// long as the key (the default, every reservation and every response
+	// Resolve stored), and once Prune has dropped it (ResponseGone).
+	BodyExpiresAt time.Time
 	// Response is the stored outcome; nil when none is stored.
 	Response *Response
 	// ResponseGone: the response's body and headers were dropped, or their

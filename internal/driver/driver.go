@@ -354,6 +354,7 @@ type Record struct {
 	LeaseExpiresAt time.Time // zero: NULL
 	ResumeUntil    time.Time // zero: NULL
 	UnknownAt      time.Time // zero: NULL
+	BodyExpiresAt  time.Time // zero: NULL
 }
 
 // Reserve asks for a reservation of a key.

@@ -255,6 +255,7 @@ func record(k db.IdemKey) driver.Record {
 		LastError: k.LastError.String, ResolveReason: k.ResolveReason.String,
 		CreatedAt: k.CreatedAt.Time, CompletedAt: k.CompletedAt.Time, ExpiresAt: k.ExpiresAt.Time,
 		LeaseExpiresAt: k.LeaseExpiresAt.Time, ResumeUntil: k.ResumeUntil.Time, UnknownAt: k.UnknownAt.Time,
+		BodyExpiresAt: k.BodyExpiresAt.Time,
 	}
 }
 

@@ -207,6 +207,7 @@ func record(k dbsql.IdemKey) driver.Record {
 		LastError: k.LastError.String, ResolveReason: k.ResolveReason.String,
 		CreatedAt: k.CreatedAt, CompletedAt: k.CompletedAt.Time, ExpiresAt: k.ExpiresAt,
 		LeaseExpiresAt: k.LeaseExpiresAt.Time, ResumeUntil: k.ResumeUntil.Time, UnknownAt: k.UnknownAt.Time,
+		BodyExpiresAt: k.BodyExpiresAt.Time,
 	}
 }
 
