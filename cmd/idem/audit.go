@@ -160,12 +160,12 @@ func entryJSON(a audit.Entry) map[string]any {
 
 // auditedResolve is idem.Resolve with its audit row, as resolve runs it.
 func auditedResolve(ctx context.Context, db idem.Beginner, operator string, scope idem.Scope, key string, res idem.Resolution) error {
-	_, _, err := audit.Resolve(ctx, db, nil, operator, scope, key, res)
+	_, _, err := audit.Resolve(ctx, db, operatorClient, operator, scope, key, res)
 	return err
 }
 
 // auditedForget is idem.Forget with its audit row, as forget runs it.
 func auditedForget(ctx context.Context, db idem.Beginner, operator string, scope idem.Scope, key, reason string) error {
-	_, err := audit.Forget(ctx, db, nil, operator, scope, key, nil, reason)
+	_, err := audit.Forget(ctx, db, operatorClient, operator, scope, key, nil, reason)
 	return err
 }

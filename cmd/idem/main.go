@@ -31,6 +31,7 @@ import (
 	"io"
 	"maps"
 	"mime"
+	"net/http"
 	"os"
 	"os/signal"
 	"regexp"
@@ -39,6 +40,7 @@ import (
 	"strings"
 	"time"
 	"unicode"
+	"unicode/utf8"
 
 	"github.com/jackc/pgerrcode"
 	"github.com/jackc/pgx/v5/pgconn"
@@ -87,10 +89,10 @@ Commands:
   forget <actor> <operation> <key> [--reason R] [--operator NAME]
                                 delete a finished key's record: the key is free again
   stats                         keys by status, oldest in flight, table and index size
-  expire-leases [--batch N]     turn reservations whose lease ran out unknown, so that
-                                unknown list shows them
-  unknown list                  list the records whose outcome is unknown, oldest first
-                                (read-only; leases that ran out: run expire-leases first)
+  expire-leases [--batch N]     turn reservations whose lease ran out unknown, and fence
+                                their late workers
+  unknown list                  list the records whose outcome is unknown, and the leases
+                                that ran out (still processing), oldest first (read-only)
   resolve <actor> <operation> <key> --token T (--succeeded [--status N] [--body B | --body-file F] | --retryable) --reason R [--operator NAME]
                                 reconcile an unknown outcome
   audit list                    the operators' trail of resolve, forget and the console, newest first
@@ -308,7 +310,7 @@ var commands = map[string]command{
 	"unknown": {
 		usage: "unknown list [--limit N]",
 		help: "Lists the records whose outcome is unknown (a reservation may or may not have done its work)\nand that need a person, oldest first: not those inside their window (ReserveOptions.ResumeWithin),\nwhich resume by themselves. Reconcile each with resolve after checking the outside system. It only reads:\n" +
-			"a reservation whose lease ran out but that is still processing is not listed (its worker may\nstill complete it); run idem expire-leases first to turn such reservations unknown.",
+			"a reservation whose lease ran out is listed at once, still processing (its status says so; its\nworker may still complete it): idem expire-leases turns it unknown and fences that worker.",
 		flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			limit := fs.Int("limit", 100, "list at most `N` records")
 			return func(ctx context.Context, e *env, args []string) error { return unknownList(ctx, e, args, *limit) }
@@ -544,6 +546,27 @@ func prune(ctx context.Context, e *env, args []string, opts idem.PruneOptions) e
 }
 
 // keyArgs parses <actor> <operation> <key>.
+// invisible reports whether r, in a value inspect prints, could move the
+// cursor, hide text or reorder it (a control character, a format character
+// such as U+202E, invalid UTF-8): the value is then quoted.
+func invisible(r rune) bool {
+	return r != ' ' && !unicode.IsGraphic(r) || r == utf8.RuneError
+}
+
+// operatorClient makes the calls of the commands that act on one stored
+// record (inspect, forget, resolve) and of the console (ui): it accepts
+// every key a service may have stored (Config.MaxKeyLength may be up to
+// 1024 bytes; with the default 255 a longer key could be listed but not
+// opened or settled). A key longer than the service's own limit finds no
+// record.
+var operatorClient = func() *idem.Client {
+	c, err := idem.New(idem.Config{MaxKeyLength: 1024})
+	if err != nil {
+		panic(err)
+	}
+	return c
+}()
+
 func keyArgs(args []string) (idem.Scope, string, error) {
 	if err := wantArgs(args, 3, "<actor> <operation> <key>"); err != nil {
 		return idem.Scope{}, "", err
@@ -561,7 +584,7 @@ func inspect(ctx context.Context, e *env, args []string) error {
 		return err
 	}
 	defer pool.Close()
-	rec, err := idem.Lookup(ctx, pool, scope, key)
+	rec, err := operatorClient.Lookup(ctx, pool, scope, key)
 	if err != nil {
 		return err
 	}
@@ -669,8 +692,10 @@ func unknownList(ctx context.Context, e *env, args []string, limit int) error {
 	var sb strings.Builder
 	for _, r := range all {
 		out = append(out, recordJSON(r))
-		fmt.Fprintf(&sb, "%s  %s  %s  %s  token %d  %s\n", r.CreatedAt.UTC().Format(time.RFC3339),
-			r.Scope.Actor, r.Scope.Operation, r.Key, r.Token, r.LastError)
+		// Stored strings shown so that none can move the cursor or
+		// forge a line (as audit list shows them).
+		fmt.Fprintf(&sb, "%s  %s  %s  %s  token %d  %s  %s\n", r.CreatedAt.UTC().Format(time.RFC3339),
+			shown(r.Scope.Actor), shown(r.Scope.Operation), shown(r.Key), r.Token, r.Status, shown(r.LastError))
 	}
 	if len(all) == 0 {
 		sb.WriteString("no unknown outcomes\n")
@@ -750,6 +775,14 @@ func resolve(ctx context.Context, e *env, args []string, o resolveFlags) error {
 			if body, err = os.ReadFile(o.bodyFile); err != nil {
 				return usagef("--body-file: %v", err)
 			}
+		}
+		// As the console: a status the client can be answered again, and
+		// no body for one that has none.
+		if o.status < 200 || o.status > 599 {
+			return usagef("--status %d is not a status a client can be answered again: give one from 200 to 599", o.status)
+		}
+		if (o.status == http.StatusNoContent || o.status == http.StatusNotModified) && len(body) > 0 {
+			return usagef("a %d answer has no body, and this one has %d bytes: drop the body, or give the status the service answered with it", o.status, len(body))
 		}
 		if len(body) > 0 && isJSONType(o.contentType) && !json.Valid(body) {
 			return usagef("the body is not valid JSON, and --content-type says %s: fix the body or give the right --content-type", o.contentType)
@@ -848,8 +881,8 @@ func recordJSON(r idem.Record) map[string]any {
 func recordText(r idem.Record) string {
 	var sb strings.Builder
 	line := func(name, value string) {
-		if strings.ContainsFunc(value, unicode.IsControl) {
-			value = strconv.Quote(value)
+		if strings.ContainsFunc(value, invisible) {
+			value = strconv.QuoteToGraphic(value)
 		}
 		fmt.Fprintf(&sb, "%-16s %s\n", name, value)
 	}

@@ -858,3 +858,54 @@ func TestCLIHelpSpellsFlags(t *testing.T) {
 		t.Errorf("a flag error spells the flag -name:\n%s", errOut)
 	}
 }
+
+// An incident's commands on what services store: a key up to 1024 bytes
+// (Config.MaxKeyLength's limit) opens and settles; resolve refuses a
+// status the client could not be answered again, as the console does,
+// changing nothing; unknown list shows stored strings so that none can
+// move the cursor or hide a line, and says which records are still
+// processing (a lease that ran out).
+func TestCLIIncident(t *testing.T) {
+	ctx := t.Context()
+	pool := pgtest.Pool(t, idem.Migrate)
+	url := pool.Config().ConnString()
+	long, err := idem.New(idem.Config{MaxKeyLength: 1024})
+	if err != nil {
+		t.Fatal(err)
+	}
+	scope := idem.Scope{Actor: "alice\x1b[2K", Operation: "pay"}
+	key := strings.Repeat("k", 306)
+	r, err := long.Reserve(ctx, pool, scope, key, idem.FingerprintParts([]byte("p")), time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := long.MarkUnknown(ctx, pool, r, "provider said: 502\r\x1b[2K"); err != nil {
+		t.Fatal(err)
+	}
+	out, _, code := runCLI(t, url, "unknown", "list")
+	if code != exitOK || strings.ContainsAny(out, "\r\x1b") || !strings.Contains(out, `"provider said: 502\r\x1b[2K"`) ||
+		!strings.Contains(out, "  unknown  ") {
+		t.Errorf("unknown list: exit %d\n%q", code, out)
+	}
+	if out, errOut, code := runCLI(t, url, "inspect", scope.Actor, "pay", key); code != exitOK || !strings.Contains(out, "unknown") ||
+		strings.ContainsAny(out, "\r\x1b") {
+		t.Errorf("inspect of a 306-byte key: exit %d\n%s%s", code, out, errOut)
+	}
+	token := strconv.FormatInt(r.Token, 10)
+	for _, bad := range [][]string{{"--status", "101"}, {"--status", "0"}, {"--status", "600"}, {"--status", "204", "--body", `{"a":1}`}} {
+		args := append([]string{"resolve", scope.Actor, "pay", key, "--token", token, "--succeeded", "--reason", "found"}, bad...)
+		if _, errOut, code := runCLI(t, url, args...); code != exitUsage || !strings.Contains(errOut, "status") {
+			t.Errorf("resolve %v: exit %d: %s", bad, code, errOut)
+		}
+	}
+	if rec, err := long.Lookup(ctx, pool, scope, key); err != nil || rec.Status != idem.StatusUnknown {
+		t.Fatalf("after refused verdicts: %+v, %v", rec, err)
+	}
+	if _, errOut, code := runCLI(t, url, "resolve", scope.Actor, "pay", key, "--token", token, "--succeeded", "--status", "204",
+		"--reason", "found"); code != exitOK {
+		t.Fatalf("resolve of a 306-byte key: exit %d: %s", code, errOut)
+	}
+	if rec, err := long.Lookup(ctx, pool, scope, key); err != nil || rec.Status != idem.StatusSucceeded || rec.Response.Status != 204 {
+		t.Fatalf("after the verdict: %+v, %v", rec, err)
+	}
+}

@@ -364,7 +364,7 @@ func serveUI(ctx context.Context, e *env, args []string, o uiFlags) error {
 		return err
 	}
 	defer pool.Close()
-	h, err := idemui.New(idemui.Options{DB: pool, Prefix: o.prefix, ReadOnly: o.readOnly, Authorize: authorize})
+	h, err := idemui.New(idemui.Options{DB: pool, Client: operatorClient, Prefix: o.prefix, ReadOnly: o.readOnly, Authorize: authorize})
 	if err != nil {
 		return usageError{err.Error()}
 	}
