@@ -285,7 +285,7 @@ func (c *cancelBody) Close() error {
 func (b *attempts) send() (*http.Response, error) {
 	b.sent++
 	body := b.body
-	if b.sent > 1 {
+	if b.sent > 1 && b.getBody != nil { // none: a request without a body
 		var err error
 		if body, err = b.getBody(); err != nil {
 			return nil, &errBody{err}

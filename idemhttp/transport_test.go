@@ -853,3 +853,39 @@ func TestTransportRefusesBadHeader(t *testing.T) {
 		t.Errorf("%d attempts reached the server, want 1", n)
 	}
 }
+
+// A request without a body (a GET, a DELETE, a bodiless POST) is retried
+// as it was sent, without a body; a second attempt used to panic (no
+// GetBody to read the body again).
+func TestTransportRetriesBodilessRequests(t *testing.T) {
+	t.Parallel()
+	for _, method := range []string{http.MethodGet, http.MethodDelete, http.MethodPost} {
+		t.Run(method, func(t *testing.T) {
+			t.Parallel()
+			var n atomic.Int64
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				if b, _ := io.ReadAll(r.Body); len(b) != 0 || r.ContentLength > 0 {
+					t.Errorf("attempt %d carried a body: %q", n.Load()+1, b)
+				}
+				if n.Add(1) == 1 {
+					w.WriteHeader(http.StatusServiceUnavailable)
+					return
+				}
+				w.WriteHeader(http.StatusOK)
+			}))
+			defer srv.Close()
+			req, err := http.NewRequestWithContext(t.Context(), method, srv.URL, nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp, err := (&http.Client{Transport: &idemhttp.Transport{}}).Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp.Body.Close()
+			if resp.StatusCode != http.StatusOK || n.Load() != 2 {
+				t.Fatalf("%d after %d attempts, want 200 after 2", resp.StatusCode, n.Load())
+			}
+		})
+	}
+}
