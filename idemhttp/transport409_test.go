@@ -129,3 +129,45 @@ func TestTransportAttemptTimeout(t *testing.T) {
 		}
 	}
 }
+
+// A 409 in progress that asks for no wait (Retry-After: 0, or a date
+// already past by the caller's clock: skew) is waited out with the
+// backoff, not retried at once: 409s do not count toward MaxAttempts, so
+// it used to make thousands of requests a second until MaxElapsed.
+func TestTransportConflictRetryAfterNoWait(t *testing.T) {
+	t.Parallel()
+	for name, after := range map[string]func() string{
+		"zero":      func() string { return "0" },
+		"past date": func() string { return time.Now().Add(-2 * time.Second).UTC().Format(http.TimeFormat) },
+	} {
+		t.Run(name, func(t *testing.T) {
+			t.Parallel()
+			var n atomic.Int64
+			start := time.Now()
+			srv := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+				n.Add(1)
+				if time.Since(start) < 500*time.Millisecond {
+					w.Header().Set("Retry-After", after())
+					w.WriteHeader(http.StatusConflict)
+					return
+				}
+				w.WriteHeader(http.StatusCreated)
+			}))
+			defer srv.Close()
+			req, err := http.NewRequestWithContext(t.Context(), http.MethodPost, srv.URL, strings.NewReader("{}"))
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp, err := (&http.Client{Transport: &idemhttp.Transport{}}).Do(req)
+			if err != nil {
+				t.Fatal(err)
+			}
+			resp.Body.Close()
+			// The backoff (100 ms base, doubling, full jitter) makes a
+			// handful of attempts in 500 ms; none at all made thousands.
+			if got := n.Load(); resp.StatusCode != http.StatusCreated || got > 30 {
+				t.Fatalf("%d after %d attempts in about 500 ms: 409s retried without a pause", resp.StatusCode, got)
+			}
+		})
+	}
+}

@@ -246,10 +246,13 @@ func (p Policy) next(ctx context.Context, start time.Time, counted, n int, v Ver
 
 // wait is the wait after attempt n: the receiver's request capped by
 // maxDelay, or a random wait between zero and min(maxDelay,
-// baseDelay × 2^(n-1)) (full jitter).
+// baseDelay × 2^(n-1)) (full jitter). A request of no wait (Retry-After: 0,
+// or a date already past by this clock) is taken as none: the backoff
+// decides, so that answers that do not count toward maxAttempts (in
+// progress) cannot loop without a pause.
 func (p Policy) wait(n int, v Verdict) time.Duration {
-	if v.HasAfter {
-		return min(max(v.After, 0), p.maxDelay)
+	if v.HasAfter && v.After > 0 {
+		return min(v.After, p.maxDelay)
 	}
 	bound := p.maxDelay
 	if n-1 < 62 && p.baseDelay <= p.maxDelay>>(n-1) {

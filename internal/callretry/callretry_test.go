@@ -30,7 +30,8 @@ func TestNewDefaults(t *testing.T) {
 }
 
 // The backoff's waits stay within full jitter's bounds; the receiver's
-// wait is taken as it is, capped by MaxDelay.
+// wait is taken as it is, capped by MaxDelay; a receiver's request of no
+// wait (0, or a past date: negative) is the backoff's.
 func TestWait(t *testing.T) {
 	p := Policy{maxAttempts: 100, maxElapsed: time.Hour, baseDelay: 10 * time.Millisecond, maxDelay: time.Second}
 	for n := 1; n <= 80; n++ {
@@ -42,10 +43,23 @@ func TestWait(t *testing.T) {
 		}
 	}
 	for after, want := range map[time.Duration]time.Duration{
-		-time.Second: 0, 0: 0, 300 * time.Millisecond: 300 * time.Millisecond, time.Hour: time.Second,
+		300 * time.Millisecond: 300 * time.Millisecond, time.Hour: time.Second,
 	} {
 		if w := p.wait(1, Verdict{After: after, HasAfter: true}); w != want {
 			t.Errorf("Retry-After %s: wait %s, want %s", after, w, want)
+		}
+	}
+	for _, after := range []time.Duration{-time.Second, 0} {
+		seen := map[time.Duration]bool{}
+		for range 200 {
+			w := p.wait(3, Verdict{After: after, HasAfter: true})
+			if w < 0 || w > 4*p.baseDelay {
+				t.Fatalf("Retry-After %s: wait %s, want the backoff's, within [0, %s]", after, w, 4*p.baseDelay)
+			}
+			seen[w] = true
+		}
+		if len(seen) < 10 {
+			t.Errorf("Retry-After %s: %d distinct waits in 200, want the backoff's jitter", after, len(seen))
 		}
 	}
 	zero := Policy{maxAttempts: 2, maxElapsed: time.Hour, maxDelay: time.Second}
