@@ -135,11 +135,18 @@ type Relay struct {
 }
 
 // NewRelay returns a relay that sends the outbox of db's database with
-// opts. db is typically a *pgxpool.Pool (see RelayOptions.PollOnly). A nil
-// db is ErrInvalidArgument; options out of range ErrInvalidConfig.
+// opts. db is typically a *pgxpool.Pool (see RelayOptions.PollOnly); Run
+// uses it from several goroutines at once (claims, records, pruning), so a
+// single connection (*pgx.Conn, pgx.Tx) cannot serve it. A nil db, or one
+// of those, is ErrInvalidArgument; options out of range ErrInvalidConfig.
 func NewRelay(db Beginner, opts RelayOptions) (*Relay, error) {
 	if db == nil {
 		return nil, core.Errorf("idem: new relay: %w: nil db", ErrInvalidArgument)
+	}
+	switch db.(type) {
+	case *pgx.Conn, pgx.Tx:
+		return nil, core.Errorf("idem: new relay: %w: a %T is one connection, which Run would use from several goroutines "+
+			"at once (claims, records, pruning): give it a *pgxpool.Pool", ErrInvalidArgument, db)
 	}
 	if err := opts.fill(); err != nil {
 		return nil, core.Errorf("idem: new relay: %w: %s", ErrInvalidConfig, err.Error())
@@ -944,8 +951,8 @@ func readBatch(br pgx.BatchResults, read func(pgx.BatchResults) error) error {
 }
 
 // pipeline sends b on the relay's db and reads its results with read: on a
-// *pgxpool.Pool or a *pgx.Conn in one round trip, as one implicit
-// transaction; on another Beginner in a transaction begun on it.
+// *pgxpool.Pool in one round trip, as one implicit transaction; on another
+// Beginner in a transaction begun on it.
 func (r *Relay) pipeline(ctx context.Context, b *pgx.Batch, read func(pgx.BatchResults) error) error {
 	run := func(sb batchSender) error {
 		br := sb.SendBatch(ctx, b)
@@ -961,8 +968,7 @@ func (r *Relay) pipeline(ctx context.Context, b *pgx.Batch, read func(pgx.BatchR
 	return pgx.BeginFunc(ctx, r.db, func(tx pgx.Tx) error { return run(tx) })
 }
 
-// batchSender sends a pipeline of statements (*pgxpool.Pool, *pgx.Conn,
-// pgx.Tx).
+// batchSender sends a pipeline of statements (*pgxpool.Pool, pgx.Tx).
 type batchSender interface {
 	SendBatch(ctx context.Context, b *pgx.Batch) pgx.BatchResults
 }

@@ -507,6 +507,24 @@ func TestNewRelayRefusesBadOptions(t *testing.T) {
 	if _, err := idem.NewRelay(nil, idem.RelayOptions{Sender: s}); !errors.Is(err, idem.ErrInvalidArgument) {
 		t.Fatalf("nil db: %v", err)
 	}
+	// One connection cannot serve Run's goroutines (it sent nothing, and
+	// raced, on a *pgx.Conn).
+	pool := newPool(t)
+	conn, err := pgx.Connect(t.Context(), pool.Config().ConnString())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(context.Background())
+	tx, err := pool.Begin(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(context.Background())
+	for name, db := range map[string]idem.Beginner{"*pgx.Conn": conn, "pgx.Tx": tx} {
+		if _, err := idem.NewRelay(db, idem.RelayOptions{Sender: s}); !errors.Is(err, idem.ErrInvalidArgument) || !strings.Contains(err.Error(), "pgxpool") {
+			t.Errorf("%s: %v, want ErrInvalidArgument naming a pool", name, err)
+		}
+	}
 }
 
 // noDB is a Beginner that never begins.
