@@ -3,6 +3,7 @@ package idemhttp
 import (
 	"bytes"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
@@ -97,8 +98,14 @@ const (
 //   - the event's Header, which cannot replace webhook-id, Idempotency-Key,
 //     webhook-timestamp or webhook-signature.
 //
-// Send returns nil when the endpoint answered 2xx. Otherwise:
+// Send returns nil when the endpoint answered 2xx, or 410 with idemhttp's
+// IDEMPOTENCY_RESPONSE_EXPIRED problem (the receiver processed the event,
+// then dropped its stored response after Config.BodyTTL). Otherwise:
 //
+//   - 202 with Retry-After and the document {"status":"processing"} alone
+//     (idemhttp's answer to a duplicate of a delivery still running, with
+//     Options.StatusURL; that run may yet fail): a *WebhookError, retried
+//     after the Retry-After;
 //   - 410 Gone: idem.Permanent(*WebhookError): the endpoint is gone and the
 //     relay stops at once;
 //   - 422 with idemhttp's IDEMPOTENCY_KEY_REUSED problem (WebhookHandler's
@@ -248,13 +255,25 @@ func (s WebhookSender) Send(ctx context.Context, d idem.Delivery) error {
 		return redactURL(err)
 	}
 	defer resp.Body.Close()
-	if resp.StatusCode >= 200 && resp.StatusCode < 300 {
+	if resp.StatusCode >= 200 && resp.StatusCode < 300 && resp.StatusCode != http.StatusAccepted {
 		_, _ = io.CopyN(io.Discard, resp.Body, discardLimit) // so the connection is used again
 		return nil
 	}
 	head, _ := io.ReadAll(io.LimitReader(resp.Body, discardLimit))
 	werr := &WebhookError{StatusCode: resp.StatusCode, Header: resp.Header, Body: head[:min(len(head), webhookErrorBody)]}
 	switch {
+	case resp.StatusCode == http.StatusAccepted && inFlight(resp.Header, head):
+		// idemhttp's answer to a duplicate of a delivery still running
+		// (Options.StatusURL): that run may yet fail and store nothing,
+		// so the event is not delivered; sent again after Retry-After.
+		return werr
+	case resp.StatusCode == http.StatusAccepted:
+		return nil
+	case resp.StatusCode == http.StatusGone && problemCode(resp.Header, head) == CodeResponseExpired:
+		// idemhttp's answer to a redelivery of an event it processed,
+		// whose stored response it dropped after Config.BodyTTL: the
+		// first run happened.
+		return nil
 	case resp.StatusCode == http.StatusGone:
 		return idem.Permanent(werr)
 	case resp.StatusCode == http.StatusUnprocessableEntity &&
@@ -263,6 +282,31 @@ func (s WebhookSender) Send(ctx context.Context, d idem.Delivery) error {
 		return idem.Permanent(werr)
 	}
 	return werr
+}
+
+// inFlight reports whether a 202 Accepted is idemhttp's answer to a
+// duplicate of a request still running (writeAccepted): Retry-After, and
+// the JSON document {"status":"processing"} alone. A receiver that accepted
+// an event for later work answers otherwise; should one answer exactly so,
+// the event is sent again, which the receiver deduplicates by its ID.
+func inFlight(h http.Header, body []byte) bool {
+	if h.Get("Retry-After") == "" {
+		return false
+	}
+	var doc map[string]any
+	return json.Unmarshal(body, &doc) == nil && len(doc) == 1 && doc["status"] == AcceptedStatusProcessing
+}
+
+// problemCode is the "code" member of a problem+json answer ("" for none).
+func problemCode(h http.Header, body []byte) string {
+	if !strings.HasPrefix(h.Get("Content-Type"), ContentTypeProblem) {
+		return ""
+	}
+	var p struct {
+		Code string `json:"code"`
+	}
+	_ = json.Unmarshal(body, &p)
+	return p.Code
 }
 
 // redactURL returns err, the error of http.Client.Do (a *url.Error), with

@@ -731,3 +731,75 @@ func TestWebhookSenderClients(t *testing.T) {
 		t.Fatalf("redirect: %v", err)
 	}
 }
+
+// WebhookSender against idem's own receiver (Middleware): a duplicate of a
+// delivery still running, answered 202 {"status":"processing"} (StatusURL),
+// is not a delivery (that run may yet fail and store nothing) but an error
+// the relay retries after Retry-After; a redelivery of an event processed
+// whose stored response was dropped (BodyTTL), answered 410
+// IDEMPOTENCY_RESPONSE_EXPIRED, is delivered, not a gone endpoint.
+func TestWebhookSenderToIdemReceiver(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	pool := newPool(t, migrate)
+	const secret = "whsec_MfKQ9r8GKYqrTwjUPD8ILPZIo2LaLaSw"
+	var runs atomic.Int64
+	started, release := make(chan struct{}, 1), make(chan struct{})
+	mux := http.NewServeMux()
+	mux.Handle("POST /slow", idemhttp.Middleware(pool, idemhttp.Options{
+		Actor: func(*http.Request) (string, error) { return "sender", nil }, StatusURL: "/status",
+		Config: idem.Config{Wait: 50 * time.Millisecond},
+	})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		runs.Add(1)
+		select {
+		case started <- struct{}{}:
+		default:
+		}
+		<-release
+		w.WriteHeader(http.StatusInternalServerError) // the run fails: nothing stored
+	})))
+	mux.Handle("POST /short", idemhttp.Middleware(pool, idemhttp.Options{
+		Actor:  func(*http.Request) (string, error) { return "sender", nil },
+		Config: idem.Config{BodyTTL: 50 * time.Millisecond},
+	})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		runs.Add(1)
+		w.WriteHeader(http.StatusNoContent)
+	})))
+	srv := httptest.NewServer(mux)
+	defer srv.Close()
+	sender := func(path string) idemhttp.WebhookSender {
+		return idemhttp.WebhookSender{
+			Client: idemhttp.NewClient(&idemhttp.Transport{Policy: idem.RetryPolicy{MaxAttempts: 1}}, 10*time.Second),
+			Endpoint: func(context.Context, string) (idemhttp.Endpoint, error) {
+				return idemhttp.Endpoint{URL: srv.URL + path, Secrets: []string{secret}}, nil
+			},
+		}
+	}
+	d := idem.Delivery{Attempt: 1, Event: idem.Event{ID: "3f1c0a52-9d4b-4f8e-a3b6-2e5f8d9c0b14", Topic: "t", Destination: "d", Payload: []byte(`{}`)}}
+
+	first := make(chan error, 1)
+	go func() { first <- sender("/slow").Send(ctx, d) }()
+	<-started
+	err := sender("/slow").Send(ctx, d)
+	var werr *idemhttp.WebhookError
+	if !errors.As(err, &werr) || werr.StatusCode != http.StatusAccepted || idem.IsPermanent(err) || werr.RetryAfter() <= 0 {
+		t.Errorf("a duplicate of a delivery still running: %v; want a WebhookError 202 to retry after Retry-After", err)
+	}
+	close(release)
+	if err := <-first; err == nil {
+		t.Error("the first delivery, answered 500: nil")
+	}
+	if err := sender("/slow").Send(ctx, d); err == nil || runs.Load() != 2 {
+		t.Errorf("the event sent again: %v after %d runs; want it run again (and failing again)", err, runs.Load())
+	}
+
+	d.Event.ID = "9b2d6e1a-4c3f-4a7e-8d5b-1f0e2c3a4b5d"
+	if err := sender("/short").Send(ctx, d); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(100 * time.Millisecond) // past the stored body's life
+	d.Attempt = 2                      // a redelivery after the first reply was lost
+	if err := sender("/short").Send(ctx, d); err != nil || runs.Load() != 3 {
+		t.Errorf("a redelivery of a processed event whose response was dropped: %v after %d runs; want delivered, not run again", err, runs.Load())
+	}
+}
