@@ -112,10 +112,23 @@ func TestClientInterceptorRetriesByCode(t *testing.T) {
 		attempts[note] = append(attempts[note], info.RequestHeader().Get(idemconnect.HeaderKey))
 	}))
 	for note, want := range cases {
-		a := call(t.Context(), url, http.DefaultClient, "alice", nil, rpctest.Request(note, 1), withRetries(quickPolicy))
+		ctx := t.Context()
+		if want.Attempts == rpctest.InProgressForever {
+			var cancel context.CancelFunc
+			ctx, cancel = context.WithTimeout(ctx, 300*time.Millisecond)
+			defer cancel()
+		}
+		a := call(ctx, url, http.DefaultClient, "alice", nil, rpctest.Request(note, 1), withRetries(quickPolicy))
 		mu.Lock()
 		keys := attempts[note]
 		mu.Unlock()
+		if want.Attempts == rpctest.InProgressForever && (len(keys) <= quickPolicy.MaxAttempts || a.Err == nil) {
+			t.Errorf("%s: %d attempts, %v; want more than %d (in progress does not count) and an error", note, len(keys), a.Err,
+				quickPolicy.MaxAttempts)
+		}
+		if want.Attempts == rpctest.InProgressForever {
+			continue
+		}
 		if len(keys) != want.Attempts || a.Code() != want.Code || errors.Is(a.Err, idem.ErrOutcomeUnknown) {
 			t.Errorf("%s: %d attempts, %v; want %d, %v", note, len(keys), a.Err, want.Attempts, connect.Code(want.Code))
 		}

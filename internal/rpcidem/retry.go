@@ -42,7 +42,9 @@ func Judge(code uint32, network callretry.Verdict, info *RetryInfo, timedOut boo
 		if info == nil {
 			return callretry.Verdict{Answered: true}
 		}
-		v = callretry.Verdict{Retry: true, Answered: true, MaybeDone: true}
+		// In progress: waited out, not counted toward MaxAttempts (as
+		// HTTP's 409; idem.RetryPolicy).
+		v = callretry.Verdict{Retry: true, Answered: true, MaybeDone: true, InProgress: true}
 	case CodeDeadlineExceeded, CodeCanceled:
 		return callretry.Verdict{MaybeDone: network.MaybeDone}
 	default:

@@ -16,9 +16,16 @@ import (
 // interceptors' tests, attempt by attempt, and what the client ends with.
 type RetryCase struct {
 	Outcomes []*Outcome // of the first attempts, the last one repeated; nil: the reply
-	Attempts int        // the attempts the client makes
+	Attempts int        // the attempts the client makes; InProgressForever: until the context ends
 	Code     uint32     // the code the call ends with (0: OK)
 }
+
+// InProgressForever is the Attempts of a call answered in progress
+// (ABORTED with RetryInfo) at every attempt: those answers do not count
+// toward MaxAttempts, so the client goes on past them until its context
+// would end during a wait, and ends with the last answer. Call it with a
+// deadline, and check that it made more than MaxAttempts attempts.
+const InProgressForever = -1
 
 // RetryCases are the cases by the request's note, for a client whose
 // policy allows maxAttempts attempts: UNAVAILABLE and ABORTED with
@@ -37,7 +44,7 @@ func RetryCases(maxAttempts int) map[string]RetryCase {
 		"failed-precondition": {[]*Outcome{fail(codeFailedPrecondition, "key reused"), nil}, 1, codeFailedPrecondition},
 		"invalid-argument":    {[]*Outcome{fail(codeInvalidArgument, "bad key"), nil}, 1, codeInvalidArgument},
 		"not-found":           {[]*Outcome{fail(codeNotFound, "no"), nil}, 1, codeNotFound},
-		"aborted-forever":     {[]*Outcome{&aborted}, maxAttempts, rpcidem.CodeAborted},
+		"aborted-forever":     {[]*Outcome{&aborted}, InProgressForever, rpcidem.CodeAborted},
 		"aborted-conflict":    {[]*Outcome{fail(codeAborted, "the transaction was aborted"), nil}, 1, codeAborted},
 		"ok":                  {[]*Outcome{nil}, 1, 0},
 	}
