@@ -677,6 +677,9 @@ type ResponseCopy struct {
 	Header     map[string][]string `json:"header,omitempty"`
 	Body       *string             `json:"body,omitempty"`
 	BodyBase64 *string             `json:"body_base64,omitempty"`
+	// Gone: the body and headers had been dropped (Config.BodyTTL); the
+	// status alone was kept.
+	Gone bool `json:"gone,omitempty"`
 }
 
 // NewRecordCopy is the copy of rec the trail keeps.
@@ -691,7 +694,9 @@ func NewRecordCopy(rec idem.Record) RecordCopy {
 		t := rec.LeaseExpiresAt.UTC()
 		out.LeaseExpiresAt = &t
 	}
-	if r := rec.Response; r != nil {
+	if r := rec.Response; r != nil && rec.ResponseGone {
+		out.Response = &ResponseCopy{Status: r.Status, Gone: true}
+	} else if r != nil {
 		rc := &ResponseCopy{Status: r.Status, Header: r.Header}
 		if utf8.Valid(r.Body) && !bytesHaveNUL(r.Body) {
 			b := string(r.Body)

@@ -2,6 +2,7 @@ package audit_test
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"os"
 	"strings"
@@ -440,5 +441,37 @@ func TestResolveManyRefusesBadInput(t *testing.T) {
 		idem.Resolution{Retryable: true, Reason: "no charge"}, map[string]any{"selected": 2})
 	if err != nil || b.Entry.Changed != 1 || len(b.Skipped) != 1 || b.Entry.ID == 0 {
 		t.Fatalf("a bulk verdict: %+v, %v", b, err)
+	}
+}
+
+// The copy of a forgotten record whose body was dropped (Config.BodyTTL)
+// says so, with the status alone: not an empty body.
+func TestForgetCopyOfAGoneBody(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t, idem.Migrate)
+	c, err := idem.New(idem.Config{BodyTTL: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	scope := idem.Scope{Actor: "a", Operation: "o"}
+	if _, err := c.DoInTx(ctx, pool, scope, "k", idem.FingerprintParts([]byte("k")), func(context.Context, pgx.Tx) (idem.Response, error) {
+		return idem.Response{Status: 201, Body: []byte(`{"id":1}`)}, nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `UPDATE idem_keys SET body_expires_at = now()`); err != nil {
+		t.Fatal(err)
+	}
+	e, err := audit.Forget(ctx, pool, nil, "sam", scope, "k", nil, "reused")
+	if err != nil {
+		t.Fatal(err)
+	}
+	var d struct {
+		Forgotten audit.RecordCopy `json:"forgotten"`
+	}
+	if err := json.Unmarshal(e.Detail, &d); err != nil || d.Forgotten.Response == nil || !d.Forgotten.Response.Gone ||
+		d.Forgotten.Response.Status != 201 || d.Forgotten.Response.Body != nil || d.Forgotten.Response.BodyBase64 != nil {
+		t.Fatalf("the forgotten copy: %s (%v)", e.Detail, err)
 	}
 }
