@@ -134,12 +134,12 @@ func (q *request) pruneAPI() {
 		q.fail(err)
 		return
 	}
-	e, err := audit.Prune(q.r.Context(), q.c.opts.DB, q.client(), q.operator, opts, reason)
+	e, dropped, err := audit.Prune(q.r.Context(), q.c.opts.DB, q.client(), q.operator, opts, reason)
 	if err != nil {
 		q.fail(err)
 		return
 	}
-	out := map[string]any{"pruned": e.Changed}
+	out := map[string]any{"pruned": e.Changed, "bodies_dropped": dropped}
 	if e.ID != 0 {
 		out["audit"] = newEntryJSON(e)
 	}

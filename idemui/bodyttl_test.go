@@ -138,3 +138,47 @@ func TestRecordBodyExpiresAt(t *testing.T) {
 		}
 	}
 }
+
+// The console's prune drops the stored bodies past their time as Prune
+// does, and says so: in its answer, its message and its audit row (it
+// used to say "Nothing changed" and write no row).
+func TestPruneDropsBodiesAudited(t *testing.T) {
+	t.Parallel()
+	e := newEnv(t, nil)
+	ctx := context.Background()
+	c, err := idem.New(idem.Config{BodyTTL: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	scope := idem.Scope{Actor: "acme", Operation: "charge"}
+	for _, key := range []string{"a", "b", "c"} {
+		if _, err := c.DoInTx(ctx, e.pool, scope, key, fp, func(context.Context, pgx.Tx) (idem.Response, error) {
+			return idem.Response{Status: 201, Body: []byte(`{"id":"ch_1"}`)}, nil
+		}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := e.pool.Exec(ctx, `UPDATE idem_keys SET body_expires_at = now() WHERE idem_key IN ('a', 'b')`); err != nil {
+		t.Fatal(err)
+	}
+	res := e.postJSON("/idem/api/prune", map[string]any{"reason": "bodies past their time"})
+	var out struct {
+		BodiesDropped int64 `json:"bodies_dropped"`
+		Audit         *struct {
+			Detail map[string]any `json:"detail"`
+		} `json:"audit"`
+	}
+	if err := json.Unmarshal([]byte(res.body), &out); err != nil || res.status != http.StatusOK || out.BodiesDropped != 2 ||
+		out.Audit == nil || out.Audit.Detail["bodies_dropped"] != float64(2) {
+		t.Fatalf("api/prune: %d %v\n%s", res.status, err, res.body)
+	}
+	var n int
+	if err := e.pool.QueryRow(ctx, `SELECT count(*) FROM idem_keys WHERE response_body IS NULL`).Scan(&n); err != nil || n != 2 {
+		t.Fatalf("%d bodies dropped, want 2 (%v)", n, err)
+	}
+	res = e.postJSON("/idem/api/prune", map[string]any{"reason": "again"})
+	out.Audit = nil
+	if err := json.Unmarshal([]byte(res.body), &out); err != nil || out.BodiesDropped != 0 || out.Audit != nil {
+		t.Fatalf("api/prune again: %d %v\n%s", res.status, err, res.body)
+	}
+}

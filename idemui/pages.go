@@ -135,6 +135,14 @@ func plural(n int64, what string) string {
 	return fmt.Sprintf("%s %ss", formatInt(n), what)
 }
 
+// bodies is n stored bodies, for people.
+func bodies(n int64) string {
+	if n == 1 {
+		return "1 stored body"
+	}
+	return formatInt(n) + " stored bodies"
+}
+
 // The overview.
 
 type overviewView struct {
@@ -743,16 +751,20 @@ func (q *request) prunePage() {
 		q.pruneRefused(err, in)
 		return
 	}
-	e, err := audit.Prune(q.r.Context(), q.c.opts.DB, q.client(), q.operator, opts, reason)
+	e, dropped, err := audit.Prune(q.r.Context(), q.c.opts.DB, q.client(), q.operator, opts, reason)
 	if err != nil {
 		q.pruneRefused(err, in)
 		return
 	}
-	if e.Changed == 0 {
-		q.redirectDone("/", nil, "No expired key to delete. Nothing changed.")
-		return
+	switch {
+	case e.ID == 0:
+		q.redirectDone("/", nil, "No expired key to delete and no stored body past its time. Nothing changed.")
+	case dropped == 0:
+		q.redirectDone("/", nil, fmt.Sprintf("%s deleted.", plural(e.Changed, "expired key")))
+	default:
+		q.redirectDone("/", nil, fmt.Sprintf("%s deleted, %s past its time dropped (Config.BodyTTL).",
+			plural(e.Changed, "expired key"), bodies(dropped)))
 	}
-	q.redirectDone("/", nil, fmt.Sprintf("%s deleted.", plural(e.Changed, "expired key")))
 }
 
 // pruneRefused shows the overview again with why the prune was refused,

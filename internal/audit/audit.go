@@ -404,40 +404,53 @@ func ExpirableCount(ctx context.Context, q Planned, f Filter) (int64, time.Time,
 	return row.Leases, row.Cutoff.Time, err
 }
 
-// Prune deletes expired finished keys with c.Prune and opts, in one
+// Prune deletes expired finished keys with c.Prune and opts, and drops the
+// stored bodies past their time (Config.BodyTTL) as it does, in one
 // transaction with its audit row (opts.MaxBatches bounds it; 0 is refused
 // here, since one transaction holds every batch), and returns the row
-// (Changed: how many; Reason: reason). When none was expired, nothing
+// (Changed: the keys deleted; Detail's bodies_dropped: the bodies dropped;
+// Reason: reason) and the bodies dropped. When it did neither, nothing
 // changed and no row is written (ID 0). A reason that is too long or not
 // valid text is ErrInvalidArgument.
-func Prune(ctx context.Context, db idem.Beginner, c *idem.Client, operator string, opts idem.PruneOptions, reason string) (Entry, error) {
+func Prune(ctx context.Context, db idem.Beginner, c *idem.Client, operator string, opts idem.PruneOptions, reason string) (Entry, int64, error) {
 	c, err := check(c, db, operator)
 	if err != nil {
-		return Entry{}, err
+		return Entry{}, 0, err
 	}
 	if err := checkReason(reason); err != nil {
-		return Entry{}, err
+		return Entry{}, 0, err
 	}
 	if opts.DryRun || opts.MaxBatches <= 0 || opts.BatchSize < 0 {
-		return Entry{}, fmt.Errorf("%w: an audited prune deletes (no DryRun) at most MaxBatches > 0 batches", idem.ErrInvalidArgument)
+		return Entry{}, 0, fmt.Errorf("%w: an audited prune deletes (no DryRun) at most MaxBatches > 0 batches", idem.ErrInvalidArgument)
 	}
 	if opts.BatchSize == 0 {
 		opts.BatchSize = idem.DefaultPruneBatchSize
 	}
-	detail, _ := json.Marshal(map[string]int{"batch_size": opts.BatchSize, "max_batches": opts.MaxBatches})
-	e := Entry{Operator: operator, Action: ActionPrune, Detail: detail, Reason: reason}
+	var e Entry
+	var dropped int64
 	err = write(ctx, c, db, func(ctx context.Context, tx pgx.Tx) error {
-		n, err := c.Prune(ctx, tx, opts)
-		if err != nil || n == 0 {
+		due, err := queries.ConsoleBodiesDue(ctx, Planned{tx})
+		if err != nil {
 			return err
 		}
-		e.Changed = n
+		n, err := c.Prune(ctx, tx, opts)
+		if err != nil {
+			return err
+		}
+		left, err := queries.ConsoleBodiesDue(ctx, Planned{tx})
+		if err != nil || n == 0 && left == due {
+			return err
+		}
+		dropped = due - left
+		detail, _ := json.Marshal(map[string]int64{"batch_size": int64(opts.BatchSize), "max_batches": int64(opts.MaxBatches),
+			"bodies_dropped": dropped})
+		e = Entry{Operator: operator, Action: ActionPrune, Detail: detail, Reason: reason, Changed: n}
 		return insert(ctx, tx, &e)
 	})
 	if err != nil {
-		return Entry{}, err
+		return Entry{}, 0, err
 	}
-	return e, nil
+	return e, dropped, nil
 }
 
 // ListFilter selects rows of the trail: an empty field matches any row.

@@ -66,11 +66,11 @@ func TestOperatorChecked(t *testing.T) {
 			t.Errorf("expire, operator %q: %v", op, err)
 		}
 	}
-	if _, err := audit.Prune(ctx, pool, nil, "op", idem.PruneOptions{}, "ttl"); !errors.Is(err, idem.ErrInvalidArgument) {
+	if _, _, err := audit.Prune(ctx, pool, nil, "op", idem.PruneOptions{}, "ttl"); !errors.Is(err, idem.ErrInvalidArgument) {
 		t.Errorf("an unbounded audited prune: %v", err)
 	}
 	for _, reason := range []string{"a\x00b", "\xff", strings.Repeat("r", audit.MaxReasonLength+1)} {
-		if _, err := audit.Prune(ctx, pool, nil, "op", idem.PruneOptions{MaxBatches: 1}, reason); !errors.Is(err, idem.ErrInvalidArgument) {
+		if _, _, err := audit.Prune(ctx, pool, nil, "op", idem.PruneOptions{MaxBatches: 1}, reason); !errors.Is(err, idem.ErrInvalidArgument) {
 			t.Errorf("prune, reason %q: %v", reason, err)
 		}
 		if _, err := audit.Forget(ctx, pool, nil, "op", scope, "k", nil, reason); !errors.Is(err, idem.ErrInvalidArgument) {
