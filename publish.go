@@ -22,7 +22,9 @@ var (
 	// empty ID, Topic or Destination, one over MaxEventNameLength bytes or
 	// holding a control character or invalid UTF-8, a Payload over
 	// MaxEventPayload, or a Header whose name is not an RFC 9110 token,
-	// whose value holds CR, LF or NUL, or which is over MaxEventHeader as
+	// whose value holds a control character other than a tab (which
+	// net/http would refuse to send) or invalid UTF-8, or which is over
+	// MaxEventHeader as
 	// JSON. Nothing was written.
 	ErrInvalidEvent = errors.New("idem: invalid event")
 

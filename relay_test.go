@@ -242,6 +242,8 @@ func TestPublishRefusesBadAndReusedEvents(t *testing.T) {
 		"large payload":     {ID: "i", Topic: "t", Destination: "d", Payload: make([]byte, idem.MaxEventPayload+1)},
 		"header name":       {ID: "i", Topic: "t", Destination: "d", Header: map[string][]string{"a b": {"v"}}},
 		"header value":      {ID: "i", Topic: "t", Destination: "d", Header: map[string][]string{"A": {"v\r\nX: y"}}},
+		"header control":    {ID: "i", Topic: "t", Destination: "d", Header: map[string][]string{"A": {"v\x01"}}},
+		"header DEL":        {ID: "i", Topic: "t", Destination: "d", Header: map[string][]string{"A": {"v\x7f"}}},
 		"large header":      {ID: "i", Topic: "t", Destination: "d", Header: map[string][]string{"A": {strings.Repeat("v", idem.MaxEventHeader)}}},
 	}
 	before, _ = countEvents(t, pool)

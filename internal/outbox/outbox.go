@@ -38,8 +38,8 @@ func Check(id, topic, destination string, payload []byte, header map[string][]st
 			return nil, fmt.Errorf("the Header name %q is not an RFC 9110 token", name)
 		}
 		for _, v := range values {
-			if !utf8.ValidString(v) || strings.ContainsAny(v, "\r\n\x00") {
-				return nil, fmt.Errorf("the Header %s: value %q is not valid text or holds CR, LF or NUL", name, v)
+			if !utf8.ValidString(v) || strings.ContainsFunc(v, headerCTL) {
+				return nil, fmt.Errorf("the Header %s: value %q is not valid text or holds a control character (RFC 9110 allows only a tab)", name, v)
 			}
 		}
 	}
@@ -52,6 +52,11 @@ func Check(id, topic, destination string, payload []byte, header map[string][]st
 	}
 	return b, nil
 }
+
+// headerCTL reports whether r may not be in an HTTP field value (RFC 9110:
+// a control character other than a tab), which net/http would refuse to
+// send.
+func headerCTL(r rune) bool { return r < 0x20 && r != '\t' || r == 0x7f }
 
 // checkName checks an ID, a Topic or a Destination: 1 to MaxName bytes of
 // valid UTF-8 without control characters (they travel in HTTP headers and
