@@ -24,8 +24,7 @@ var (
 	// MaxEventPayload, or a Header whose name is not an RFC 9110 token,
 	// whose value holds a control character other than a tab (which
 	// net/http would refuse to send) or invalid UTF-8, or which is over
-	// MaxEventHeader as
-	// JSON. Nothing was written.
+	// MaxEventHeader as JSON. Nothing was written.
 	ErrInvalidEvent = errors.New("idem: invalid event")
 
 	// ErrEventReused means Publish was given an event whose (Destination,
