@@ -101,8 +101,9 @@ func (c *Client) InboxInTx(ctx context.Context, db Beginner, consumer, messageID
 func InboxKey(messageID string) (string, error) { return defaultClient.InboxKey(messageID) }
 
 // InboxKey is the package-level InboxKey with this client's key length
-// bounds: an id outside them is hashed. With MaxKeyLength below 71 (the
-// length of a hashed key) such an id is refused with ErrInvalidKey.
+// bounds: an id outside them is hashed. With MaxKeyLength below 71 or
+// MinKeyLength above it (71: the length of a hashed key) such an id is
+// refused with ErrInvalidKey.
 func (c *Client) InboxKey(messageID string) (string, error) {
 	key, err := c.c.InboxKey(messageID)
 	return key, publicErr(err)

@@ -544,3 +544,35 @@ func TestInboxWebhookTwoReceivers(t *testing.T) {
 		t.Fatalf("handler ran %d times, %d effects; want %d", calls.Load(), effects(t, poolA), events)
 	}
 }
+
+// With Config.BodyTTL, a redelivery of a message processed before its
+// stored (empty) response's life ran out is still a duplicate, for Inbox
+// and InboxInTx: (true, nil), fn does not run.
+func TestInboxDuplicatePastBodyTTL(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	c, err := idem.New(idem.Config{BodyTTL: 100 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var runs atomic.Int64
+	fn := func(context.Context, pgx.Tx) error { runs.Add(1); return nil }
+	if dup, err := c.InboxInTx(ctx, pool, "billing", "m1", []byte("p"), fn); err != nil || dup {
+		t.Fatalf("first: %v, %v", dup, err)
+	}
+	time.Sleep(200 * time.Millisecond)
+	if dup, err := c.InboxInTx(ctx, pool, "billing", "m1", []byte("p"), fn); err != nil || !dup {
+		t.Errorf("InboxInTx redelivery past BodyTTL: %v, %v; want a duplicate", dup, err)
+	}
+	err = pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+		dup, err := c.Inbox(ctx, tx, "billing", "m1", []byte("p"), fn)
+		if err == nil && !dup {
+			err = errors.New("not a duplicate")
+		}
+		return err
+	})
+	if err != nil || runs.Load() != 1 {
+		t.Errorf("Inbox redelivery past BodyTTL: %v, %d runs; want a duplicate, 1 run", err, runs.Load())
+	}
+}

@@ -144,8 +144,8 @@ const (
 //     webhook ran out of WebhookOptions.Timeout; rolled back, or its
 //     commit's outcome unknown: a redelivery runs fn or is a duplicate.
 //   - 400 (CodeKeyInvalid): the webhook-id cannot be an Inbox key (see
-//     idem.InboxKey: only with a Config.MaxKeyLength under 71). Nothing
-//     ran.
+//     idem.InboxKey: only with a Config.MaxKeyLength under 71 or a
+//     MinKeyLength over 71, the length of a hashed id). Nothing ran.
 //   - 413, 400: the body is too large or unreadable; 405 for other
 //     methods. Nothing ran.
 //
@@ -234,7 +234,13 @@ func newWebhookHandler(db idem.Beginner, opts WebhookOptions,
 	}
 	ttl := cfg.TTL
 	if cfg.TTLFor != nil {
-		if t := cfg.TTLFor(idem.InboxOperation); t > 0 {
+		switch t := cfg.TTLFor(idem.InboxOperation); {
+		case t > 0 && t < time.Microsecond, t < 0:
+			// Every call would fail with ErrInvalidConfig: found here,
+			// at start-up.
+			return nil, fmt.Errorf("idemhttp: WebhookOptions.Config.TTLFor(%q) is %s: a TTL must be at least 1µs (0: Config.TTL)",
+				idem.InboxOperation, t)
+		case t > 0:
 			ttl = t
 		}
 	}
@@ -282,6 +288,9 @@ func (h *webhookHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	ctx, cancel := context.WithTimeout(context.WithoutCancel(r.Context()), h.timeout)
 	defer cancel()
 	dup, fnErr, err := h.run(ctx, w, r, hook)
+	// byFn: the error is fn's, whatever it wraps (an idem refusal of a
+	// call fn made of its own is fn's failure, not this webhook-id's).
+	byFn := fnErr != nil && errors.Is(err, fnErr)
 	var inProgress *idem.InProgressError
 	switch {
 	case errors.Is(err, errPanicked):
@@ -291,16 +300,16 @@ func (h *webhookHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 			w.Header().Set(HeaderReplayed, "true")
 		}
 		w.WriteHeader(http.StatusNoContent)
-	case errors.Is(err, idem.ErrInvalidKey):
+	case !byFn && errors.Is(err, idem.ErrInvalidKey):
 		writeProblem(w, http.StatusBadRequest, CodeKeyInvalid,
 			"This webhook-id cannot be recorded: "+errorText(err), 0)
-	case errors.Is(err, idem.ErrKeyReused):
+	case !byFn && errors.Is(err, idem.ErrKeyReused):
 		writeProblem(w, http.StatusUnprocessableEntity, CodeKeyReused,
 			"This webhook-id was processed before with a different body.", 0)
-	case errors.As(err, &inProgress):
+	case !byFn && errors.As(err, &inProgress):
 		writeProblem(w, http.StatusConflict, CodeInProgress,
 			"A delivery of this webhook-id is in progress; deliver it again later.", inProgress.RetryAfter)
-	case errors.Is(err, idem.ErrInProgress):
+	case !byFn && errors.Is(err, idem.ErrInProgress):
 		writeProblem(w, http.StatusConflict, CodeInProgress,
 			"A delivery of this webhook-id is in progress; deliver it again later.", time.Second)
 	case core.EndedByFn(err):
@@ -314,7 +323,7 @@ func (h *webhookHandler) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		h.log.LogAttrs(ctx, slog.LevelError, "idemhttp: webhook timed out", append(h.attrs(r, hook.ID), slog.Any("error", err))...)
 		writeProblem(w, http.StatusServiceUnavailable, CodeTimeout,
 			"The webhook did not finish in time; deliver it again.", time.Second)
-	case fnErr != nil && errors.Is(err, fnErr):
+	case byFn:
 		h.log.LogAttrs(ctx, slog.LevelError, "idemhttp: webhook handler failed; rolled back",
 			append(h.attrs(r, hook.ID), slog.Any("error", err))...)
 		writeProblem(w, http.StatusInternalServerError, CodeWebhookFailed,

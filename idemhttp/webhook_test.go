@@ -803,3 +803,62 @@ func TestWebhookSenderToIdemReceiver(t *testing.T) {
 		t.Errorf("a redelivery of a processed event whose response was dropped: %v after %d runs; want delivered, not run again", err, runs.Load())
 	}
 }
+
+// With Config.BodyTTL, a redelivery of a webhook processed before its body's
+// life ran out is still a duplicate (204, fn does not run), not a 500: the
+// Inbox's stored response is empty, and gone says only that its time passed.
+func TestWebhookHandlerRedeliveryPastBodyTTL(t *testing.T) {
+	t.Parallel()
+	rc := newReceiver(t, idemhttp.WebhookOptions{Config: idem.Config{BodyTTL: 100 * time.Millisecond}})
+	body := []byte(`{"a":1}`)
+	if st, code, _ := postWebhook(t, rc.srv.URL, sign(t, oldSecret, "evt-b", time.Now(), body), body); st != http.StatusNoContent {
+		t.Fatalf("first delivery: %d %s", st, code)
+	}
+	time.Sleep(200 * time.Millisecond)
+	st, code, replayed := postWebhook(t, rc.srv.URL, sign(t, oldSecret, "evt-b", time.Now(), body), body)
+	if st != http.StatusNoContent || !replayed || rc.runs.Load() != 1 {
+		t.Errorf("redelivery past BodyTTL: %d %s (replayed %v), %d runs; want 204, a duplicate, 1 run", st, code, replayed, rc.runs.Load())
+	}
+}
+
+// fn's own error is fn's failure (500 WEBHOOK_HANDLER_FAILED, a redelivery
+// runs fn again), whatever idem error it wraps: not the webhook-id's 422
+// IDEMPOTENCY_KEY_REUSED (which the sender takes as final) or 400.
+func TestWebhookHandlerFnErrorWrappingAnIdemError(t *testing.T) {
+	t.Parallel()
+	for _, wrapped := range []error{idem.ErrKeyReused, idem.ErrInvalidKey, &idem.InProgressError{RetryAfter: time.Second}} {
+		pool := newPool(t, migrateWebhooks)
+		var runs atomic.Int64
+		srv := httptest.NewServer(idemhttp.WebhookHandler(pool, idemhttp.WebhookOptions{Secrets: []string{oldSecret}},
+			func(context.Context, pgx.Tx, idemhttp.Webhook) error {
+				runs.Add(1)
+				return fmt.Errorf("charge: %w", wrapped)
+			}))
+		body := []byte(`{"a":1}`)
+		for range 2 {
+			if st, code, _ := postWebhook(t, srv.URL, sign(t, oldSecret, "evt-x", time.Now(), body), body); st != http.StatusInternalServerError ||
+				code != idemhttp.CodeWebhookFailed {
+				t.Errorf("fn's error wrapping %v: %d %s, want 500 %s", wrapped, st, code, idemhttp.CodeWebhookFailed)
+			}
+		}
+		if runs.Load() != 2 {
+			t.Errorf("fn's error wrapping %v: %d runs, want 2 (a redelivery runs it again)", wrapped, runs.Load())
+		}
+		srv.Close()
+	}
+}
+
+// A TTLFor that gives the inbox's operation a TTL under a microsecond
+// (negative) is found at start-up, as every invalid Config is: WebhookHandler
+// panics, rather than answering every webhook 500.
+func TestWebhookHandlerTTLForChecked(t *testing.T) {
+	t.Parallel()
+	defer func() {
+		if v := recover(); v == nil || !strings.Contains(fmt.Sprint(v), "TTLFor") {
+			t.Errorf("panic %v, want one naming TTLFor", v)
+		}
+	}()
+	idemhttp.WebhookHandler(newPool(t, migrateWebhooks), idemhttp.WebhookOptions{Secrets: []string{oldSecret},
+		Config: idem.Config{TTLFor: func(string) time.Duration { return -time.Hour }}},
+		func(context.Context, pgx.Tx, idemhttp.Webhook) error { return nil })
+}

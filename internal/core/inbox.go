@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/sha256"
 	"encoding/hex"
+	"errors"
 	"strings"
 )
 
@@ -24,8 +25,7 @@ func (c *Client[TTx, TDB]) Inbox(ctx context.Context, tx TTx, consumer, messageI
 	if err != nil {
 		return false, err
 	}
-	res, err := c.Do(ctx, tx, scope, key, fp, inboxFn(fn))
-	return res.Replayed, err
+	return inboxResult(c.Do(ctx, tx, scope, key, fp, inboxFn(fn)))
 }
 
 // InboxInTx is Inbox in a transaction of its own begun on db, with DoInTx
@@ -36,7 +36,16 @@ func (c *Client[TTx, TDB]) InboxInTx(ctx context.Context, db TDB, consumer, mess
 	if err != nil {
 		return false, err
 	}
-	res, err := c.DoInTx(ctx, db, scope, key, fp, inboxFn(fn))
+	return inboxResult(c.DoInTx(ctx, db, scope, key, fp, inboxFn(fn)))
+}
+
+// inboxResult is what Inbox answers for the call's result: a message
+// processed before is a duplicate, also when its stored (empty) response
+// has outlived Config.BodyTTL (ErrResponseGone: nothing ran again).
+func inboxResult(res Result, err error) (duplicate bool, _ error) {
+	if errors.Is(err, ErrResponseGone) {
+		return true, nil
+	}
 	return res.Replayed, err
 }
 
