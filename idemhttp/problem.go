@@ -82,18 +82,22 @@ type problem struct {
 	Status int    `json:"status"`
 	Code   string `json:"code"`
 	Detail string `json:"detail,omitempty"`
+	// StoredStatus is the status the request finished with, in a 410
+	// IDEMPOTENCY_RESPONSE_EXPIRED (an extension member, RFC 9457).
+	StoredStatus int `json:"stored_status,omitempty"`
 }
 
 // writeProblem writes a problem response. retryAfter, when positive, is sent
 // as Retry-After in whole seconds (rounded up).
 func writeProblem(w http.ResponseWriter, status int, code, detail string, retryAfter time.Duration) {
-	body, _ := json.Marshal(problem{
-		Type:   "about:blank",
-		Title:  http.StatusText(status),
-		Status: status,
-		Code:   code,
-		Detail: detail,
-	})
+	writeProblemDoc(w, problem{Status: status, Code: code, Detail: detail}, retryAfter)
+}
+
+// writeProblemDoc writes p, its type and title filled in.
+func writeProblemDoc(w http.ResponseWriter, p problem, retryAfter time.Duration) {
+	status := p.Status
+	p.Type, p.Title = "about:blank", http.StatusText(status)
+	body, _ := json.Marshal(p)
 	h := w.Header()
 	h.Set("Content-Type", ContentTypeProblem)
 	h.Set("Content-Length", strconv.Itoa(len(body)))

@@ -405,9 +405,9 @@ func (h *statusHandler) answer(w http.ResponseWriter, r *http.Request, key strin
 // writeResponseExpired answers a finished request whose stored response
 // was dropped (idem.ErrResponseGone, idem.Record.ResponseGone).
 func writeResponseExpired(w http.ResponseWriter, status int) {
-	writeProblem(w, http.StatusGone, CodeResponseExpired,
-		fmt.Sprintf("The request with this Idempotency-Key ran and finished with status %d; its stored response has expired. "+
-			"It will not run again: read the result through the API, do not retry with a new key.", status), 0)
+	writeProblemDoc(w, problem{Status: http.StatusGone, Code: CodeResponseExpired, StoredStatus: status,
+		Detail: fmt.Sprintf("The request with this Idempotency-Key ran and finished with status %d; its stored response has expired. "+
+			"It will not run again: read the result through the API, do not retry with a new key.", status)}, 0)
 }
 
 func writeNotFound(w http.ResponseWriter) {

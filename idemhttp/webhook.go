@@ -99,13 +99,14 @@ const (
 //     webhook-timestamp or webhook-signature.
 //
 // Send returns nil when the endpoint answered 2xx, or 410 with idemhttp's
-// IDEMPOTENCY_RESPONSE_EXPIRED problem (the receiver processed the event,
-// then dropped its stored response after Config.BodyTTL). Otherwise:
+// IDEMPOTENCY_RESPONSE_EXPIRED problem and a 2xx stored_status (the
+// receiver processed the event, then dropped its stored response after
+// Config.BodyTTL). Otherwise:
 //
-//   - 202 with Retry-After and the document {"status":"processing"} alone
-//     (idemhttp's answer to a duplicate of a delivery still running, with
-//     Options.StatusURL; that run may yet fail): a *WebhookError, retried
-//     after the Retry-After;
+//   - 202 with Retry-After, the document {"status":"processing"} alone and
+//     a status URL as Location (idemhttp's answer to a duplicate of a
+//     delivery still running, with Options.StatusURL; that run may yet
+//     fail): a *WebhookError, retried after the Retry-After;
 //   - 410 Gone: idem.Permanent(*WebhookError): the endpoint is gone and the
 //     relay stops at once;
 //   - 422 with idemhttp's IDEMPOTENCY_KEY_REUSED problem (WebhookHandler's
@@ -269,10 +270,11 @@ func (s WebhookSender) Send(ctx context.Context, d idem.Delivery) error {
 		return werr
 	case resp.StatusCode == http.StatusAccepted:
 		return nil
-	case resp.StatusCode == http.StatusGone && problemCode(resp.Header, head) == CodeResponseExpired:
-		// idemhttp's answer to a redelivery of an event it processed,
-		// whose stored response it dropped after Config.BodyTTL: the
-		// first run happened.
+	case resp.StatusCode == http.StatusGone && expiredSuccess(resp.Header, head):
+		// idemhttp's answer to a redelivery of an event it processed and
+		// answered 2xx, whose stored response it dropped after
+		// Config.BodyTTL: delivered. (A stored refusal, 4xx, stays a gone
+		// endpoint's answer below.)
 		return nil
 	case resp.StatusCode == http.StatusGone:
 		return idem.Permanent(werr)
@@ -285,28 +287,29 @@ func (s WebhookSender) Send(ctx context.Context, d idem.Delivery) error {
 }
 
 // inFlight reports whether a 202 Accepted is idemhttp's answer to a
-// duplicate of a request still running (writeAccepted): Retry-After, and
-// the JSON document {"status":"processing"} alone. A receiver that accepted
-// an event for later work answers otherwise; should one answer exactly so,
-// the event is sent again, which the receiver deduplicates by its ID.
+// duplicate of a request still running (writeAccepted, with
+// Options.StatusURL): Retry-After, the JSON document {"status":"processing"}
+// alone, and a Location that is a status URL (its query names the key and
+// the operation). A receiver that accepted an event for later work answers
+// otherwise.
 func inFlight(h http.Header, body []byte) bool {
-	if h.Get("Retry-After") == "" {
+	loc, err := url.Parse(h.Get("Location"))
+	if h.Get("Retry-After") == "" || err != nil || !loc.Query().Has(StatusParamKey) || !loc.Query().Has(StatusParamOperation) {
 		return false
 	}
 	var doc map[string]any
 	return json.Unmarshal(body, &doc) == nil && len(doc) == 1 && doc["status"] == AcceptedStatusProcessing
 }
 
-// problemCode is the "code" member of a problem+json answer ("" for none).
-func problemCode(h http.Header, body []byte) string {
+// expiredSuccess reports whether a 410 is idemhttp's
+// IDEMPOTENCY_RESPONSE_EXPIRED for a request that finished 2xx
+// (stored_status).
+func expiredSuccess(h http.Header, body []byte) bool {
 	if !strings.HasPrefix(h.Get("Content-Type"), ContentTypeProblem) {
-		return ""
+		return false
 	}
-	var p struct {
-		Code string `json:"code"`
-	}
-	_ = json.Unmarshal(body, &p)
-	return p.Code
+	var p problem
+	return json.Unmarshal(body, &p) == nil && p.Code == CodeResponseExpired && p.StoredStatus >= 200 && p.StoredStatus < 300
 }
 
 // redactURL returns err, the error of http.Client.Do (a *url.Error), with

@@ -763,8 +763,18 @@ func TestWebhookSenderToIdemReceiver(t *testing.T) {
 		Config: idem.Config{BodyTTL: 50 * time.Millisecond},
 	})(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		runs.Add(1)
+		if r.Header.Get("webhook-id") == "refused" {
+			w.WriteHeader(http.StatusNotFound) // a refusal, stored
+			return
+		}
 		w.WriteHeader(http.StatusNoContent)
 	})))
+	// A receiver of its own that accepts events for later work.
+	mux.Handle("POST /async", http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header().Set("Retry-After", "5")
+		w.WriteHeader(http.StatusAccepted)
+		fmt.Fprint(w, `{"status":"processing"}`)
+	}))
 	srv := httptest.NewServer(mux)
 	defer srv.Close()
 	sender := func(path string) idemhttp.WebhookSender {
@@ -801,6 +811,20 @@ func TestWebhookSenderToIdemReceiver(t *testing.T) {
 	d.Attempt = 2                      // a redelivery after the first reply was lost
 	if err := sender("/short").Send(ctx, d); err != nil || runs.Load() != 3 {
 		t.Errorf("a redelivery of a processed event whose response was dropped: %v after %d runs; want delivered, not run again", err, runs.Load())
+	}
+	// A refusal stored (404), its response dropped: still not delivered.
+	d.Event.ID, d.Attempt = "refused", 1
+	if err := sender("/short").Send(ctx, d); err == nil {
+		t.Fatal("a 404: delivered")
+	}
+	time.Sleep(100 * time.Millisecond)
+	d.Attempt = 2
+	if err := sender("/short").Send(ctx, d); err == nil || !idem.IsPermanent(err) {
+		t.Errorf("a redelivery of a refused event whose response was dropped: %v; want a permanent failure, not delivered", err)
+	}
+	// Another receiver's 202 processing, with no status URL: delivered.
+	if err := sender("/async").Send(ctx, d); err != nil {
+		t.Errorf("a receiver's own 202 processing: %v; want delivered", err)
 	}
 }
 
