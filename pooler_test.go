@@ -188,8 +188,8 @@ func TestPoolerDefaultModeNamesTheFix(t *testing.T) {
 	ctx := t.Context()
 	pool := poolerPool(t, idem.Migrate, pgx.QueryExecModeCacheStatement, nil)
 	c := mustClient(t, idem.Config{})
-	callertest.Pooled(t, 64, func(i int, key string) (err error) {
-		switch i % 3 {
+	callertest.Pooled(t, 96, func(i int, key string) (err error) {
+		switch i % 6 {
 		case 0:
 			_, err = c.DoInTx(ctx, pool, lostScope, key, fpA, okFn)
 		case 1:
@@ -197,8 +197,28 @@ func TestPoolerDefaultModeNamesTheFix(t *testing.T) {
 				_, err := c.Do(ctx, tx, lostScope, key, fpA, okFn)
 				return err
 			})
-		default:
+		case 2:
 			_, err = c.Reserve(ctx, pool, lostScope, key, fpA, time.Minute)
+		case 3:
+			// Complete in a transaction of the caller's.
+			r, err := c.Reserve(ctx, pool, lostScope, key, fpA, time.Minute)
+			if err != nil {
+				return err
+			}
+			return c.InTx(ctx, pool, func(ctx context.Context, tx pgx.Tx) error {
+				return c.Complete(ctx, tx, r, idem.Response{Status: 200})
+			})
+		case 4:
+			err = c.InTx(ctx, pool, func(ctx context.Context, tx pgx.Tx) error {
+				return idem.Publish(ctx, tx, idem.Event{ID: key, Topic: "t", Destination: "d"})
+			})
+		default:
+			if _, err = idem.LookupEvent(ctx, pool, key, "d"); errors.Is(err, idem.ErrEventNotFound) {
+				err = idem.RetryEvent(ctx, pool, key, "d", "again")
+			}
+			if errors.Is(err, idem.ErrEventNotFound) {
+				err = nil
+			}
 		}
 		return err
 	}, func(key string, err error) {

@@ -121,6 +121,9 @@ func Publish(ctx context.Context, tx pgx.Tx, ev Event) error {
 // storeErr is a failed statement of the outbox: wrapped with ErrUnavailable
 // when the database could not serve it.
 func storeErr(op string, err error) error {
+	if err = publicErr(defaultClient.c.PreparedStatementsLost(err)); errors.Is(err, ErrPreparedStatements) {
+		return core.Errorf("idem: %s: %w", op, err)
+	}
 	if Unavailable(err) {
 		return core.Errorf("idem: %s: %w: %w", op, ErrUnavailable, err)
 	}

@@ -125,6 +125,9 @@ func lookupEvent(ctx context.Context, tx *sql.Tx, id, destination string) (idem.
 // eventStoreErr is a failed statement of op: wrapped with
 // idem.ErrUnavailable when the database could not serve it.
 func eventStoreErr(op string, err error) error {
+	if err = publicErr(defaultClient.c.PreparedStatementsLost(err)); errors.Is(err, idem.ErrPreparedStatements) {
+		return core.Errorf("idem: %s: %w", op, err)
+	}
 	if idem.Unavailable(err) {
 		return core.Errorf("idem: %s: %w: %w", op, idem.ErrUnavailable, err)
 	}

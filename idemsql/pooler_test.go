@@ -33,8 +33,8 @@ func TestPoolerDefaultModeNamesTheFix(t *testing.T) {
 	db := open(t, "pgx", pgtest.BehindPooler(t, idem.Migrate))
 	db.SetMaxOpenConns(16)
 	ok := func(context.Context, *sql.Tx) (idem.Response, error) { return idem.Response{Status: 200}, nil }
-	callertest.Pooled(t, 64, func(i int, key string) (err error) {
-		switch i % 3 {
+	callertest.Pooled(t, 96, func(i int, key string) (err error) {
+		switch i % 6 {
 		case 0:
 			_, err = idemsql.DoInTx(ctx, db, scope, key, fpOf(key), ok)
 		case 1:
@@ -42,8 +42,28 @@ func TestPoolerDefaultModeNamesTheFix(t *testing.T) {
 				_, err := idemsql.Do(ctx, tx, scope, key, fpOf(key), ok)
 				return err
 			})
-		default:
+		case 2:
 			_, err = idemsql.Reserve(ctx, db, scope, key, fpOf(key), time.Minute)
+		case 3:
+			// Complete in a transaction of the caller's.
+			r, err := idemsql.Reserve(ctx, db, scope, key, fpOf(key), time.Minute)
+			if err != nil {
+				return err
+			}
+			return idemsql.InTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
+				return idemsql.Complete(ctx, tx, r, idem.Response{Status: 200})
+			})
+		case 4:
+			err = idemsql.InTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
+				return idemsql.Publish(ctx, tx, idem.Event{ID: key, Topic: "t", Destination: "d"})
+			})
+		default:
+			if _, err = idemsql.LookupEvent(ctx, db, key, "d"); errors.Is(err, idem.ErrEventNotFound) {
+				err = idemsql.RetryEvent(ctx, db, key, "d", "again")
+			}
+			if errors.Is(err, idem.ErrEventNotFound) {
+				err = nil
+			}
 		}
 		return err
 	}, func(key string, err error) {

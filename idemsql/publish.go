@@ -58,8 +58,5 @@ func Publish(ctx context.Context, tx *sql.Tx, ev idem.Event) error {
 // storeErr is a failed statement of Publish: wrapped with
 // idem.ErrUnavailable when the database could not serve it.
 func storeErr(err error) error {
-	if idem.Unavailable(err) {
-		return core.Errorf("idem: publish: %w: %w", idem.ErrUnavailable, err)
-	}
-	return core.Errorf("idem: publish: %w", err)
+	return eventStoreErr("publish", err)
 }

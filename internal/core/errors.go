@@ -251,6 +251,11 @@ func (c *Client[TTx, TDB]) lockNotAvailable(err error) bool {
 	return c.fault(err, driver.ErrLockNotAvailable)
 }
 
+// PreparedStatementsLost is preparedStatementsLost, for the fronts'
+// statements that run outside the core (the outbox's Publish, LookupEvent,
+// RetryEvent).
+func (c *Client[TTx, TDB]) PreparedStatementsLost(err error) error { return c.preparedStatementsLost(err) }
+
 // preparedStatementsLost returns err wrapped with ErrPreparedStatements and
 // the fix (the driver adds its words for it) when it is pgx's cached
 // prepared statement missing or already there on the server connection:

@@ -201,6 +201,8 @@ func (c *Client[TTx, TDB]) Complete(ctx context.Context, tx TTx, r Reservation, 
 	}
 	n, err := c.drv.Executor(tx).ReserveComplete(ctx, newKey(r.Scope, r.Key), r.Token, reply)
 	switch {
+	case err != nil && c.fault(err, driver.ErrPreparedStatementsLost):
+		err = c.txUnusable(errorf("idem: complete: %w", c.preparedStatementsLost(err)))
 	case err != nil:
 		err = c.txUnusable(errorf("idem: complete: %w", c.unsupportedIf(err)))
 	case n != 1:
