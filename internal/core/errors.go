@@ -254,7 +254,9 @@ func (c *Client[TTx, TDB]) lockNotAvailable(err error) bool {
 // PreparedStatementsLost is preparedStatementsLost, for the fronts'
 // statements that run outside the core (the outbox's Publish, LookupEvent,
 // RetryEvent).
-func (c *Client[TTx, TDB]) PreparedStatementsLost(err error) error { return c.preparedStatementsLost(err) }
+func (c *Client[TTx, TDB]) PreparedStatementsLost(err error) error {
+	return c.preparedStatementsLost(err)
+}
 
 // preparedStatementsLost returns err wrapped with ErrPreparedStatements and
 // the fix (the driver adds its words for it) when it is pgx's cached
