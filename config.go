@@ -54,7 +54,10 @@ type Config struct {
 	// the wait happens on a worker, which the bound reaches only when
 	// citus.propagate_set_commands is 'local': see Distribute.) Default 2
 	// seconds; a negative value means wait at most a millisecond
-	// (PostgreSQL's lock_timeout cannot be zero: that means forever).
+	// (PostgreSQL's lock_timeout cannot be zero: that means forever). A
+	// statement_timeout shorter than Wait ends the wait first: the
+	// duplicate then fails with ErrUnavailable (SQLSTATE 57014), not
+	// ErrInProgress; keep statement_timeout above Wait.
 	Wait time.Duration
 
 	// MinKeyLength and MaxKeyLength bound the key length in bytes. Defaults

@@ -251,7 +251,7 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 			return Result{}, c.txUnusable(errorf("idem: %w", c.unsupportedIf(err)))
 		case err != nil && !begun:
 			// DoInTx's transaction did not begin: nothing to undo.
-			return Result{}, unavailableIf(s.Lost() || c.isUnavailable(err), c.claimError(err, k))
+			return Result{}, unavailableIf(s.Lost() || c.isUnavailable(err), c.claimError(c.ctxEnded(ctx, err), k))
 		case err != nil:
 			return Result{}, c.fail(ctx, s, own, c.claimError(err, k))
 		}
@@ -308,11 +308,7 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 			if c.drv.TxClosed(undoErr) {
 				return Result{}, c.fnEnded(ctx, s, own, k, fp, nil, err, cl)
 			}
-			if c.isUnavailable(err) && !errors.Is(err, ctx.Err()) {
-				// A driver that broke the connection for ctx (lib/pq).
-				err = errorf("%w (the context had ended: %w)", err, ctxError(ctx))
-			}
-			return Result{}, c.undone(s, own, undoErr, errorf("idem: %w", c.unsupportedIf(err)))
+			return Result{}, c.undone(s, own, undoErr, errorf("idem: %w", c.unsupportedIf(c.ctxEnded(ctx, err))))
 		}
 
 		// Round trip 2: read the row that holds the key, and end.
@@ -340,7 +336,30 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 // ErrUnavailable when the connection was lost), and names err in words
 // only.
 func (c *Client[TTx, TDB]) fail(ctx context.Context, s driver.Span[TTx], own bool, err error) error {
-	return c.undone(s, own, s.Undo(ctx), err)
+	undoErr := s.Undo(ctx)
+	if ctx.Err() != nil {
+		err = c.ctxEnded(ctx, err)
+		if !own && c.drv.CtxEndsTx() && (c.drv.TxClosed(undoErr) || c.isUnavailable(undoErr)) {
+			// database/sql rolled the caller's transaction back when ctx
+			// ended (it was begun with it), or the driver cut the
+			// connection to cancel the statement (pgx's stdlib): nothing
+			// of the call remains, and no savepoint was left to undo.
+			return errorf("idem: %w before Do's outcome was stored, and the caller's transaction is gone (database/sql "+
+				"rolls it back when the context it was begun with ends; a driver may cut the connection to cancel a statement): "+
+				"nothing of it or of the call remains (the call had failed: %s)", ctxError(ctx), quiet{err}.Error())
+		}
+	}
+	return c.undone(s, own, undoErr, err)
+}
+
+// ctxEnded is err, a failure of a statement once ctx has ended, naming
+// ctx's error too when the driver gave its own instead (lib/pq breaks the
+// connection, or cancels the statement, and says so in its words).
+func (c *Client[TTx, TDB]) ctxEnded(ctx context.Context, err error) error {
+	if ctx.Err() == nil || errors.Is(err, ctx.Err()) || !c.isUnavailable(err) {
+		return err
+	}
+	return errorf("%w (the context had ended: %w)", err, ctxError(ctx))
 }
 
 // undone is fail once the span's undo has returned undoErr.
