@@ -137,14 +137,14 @@ type Relay struct {
 // NewRelay returns a relay that sends the outbox of db's database with
 // opts. db is typically a *pgxpool.Pool (see RelayOptions.PollOnly); Run
 // uses it from several goroutines at once (claims, records, pruning), so a
-// single connection (*pgx.Conn, pgx.Tx) cannot serve it. A nil db, or one
+// single connection (*pgx.Conn, *pgxpool.Conn, pgx.Tx) cannot serve it. A nil db, or one
 // of those, is ErrInvalidArgument; options out of range ErrInvalidConfig.
 func NewRelay(db Beginner, opts RelayOptions) (*Relay, error) {
 	if db == nil {
 		return nil, core.Errorf("idem: new relay: %w: nil db", ErrInvalidArgument)
 	}
 	switch db.(type) {
-	case *pgx.Conn, pgx.Tx:
+	case *pgx.Conn, pgx.Tx, *pgxpool.Conn:
 		return nil, core.Errorf("idem: new relay: %w: a %T is one connection, which Run would use from several goroutines "+
 			"at once (claims, records, pruning): give it a *pgxpool.Pool", ErrInvalidArgument, db)
 	}

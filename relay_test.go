@@ -522,7 +522,12 @@ func TestNewRelayRefusesBadOptions(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer tx.Rollback(context.Background())
-	for name, db := range map[string]idem.Beginner{"*pgx.Conn": conn, "pgx.Tx": tx} {
+	pconn, err := pool.Acquire(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pconn.Release()
+	for name, db := range map[string]idem.Beginner{"*pgx.Conn": conn, "pgx.Tx": tx, "*pgxpool.Conn": pconn} {
 		if _, err := idem.NewRelay(db, idem.RelayOptions{Sender: s}); !errors.Is(err, idem.ErrInvalidArgument) || !strings.Contains(err.Error(), "pgxpool") {
 			t.Errorf("%s: %v, want ErrInvalidArgument naming a pool", name, err)
 		}

@@ -324,7 +324,7 @@ var commands = map[string]command{
 			fs.Int64Var(&o.token, "token", 0, "the token `T` of the attempt being resolved, as unknown list and inspect show it (required)")
 			fs.BoolVar(&o.succeeded, "succeeded", false, "the work happened: store a response")
 			fs.BoolVar(&o.retryable, "retryable", false, "the work certainly did not happen: let it run again")
-			fs.IntVar(&o.status, "status", 200, "with --succeeded: the stored response's status `N`")
+			fs.IntVar(&o.status, "status", 200, "with --succeeded: the stored response's status `N`, 200 to 599 (a 204 or 304 has no body)")
 			fs.StringVar(&o.body, "body", "", "with --succeeded: the stored response's body `B`")
 			fs.StringVar(&o.bodyFile, "body-file", "", "with --succeeded: read the body from the file `F`")
 			fs.StringVar(&o.contentType, "content-type", "application/json", "with --succeeded and a body: the body's media `type` (its Content-Type header)")
@@ -545,7 +545,6 @@ func prune(ctx context.Context, e *env, args []string, opts idem.PruneOptions) e
 	return nil
 }
 
-// keyArgs parses <actor> <operation> <key>.
 // invisible reports whether r, in a value inspect prints, could move the
 // cursor, hide text or reorder it (a control character, a format character
 // such as U+202E, invalid UTF-8): the value is then quoted.
@@ -567,6 +566,7 @@ var operatorClient = func() *idem.Client {
 	return c
 }()
 
+// keyArgs parses <actor> <operation> <key>.
 func keyArgs(args []string) (idem.Scope, string, error) {
 	if err := wantArgs(args, 3, "<actor> <operation> <key>"); err != nil {
 		return idem.Scope{}, "", err
