@@ -106,9 +106,9 @@ func TestBodyTTL(t *testing.T) {
 	if got := count(t, pool, `SELECT count(*) FROM idem_keys WHERE response_body IS NOT NULL`); got != 4 {
 		t.Errorf("a dry run dropped %d bodies", 4-got)
 	}
-	n, err := short.Prune(ctx, pool, idem.PruneOptions{BatchSize: 1})
-	if err != nil || n != 0 {
-		t.Fatalf("Prune: %d keys deleted, %v; want 0 (bodies only)", n, err)
+	res, err := short.PruneReport(ctx, pool, idem.PruneOptions{BatchSize: 1})
+	if err != nil || res.KeysDeleted != 0 || res.BodiesDropped != 2 {
+		t.Fatalf("PruneReport: %+v, %v; want no key deleted, 2 bodies dropped", res, err)
 	}
 	if got := count(t, pool, `SELECT count(*) FROM idem_keys
 		WHERE response_body IS NULL AND response_headers IS NULL AND body_expires_at IS NULL AND response_status = 201`); got != 2 {
@@ -281,5 +281,36 @@ func TestBodyTTLReserveSaysGone(t *testing.T) {
 	}
 	if n := count(t, pool, `SELECT count(*) FROM idem_keys WHERE status = 'succeeded' AND token = 0`); n != 1 {
 		t.Errorf("Reserve changed the record (%d rows as they were)", n)
+	}
+}
+
+// PruneReport counts what it did: a key past its TTL is deleted (its body
+// with it: not a body dropped), a body past its life dropped.
+func TestPruneReport(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	pool := newPool(t)
+	c, err := idem.New(idem.Config{TTL: time.Hour, BodyTTL: time.Minute})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int64
+	for _, key := range []string{"expired", "body-due", "kept"} {
+		if _, err := c.DoInTx(ctx, pool, scope, key, fpA, recordEffect(&calls, key)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := pool.Exec(ctx, `UPDATE idem_keys SET expires_at = now(), body_expires_at = now() WHERE idem_key = 'expired';
+		UPDATE idem_keys SET body_expires_at = now() WHERE idem_key = 'body-due'`); err != nil {
+		t.Fatal(err)
+	}
+	if res, err := c.PruneReport(ctx, pool, idem.PruneOptions{DryRun: true}); err != nil || res != (idem.PruneResult{KeysDeleted: 1}) {
+		t.Errorf("dry run: %+v, %v", res, err)
+	}
+	if res, err := c.PruneReport(ctx, pool, idem.PruneOptions{}); err != nil || res != (idem.PruneResult{KeysDeleted: 1, BodiesDropped: 1}) {
+		t.Errorf("PruneReport: %+v, %v; want 1 key deleted, 1 body dropped", res, err)
+	}
+	if res, err := c.PruneReport(ctx, pool, idem.PruneOptions{}); err != nil || res != (idem.PruneResult{}) {
+		t.Errorf("PruneReport again: %+v, %v; want nothing done", res, err)
 	}
 }

@@ -49,7 +49,7 @@ const DefaultPruneBatchSize = 1000
 // their own index, in batches of BatchSize: those keys stay, with their
 // status, until their TTL (a replay answers ErrResponseGone). The result
 // counts deleted keys only; the drops are counted by the metric
-// idem.bodies_dropped.
+// idem.bodies_dropped, and PruneReport returns both.
 //
 // When ctx ends between batches Prune returns what it deleted so far with
 // the context's error.
@@ -61,4 +61,27 @@ func Prune(ctx context.Context, db Beginner, opts PruneOptions) (int64, error) {
 func (c *Client) Prune(ctx context.Context, db Beginner, opts PruneOptions) (int64, error) {
 	n, err := c.c.Prune(ctx, db, core.PruneOptions(opts))
 	return n, publicErr(err)
+}
+
+// PruneResult is what PruneReport did.
+type PruneResult struct {
+	// KeysDeleted is what Prune returns: the expired keys deleted (with
+	// DryRun, those it would delete).
+	KeysDeleted int64
+	// BodiesDropped is the stored bodies dropped after their life
+	// (Config.BodyTTL); none with DryRun.
+	BodiesDropped int64
+}
+
+// PruneReport is Prune, also saying how many stored bodies it dropped
+// (which Prune counts only in the metric idem.bodies_dropped). On an error
+// it returns what it did so far.
+func PruneReport(ctx context.Context, db Beginner, opts PruneOptions) (PruneResult, error) {
+	return defaultClient.PruneReport(ctx, db, opts)
+}
+
+// PruneReport is the package-level PruneReport.
+func (c *Client) PruneReport(ctx context.Context, db Beginner, opts PruneOptions) (PruneResult, error) {
+	keys, bodies, err := c.c.PruneReport(ctx, db, core.PruneOptions(opts))
+	return PruneResult{KeysDeleted: keys, BodiesDropped: bodies}, publicErr(err)
 }

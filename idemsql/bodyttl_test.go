@@ -81,8 +81,8 @@ func TestBodyTTL(t *testing.T) {
 			}
 		}
 		check("past BodyTTL")
-		if n, err := c.Prune(ctx, db, idem.PruneOptions{}); err != nil || n != 0 {
-			t.Fatalf("Prune: %d, %v; want 0 keys deleted", n, err)
+		if res, err := c.PruneReport(ctx, db, idem.PruneOptions{}); err != nil || res.KeysDeleted != 0 || res.BodiesDropped == 0 {
+			t.Fatalf("PruneReport: %+v, %v; want 0 keys deleted, the bodies dropped", res, err)
 		}
 		var dropped int
 		if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem_keys WHERE response_body IS NULL AND response_status = 201`).Scan(&dropped); err != nil || dropped != 2 {

@@ -77,6 +77,18 @@ func (c *Client) Prune(ctx context.Context, db *sql.DB, opts idem.PruneOptions) 
 	return n, publicErr(err)
 }
 
+// PruneReport is idem.PruneReport on db: Prune, also saying how many stored
+// bodies it dropped.
+func PruneReport(ctx context.Context, db *sql.DB, opts idem.PruneOptions) (idem.PruneResult, error) {
+	return defaultClient.PruneReport(ctx, db, opts)
+}
+
+// PruneReport is the package-level PruneReport.
+func (c *Client) PruneReport(ctx context.Context, db *sql.DB, opts idem.PruneOptions) (idem.PruneResult, error) {
+	keys, bodies, err := c.c.PruneReport(ctx, db, core.PruneOptions(opts))
+	return idem.PruneResult{KeysDeleted: keys, BodiesDropped: bodies}, publicErr(err)
+}
+
 // ReadStats is idem.ReadStats on a *sql.DB: the keys in each status, the
 // oldest in flight and unknown, and the table's size. It counts every row:
 // run it from operators' tools, not on a request path.

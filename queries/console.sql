@@ -158,13 +158,6 @@ FROM (SELECT status, lease_expires_at, created_at, coalesce(resume_until > now()
       ORDER BY created_at
       LIMIT sqlc.arg(cap_rows)::integer) AS open;
 
--- The stored bodies past their time (Config.BodyTTL), which Prune drops:
--- the audited prune counts them before and after it, in its transaction,
--- to say how many it dropped. Through the partial index of bodies' times
--- (migration 9), which holds only the bodies with one.
--- name: ConsoleBodiesDue :one
-SELECT count(*)::bigint AS n FROM idem_keys WHERE body_expires_at <= now();
-
 -- The size of idem_keys on disk (the table with its TOAST data, and its
 -- indexes) and its pages now.
 -- name: ConsoleTableSize :one

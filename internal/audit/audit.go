@@ -429,22 +429,14 @@ func Prune(ctx context.Context, db idem.Beginner, c *idem.Client, operator strin
 	var e Entry
 	var dropped int64
 	err = write(ctx, c, db, func(ctx context.Context, tx pgx.Tx) error {
-		due, err := queries.ConsoleBodiesDue(ctx, Planned{tx})
-		if err != nil {
+		res, err := c.PruneReport(ctx, tx, opts)
+		if err != nil || res.KeysDeleted == 0 && res.BodiesDropped == 0 {
 			return err
 		}
-		n, err := c.Prune(ctx, tx, opts)
-		if err != nil {
-			return err
-		}
-		left, err := queries.ConsoleBodiesDue(ctx, Planned{tx})
-		if err != nil || n == 0 && left == due {
-			return err
-		}
-		dropped = due - left
+		dropped = res.BodiesDropped
 		detail, _ := json.Marshal(map[string]int64{"batch_size": int64(opts.BatchSize), "max_batches": int64(opts.MaxBatches),
 			"bodies_dropped": dropped})
-		e = Entry{Operator: operator, Action: ActionPrune, Detail: detail, Reason: reason, Changed: n}
+		e = Entry{Operator: operator, Action: ActionPrune, Detail: detail, Reason: reason, Changed: res.KeysDeleted}
 		return insert(ctx, tx, &e)
 	})
 	if err != nil {

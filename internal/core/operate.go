@@ -242,14 +242,21 @@ func (c *Client[TTx, TDB]) forgettable(status Status, leaseRanOut bool) error {
 // Prune deletes finished keys past their TTL, in batches of one short
 // transaction each (see idem.Prune).
 func (c *Client[TTx, TDB]) Prune(ctx context.Context, db TDB, opts PruneOptions) (int64, error) {
+	keys, _, err := c.PruneReport(ctx, db, opts)
+	return keys, err
+}
+
+// PruneReport is Prune, and also returns the stored bodies it dropped (see
+// idem.PruneReport).
+func (c *Client[TTx, TDB]) PruneReport(ctx context.Context, db TDB, opts PruneOptions) (keys, bodies int64, _ error) {
 	if err := c.checkDB(db, false); err != nil {
-		return 0, err
+		return 0, 0, err
 	}
 	switch {
 	case opts.BatchSize < 0:
-		return 0, errorf("idem: %w: PruneOptions.BatchSize %d must not be negative", ErrInvalidArgument, opts.BatchSize)
+		return 0, 0, errorf("idem: %w: PruneOptions.BatchSize %d must not be negative", ErrInvalidArgument, opts.BatchSize)
 	case opts.MaxBatches < 0:
-		return 0, errorf("idem: %w: PruneOptions.MaxBatches %d must not be negative", ErrInvalidArgument, opts.MaxBatches)
+		return 0, 0, errorf("idem: %w: PruneOptions.MaxBatches %d must not be negative", ErrInvalidArgument, opts.MaxBatches)
 	}
 	if opts.BatchSize == 0 {
 		opts.BatchSize = DefaultPruneBatchSize
@@ -261,14 +268,14 @@ func (c *Client[TTx, TDB]) Prune(ctx context.Context, db TDB, opts PruneOptions)
 			return err
 		})
 		if err != nil {
-			return 0, errorf("idem: prune: %w", c.unsupportedIf(err))
+			return 0, 0, errorf("idem: prune: %w", c.unsupportedIf(err))
 		}
-		return n, nil
+		return n, 0, nil
 	}
 	var total int64
 	for batch := 0; opts.MaxBatches == 0 || batch < opts.MaxBatches; batch++ {
 		if err := ctx.Err(); err != nil {
-			return total, err
+			return total, 0, err
 		}
 		var n int64
 		err := c.batchTx(ctx, db, func(ctx context.Context, ex driver.Executor) (err error) {
@@ -276,7 +283,7 @@ func (c *Client[TTx, TDB]) Prune(ctx context.Context, db TDB, opts PruneOptions)
 			return err
 		})
 		if err != nil {
-			return total, errorf("idem: prune: %w", c.unsupportedIf(err))
+			return total, 0, errorf("idem: prune: %w", c.unsupportedIf(err))
 		}
 		total += n
 		c.obs.count(ctx, "ttl_pruned", "prune", "", n)
@@ -284,16 +291,18 @@ func (c *Client[TTx, TDB]) Prune(ctx context.Context, db TDB, opts PruneOptions)
 			break // none left that no other pruner holds
 		}
 	}
-	return total, c.dropBodies(ctx, db, opts)
+	bodies, err := c.dropBodies(ctx, db, opts)
+	return total, bodies, err
 }
 
 // dropBodies drops the bodies of finished keys past their body's life
-// (Config.BodyTTL), in batches as Prune deletes keys: the rows stay, with
-// their status and response status.
-func (c *Client[TTx, TDB]) dropBodies(ctx context.Context, db TDB, opts PruneOptions) error {
+// (Config.BodyTTL), in batches as Prune deletes keys, and returns how many:
+// the rows stay, with their status and response status.
+func (c *Client[TTx, TDB]) dropBodies(ctx context.Context, db TDB, opts PruneOptions) (int64, error) {
+	var total int64
 	for batch := 0; opts.MaxBatches == 0 || batch < opts.MaxBatches; batch++ {
 		if err := ctx.Err(); err != nil {
-			return err
+			return total, err
 		}
 		var n int64
 		err := c.batchTx(ctx, db, func(ctx context.Context, ex driver.Executor) (err error) {
@@ -301,14 +310,15 @@ func (c *Client[TTx, TDB]) dropBodies(ctx context.Context, db TDB, opts PruneOpt
 			return err
 		})
 		if err != nil {
-			return errorf("idem: prune: drop bodies: %w", c.unsupportedIf(err))
+			return total, errorf("idem: prune: drop bodies: %w", c.unsupportedIf(err))
 		}
+		total += n
 		c.obs.count(ctx, "bodies_dropped", "prune", "", n)
 		if n < int64(opts.BatchSize) {
-			return nil
+			return total, nil
 		}
 	}
-	return nil
+	return total, nil
 }
 
 // batchTx runs fn in a short transaction of its own begun on db, whose

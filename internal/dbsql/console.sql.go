@@ -295,21 +295,6 @@ func (q *Queries) ConsoleActorsByPrefix(ctx context.Context, db DBTX, arg Consol
 	return items, nil
 }
 
-const ConsoleBodiesDue = `-- name: ConsoleBodiesDue :one
-SELECT count(*)::bigint AS n FROM idem_keys WHERE body_expires_at <= now()
-`
-
-// The stored bodies past their time (Config.BodyTTL), which Prune drops:
-// the audited prune counts them before and after it, in its transaction,
-// to say how many it dropped. Through the partial index of bodies' times
-// (migration 9), which holds only the bodies with one.
-func (q *Queries) ConsoleBodiesDue(ctx context.Context, db DBTX) (int64, error) {
-	row := db.QueryRowContext(ctx, ConsoleBodiesDue)
-	var n int64
-	err := row.Scan(&n)
-	return n, err
-}
-
 const ConsoleExpirableCount = `-- name: ConsoleExpirableCount :one
 SELECT count(*)::bigint AS leases, now()::timestamptz AS cutoff
 FROM idem_keys
