@@ -533,15 +533,16 @@ func prune(ctx context.Context, e *env, args []string, opts idem.PruneOptions) e
 		return err
 	}
 	defer pool.Close()
-	n, err := idem.Prune(ctx, pool, opts)
+	res, err := idem.PruneReport(ctx, pool, opts)
 	if err != nil {
 		return err
 	}
-	verb := "deleted"
-	if opts.DryRun {
-		verb = "would delete"
+	text := fmt.Sprintf("would delete %d expired keys\n", res.KeysDeleted)
+	if !opts.DryRun {
+		text = fmt.Sprintf("deleted %d expired keys, dropped %d stored bodies past their life (Config.BodyTTL)\n",
+			res.KeysDeleted, res.BodiesDropped)
 	}
-	e.print(map[string]any{"dry_run": opts.DryRun, "keys": n}, fmt.Sprintf("%s %d expired keys\n", verb, n))
+	e.print(map[string]any{"dry_run": opts.DryRun, "keys": res.KeysDeleted, "bodies_dropped": res.BodiesDropped}, text)
 	return nil
 }
 
