@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"fmt"
 	"net/http"
+	"strconv"
 	"sync/atomic"
 
 	"github.com/pgidem/idem"
@@ -54,8 +55,14 @@ func (w *bufferWriter) Write(p []byte) (int, error) {
 	if w.status == 0 {
 		w.WriteHeader(http.StatusOK)
 	}
+	if len(p) == 0 {
+		return 0, nil // as net/http, whatever the status
+	}
 	if !bodyAllowed(w.status) {
 		return 0, http.ErrBodyNotAllowed
+	}
+	if n, ok := w.declaredLength(); ok && int64(w.body.Len()+len(p)) > n {
+		return 0, http.ErrContentLength // as net/http: no more than the Content-Length it declared
 	}
 	if w.tooBig || w.body.Len()+len(p) > w.limit {
 		w.tooBig = true
@@ -66,6 +73,17 @@ func (w *bufferWriter) Write(p []byte) (int, error) {
 
 func (w *bufferWriter) WriteString(s string) (int, error) {
 	return w.Write([]byte(s))
+}
+
+// declaredLength is the Content-Length the handler set before
+// WriteHeader, when it set a valid one.
+func (w *bufferWriter) declaredLength() (int64, bool) {
+	v := w.sent.Get("Content-Length")
+	if v == "" {
+		return 0, false
+	}
+	n, err := strconv.ParseInt(v, 10, 64)
+	return n, err == nil && n >= 0
 }
 
 // result returns the status and header of the response as the handler

@@ -159,3 +159,44 @@ func TestDefaultOperationBounds(t *testing.T) {
 		t.Errorf("pattern: %q", op)
 	}
 }
+
+// Two more of net/http's rules a handler can see: an empty write after a
+// 204 is no error, and a write past the Content-Length the handler
+// declared is refused (http.ErrContentLength); each handler reports what
+// its writes returned, with and without the middleware.
+func TestResponseWriterWritesAsNetHTTP(t *testing.T) {
+	t.Parallel()
+	pool := newPool(t, idem.Migrate)
+	type result struct{ empty204, past error }
+	handler := func(got chan<- result) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			var res result
+			if r.URL.Path == "/204" {
+				w.WriteHeader(http.StatusNoContent)
+				_, res.empty204 = w.Write(nil)
+			} else {
+				w.Header().Set("Content-Length", "3")
+				_, res.past = w.Write([]byte("hello"))
+			}
+			got <- res
+		})
+	}
+	for _, path := range []string{"/204", "/length"} {
+		plainGot, mwGot := make(chan result, 1), make(chan result, 1)
+		plain := httptest.NewServer(handler(plainGot))
+		wrapped := httptest.NewServer(idemhttp.Middleware(pool, idemhttp.Options{Actor: bearer, Logger: discard})(handler(mwGot)))
+		for _, srv := range []*httptest.Server{plain, wrapped} {
+			req, _ := http.NewRequest(http.MethodPost, srv.URL+path, nil)
+			req.Header.Set("Authorization", "Bearer alice")
+			req.Header.Set("Idempotency-Key", "k"+path)
+			if resp, err := srv.Client().Do(req); err == nil {
+				resp.Body.Close()
+			}
+			srv.Close()
+		}
+		p, m := <-plainGot, <-mwGot
+		if !errors.Is(m.empty204, p.empty204) || !errors.Is(m.past, p.past) || (m.past == nil) != (p.past == nil) {
+			t.Errorf("%s: net/http %+v, the middleware %+v", path, p, m)
+		}
+	}
+}
