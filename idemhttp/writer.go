@@ -55,6 +55,9 @@ func (w *bufferWriter) Write(p []byte) (int, error) {
 	if w.status == 0 {
 		w.WriteHeader(http.StatusOK)
 	}
+	if w.tooBig {
+		return 0, fmt.Errorf("%w: the handler wrote more than %d bytes", idem.ErrResponseTooLarge, w.limit)
+	}
 	if len(p) == 0 {
 		return 0, nil // as net/http, whatever the status
 	}
@@ -64,7 +67,7 @@ func (w *bufferWriter) Write(p []byte) (int, error) {
 	if n, ok := w.declaredLength(); ok && int64(w.body.Len()+len(p)) > n {
 		return 0, http.ErrContentLength // as net/http: no more than the Content-Length it declared
 	}
-	if w.tooBig || w.body.Len()+len(p) > w.limit {
+	if w.body.Len()+len(p) > w.limit {
 		w.tooBig = true
 		return 0, fmt.Errorf("%w: the handler wrote more than %d bytes", idem.ErrResponseTooLarge, w.limit)
 	}
