@@ -16,12 +16,12 @@ func (c *Client[TTx, TDB]) checkTarget(scope Scope, key string) error {
 	}
 	if c.cfg.TTLFor != nil {
 		if t := c.cfg.TTLFor(scope.Operation); t != 0 && t < time.Microsecond {
-			return errorf("idem: %w: TTLFor(%q) is %s; a TTL must be positive", ErrInvalidConfig, scope.Operation, t)
+			return errorf("idem: %w: TTLFor(%q) is %s; a TTL must be at least 1µs (0: TTL)", ErrInvalidConfig, scope.Operation, t)
 		}
 	}
 	if c.cfg.BodyTTLFor != nil {
 		if t := c.cfg.BodyTTLFor(scope.Operation); t != 0 && t < time.Microsecond {
-			return errorf("idem: %w: BodyTTLFor(%q) is %s; a body's life must be positive (0: BodyTTL)", ErrInvalidConfig, scope.Operation, t)
+			return errorf("idem: %w: BodyTTLFor(%q) is %s; a body's life must be at least 1µs (0: BodyTTL)", ErrInvalidConfig, scope.Operation, t)
 		}
 	}
 	return nil
