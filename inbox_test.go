@@ -575,4 +575,18 @@ func TestInboxDuplicatePastBodyTTL(t *testing.T) {
 	if err != nil || runs.Load() != 1 {
 		t.Errorf("Inbox redelivery past BodyTTL: %v, %d runs; want a duplicate, 1 run", err, runs.Load())
 	}
+	// fn's own error wrapping ErrResponseGone (a call of its own, of a key
+	// whose body is gone) is fn's failure, not a duplicate: the message is
+	// not acknowledged.
+	failing := func(ctx context.Context, tx pgx.Tx) error {
+		_, err := c.Do(ctx, tx, idem.Scope{Actor: "billing", Operation: idem.InboxOperation}, "m1", idem.Fingerprint(sha256.Sum256([]byte("p"))),
+			func(context.Context, pgx.Tx) (idem.Response, error) { return idem.Response{}, nil })
+		if !errors.Is(err, idem.ErrResponseGone) {
+			t.Errorf("the nested call: %v, want ErrResponseGone", err)
+		}
+		return err
+	}
+	if dup, err := c.InboxInTx(ctx, pool, "billing", "m2", []byte("p"), failing); dup || err == nil {
+		t.Errorf("fn failing with ErrResponseGone of its own: %v, %v; want fn's error, no duplicate", dup, err)
+	}
 }

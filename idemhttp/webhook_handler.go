@@ -244,6 +244,12 @@ func newWebhookHandler(db idem.Beginner, opts WebhookOptions,
 			ttl = t
 		}
 	}
+	if cfg.BodyTTLFor != nil {
+		if t := cfg.BodyTTLFor(idem.InboxOperation); t < 0 || t > 0 && t < time.Microsecond {
+			return nil, fmt.Errorf("idemhttp: WebhookOptions.Config.BodyTTLFor(%q) is %s: a body's life must be at least 1µs (0: BodyTTL)",
+				idem.InboxOperation, t)
+		}
+	}
 	if ttl/2 < h.tolerance { // ttl < 2×Tolerance, without overflow
 		// One signed request is accepted for 2×Tolerance (its timestamp
 		// may be Tolerance ahead of the receiver's clock, then Tolerance

@@ -886,3 +886,17 @@ func TestWebhookHandlerTTLForChecked(t *testing.T) {
 		Config: idem.Config{TTLFor: func(string) time.Duration { return -time.Hour }}},
 		func(context.Context, pgx.Tx, idemhttp.Webhook) error { return nil })
 }
+
+// So is a BodyTTLFor giving the inbox's operation a body's life under a
+// microsecond.
+func TestWebhookHandlerBodyTTLForChecked(t *testing.T) {
+	t.Parallel()
+	defer func() {
+		if v := recover(); v == nil || !strings.Contains(fmt.Sprint(v), "BodyTTLFor") {
+			t.Errorf("panic %v, want one naming BodyTTLFor", v)
+		}
+	}()
+	idemhttp.WebhookHandler(newPool(t, migrateWebhooks), idemhttp.WebhookOptions{Secrets: []string{oldSecret},
+		Config: idem.Config{BodyTTLFor: func(string) time.Duration { return -time.Hour }}},
+		func(context.Context, pgx.Tx, idemhttp.Webhook) error { return nil })
+}

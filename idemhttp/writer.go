@@ -18,8 +18,10 @@ import (
 // Write without WriteHeader means 200; only the first WriteHeader counts;
 // header changes after WriteHeader are not part of the response; 1xx codes
 // are informational (dropped here, since nothing can reach the client
-// before the commit); a body after 204 or 304 is refused with
-// http.ErrBodyNotAllowed; an invalid code panics. It does not implement
+// before the commit); an empty write is no error; a body after 204 or 304
+// is refused with http.ErrBodyNotAllowed; a write past the Content-Length
+// the handler declared is refused with http.ErrContentLength, and so is
+// every write after it; an invalid code panics. It does not implement
 // http.Flusher or http.Hijacker, and has no Unwrap, so
 // http.ResponseController reports http.ErrNotSupported for Flush, Hijack
 // and deadlines instead of letting the handler bypass the buffer.
@@ -30,6 +32,10 @@ type bufferWriter struct {
 	body   bytes.Buffer
 	limit  int  // largest body kept
 	tooBig bool // the handler wrote more than limit
+	// overLength: a write went past the Content-Length the handler
+	// declared; as net/http counts the refused bytes too, every later
+	// write is refused.
+	overLength bool
 
 	invalid atomic.Bool // the handler called Invalid
 }
@@ -64,7 +70,8 @@ func (w *bufferWriter) Write(p []byte) (int, error) {
 	if !bodyAllowed(w.status) {
 		return 0, http.ErrBodyNotAllowed
 	}
-	if n, ok := w.declaredLength(); ok && int64(w.body.Len()+len(p)) > n {
+	if n, ok := w.declaredLength(); w.overLength || ok && int64(w.body.Len()+len(p)) > n {
+		w.overLength = true
 		return 0, http.ErrContentLength // as net/http: no more than the Content-Length it declared
 	}
 	if w.body.Len()+len(p) > w.limit {

@@ -177,6 +177,9 @@ func TestResponseWriterWritesAsNetHTTP(t *testing.T) {
 			} else {
 				w.Header().Set("Content-Length", "3")
 				_, res.past = w.Write([]byte("hello"))
+				if _, err := w.Write([]byte("abc")); err == nil {
+					res.past = errors.New("a write after the refused one was accepted")
+				}
 			}
 			got <- res
 		})

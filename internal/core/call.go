@@ -336,17 +336,19 @@ func (c *Client[TTx, TDB]) call(ctx context.Context, s driver.Span[TTx], own boo
 // ErrUnavailable when the connection was lost), and names err in words
 // only.
 func (c *Client[TTx, TDB]) fail(ctx context.Context, s driver.Span[TTx], own bool, err error) error {
+	ended := ctx.Err() != nil // when the statement failed, not after the undo
 	undoErr := s.Undo(ctx)
-	if ctx.Err() != nil {
+	if ended {
 		err = c.ctxEnded(ctx, err)
 		if !own && c.drv.CtxEndsTx() && (c.drv.TxClosed(undoErr) || c.isUnavailable(undoErr)) {
 			// database/sql rolled the caller's transaction back when ctx
 			// ended (it was begun with it), or the driver cut the
 			// connection to cancel the statement (pgx's stdlib): nothing
 			// of the call remains, and no savepoint was left to undo.
-			return errorf("idem: %w before Do's outcome was stored, and the caller's transaction is gone (database/sql "+
-				"rolls it back when the context it was begun with ends; a driver may cut the connection to cancel a statement): "+
-				"nothing of it or of the call remains (the call had failed: %s)", ctxError(ctx), quiet{err}.Error())
+			return unavailableIf(c.isUnavailable(undoErr), errorf("idem: %w before Do's outcome was stored, and the caller's "+
+				"transaction is gone (database/sql rolls it back when the context it was begun with ends; a driver may cut the "+
+				"connection to cancel a statement): nothing of it or of the call remains (the call had failed: %s)",
+				ctxError(ctx), quiet{err}.Error()))
 		}
 	}
 	return c.undone(s, own, undoErr, err)

@@ -41,9 +41,11 @@ func (c *Client[TTx, TDB]) InboxInTx(ctx context.Context, db TDB, consumer, mess
 
 // inboxResult is what Inbox answers for the call's result: a message
 // processed before is a duplicate, also when its stored (empty) response
-// has outlived Config.BodyTTL (ErrResponseGone: nothing ran again).
+// has outlived Config.BodyTTL (a replay with ErrResponseGone: nothing ran
+// again). fn's own error that wraps ErrResponseGone (from a call of its
+// own) is no replay: it is passed on.
 func inboxResult(res Result, err error) (duplicate bool, _ error) {
-	if errors.Is(err, ErrResponseGone) {
+	if res.Replayed && errors.Is(err, ErrResponseGone) {
 		return true, nil
 	}
 	return res.Replayed, err
