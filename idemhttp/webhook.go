@@ -262,6 +262,7 @@ func (s WebhookSender) Send(ctx context.Context, d idem.Delivery) error {
 	}
 	head, _ := io.ReadAll(io.LimitReader(resp.Body, discardLimit))
 	werr := &WebhookError{StatusCode: resp.StatusCode, Header: resp.Header, Body: head[:min(len(head), webhookErrorBody)]}
+	p := problemOf(resp.Header, head) // idemhttp's own problem, when it is one
 	switch {
 	case resp.StatusCode == http.StatusAccepted && inFlight(resp.Header, head):
 		// idemhttp's answer to a duplicate of a delivery still running
@@ -270,7 +271,7 @@ func (s WebhookSender) Send(ctx context.Context, d idem.Delivery) error {
 		return werr
 	case resp.StatusCode == http.StatusAccepted:
 		return nil
-	case resp.StatusCode == http.StatusGone && expiredSuccess(resp.Header, head):
+	case resp.StatusCode == http.StatusGone && p.Code == CodeResponseExpired && p.StoredStatus >= 200 && p.StoredStatus < 300:
 		// idemhttp's answer to a redelivery of an event it processed and
 		// answered 2xx, whose stored response it dropped after
 		// Config.BodyTTL: delivered. (A stored refusal, 4xx, stays a gone
@@ -278,9 +279,7 @@ func (s WebhookSender) Send(ctx context.Context, d idem.Delivery) error {
 		return nil
 	case resp.StatusCode == http.StatusGone:
 		return idem.Permanent(werr)
-	case resp.StatusCode == http.StatusUnprocessableEntity &&
-		strings.HasPrefix(resp.Header.Get("Content-Type"), ContentTypeProblem) &&
-		bytes.Contains(head, []byte(`"`+CodeKeyReused+`"`)):
+	case resp.StatusCode == http.StatusUnprocessableEntity && p.Code == CodeKeyReused:
 		return idem.Permanent(werr)
 	}
 	return werr
@@ -301,15 +300,15 @@ func inFlight(h http.Header, body []byte) bool {
 	return json.Unmarshal(body, &doc) == nil && len(doc) == 1 && doc["status"] == AcceptedStatusProcessing
 }
 
-// expiredSuccess reports whether a 410 is idemhttp's
-// IDEMPOTENCY_RESPONSE_EXPIRED for a request that finished 2xx
-// (stored_status).
-func expiredSuccess(h http.Header, body []byte) bool {
-	if !strings.HasPrefix(h.Get("Content-Type"), ContentTypeProblem) {
-		return false
-	}
+// problemOf is the problem document of an answer (idemhttp's, whose code
+// and stored_status the sender reads); the zero problem when the answer is
+// not one.
+func problemOf(h http.Header, body []byte) problem {
 	var p problem
-	return json.Unmarshal(body, &p) == nil && p.Code == CodeResponseExpired && p.StoredStatus >= 200 && p.StoredStatus < 300
+	if !strings.HasPrefix(h.Get("Content-Type"), ContentTypeProblem) || json.Unmarshal(body, &p) != nil {
+		return problem{}
+	}
+	return p
 }
 
 // redactURL returns err, the error of http.Client.Do (a *url.Error), with

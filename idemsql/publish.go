@@ -35,7 +35,7 @@ func Publish(ctx context.Context, tx *sql.Tx, ev idem.Event) error {
 	inserted, err := q.EventPublish(ctx, tx, dbsql.EventPublishParams{
 		Destination: ev.Destination, ID: ev.ID, Topic: ev.Topic, Payload: payload, Header: h})
 	if err != nil {
-		return storeErr(err)
+		return eventStoreErr("publish", err)
 	}
 	if inserted {
 		return nil
@@ -47,16 +47,10 @@ func Publish(ctx context.Context, tx *sql.Tx, ev idem.Event) error {
 		return core.Errorf("idem: publish: event %q for %q was pruned while it was published again: %w",
 			ev.ID, ev.Destination, idem.ErrEventReused)
 	case err != nil:
-		return storeErr(err)
+		return eventStoreErr("publish", err)
 	case !same:
 		return core.Errorf("idem: publish: %w: event %q for %q holds another topic, payload or header",
 			idem.ErrEventReused, ev.ID, ev.Destination)
 	}
 	return nil
-}
-
-// storeErr is a failed statement of Publish: wrapped with
-// idem.ErrUnavailable when the database could not serve it.
-func storeErr(err error) error {
-	return eventStoreErr("publish", err)
 }

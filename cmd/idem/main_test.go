@@ -178,8 +178,11 @@ func TestCLIEndToEnd(t *testing.T) {
 		t.Fatalf("prune --dry-run: exit %d\n%s", code, out)
 	}
 	out, _, code = cli(t, url, "prune", "--json")
-	var pr struct{ Keys int64 }
-	if code != 0 || json.Unmarshal([]byte(out), &pr) != nil || pr.Keys != 3 {
+	var pr struct {
+		Keys          int64
+		BodiesDropped *int64 `json:"bodies_dropped"`
+	}
+	if code != 0 || json.Unmarshal([]byte(out), &pr) != nil || pr.Keys != 3 || pr.BodiesDropped == nil || *pr.BodiesDropped != 0 {
 		t.Fatalf("prune --json: exit %d\n%s", code, out)
 	}
 
