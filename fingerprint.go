@@ -739,15 +739,47 @@ var (
 
 // invalidUTF8 reports whether v holds a string that is not valid UTF-8
 // where encoding/json writes it, which it does as U+FFFD. Output of a
-// json.Marshaler is JSON text and checked as such. Only called on values that
-// encoding/json marshalled, so v has no cycles.
-func invalidUTF8(v reflect.Value) bool {
+// json.Marshaler is JSON text and checked as such.
+func invalidUTF8(v reflect.Value) bool { return (&utf8Walk{}).invalid(v) }
+
+// A utf8Walk is one invalidUTF8 check. It walks each pointer, map and slice
+// once: encoding/json refuses the cycles it follows, but the walk also
+// enters parts that encoding/json leaves out (a field that a shallower one
+// of the same name hides), where a cycle would never end.
+type utf8Walk struct{ seen map[walked]bool }
+
+// walked identifies a pointer, map or slice: by its type too, as a struct
+// and its first field share an address.
+type walked struct {
+	t   reflect.Type
+	ptr uintptr
+	len int
+}
+
+func (w *utf8Walk) invalid(v reflect.Value) bool {
 	if !v.IsValid() {
 		return false
 	}
 	t := v.Type()
 	if (v.Kind() == reflect.Pointer || v.Kind() == reflect.Interface) && v.IsNil() {
 		return false
+	}
+	switch v.Kind() {
+	case reflect.Pointer, reflect.Map, reflect.Slice:
+		if v.IsNil() {
+			break
+		}
+		k := walked{t: t, ptr: v.Pointer()}
+		if v.Kind() == reflect.Slice {
+			k.len = v.Len()
+		}
+		if w.seen[k] {
+			return false // walked already, or being walked
+		}
+		if w.seen == nil {
+			w.seen = make(map[walked]bool)
+		}
+		w.seen[k] = true
 	}
 	if v.CanInterface() {
 		if t.Implements(jsonMarshaler) || v.CanAddr() && reflect.PointerTo(t).Implements(jsonMarshaler) {
@@ -768,24 +800,24 @@ func invalidUTF8(v reflect.Value) bool {
 	case reflect.String:
 		return !utf8.ValidString(v.String())
 	case reflect.Pointer, reflect.Interface:
-		return invalidUTF8(v.Elem())
+		return w.invalid(v.Elem())
 	case reflect.Struct:
 		for i := range t.NumField() {
 			f := t.Field(i)
 			if f.Tag.Get("json") == "-" || !f.IsExported() && !f.Anonymous {
 				continue
 			}
-			if invalidUTF8(v.Field(i)) {
+			if w.invalid(v.Field(i)) {
 				return true
 			}
 		}
 	case reflect.Map:
 		for it := v.MapRange(); it.Next(); {
 			k := it.Key()
-			if k.Kind() == reflect.String && !utf8.ValidString(k.String()) || k.Kind() != reflect.String && invalidUTF8(k) {
+			if k.Kind() == reflect.String && !utf8.ValidString(k.String()) || k.Kind() != reflect.String && w.invalid(k) {
 				return true
 			}
-			if invalidUTF8(it.Value()) {
+			if w.invalid(it.Value()) {
 				return true
 			}
 		}
@@ -794,7 +826,7 @@ func invalidUTF8(v reflect.Value) bool {
 			return false // base64, or numbers
 		}
 		for i := range v.Len() {
-			if invalidUTF8(v.Index(i)) {
+			if w.invalid(v.Index(i)) {
 				return true
 			}
 		}

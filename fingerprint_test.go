@@ -335,6 +335,45 @@ func TestFingerprintJSONInvalidUTF8(t *testing.T) {
 	}
 }
 
+// selfRef refers to itself through an embedded pointer whose fields are all
+// shadowed by its own, so encoding/json marshals a cyclic value of it
+// (it never follows the pointer), as it does cycles through fields it
+// leaves out.
+type selfRef struct {
+	*selfRef
+	Name string
+}
+
+// The check for strings that are not UTF-8 walks a Go value that
+// encoding/json marshalled; a cycle through a part that encoding/json
+// leaves out ends the walk instead of overflowing the stack, a fatal error
+// that no recover catches.
+func TestFingerprintJSONCyclicValue(t *testing.T) {
+	t.Parallel()
+	bad := &selfRef{Name: "x\xff"}
+	bad.selfRef = bad
+	if _, err := json.Marshal(bad); err != nil {
+		t.Fatalf("encoding/json refuses the value: %v", err)
+	}
+	if f, err := idem.FingerprintJSON(bad); !errors.Is(err, idem.ErrInvalidJSON) {
+		t.Errorf("FingerprintJSON(cyclic value holding \\xff) = %v, %v; want ErrInvalidJSON", f, err)
+	}
+	// U+FFFD written as an escape by a json.Marshaler makes the check walk
+	// the value, which is valid.
+	good := &struct {
+		selfRef
+		Raw json.RawMessage
+	}{selfRef{Name: "x"}, json.RawMessage(`"\ufffd"`)}
+	good.selfRef.selfRef = &good.selfRef
+	want, err := idem.FingerprintJSON([]byte(`{"Name":"x","Raw":"\ufffd"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, err := idem.FingerprintJSON(good); err != nil || got != want {
+		t.Errorf("FingerprintJSON(cyclic value) = %v, %v; want %v", got, err, want)
+	}
+}
+
 // Hostile numbers and nesting cost time and memory linear in the text (a
 // quadratic walk or exact arithmetic on 1e-1000000 would take minutes here).
 func TestFingerprintJSONHostileInput(t *testing.T) {
