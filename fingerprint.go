@@ -804,8 +804,8 @@ func (w *utf8Walk) invalid(v reflect.Value) bool {
 	case reflect.Struct:
 		for i := range t.NumField() {
 			f := t.Field(i)
-			if f.Tag.Get("json") == "-" || !f.IsExported() && !f.Anonymous {
-				continue
+			if f.Tag.Get("json") == "-" || !f.IsExported() && !embeddedStruct(f) {
+				continue // left out by encoding/json
 			}
 			if w.invalid(v.Field(i)) {
 				return true
@@ -832,4 +832,15 @@ func (w *utf8Walk) invalid(v reflect.Value) bool {
 		}
 	}
 	return false
+}
+
+// embeddedStruct reports whether f embeds a struct or a pointer to one,
+// whose fields encoding/json promotes even when f is unexported (an
+// unexported embedded field of another type it leaves out).
+func embeddedStruct(f reflect.StructField) bool {
+	t := f.Type
+	if t.Kind() == reflect.Pointer {
+		t = t.Elem()
+	}
+	return f.Anonymous && t.Kind() == reflect.Struct
 }

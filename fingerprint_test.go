@@ -374,6 +374,32 @@ func TestFingerprintJSONCyclicValue(t *testing.T) {
 	}
 }
 
+// unexportedText is a non-struct type that a struct embeds unexported:
+// encoding/json leaves such a field out.
+type unexportedText string
+
+// A string that encoding/json leaves out does not count, also when the
+// check for strings that are not UTF-8 runs (a json.Marshaler wrote U+FFFD
+// as an escape): the fingerprint is that of the JSON.
+func TestFingerprintJSONIgnoresWhatJSONLeavesOut(t *testing.T) {
+	t.Parallel()
+	v := struct {
+		unexportedText
+		Raw json.RawMessage
+	}{"\xff", json.RawMessage(`"\ufffd"`)}
+	text, err := json.Marshal(v)
+	if err != nil || string(text) != `{"Raw":"\ufffd"}` {
+		t.Fatalf("encoding/json: %s, %v", text, err)
+	}
+	want, err := idem.FingerprintJSON(text)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, err := idem.FingerprintJSON(v); err != nil || got != want {
+		t.Errorf("FingerprintJSON(%#v) = %v, %v; want %v, the fingerprint of %s", v, got, err, want, text)
+	}
+}
+
 // Hostile numbers and nesting cost time and memory linear in the text (a
 // quadratic walk or exact arithmetic on 1e-1000000 would take minutes here).
 func TestFingerprintJSONHostileInput(t *testing.T) {
