@@ -77,6 +77,8 @@ func RejectJSON(status int, v any) error { return publicErr(core.RejectJSON(stat
 //     the encoding/json error. tx stays usable and the key is free.
 //   - A stored outcome that does not decode into T: a zero T and an error
 //     wrapping ErrStoredValue; fn does not run.
+//   - A stored outcome whose body was dropped (Config.BodyTTL): a zero T,
+//     replayed true and an error wrapping ErrResponseGone; fn does not run.
 //
 // A value is stored as Response{Status: 0, Body: its JSON} and a refusal as
 // Response{Status: status, Body: its JSON}: DoJSON tells them apart by the

@@ -444,3 +444,48 @@ func TestDoJSONConcurrentDuplicates(t *testing.T) {
 		t.Fatalf("fresh %d, calls %d, effects %d; want 1 each", fresh, calls.Load(), effects(t, pool))
 	}
 }
+
+// A typed outcome whose body has outlived Config.BodyTTL: fn does not run,
+// the error wraps ErrResponseGone, and replayed is true (as Do's
+// Result.Replayed and Inbox's duplicate are): the operation happened.
+func TestDoJSONResponseGoneIsAReplay(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	pool := newPool(t)
+	const life = 200 * time.Millisecond
+	client, err := idem.New(idem.Config{TTL: time.Hour, BodyTTL: life})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var calls atomic.Int64
+	doInTx := func(key string) (order, bool, error) {
+		return idem.DoInTxJSONWith(ctx, client, pool, scope, key, fpA, placeOrder(&calls, key))
+	}
+	do := func(key string) (o order, replayed bool, err error) {
+		txErr := pgx.BeginFunc(ctx, pool, func(tx pgx.Tx) error {
+			o, replayed, err = idem.DoJSONWith(ctx, client, tx, scope, key, fpA, placeOrder(&calls, key))
+			return nil
+		})
+		if txErr != nil {
+			t.Fatal(txErr)
+		}
+		return o, replayed, err
+	}
+	calls2 := map[string]func(string) (order, bool, error){"gone-intx": doInTx, "gone-do": do}
+	for key, run := range calls2 {
+		if _, replayed, err := run(key); err != nil || replayed {
+			t.Fatalf("%s first: %v, %v", key, replayed, err)
+		}
+	}
+	time.Sleep(life + 100*time.Millisecond)
+	ran := calls.Load()
+	for key, run := range calls2 {
+		o, replayed, err := run(key)
+		if !errors.Is(err, idem.ErrResponseGone) || !replayed || !reflect.DeepEqual(o, order{}) {
+			t.Errorf("%s past BodyTTL: %+v, replayed %t, %v; want a zero order, replayed, ErrResponseGone", key, o, replayed, err)
+		}
+	}
+	if n := calls.Load(); n != ran {
+		t.Fatalf("fn ran %d more times past BodyTTL", n-ran)
+	}
+}

@@ -113,7 +113,7 @@ func jsonResponse(v any, err error, back any) (Response, error) {
 func decodeResult[T any](res Result, err error) (T, bool, error) {
 	var v T
 	if err != nil {
-		return v, false, err
+		return v, res.Replayed, err // a replay whose body is gone (ErrResponseGone)
 	}
 	if res.Status != 0 {
 		return v, res.Replayed, &RejectedError{Status: res.Status, Body: res.Body}
