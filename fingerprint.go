@@ -822,7 +822,8 @@ func (w *utf8Walk) invalid(v reflect.Value) bool {
 			}
 		}
 	case reflect.Slice, reflect.Array:
-		if t.Elem().Kind() == reflect.Uint8 {
+		if e := reflect.PointerTo(t.Elem()); t.Elem().Kind() == reflect.Uint8 &&
+			!e.Implements(jsonMarshaler) && !e.Implements(textMarshaler) {
 			return false // base64, or numbers
 		}
 		for i := range v.Len() {

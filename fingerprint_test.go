@@ -400,6 +400,27 @@ func TestFingerprintJSONIgnoresWhatJSONLeavesOut(t *testing.T) {
 	}
 }
 
+// textByte is a byte that marshals as text: encoding/json writes a slice
+// of them as an array of strings, not as base64.
+type textByte uint8
+
+func (b textByte) MarshalText() ([]byte, error) { return []byte{'x', byte(b)}, nil }
+
+// Strings that are not UTF-8 from the elements of a byte slice whose
+// element type is a TextMarshaler are refused too: encoding/json would
+// write both of these slices as ["x\ufffd"].
+func TestFingerprintJSONByteSliceOfTextMarshalers(t *testing.T) {
+	t.Parallel()
+	for _, v := range []any{[]textByte{0xff}, []textByte{0xfe}, [1]textByte{0xff}} {
+		if f, err := idem.FingerprintJSON(v); !errors.Is(err, idem.ErrInvalidJSON) {
+			t.Errorf("FingerprintJSON(%#v) = %v, %v; want ErrInvalidJSON", v, f, err)
+		}
+	}
+	if _, err := idem.FingerprintJSON([]textByte{'a'}); err != nil {
+		t.Errorf("FingerprintJSON of valid text: %v", err)
+	}
+}
+
 // Hostile numbers and nesting cost time and memory linear in the text (a
 // quadratic walk or exact arithmetic on 1e-1000000 would take minutes here).
 func TestFingerprintJSONHostileInput(t *testing.T) {
