@@ -813,8 +813,7 @@ func (w *utf8Walk) invalid(v reflect.Value) bool {
 		}
 	case reflect.Map:
 		for it := v.MapRange(); it.Next(); {
-			k := it.Key()
-			if k.Kind() == reflect.String && !utf8.ValidString(k.String()) || k.Kind() != reflect.String && w.invalid(k) {
+			if invalidKey(it.Key()) {
 				return true
 			}
 			if w.invalid(it.Value()) {
@@ -831,6 +830,24 @@ func (w *utf8Walk) invalid(v reflect.Value) bool {
 				return true
 			}
 		}
+	}
+	return false
+}
+
+// invalidKey reports whether encoding/json writes the map key k as a
+// string that is not valid UTF-8: a string kind as it is, any other key
+// that is an encoding.TextMarshaler as its text (a json.Marshaler too), and
+// the rest as numbers.
+func invalidKey(k reflect.Value) bool {
+	switch {
+	case k.Kind() == reflect.String:
+		return !utf8.ValidString(k.String())
+	case !k.CanInterface() || k.Kind() == reflect.Pointer && k.IsNil():
+		return false
+	}
+	if tm, ok := k.Interface().(encoding.TextMarshaler); ok {
+		b, err := tm.MarshalText()
+		return err == nil && !utf8.Valid(b)
 	}
 	return false
 }

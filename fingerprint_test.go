@@ -421,6 +421,32 @@ func TestFingerprintJSONByteSliceOfTextMarshalers(t *testing.T) {
 	}
 }
 
+// dualKey marshals as JSON one way and as text another; as a map key,
+// encoding/json writes its text.
+type dualKey int
+
+func (k dualKey) MarshalJSON() ([]byte, error) { return []byte("1"), nil }
+func (k dualKey) MarshalText() ([]byte, error) { return []byte{'k', byte(k)}, nil }
+
+// A map key is checked as encoding/json writes it: the text of a key that
+// is both a json.Marshaler and a TextMarshaler. Both maps would be written
+// as {"k\ufffd":1}.
+func TestFingerprintJSONMapKeyText(t *testing.T) {
+	t.Parallel()
+	for _, v := range []any{map[dualKey]int{0xff: 1}, map[dualKey]int{0xfe: 1}} {
+		if f, err := idem.FingerprintJSON(v); !errors.Is(err, idem.ErrInvalidJSON) {
+			t.Errorf("FingerprintJSON(%#v) = %v, %v; want ErrInvalidJSON", v, f, err)
+		}
+	}
+	want, err := idem.FingerprintJSON([]byte(`{"ka":1}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, err := idem.FingerprintJSON(map[dualKey]int{'a': 1}); err != nil || got != want {
+		t.Errorf("FingerprintJSON of a valid key: %v, %v; want %v", got, err, want)
+	}
+}
+
 // Hostile numbers and nesting cost time and memory linear in the text (a
 // quadratic walk or exact arithmetic on 1e-1000000 would take minutes here).
 func TestFingerprintJSONHostileInput(t *testing.T) {
