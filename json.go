@@ -37,7 +37,7 @@ func (e *RejectedError) Error() string {
 // A body that does not decode into v gives an error wrapping ErrStoredValue.
 func (e *RejectedError) Decode(v any) error {
 	if err := json.Unmarshal(e.Body, v); err != nil {
-		return fmt.Errorf("idem: %w: refusal (%T): %w", ErrStoredValue, v, err)
+		return core.Errorf("idem: %w: refusal (%T): %w", ErrStoredValue, v, err)
 	}
 	return nil
 }

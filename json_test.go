@@ -489,3 +489,20 @@ func TestDoJSONResponseGoneIsAReplay(t *testing.T) {
 		t.Fatalf("fn ran %d more times past BodyTTL", n-ran)
 	}
 }
+
+// Decode's error for a body that does not decode names idem once, as
+// every error of idem does.
+func TestRejectedErrorDecodeNamesIdemOnce(t *testing.T) {
+	t.Parallel()
+	rej := &idem.RejectedError{Status: 409, Body: []byte(`{"need":"all"}`)}
+	var v struct {
+		Need int `json:"need"`
+	}
+	err := rej.Decode(&v)
+	if !errors.Is(err, idem.ErrStoredValue) {
+		t.Fatalf("Decode: %v, want ErrStoredValue", err)
+	}
+	if n := strings.Count(err.Error(), "idem"); n != 1 {
+		t.Errorf("Decode: %q names idem %d times", err, n)
+	}
+}
