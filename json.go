@@ -34,9 +34,13 @@ func (e *RejectedError) Error() string {
 }
 
 // Decode decodes the refusal's value into v (a pointer), with encoding/json.
-// A body that does not decode into v gives an error wrapping ErrStoredValue.
+// A body that does not decode into v gives an error wrapping ErrStoredValue;
+// a v that is not a non-nil pointer, one wrapping ErrInvalidArgument.
 func (e *RejectedError) Decode(v any) error {
 	if err := json.Unmarshal(e.Body, v); err != nil {
+		if _, notPointer := err.(*json.InvalidUnmarshalError); notPointer {
+			return core.Errorf("idem: %w: Decode needs a non-nil pointer, not %T", ErrInvalidArgument, v)
+		}
 		return core.Errorf("idem: %w: refusal (%T): %w", ErrStoredValue, v, err)
 	}
 	return nil

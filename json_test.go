@@ -506,3 +506,22 @@ func TestRejectedErrorDecodeNamesIdemOnce(t *testing.T) {
 		t.Errorf("Decode: %q names idem %d times", err, n)
 	}
 }
+
+// Decode given something other than a non-nil pointer is the caller's
+// mistake, not a stored value that does not decode: ErrInvalidArgument.
+func TestRejectedErrorDecodeNeedsAPointer(t *testing.T) {
+	t.Parallel()
+	rej := &idem.RejectedError{Status: 409, Body: []byte(`{"need":100}`)}
+	var v struct {
+		Need int `json:"need"`
+	}
+	var nilPtr *struct{}
+	for name, arg := range map[string]any{"nil": nil, "value": v, "nil pointer": nilPtr} {
+		if err := rej.Decode(arg); !errors.Is(err, idem.ErrInvalidArgument) || errors.Is(err, idem.ErrStoredValue) {
+			t.Errorf("Decode(%s): %v; want ErrInvalidArgument, not ErrStoredValue", name, err)
+		}
+	}
+	if err := rej.Decode(&v); err != nil || v.Need != 100 {
+		t.Errorf("Decode(&v): %+v, %v", v, err)
+	}
+}
