@@ -22,9 +22,12 @@ import "encoding/hex"
 // ("order.placed", "stock.reserved").
 //
 // EventID depends on its arguments only: a key used again after its TTL (a
-// new request to Do) gets the same id again, so the new request's outbox
-// insert fails on the unique constraint (without one, consumers that still
-// remember the id take the event for a duplicate). Keys are fresh for each
+// new request to Do) gets the same id again. While the first event is in
+// the outbox, Publish does nothing for the same event again (same
+// Destination, Topic, Payload and Header) and refuses a different one
+// (ErrEventReused); a hand-written outbox's insert fails on its unique
+// constraint (without one, consumers that still remember the id take the
+// event for a duplicate). Keys are fresh for each
 // intent, so this should not arise; where it can, put into name something
 // that tells the two runs apart, such as the id of a row fn created.
 //
