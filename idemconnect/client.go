@@ -63,7 +63,10 @@ import (
 // GotConn; the interceptor adds its hooks to those the context already
 // has). With an HTTP client that calls no trace hooks, only a failed dial
 // or name lookup, a refused certificate or a server that does not speak
-// TLS count as not sent. An answer is returned as it is (aborted too, when
+// TLS count as not sent. A call whose context ended before it started
+// sends nothing either: its error wraps the context's, with the code
+// connect-go gives it (canceled, deadline_exceeded), and matches
+// idem.ErrNotSent. An answer is returned as it is (aborted too, when
 // the retries run out on it).
 //
 // Streaming calls, and handlers, are not intercepted. Do not combine it
@@ -98,6 +101,13 @@ func (c *clientInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc 
 			}
 			req.Header().Set(HeaderKey, key)
 			defer req.Header().Del(HeaderKey)
+		}
+		if err := ctx.Err(); err != nil { // as connect-go's own: canceled, deadline_exceeded
+			code := connect.CodeCanceled
+			if errors.Is(err, context.DeadlineExceeded) {
+				code = connect.CodeDeadlineExceeded
+			}
+			return nil, callretry.NotSent(connect.NewError(code, err))
 		}
 		var conn *callretry.Conn // the last attempt's connection, as its client trace saw it
 		timedOut := false        // the last attempt was cut at the policy's AttemptTimeout

@@ -327,3 +327,34 @@ func TestClientInterceptorAnswerAtAttemptTimeout(t *testing.T) {
 		t.Fatalf("%v after %d attempts", a.Err, attempts.Load())
 	}
 }
+
+// A context that ended before the call: nothing is sent, and the error says
+// why as connect-go's own does, canceled or deadline_exceeded for
+// connect.CodeOf, while errors.Is finds the context's error and
+// idem.ErrNotSent.
+func TestClientInterceptorEndedContext(t *testing.T) {
+	t.Parallel()
+	var runs atomic.Int64
+	url := plainServer(t, func(context.Context, rpctest.Tx, *dynamicpb.Message) rpctest.Outcome {
+		runs.Add(1)
+		return rpctest.Outcome{Reply: rpctest.Reply(1, "x")}
+	})
+	canceled, cancel := context.WithCancel(t.Context())
+	cancel()
+	expired, cancel2 := context.WithDeadline(t.Context(), time.Now().Add(-time.Second))
+	defer cancel2()
+	for _, c := range []struct {
+		ctx  context.Context
+		code connect.Code
+		err  error
+	}{{canceled, connect.CodeCanceled, context.Canceled}, {expired, connect.CodeDeadlineExceeded, context.DeadlineExceeded}} {
+		a := call(c.ctx, url, http.DefaultClient, "alice", nil, rpctest.Request("x", 1), withRetries(quickPolicy))
+		if connect.CodeOf(a.Err) != c.code || !errors.Is(a.Err, c.err) || !errors.Is(a.Err, idem.ErrNotSent) ||
+			errors.Is(a.Err, idem.ErrOutcomeUnknown) {
+			t.Errorf("%v: %v (code %s)", c.err, a.Err, connect.CodeOf(a.Err))
+		}
+	}
+	if runs.Load() != 0 {
+		t.Errorf("%d runs", runs.Load())
+	}
+}

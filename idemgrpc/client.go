@@ -60,7 +60,9 @@ import (
 // or never became ready, no address could be picked, the context ended
 // while the connection was being made), nothing was sent, and the last
 // status is returned wrapped so that errors.Is(err, idem.ErrNotSent) is
-// true (status.Code still reads it). An answer (ABORTED too, when the
+// true (status.Code still reads it); so is a call whose context ended
+// before it started, with the context's error and the status grpc-go gives
+// it (CANCELLED, DEADLINE_EXCEEDED). An answer (ABORTED too, when the
 // retries run out on it) is returned as it is.
 //
 // Streaming calls are not intercepted. Leave gRPC's own retries (a
@@ -83,6 +85,9 @@ func UnaryClientInterceptor(p idem.RetryPolicy) grpc.UnaryClientInterceptor {
 				return err
 			}
 			ctx = metadata.AppendToOutgoingContext(ctx, MetadataKey, key)
+		}
+		if err := ctx.Err(); err != nil {
+			return callretry.NotSent(ctxError{err}) // as grpc-go's own: CANCELLED, DEADLINE_EXCEEDED
 		}
 		opts = opts[:len(opts):len(opts)] // each attempt appends its own grpc.Peer
 		timedOut := false                 // the last attempt was cut at policy.AttemptTimeout
@@ -112,6 +117,16 @@ func UnaryClientInterceptor(p idem.RetryPolicy) grpc.UnaryClientInterceptor {
 		return err
 	}
 }
+
+// ctxError is the error of a call whose context ended before its first
+// attempt: the context's error, whose status is the one grpc-go gives it
+// (CANCELLED, DEADLINE_EXCEEDED), so that status.Code reads it as it reads
+// grpc-go's own.
+type ctxError struct{ err error }
+
+func (e ctxError) Error() string              { return e.err.Error() }
+func (e ctxError) Unwrap() error              { return e.err }
+func (e ctxError) GRPCStatus() *status.Status { return status.FromContextError(e.err) }
 
 // judgeStatus says what one attempt's status means (see
 // UnaryClientInterceptor); sent reports whether the attempt got a stream on

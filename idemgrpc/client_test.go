@@ -433,3 +433,34 @@ func TestClientInterceptorAnswerAtAttemptTimeout(t *testing.T) {
 		t.Fatalf("%v after %d attempts", a.Err, attempts.Load())
 	}
 }
+
+// A context that ended before the call: nothing is sent, and the error says
+// why as grpc-go's own does, CANCELLED or DEADLINE_EXCEEDED for
+// status.Code, while errors.Is finds the context's error and
+// idem.ErrNotSent.
+func TestClientInterceptorEndedContext(t *testing.T) {
+	t.Parallel()
+	var runs atomic.Int64
+	conn := clientServer(t, quickPolicy, func(context.Context, rpctest.Tx, *dynamicpb.Message) rpctest.Outcome {
+		runs.Add(1)
+		return rpctest.Outcome{Reply: rpctest.Reply(1, "x")}
+	}, func(*cutter) []grpc.UnaryServerInterceptor { return nil })
+	canceled, cancel := context.WithCancel(t.Context())
+	cancel()
+	expired, cancel2 := context.WithDeadline(t.Context(), time.Now().Add(-time.Second))
+	defer cancel2()
+	for _, c := range []struct {
+		ctx  context.Context
+		code codes.Code
+		err  error
+	}{{canceled, codes.Canceled, context.Canceled}, {expired, codes.DeadlineExceeded, context.DeadlineExceeded}} {
+		a := conn.Call(c.ctx, "alice", nil, rpctest.Request("x", 1))
+		if status.Code(a.Err) != c.code || !errors.Is(a.Err, c.err) || !errors.Is(a.Err, idem.ErrNotSent) ||
+			errors.Is(a.Err, idem.ErrOutcomeUnknown) {
+			t.Errorf("%v: %v (code %s)", c.err, a.Err, status.Code(a.Err))
+		}
+	}
+	if runs.Load() != 0 {
+		t.Errorf("%d runs", runs.Load())
+	}
+}
