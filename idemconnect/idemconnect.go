@@ -91,7 +91,8 @@ type Options struct {
 	// trailers that are stored with the outcome and sent again on a replay:
 	// those of the handler's *connect.Response, those it set through
 	// connect.CallInfoForHandlerContext, and for a refusal the
-	// *connect.Error's Meta (stored as headers). The first call sends
+	// *connect.Error's Meta (stored as headers); not those an interceptor
+	// before this one set, which it sets again on a replay. The first call sends
 	// everything the handler set; a replay only these, plus
 	// Idempotent-Replayed: true. Keep secrets out. Each must be an HTTP
 	// token (RFC 9110: letters, digits and !#$%&'*+-.^_`|) without '~'
@@ -339,7 +340,8 @@ func (c *call) Code(err error) uint32 { return uint32(connect.CodeOf(err)) }
 func (c *call) Reply() (any, map[string][]string) {
 	header, trailer := c.resp.Header(), c.resp.Trailer()
 	if c.info != nil {
-		header, trailer = merged(header, c.info.ResponseHeader()), merged(trailer, c.info.ResponseTrailer())
+		header, trailer = merged(header, handlerSet(c.info.ResponseHeader(), c.header)),
+			merged(trailer, handlerSet(c.info.ResponseTrailer(), c.trailer))
 	}
 	return c.resp.Any(), c.in.srv.Core().Stored(header.Values, trailer.Values)
 }
@@ -358,7 +360,7 @@ func (c *call) Refusal(herr error) (*spb.Status, map[string][]string) {
 		meta = ce.Meta()
 	}
 	if c.info != nil {
-		meta = merged(merged(meta, c.info.ResponseHeader()), c.info.ResponseTrailer())
+		meta = merged(merged(meta, handlerSet(c.info.ResponseHeader(), c.header)), handlerSet(c.info.ResponseTrailer(), c.trailer))
 	}
 	// An error's metadata travels as one set (headers or trailers,
 	// depending on the protocol): the chosen headers and trailers in it are
@@ -376,6 +378,27 @@ func (c *call) Refusal(herr error) (*spb.Status, map[string][]string) {
 		stored[n] = values
 	}
 	return st, stored
+}
+
+// handlerSet returns what the last run set in now, info's response header
+// or trailer, beyond was, its values before the first run (which
+// interceptors before this one set, and set again on a replay): the values
+// the run added to a name, or all of them when it replaced the name's.
+func handlerSet(now, was http.Header) http.Header {
+	var out http.Header
+	for name, values := range now {
+		if before := was[name]; len(values) >= len(before) && slices.Equal(values[:len(before)], before) {
+			values = values[len(before):]
+		}
+		if len(values) == 0 {
+			continue
+		}
+		if out == nil {
+			out = http.Header{}
+		}
+		out[name] = values
+	}
+	return out
 }
 
 // merged returns a and b together (either may be nil; neither changes).

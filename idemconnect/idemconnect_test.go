@@ -227,3 +227,66 @@ func TestRolledBackRunHeadersDroppedOnReplay(t *testing.T) {
 		t.Errorf("%d runs, %d rows; want 2, 1", runs.Load(), transfers(t, pool))
 	}
 }
+
+// Headers and trailers that an interceptor before this one sets are not
+// the handler's: a replay gets them once, from that interceptor, even when
+// StoredHeaders or StoredTrailers name them; the handler's own are stored.
+// For a reply and for a refusal.
+func TestOuterInterceptorHeadersNotStored(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	db, pool := pgxDB(t)
+	var runs atomic.Int64
+	insert := rpctest.Insert(&runs)
+	outer := connect.UnaryInterceptorFunc(func(next connect.UnaryFunc) connect.UnaryFunc {
+		return func(ctx context.Context, req connect.AnyRequest) (connect.AnyResponse, error) {
+			if info, ok := connect.CallInfoForHandlerContext(ctx); ok {
+				info.ResponseHeader().Set("X-Version", "v1")
+				info.ResponseTrailer().Set("X-Served-By", "outer")
+			}
+			return next(ctx, req)
+		}
+	})
+	srv := serve(t, db, rpctest.Options{StoredHeaders: []string{"X-Version", "X-Order"}, StoredTrailers: []string{"X-Served-By"}},
+		[]connect.Interceptor{outer},
+		func(ctx context.Context, tx rpctest.Tx, req *dynamicpb.Message) rpctest.Outcome {
+			if rpctest.Amount(req) > 100 {
+				out := rpctest.Fail(uint32(connect.CodeFailedPrecondition), "insufficient funds")
+				out.Header = map[string]string{"X-Order": "none"}
+				return out
+			}
+			out := insert(ctx, tx, req)
+			out.Header = map[string]string{"X-Order": "42"}
+			return out
+		})
+	for _, name := range []string{"first call", "replay"} {
+		a := srv.Call(ctx, "alice", []string{"outer-1"}, rpctest.Request("r", 1))
+		if a.Err != nil {
+			t.Fatalf("%s: %s", name, a)
+		}
+		if got := a.Header("X-Version"); !reflect.DeepEqual(got, []string{"v1"}) {
+			t.Errorf("%s: X-Version %q, want [v1]", name, got)
+		}
+		if got := a.Trailer("X-Served-By"); !reflect.DeepEqual(got, []string{"outer"}) {
+			t.Errorf("%s: X-Served-By %q, want [outer]", name, got)
+		}
+		if got := a.Header("X-Order"); !reflect.DeepEqual(got, []string{"42"}) {
+			t.Errorf("%s: X-Order %q, want [42]", name, got)
+		}
+	}
+	for _, name := range []string{"first refusal", "replayed refusal"} {
+		a := srv.Call(ctx, "alice", []string{"outer-2"}, rpctest.Request("r", 500))
+		if a.Code() != uint32(connect.CodeFailedPrecondition) {
+			t.Fatalf("%s: %s", name, a)
+		}
+		if got := a.Header("X-Version"); !reflect.DeepEqual(got, []string{"v1"}) {
+			t.Errorf("%s: X-Version %q, want [v1]", name, got)
+		}
+		if got := a.Header("X-Order"); !reflect.DeepEqual(got, []string{"none"}) {
+			t.Errorf("%s: X-Order %q, want [none]", name, got)
+		}
+	}
+	if runs.Load() != 1 || transfers(t, pool) != 1 {
+		t.Errorf("%d runs, %d rows; want 1, 1", runs.Load(), transfers(t, pool))
+	}
+}
