@@ -26,9 +26,12 @@ import (
 //
 // Every attempt of one call carries the same Idempotency-Key header: the
 // request's own (sent as it is); else the context's call key
-// (idem.WithCallKey); else one minted for this call (idem.NewCallKey). A
-// header the interceptor adds is removed from the request when the call
-// returns, so a request sent again is a new call with a new key. A key that
+// (idem.WithCallKey); else the request's AIP-155 field request_id, when it
+// holds a key that idem accepts (so that a server that takes the key from
+// that field, Options.KeyField, finds the same key in both places); else
+// one minted for this call (idem.NewCallKey). A header the interceptor adds
+// is removed from the request when the call returns, so a request sent
+// again is a new call with a new key (or its request_id again). A key that
 // idem would refuse (idem.ValidateKey; an empty context key, as
 // Reservation.CallKey returns for an invalid step), or a policy with a
 // negative field, fails the call before anything is sent, with an error
@@ -96,8 +99,13 @@ func (c *clientInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc 
 			return nil, err
 		}
 		if key == "" {
-			if key, err = callretry.Key(ctx, true); err != nil {
+			if key, err = callretry.Key(ctx, false); err != nil {
 				return nil, err
+			}
+			if key == "" {
+				if key = rpcproto.RequestID(req.Any()); key == "" {
+					key = idem.NewCallKey()
+				}
 			}
 			req.Header().Set(HeaderKey, key)
 			defer req.Header().Del(HeaderKey)

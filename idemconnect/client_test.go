@@ -358,3 +358,29 @@ func TestClientInterceptorEndedContext(t *testing.T) {
 		t.Errorf("%d runs", runs.Load())
 	}
 }
+
+// AIP-155: a request whose request_id field holds a key, sent without a key
+// of its own or from the context, carries that key, so that a server that
+// takes it from the field (Options.KeyField) accepts the call, and the same
+// request sent again as a new call replays. One run.
+func TestClientInterceptorRequestID(t *testing.T) {
+	t.Parallel()
+	pool := pgtest.Pool(t, rpctest.Migrate)
+	var runs atomic.Int64
+	url := plainServer(t, rpctest.Insert(&runs),
+		idemconnect.NewInterceptor(pool, idemconnect.Options{Scope: scopeFromHeader, KeyField: "request_id", RequireKey: true}))
+	relay := httprelay.New(t, url, func(*http.Request, int) httprelay.Action { return httprelay.Action{} })
+	const id = "9b1d2c6e-0d0f-4e5a-8f0e-1b2c3d4e5f60"
+	for i := range 2 {
+		a := call(t.Context(), relay.URL, http.DefaultClient, "alice", nil, rpctest.WithID(rpctest.Request("aip", 7), id), withRetries(quickPolicy))
+		if a.Err != nil || a.Replayed() != (i == 1) {
+			t.Errorf("call %d: %s", i, a)
+		}
+	}
+	if keys := relay.Keys(); len(keys) != 2 || keys[0] != id || keys[1] != id {
+		t.Errorf("keys sent: %q, want the request_id", keys)
+	}
+	if runs.Load() != 1 {
+		t.Errorf("%d runs; want 1", runs.Load())
+	}
+}

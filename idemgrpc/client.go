@@ -28,8 +28,10 @@ import (
 //
 // Every attempt of one call carries the same idempotency-key metadata: the
 // call's own (in the outgoing metadata, sent as it is); else the context's
-// call key (idem.WithCallKey); else one minted for this call
-// (idem.NewCallKey). A key that idem would refuse (idem.ValidateKey; an
+// call key (idem.WithCallKey); else the request's AIP-155 field
+// request_id, when it holds a key that idem accepts (so that a server that
+// takes the key from that field, Options.KeyField, finds the same key in
+// both places); else one minted for this call (idem.NewCallKey). A key that idem would refuse (idem.ValidateKey; an
 // empty context key, as Reservation.CallKey returns for an invalid step),
 // or a policy with a negative field, fails the call before anything is
 // sent, with an error wrapping idem.ErrInvalidKey or
@@ -81,8 +83,13 @@ func UnaryClientInterceptor(p idem.RetryPolicy) grpc.UnaryClientInterceptor {
 			return err
 		}
 		if key == "" {
-			if key, err = callretry.Key(ctx, true); err != nil {
+			if key, err = callretry.Key(ctx, false); err != nil {
 				return err
+			}
+			if key == "" {
+				if key = rpcproto.RequestID(req); key == "" {
+					key = idem.NewCallKey()
+				}
 			}
 			ctx = metadata.AppendToOutgoingContext(ctx, MetadataKey, key)
 		}

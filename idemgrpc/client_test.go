@@ -464,3 +464,31 @@ func TestClientInterceptorEndedContext(t *testing.T) {
 		t.Errorf("%d runs", runs.Load())
 	}
 }
+
+// AIP-155: a request whose request_id field holds a key, sent without a key
+// of its own or from the context, carries that key, so that a server that
+// takes it from the field (Options.KeyField) accepts the call, and the same
+// request sent again as a new call replays. One run.
+func TestClientInterceptorRequestID(t *testing.T) {
+	t.Parallel()
+	pool := pgtest.Pool(t, rpctest.Migrate)
+	var runs atomic.Int64
+	seen := &seenKeys{}
+	conn := clientServer(t, quickPolicy, rpctest.Insert(&runs), func(l *cutter) []grpc.UnaryServerInterceptor {
+		return []grpc.UnaryServerInterceptor{seen.record(l, func(int) bool { return false }),
+			idemgrpc.UnaryServerInterceptor(pool, idemgrpc.Options{Scope: scopeFromMetadata, KeyField: "request_id", RequireKey: true})}
+	})
+	const id = "9b1d2c6e-0d0f-4e5a-8f0e-1b2c3d4e5f60"
+	for i := range 2 {
+		a := conn.Call(t.Context(), "alice", nil, rpctest.WithID(rpctest.Request("aip", 7), id))
+		if a.Err != nil || a.Replayed() != (i == 1) {
+			t.Errorf("call %d: %s", i, a)
+		}
+	}
+	if keys := seen.all(); len(keys) != 2 || keys[0] != id || keys[1] != id {
+		t.Errorf("keys sent: %q, want the request_id", keys)
+	}
+	if runs.Load() != 1 {
+		t.Errorf("%d runs; want 1", runs.Load())
+	}
+}

@@ -188,6 +188,27 @@ func keyField(msg proto.Message, name protoreflect.Name) string {
 	return ""
 }
 
+// RequestIDField is the request field that carries a call's key by
+// AIP-155's convention.
+const RequestIDField protoreflect.Name = "request_id"
+
+// RequestID returns the key that msg, a client's request, carries in its
+// string field request_id (AIP-155), or "" for none: msg is not a protobuf
+// message, has no such field, leaves it empty, or holds a value that
+// idem.ValidateKey refuses. A client interceptor sends it as the call's
+// key, so that a server that takes the key from that field
+// (Options.KeyField) finds the same key in both places.
+func RequestID(msg any) string {
+	m, ok := msg.(proto.Message)
+	if !ok || m == nil || !m.ProtoReflect().IsValid() {
+		return ""
+	}
+	if id := keyField(m, RequestIDField); id != "" && idem.ValidateKey(id) == nil {
+		return id
+	}
+	return ""
+}
+
 // call is a Transport as rpcidem.Core.Do runs it.
 type call[R any] struct {
 	s   *Server
