@@ -3,6 +3,7 @@ package idemconnect
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"net/http"
 	"slices"
@@ -60,9 +61,11 @@ type Options struct {
 	// internal. Nothing runs then. Required.
 	Scope func(ctx context.Context, procedure string) (idem.Scope, error)
 
-	// Procedures are the procedures the interceptor covers. Calls of
-	// other procedures pass straight to the handler, without a
-	// transaction, whatever key they carry. Default: every unary procedure.
+	// Procedures are the procedures the interceptor covers
+	// ("/pkg.Service/Method"). Calls of other procedures pass straight to
+	// the handler, without a transaction, whatever key they carry.
+	// NewInterceptor panics on a name of another form, which would match no
+	// call. Default: every unary procedure.
 	Procedures []string
 
 	// RequireKey refuses a covered call without a key with
@@ -208,7 +211,8 @@ func Tx(ctx context.Context) pgx.Tx { return txs.PgxTx(ctx) }
 //
 // NewInterceptor panics if db is nil (a typed nil *pgxpool.Pool too) or
 // opts is invalid (nil Scope, a stored name that is not a token, a Config
-// that idem.New refuses): a programming error to find at start-up.
+// that idem.New refuses, a procedure that is not a procedure name): a
+// programming error to find at start-up.
 func NewInterceptor(db idem.Beginner, opts Options) connect.Interceptor {
 	return mustInterceptor(opts, txs.Pgx(db))
 }
@@ -230,6 +234,11 @@ func mustInterceptor(opts Options, open front.Open) *interceptor {
 		StoredHeaders: opts.StoredHeaders, StoredTrailers: opts.StoredTrailers, Logger: opts.Logger, Config: opts.Config}, open)
 	if err != nil {
 		panic(err)
+	}
+	for _, p := range opts.Procedures {
+		if !rpcidem.ProcedureName(p) {
+			panic(fmt.Errorf("idemconnect: Options.Procedures: %q is not a procedure name (/pkg.Service/Method)", p))
+		}
 	}
 	return &interceptor{srv: srv, scope: opts.Scope, procedures: slices.Clone(opts.Procedures)}
 }

@@ -3,6 +3,7 @@ package idemgrpc
 import (
 	"context"
 	"errors"
+	"fmt"
 	"log/slog"
 	"slices"
 
@@ -60,7 +61,9 @@ type Options struct {
 
 	// Methods are the full methods ("/pkg.Service/Method") the interceptor
 	// covers. Calls of other methods pass straight to the handler, without
-	// a transaction, whatever key they carry. Default: every unary method.
+	// a transaction, whatever key they carry. UnaryServerInterceptor panics
+	// on a name of another form, which would match no call. Default: every
+	// unary method.
 	Methods []string
 
 	// RequireKey refuses a covered call without a key with INVALID_ARGUMENT
@@ -197,7 +200,8 @@ func Tx(ctx context.Context) pgx.Tx { return txs.PgxTx(ctx) }
 //
 // UnaryServerInterceptor panics if db is nil (a typed nil *pgxpool.Pool
 // too) or opts is invalid (nil Scope, a stored name that is not a token,
-// a Config that idem.New refuses): a programming error to find at start-up.
+// a Config that idem.New refuses, a method that is not a full method name):
+// a programming error to find at start-up.
 func UnaryServerInterceptor(db idem.Beginner, opts Options) grpc.UnaryServerInterceptor {
 	return mustIntercept(opts, txs.Pgx(db))
 }
@@ -224,6 +228,11 @@ func mustIntercept(opts Options, open front.Open) grpc.UnaryServerInterceptor {
 		panic(err)
 	}
 	methods := slices.Clone(opts.Methods)
+	for _, m := range methods {
+		if !rpcidem.ProcedureName(m) {
+			panic(fmt.Errorf("idemgrpc: Options.Methods: %q is not a full method name (/pkg.Service/Method)", m))
+		}
+	}
 	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
 		if len(methods) > 0 && !slices.Contains(methods, info.FullMethod) {
 			return handler(ctx, req)

@@ -188,6 +188,16 @@ func HeaderName(name string, reserved ...string) bool {
 	return true
 }
 
+// ProcedureName reports whether name is a procedure's full name as gRPC's
+// full methods and Connect's procedures spell it, "/pkg.Service/Method": a
+// slash, a service and a method, neither empty nor holding a slash. A name
+// of another form matches no call.
+func ProcedureName(name string) bool {
+	rest, ok := strings.CutPrefix(name, "/")
+	service, method, ok2 := strings.Cut(rest, "/")
+	return ok && ok2 && service != "" && method != "" && !strings.Contains(method, "/")
+}
+
 // Codes returns codes as numbers.
 func Codes[C ~uint32](codes []C) []uint32 {
 	out := make([]uint32, len(codes))
