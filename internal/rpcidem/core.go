@@ -385,6 +385,21 @@ func (c *Core) storeError(ctx context.Context, procedure, key string, err error)
 	return &Failure{Code: CodeInternal, Message: c.opts.Name + ": the call failed; nothing was stored: " + errorText(err)}
 }
 
+// LogInternal logs f, a failure that the interceptor answers itself as
+// INTERNAL outside Do (a scope, a request or a stored outcome it cannot
+// use), for a call of procedure with key, as Do logs its own INTERNAL.
+// Other failures are not.
+func (c *Core) LogInternal(ctx context.Context, procedure, key string, f *Failure) {
+	if f.Code != CodeInternal {
+		return
+	}
+	var err error = f.Cause
+	if err == nil {
+		err = errors.New(f.Message)
+	}
+	c.logFailure(ctx, c.opts.Name+": call failed", procedure, key, err)
+}
+
 // logFailure logs err, which the interceptor answers itself, with the
 // keyed hash of key.
 func (c *Core) logFailure(ctx context.Context, msg, procedure, key string, err error) {

@@ -142,26 +142,32 @@ func Serve[R any](ctx context.Context, s *Server, t Transport[R], req Request) (
 	if key == "" {
 		return t.Pass(ctx)
 	}
+	// fail answers f, an INTERNAL one logged (Do logs its own).
+	fail := func(f *rpcidem.Failure) error {
+		s.core.LogInternal(ctx, req.Procedure, key, f)
+		return t.Fail(f)
+	}
 	if !isProto {
-		return none, t.Fail(s.internal("the request of %s is a %T, not a protobuf message", req.Procedure, req.Message))
+		return none, fail(s.internal("the request of %s is a %T, not a protobuf message", req.Procedure, req.Message))
 	}
 	scope, err := t.Scope(ctx)
 	if asIs := t.AsIs(err); err != nil && asIs != nil {
 		return none, asIs
 	}
 	if f := s.core.Scope(scope, err); f != nil {
-		return none, t.Fail(f)
+		return none, fail(f)
 	}
 	b, err := Marshal(msg)
 	if err != nil {
-		return none, t.Fail(s.internal("marshal the request: %v", err))
+		return none, fail(s.internal("marshal the request: %v", err))
 	}
 	stored, replayed, f := s.core.Do(ctx, req.Procedure, scope, key, rpcidem.Fingerprint(req.Procedure, b), call[R]{s, t, req})
 	if f == nil && replayed {
 		var r Replay
-		if r, f = s.decode(stored, req); f == nil {
-			return t.Replay(ctx, r)
+		if r, f = s.decode(stored, req); f != nil {
+			return none, fail(f)
 		}
+		return t.Replay(ctx, r)
 	}
 	if f != nil {
 		return none, t.Fail(f)

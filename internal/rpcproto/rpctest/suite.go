@@ -322,6 +322,7 @@ func Run(t *testing.T, tr Transport) {
 				{"NoSchema", testNoSchema},
 				{"UnresolvableReplyType", testUnresolvableReplyType},
 				{"StoredWithoutType", testStoredWithoutType},
+				{"UndecodableStoredOutcome", testUndecodableStoredOutcome},
 			} {
 				t.Run(tc.name, func(t *testing.T) {
 					t.Parallel()
@@ -972,6 +973,42 @@ func testStoredWithoutType(e *env) {
 	a := e.serve(Options{Procedure: Unlisted}, Insert(&runs)).Call(ctx, "alice", []string{"old-1"}, req)
 	if a.Code() != codeUnimplemented || !strings.Contains(a.Status.GetMessage(), "names no type") {
 		t.Errorf("without a schema: %s", a)
+	}
+	if runs.Load() != 0 {
+		t.Errorf("%d runs", runs.Load())
+	}
+}
+
+// A stored outcome that cannot be decoded (a reply or a status whose bytes
+// are not their message's) is INTERNAL, and logged, as every error the
+// interceptor answers itself as INTERNAL, with the key's hash, never the
+// key. The handler does not run.
+func testUndecodableStoredOutcome(e *env) {
+	t, ctx := e.t, e.t.Context()
+	var runs atomic.Int64
+	var logs testlog.Buffer
+	srv := e.serve(Options{Logger: slog.New(slog.NewTextHandler(&logs, nil))}, Insert(&runs))
+	req := Request("bad", 1)
+	b, err := proto.MarshalOptions{Deterministic: true}.Marshal(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for key, resp := range map[string]idem.Response{
+		"bad-reply-1":  {Status: rpcidem.StatusReply, Body: []byte{0xff}, Header: map[string][]string{rpcidem.ReplyType: {"google.rpc.ResourceInfo"}}},
+		"bad-status-1": {Status: rpcidem.HTTPStatus(codeNotFound), Body: []byte{0xff}},
+	} {
+		_, err = idem.DoInTx(ctx, e.check, idem.Scope{Actor: "alice", Operation: Transfer}, key, rpcidem.Fingerprint(Transfer, b),
+			func(context.Context, pgx.Tx) (idem.Response, error) { return resp, nil })
+		if err != nil {
+			t.Fatal(err)
+		}
+		if a := srv.Call(ctx, "alice", []string{key}, req); a.Code() != codeInternal {
+			t.Errorf("%s: %s", key, a)
+		}
+	}
+	out := logs.String()
+	if n := strings.Count(out, "level=ERROR"); n != 2 || strings.Count(out, "key_hash=") != 2 || strings.Contains(out, "bad-reply-1") || strings.Contains(out, "bad-status-1") {
+		t.Errorf("%d records; logs:\n%s", n, out)
 	}
 	if runs.Load() != 0 {
 		t.Errorf("%d runs", runs.Load())
