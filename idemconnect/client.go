@@ -9,6 +9,7 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/callretry"
+	"github.com/pgidem/idem/internal/keyhdr"
 	"github.com/pgidem/idem/internal/rpcidem"
 	"github.com/pgidem/idem/internal/rpcproto"
 )
@@ -107,7 +108,7 @@ func (c *clientInterceptor) WrapUnary(next connect.UnaryFunc) connect.UnaryFunc 
 					key = idem.NewCallKey()
 				}
 			}
-			req.Header().Set(HeaderKey, key)
+			req.Header().Set(HeaderKey, keyhdr.Format(key)) // read back as key
 			defer req.Header().Del(HeaderKey)
 		}
 		if err := ctx.Err(); err != nil { // as connect-go's own: canceled, deadline_exceeded

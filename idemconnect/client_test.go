@@ -384,3 +384,31 @@ func TestClientInterceptorRequestID(t *testing.T) {
 		t.Errorf("%d runs; want 1", runs.Load())
 	}
 }
+
+// A context key that idem accepts but that is not a bare key in a header
+// (a comma, a leading double quote) is sent so that the server reads the
+// same key back (an RFC 8941 string): the call runs once, and a second
+// call with the key replays.
+func TestClientInterceptorKeyNeedsQuoting(t *testing.T) {
+	t.Parallel()
+	pool := pgtest.Pool(t, rpctest.Migrate)
+	var runs atomic.Int64
+	url := plainServer(t, rpctest.Insert(&runs), idemconnect.NewInterceptor(pool, idemconnect.Options{Scope: scopeFromHeader}))
+	for i, key := range []string{"order,1", `"order-2`, `order\3"`} {
+		if err := idem.ValidateKey(key); err != nil {
+			t.Fatal(err)
+		}
+		for n := range 2 {
+			a := call(idem.WithCallKey(t.Context(), key), url, http.DefaultClient, "alice", nil, rpctest.Request(key, int64(i)), withRetries(quickPolicy))
+			if a.Err != nil || a.Replayed() != (n == 1) {
+				t.Errorf("%s, call %d: %s", key, n, a)
+			}
+		}
+		if _, err := idem.Lookup(t.Context(), pool, idem.Scope{Actor: "alice", Operation: rpctest.Transfer}, key); err != nil {
+			t.Errorf("%s: %v", key, err)
+		}
+	}
+	if runs.Load() != 3 {
+		t.Errorf("%d runs; want 3", runs.Load())
+	}
+}

@@ -12,6 +12,7 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/callretry"
+	"github.com/pgidem/idem/internal/keyhdr"
 	"github.com/pgidem/idem/internal/rpcidem"
 	"github.com/pgidem/idem/internal/rpcproto"
 )
@@ -91,7 +92,7 @@ func UnaryClientInterceptor(p idem.RetryPolicy) grpc.UnaryClientInterceptor {
 					key = idem.NewCallKey()
 				}
 			}
-			ctx = metadata.AppendToOutgoingContext(ctx, MetadataKey, key)
+			ctx = metadata.AppendToOutgoingContext(ctx, MetadataKey, keyhdr.Format(key)) // read back as key
 		}
 		if err := ctx.Err(); err != nil {
 			return callretry.NotSent(ctxError{err}) // as grpc-go's own: CANCELLED, DEADLINE_EXCEEDED

@@ -83,6 +83,17 @@ func Parse(values []string) (string, error) {
 	return key, nil
 }
 
+// Format returns the value that carries key (checked by idem's ValidateKey)
+// in the header or metadata entry, so that Parse reads key back: key itself
+// when it is a bare key (no comma, no leading double quote), else key as an
+// RFC 8941 string, its double quotes and backslashes escaped.
+func Format(key string) string {
+	if !strings.HasPrefix(key, `"`) && !strings.Contains(key, ",") && strings.Trim(key, " \t") == key {
+		return key
+	}
+	return `"` + strings.NewReplacer(`\`, `\\`, `"`, `\"`).Replace(key) + `"`
+}
+
 // Wrap turns an error of Parse into one that wraps the caller's sentinel
 // for its kind (missing, multiple, malformed), with Parse's detail after
 // it; other errors, and nil, are returned as they are.
