@@ -32,11 +32,11 @@ import (
 // call key (idem.WithCallKey); else the request's AIP-155 field
 // request_id, when it holds a key that idem accepts (so that a server that
 // takes the key from that field, Options.KeyField, finds the same key in
-// both places); else one minted for this call (idem.NewCallKey). A key that idem would refuse (idem.ValidateKey; an
-// empty context key, as Reservation.CallKey returns for an invalid step),
-// or a policy with a negative field, fails the call before anything is
-// sent, with an error wrapping idem.ErrInvalidKey or
-// idem.ErrInvalidArgument.
+// both places); else one minted for this call (idem.NewCallKey). A key
+// that idem would refuse (idem.ValidateKey; an empty context key, as
+// Reservation.CallKey returns for an invalid step), or a policy with a
+// negative field, fails the call before anything is sent, with an error
+// wrapping idem.ErrInvalidKey or idem.ErrInvalidArgument.
 //
 // UNAVAILABLE (the connection failed or broke, or the server could not
 // serve) and ABORTED with a google.rpc.RetryInfo detail (the server's "a
