@@ -198,6 +198,13 @@ func Tx(ctx context.Context) pgx.Tx { return txs.PgxTx(ctx) }
 // is not a protobuf message) is INTERNAL, and one whose type a replay could
 // not find UNIMPLEMENTED, both with the handler's writes rolled back.
 //
+// A covered call with a key runs the handler with a server transport stream
+// of the interceptor's own, which keeps what the handler sets through
+// grpc.SetHeader, grpc.SendHeader and grpc.SetTrailer until the outcome is
+// known (headers go out with the reply, never before). grpc-go's functions
+// that need its own stream, grpc.SetSendCompressor and
+// grpc.ClientSupportedCompressors, fail in such a handler.
+//
 // UnaryServerInterceptor panics if db is nil (a typed nil *pgxpool.Pool
 // too) or opts is invalid (nil Scope, a stored name that is not a token,
 // a Config that idem.New refuses, a method that is not a full method name):
