@@ -17,8 +17,9 @@ type PruneOptions struct {
 	// past its Config.BodyTTL) is left.
 	MaxBatches int
 
-	// DryRun counts the rows Prune would delete now, and deletes (and
-	// drops) nothing.
+	// DryRun counts the rows Prune would delete now (at most MaxBatches
+	// batches of BatchSize, when MaxBatches is set), and deletes (and drops)
+	// nothing.
 	DryRun bool
 }
 

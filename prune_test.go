@@ -207,3 +207,31 @@ func TestPruneDryRun(t *testing.T) {
 		t.Fatalf("a dry run deleted rows: %d left", got)
 	}
 }
+
+// A dry run with MaxBatches counts what Prune with the same options would
+// delete: at most MaxBatches batches of BatchSize, not every expired key.
+func TestPruneDryRunBoundedByMaxBatches(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	fillKeys(t, pool, 42, true)
+	opts := idem.PruneOptions{BatchSize: 10, MaxBatches: 2}
+	dry := opts
+	dry.DryRun = true
+	would, err := idem.Prune(ctx, pool, dry)
+	if err != nil {
+		t.Fatal(err)
+	}
+	did, err := idem.Prune(ctx, pool, opts)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if did != 20 || would != did {
+		t.Fatalf("dry run said %d, Prune with the same options deleted %d (want 20)", would, did)
+	}
+	// Without MaxBatches, every expired key.
+	dry.MaxBatches = 0
+	if n, err := idem.Prune(ctx, pool, dry); err != nil || n != 22 {
+		t.Fatalf("unbounded dry run: %d, %v; want 22", n, err)
+	}
+}

@@ -270,6 +270,10 @@ func (c *Client[TTx, TDB]) PruneReport(ctx context.Context, db TDB, opts PruneOp
 		if err != nil {
 			return 0, 0, errorf("idem: prune: %w", c.unsupportedIf(err))
 		}
+		// As many as the batches Prune may run would delete.
+		if b, m := int64(min(opts.BatchSize, 1<<30)), int64(opts.MaxBatches); m > 0 && (n+b-1)/b > m {
+			n = b * m
+		}
 		return n, 0, nil
 	}
 	var total int64
