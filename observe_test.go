@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 	sdkmetric "go.opentelemetry.io/otel/sdk/metric"
 	"go.opentelemetry.io/otel/sdk/metric/metricdata"
 	sdktrace "go.opentelemetry.io/otel/sdk/trace"
@@ -181,5 +182,35 @@ func TestPanicIsObserved(t *testing.T) {
 	}
 	if n := len(spans.Ended()); n != 1 {
 		t.Fatalf("%d spans ended, want 1", n)
+	}
+}
+
+// The maintenance calls count a database that cannot serve them in
+// idem.store.error, Prune as ExpireLeases does.
+func TestMaintenanceStoreErrorCounted(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	reader := sdkmetric.NewManualReader()
+	client, err := idem.New(idem.Config{MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Nothing listens on port 1.
+	dead, err := pgxpool.New(ctx, "postgres://postgres@127.0.0.1:1/idem?connect_timeout=2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dead.Close()
+	if _, err := client.ExpireLeases(ctx, dead, 10); !idem.Unavailable(err) {
+		t.Fatalf("ExpireLeases on a dead database: %v", err)
+	}
+	if got := counts(t, reader)["idem.store.error/"]; got != 1 {
+		t.Fatalf("after ExpireLeases: idem.store.error = %d, want 1", got)
+	}
+	if _, err := client.PruneReport(ctx, dead, idem.PruneOptions{}); !idem.Unavailable(err) {
+		t.Fatalf("Prune on a dead database: %v", err)
+	}
+	if got := counts(t, reader)["idem.store.error/"]; got != 2 {
+		t.Fatalf("after Prune: idem.store.error = %d, want 2", got)
 	}
 }

@@ -247,8 +247,18 @@ func (c *Client[TTx, TDB]) Prune(ctx context.Context, db TDB, opts PruneOptions)
 }
 
 // PruneReport is Prune, and also returns the stored bodies it dropped (see
-// idem.PruneReport).
-func (c *Client[TTx, TDB]) PruneReport(ctx context.Context, db TDB, opts PruneOptions) (keys, bodies int64, _ error) {
+// idem.PruneReport). A database that cannot serve it is counted in
+// idem.store.error, as for ExpireLeases.
+func (c *Client[TTx, TDB]) PruneReport(ctx context.Context, db TDB, opts PruneOptions) (keys, bodies int64, err error) {
+	keys, bodies, err = c.pruneReport(ctx, db, opts)
+	if err != nil {
+		c.countEnd(ctx, "prune", Scope{}, err, "")
+	}
+	return keys, bodies, err
+}
+
+// pruneReport is PruneReport, uncounted.
+func (c *Client[TTx, TDB]) pruneReport(ctx context.Context, db TDB, opts PruneOptions) (keys, bodies int64, _ error) {
 	if err := c.checkDB(db, false); err != nil {
 		return 0, 0, err
 	}
