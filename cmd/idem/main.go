@@ -330,7 +330,10 @@ var commands = map[string]command{
 			fs.StringVar(&o.contentType, "content-type", "application/json", "with --succeeded and a body: the body's media `type` (its Content-Type header)")
 			fs.StringVar(&o.reason, "reason", "", "the reason `R` for the verdict, stored with the record for the audit trail (required)")
 			operatorFlag(fs, &o.operator)
-			return func(ctx context.Context, e *env, args []string) error { return resolve(ctx, e, args, o) }
+			return func(ctx context.Context, e *env, args []string) error {
+				fs.Visit(func(f *flag.Flag) { o.given = append(o.given, f.Name) })
+				return resolve(ctx, e, args, o)
+			}
 		},
 	},
 	"audit":  auditCommand,
@@ -747,6 +750,7 @@ type resolveFlags struct {
 	reason               string
 	token                int64
 	operator             string
+	given                []string // the flags given on the command line
 }
 
 func resolve(ctx context.Context, e *env, args []string, o resolveFlags) error {
@@ -759,6 +763,15 @@ func resolve(ctx context.Context, e *env, args []string, o resolveFlags) error {
 	}
 	if o.succeeded == o.retryable {
 		return usagef("give exactly one of --succeeded and --retryable")
+	}
+	if o.retryable {
+		// A response given with --retryable is a contradiction: refused
+		// rather than ignored (did the operator mean --succeeded?).
+		for _, name := range []string{"status", "body", "body-file", "content-type"} {
+			if slices.Contains(o.given, name) {
+				return usagef("--%s goes with --succeeded only: --retryable stores no response", name)
+			}
+		}
 	}
 	if strings.TrimSpace(o.reason) == "" {
 		return usagef("--reason is required: it is stored with the record for the audit trail")

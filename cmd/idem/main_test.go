@@ -912,3 +912,44 @@ func TestCLIIncident(t *testing.T) {
 		t.Fatalf("after the verdict: %+v, %v", rec, err)
 	}
 }
+
+// The flags of a --succeeded verdict's response given with --retryable
+// are a contradiction (did the operator mean --succeeded?): refused as a
+// usage error, the record unchanged, rather than ignored.
+func TestCLIResolveRetryableRefusesResponseFlags(t *testing.T) {
+	ctx := t.Context()
+	url := pgtest.URL(t, idem.Migrate)
+	pool, err := pgxpool.New(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	scope := idem.Scope{Actor: "alice", Operation: "pay"}
+	r, err := idem.Reserve(ctx, pool, scope, "doubt", idem.FingerprintParts([]byte("p")), time.Hour)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := idem.MarkUnknown(ctx, pool, r, "timeout"); err != nil {
+		t.Fatal(err)
+	}
+	token := strconv.FormatInt(r.Token, 10)
+	bodyFile := filepath.Join(t.TempDir(), "body.json")
+	if err := os.WriteFile(bodyFile, []byte(`{"charged":true}`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for _, extra := range [][]string{
+		{"--body", `{"charged":true}`},
+		{"--body-file", bodyFile},
+		{"--status", "201"},
+		{"--content-type", "text/plain"},
+	} {
+		args := append([]string{"resolve", "alice", "pay", "doubt", "--token", token, "--retryable", "--reason", "checked"}, extra...)
+		out, errOut, code := runCLI(t, url, args...)
+		if code != exitUsage {
+			t.Errorf("%q: exit %d, want %d\nstdout:\n%s\nstderr:\n%s", args, code, exitUsage, out, errOut)
+		}
+		if rec, err := idem.Lookup(ctx, pool, scope, "doubt"); err != nil || rec.Status != idem.StatusUnknown {
+			t.Fatalf("after %q: %s, %v; want the record still unknown", args, rec.Status, err)
+		}
+	}
+}
