@@ -537,6 +537,11 @@ func prune(ctx context.Context, e *env, args []string, opts idem.PruneOptions) e
 	}
 	defer pool.Close()
 	res, err := idem.PruneReport(ctx, pool, opts)
+	if err != nil && (res.KeysDeleted > 0 || res.BodiesDropped > 0) {
+		// What it did before it failed stays done: say so.
+		return fmt.Errorf("deleted %d expired keys and dropped %d stored bodies, then failed: %w",
+			res.KeysDeleted, res.BodiesDropped, err)
+	}
 	if err != nil {
 		return err
 	}

@@ -953,3 +953,47 @@ func TestCLIResolveRetryableRefusesResponseFlags(t *testing.T) {
 		}
 	}
 }
+
+// A prune that fails part-way says what it did before it failed (the keys
+// it deleted stay deleted), in text and in the JSON error.
+func TestCLIPrunePartialFailureSaysWhatItDid(t *testing.T) {
+	ctx := t.Context()
+	url := pgtest.URL(t, idem.Migrate)
+	pool, err := pgxpool.New(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	// Five expired keys to delete, and one whose body's life has passed;
+	// dropping bodies (an UPDATE) fails after the keys were deleted.
+	if _, err := pool.Exec(ctx, `INSERT INTO idem_keys
+		(actor, operation, idem_key, fingerprint, status, response_status, response_body, expires_at, body_expires_at)
+		SELECT 'a', 'op', 'k' || i, '\x00', 'succeeded', 200, '\x7b7d',
+		       CASE WHEN i <= 5 THEN now() - interval '1 hour' ELSE now() + interval '1 hour' END,
+		       CASE WHEN i > 5 THEN now() - interval '1 minute' END
+		FROM generate_series(1, 6) i`); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := pool.Exec(ctx, `CREATE FUNCTION no_update() RETURNS trigger LANGUAGE plpgsql AS
+		$$BEGIN RAISE EXCEPTION 'updates refused'; END$$;
+		CREATE TRIGGER no_update BEFORE UPDATE ON idem_keys FOR EACH ROW EXECUTE FUNCTION no_update()`); err != nil {
+		t.Fatal(err)
+	}
+	out, errOut, code := runCLI(t, url, "prune")
+	if code != exitFailure || out != "" || !strings.Contains(errOut, "updates refused") || !strings.Contains(errOut, "deleted 5 expired keys") {
+		t.Errorf("prune: exit %d\nstdout:\n%s\nstderr:\n%s", code, out, errOut)
+	}
+	var left int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem_keys`).Scan(&left); err != nil || left != 1 {
+		t.Fatalf("%d rows left (%v), want 1", left, err)
+	}
+	if _, err := pool.Exec(ctx, `INSERT INTO idem_keys
+		(actor, operation, idem_key, fingerprint, status, response_status, response_body, expires_at)
+		SELECT 'a', 'op', 'j' || i, '\x00', 'succeeded', 200, '\x', now() - interval '1 hour'
+		FROM generate_series(1, 3) i`); err != nil {
+		t.Fatal(err)
+	}
+	args := []string{"--json", "prune"}
+	out, errOut, code = runCLI(t, url, args...)
+	wantJSON(t, args, out, errOut, code, exitFailure, "deleted 3 expired keys")
+}
