@@ -96,6 +96,7 @@ Commands:
   resolve <actor> <operation> <key> --token T (--succeeded [--status N] [--body B | --body-file F] | --retryable) --reason R [--operator NAME]
                                 reconcile an unknown outcome
   audit list                    the operators' trail of resolve, forget and the console, newest first
+  events list [--status S]      the outbox's events, newest first (--status overdue: due, unsent)
   events show|retry <destination> <id> [--reason R] [--operator NAME]
                                 show an event of the outbox, or send a failed one again
   ui [--listen 127.0.0.1:8081]  serve the operator's console (credentials from IDEM_UI_TOKEN,

@@ -997,3 +997,22 @@ func TestCLIPrunePartialFailureSaysWhatItDid(t *testing.T) {
 	out, errOut, code = runCLI(t, url, args...)
 	wantJSON(t, args, out, errOut, code, exitFailure, "deleted 3 expired keys")
 }
+
+// idem --help names every subcommand of every command (events list, not
+// only events show and retry), as its own usage line does.
+func TestCLIHelpNamesEverySubcommand(t *testing.T) {
+	out, _, _ := runCLI(t, "", "--help")
+	for name, cmd := range commands {
+		for alt := range strings.SplitSeq(cmd.usage, " | ") {
+			words := strings.Fields(alt)
+			if len(words) < 2 || words[0] != name || strings.ContainsAny(words[1][:1], "<[-(") {
+				continue // no subcommand
+			}
+			for verb := range strings.SplitSeq(words[1], "|") {
+				if !regexp.MustCompile(`(?m)^  ` + regexp.QuoteMeta(name) + ` .*\b` + regexp.QuoteMeta(verb) + `\b`).MatchString(out) {
+					t.Errorf("idem --help lacks %s %s:\n%s", name, verb, out)
+				}
+			}
+		}
+	}
+}
