@@ -4,6 +4,8 @@ import (
 	"context"
 	"io"
 	"log/slog"
+	"os"
+	"strings"
 	"testing"
 	"time"
 
@@ -39,5 +41,20 @@ func BenchmarkObserve(b *testing.B) {
 				cl.end(ctx, tc.res, nil)
 			}
 		})
+	}
+}
+
+// Every counter a client registers is listed in docs/operations.md's
+// Observability section, so that an operator can find the metrics to
+// alert on.
+func TestCountersDocumented(t *testing.T) {
+	doc, err := os.ReadFile("../../docs/operations.md")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, name := range counterNames {
+		if !strings.Contains(string(doc), "`"+name+"`") {
+			t.Errorf("docs/operations.md does not list the counter %s", name)
+		}
 	}
 }
