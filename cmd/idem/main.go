@@ -848,7 +848,8 @@ type field struct {
 // recordFields are the fields of r that both forms print, in the text
 // form's order: a field the record does not have (a token and a lease,
 // which Do's records never hold; completed_at before completion; a
-// response, an error or a reason) is left out of both.
+// window, a time it became unknown; a response, an error or a reason) is
+// left out of both.
 func recordFields(r idem.Record) []field {
 	f := []field{
 		{"actor", r.Scope.Actor}, {"operation", r.Scope.Operation}, {"key", r.Key},
@@ -866,6 +867,14 @@ func recordFields(r idem.Record) []field {
 	}
 	if !r.LeaseExpiresAt.IsZero() {
 		f = append(f, field{"lease_expires_at", r.LeaseExpiresAt})
+	}
+	if !r.ResumeUntil.IsZero() {
+		// The end of the key's window: an attempt in doubt before it
+		// resumes by itself (unknown list leaves it out).
+		f = append(f, field{"resume_until", r.ResumeUntil})
+	}
+	if !r.UnknownAt.IsZero() {
+		f = append(f, field{"unknown_at", r.UnknownAt})
 	}
 	if r.LastError != "" {
 		f = append(f, field{"last_error", r.LastError})

@@ -1016,3 +1016,39 @@ func TestCLIHelpNamesEverySubcommand(t *testing.T) {
 		}
 	}
 }
+
+// inspect shows every time the record holds: when its attempt became
+// unknown and the end of its key's window (an attempt in doubt inside it
+// resumes by itself, and unknown list leaves it out), in text and JSON.
+func TestCLIInspectShowsUnknownAtAndWindow(t *testing.T) {
+	ctx := t.Context()
+	pool := pgtest.Pool(t, idem.Migrate)
+	url := pool.Config().ConnString()
+	scope := idem.Scope{Actor: "alice", Operation: "pay"}
+	r, err := idem.ReserveWith(ctx, pool, scope, "windowed", idem.FingerprintParts([]byte("a")),
+		idem.ReserveOptions{Lease: time.Minute, ResumeWithin: time.Hour})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := idem.MarkUnknown(ctx, pool, r, "gateway timed out"); err != nil {
+		t.Fatal(err)
+	}
+	rec, err := idem.Lookup(ctx, pool, scope, "windowed")
+	if err != nil || rec.UnknownAt.IsZero() || rec.ResumeUntil.IsZero() {
+		t.Fatalf("Lookup: %+v, %v", rec, err)
+	}
+	out, _, code := runCLI(t, url, "inspect", "--json", "alice", "pay", "windowed")
+	var fields map[string]any
+	if code != exitOK || json.Unmarshal([]byte(out), &fields) != nil {
+		t.Fatalf("inspect --json: exit %d\n%s", code, out)
+	}
+	text, _, _ := runCLI(t, url, "inspect", "alice", "pay", "windowed")
+	for name, want := range map[string]time.Time{"unknown_at": rec.UnknownAt, "resume_until": rec.ResumeUntil} {
+		if got, _ := fields[name].(string); got != want.Format(time.RFC3339Nano) {
+			t.Errorf("inspect --json %s = %q, want %s\n%s", name, got, want.Format(time.RFC3339Nano), out)
+		}
+		if !strings.Contains(text, name+" ") || !strings.Contains(text, want.UTC().Format(time.RFC3339Nano)) {
+			t.Errorf("inspect lacks %s %s:\n%s", name, want.UTC().Format(time.RFC3339Nano), text)
+		}
+	}
+}
