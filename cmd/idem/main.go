@@ -736,6 +736,10 @@ func expireLeases(ctx context.Context, e *env, args []string, batch int) error {
 	for {
 		n, err := idem.ExpireLeases(ctx, pool, batch)
 		expired += n
+		if err != nil && expired > 0 {
+			// The batches before committed: say so.
+			return fmt.Errorf("turned %d reservations whose lease ran out unknown, then failed: %w", expired, err)
+		}
 		if err != nil {
 			return err
 		}

@@ -1052,3 +1052,44 @@ func TestCLIInspectShowsUnknownAtAndWindow(t *testing.T) {
 		}
 	}
 }
+
+// An expire-leases that fails after a batch says how many reservations it
+// turned unknown before (its batches committed), in text and JSON.
+func TestCLIExpireLeasesPartialFailureSaysWhatItDid(t *testing.T) {
+	ctx := t.Context()
+	url := pgtest.URL(t, idem.Migrate)
+	pool, err := pgxpool.New(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer pool.Close()
+	scope := idem.Scope{Actor: "alice", Operation: "pay"}
+	for i := range 4 {
+		if _, err := idem.Reserve(ctx, pool, scope, fmt.Sprint("lapsed-", i), idem.FingerprintParts([]byte("p")), time.Millisecond); err != nil {
+			t.Fatal(err)
+		}
+	}
+	time.Sleep(20 * time.Millisecond)
+	// The first row updated passes, the next one fails: the first batch of
+	// one commits, the second fails.
+	if _, err := pool.Exec(ctx, `CREATE SEQUENCE updates;
+		CREATE FUNCTION second_update_fails() RETURNS trigger LANGUAGE plpgsql AS
+		$$BEGIN IF nextval('updates') > 1 THEN RAISE EXCEPTION 'updates refused'; END IF; RETURN NEW; END$$;
+		CREATE TRIGGER second_update_fails BEFORE UPDATE ON idem_keys FOR EACH ROW EXECUTE FUNCTION second_update_fails()`); err != nil {
+		t.Fatal(err)
+	}
+	out, errOut, code := runCLI(t, url, "expire-leases", "--batch", "1")
+	if code != exitFailure || out != "" || !strings.Contains(errOut, "updates refused") || !strings.Contains(errOut, "turned 1 ") {
+		t.Errorf("expire-leases: exit %d\nstdout:\n%s\nstderr:\n%s", code, out, errOut)
+	}
+	var unknown int
+	if err := pool.QueryRow(ctx, `SELECT count(*) FROM idem_keys WHERE status = 'unknown'`).Scan(&unknown); err != nil || unknown != 1 {
+		t.Fatalf("%d unknown (%v), want 1", unknown, err)
+	}
+	if _, err := pool.Exec(ctx, `ALTER SEQUENCE updates RESTART`); err != nil {
+		t.Fatal(err)
+	}
+	args := []string{"--json", "expire-leases", "--batch", "1"}
+	out, errOut, code = runCLI(t, url, args...)
+	wantJSON(t, args, out, errOut, code, exitFailure, "turned 1 ")
+}
