@@ -7,6 +7,7 @@ import (
 	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgxpool"
@@ -212,5 +213,54 @@ func TestMaintenanceStoreErrorCounted(t *testing.T) {
 	}
 	if got := counts(t, reader)["idem.store.error/"]; got != 2 {
 		t.Fatalf("after Prune: idem.store.error = %d, want 2", got)
+	}
+}
+
+// A store error of a reservation or maintenance call is logged (Error),
+// as Config.Logger promises for every store error, with the key's and the
+// actor's hashes when the call has a key, never their values.
+func TestStoreErrorsOfOtherCallsLogged(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	var logs testlog.Buffer
+	client, err := idem.New(idem.Config{
+		Logger:     slog.New(slog.NewJSONHandler(&logs, &slog.HandlerOptions{Level: slog.LevelInfo})),
+		LogHashKey: []byte("secret"),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	op := idem.Scope{Actor: "actor-that-must-not-be-logged", Operation: "pay"}
+	const key = "raw-key-that-must-not-be-logged"
+	r, err := client.Reserve(ctx, pool, op, key, fpA, time.Minute)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dead, err := pgxpool.New(ctx, "postgres://postgres@127.0.0.1:1/idem?connect_timeout=2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dead.Close()
+	if err := client.FailRetryable(ctx, dead, r, "declined"); !idem.Unavailable(err) {
+		t.Fatalf("FailRetryable on a dead database: %v", err)
+	}
+	if _, err := client.ExpireLeases(ctx, dead, 10); !idem.Unavailable(err) {
+		t.Fatalf("ExpireLeases on a dead database: %v", err)
+	}
+	if _, err := client.Prune(ctx, dead, idem.PruneOptions{}); !idem.Unavailable(err) {
+		t.Fatalf("Prune on a dead database: %v", err)
+	}
+	out := logs.String()
+	if strings.Contains(out, key) || strings.Contains(out, op.Actor) {
+		t.Fatalf("the logs hold a raw key or actor:\n%s", out)
+	}
+	for _, call := range []string{"fail_retryable", "expire_leases", "prune"} {
+		if !strings.Contains(out, `"call":"`+call+`"`) {
+			t.Errorf("no log record of %s's store error:\n%s", call, out)
+		}
+	}
+	if !strings.Contains(out, `"level":"ERROR"`) || !strings.Contains(out, `"outcome":"store_error"`) || !strings.Contains(out, `"key_hash":"`) {
+		t.Errorf("store errors not logged as such:\n%s", out)
 	}
 }

@@ -287,6 +287,21 @@ func (cl *call) endIfPanicking(ctx context.Context) {
 
 var errPanicked = errors.New("idem: fn panicked")
 
+// logStoreError logs the store error of a reservation, reconciliation or
+// maintenance call (countEnd), as end logs Do's: with the hashes of the key
+// and the actor when the call has a key.
+func (o *observer) logStoreError(ctx context.Context, callName string, scope Scope, key string, err error) {
+	if o.log == nil || !o.log.Enabled(ctx, slog.LevelError) {
+		return
+	}
+	attrs := []slog.Attr{slog.String("call", callName), slog.String("operation", scope.Operation)}
+	if key != "" {
+		attrs = append(attrs, slog.String("key_hash", o.hash.Sum(key)), slog.String("actor_hash", o.hash.Sum(scope.Actor)))
+	}
+	attrs = append(attrs, slog.String("outcome", outcomeStoreError), slog.String("error", err.Error()))
+	o.log.LogAttrs(ctx, slog.LevelError, "idem: the store is unavailable", attrs...)
+}
+
 // count adds n to the counter of a maintenance or reservation event.
 func (o *observer) count(ctx context.Context, event, callName, operation string, n int64) {
 	if n != 0 {

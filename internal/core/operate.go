@@ -28,7 +28,7 @@ func (c *Client[TTx, TDB]) ExpireLeases(ctx context.Context, db TDB, limit int) 
 	})
 	if err != nil {
 		err = errorf("idem: expire leases: %w", c.unsupportedIf(err))
-		c.countEnd(ctx, "expire_leases", Scope{}, err, "")
+		c.countEnd(ctx, "expire_leases", Scope{}, "", err, "")
 		return 0, err
 	}
 	c.obs.count(ctx, "zombie_key", "expire_leases", "", n)
@@ -133,7 +133,7 @@ func (c *Client[TTx, TDB]) Resolve(ctx context.Context, db TDB, scope Scope, key
 	if err != nil {
 		c.obs.count(ctx, "reconcile_failed", "resolve", scope.Operation, 1)
 	}
-	c.countEnd(ctx, "resolve", scope, err, "reconcile_resolved")
+	c.countEnd(ctx, "resolve", scope, key, err, "reconcile_resolved")
 	return err
 }
 
@@ -252,7 +252,7 @@ func (c *Client[TTx, TDB]) Prune(ctx context.Context, db TDB, opts PruneOptions)
 func (c *Client[TTx, TDB]) PruneReport(ctx context.Context, db TDB, opts PruneOptions) (keys, bodies int64, err error) {
 	keys, bodies, err = c.pruneReport(ctx, db, opts)
 	if err != nil {
-		c.countEnd(ctx, "prune", Scope{}, err, "")
+		c.countEnd(ctx, "prune", Scope{}, "", err, "")
 	}
 	return keys, bodies, err
 }

@@ -208,7 +208,7 @@ func (c *Client[TTx, TDB]) Complete(ctx context.Context, tx TTx, r Reservation, 
 	case n != 1:
 		err = ErrFenced
 	}
-	c.countEnd(ctx, "complete", r.Scope, err, "")
+	c.countEnd(ctx, "complete", r.Scope, r.Key, err, "")
 	return err
 }
 
@@ -218,7 +218,7 @@ func (c *Client[TTx, TDB]) FailRetryable(ctx context.Context, db TDB, r Reservat
 	if err := c.checkOwnerCall(db, r, reason); err != nil {
 		return err
 	}
-	return c.fence(ctx, db, "fail_retryable", r.Scope, "failed_retry", func(ctx context.Context, ex driver.Executor) (int64, error) {
+	return c.fence(ctx, db, "fail_retryable", r.Scope, r.Key, "failed_retry", func(ctx context.Context, ex driver.Executor) (int64, error) {
 		return ex.ReserveFailRetryable(ctx, newKey(r.Scope, r.Key), r.Token, reason)
 	})
 }
@@ -229,7 +229,7 @@ func (c *Client[TTx, TDB]) MarkUnknown(ctx context.Context, db TDB, r Reservatio
 	if err := c.checkOwnerCall(db, r, reason); err != nil {
 		return err
 	}
-	return c.fence(ctx, db, "mark_unknown", r.Scope, outcomeUnknown, func(ctx context.Context, ex driver.Executor) (int64, error) {
+	return c.fence(ctx, db, "mark_unknown", r.Scope, r.Key, outcomeUnknown, func(ctx context.Context, ex driver.Executor) (int64, error) {
 		return ex.ReserveMarkUnknown(ctx, newKey(r.Scope, r.Key), r.Token, reason)
 	})
 }
@@ -255,7 +255,7 @@ func (c *Client[TTx, TDB]) Heartbeat(ctx context.Context, db TDB, r Reservation,
 	case err != nil:
 		err = errorf("idem: heartbeat: %w", c.unsupportedIf(err))
 	}
-	c.countEnd(ctx, "heartbeat", r.Scope, err, "")
+	c.countEnd(ctx, "heartbeat", r.Scope, r.Key, err, "")
 	if err != nil {
 		return Reservation{}, err
 	}
@@ -266,7 +266,7 @@ func (c *Client[TTx, TDB]) Heartbeat(ctx context.Context, db TDB, r Reservation,
 // fence runs update, a statement of the owner of a reservation, in a
 // transaction begun on db, and returns ErrFenced when it changed no row.
 // event is counted when it did.
-func (c *Client[TTx, TDB]) fence(ctx context.Context, db TDB, call string, scope Scope, event string,
+func (c *Client[TTx, TDB]) fence(ctx context.Context, db TDB, call string, scope Scope, key, event string,
 	update func(ctx context.Context, ex driver.Executor) (int64, error)) error {
 	var n int64
 	err := c.lookupTx(ctx, db, func(ctx context.Context, ex driver.Executor) error {
@@ -280,15 +280,16 @@ func (c *Client[TTx, TDB]) fence(ctx context.Context, db TDB, call string, scope
 	case n != 1:
 		err = ErrFenced
 	}
-	c.countEnd(ctx, call, scope, err, event)
+	c.countEnd(ctx, call, scope, key, err, event)
 	return err
 }
 
-// countEnd counts the end of a reservation or reconciliation call that is
-// not Reserve (which ends like Do, see observe.go): event when it
-// succeeded (none when event is ""), a fenced reservation, or a store
-// failure.
-func (c *Client[TTx, TDB]) countEnd(ctx context.Context, call string, scope Scope, err error, event string) {
+// countEnd counts the end of a reservation, reconciliation or maintenance
+// call that is not Reserve (which ends like Do, see observe.go): event when
+// it succeeded (none when event is ""), a fenced reservation, or a store
+// failure, which is logged too. key is the call's key ("" for the
+// maintenance calls, which have none).
+func (c *Client[TTx, TDB]) countEnd(ctx context.Context, call string, scope Scope, key string, err error, event string) {
 	switch {
 	case err == nil && event != "":
 		c.obs.count(ctx, event, call, scope.Operation, 1)
@@ -296,6 +297,7 @@ func (c *Client[TTx, TDB]) countEnd(ctx context.Context, call string, scope Scop
 		c.obs.count(ctx, outcomeFenced, call, scope.Operation, 1)
 	case c.obs.unavailable(err):
 		c.obs.count(ctx, outcomeStoreError, call, scope.Operation, 1)
+		c.obs.logStoreError(ctx, call, scope, key, err)
 	}
 }
 
