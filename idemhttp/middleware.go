@@ -290,9 +290,10 @@ func newMiddleware(opts Options, open front.Open) (*middleware, error) {
 		}
 	}
 	if len(opts.Config.LogHashKey) == 0 {
-		// One random secret for the core's logs and the middleware's, so
-		// that both hash a key alike.
-		opts.Config.LogHashKey = loghash.NewSecret()
+		// The process's random secret, for the core's logs and the
+		// middleware's, and the status handler's given this Config: all
+		// hash a key alike.
+		opts.Config.LogHashKey = loghash.Default()
 	}
 	client, err := idem.New(opts.Config)
 	if err != nil {

@@ -120,9 +120,10 @@ type StatusOptions struct {
 	// "Bearer".
 	Challenge string
 
-	// Config supplies the key length bounds (MinKeyLength, MaxKeyLength):
-	// give it the middleware's Options.Config. Its other fields do not
-	// matter here, and the handler's lookups are never counted in its
+	// Config supplies the key length bounds (MinKeyLength, MaxKeyLength)
+	// and LogHashKey (empty: the process's random secret, the middleware's
+	// too): give it the middleware's Options.Config. Its other fields do
+	// not matter here, and the handler's lookups are never counted in its
 	// metrics nor logged through its Logger.
 	Config idem.Config
 
@@ -249,8 +250,12 @@ func newStatusHandler(opts StatusOptions, open front.Open) (*statusHandler, erro
 	if err != nil {
 		return nil, fmt.Errorf("idemhttp: %w", err)
 	}
+	hashKey := opts.Config.LogHashKey
+	if len(hashKey) == 0 {
+		hashKey = loghash.Default() // the middleware's, given the same Config
+	}
 	h := &statusHandler{store: st, probe: probe, actor: opts.Actor, challenge: opts.Challenge, log: opts.Logger,
-		hash: loghash.New(opts.Config.LogHashKey), stored: stored}
+		hash: loghash.New(hashKey), stored: stored}
 	if h.challenge == "" {
 		h.challenge = "Bearer"
 	}

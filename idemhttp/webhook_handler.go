@@ -227,7 +227,7 @@ func newWebhookHandler(db idem.Beginner, opts WebhookOptions,
 		cfg.TTL = DefaultWebhookTTL
 	}
 	if len(cfg.LogHashKey) == 0 {
-		cfg.LogHashKey = loghash.NewSecret() // one secret for idem's logs and the handler's
+		cfg.LogHashKey = loghash.Default() // the process's: idem's logs and the handler's hash alike
 	}
 	if h.client, err = idem.New(cfg); err != nil {
 		return nil, fmt.Errorf("idemhttp: WebhookOptions.Config: %w", err)

@@ -30,6 +30,20 @@ func New(secret []byte) *Hasher {
 	return h
 }
 
+// Default returns this process's random 32-byte secret, made once: the
+// secret of the fronts (idemhttp's middleware, status and webhook
+// handlers, the RPC interceptors) whose Config has no LogHashKey, so that
+// all of them in one process hash a key alike.
+func Default() []byte {
+	defaultOnce.Do(func() { defaultSecret = NewSecret() })
+	return defaultSecret
+}
+
+var (
+	defaultOnce   sync.Once
+	defaultSecret []byte
+)
+
 // NewSecret returns a random 32-byte secret.
 func NewSecret() []byte {
 	b := make([]byte, 32)

@@ -122,9 +122,9 @@ func New(opts Options, open front.Open) (*Core, error) {
 		return nil, errors.New(opts.Name + ": Options.Scope is required")
 	}
 	if len(opts.Config.LogHashKey) == 0 {
-		// One random secret for idem's logs and the interceptor's, so that
-		// both hash a key alike.
-		opts.Config.LogHashKey = loghash.NewSecret()
+		// The process's random secret, for idem's logs and the
+		// interceptor's: both hash a key alike.
+		opts.Config.LogHashKey = loghash.Default()
 	}
 	client, err := idem.New(opts.Config)
 	if err != nil {
