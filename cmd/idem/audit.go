@@ -113,8 +113,7 @@ func auditList(ctx context.Context, e *env, args []string, f audit.ListFilter) e
 	if len(entries) == 0 {
 		sb.WriteString("no audit rows\n")
 	}
-	e.print(out, sb.String())
-	return nil
+	return e.print(out, sb.String())
 }
 
 // shown is a stored string as a line of the trail prints it: as it is when

@@ -62,15 +62,13 @@ func events(ctx context.Context, e *env, args []string, reason, operator string)
 		if _, err := audit.RetryEvent(ctx, pool, nil, operator, id, destination, reason); err != nil {
 			return err
 		}
-		e.print(map[string]any{"retried": true}, "retried: the event is pending and due now\n")
-		return nil
+		return e.print(map[string]any{"retried": true}, "retried: the event is pending and due now\n")
 	}
 	rec, err := idem.LookupEvent(ctx, pool, id, destination)
 	if err != nil {
 		return err
 	}
-	e.print(eventJSON(rec), eventText(rec))
-	return nil
+	return e.print(eventJSON(rec), eventText(rec))
 }
 
 // eventJSON is rec for --json.
@@ -180,6 +178,5 @@ func eventsList(ctx context.Context, e *env, args []string, f outbox.Filter) err
 	if len(rows) == 0 {
 		b.WriteString("no events\n")
 	}
-	e.print(out, b.String())
-	return nil
+	return e.print(out, b.String())
 }

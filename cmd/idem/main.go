@@ -16,7 +16,8 @@
 // Exit codes:
 //
 //	0  success
-//	1  failure (the database could not be reached, a statement failed)
+//	1  failure (the database could not be reached, a statement failed, the
+//	   result could not be written to stdout: said on stderr)
 //	2  usage error (unknown command, bad flag or argument)
 //	3  not found (no record holds the key)
 //	4  refused (the key is in flight, or its record cannot be changed so)
@@ -374,16 +375,30 @@ func (e *env) pool(ctx context.Context) (*pgxpool.Pool, error) {
 	return pool, nil
 }
 
-// print writes v as JSON with --json, or text otherwise.
-func (e *env) print(v any, text string) {
+// print writes v as JSON with --json, or text otherwise. A result that
+// cannot be written (a full disk, a closed pipe) is a writeError: the
+// command fails.
+func (e *env) print(v any, text string) error {
+	var err error
 	if e.json {
 		enc := json.NewEncoder(e.stdout)
 		enc.SetIndent("", "  ")
-		_ = enc.Encode(v)
-		return
+		err = enc.Encode(v)
+	} else {
+		_, err = fmt.Fprint(e.stdout, text)
 	}
-	fmt.Fprint(e.stdout, text)
+	if err != nil {
+		return writeError{err}
+	}
+	return nil
 }
+
+// writeError is a result that could not be written to stdout: exit code
+// 1, reported on stderr even with --json (stdout is what failed).
+type writeError struct{ err error }
+
+func (w writeError) Error() string { return "writing the result: " + w.err.Error() }
+func (w writeError) Unwrap() error { return w.err }
 
 // exit reports err and returns the exit code for it.
 func (e *env) exit(err error) int {
@@ -405,7 +420,7 @@ func (e *env) exit(err error) int {
 		code = exitUsage
 	}
 	msg := message(err)
-	if e.json {
+	if e.json && !errors.As(err, new(writeError)) {
 		_ = json.NewEncoder(e.stdout).Encode(map[string]any{"error": msg, "exit_code": code})
 		return code
 	}
@@ -495,8 +510,7 @@ func migrate(ctx context.Context, e *env, args []string, force bool) error {
 		}
 		rows = append(rows, r)
 	}
-	printMigrations(e, rows)
-	return nil
+	return printMigrations(e, rows)
 }
 
 // migrationRow is one migration as migrate prints it.
@@ -509,7 +523,7 @@ type migrationRow struct {
 
 // printMigrations prints rows as JSON, or as text with the file names
 // padded to the longest.
-func printMigrations(e *env, rows []migrationRow) {
+func printMigrations(e *env, rows []migrationRow) error {
 	width := 0
 	for _, r := range rows {
 		width = max(width, len(r.Source))
@@ -522,7 +536,7 @@ func printMigrations(e *env, rows []migrationRow) {
 		}
 		fmt.Fprintf(&sb, "%5d  %-*s  %s\n", r.Version, width, r.Source, when)
 	}
-	e.print(rows, sb.String())
+	return e.print(rows, sb.String())
 }
 
 func prune(ctx context.Context, e *env, args []string, opts idem.PruneOptions) error {
@@ -551,8 +565,7 @@ func prune(ctx context.Context, e *env, args []string, opts idem.PruneOptions) e
 		text = fmt.Sprintf("deleted %d expired keys, dropped %d stored bodies past their life (Config.BodyTTL)\n",
 			res.KeysDeleted, res.BodiesDropped)
 	}
-	e.print(map[string]any{"dry_run": opts.DryRun, "keys": res.KeysDeleted, "bodies_dropped": res.BodiesDropped}, text)
-	return nil
+	return e.print(map[string]any{"dry_run": opts.DryRun, "keys": res.KeysDeleted, "bodies_dropped": res.BodiesDropped}, text)
 }
 
 // invisible reports whether r, in a value inspect prints, could move the
@@ -598,8 +611,7 @@ func inspect(ctx context.Context, e *env, args []string) error {
 	if err != nil {
 		return err
 	}
-	e.print(recordJSON(rec), recordText(rec))
-	return nil
+	return e.print(recordJSON(rec), recordText(rec))
 }
 
 func forget(ctx context.Context, e *env, args []string, operator, reason string) error {
@@ -618,8 +630,7 @@ func forget(ctx context.Context, e *env, args []string, operator, reason string)
 	if err := auditedForget(ctx, pool, operator, scope, key, strings.TrimSpace(reason)); err != nil {
 		return err
 	}
-	e.print(map[string]any{"forgotten": true}, "forgotten: the key is free again\n")
-	return nil
+	return e.print(map[string]any{"forgotten": true}, "forgotten: the key is free again\n")
 }
 
 func stats(ctx context.Context, e *env, args []string) error {
@@ -666,8 +677,7 @@ func stats(ctx context.Context, e *env, args []string) error {
 	if !st.OldestUnknown.IsZero() {
 		out["oldest_unknown"] = st.OldestUnknown
 	}
-	e.print(out, sb.String())
-	return nil
+	return e.print(out, sb.String())
 }
 
 func unknownList(ctx context.Context, e *env, args []string, limit int) error {
@@ -711,8 +721,7 @@ func unknownList(ctx context.Context, e *env, args []string, limit int) error {
 		sb.WriteString("no unknown outcomes\n")
 	}
 	sb.WriteString(expireLeasesHint)
-	e.print(out, sb.String())
-	return nil
+	return e.print(out, sb.String())
 }
 
 // expireLeasesHint ends the text output of unknown list.
@@ -747,9 +756,8 @@ func expireLeases(ctx context.Context, e *env, args []string, batch int) error {
 			break
 		}
 	}
-	e.print(map[string]any{"expired": expired},
+	return e.print(map[string]any{"expired": expired},
 		fmt.Sprintf("%d reservations whose lease ran out turned unknown: see idem unknown list\n", expired))
-	return nil
 }
 
 type resolveFlags struct {
@@ -829,8 +837,7 @@ func resolve(ctx context.Context, e *env, args []string, o resolveFlags) error {
 	if o.retryable {
 		verdict = "failed_retryable: the next request with the key runs again"
 	}
-	e.print(map[string]any{"resolved": true, "retryable": o.retryable}, "resolved as "+verdict+"\n")
-	return nil
+	return e.print(map[string]any{"resolved": true, "retryable": o.retryable}, "resolved as "+verdict+"\n")
 }
 
 // isJSONType reports whether the media type ct says JSON: application/json

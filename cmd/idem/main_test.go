@@ -1093,3 +1093,23 @@ func TestCLIExpireLeasesPartialFailureSaysWhatItDid(t *testing.T) {
 	out, errOut, code = runCLI(t, url, args...)
 	wantJSON(t, args, out, errOut, code, exitFailure, "turned 1 ")
 }
+
+// failingWriter fails every write, as a full disk or a closed pipe does.
+type failingWriter struct{}
+
+func (failingWriter) Write([]byte) (int, error) { return 0, errors.New("no space left on device") }
+
+// A result that cannot be written is a failure (exit 1, said on stderr),
+// not a success with nothing printed: a script reading `idem stats --json
+// > out.json` on a full disk must not take an empty file for the answer.
+func TestCLIResultWriteFailureExits1(t *testing.T) {
+	url := pgtest.URL(t, idem.Migrate)
+	t.Setenv("DATABASE_URL", url)
+	for _, args := range [][]string{{"stats"}, {"--json", "stats"}, {"prune", "--dry-run"}, {"unknown", "list", "--json"}} {
+		var stderr bytes.Buffer
+		code := run(t.Context(), args, failingWriter{}, &stderr)
+		if code != exitFailure || !strings.Contains(stderr.String(), "no space left on device") {
+			t.Errorf("%q with a failing stdout: exit %d, stderr %q", args, code, stderr.String())
+		}
+	}
+}
