@@ -270,12 +270,15 @@ var commands = map[string]command{
 	},
 	"prune": {
 		usage: "prune [--dry-run] [--batch-size N] [--max-batches N]",
-		help:  "Deletes finished keys past their TTL, oldest first, in batches of one short transaction each.\nKeys in flight and unknown outcomes are never touched; several pruners may run at once.",
+		help: "Deletes finished keys past their TTL, oldest first, in batches of one short transaction each,\n" +
+			"then drops the stored bodies and headers past their life (Config.BodyTTL) in the same way: those\n" +
+			"keys stay, with their status, until their TTL. Keys in flight and unknown outcomes are never\n" +
+			"touched; several pruners may run at once.",
 		flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			var opts idem.PruneOptions
-			fs.BoolVar(&opts.DryRun, "dry-run", false, "count the keys that would be deleted, delete nothing")
+			fs.BoolVar(&opts.DryRun, "dry-run", false, "count the keys that would be deleted, delete (and drop) nothing")
 			fs.IntVar(&opts.BatchSize, "batch-size", idem.DefaultPruneBatchSize, "`N` keys per batch (one transaction each)")
-			fs.IntVar(&opts.MaxBatches, "max-batches", 0, "stop after `N` batches (0: until none is left)")
+			fs.IntVar(&opts.MaxBatches, "max-batches", 0, "stop after `N` batches of keys, and N of bodies (0: until none is left)")
 			return func(ctx context.Context, e *env, args []string) error { return prune(ctx, e, args, opts) }
 		},
 	},

@@ -1113,3 +1113,12 @@ func TestCLIResultWriteFailureExits1(t *testing.T) {
 		}
 	}
 }
+
+// idem prune --help says everything prune changes: it also drops the
+// stored bodies past their life (Config.BodyTTL), which its output counts.
+func TestCLIPruneHelpSaysItDropsBodies(t *testing.T) {
+	out, _, code := runCLI(t, "", "prune", "--help")
+	if code != exitOK || !strings.Contains(out, "bodies") || !strings.Contains(out, "BodyTTL") {
+		t.Errorf("idem prune --help does not say it drops stored bodies:\n%s", out)
+	}
+}
