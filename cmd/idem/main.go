@@ -902,9 +902,16 @@ func recordFields(r idem.Record) []field {
 		// body would say the response had none.
 		f = append(f, field{"response", map[string]any{"status": r.Response.Status, "gone": true}})
 	case r.Response != nil:
-		f = append(f, field{"response", map[string]any{
-			"status": r.Response.Status, "header": r.Response.Header, "body": string(r.Response.Body),
-		}})
+		resp := map[string]any{"status": r.Response.Status, "header": r.Response.Header}
+		if utf8.Valid(r.Response.Body) {
+			resp["body"] = string(r.Response.Body)
+		} else {
+			// JSON strings hold text: bytes that are not UTF-8 (a gzip
+			// body) would come out as U+FFFD. encoding/json writes a
+			// []byte as base64.
+			resp["body_base64"] = r.Response.Body
+		}
+		f = append(f, field{"response", resp})
 	}
 	return f
 }

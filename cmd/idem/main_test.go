@@ -1122,3 +1122,44 @@ func TestCLIPruneHelpSaysItDropsBodies(t *testing.T) {
 		t.Errorf("idem prune --help does not say it drops stored bodies:\n%s", out)
 	}
 }
+
+// inspect --json gives back a stored body that is not UTF-8 text (a gzip
+// body stored with its Content-Encoding) byte for byte, as body_base64,
+// instead of replacing its bytes with U+FFFD.
+func TestCLIInspectBinaryBody(t *testing.T) {
+	ctx := t.Context()
+	pool := pgtest.Pool(t, idem.Migrate)
+	url := pool.Config().ConnString()
+	scope := idem.Scope{Actor: "alice", Operation: "draw"}
+	body := []byte{0x1f, 0x8b, 0x08, 0x00, 0xff, 0xfe, 'o', 'k'}
+	if _, err := idem.DoInTx(ctx, pool, scope, "gz-1", idem.FingerprintParts([]byte("a")), func(context.Context, pgx.Tx) (idem.Response, error) {
+		return idem.Response{Status: 200, Header: map[string][]string{"Content-Encoding": {"gzip"}}, Body: body}, nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	out, _, code := runCLI(t, url, "inspect", "--json", "alice", "draw", "gz-1")
+	var rec struct {
+		Response struct {
+			Body       *string
+			BodyBase64 *[]byte `json:"body_base64"`
+		}
+	}
+	if code != exitOK || json.Unmarshal([]byte(out), &rec) != nil {
+		t.Fatalf("inspect --json: exit %d\n%s", code, out)
+	}
+	switch {
+	case rec.Response.BodyBase64 != nil && bytes.Equal(*rec.Response.BodyBase64, body) && rec.Response.Body == nil:
+	default:
+		t.Errorf("inspect --json does not give the body back:\n%s", out)
+	}
+	// A text body stays "body".
+	if _, err := idem.DoInTx(ctx, pool, scope, "text-1", idem.FingerprintParts([]byte("a")), func(context.Context, pgx.Tx) (idem.Response, error) {
+		return idem.Response{Status: 200, Body: []byte(`{"ok":true}`)}, nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	out, _, _ = runCLI(t, url, "inspect", "--json", "alice", "draw", "text-1")
+	if !strings.Contains(out, `"body": "{\"ok\":true}"`) || strings.Contains(out, "body_base64") {
+		t.Errorf("a text body:\n%s", out)
+	}
+}
