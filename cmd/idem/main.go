@@ -902,7 +902,10 @@ func recordFields(r idem.Record) []field {
 		// body would say the response had none.
 		f = append(f, field{"response", map[string]any{"status": r.Response.Status, "gone": true}})
 	case r.Response != nil:
-		resp := map[string]any{"status": r.Response.Status, "header": r.Response.Header}
+		resp := map[string]any{"status": r.Response.Status}
+		if len(r.Response.Header) > 0 {
+			resp["header"] = r.Response.Header // left out when there is none, not null
+		}
 		if utf8.Valid(r.Response.Body) {
 			resp["body"] = string(r.Response.Body)
 		} else {

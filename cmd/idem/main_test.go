@@ -1163,3 +1163,25 @@ func TestCLIInspectBinaryBody(t *testing.T) {
 		t.Errorf("a text body:\n%s", out)
 	}
 }
+
+// inspect --json leaves out what a record does not have: a response with
+// no header has no "header" (not null), as the audit trail's copy does.
+func TestCLIInspectNoHeaderLeftOut(t *testing.T) {
+	ctx := t.Context()
+	pool := pgtest.Pool(t, idem.Migrate)
+	url := pool.Config().ConnString()
+	scope := idem.Scope{Actor: "alice", Operation: "draw"}
+	if _, err := idem.DoInTx(ctx, pool, scope, "bare-1", idem.FingerprintParts([]byte("a")), func(context.Context, pgx.Tx) (idem.Response, error) {
+		return idem.Response{Status: 200, Body: []byte(`{}`)}, nil
+	}); err != nil {
+		t.Fatal(err)
+	}
+	out, _, code := runCLI(t, url, "inspect", "--json", "alice", "draw", "bare-1")
+	var rec struct{ Response map[string]any }
+	if code != exitOK || json.Unmarshal([]byte(out), &rec) != nil || rec.Response == nil {
+		t.Fatalf("inspect --json: exit %d\n%s", code, out)
+	}
+	if _, has := rec.Response["header"]; has {
+		t.Errorf("a response without headers shows \"header\":\n%s", out)
+	}
+}
