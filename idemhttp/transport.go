@@ -15,6 +15,7 @@ import (
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/internal/callretry"
+	"github.com/pgidem/idem/internal/keyhdr"
 )
 
 // MaxBufferedBody is the largest request body, in bytes, that Transport
@@ -161,7 +162,7 @@ func (b *attempts) prepare(p idem.RetryPolicy) (callretry.Policy, string, error)
 		if key, err = callretry.Key(b.req.Context(), mint); err != nil {
 			return policy, "", err
 		}
-		b.header = key
+		b.header = keyhdr.Format(key) // a key that is not a bare key goes as an RFC 8941 string
 	}
 	if key == "" && !idempotent(b.req.Method) {
 		policy = policy.Once()

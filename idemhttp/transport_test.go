@@ -889,3 +889,36 @@ func TestTransportRetriesBodilessRequests(t *testing.T) {
 		})
 	}
 }
+
+// A context key that idem accepts but that is not a bare key of the
+// header (a comma, a leading quote) is sent as an RFC 8941 string, so that
+// idem's Middleware reads it back as the one key it is.
+func TestTransportContextKeyNeedsQuoting(t *testing.T) {
+	t.Parallel()
+	base, pool := ordersServer(t)
+	client := &http.Client{Transport: &idemhttp.Transport{Policy: fastPolicy}}
+	for i, key := range []string{"order,1", `"order-2`, `order\3"`} {
+		if err := idem.ValidateKey(key); err != nil {
+			t.Fatal(err)
+		}
+		for n := range 2 {
+			req, _ := http.NewRequestWithContext(idem.WithCallKey(t.Context(), key), "POST", base+"/orders",
+				strings.NewReader(fmt.Sprintf(`{"op":"op-%d"}`, i)))
+			resp, err := client.Do(req)
+			if err != nil {
+				t.Fatalf("%s, call %d: %v", key, n, err)
+			}
+			_ = resp.Body.Close()
+			if resp.StatusCode != http.StatusCreated || (resp.Header.Get(idemhttp.HeaderReplayed) == "true") != (n == 1) {
+				t.Errorf("%s, call %d: %d, replayed %q", key, n, resp.StatusCode, resp.Header.Get(idemhttp.HeaderReplayed))
+			}
+		}
+		if _, err := idem.Lookup(t.Context(), pool, idem.Scope{Actor: "alice", Operation: "POST /orders"}, key); err != nil {
+			t.Errorf("%s: %v", key, err)
+		}
+	}
+	var orders int
+	if err := pool.QueryRow(t.Context(), `SELECT count(*) FROM orders`).Scan(&orders); err != nil || orders != 3 {
+		t.Errorf("%d orders (%v); want 3", orders, err)
+	}
+}
