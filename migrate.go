@@ -96,7 +96,7 @@ func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
 	if err := checkNotWorker(ctx, pool); err != nil {
 		return core.Errorf("idem: migrate: %w", err)
 	}
-	err := withProvider(ctx, pool, func(p *goose.Provider) error {
+	err := withProvider(ctx, pool, func(p *goose.Provider, _ int64) error {
 		_, err := p.Up(ctx)
 		return err
 	})
@@ -122,6 +122,10 @@ type MigrateDownOptions struct {
 // build or drop their indexes concurrently, outside a transaction, and can be
 // run again after an interruption; 00009's Down is one statement), and
 // returns its version (0 when none is applied). It serializes with Migrate like Migrate does.
+// A Down of 9 cut after its statement committed and before its version was
+// deleted (9 recorded, body_expires_at gone) is finished by the next
+// MigrateDown, which returns 9, or undone by the next Migrate
+// (TestMigrateDownFrom9Interrupted).
 //
 // Migrations never delete outcomes or the audit trail on their own: when
 // the Down would delete records whose outcome may have happened (unknown, in
@@ -146,7 +150,11 @@ func MigrateDown(ctx context.Context, pool *pgxpool.Pool, opts MigrateDownOption
 		pool = forced
 	}
 	var version int64
-	err := withProvider(ctx, pool, func(p *goose.Provider) error {
+	err := withProvider(ctx, pool, func(p *goose.Provider, finished int64) error {
+		if finished != 0 { // a Down cut after its change committed: now complete
+			version = finished
+			return nil
+		}
 		res, err := p.Down(ctx)
 		if res != nil && err == nil {
 			version = res.Source.Version
@@ -179,7 +187,7 @@ func MigrateDown(ctx context.Context, pool *pgxpool.Pool, opts MigrateDownOption
 // migrations run on another, so a pool of one connection lends the run a
 // pool of its own of two, configured as pool is
 // (TestMigrateOnAPoolOfOneConnection).
-func withProvider(ctx context.Context, pool *pgxpool.Pool, fn func(*goose.Provider) error) error {
+func withProvider(ctx context.Context, pool *pgxpool.Pool, fn func(p *goose.Provider, finished int64) error) error {
 	handle := pool
 	if pool.Config().MaxConns < 2 {
 		cfg := pool.Config().Copy()

@@ -564,3 +564,82 @@ func TestMigration11Autovacuum(t *testing.T) {
 		}
 	}
 }
+
+// The Down of 9 runs outside a transaction: its one statement (the check
+// and the drop of body_expires_at) commits before goose deletes the
+// version, and cannot run again once the column is gone. A run cut between
+// the two (its connection terminated) leaves 9 recorded without the
+// column: the next MigrateDown finishes that revert (it returns 9), and
+// the next Migrate puts the column back, instead of recording 10 to 12
+// over a table without it.
+func TestMigrateDownFrom9Interrupted(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t, idem.Migrate)
+	interrupt := func() {
+		t.Helper()
+		for appliedVersion(t, pool) > 9 {
+			if _, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		// Goose's delete of version 9 waits for this row lock; its
+		// connection is terminated while it waits.
+		tx, err := pool.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer tx.Rollback(ctx)
+		if _, err := tx.Exec(ctx, `SELECT FROM `+idem.MigrationTable+` WHERE version_id = 9 FOR UPDATE`); err != nil {
+			t.Fatal(err)
+		}
+		done := make(chan struct{})
+		defer close(done)
+		go func() {
+			for {
+				select {
+				case <-done:
+					return
+				case <-time.After(10 * time.Millisecond):
+				}
+				_, _ = pool.Exec(ctx, `SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+					WHERE datname = current_database() AND wait_event_type = 'Lock'
+					  AND query LIKE 'DELETE FROM `+idem.MigrationTable+`%'`)
+			}
+		}()
+		if v, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{}); err == nil {
+			t.Fatalf("MigrateDown from 9 whose version delete was cut: %d, no error", v)
+		}
+		var column bool
+		if err := tx.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_attribute
+			WHERE attrelid = 'idem_keys'::regclass AND attname = 'body_expires_at' AND NOT attisdropped)`).Scan(&column); err != nil {
+			t.Fatal(err)
+		}
+		if column || appliedVersion(t, pool) != 9 {
+			t.Fatalf("after the cut: column body_expires_at %v, version %d; want the column gone at 9", column, appliedVersion(t, pool))
+		}
+	}
+	works := func() {
+		t.Helper()
+		if _, err := idem.DoInTx(ctx, pool, payScope, "after", fpA, func(context.Context, pgx.Tx) (idem.Response, error) {
+			return idem.Response{Status: 201}, nil
+		}); err != nil {
+			t.Fatalf("DoInTx at version %d: %v", appliedVersion(t, pool), err)
+		}
+	}
+
+	interrupt()
+	if v, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{}); err != nil || v != 9 || appliedVersion(t, pool) != 8 {
+		t.Fatalf("MigrateDown after the cut: %d, %v, at version %d; want 9 reverted, at 8", v, err, appliedVersion(t, pool))
+	}
+	if err := idem.Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	works()
+
+	interrupt()
+	if err := idem.Migrate(ctx, pool); err != nil {
+		t.Fatal(err)
+	}
+	works()
+}

@@ -25,8 +25,11 @@ const (
 )
 
 // WithProvider runs fn with a goose provider for the migrations in fsys on
-// db, locked with idem's table lock, after this process's other runs on
-// handle (db, or the pool db was opened from) have ended.
+// db, holding idem's table lock for the whole of fn, after this process's
+// other runs on handle (db, or the pool db was opened from) have ended.
+// Under the lock, before fn, it finishes a Down of migration 9 that was cut
+// after its change committed (see finishDown9): fn gets that version (9),
+// or 0.
 //
 // A run holds two of the handle's connections at once: goose's lock keeps
 // one while the migrations run on another. So two runs on a handle of two
@@ -35,7 +38,7 @@ const (
 // rest, across handles and processes). A handle limited to one open
 // connection (SetMaxOpenConns(1)) may open a second one for the run, and
 // gets its limit of one back after it, unless it was changed meanwhile.
-func WithProvider(ctx context.Context, handle any, db *sql.DB, fsys fs.FS, fn func(*goose.Provider) error) error {
+func WithProvider(ctx context.Context, handle any, db *sql.DB, fsys fs.FS, fn func(p *goose.Provider, finished int64) error) (err error) {
 	done, err := takeTurn(ctx, handle)
 	if err != nil {
 		return err
@@ -61,15 +64,60 @@ func WithProvider(ctx context.Context, handle any, db *sql.DB, fsys fs.FS, fn fu
 	if err != nil {
 		return err
 	}
+	// The provider has no locker of its own: the lock is held around fn,
+	// so that finishDown9 and fn's run are one turn.
 	provider, err := goose.NewProvider(goose.DialectPostgres, db, fsys,
 		goose.WithTableName(Table),
-		goose.WithLocker(locker),
 		goose.WithDisableGlobalRegistry(true),
 	)
 	if err != nil {
 		return err
 	}
-	return fn(provider)
+	if err := locker.Lock(ctx, db); err != nil {
+		return err
+	}
+	defer func() {
+		// Unlock does not end with ctx (goose detaches it).
+		if unlockErr := locker.Unlock(ctx, db); err == nil {
+			err = unlockErr
+		}
+	}()
+	finished, err := finishDown9(ctx, db)
+	if err != nil {
+		return err
+	}
+	return fn(provider, finished)
+}
+
+// finishDown9 finishes a Down of migration 9 that was cut between its
+// statement and goose's deletion of its version, and returns 9 if it did,
+// or 0. That Down runs outside a transaction (its migration builds an
+// index concurrently): its one statement, the check and the drop of
+// body_expires_at, commits before goose deletes version 9, and cannot run
+// again once the column is gone. So a run cut between the two (a lost
+// connection, a context ending) would leave 9 recorded without its column:
+// the next MigrateDown would fail on the missing column, and the next
+// Migrate would record 10 and later over a table without it. Version 9
+// recorded as the latest and the column missing is that state: the
+// version is deleted, so that the revert is complete (a MigrateDown
+// reports 9) and a Migrate applies 9 again. Run it under the lock.
+func finishDown9(ctx context.Context, db *sql.DB) (int64, error) {
+	var versions bool
+	if err := db.QueryRowContext(ctx, `SELECT to_regclass('`+Table+`') IS NOT NULL`).Scan(&versions); err != nil || !versions {
+		return 0, err
+	}
+	res, err := db.ExecContext(ctx, `DELETE FROM `+Table+` WHERE version_id = 9
+		AND (SELECT max(version_id) FROM `+Table+`) = 9
+		AND to_regclass('idem_keys') IS NOT NULL
+		AND NOT EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass('idem_keys')
+			AND attname = 'body_expires_at' AND NOT attisdropped)`)
+	if err != nil {
+		return 0, err
+	}
+	if n, err := res.RowsAffected(); err != nil || n == 0 {
+		return 0, err
+	}
+	return 9, nil
 }
 
 // turns holds, for each handle a run of this process is on, the turn that
