@@ -44,6 +44,7 @@ import (
 	"unicode/utf8"
 
 	"github.com/jackc/pgerrcode"
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
@@ -492,7 +493,9 @@ func migrate(ctx context.Context, e *env, args []string, force bool) error {
 			fmt.Fprintf(e.stderr, "reverted version %d\n", version)
 		}
 	}
-	// The status only reads the version table: no lock.
+	// The status only reads the version table: no lock. goose's Status
+	// creates the table when it is missing (a write, which a read-only
+	// connection refuses): without the table, every migration is pending.
 	db := stdlib.OpenDBFromPool(pool)
 	defer db.Close()
 	provider, err := goose.NewProvider(goose.DialectPostgres, db, idem.Migrations(),
@@ -500,11 +503,26 @@ func migrate(ctx context.Context, e *env, args []string, force bool) error {
 	if err != nil {
 		return err
 	}
+	var versioned bool
+	// goose's own test of the table (in the current schema), planned anew
+	// (no prepared statement for a transaction pooler to lose).
+	if err := pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_tables
+		WHERE (current_schema() IS NULL OR schemaname = current_schema()) AND tablename = $1)`,
+		pgx.QueryExecModeExec, idem.MigrationTable).Scan(&versioned); err != nil {
+		return err
+	}
+	var rows []migrationRow
+	if !versioned {
+		for _, s := range provider.ListSources() {
+			rows = append(rows, migrationRow{Version: s.Version, Source: s.Path})
+		}
+		printMigrations(e, rows)
+		return nil
+	}
 	statuses, err := provider.Status(ctx)
 	if err != nil {
 		return err
 	}
-	var rows []migrationRow
 	for _, s := range statuses {
 		r := migrationRow{Version: s.Source.Version, Source: s.Source.Path, Applied: s.State == goose.StateApplied}
 		if r.Applied {

@@ -1185,3 +1185,41 @@ func TestCLIInspectNoHeaderLeftOut(t *testing.T) {
 		t.Errorf("a response without headers shows \"header\":\n%s", out)
 	}
 }
+
+// migrate status only reads: on a database where idem's migrations never
+// ran it lists every migration pending and creates nothing, also over a
+// read-only connection (a standby, a role that may not create tables).
+func TestCLIMigrateStatusReadsOnly(t *testing.T) {
+	ctx := t.Context()
+	url := pgtest.URL(t, nil)
+	readOnly := url + map[bool]string{true: "&", false: "?"}[strings.Contains(url, "?")] +
+		"options=-c%20default_transaction_read_only%3Don"
+	files, err := fs.ReadDir(idem.Migrations(), ".")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, u := range []string{readOnly, url} {
+		out, errOut, code := runCLI(t, u, "migrate", "status")
+		if code != exitOK || errOut != "" || strings.Count(out, " pending\n") != len(files) {
+			t.Errorf("migrate status of an empty database: exit %d\nstdout:\n%s\nstderr:\n%s", code, out, errOut)
+		}
+	}
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	rows, _ := conn.Query(ctx, `SELECT tablename FROM pg_tables WHERE tablename LIKE 'idem%'`)
+	tables, err := pgx.CollectRows(rows, pgx.RowTo[string])
+	if err != nil || len(tables) != 0 {
+		t.Fatalf("after migrate status: tables %q (%v), want none", tables, err)
+	}
+	// Migrated, read-only too.
+	if _, errOut, code := runCLI(t, url, "migrate", "up"); code != exitOK {
+		t.Fatalf("migrate up: exit %d: %s", code, errOut)
+	}
+	out, errOut, code := runCLI(t, readOnly, "migrate", "status")
+	if code != exitOK || strings.Count(out, " applied ") != len(files) {
+		t.Errorf("migrate status read-only, migrated: exit %d\nstdout:\n%s\nstderr:\n%s", code, out, errOut)
+	}
+}
