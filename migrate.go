@@ -81,7 +81,8 @@ func Migrations() fs.FS {
 // MigrationLockTable) and does nothing when everything is applied. It uses
 // its own version table (MigrationTable), so an application's goose
 // migrations are untouched. It works through a transaction pooler when the
-// pool's exec mode does (see docs/poolers.md). On
+// pool's exec mode does (see docs/poolers.md; in pgx's default mode a run
+// that fails so returns ErrPreparedStatements, naming the fix). On
 // Citus, run it on the coordinator (then Distribute): a worker is refused
 // with ErrUnsupported.
 //
@@ -101,7 +102,7 @@ func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
 		return err
 	})
 	if err != nil {
-		return core.Errorf("idem: migrate: %w", err)
+		return core.Errorf("idem: migrate: %w", preparedStatementsLost(err))
 	}
 	return nil
 }
@@ -176,9 +177,17 @@ func MigrateDown(ctx context.Context, pool *pgxpool.Pool, opts MigrateDownOption
 		return 0, core.Errorf("idem: %w: %s; nothing changed (MigrateDownOptions.Force, or idem migrate down --force, reverts anyway)",
 			ErrDowngradeDeletesRecords, pgErr.Message)
 	case err != nil:
-		return 0, core.Errorf("idem: migrate down: %w", err)
+		return 0, core.Errorf("idem: migrate down: %w", preparedStatementsLost(err))
 	}
 	return version, nil
+}
+
+// preparedStatementsLost is err as ErrPreparedStatements, naming the fix,
+// when it is pgx's cached prepared statement lost behind a transaction
+// pooler (the pool in pgx's default exec mode), as the calls say it; err
+// otherwise.
+func preparedStatementsLost(err error) error {
+	return publicErr(defaultClient.c.PreparedStatementsLost(err))
 }
 
 // withProvider runs fn with a goose provider for idem's migrations on pool,

@@ -245,3 +245,36 @@ func TestMigrateDownForceBehindPooler(t *testing.T) {
 		t.Fatalf("version %d, was %d", after, before)
 	}
 }
+
+// Migrate and MigrateDown in pgx's default exec mode through a pooler
+// without prepared-statement support: a run that fails says why and what
+// to do (ErrPreparedStatements, naming the exec mode), as the calls do,
+// never a bare 26000 or 42P05.
+func TestMigratePoolerDefaultModeNamesTheFix(t *testing.T) {
+	t.Parallel()
+	ctx := t.Context()
+	url := pgtest.BehindPooler(t, noMigrate)
+	var wg sync.WaitGroup
+	errs := make([]error, 4)
+	for i := range errs {
+		wg.Go(func() {
+			pool, err := pgxpool.New(ctx, url) // pgx's default exec mode
+			if err != nil {
+				errs[i] = err
+				return
+			}
+			defer pool.Close()
+			if i%2 == 0 {
+				errs[i] = idem.Migrate(ctx, pool)
+			} else {
+				_, errs[i] = idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{})
+			}
+		})
+	}
+	wg.Wait()
+	for _, err := range errs {
+		if err != nil && (!errors.Is(err, idem.ErrPreparedStatements) || !strings.Contains(err.Error(), "QueryExecMode") || idem.Unavailable(err)) {
+			t.Errorf("%v; want ErrPreparedStatements naming the exec mode", err)
+		}
+	}
+}

@@ -31,7 +31,7 @@ func Migrate(ctx context.Context, db *sql.DB) error {
 		return err
 	})
 	if err != nil {
-		return core.Errorf("idem: migrate: %w", err)
+		return core.Errorf("idem: migrate: %w", publicErr(defaultClient.c.PreparedStatementsLost(err)))
 	}
 	return nil
 }
