@@ -84,7 +84,12 @@ func Migrations() fs.FS {
 // pool's exec mode does (see docs/poolers.md; in pgx's default mode a run
 // that fails so returns ErrPreparedStatements, naming the fix). On
 // Citus, run it on the coordinator (then Distribute): a worker is refused
-// with ErrUnsupported.
+// with ErrUnsupported. It migrates the current schema (the first on the
+// search_path that exists); while another schema on the search_path holds
+// idem's tables it refuses to run a migration (ErrInvalidArgument), since
+// the migrations name tables and indexes unqualified and would reach
+// theirs: migrate with the schema alone on the search_path. MigrateDown
+// refuses likewise.
 //
 // A run holds two connections at once (goose's lock keeps one while the
 // migrations run on another): on a pool of one connection it opens a pool
@@ -97,7 +102,7 @@ func Migrate(ctx context.Context, pool *pgxpool.Pool) error {
 	if err := checkNotWorker(ctx, pool); err != nil {
 		return core.Errorf("idem: migrate: %w", err)
 	}
-	err := withProvider(ctx, pool, func(p *goose.Provider, _ int64) error {
+	err := withProvider(ctx, pool, false, func(p *goose.Provider, _ int64) error {
 		_, err := p.Up(ctx)
 		return err
 	})
@@ -151,7 +156,7 @@ func MigrateDown(ctx context.Context, pool *pgxpool.Pool, opts MigrateDownOption
 		pool = forced
 	}
 	var version int64
-	err := withProvider(ctx, pool, func(p *goose.Provider, finished int64) error {
+	err := withProvider(ctx, pool, true, func(p *goose.Provider, finished int64) error {
 		if finished != 0 { // a Down cut after its change committed: now complete
 			version = finished
 			return nil
@@ -196,7 +201,7 @@ func preparedStatementsLost(err error) error {
 // migrations run on another, so a pool of one connection lends the run a
 // pool of its own of two, configured as pool is
 // (TestMigrateOnAPoolOfOneConnection).
-func withProvider(ctx context.Context, pool *pgxpool.Pool, fn func(p *goose.Provider, finished int64) error) error {
+func withProvider(ctx context.Context, pool *pgxpool.Pool, down bool, fn func(p *goose.Provider, finished int64) error) error {
 	handle := pool
 	if pool.Config().MaxConns < 2 {
 		cfg := pool.Config().Copy()
@@ -210,5 +215,5 @@ func withProvider(ctx context.Context, pool *pgxpool.Pool, fn func(p *goose.Prov
 	}
 	db := stdlib.OpenDBFromPool(pool)
 	defer db.Close()
-	return migrate.WithProvider(ctx, handle, db, Migrations(), fn)
+	return migrate.WithProvider(ctx, handle, db, Migrations(), down, fn)
 }

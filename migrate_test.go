@@ -643,3 +643,73 @@ func TestMigrateDownFrom9Interrupted(t *testing.T) {
 	}
 	works()
 }
+
+// idem's migrations name their tables and indexes unqualified, so they act
+// on whatever the search_path finds: migrating a schema whose search_path
+// has another schema holding idem's tables behind it would drop that
+// schema's indexes (DROP INDEX IF EXISTS of one the migrated schema does
+// not have yet). Migrate and MigrateDown refuse that, changing nothing,
+// while there is something to run; with the schema alone on the
+// search_path it migrates; a search_path with both, everything applied,
+// is no reason to refuse.
+func TestMigrateSearchPathReachingAnotherSchema(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := pgtest.URL(t, idem.Migrate) // idem's tables in public
+	public, err := pgxpool.New(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer public.Close()
+	indexes := func() string {
+		t.Helper()
+		var s string
+		if err := public.QueryRow(ctx, `SELECT string_agg(schemaname || '.' || indexname, ' ' ORDER BY 1)
+			FROM pg_indexes WHERE tablename = 'idem_keys'`).Scan(&s); err != nil {
+			t.Fatal(err)
+		}
+		return s
+	}
+	if _, err := public.Exec(ctx, `CREATE SCHEMA tenant`); err != nil {
+		t.Fatal(err)
+	}
+	poolOn := func(searchPath string) *pgxpool.Pool {
+		t.Helper()
+		cfg, err := pgxpool.ParseConfig(url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg.ConnConfig.RuntimeParams["search_path"] = searchPath
+		p, err := pgxpool.NewWithConfig(ctx, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(p.Close)
+		return p
+	}
+	both := poolOn("tenant, public")
+	before := indexes()
+	if err := idem.Migrate(ctx, both); !errors.Is(err, idem.ErrInvalidArgument) || !strings.Contains(err.Error(), "public") {
+		t.Fatalf("Migrate of tenant with public behind it: %v; want ErrInvalidArgument naming public", err)
+	}
+	if after := indexes(); after != before {
+		t.Fatalf("a refused Migrate changed the indexes:\nbefore %s\nafter  %s", before, after)
+	}
+	if err := idem.Migrate(ctx, poolOn("tenant")); err != nil {
+		t.Fatal(err)
+	}
+	if err := idem.Migrate(ctx, both); err != nil {
+		t.Fatalf("Migrate with everything applied: %v", err)
+	}
+	before = indexes()
+	if _, err := idem.MigrateDown(ctx, both, idem.MigrateDownOptions{}); !errors.Is(err, idem.ErrInvalidArgument) {
+		t.Fatalf("MigrateDown of tenant with public behind it: %v; want ErrInvalidArgument", err)
+	}
+	if after := indexes(); after != before {
+		t.Fatalf("a refused MigrateDown changed the indexes:\nbefore %s\nafter  %s", before, after)
+	}
+	if !strings.Contains(before, "public.idem_keys_body_expires_idx") || !strings.Contains(before, "public.idem_keys_failed_idx") ||
+		!strings.Contains(before, "public.idem_keys_open_created_idx") {
+		t.Fatalf("public's indexes: %s", before)
+	}
+}

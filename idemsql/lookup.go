@@ -26,7 +26,7 @@ func Migrate(ctx context.Context, db *sql.DB) error {
 	if db == nil {
 		return core.Errorf("idem: %w: nil database handle", idem.ErrInvalidArgument)
 	}
-	err := migrate.WithProvider(ctx, db, db, idem.Migrations(), func(p *goose.Provider, _ int64) error {
+	err := migrate.WithProvider(ctx, db, db, idem.Migrations(), false, func(p *goose.Provider, _ int64) error {
 		_, err := p.Up(ctx)
 		return err
 	})

@@ -6,6 +6,7 @@ package migrate
 import (
 	"context"
 	"database/sql"
+	"fmt"
 	"io/fs"
 	"sync"
 	"time"
@@ -13,6 +14,7 @@ import (
 	"github.com/pressly/goose/v3"
 	"github.com/pressly/goose/v3/lock"
 
+	"github.com/pgidem/idem/internal/core"
 	"github.com/pgidem/idem/internal/driver/dberr"
 )
 
@@ -29,7 +31,8 @@ const (
 // other runs on handle (db, or the pool db was opened from) have ended.
 // Under the lock, before fn, it finishes a Down of migration 9 that was cut
 // after its change committed (see finishDown9): fn gets that version (9),
-// or 0.
+// or 0. A run that would reach another schema's tables (see
+// checkSearchPath) is refused; down says the run reverts.
 //
 // A run holds two of the handle's connections at once: goose's lock keeps
 // one while the migrations run on another. So two runs on a handle of two
@@ -38,7 +41,8 @@ const (
 // rest, across handles and processes). A handle limited to one open
 // connection (SetMaxOpenConns(1)) may open a second one for the run, and
 // gets its limit of one back after it, unless it was changed meanwhile.
-func WithProvider(ctx context.Context, handle any, db *sql.DB, fsys fs.FS, fn func(p *goose.Provider, finished int64) error) (err error) {
+func WithProvider(ctx context.Context, handle any, db *sql.DB, fsys fs.FS, down bool,
+	fn func(p *goose.Provider, finished int64) error) (err error) {
 	done, err := takeTurn(ctx, handle)
 	if err != nil {
 		return err
@@ -82,11 +86,58 @@ func WithProvider(ctx context.Context, handle any, db *sql.DB, fsys fs.FS, fn fu
 			err = unlockErr
 		}
 	}()
+	if err := checkSearchPath(ctx, db, provider, down); err != nil {
+		return err
+	}
 	finished, err := finishDown9(ctx, db)
 	if err != nil {
 		return err
 	}
 	return fn(provider, finished)
+}
+
+// checkSearchPath refuses (ErrInvalidArgument) a run that has something to
+// do while a schema on the search_path other than the current one (where
+// goose keeps the version table and CREATE puts tables) holds idem_keys.
+// The migrations name tables and indexes unqualified, so they act on
+// whatever the search_path finds first: a DROP INDEX IF EXISTS of an index
+// the current schema lacks would drop the other schema's (migrating a new
+// schema with public behind it dropped three of public's), and a first
+// migration would create a second, empty idem_keys in front of the one the
+// service used. Everything applied (or, down, nothing), it lets the run go.
+func checkSearchPath(ctx context.Context, db *sql.DB, p *goose.Provider, down bool) error {
+	var current, others string
+	var versioned bool
+	if err := db.QueryRowContext(ctx, `SELECT coalesce(current_schema(), ''),
+		coalesce((SELECT string_agg(n.nspname, ', ' ORDER BY n.nspname)
+		          FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+		          WHERE c.relname = 'idem_keys' AND c.relkind IN ('r', 'p')
+		            AND n.nspname = ANY (current_schemas(false)) AND n.nspname IS DISTINCT FROM current_schema()), ''),
+		EXISTS (SELECT FROM pg_tables WHERE schemaname = current_schema() AND tablename = '`+Table+`')`).
+		Scan(&current, &others, &versioned); err != nil || others == "" {
+		return err
+	}
+	var applied int64
+	if versioned {
+		if err := db.QueryRowContext(ctx, `SELECT coalesce(max(version_id), 0) FROM `+Table).Scan(&applied); err != nil {
+			return err
+		}
+	}
+	sources := p.ListSources()
+	if down && applied == 0 || !down && len(sources) > 0 && applied >= sources[len(sources)-1].Version {
+		return nil
+	}
+	return core.Errorf("idem: %w: the search_path reaches idem's tables in %s besides the schema migrated (%s): "+
+		"idem's migrations name tables and indexes unqualified and would act on theirs (drop their indexes); "+
+		"migrate with %s alone on the search_path", core.ErrInvalidArgument, others, current, quoteOrNone(current))
+}
+
+// quoteOrNone names schema for a message.
+func quoteOrNone(schema string) string {
+	if schema == "" {
+		return "the schema to migrate"
+	}
+	return fmt.Sprintf("%q", schema)
 }
 
 // finishDown9 finishes a Down of migration 9 that was cut between its
