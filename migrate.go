@@ -44,7 +44,9 @@ const MigrationLockID int64 = 0x6964656d // "idem"
 // failed_retryable hold one that lasts (they would wait for a person
 // instead of resuming); and migration 7, whose Down drops the outbox
 // (idem_events): refused while events are pending or failed (published
-// and never delivered). The error says how many records or rows; nothing
+// and never delivered); and migration 9, whose Down would make records
+// whose body was dropped (Config.BodyTTL) replay as empty responses:
+// refused while there are such records. The error says how many records or rows; nothing
 // changed. MigrateDownOptions.Force reverts anyway.
 var ErrDowngradeDeletesRecords = errors.New("idem: migrating down would delete records whose outcome may have happened")
 

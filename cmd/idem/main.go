@@ -263,7 +263,7 @@ var commands = map[string]command{
 	"migrate": {
 		usage: "migrate up|down|status [--force]",
 		help: "Applies idem's migrations (up), reverts the latest one (down), or lists them (status). They are\nrecorded in their own goose table, " + idem.MigrationTable + ", apart from the application's.\n" +
-			"down refuses (exit 4, nothing changed) when reverting would delete records whose outcome may have\nhappened (unknown, in flight, failed_retryable; for the first migration, every record): their keys\nwould run again; or drop the audit trail (00005), the resume windows of records in doubt (00006),\nor undelivered events of the outbox (00007).\n--force reverts anyway.",
+			"down refuses (exit 4, nothing changed) when reverting would delete records whose outcome may have\nhappened (unknown, in flight, failed_retryable; for the first migration, every record): their keys\nwould run again; or drop the audit trail (00005), the resume windows of records in doubt (00006),\nor undelivered events of the outbox (00007); or replay records whose body was dropped\n(Config.BodyTTL) as empty responses (00009).\n--force reverts anyway.",
 		flags: func(fs *flag.FlagSet) func(context.Context, *env, []string) error {
 			force := fs.Bool("force", false, "with down: revert even when that deletes records whose outcome may have happened")
 			return func(ctx context.Context, e *env, args []string) error { return migrate(ctx, e, args, *force) }

@@ -1223,3 +1223,27 @@ func TestCLIMigrateStatusReadsOnly(t *testing.T) {
 		t.Errorf("migrate status read-only, migrated: exit %d\nstdout:\n%s\nstderr:\n%s", code, out, errOut)
 	}
 }
+
+// migrate --help names every migration whose Down refuses (SQLSTATE IDMDN)
+// beyond the first two, which it describes: an operator reading why down
+// refused finds the reason there.
+func TestCLIMigrateHelpNamesEveryRefusal(t *testing.T) {
+	out, _, code := runCLI(t, "", "migrate", "--help")
+	if code != exitOK {
+		t.Fatalf("exit %d", code)
+	}
+	files, err := fs.Glob(idem.Migrations(), "*.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, f := range files {
+		body, err := fs.ReadFile(idem.Migrations(), f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, down, _ := strings.Cut(string(body), "-- +goose Down")
+		if number := f[:5]; strings.Contains(down, "IDMDN") && number > "00002" && !strings.Contains(out, number) {
+			t.Errorf("migrate --help does not name %s, whose Down refuses:\n%s", f, out)
+		}
+	}
+}
