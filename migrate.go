@@ -133,7 +133,9 @@ type MigrateDownOptions struct {
 // A Down of 9 cut after its statement committed and before its version was
 // deleted (9 recorded, body_expires_at gone) is finished by the next
 // MigrateDown, which returns 9, or undone by the next Migrate
-// (TestMigrateDownFrom9Interrupted).
+// (TestMigrateDownFrom9Interrupted). A database at a version this release
+// does not ship (a later release migrated it) is refused, naming both
+// versions: revert it with that release.
 //
 // Migrations never delete outcomes or the audit trail on their own: when
 // the Down would delete records whose outcome may have happened (unknown, in
@@ -169,6 +171,14 @@ func MigrateDown(ctx context.Context, pool *pgxpool.Pool, opts MigrateDownOption
 		}
 		if errors.Is(err, goose.ErrNoNextVersion) {
 			return nil // nothing applied
+		}
+		if errors.Is(err, goose.ErrVersionNotFound) {
+			// A later release of idem migrated the database: this one has
+			// no Down for its migration.
+			if current, latest, verr := p.GetVersions(ctx); verr == nil && current > latest {
+				return core.Errorf("the database is at version %d, which this release of idem does not ship "+
+					"(its latest is %d): revert it with the release that applied it: %w", current, latest, err)
+			}
 		}
 		return err
 	})

@@ -713,3 +713,30 @@ func TestMigrateSearchPathReachingAnotherSchema(t *testing.T) {
 		t.Fatalf("public's indexes: %s", before)
 	}
 }
+
+// A database migrated by a later release of idem (a version this one does
+// not ship): Migrate leaves it as it is (code of an earlier release runs on
+// a later schema), and MigrateDown refuses, changing nothing, with an error
+// that names the database's version and this release's latest, not goose's
+// bare "version not found".
+func TestMigrateDownOfAnUnknownVersion(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t, idem.Migrate)
+	files, _ := fs.Glob(idem.Migrations(), "*.sql")
+	later := int64(len(files) + 1)
+	if _, err := pool.Exec(ctx, `INSERT INTO `+idem.MigrationTable+` (version_id, is_applied) VALUES ($1, true)`, later); err != nil {
+		t.Fatal(err)
+	}
+	if err := idem.Migrate(ctx, pool); err != nil {
+		t.Fatalf("Migrate of a database at a later version: %v", err)
+	}
+	_, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{})
+	if err == nil || !strings.Contains(err.Error(), fmt.Sprintf("version %d", later)) ||
+		!strings.Contains(err.Error(), fmt.Sprintf("%d", len(files))) {
+		t.Fatalf("MigrateDown of a database at version %d: %v; want an error naming %d and this release's latest, %d", later, err, later, len(files))
+	}
+	if v := appliedVersion(t, pool); v != later {
+		t.Fatalf("version %d after the refusal, want %d", v, later)
+	}
+}
