@@ -523,6 +523,7 @@ func migrate(ctx context.Context, e *env, args []string, force bool) error {
 	if err != nil {
 		return err
 	}
+	var latest int64
 	for _, s := range statuses {
 		r := migrationRow{Version: s.Source.Version, Source: s.Source.Path, Applied: s.State == goose.StateApplied}
 		if r.Applied {
@@ -530,9 +531,34 @@ func migrate(ctx context.Context, e *env, args []string, force bool) error {
 			r.AppliedAt = &t
 		}
 		rows = append(rows, r)
+		latest = max(latest, r.Version)
+	}
+	// Versions a later release of idem applied, which goose's status (the
+	// files of this release) leaves out: the database is ahead.
+	later, err := pool.Query(ctx, `SELECT version_id, max(tstamp) FROM `+idem.MigrationTable+`
+		WHERE version_id > $1 AND is_applied GROUP BY version_id ORDER BY version_id`, pgx.QueryExecModeExec, latest)
+	if err != nil {
+		return err
+	}
+	for later.Next() {
+		var r migrationRow
+		var at time.Time
+		if err := later.Scan(&r.Version, &at); err != nil {
+			later.Close()
+			return err
+		}
+		r.Source, r.Applied, r.AppliedAt = laterSource, true, &at
+		rows = append(rows, r)
+	}
+	if err := later.Err(); err != nil {
+		return err
 	}
 	return printMigrations(e, rows)
 }
+
+// laterSource stands for the file of a migration that a later release of
+// idem applied, which this one does not ship.
+const laterSource = "(not in this release of idem)"
 
 // migrationRow is one migration as migrate prints it.
 type migrationRow struct {

@@ -1247,3 +1247,38 @@ func TestCLIMigrateHelpNamesEveryRefusal(t *testing.T) {
 		}
 	}
 }
+
+// migrate status of a database that a later release of idem migrated
+// lists the versions this release does not ship too, applied: the database
+// is not shown as current when it is ahead.
+func TestCLIMigrateStatusShowsLaterVersions(t *testing.T) {
+	ctx := t.Context()
+	url := pgtest.URL(t, idem.Migrate)
+	files, err := fs.Glob(idem.Migrations(), "*.sql")
+	if err != nil {
+		t.Fatal(err)
+	}
+	later := len(files) + 1
+	conn, err := pgx.Connect(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close(ctx)
+	if _, err := conn.Exec(ctx, `INSERT INTO `+idem.MigrationTable+` (version_id, is_applied) VALUES ($1, true)`, later); err != nil {
+		t.Fatal(err)
+	}
+	out, errOut, code := runCLI(t, url, "migrate", "status")
+	lines := strings.Split(strings.TrimSuffix(out, "\n"), "\n")
+	if code != exitOK || len(lines) != later || !strings.HasPrefix(strings.TrimSpace(lines[later-1]), strconv.Itoa(later)+" ") ||
+		!strings.Contains(lines[later-1], " applied ") {
+		t.Fatalf("migrate status at version %d: exit %d\nstdout:\n%s\nstderr:\n%s", later, code, out, errOut)
+	}
+	out, _, _ = runCLI(t, url, "--json", "migrate", "status")
+	var rows []struct {
+		Version int  `json:"version"`
+		Applied bool `json:"applied"`
+	}
+	if err := json.Unmarshal([]byte(out), &rows); err != nil || len(rows) != later || rows[later-1].Version != later || !rows[later-1].Applied {
+		t.Fatalf("migrate status --json at version %d (%v):\n%s", later, err, out)
+	}
+}
