@@ -7,6 +7,7 @@ import (
 	"io/fs"
 	"strings"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/jackc/pgx/v5/pgconn"
 	"github.com/jackc/pgx/v5/pgxpool"
 	"github.com/jackc/pgx/v5/stdlib"
@@ -147,6 +148,16 @@ type MigrateDownOptions struct {
 func MigrateDown(ctx context.Context, pool *pgxpool.Pool, opts MigrateDownOptions) (int64, error) {
 	if pool == nil {
 		return 0, core.Errorf("idem: %w: nil pool", ErrInvalidArgument)
+	}
+	// No version table (goose keeps it in the current schema): nothing was
+	// ever applied, and nothing is created to say so.
+	var versioned bool
+	if err := pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_tables WHERE schemaname = current_schema() AND tablename = $1)`,
+		pgx.QueryExecModeSimpleProtocol, MigrationTable).Scan(&versioned); err != nil {
+		return 0, core.Errorf("idem: migrate down: %w", preparedStatementsLost(err))
+	}
+	if !versioned {
+		return 0, nil
 	}
 	if opts.Force {
 		cfg := pool.Config().Copy()

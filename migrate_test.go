@@ -740,3 +740,24 @@ func TestMigrateDownOfAnUnknownVersion(t *testing.T) {
 		t.Fatalf("version %d after the refusal, want %d", v, later)
 	}
 }
+
+// MigrateDown of a database where idem's migrations never ran has nothing
+// to revert: it returns 0 and creates nothing (not goose's version table,
+// nor the lock's).
+func TestMigrateDownOfAnEmptyDatabase(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := pgtest.Pool(t, noMigrate)
+	for _, force := range []bool{false, true} {
+		if v, err := idem.MigrateDown(ctx, pool, idem.MigrateDownOptions{Force: force}); err != nil || v != 0 {
+			t.Fatalf("MigrateDown (force %v) of an empty database: %d, %v", force, v, err)
+		}
+	}
+	var tables string
+	if err := pool.QueryRow(ctx, `SELECT coalesce(string_agg(tablename, ' '), '') FROM pg_tables WHERE tablename LIKE 'idem%'`).Scan(&tables); err != nil {
+		t.Fatal(err)
+	}
+	if tables != "" {
+		t.Fatalf("MigrateDown of an empty database created %s", tables)
+	}
+}
