@@ -21,19 +21,40 @@ import (
 // (goose's lock keeps one while the migrations run on another): on a handle
 // limited to one (SetMaxOpenConns(1)) it raises the limit to two for the
 // run and puts it back after, and this process's runs on one handle take
-// turns.
+// turns. Like idem.Migrate, it refuses (idem.ErrInvalidArgument) to run a
+// migration while another schema on the search_path holds idem's tables,
+// and on Citus it runs on the coordinator: a worker is refused with
+// idem.ErrUnsupported.
 func Migrate(ctx context.Context, db *sql.DB) error {
 	if db == nil {
 		return core.Errorf("idem: %w: nil database handle", idem.ErrInvalidArgument)
 	}
-	err := migrate.WithProvider(ctx, db, db, idem.Migrations(), false, func(p *goose.Provider, _ int64) error {
-		_, err := p.Up(ctx)
-		return err
-	})
+	err := checkNotWorker(ctx, db)
+	if err == nil {
+		err = migrate.WithProvider(ctx, db, db, idem.Migrations(), false, func(p *goose.Provider, _ int64) error {
+			_, err := p.Up(ctx)
+			return err
+		})
+	}
 	if err != nil {
 		return core.Errorf("idem: migrate: %w", publicErr(defaultClient.c.PreparedStatementsLost(err)))
 	}
 	return nil
+}
+
+// checkNotWorker refuses (idem.ErrUnsupported) a db connected to a Citus
+// worker, as idem.Migrate does: the migrations would build local tables
+// there that the coordinator never sees. A database without Citus passes.
+func checkNotWorker(ctx context.Context, db *sql.DB) error {
+	var citus, coordinator bool
+	err := db.QueryRowContext(ctx, `SELECT EXISTS (SELECT FROM pg_extension WHERE extname = 'citus')`).Scan(&citus)
+	if err != nil || !citus {
+		return err
+	}
+	if err := db.QueryRowContext(ctx, `SELECT citus_is_coordinator()`).Scan(&coordinator); err != nil || coordinator {
+		return err
+	}
+	return core.Errorf("idem: %w: connected to a Citus worker; connect to the coordinator", idem.ErrUnsupported)
 }
 
 // Lookup is idem.Lookup on a *sql.DB: the committed record of (scope,

@@ -271,3 +271,28 @@ func TestMiddlewareSQLCitus(t *testing.T) {
 		}
 	})
 }
+
+// idemsql.Migrate on a worker is refused with ErrUnsupported, as
+// idem.Migrate is (TestWorkerConnection), and creates nothing there.
+func TestWorkerConnectionSQL(t *testing.T) {
+	t.Parallel()
+	cdb, _ := newDB(t)
+	for _, driverName := range []string{"pgx", "postgres"} {
+		w, err := sql.Open(driverName, cdb.Workers[0])
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer w.Close()
+		tables := func() (n int) {
+			if err := w.QueryRowContext(t.Context(), `SELECT count(*) FROM pg_class`).Scan(&n); err != nil {
+				t.Fatal(err)
+			}
+			return n
+		}
+		before := tables()
+		isErr(t, driverName+": idemsql.Migrate on a worker", idemsql.Migrate(t.Context(), w), idem.ErrUnsupported)
+		if after := tables(); after != before {
+			t.Fatalf("%s: %d relations on the worker after idemsql.Migrate, %d before", driverName, after, before)
+		}
+	}
+}
