@@ -516,8 +516,7 @@ func migrate(ctx context.Context, e *env, args []string, force bool) error {
 		for _, s := range provider.ListSources() {
 			rows = append(rows, migrationRow{Version: s.Version, Source: s.Path})
 		}
-		printMigrations(e, rows)
-		return nil
+		return printMigrations(e, rows)
 	}
 	statuses, err := provider.Status(ctx)
 	if err != nil {
