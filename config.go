@@ -91,14 +91,19 @@ type Config struct {
 	TracerProvider trace.TracerProvider
 
 	// Logger receives a record per replay, refusal (in progress, key
-	// misuse, unknown outcome) and store error, carrying keyed hashes of the
-	// key and the actor (key_hash, actor_hash), never their values. nil
-	// means silent.
+	// misuse, unknown outcome) and store error of Do, DoInTx and the
+	// reservation calls, and per store error of Prune, ExpireLeases and
+	// Resolve (not of the operator's reads: Lookup, Forget, ListUnknown,
+	// ListResumable, ReadStats, which return theirs), carrying keyed hashes
+	// of the key and the actor (key_hash, actor_hash), never their values.
+	// Those other than Do, DoInTx and Reserve log nothing when their own
+	// context cut them (a pruner given a deadline). nil means silent.
 	Logger *slog.Logger
 
 	// LogHashKey is the HMAC-SHA256 key of those hashes. Give every
 	// instance the same secret to follow one key across their logs; empty
-	// means a random key per Client.
+	// means a random key per Client (idemhttp's handlers and the RPC
+	// interceptors, given an empty one, share one random key per process).
 	LogHashKey []byte
 
 	// MaxRetries is how many times InTx and DoInTx run a transaction again

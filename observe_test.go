@@ -264,3 +264,41 @@ func TestStoreErrorsOfOtherCallsLogged(t *testing.T) {
 		t.Errorf("store errors not logged as such:\n%s", out)
 	}
 }
+
+// A maintenance call cut by its own context (a pruner given a deadline) is
+// the caller's doing: not counted in idem.store.error, not logged as the
+// store being unavailable.
+func TestMaintenanceCutByItsContextNotAStoreError(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	reader := sdkmetric.NewManualReader()
+	var logs testlog.Buffer
+	client, err := idem.New(idem.Config{
+		MeterProvider: sdkmetric.NewMeterProvider(sdkmetric.WithReader(reader)),
+		Logger:        slog.New(slog.NewJSONHandler(&logs, nil)),
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Another transaction holds the table: Prune waits until its deadline.
+	tx, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer tx.Rollback(ctx)
+	if _, err := tx.Exec(ctx, `LOCK TABLE idem_keys IN ACCESS EXCLUSIVE MODE`); err != nil {
+		t.Fatal(err)
+	}
+	cut, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	defer cancel()
+	if _, err := client.Prune(cut, pool, idem.PruneOptions{}); err == nil || cut.Err() == nil {
+		t.Fatalf("Prune behind a lock: %v (context: %v); want its deadline", err, cut.Err())
+	}
+	if got := counts(t, reader)["idem.store.error/"]; got != 0 {
+		t.Errorf("idem.store.error = %d after a Prune cut by its deadline, want 0", got)
+	}
+	if logs.String() != "" {
+		t.Errorf("logged: %s", logs.String())
+	}
+}

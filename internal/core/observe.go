@@ -294,7 +294,10 @@ func (o *observer) logStoreError(ctx context.Context, callName string, scope Sco
 	if o.log == nil || !o.log.Enabled(ctx, slog.LevelError) {
 		return
 	}
-	attrs := []slog.Attr{slog.String("call", callName), slog.String("operation", scope.Operation)}
+	attrs := []slog.Attr{slog.String("call", callName)}
+	if scope.Operation != "" { // the maintenance calls have none
+		attrs = append(attrs, slog.String("operation", scope.Operation))
+	}
 	if key != "" {
 		attrs = append(attrs, slog.String("key_hash", o.hash.Sum(key)), slog.String("actor_hash", o.hash.Sum(scope.Actor)))
 	}
