@@ -305,16 +305,7 @@ func (c *call) Replay(ctx context.Context, r rpcproto.Replay) (any, error) {
 		md     metadata.MD
 	}{{r.Header, header}, {r.Trailer, trailer}} {
 		for name, values := range set.stored {
-			for _, v := range values {
-				if rpcidem.IsBinary(name) {
-					raw, err := rpcidem.DecodeBinary(v)
-					if err != nil {
-						return nil, status.Errorf(codes.Internal, "idemgrpc: stored metadata %s: %v", name, err)
-					}
-					v = raw
-				}
-				set.md.Append(name, v)
-			}
+			set.md.Append(name, values...) // binary values decoded (rpcidem.Core.Raw)
 		}
 	}
 	_ = grpc.SetHeader(ctx, header) // fails only outside a server, or after headers went out

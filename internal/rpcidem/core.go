@@ -284,6 +284,29 @@ func (c *Core) Stored(header, trailer func(name string) []string) map[string][]s
 	return out
 }
 
+// Raw turns stored metadata (a map of Entries) back into what the
+// transport hands over: with Options.RawBinary, each binary value decoded
+// (Stored's inverse), in place. A value that does not decode is an error
+// naming its entry.
+func (c *Core) Raw(stored map[string][]string) error {
+	if !c.opts.RawBinary {
+		return nil
+	}
+	for name, values := range stored {
+		if !IsBinary(name) {
+			continue
+		}
+		for i, v := range values {
+			raw, err := DecodeBinary(v)
+			if err != nil {
+				return fmt.Errorf("stored metadata %s: %w", name, err)
+			}
+			values[i] = raw
+		}
+	}
+	return nil
+}
+
 // Call is the transport's side of one call with a key, as Core.Do runs it.
 type Call interface {
 	// Handle runs the handler once, in the transaction that ctx carries

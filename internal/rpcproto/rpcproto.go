@@ -72,8 +72,9 @@ type Request struct {
 
 // Replay is a stored outcome, to answer with.
 type Replay struct {
-	// Header and Trailer are the stored headers and trailers, as stored:
-	// lower-case names, binary ("-bin") values base64.
+	// Header and Trailer are the stored headers and trailers: lower-case
+	// names, binary ("-bin") values base64 as stored, or raw for a
+	// transport that hands them over raw (rpcidem.Options.RawBinary).
 	Header, Trailer map[string][]string
 
 	// Reply is the stored reply, decoded into its type (see Serve); nil
@@ -304,6 +305,11 @@ func (s *Server) decode(stored idem.Response, req Request) (Replay, *rpcidem.Fai
 	var r Replay
 	var name string
 	r.Header, r.Trailer, name = rpcidem.Entries(stored.Header)
+	for _, md := range []map[string][]string{r.Header, r.Trailer} {
+		if err := s.core.Raw(md); err != nil {
+			return r, s.internal("%v", err)
+		}
+	}
 	if stored.Status != rpcidem.StatusReply {
 		r.Status = &spb.Status{}
 		if err := proto.Unmarshal(stored.Body, r.Status); err != nil {
