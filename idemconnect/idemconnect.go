@@ -95,7 +95,10 @@ type Options struct {
 	// those of the handler's *connect.Response, those it set through
 	// connect.CallInfoForHandlerContext, and for a refusal the
 	// *connect.Error's Meta (stored as headers); not those an interceptor
-	// before this one set, which it sets again on a replay. The first call sends
+	// before this one set, which it sets again on a replay (so a name the
+	// handler replaced or deleted after such an interceptor set it comes
+	// back on a replay with that interceptor's values too, the handler's
+	// stored ones added after them). The first call sends
 	// everything the handler set; a replay only these, plus
 	// Idempotent-Replayed: true. Keep secrets out. Each must be an HTTP
 	// token (RFC 9110: letters, digits and !#$%&'*+-.^_`|) without '~'
