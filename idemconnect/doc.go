@@ -43,9 +43,10 @@
 // alike: a key used through one replays through the other.
 //
 // The client side is NewClientInterceptor: it sends one Idempotency-Key
-// with every attempt of a call (the context's call key, idem.WithCallKey, or
-// one it mints once per call) and retries what another attempt may fix (see
-// docs/calling.md in the repository).
+// with every attempt of a call (the call's own Idempotency-Key header, the
+// context's call key, idem.WithCallKey, the request's AIP-155 request_id
+// field, or one it mints once per call) and retries what another attempt
+// may fix (see docs/calling.md in the repository).
 //
 // Run idem.Migrate (or idemsql.Migrate) once before use.
 package idemconnect
