@@ -749,11 +749,14 @@ func invalidUTF8(v reflect.Value) bool { return (&utf8Walk{}).invalid(v) }
 type utf8Walk struct{ seen map[walked]bool }
 
 // walked identifies a pointer, map or slice: by its type too, as a struct
-// and its first field share an address.
+// and its first field share an address, and by whether it was reached
+// through an unexported field (where its methods cannot be called, so
+// that a walk there checks less than one through an exported field).
 type walked struct {
 	t   reflect.Type
 	ptr uintptr
 	len int
+	ro  bool
 }
 
 func (w *utf8Walk) invalid(v reflect.Value) bool {
@@ -769,7 +772,7 @@ func (w *utf8Walk) invalid(v reflect.Value) bool {
 		if v.IsNil() {
 			break
 		}
-		k := walked{t: t, ptr: v.Pointer()}
+		k := walked{t: t, ptr: v.Pointer(), ro: !v.CanInterface()}
 		if v.Kind() == reflect.Slice {
 			k.len = v.Len()
 		}

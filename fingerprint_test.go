@@ -619,3 +619,37 @@ func BenchmarkFingerprintJSON(b *testing.B) {
 		})
 	}
 }
+
+// textByteBox is a TextMarshaler whose text is one byte, which need not be
+// UTF-8.
+type textByteBox struct{ n byte }
+
+func (b *textByteBox) MarshalText() ([]byte, error) { return []byte{b.n}, nil }
+
+// otherText is a second embedded TextMarshaler: with two, neither's method
+// is promoted, and encoding/json writes the struct's fields.
+type otherText struct{ T string }
+
+func (otherText) MarshalText() ([]byte, error) { return []byte("b"), nil }
+
+// aliasOuter holds one pointer twice: as an unexported embedded field
+// (which encoding/json does not write, and whose methods a walk cannot
+// call) and as the exported P (written through MarshalText).
+type aliasOuter struct {
+	*textByteBox
+	otherText
+	P *textByteBox
+}
+
+// A pointer first met through an unexported field, where its text cannot
+// be read, is still checked where encoding/json does read it: text that is
+// not UTF-8 there is refused, not hashed as U+FFFD (two different values
+// sharing one fingerprint).
+func TestFingerprintJSONPointerSeenTwice(t *testing.T) {
+	for _, n := range []byte{0xff, 0xfe} {
+		b := &textByteBox{n}
+		if f, err := idem.FingerprintJSON(aliasOuter{textByteBox: b, P: b}); !errors.Is(err, idem.ErrInvalidJSON) {
+			t.Errorf("P's text %#x: %v, %v; want ErrInvalidJSON", n, f, err)
+		}
+	}
+}

@@ -131,12 +131,13 @@ type MigrateDownOptions struct {
 // build or drop their indexes concurrently, outside a transaction, and can be
 // run again after an interruption; 00009's Down is one statement), and
 // returns its version (0 when none is applied). It serializes with Migrate like Migrate does.
-// A Down of 9 cut after its statement committed and before its version was
-// deleted (9 recorded, body_expires_at gone) is finished by the next
-// MigrateDown, which returns 9, or undone by the next Migrate
-// (TestMigrateDownFrom9Interrupted). A database at a version this release
-// does not ship (a later release migrated it) is refused, naming both
-// versions: revert it with that release.
+// A Down cut after some of its statements committed leaves its version
+// recorded: the next MigrateDown runs it again (and returns 9 at once for
+// a Down of 9 whose column is gone), and the next Migrate runs that
+// version's Up again before the later ones. A database at a version this
+// release does not ship (a later release migrated it) is refused, naming
+// both versions: revert it with that release. A search_path that names
+// no schema that exists is refused (ErrInvalidArgument).
 //
 // Migrations never delete outcomes or the audit trail on their own: when
 // the Down would delete records whose outcome may have happened (unknown, in
@@ -151,12 +152,16 @@ func MigrateDown(ctx context.Context, pool *pgxpool.Pool, opts MigrateDownOption
 	}
 	// No version table (goose keeps it in the current schema): nothing was
 	// ever applied, and nothing is created to say so.
-	var versioned bool
-	if err := pool.QueryRow(ctx, `SELECT EXISTS (SELECT FROM pg_tables WHERE schemaname = current_schema() AND tablename = $1)`,
-		pgx.QueryExecModeSimpleProtocol, MigrationTable).Scan(&versioned); err != nil {
+	var schema, versioned bool
+	if err := pool.QueryRow(ctx, `SELECT current_schema() IS NOT NULL,
+		EXISTS (SELECT FROM pg_tables WHERE schemaname = current_schema() AND tablename = $1)`,
+		pgx.QueryExecModeSimpleProtocol, MigrationTable).Scan(&schema, &versioned); err != nil {
 		return 0, core.Errorf("idem: migrate down: %w", preparedStatementsLost(err))
 	}
-	if !versioned {
+	switch {
+	case !schema:
+		return 0, publicErr(core.Errorf("idem: migrate down: %w", migrate.NoSchema()))
+	case !versioned:
 		return 0, nil
 	}
 	if opts.Force {

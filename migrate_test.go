@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io/fs"
+	"strconv"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -18,6 +19,7 @@ import (
 	"github.com/pressly/goose/v3"
 
 	"github.com/pgidem/idem"
+	"github.com/pgidem/idem/internal/testkit/migratetest"
 	"github.com/pgidem/idem/internal/testkit/pgtest"
 )
 
@@ -695,6 +697,20 @@ func TestMigrateSearchPathReachingAnotherSchema(t *testing.T) {
 	if after := indexes(); after != before {
 		t.Fatalf("a refused Migrate changed the indexes:\nbefore %s\nafter  %s", before, after)
 	}
+	var inTenant int
+	if err := public.QueryRow(ctx, `SELECT count(*) FROM pg_tables WHERE schemaname = 'tenant'`).Scan(&inTenant); err != nil || inTenant != 0 {
+		t.Fatalf("a refused Migrate left %d tables in tenant (%v)", inTenant, err)
+	}
+	// A search_path that names no schema that exists: nothing to migrate,
+	// refused, not taken for a database never migrated.
+	for _, path := range []string{`""`, "tenantx"} {
+		if err := idem.Migrate(ctx, poolOn(path)); !errors.Is(err, idem.ErrInvalidArgument) {
+			t.Errorf("Migrate with search_path %s: %v; want ErrInvalidArgument", path, err)
+		}
+		if v, err := idem.MigrateDown(ctx, poolOn(path), idem.MigrateDownOptions{}); !errors.Is(err, idem.ErrInvalidArgument) {
+			t.Errorf("MigrateDown with search_path %s: %d, %v; want ErrInvalidArgument", path, v, err)
+		}
+	}
 	if err := idem.Migrate(ctx, poolOn("tenant")); err != nil {
 		t.Fatal(err)
 	}
@@ -760,4 +776,60 @@ func TestMigrateDownOfAnEmptyDatabase(t *testing.T) {
 	if tables != "" {
 		t.Fatalf("MigrateDown of an empty database created %s", tables)
 	}
+}
+
+// A Down of a migration that runs outside a transaction (3, 10, 12), cut
+// after some of its statements committed, leaves its version recorded over
+// a table without all of its Up's effects. The next Migrate runs that
+// version's Up again before the later ones, instead of recording them over
+// it (without unknown_at, every call failed ErrUnsupported at "version
+// 12"), and the table ends as a migrated one: every column, and the same
+// indexes.
+func TestMigrateAfterACutDown(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	for _, c := range []struct {
+		version int64
+		cut     string // what the Down committed before it was cut
+	}{
+		{3, `CREATE INDEX idem_keys_lease_idx ON idem_keys (lease_expires_at) WHERE status = 'processing' AND lease_expires_at IS NOT NULL;
+			CREATE INDEX idem_keys_unknown_idx ON idem_keys (created_at, actor, operation, idem_key) WHERE status = 'unknown'`},
+		{10, `DROP INDEX idem_keys_failed_idx; ALTER TABLE idem_keys DROP COLUMN unknown_at`},
+		{12, `CREATE INDEX idem_keys_open_lease_idx ON idem_keys (lease_expires_at) WHERE lease_expires_at IS NOT NULL AND completed_at IS NULL`},
+	} {
+		t.Run(strconv.FormatInt(c.version, 10), func(t *testing.T) {
+			t.Parallel()
+			pool := pgtest.Pool(t, noMigrate)
+			migratetest.UpTo(t, pool, c.version)
+			if _, err := pool.Exec(ctx, c.cut); err != nil {
+				t.Fatal(err)
+			}
+			if err := idem.Migrate(ctx, pool); err != nil {
+				t.Fatal(err)
+			}
+			want := pgtest.Pool(t, idem.Migrate)
+			if got, want := schemaOf(t, pool), schemaOf(t, want); got != want {
+				t.Errorf("after the cut Down of %d and Migrate:\n%s\nwant, as migrated:\n%s", c.version, got, want)
+			}
+			if _, err := idem.DoInTx(ctx, pool, payScope, "after", fpA, func(context.Context, pgx.Tx) (idem.Response, error) {
+				return idem.Response{Status: 201}, nil
+			}); err != nil {
+				t.Fatal(err)
+			}
+		})
+	}
+}
+
+// schemaOf lists idem_keys' columns and index definitions.
+func schemaOf(t *testing.T, pool *pgxpool.Pool) string {
+	t.Helper()
+	var s string
+	if err := pool.QueryRow(context.Background(), `SELECT
+		(SELECT string_agg(attname || ' ' || format_type(atttypid, atttypmod), ', ' ORDER BY attname)
+		 FROM pg_attribute WHERE attrelid = 'idem_keys'::regclass AND attnum > 0 AND NOT attisdropped)
+		|| E'\n' ||
+		(SELECT string_agg(indexdef, E'\n' ORDER BY indexname) FROM pg_indexes WHERE tablename = 'idem_keys')`).Scan(&s); err != nil {
+		t.Fatal(err)
+	}
+	return s
 }

@@ -23,8 +23,10 @@ import (
 // run and puts it back after, and this process's runs on one handle take
 // turns. Like idem.Migrate, it refuses (idem.ErrInvalidArgument) to run a
 // migration while another schema on the search_path holds idem's tables,
-// and on Citus it runs on the coordinator: a worker is refused with
-// idem.ErrUnsupported.
+// or when the search_path names no schema that exists; behind a
+// transaction pooler, pgx's default exec mode fails with
+// idem.ErrPreparedStatements, naming the fix; and on Citus it runs on the
+// coordinator: a worker is refused with idem.ErrUnsupported.
 func Migrate(ctx context.Context, db *sql.DB) error {
 	if db == nil {
 		return core.Errorf("idem: %w: nil database handle", idem.ErrInvalidArgument)

@@ -1112,6 +1112,14 @@ func TestCLIResultWriteFailureExits1(t *testing.T) {
 			t.Errorf("%q with a failing stdout: exit %d, stderr %q", args, code, stderr.String())
 		}
 	}
+	// The status of a database never migrated too.
+	t.Setenv("DATABASE_URL", pgtest.URL(t, nil))
+	for _, args := range [][]string{{"migrate", "status"}, {"--json", "migrate", "status"}} {
+		var stderr bytes.Buffer
+		if code := run(t.Context(), args, failingWriter{}, &stderr); code != exitFailure {
+			t.Errorf("%q of a database never migrated, with a failing stdout: exit %d, stderr %q", args, code, stderr.String())
+		}
+	}
 }
 
 // idem prune --help says everything prune changes: it also drops the

@@ -6,11 +6,11 @@ package migrate
 import (
 	"context"
 	"database/sql"
-	"fmt"
 	"io/fs"
 	"sync"
 	"time"
 
+	"github.com/jackc/pgx/v5"
 	"github.com/pressly/goose/v3"
 	"github.com/pressly/goose/v3/lock"
 
@@ -29,10 +29,11 @@ const (
 // WithProvider runs fn with a goose provider for the migrations in fsys on
 // db, holding idem's table lock for the whole of fn, after this process's
 // other runs on handle (db, or the pool db was opened from) have ended.
-// Under the lock, before fn, it finishes a Down of migration 9 that was cut
-// after its change committed (see finishDown9): fn gets that version (9),
-// or 0. A run that would reach another schema's tables (see
-// checkSearchPath) is refused; down says the run reverts.
+// Under the lock, before fn, it mends what a cut run of a migration that
+// runs outside a transaction left (see repair): fn gets the version whose
+// Down that finished (9), or 0. A run that would reach another schema's
+// tables, or that has no schema to migrate (see checkSearchPath), is
+// refused before anything is written; down says the run reverts.
 //
 // A run holds two of the handle's connections at once: goose's lock keeps
 // one while the migrations run on another. So two runs on a handle of two
@@ -69,12 +70,17 @@ func WithProvider(ctx context.Context, handle any, db *sql.DB, fsys fs.FS, down 
 		return err
 	}
 	// The provider has no locker of its own: the lock is held around fn,
-	// so that finishDown9 and fn's run are one turn.
+	// so that repair and fn's run are one turn.
 	provider, err := goose.NewProvider(goose.DialectPostgres, db, fsys,
 		goose.WithTableName(Table),
 		goose.WithDisableGlobalRegistry(true),
 	)
 	if err != nil {
+		return err
+	}
+	// Before the lock, whose table the lock creates: a refused run writes
+	// nothing.
+	if err := checkSearchPath(ctx, db, provider, down); err != nil {
 		return err
 	}
 	if err := locker.Lock(ctx, db); err != nil {
@@ -86,10 +92,7 @@ func WithProvider(ctx context.Context, handle any, db *sql.DB, fsys fs.FS, down 
 			err = unlockErr
 		}
 	}()
-	if err := checkSearchPath(ctx, db, provider, down); err != nil {
-		return err
-	}
-	finished, err := finishDown9(ctx, db)
+	finished, err := repair(ctx, db, down)
 	if err != nil {
 		return err
 	}
@@ -114,8 +117,14 @@ func checkSearchPath(ctx context.Context, db *sql.DB, p *goose.Provider, down bo
 		          WHERE c.relname = 'idem_keys' AND c.relkind IN ('r', 'p')
 		            AND n.nspname = ANY (current_schemas(false)) AND n.nspname IS DISTINCT FROM current_schema()), ''),
 		EXISTS (SELECT FROM pg_tables WHERE schemaname = current_schema() AND tablename = '`+Table+`')`).
-		Scan(&current, &others, &versioned); err != nil || others == "" {
+		Scan(&current, &others, &versioned); err != nil {
 		return err
+	}
+	if current == "" {
+		return NoSchema()
+	}
+	if others == "" {
+		return nil
 	}
 	var applied int64
 	if versioned {
@@ -129,46 +138,73 @@ func checkSearchPath(ctx context.Context, db *sql.DB, p *goose.Provider, down bo
 	}
 	return core.Errorf("idem: %w: the search_path reaches idem's tables in %s besides the schema migrated (%s): "+
 		"idem's migrations name tables and indexes unqualified and would act on theirs (drop their indexes); "+
-		"migrate with %s alone on the search_path", core.ErrInvalidArgument, others, current, quoteOrNone(current))
+		"migrate with %s alone on the search_path", core.ErrInvalidArgument, others, current, pgx.Identifier{current}.Sanitize())
 }
 
-// quoteOrNone names schema for a message.
-func quoteOrNone(schema string) string {
-	if schema == "" {
-		return "the schema to migrate"
-	}
-	return fmt.Sprintf("%q", schema)
+// NoSchema is the refusal of a run whose search_path names no schema that
+// exists (empty, or mistyped): there is nothing to migrate, nor anywhere
+// to record a migration.
+func NoSchema() error {
+	return core.Errorf("idem: %w: the search_path names no schema that exists: nothing to migrate", core.ErrInvalidArgument)
 }
 
-// finishDown9 finishes a Down of migration 9 that was cut between its
-// statement and goose's deletion of its version, and returns 9 if it did,
-// or 0. That Down runs outside a transaction (its migration builds an
-// index concurrently): its one statement, the check and the drop of
-// body_expires_at, commits before goose deletes version 9, and cannot run
-// again once the column is gone. So a run cut between the two (a lost
-// connection, a context ending) would leave 9 recorded without its column:
-// the next MigrateDown would fail on the missing column, and the next
-// Migrate would record 10 and later over a table without it. Version 9
-// recorded as the latest and the column missing is that state: the
-// version is deleted, so that the revert is complete (a MigrateDown
-// reports 9) and a Migrate applies 9 again. Run it under the lock.
-func finishDown9(ctx context.Context, db *sql.DB) (int64, error) {
-	var versions bool
-	if err := db.QueryRowContext(ctx, `SELECT to_regclass('`+Table+`') IS NOT NULL`).Scan(&versions); err != nil || !versions {
+// complete holds, for each migration that runs outside a transaction
+// (whose statements commit one by one, before goose records or deletes its
+// version), a query that is true when its Up's effects are all there.
+// Checked on the latest version recorded, and false there, it says that a
+// Down was cut after some of its statements committed (or that an index
+// was dropped by hand).
+var complete = map[int64]string{
+	3: `SELECT to_regclass('idem_keys_open_created_idx') IS NOT NULL AND to_regclass('idem_keys_open_lease_idx') IS NOT NULL
+		AND to_regclass('idem_keys_lease_idx') IS NULL AND to_regclass('idem_keys_unknown_idx') IS NULL`,
+	9:  `SELECT ` + hasColumn("body_expires_at") + ` AND to_regclass('idem_keys_body_expires_idx') IS NOT NULL`,
+	10: `SELECT ` + hasColumn("unknown_at") + ` AND to_regclass('idem_keys_failed_idx') IS NOT NULL`,
+	12: `SELECT to_regclass('idem_keys_open_lease_idx') IS NULL`,
+}
+
+// hasColumn is SQL that is true when idem_keys has the column.
+func hasColumn(name string) string {
+	return `EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass('idem_keys')
+		AND attname = '` + name + `' AND NOT attisdropped)`
+}
+
+// repair mends what a cut Down of a migration that runs outside a
+// transaction left: its version recorded, some of its statements
+// committed. Such a version, the latest recorded and its Up's effects not
+// all there (see complete), is deleted for a run up, so that goose applies
+// its Up again (every one of them can run again) rather than the versions
+// after it over a table that lacks what they expect. For a run down,
+// goose runs the Down again (each can run again), except 9's once its
+// column is gone (its one statement reads the column): then the version
+// is deleted, and repair returns 9, the version whose Down is now
+// complete. It returns 0 otherwise. Run it under the lock.
+func repair(ctx context.Context, db *sql.DB, down bool) (int64, error) {
+	var versioned bool
+	if err := db.QueryRowContext(ctx, `SELECT to_regclass('`+Table+`') IS NOT NULL`).Scan(&versioned); err != nil || !versioned {
 		return 0, err
 	}
-	res, err := db.ExecContext(ctx, `DELETE FROM `+Table+` WHERE version_id = 9
-		AND (SELECT max(version_id) FROM `+Table+`) = 9
-		AND to_regclass('idem_keys') IS NOT NULL
-		AND NOT EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass('idem_keys')
-			AND attname = 'body_expires_at' AND NOT attisdropped)`)
-	if err != nil {
+	var latest int64
+	if err := db.QueryRowContext(ctx, `SELECT coalesce(max(version_id), 0) FROM `+Table).Scan(&latest); err != nil {
 		return 0, err
 	}
-	if n, err := res.RowsAffected(); err != nil || n == 0 {
+	check, ok := complete[latest]
+	switch {
+	case !ok || down && latest != 9:
+		return 0, nil
+	case down:
+		check = `SELECT ` + hasColumn("body_expires_at") // 9's Down runs again while it is there
+	}
+	var there bool
+	if err := db.QueryRowContext(ctx, check).Scan(&there); err != nil || there {
 		return 0, err
 	}
-	return 9, nil
+	if _, err := db.ExecContext(ctx, `DELETE FROM `+Table+` WHERE version_id = $1`, latest); err != nil {
+		return 0, err
+	}
+	if down {
+		return latest, nil
+	}
+	return 0, nil
 }
 
 // turns holds, for each handle a run of this process is on, the turn that
