@@ -833,3 +833,53 @@ func schemaOf(t *testing.T, pool *pgxpool.Pool) string {
 	}
 	return s
 }
+
+// The check of a cut Down (Migrate's repair) looks at the schema migrated
+// only: with everything applied to tenant, a Migrate whose search_path
+// also reaches public's idem tables, at an older version that still has
+// an index tenant's version 12 dropped, changes nothing in either.
+func TestMigrateRepairLooksAtItsOwnSchema(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	url := pgtest.URL(t, noMigrate)
+	public, err := pgxpool.New(ctx, url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer public.Close()
+	migratetest.UpTo(t, public, 11)
+	if _, err := public.Exec(ctx, `CREATE SCHEMA tenant`); err != nil {
+		t.Fatal(err)
+	}
+	poolOn := func(searchPath string) *pgxpool.Pool {
+		cfg, err := pgxpool.ParseConfig(url)
+		if err != nil {
+			t.Fatal(err)
+		}
+		cfg.ConnConfig.RuntimeParams["search_path"] = searchPath
+		p, err := pgxpool.NewWithConfig(ctx, cfg)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(p.Close)
+		return p
+	}
+	if err := idem.Migrate(ctx, poolOn("tenant")); err != nil {
+		t.Fatal(err)
+	}
+	state := func() string {
+		var s string
+		if err := public.QueryRow(ctx, `SELECT string_agg(schemaname || '.' || indexname, ' ' ORDER BY 1) FROM pg_indexes
+			WHERE tablename = 'idem_keys'`).Scan(&s); err != nil {
+			t.Fatal(err)
+		}
+		return s + fmt.Sprintf(" tenant at %d", appliedVersion(t, poolOn("tenant")))
+	}
+	before := state()
+	if err := idem.Migrate(ctx, poolOn("tenant, public")); err != nil {
+		t.Fatalf("Migrate with everything applied: %v", err)
+	}
+	if after := state(); after != before {
+		t.Errorf("Migrate with everything applied changed:\nbefore %s\nafter  %s", before, after)
+	}
+}

@@ -24,7 +24,7 @@ import (
 // turns. Like idem.Migrate, it refuses (idem.ErrInvalidArgument) to run a
 // migration while another schema on the search_path holds idem's tables,
 // or when the search_path names no schema that exists; behind a
-// transaction pooler, pgx's default exec mode fails with
+// transaction pooler, pgx's default exec mode may fail, and then returns
 // idem.ErrPreparedStatements, naming the fix; and on Citus it runs on the
 // coordinator: a worker is refused with idem.ErrUnsupported.
 func Migrate(ctx context.Context, db *sql.DB) error {

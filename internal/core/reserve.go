@@ -289,15 +289,15 @@ func (c *Client[TTx, TDB]) fence(ctx context.Context, db TDB, call string, scope
 // it succeeded (none when event is ""), a fenced reservation, or a store
 // failure, which is logged too. key is the call's key ("" for the
 // maintenance calls, which have none). A call cut by its own context (a
-// pruner given a minute, say) is the caller's doing, not the store's:
-// neither counted nor logged.
+// pruner given a minute, say: the error is the context's) is the caller's
+// doing, not the store's: neither counted nor logged.
 func (c *Client[TTx, TDB]) countEnd(ctx context.Context, call string, scope Scope, key string, err error, event string) {
 	switch {
 	case err == nil && event != "":
 		c.obs.count(ctx, event, call, scope.Operation, 1)
 	case errors.Is(err, ErrFenced):
 		c.obs.count(ctx, outcomeFenced, call, scope.Operation, 1)
-	case ctx.Err() != nil:
+	case ctx.Err() != nil && errors.Is(err, ctx.Err()):
 	case c.obs.unavailable(err):
 		c.obs.count(ctx, outcomeStoreError, call, scope.Operation, 1)
 		c.obs.logStoreError(ctx, call, scope, key, err)

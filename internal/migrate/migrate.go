@@ -78,8 +78,9 @@ func WithProvider(ctx context.Context, handle any, db *sql.DB, fsys fs.FS, down 
 	if err != nil {
 		return err
 	}
-	// Before the lock, whose table the lock creates: a refused run writes
-	// nothing.
+	// Before the lock, whose table the lock creates, so that a refused run
+	// writes nothing; and again under it, as another run may have changed
+	// the versions meanwhile.
 	if err := checkSearchPath(ctx, db, provider, down); err != nil {
 		return err
 	}
@@ -92,6 +93,9 @@ func WithProvider(ctx context.Context, handle any, db *sql.DB, fsys fs.FS, down 
 			err = unlockErr
 		}
 	}()
+	if err := checkSearchPath(ctx, db, provider, down); err != nil {
+		return err
+	}
 	finished, err := repair(ctx, db, down)
 	if err != nil {
 		return err
@@ -155,17 +159,24 @@ func NoSchema() error {
 // Down was cut after some of its statements committed (or that an index
 // was dropped by hand).
 var complete = map[int64]string{
-	3: `SELECT to_regclass('idem_keys_open_created_idx') IS NOT NULL AND to_regclass('idem_keys_open_lease_idx') IS NOT NULL
-		AND to_regclass('idem_keys_lease_idx') IS NULL AND to_regclass('idem_keys_unknown_idx') IS NULL`,
-	9:  `SELECT ` + hasColumn("body_expires_at") + ` AND to_regclass('idem_keys_body_expires_idx') IS NOT NULL`,
-	10: `SELECT ` + hasColumn("unknown_at") + ` AND to_regclass('idem_keys_failed_idx') IS NOT NULL`,
-	12: `SELECT to_regclass('idem_keys_open_lease_idx') IS NULL`,
+	3: `SELECT ` + hasIndex("idem_keys_open_created_idx") + ` AND ` + hasIndex("idem_keys_open_lease_idx") +
+		` AND NOT ` + hasIndex("idem_keys_lease_idx") + ` AND NOT ` + hasIndex("idem_keys_unknown_idx"),
+	9:  `SELECT ` + hasColumn("body_expires_at") + ` AND ` + hasIndex("idem_keys_body_expires_idx"),
+	10: `SELECT ` + hasColumn("unknown_at") + ` AND ` + hasIndex("idem_keys_failed_idx"),
+	12: `SELECT NOT ` + hasIndex("idem_keys_open_lease_idx"),
 }
 
-// hasColumn is SQL that is true when idem_keys has the column.
+// hasIndex and hasColumn are SQL that is true when the current schema (the
+// one migrated; not another on the search_path) has the index, or when its
+// idem_keys has the column.
+func hasIndex(name string) string {
+	return `EXISTS (SELECT FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
+		WHERE n.nspname = current_schema() AND c.relname = '` + name + `')`
+}
+
 func hasColumn(name string) string {
-	return `EXISTS (SELECT FROM pg_attribute WHERE attrelid = to_regclass('idem_keys')
-		AND attname = '` + name + `' AND NOT attisdropped)`
+	return `EXISTS (SELECT FROM pg_attribute a JOIN pg_class c ON c.oid = a.attrelid JOIN pg_namespace n ON n.oid = c.relnamespace
+		WHERE n.nspname = current_schema() AND c.relname = 'idem_keys' AND a.attname = '` + name + `' AND NOT a.attisdropped)`
 }
 
 // repair mends what a cut Down of a migration that runs outside a
@@ -180,7 +191,8 @@ func hasColumn(name string) string {
 // complete. It returns 0 otherwise. Run it under the lock.
 func repair(ctx context.Context, db *sql.DB, down bool) (int64, error) {
 	var versioned bool
-	if err := db.QueryRowContext(ctx, `SELECT to_regclass('`+Table+`') IS NOT NULL`).Scan(&versioned); err != nil || !versioned {
+	if err := db.QueryRowContext(ctx, `SELECT EXISTS (SELECT FROM pg_tables
+		WHERE schemaname = current_schema() AND tablename = '`+Table+`')`).Scan(&versioned); err != nil || !versioned {
 		return 0, err
 	}
 	var latest int64
