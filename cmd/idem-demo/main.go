@@ -132,7 +132,8 @@ func usage(w io.Writer) {
        idem-demo serve [-addr 127.0.0.1:8080] [-seed N] [-db idem_demo] [-keep] [-lease 30s] [-resume-within 23h]
 
   run     run the draw and payment scenarios in the database idem_demo (default)
-  serve   serve the draw API over HTTP on a loopback address until interrupted
+  serve   serve the draw and payments APIs and the operator's console (/idem/)
+          over HTTP on a loopback address until interrupted
 
 Both create the database if it is missing and reset the demo's tables in it
 (serve -keep keeps them: a restart); they refuse a database that holds tables
