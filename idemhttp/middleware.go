@@ -747,8 +747,17 @@ func writeReplay(w http.ResponseWriter, resp idem.Response, stored []string) {
 	writeBody(w, resp.Status, resp.Body)
 }
 
-// replayHeaders copies the headers of from named in stored into h.
+// replayHeaders copies the headers of from named in stored into h, in
+// place of any values h had for those names: the stored response holds
+// their final values (an outer middleware's defaults included), so a name
+// the handler deleted stays deleted. HeaderKeyLifetime, which the caller
+// set, stays.
 func replayHeaders(h http.Header, from map[string][]string, stored []string) {
+	for _, name := range stored {
+		if name != HeaderKeyLifetime {
+			delete(h, name)
+		}
+	}
 	for name, v := range from {
 		if name = http.CanonicalHeaderKey(name); slices.Contains(stored, name) {
 			h[name] = v
