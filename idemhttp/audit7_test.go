@@ -1,12 +1,16 @@
 package idemhttp_test
 
 import (
+	"bytes"
+	"fmt"
 	"io"
+	"mime/multipart"
 	"net/http"
 	"net/http/httptest"
 	"strings"
 	"testing"
 
+	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemhttp"
 )
 
@@ -57,5 +61,59 @@ func TestReplayOmitsStoredHeaderTheHandlerDeleted(t *testing.T) {
 	}
 	if v := again.Header.Values("Content-Type"); len(v) != 0 {
 		t.Errorf("replay carries Content-Type %q, which the first response did not", v)
+	}
+}
+
+// Options.Fingerprint is given the request and its body: a fingerprint of
+// a multipart form's fields (what DefaultFingerprint's doc advises for
+// such routes) reads them through the request, and must see them, so that
+// the same key with another amount is refused rather than replayed.
+func TestCustomFingerprintReadsTheRequestBody(t *testing.T) {
+	t.Parallel()
+	pool := newPool(t, migrate)
+	mw := idemhttp.Middleware(pool, idemhttp.Options{Actor: bearer,
+		Fingerprint: func(r *http.Request, _ []byte) (idem.Fingerprint, error) {
+			if err := r.ParseMultipartForm(1 << 20); err != nil {
+				return idem.Fingerprint{}, err
+			}
+			return idem.FingerprintParts([]byte(r.FormValue("amount"))), nil
+		}})
+	mux := http.NewServeMux()
+	mux.Handle("POST /payments", mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if _, err := idemhttp.Tx(r.Context()).Exec(r.Context(), `INSERT INTO effects (actor, route) VALUES ('alice', $1)`,
+			r.FormValue("amount")); err != nil {
+			panic(err)
+		}
+		w.WriteHeader(http.StatusCreated)
+		fmt.Fprintf(w, "paid %s", r.FormValue("amount"))
+	})))
+	srv := httptest.NewServer(mux)
+	defer srv.Close()
+
+	post := func(amount string) (int, string) {
+		var body bytes.Buffer
+		mpw := multipart.NewWriter(&body)
+		_ = mpw.WriteField("amount", amount)
+		_ = mpw.Close()
+		req, _ := http.NewRequestWithContext(t.Context(), http.MethodPost, srv.URL+"/payments", &body)
+		req.Header.Set("Content-Type", mpw.FormDataContentType())
+		req.Header.Set("Authorization", "Bearer alice")
+		req.Header.Set("Idempotency-Key", "pay-1")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	if status, body := post("10"); status != http.StatusCreated || body != "paid 10" {
+		t.Fatalf("first: %d %s", status, body)
+	}
+	if status, body := post("10"); status != http.StatusCreated || body != "paid 10" {
+		t.Fatalf("retry with a new boundary: %d %s", status, body)
+	}
+	if status, body := post("9999"); status != http.StatusUnprocessableEntity {
+		t.Errorf("another amount with the same key: %d %s, want 422", status, body)
 	}
 }

@@ -52,7 +52,8 @@ type Options struct {
 	KeyOptional bool
 
 	// Fingerprint returns the fingerprint of a request given its body (read
-	// in full, at most MaxBodyBytes). The same key with a different
+	// in full, at most MaxBodyBytes); the request's Body reads that body
+	// again, so r.ParseMultipartForm and r.FormValue work. The same key with a different
 	// fingerprint is refused with 422. An error is answered with 400 and
 	// nothing runs. Default: DefaultFingerprint (method, path, query and
 	// the canonical body).
@@ -459,7 +460,7 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 
-	fp, err := m.fingerprint(r, body)
+	fp, err := m.fingerprintOf(r, body)
 	if err != nil {
 		writeProblem(w, http.StatusBadRequest, CodeBadRequest, errorText(err), 0)
 		return
@@ -470,6 +471,23 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 	m.serveKeyed(ctx, w, r, body, scope, key, fp)
+}
+
+// fingerprintOf returns the fingerprint of r, whose body readBody read, by
+// Options.Fingerprint. It gets a shallow copy of r whose Body reads body
+// again, so that a fingerprint that reads the request's form
+// (r.ParseMultipartForm, r.FormValue) sees the fields the handler will;
+// files that parsing spilled to disk are removed afterwards.
+func (m *middleware) fingerprintOf(r *http.Request, body []byte) (idem.Fingerprint, error) {
+	fr := r.WithContext(r.Context())
+	fr.Body = io.NopCloser(bytes.NewReader(body))
+	fr.ContentLength = int64(len(body))
+	defer func() {
+		if fr.MultipartForm != nil && fr.MultipartForm != r.MultipartForm {
+			_ = fr.MultipartForm.RemoveAll()
+		}
+	}()
+	return m.fingerprint(fr, body)
 }
 
 // readBody reads the whole request body, up to m.maxBody bytes. On failure
