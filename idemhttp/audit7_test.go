@@ -117,3 +117,72 @@ func TestCustomFingerprintReadsTheRequestBody(t *testing.T) {
 		t.Errorf("another amount with the same key: %d %s, want 422", status, body)
 	}
 }
+
+// An outer middleware that reads a form field (a CSRF check) has consumed
+// the request body before the idempotency middleware reads it; the
+// handler still gets the parsed form. The fingerprint must still tell two
+// forms apart: the same key with another amount is refused, not replayed.
+func TestFingerprintOfAFormParsedBeforeTheMiddleware(t *testing.T) {
+	t.Parallel()
+	pool := newPool(t, migrate)
+	mw := idemhttp.Middleware(pool, idemhttp.Options{Actor: bearer})
+	csrf := func(next http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			if r.FormValue("csrf") != "ok" {
+				http.Error(w, "csrf", http.StatusForbidden)
+				return
+			}
+			next.ServeHTTP(w, r)
+		})
+	}
+	mux := http.NewServeMux()
+	mux.Handle("POST /payments", csrf(mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if _, err := idemhttp.Tx(r.Context()).Exec(r.Context(), `INSERT INTO effects (actor, route) VALUES ('alice', $1)`,
+			r.FormValue("amount")); err != nil {
+			panic(err)
+		}
+		w.WriteHeader(http.StatusCreated)
+		fmt.Fprintf(w, "paid %s", r.FormValue("amount"))
+	}))))
+	srv := httptest.NewServer(mux)
+	defer srv.Close()
+
+	post := func(contentType, body string) (int, string) {
+		req, _ := http.NewRequestWithContext(t.Context(), http.MethodPost, srv.URL+"/payments", strings.NewReader(body))
+		req.Header.Set("Content-Type", contentType)
+		req.Header.Set("Authorization", "Bearer alice")
+		req.Header.Set("Idempotency-Key", "pay-"+contentType[:5])
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer resp.Body.Close()
+		b, _ := io.ReadAll(resp.Body)
+		return resp.StatusCode, string(b)
+	}
+	multi := func(fields ...string) (string, string) {
+		var body bytes.Buffer
+		mpw := multipart.NewWriter(&body)
+		for i := 0; i < len(fields); i += 2 {
+			_ = mpw.WriteField(fields[i], fields[i+1])
+		}
+		_ = mpw.Close()
+		return mpw.FormDataContentType(), body.String()
+	}
+	form := "application/x-www-form-urlencoded"
+	if status, body := post(form, "csrf=ok&amount=10"); status != http.StatusCreated || body != "paid 10" {
+		t.Fatalf("form: %d %s", status, body)
+	}
+	if status, body := post(form, "amount=10&csrf=ok"); status != http.StatusCreated || body != "paid 10" {
+		t.Fatalf("form retry: %d %s", status, body)
+	}
+	if status, body := post(form, "csrf=ok&amount=9999"); status != http.StatusUnprocessableEntity {
+		t.Errorf("form with another amount and the same key: %d %s, want 422", status, body)
+	}
+	if status, body := post(multi("csrf", "ok", "amount", "10")); status != http.StatusCreated || body != "paid 10" {
+		t.Fatalf("multipart: %d %s", status, body)
+	}
+	if status, body := post(multi("csrf", "ok", "amount", "9999")); status != http.StatusUnprocessableEntity {
+		t.Errorf("multipart with another amount and the same key: %d %s, want 422", status, body)
+	}
+}

@@ -3,9 +3,14 @@ package idemhttp
 import (
 	"crypto/sha256"
 	"encoding/hex"
+	"io"
+	"maps"
 	"mime"
+	"mime/multipart"
 	"net/http"
 	"net/url"
+	"slices"
+	"strconv"
 	"strings"
 	"unicode/utf8"
 
@@ -30,6 +35,13 @@ import (
 // The body counts by the Content-Type the client declared: JSON sent as a
 // form (curl -d without -H) is fingerprinted as form fields.
 //
+// A form whose body was parsed before the middleware read it (an outer
+// middleware called r.FormValue or r.ParseMultipartForm, which consume the
+// body) counts by the parsed form instead, r.PostForm as above, or
+// r.MultipartForm by its fields and files (name, Content-Type, content)
+// sorted by name, whatever the boundary: the body the middleware reads is
+// then empty.
+//
 // The query is canonicalized like a form body. Headers, including
 // Content-Type beyond the choice above, do not count. DefaultFingerprint
 // never fails; the error is there to match Options.Fingerprint.
@@ -41,9 +53,16 @@ func DefaultFingerprint(r *http.Request, body []byte) (idem.Fingerprint, error) 
 		if fp, err := idem.FingerprintJSON(body); err == nil {
 			kind, content = "json", fp[:]
 		}
+	case mediaType == "application/x-www-form-urlencoded" && len(body) == 0 && r.PostForm != nil:
+		// Parsed, and so consumed, before the middleware read the body.
+		kind, content = "form", []byte(r.PostForm.Encode())
 	case mediaType == "application/x-www-form-urlencoded":
 		if form, err := url.ParseQuery(string(body)); err == nil {
 			kind, content = "form", []byte(form.Encode())
+		}
+	case mediaType == "multipart/form-data" && len(body) == 0 && r.MultipartForm != nil:
+		if fp, err := multipartFingerprint(r.MultipartForm); err == nil {
+			kind, content = "multipart", fp[:]
 		}
 	}
 	query := r.URL.RawQuery
@@ -58,6 +77,39 @@ func DefaultFingerprint(r *http.Request, body []byte) (idem.Fingerprint, error) 
 		[]byte(kind),
 		content,
 	), nil
+}
+
+// multipartFingerprint is the fingerprint of a parsed multipart form: its
+// fields and files sorted by name, values and files of one name in the
+// order sent, each file by its name, its Content-Type and its content.
+func multipartFingerprint(form *multipart.Form) (idem.Fingerprint, error) {
+	parts := [][]byte{[]byte("values")}
+	for _, name := range slices.Sorted(maps.Keys(form.Value)) {
+		values := form.Value[name]
+		parts = append(parts, []byte(name), []byte(strconv.Itoa(len(values))))
+		for _, v := range values {
+			parts = append(parts, []byte(v))
+		}
+	}
+	parts = append(parts, []byte("files"))
+	for _, name := range slices.Sorted(maps.Keys(form.File)) {
+		files := form.File[name]
+		parts = append(parts, []byte(name), []byte(strconv.Itoa(len(files))))
+		for _, fh := range files {
+			f, err := fh.Open()
+			if err != nil {
+				return idem.Fingerprint{}, err
+			}
+			h := sha256.New()
+			_, err = io.Copy(h, f)
+			_ = f.Close()
+			if err != nil {
+				return idem.Fingerprint{}, err
+			}
+			parts = append(parts, []byte(fh.Filename), []byte(fh.Header.Get("Content-Type")), h.Sum(nil))
+		}
+	}
+	return idem.FingerprintParts(parts...), nil
 }
 
 // DefaultOperation is the operation name the middleware uses when
