@@ -186,3 +186,37 @@ func TestFingerprintOfAFormParsedBeforeTheMiddleware(t *testing.T) {
 		t.Errorf("multipart with another amount and the same key: %d %s, want 422", status, body)
 	}
 }
+
+// Options.Operation, like Options.Fingerprint, may read the request's
+// form: it must see the fields, and reading them must not take them from
+// the handler.
+func TestOperationReadsTheForm(t *testing.T) {
+	t.Parallel()
+	pool := newPool(t, migrate)
+	mw := idemhttp.Middleware(pool, idemhttp.Options{Actor: bearer,
+		Operation: func(r *http.Request) string { return "POST /actions " + r.FormValue("action") }})
+	mux := http.NewServeMux()
+	mux.Handle("POST /actions", mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.WriteHeader(http.StatusCreated)
+		fmt.Fprintf(w, "%s %s", r.FormValue("action"), r.FormValue("amount"))
+	})))
+	srv := httptest.NewServer(mux)
+	defer srv.Close()
+	req, _ := http.NewRequestWithContext(t.Context(), http.MethodPost, srv.URL+"/actions", strings.NewReader("action=refund&amount=5"))
+	req.Header.Set("Content-Type", "application/x-www-form-urlencoded")
+	req.Header.Set("Authorization", "Bearer alice")
+	req.Header.Set("Idempotency-Key", "act-1")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	if resp.StatusCode != http.StatusCreated || string(b) != "refund 5" {
+		t.Errorf("%d %q, want 201 \"refund 5\"", resp.StatusCode, b)
+	}
+	var op string
+	if err := pool.QueryRow(t.Context(), `SELECT operation FROM idem_keys`).Scan(&op); err != nil || op != "POST /actions refund" {
+		t.Errorf("operation %q (%v)", op, err)
+	}
+}

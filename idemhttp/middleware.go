@@ -36,7 +36,8 @@ type Options struct {
 	// scope. Default: DefaultOperation, the method and the ServeMux route
 	// pattern ("POST /v1/draws"), or the method and the path when the
 	// middleware wraps the whole mux. An operation idem.ValidateScope
-	// refuses is a 500.
+	// refuses is a 500. As for Fingerprint, the request's Body reads the
+	// body again.
 	Operation func(*http.Request) string
 
 	// Methods are the request methods the middleware covers, in upper case
@@ -460,12 +461,12 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 		return
 	}
 
-	fp, err := m.fingerprintOf(r, body)
+	fp, operation, err := m.target(r, body)
 	if err != nil {
 		writeProblem(w, http.StatusBadRequest, CodeBadRequest, errorText(err), 0)
 		return
 	}
-	scope := idem.Scope{Actor: actor, Operation: m.operation(r)}
+	scope := idem.Scope{Actor: actor, Operation: operation}
 	if err := idem.ValidateScope(scope); err != nil {
 		m.fail(ctx, w, r, key, err) // ErrInvalidScope: 500
 		return
@@ -473,12 +474,14 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 	m.serveKeyed(ctx, w, r, body, scope, key, fp)
 }
 
-// fingerprintOf returns the fingerprint of r, whose body readBody read, by
-// Options.Fingerprint. It gets a shallow copy of r whose Body reads body
-// again, so that a fingerprint that reads the request's form
-// (r.ParseMultipartForm, r.FormValue) sees the fields the handler will;
-// files that parsing spilled to disk are removed afterwards.
-func (m *middleware) fingerprintOf(r *http.Request, body []byte) (idem.Fingerprint, error) {
+// target returns the fingerprint (Options.Fingerprint) and the operation
+// (Options.Operation) of r, whose body readBody read. Both get a shallow
+// copy of r whose Body reads body again, so that a function that reads
+// the request's form (r.ParseMultipartForm, r.FormValue) sees the fields
+// the handler will, and does not leave the handler's request with a form
+// parsed from a spent body; files that parsing spilled to disk are removed
+// afterwards.
+func (m *middleware) target(r *http.Request, body []byte) (idem.Fingerprint, string, error) {
 	fr := r.WithContext(r.Context())
 	fr.Body = io.NopCloser(bytes.NewReader(body))
 	fr.ContentLength = int64(len(body))
@@ -487,7 +490,12 @@ func (m *middleware) fingerprintOf(r *http.Request, body []byte) (idem.Fingerpri
 			_ = fr.MultipartForm.RemoveAll()
 		}
 	}()
-	return m.fingerprint(fr, body)
+	fp, err := m.fingerprint(fr, body)
+	if err != nil {
+		return fp, "", err
+	}
+	fr.Body = io.NopCloser(bytes.NewReader(body))
+	return fp, m.operation(fr), nil
 }
 
 // readBody reads the whole request body, up to m.maxBody bytes. On failure
