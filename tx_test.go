@@ -370,6 +370,51 @@ func TestDoInTxOnConnInTransaction(t *testing.T) {
 	}
 }
 
+// The same for the *pgxpool.Conn the caller began its transaction on
+// (pool.Acquire, then conn.Begin): it is a Beginner too, and a BEGIN on it
+// would only warn, then a COMMIT would commit the caller's transaction.
+func TestDoInTxOnPooledConnInTransaction(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	conn, err := pool.Acquire(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Release()
+	var calls atomic.Int64
+	for name, call := range map[string]func() error{
+		"DoInTx": func() error {
+			_, err := idem.DoInTx(ctx, conn, scope, "pooled-in-tx", fpA, recordEffect(&calls, "pooled-in-tx"))
+			return err
+		},
+		"InTx": func() error {
+			return idem.InTx(ctx, conn, func(context.Context, pgx.Tx) error { calls.Add(1); return nil })
+		},
+	} {
+		tx, err := conn.Begin(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := tx.Exec(ctx, `INSERT INTO effects (key) VALUES ('caller')`); err != nil {
+			t.Fatal(err)
+		}
+		if err := call(); !errors.Is(err, idem.ErrInvalidArgument) {
+			t.Errorf("%s: err = %v, want ErrInvalidArgument", name, err)
+		}
+		if err := tx.Rollback(ctx); err != nil {
+			t.Fatal(err)
+		}
+		if n, e, k := calls.Load(), effects(t, pool), keyRows(t, pool); n != 0 || e != 0 || k != 0 {
+			t.Fatalf("%s: the caller's transaction was committed or fn ran: %d runs, %d effects, %d key rows", name, n, e, k)
+		}
+	}
+	// Idle again, the connection works.
+	if _, err := idem.DoInTx(ctx, conn, scope, "pooled-in-tx", fpA, recordEffect(&calls, "pooled-in-tx")); err != nil {
+		t.Fatal(err)
+	}
+}
+
 // InTx rolling back after fn failed, on a pool of one connection that
 // another goroutine uses as soon as InTx gives it back: InTx looks at its
 // connection only while it holds it (under -race, a data race otherwise).

@@ -33,6 +33,7 @@ import (
 	"reflect"
 
 	"github.com/jackc/pgx/v5"
+	"github.com/jackc/pgx/v5/pgxpool"
 
 	"github.com/pgidem/idem/internal/db"
 	"github.com/pgidem/idem/internal/driver"
@@ -93,14 +94,17 @@ var (
 	errNilDB    = errors.New("nil database handle")
 )
 
-// CheckDB refuses a nil handle, a *pgx.Conn already in a transaction (BEGIN
-// would only warn, and COMMIT would end the caller's transaction), and, for
-// a call that commits, a pgx.Tx.
+// CheckDB refuses a nil handle, a *pgx.Conn or *pgxpool.Conn already in a
+// transaction (BEGIN would only warn, and COMMIT would end the caller's
+// transaction), and, for a call that commits, a pgx.Tx.
 func (d *Driver) CheckDB(db Beginner, commits bool) error {
 	if isNil(db) {
 		return errNilDB
 	}
 	if conn, ok := db.(*pgx.Conn); ok && conn.PgConn().TxStatus() != 'I' {
+		return errConnInTx
+	}
+	if pooled, ok := db.(*pgxpool.Conn); ok && pooled.Conn().PgConn().TxStatus() != 'I' {
 		return errConnInTx
 	}
 	if _, ok := db.(pgx.Tx); ok && commits {
