@@ -261,3 +261,46 @@ func TestDoInTxCancelledBeforeCommit(t *testing.T) {
 		t.Errorf("%d key rows, %d effects committed", keys, effects)
 	}
 }
+
+// InTx whose context ends after fn returned nil, once database/sql has
+// rolled the transaction back: Commit answers sql.ErrTxDone ("already
+// committed or rolled back"), which alone reads as if the work might have
+// committed. The error names the context's (errors.Is finds it), and
+// nothing of fn's committed.
+func TestInTxCancelledBeforeCommit(t *testing.T) {
+	t.Parallel()
+	eachDriver(t, func(t *testing.T, driver string) {
+		db, pool := migrated(t, driver)
+		if _, err := pool.Exec(context.Background(), `CREATE TABLE effects (key text NOT NULL)`); err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		defer cancel()
+		err := idemsql.InTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
+			if _, err := tx.ExecContext(ctx, `INSERT INTO effects VALUES ('cancelled')`); err != nil {
+				return err
+			}
+			// The client hangs up as fn returns; wait until database/sql
+			// has rolled tx back.
+			cancel()
+			for range 200 {
+				if _, err := tx.ExecContext(context.Background(), `SELECT 1`); errors.Is(err, sql.ErrTxDone) {
+					return nil
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+			t.Error("database/sql never rolled the transaction back")
+			return nil
+		})
+		if !errors.Is(err, context.Canceled) {
+			t.Errorf("err = %v, want the context's error", err)
+		}
+		var effects int
+		if err := pool.QueryRow(context.Background(), `SELECT count(*) FROM effects`).Scan(&effects); err != nil {
+			t.Fatal(err)
+		}
+		if effects != 0 {
+			t.Errorf("%d effects committed", effects)
+		}
+	})
+}

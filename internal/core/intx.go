@@ -43,6 +43,13 @@ func (c *Client[TTx, TDB]) inTx(ctx context.Context, db TDB, fn func(ctx context
 		return unavailableIf(c.drv.Rollback(ctx, db, tx) || c.serverSaidUnavailable(err), err)
 	}
 	if err := c.drv.Commit(ctx, tx); err != nil {
+		if ctx.Err() != nil && c.drv.CtxEndsTx() && c.drv.TxClosed(err) {
+			// database/sql rolled the transaction back when ctx ended
+			// (it was begun with it): its "already committed or rolled
+			// back" alone would read as if fn's writes may have committed.
+			return errorf("idem: commit: %w: the transaction had ended before its COMMIT (database/sql rolls it back "+
+				"when the context it was begun with ends, unless fn had ended it itself): %w", ctxError(ctx), err)
+		}
 		return unavailableIf(c.isUnavailable(err), errorf("idem: commit: %w", err))
 	}
 	return nil
