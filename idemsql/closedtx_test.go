@@ -304,3 +304,27 @@ func TestInTxCancelledBeforeCommit(t *testing.T) {
 		}
 	})
 }
+
+// A closed *sql.DB is database/sql's closed pool: like a closed pgxpool
+// for package idem, the calls fail closed with idem.ErrUnavailable (HTTP
+// 503), not an error of no kind (500).
+func TestCallsOnAClosedDB(t *testing.T) {
+	t.Parallel()
+	eachDriver(t, func(t *testing.T, driver string) {
+		ctx := context.Background()
+		db, _ := migrated(t, driver)
+		if err := db.Close(); err != nil {
+			t.Fatal(err)
+		}
+		_, doErr := idemsql.DoInTx(ctx, db, scope, "closed-db", fpOf("a"), func(context.Context, *sql.Tx) (idem.Response, error) {
+			t.Error("fn ran")
+			return created, nil
+		})
+		inTxErr := idemsql.InTx(ctx, db, func(context.Context, *sql.Tx) error { t.Error("fn ran"); return nil })
+		for name, err := range map[string]error{"DoInTx": doErr, "InTx": inTxErr} {
+			if !errors.Is(err, idem.ErrUnavailable) || !idem.Unavailable(err) {
+				t.Errorf("%s on a closed *sql.DB: err = %v, want ErrUnavailable", name, err)
+			}
+		}
+	})
+}

@@ -5,6 +5,7 @@
 package dberr
 
 import (
+	"context"
 	"database/sql"
 	sqldriver "database/sql/driver"
 	"errors"
@@ -122,9 +123,9 @@ func SQLState(err error) string {
 // Unavailable reports whether err says the database could not serve,
 // through no fault of the statement: the server could not be reached, or
 // dropped the connection (pgx's "conn closed", database/sql's
-// driver.ErrBadConn and sql.ErrConnDone), the pool is closed, a deadline ran
-// out on the way, or the server answered with SQLSTATE class 08, 53, 57 or
-// 58 (ServerUnavailable). It reads the whole chain: another server error
+// driver.ErrBadConn and sql.ErrConnDone), the pool is closed (a pgxpool,
+// or a *sql.DB), a deadline ran out on the way, or the server answered
+// with SQLSTATE class 08, 53, 57 or 58 (ServerUnavailable). It reads the whole chain: another server error
 // does not hide a lost connection further down.
 func Unavailable(err error) bool {
 	if err == nil {
@@ -142,8 +143,25 @@ func Unavailable(err error) bool {
 		errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, net.ErrClosed) ||
 		errors.Is(err, pgconn.ErrConnClosed) ||
 		errors.Is(err, sqldriver.ErrBadConn) || errors.Is(err, sql.ErrConnDone) ||
-		errors.Is(err, puddle.ErrClosedPool)
+		errors.Is(err, puddle.ErrClosedPool) || errors.Is(err, errDBClosed)
 }
+
+// errDBClosed is database/sql's unexported error of a closed *sql.DB (its
+// pool: "sql: database is closed"), taken from a *sql.DB closed at once.
+var errDBClosed = func() error {
+	db := sql.OpenDB(noConnector{})
+	_ = db.Close()
+	return db.Ping()
+}()
+
+// noConnector is a database/sql connector that never connects: errDBClosed's
+// *sql.DB is closed before it could.
+type noConnector struct{}
+
+func (noConnector) Connect(context.Context) (sqldriver.Conn, error) {
+	return nil, errors.New("dberr: no connection")
+}
+func (noConnector) Driver() sqldriver.Driver { return nil }
 
 // ServerUnavailable reports whether SQLSTATE code says the server cannot
 // serve now: class 08 (connection exception), 53 (insufficient resources),
