@@ -452,3 +452,31 @@ func TestInTxRollbackLeavesThePooledConnectionAlone(t *testing.T) {
 	})
 	wg.Wait()
 }
+
+// fn that commits or rolls back the transaction InTx runs it in is
+// ErrInvalidArgument, as for DoInTx's fn (docs/using.md), not a bare
+// "commit: tx is closed" that reads as a failed transaction: after fn's
+// COMMIT its writes are durable, and a caller that retried on that error
+// would write them twice.
+func TestFnEndingInTxTransaction(t *testing.T) {
+	t.Parallel()
+	ctx := context.Background()
+	pool := newPool(t)
+	for _, end := range []string{"commit", "rollback"} {
+		err := idem.InTx(ctx, pool, func(ctx context.Context, tx pgx.Tx) error {
+			if _, err := tx.Exec(ctx, `INSERT INTO effects (key) VALUES ($1)`, end); err != nil {
+				return err
+			}
+			if end == "commit" {
+				return tx.Commit(ctx)
+			}
+			return tx.Rollback(ctx)
+		})
+		if !errors.Is(err, idem.ErrInvalidArgument) {
+			t.Errorf("fn's %s: err = %v, want ErrInvalidArgument", end, err)
+		}
+	}
+	if n := effects(t, pool); n != 1 {
+		t.Fatalf("%d effects, want fn's committed one", n)
+	}
+}

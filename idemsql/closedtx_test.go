@@ -328,3 +328,24 @@ func TestCallsOnAClosedDB(t *testing.T) {
 		}
 	})
 }
+
+// fn that ends the transaction InTx runs it in: ErrInvalidArgument, as in
+// package idem (TestFnEndingInTxTransaction).
+func TestFnEndingInTxTransaction(t *testing.T) {
+	t.Parallel()
+	eachDriver(t, func(t *testing.T, driver string) {
+		ctx := context.Background()
+		db, _ := migrated(t, driver)
+		for _, end := range []string{"commit", "rollback"} {
+			err := idemsql.InTx(ctx, db, func(ctx context.Context, tx *sql.Tx) error {
+				if end == "commit" {
+					return tx.Commit()
+				}
+				return tx.Rollback()
+			})
+			if !errors.Is(err, idem.ErrInvalidArgument) {
+				t.Errorf("fn's %s: err = %v, want ErrInvalidArgument", end, err)
+			}
+		}
+	})
+}

@@ -50,6 +50,13 @@ func (c *Client[TTx, TDB]) inTx(ctx context.Context, db TDB, fn func(ctx context
 			return errorf("idem: commit: %w: the transaction had ended before its COMMIT (database/sql rolls it back "+
 				"when the context it was begun with ends, unless fn had ended it itself): %w", ctxError(ctx), err)
 		}
+		if c.drv.TxClosed(err) {
+			// fn committed or rolled back the transaction itself: after a
+			// COMMIT its writes are durable, which a bare "tx is closed"
+			// would hide from a caller about to run them again.
+			return errorf("idem: %w: fn committed or rolled back the transaction InTx runs it in (a COMMIT made its "+
+				"writes durable; InTx cannot tell which): %w", ErrInvalidArgument, err)
+		}
 		return unavailableIf(c.isUnavailable(err), errorf("idem: commit: %w", err))
 	}
 	return nil
