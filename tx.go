@@ -28,7 +28,9 @@ type Beginner interface {
 // them (the connection broke, or the server answered that it cannot serve:
 // see Unavailable): then InTx returns an error that wraps both
 // ErrUnavailable and fn's error. Failures to begin or commit because the
-// server cannot be reached are ErrUnavailable too.
+// server cannot be reached are ErrUnavailable too. fn must not commit or
+// roll back tx: InTx then returns ErrInvalidArgument (after a COMMIT, fn's
+// writes are durable).
 //
 // InTx uses the package defaults; see Client.InTx.
 func InTx(ctx context.Context, db Beginner, fn func(ctx context.Context, tx pgx.Tx) error) error {

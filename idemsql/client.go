@@ -69,7 +69,10 @@ var defaultClient = func() *Client {
 // them (the connection broke, or the server answered that it cannot serve:
 // see idem.Unavailable): then InTx returns an error that wraps both
 // idem.ErrUnavailable and fn's error. Failures to begin or commit because
-// the server cannot be reached are idem.ErrUnavailable too.
+// the server cannot be reached are idem.ErrUnavailable too. fn must not
+// commit or roll back tx: InTx then returns idem.ErrInvalidArgument (after
+// a COMMIT, fn's writes are durable). When ctx ends before the COMMIT,
+// database/sql has rolled tx back and the error wraps ctx's.
 //
 // InTx uses the package defaults; see Client.InTx.
 func InTx(ctx context.Context, db *sql.DB, fn func(ctx context.Context, tx *sql.Tx) error) error {
