@@ -30,7 +30,8 @@ type Beginner interface {
 // ErrUnavailable and fn's error. Failures to begin or commit because the
 // server cannot be reached are ErrUnavailable too. fn must not commit or
 // roll back tx: InTx then returns ErrInvalidArgument (after a COMMIT, fn's
-// writes are durable).
+// writes are durable; on a pgx.Tx, whose tx is a savepoint, they are then
+// part of the caller's transaction).
 //
 // InTx uses the package defaults; see Client.InTx.
 func InTx(ctx context.Context, db Beginner, fn func(ctx context.Context, tx pgx.Tx) error) error {

@@ -479,4 +479,15 @@ func TestFnEndingInTxTransaction(t *testing.T) {
 	if n := effects(t, pool); n != 1 {
 		t.Fatalf("%d effects, want fn's committed one", n)
 	}
+	// On a caller's transaction, InTx's transaction is a savepoint: fn's
+	// Commit releases it, and the error says its writes are the caller's.
+	outer, err := pool.Begin(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer outer.Rollback(ctx)
+	err = idem.InTx(ctx, outer, func(ctx context.Context, tx pgx.Tx) error { return tx.Commit(ctx) })
+	if !errors.Is(err, idem.ErrInvalidArgument) || !strings.Contains(err.Error(), "savepoint") || strings.Contains(err.Error(), "durable") {
+		t.Errorf("fn's commit of InTx's savepoint: %v; want ErrInvalidArgument naming the savepoint", err)
+	}
 }

@@ -2,6 +2,7 @@ package idemhttp_test
 
 import (
 	"bytes"
+	"context"
 	"fmt"
 	"io"
 	"mime/multipart"
@@ -9,6 +10,8 @@ import (
 	"net/http/httptest"
 	"strings"
 	"testing"
+
+	"github.com/jackc/pgx/v5"
 
 	"github.com/pgidem/idem"
 	"github.com/pgidem/idem/idemhttp"
@@ -218,5 +221,90 @@ func TestOperationReadsTheForm(t *testing.T) {
 	var op string
 	if err := pool.QueryRow(t.Context(), `SELECT operation FROM idem_keys`).Scan(&op); err != nil || op != "POST /actions refund" {
 		t.Errorf("operation %q (%v)", op, err)
+	}
+}
+
+// A record stored without headers (by idem.DoInTx, or an operator's
+// Resolve) replays through the middleware with the outer middleware's
+// headers as they are: only a name the record holds replaces or deletes
+// them.
+func TestReplayOfARecordWithoutHeadersKeepsTheOuterOnes(t *testing.T) {
+	t.Parallel()
+	pool := newPool(t, migrate)
+	fp := idem.FingerprintParts([]byte("fixed"))
+	mw := idemhttp.Middleware(pool, idemhttp.Options{Actor: bearer,
+		Operation:   func(*http.Request) string { return "op" },
+		Fingerprint: func(*http.Request, []byte) (idem.Fingerprint, error) { return fp, nil }})
+	if _, err := idem.DoInTx(t.Context(), pool, idem.Scope{Actor: "alice", Operation: "op"}, "stored-by-do", fp,
+		func(context.Context, pgx.Tx) (idem.Response, error) {
+			return idem.Response{Status: 200, Body: []byte(`{"ok":true}`)}, nil
+		}); err != nil {
+		t.Fatal(err)
+	}
+	outer := func(next http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+			w.Header().Set("Content-Type", "application/json")
+			next.ServeHTTP(w, r)
+		})
+	}
+	srv := httptest.NewServer(outer(mw(http.HandlerFunc(func(http.ResponseWriter, *http.Request) {
+		t.Error("the handler ran")
+	}))))
+	defer srv.Close()
+	req, _ := http.NewRequestWithContext(t.Context(), http.MethodPost, srv.URL+"/x", strings.NewReader(`{}`))
+	req.Header.Set("Authorization", "Bearer alice")
+	req.Header.Set("Idempotency-Key", "stored-by-do")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp.Body.Close()
+	if resp.Header.Get(idemhttp.HeaderReplayed) != "true" || resp.Header.Get("Content-Type") != "application/json" {
+		t.Errorf("replay: %d %v; want the outer Content-Type", resp.StatusCode, resp.Header)
+	}
+}
+
+// A custom Fingerprint that parses a multipart form, behind an outer
+// middleware that parsed only the URL's form, leaves the handler's form
+// as the request sent it (the maps are not shared with the handler's).
+func TestFingerprintParseLeavesTheHandlersForm(t *testing.T) {
+	t.Parallel()
+	pool := newPool(t, migrate)
+	mw := idemhttp.Middleware(pool, idemhttp.Options{Actor: bearer,
+		Fingerprint: func(r *http.Request, _ []byte) (idem.Fingerprint, error) {
+			if err := r.ParseMultipartForm(1 << 20); err != nil {
+				return idem.Fingerprint{}, err
+			}
+			return idem.FingerprintParts([]byte(fmt.Sprint(r.PostForm["item"]))), nil
+		}})
+	outer := func(next http.Handler) http.Handler {
+		return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) { _ = r.ParseForm(); next.ServeHTTP(w, r) })
+	}
+	mux := http.NewServeMux()
+	mux.Handle("POST /items", mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if err := r.ParseMultipartForm(1 << 20); err != nil {
+			panic(err)
+		}
+		fmt.Fprint(w, r.PostForm["item"])
+	})))
+	srv := httptest.NewServer(outer(mux))
+	defer srv.Close()
+	var b bytes.Buffer
+	mpw := multipart.NewWriter(&b)
+	_ = mpw.WriteField("item", "a")
+	_ = mpw.WriteField("item", "b")
+	_ = mpw.Close()
+	req, _ := http.NewRequestWithContext(t.Context(), http.MethodPost, srv.URL+"/items?x=1", &b)
+	req.Header.Set("Content-Type", mpw.FormDataContentType())
+	req.Header.Set("Authorization", "Bearer alice")
+	req.Header.Set("Idempotency-Key", "form-1")
+	resp, err := http.DefaultClient.Do(req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if string(got) != "[a b]" {
+		t.Errorf("the handler saw items %s, want [a b]", got)
 	}
 }

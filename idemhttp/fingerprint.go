@@ -40,7 +40,10 @@ import (
 // body) counts by the parsed form instead, r.PostForm as above, or
 // r.MultipartForm by its fields and files (name, Content-Type, content)
 // sorted by name, whatever the boundary: the body the middleware reads is
-// then empty.
+// then empty. (A multipart body an outer middleware streamed through
+// r.MultipartReader, or a parsed file that cannot be opened again, leaves
+// nothing to count: such requests share one fingerprint; give that route
+// an Options.Fingerprint of its own.)
 //
 // The query is canonicalized like a form body. Headers, including
 // Content-Type beyond the choice above, do not count. DefaultFingerprint

@@ -8,6 +8,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"net/url"
 	"runtime/debug"
 	"slices"
 	"strconv"
@@ -483,6 +484,7 @@ func (m *middleware) ServeHTTP(w http.ResponseWriter, r *http.Request) {
 // afterwards.
 func (m *middleware) target(r *http.Request, body []byte) (idem.Fingerprint, string, error) {
 	fr := r.WithContext(r.Context())
+	fr.Form, fr.PostForm = cloneValues(r.Form), cloneValues(r.PostForm) // a parse adds to them
 	fr.Body = io.NopCloser(bytes.NewReader(body))
 	fr.ContentLength = int64(len(body))
 	defer func() {
@@ -496,6 +498,18 @@ func (m *middleware) target(r *http.Request, body []byte) (idem.Fingerprint, str
 	}
 	fr.Body = io.NopCloser(bytes.NewReader(body))
 	return fp, m.operation(fr), nil
+}
+
+// cloneValues is a deep copy of v (nil stays nil).
+func cloneValues(v url.Values) url.Values {
+	if v == nil {
+		return nil
+	}
+	out := make(url.Values, len(v))
+	for k, vs := range v {
+		out[k] = slices.Clone(vs)
+	}
+	return out
 }
 
 // readBody reads the whole request body, up to m.maxBody bytes. On failure
@@ -547,7 +561,7 @@ func (m *middleware) serveKeyed(ctx context.Context, w http.ResponseWriter, r *h
 				return idem.Response{}, fmt.Errorf("%w: the handler wrote more than %d bytes", idem.ErrResponseTooLarge, m.maxResponse)
 			}
 			status, header := buf.result()
-			resp := idem.Response{Status: status, Header: m.storedHeader(header), Body: buf.body.Bytes()}
+			resp := idem.Response{Status: status, Header: m.storedHeader(header, base), Body: buf.body.Bytes()}
 			switch {
 			case buf.invalid.Load():
 				return idem.Response{}, invalidOutcome(status)
@@ -703,16 +717,22 @@ func requestAttrs(hash *loghash.Hasher, r *http.Request, key string) []slog.Attr
 	return attrs
 }
 
-// storedHeader returns the headers of h that are stored, or nil.
-func (m *middleware) storedHeader(h http.Header) map[string][]string {
+// storedHeader returns the headers of h, the handler's response, that are
+// stored, or nil. A stored name that base (what the outer middleware had
+// set before the handler ran) holds and h does not, the handler deleted:
+// it is stored without values, so that a replay deletes it too.
+func (m *middleware) storedHeader(h, base http.Header) map[string][]string {
 	var out map[string][]string
 	for _, name := range m.stored {
-		if v, ok := h[name]; ok {
-			if out == nil {
-				out = make(map[string][]string, len(m.stored))
-			}
-			out[name] = slices.Clone(v)
+		v, ok := h[name]
+		_, was := base[name]
+		if !ok && !was {
+			continue
 		}
+		if out == nil {
+			out = make(map[string][]string, len(m.stored))
+		}
+		out[name] = append([]string{}, v...) // never nil: no values is a deletion
 	}
 	return out
 }
@@ -774,18 +794,19 @@ func writeReplay(w http.ResponseWriter, resp idem.Response, stored []string) {
 }
 
 // replayHeaders copies the headers of from named in stored into h, in
-// place of any values h had for those names: the stored response holds
-// their final values (an outer middleware's defaults included), so a name
-// the handler deleted stays deleted. HeaderKeyLifetime, which the caller
-// set, stays.
+// place of any values h had for those names (an outer middleware's
+// defaults: the stored values are the handler's final ones). A name stored
+// without values, which the handler deleted, is deleted from h; a name
+// from does not hold (a record stored by Do or Resolve, not by the
+// middleware) keeps h's values.
 func replayHeaders(h http.Header, from map[string][]string, stored []string) {
-	for _, name := range stored {
-		if name != HeaderKeyLifetime {
-			delete(h, name)
-		}
-	}
 	for name, v := range from {
-		if name = http.CanonicalHeaderKey(name); slices.Contains(stored, name) {
+		if name = http.CanonicalHeaderKey(name); !slices.Contains(stored, name) {
+			continue
+		}
+		if len(v) == 0 {
+			delete(h, name)
+		} else {
 			h[name] = v
 		}
 	}

@@ -145,7 +145,7 @@ func FuzzResponseWriter(f *testing.F) {
 			t.Fatalf("header %v, recorder %v", gotHeader, res.Header)
 		}
 		m := &middleware{stored: append(slices.Clone(defaultStoredHeaders), "X-A")}
-		if stored, want := m.storedHeader(gotHeader), m.storedHeader(res.Header); !maps.EqualFunc(stored, want, slices.Equal) {
+		if stored, want := m.storedHeader(gotHeader, base), m.storedHeader(res.Header, base); !maps.EqualFunc(stored, want, slices.Equal) {
 			t.Fatalf("stored header %v, recorder %v", stored, want)
 		}
 		if fmt.Sprint(base) != fmt.Sprint(http.Header{"X-Base": {"base"}, "Content-Type": {"text/plain"}}) {

@@ -50,7 +50,14 @@ func (c *Client[TTx, TDB]) inTx(ctx context.Context, db TDB, fn func(ctx context
 			return errorf("idem: commit: %w: the transaction had ended before its COMMIT (database/sql rolls it back "+
 				"when the context it was begun with ends, unless fn had ended it itself): %w", ctxError(ctx), err)
 		}
-		if c.drv.TxClosed(err) {
+		switch {
+		case c.drv.TxClosed(err) && c.drv.Nested(db):
+			// A savepoint of the caller's transaction: fn released it (its
+			// writes now belong to the caller's transaction) or rolled it
+			// back.
+			return errorf("idem: %w: fn released or rolled back the savepoint InTx runs it in (released, its writes "+
+				"are part of your transaction, which commits them or not; InTx cannot tell which): %w", ErrInvalidArgument, err)
+		case c.drv.TxClosed(err):
 			// fn committed or rolled back the transaction itself: after a
 			// COMMIT its writes are durable, which a bare "tx is closed"
 			// would hide from a caller about to run them again.

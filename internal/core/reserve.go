@@ -297,7 +297,7 @@ func (c *Client[TTx, TDB]) countEnd(ctx context.Context, call string, scope Scop
 		c.obs.count(ctx, event, call, scope.Operation, 1)
 	case errors.Is(err, ErrFenced):
 		c.obs.count(ctx, outcomeFenced, call, scope.Operation, 1)
-	case ctx.Err() != nil && errors.Is(err, ctx.Err()):
+	case ctx.Err() != nil && (errors.Is(err, ctx.Err()) || c.fault(err, driver.ErrCanceled)):
 	case c.obs.unavailable(err):
 		c.obs.count(ctx, outcomeStoreError, call, scope.Operation, 1)
 		c.obs.logStoreError(ctx, call, scope, key, err)

@@ -66,6 +66,9 @@ const (
 	// when it knows nothing was sent, which leaves one case: the context
 	// ending at the very moment database/sql's Tx.Commit checks it.
 	ErrCommitInDoubt
+	// ErrCanceled: the server cancelled the statement at the client's
+	// request (57014: lib/pq's answer to a context that ended).
+	ErrCanceled
 )
 
 // The SQLSTATEs idem's statements raise on purpose (class ID is idem's;

@@ -67,6 +67,8 @@ func faults(err error, code string) driver.Fault {
 	case "":
 	case "55P03":
 		f |= driver.ErrLockNotAvailable
+	case "57014":
+		f |= driver.ErrCanceled
 	case "40001", "40P01":
 		f |= driver.ErrRetryable
 	case "25P02":

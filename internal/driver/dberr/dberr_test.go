@@ -84,6 +84,7 @@ func TestInterpretByMessage(t *testing.T) {
 		{&pgconn.PgError{Code: "42883", Message: "function idem_refuse(unknown, text) does not exist"}, driver.ErrNoRefusal},
 		{&pgconn.PgError{Code: "42703", Message: `column "body_expires_at" of relation "idem_keys" does not exist`}, driver.ErrNoBodyExpiry},
 		{&pgconn.PgError{Code: "42703", Message: `column "unknown_at" of relation "idem_keys" does not exist`}, driver.ErrNoUnknownAt},
+		{&pgconn.PgError{Code: "57014"}, driver.ErrCanceled | driver.ErrServerUnavailable | driver.ErrUnavailable},
 		{&pgconn.PgError{Code: "42883", Message: "function other() does not exist"}, 0},
 		{&pgconn.PgError{Code: "26000", Message: `prepared statement "stmtcache_1" does not exist`}, driver.ErrPreparedStatementsLost},
 		{&pgconn.PgError{Code: "42P05", Message: `prepared statement "stmtcache_2" already exists`}, driver.ErrPreparedStatementsLost},
