@@ -308,3 +308,31 @@ func TestFingerprintParseLeavesTheHandlersForm(t *testing.T) {
 		t.Errorf("the handler saw items %s, want [a b]", got)
 	}
 }
+
+// A Content-Type the handler set present without values (net/http's "do
+// not sniff") replays so: the replay carries no sniffed type either.
+func TestReplayKeepsAnUnsniffedContentType(t *testing.T) {
+	t.Parallel()
+	pool := newPool(t, migrate)
+	mw := idemhttp.Middleware(pool, idemhttp.Options{Actor: bearer})
+	mux := http.NewServeMux()
+	mux.Handle("POST /text", mw(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		w.Header()["Content-Type"] = nil
+		fmt.Fprint(w, "hello")
+	})))
+	srv := httptest.NewServer(mux)
+	defer srv.Close()
+	for n := range 2 {
+		req, _ := http.NewRequestWithContext(t.Context(), http.MethodPost, srv.URL+"/text", strings.NewReader(`{}`))
+		req.Header.Set("Authorization", "Bearer alice")
+		req.Header.Set("Idempotency-Key", "unsniffed")
+		resp, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		resp.Body.Close()
+		if ct, has := resp.Header["Content-Type"]; has || (resp.Header.Get(idemhttp.HeaderReplayed) == "true") != (n == 1) {
+			t.Errorf("call %d: Content-Type %q (present %t), replayed %q", n, ct, has, resp.Header.Get(idemhttp.HeaderReplayed))
+		}
+	}
+}

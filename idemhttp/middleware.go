@@ -71,7 +71,11 @@ type Options struct {
 	// set, a replay only these. Keep secrets (Set-Cookie) out. Default:
 	// Content-Type, Content-Encoding (a compressed body replays as such) and
 	// Location. Trailers are not stored or sent: the response is buffered and
-	// sent with a Content-Length.
+	// sent with a Content-Length. On a replay, a value an outer middleware
+	// set for one of these names is replaced by the stored one, or removed
+	// when the handler had deleted it (stored as an empty list); a name the
+	// record does not hold (one stored by idem.Do or Resolve, or before
+	// deletions were stored) keeps the outer middleware's value.
 	StoredHeaders []string
 
 	// Citus says that the *sql.DB of MiddlewareSQL is a Citus coordinator
@@ -718,9 +722,11 @@ func requestAttrs(hash *loghash.Hasher, r *http.Request, key string) []slog.Attr
 }
 
 // storedHeader returns the headers of h, the handler's response, that are
-// stored, or nil. A stored name that base (what the outer middleware had
-// set before the handler ran) holds and h does not, the handler deleted:
-// it is stored without values, so that a replay deletes it too.
+// stored, or nil. A name h holds is stored with its values (nil stays nil:
+// net/http's "present, do not sniff" for Content-Type). A name that base
+// (what the outer middleware had set before the handler ran) holds and h
+// does not, the handler deleted: it is stored as an empty list, so that a
+// replay deletes it too.
 func (m *middleware) storedHeader(h, base http.Header) map[string][]string {
 	var out map[string][]string
 	for _, name := range m.stored {
@@ -732,7 +738,11 @@ func (m *middleware) storedHeader(h, base http.Header) map[string][]string {
 		if out == nil {
 			out = make(map[string][]string, len(m.stored))
 		}
-		out[name] = append([]string{}, v...) // never nil: no values is a deletion
+		if ok {
+			out[name] = slices.Clone(v)
+		} else {
+			out[name] = []string{} // deleted by the handler
+		}
 	}
 	return out
 }
@@ -796,15 +806,16 @@ func writeReplay(w http.ResponseWriter, resp idem.Response, stored []string) {
 // replayHeaders copies the headers of from named in stored into h, in
 // place of any values h had for those names (an outer middleware's
 // defaults: the stored values are the handler's final ones). A name stored
-// without values, which the handler deleted, is deleted from h; a name
-// from does not hold (a record stored by Do or Resolve, not by the
-// middleware) keeps h's values.
+// as an empty list, which the handler deleted, is deleted from h; a name
+// stored as null (nil: present without values) is set so; a name from does
+// not hold (a record stored by Do or Resolve, or by the middleware before
+// it stored deletions) keeps h's values.
 func replayHeaders(h http.Header, from map[string][]string, stored []string) {
 	for name, v := range from {
 		if name = http.CanonicalHeaderKey(name); !slices.Contains(stored, name) {
 			continue
 		}
-		if len(v) == 0 {
+		if v != nil && len(v) == 0 {
 			delete(h, name)
 		} else {
 			h[name] = v
