@@ -66,7 +66,7 @@ func TestInterpretedFaults(t *testing.T) {
 		{driver.StateKeyRowChanged, driver.ErrKeyRowChanged},
 		{driver.StateClaimReleased, driver.ErrClaimReleased},
 		{"0A000", driver.ErrFeatureNotSupported},
-		{"57014", driver.ErrUnavailable | driver.ErrServerUnavailable},
+		{"57014", driver.ErrUnavailable | driver.ErrServerUnavailable | driver.ErrCanceled},
 		{"08006", driver.ErrUnavailable | driver.ErrServerUnavailable},
 	} {
 		pgErr := &pgconn.PgError{Code: c.code, Message: "m"}
