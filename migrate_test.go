@@ -675,20 +675,7 @@ func TestMigrateSearchPathReachingAnotherSchema(t *testing.T) {
 	if _, err := public.Exec(ctx, `CREATE SCHEMA tenant`); err != nil {
 		t.Fatal(err)
 	}
-	poolOn := func(searchPath string) *pgxpool.Pool {
-		t.Helper()
-		cfg, err := pgxpool.ParseConfig(url)
-		if err != nil {
-			t.Fatal(err)
-		}
-		cfg.ConnConfig.RuntimeParams["search_path"] = searchPath
-		p, err := pgxpool.NewWithConfig(ctx, cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(p.Close)
-		return p
-	}
+	poolOn := func(searchPath string) *pgxpool.Pool { return poolOnSearchPath(t, url, searchPath) }
 	both := poolOn("tenant, public")
 	before := indexes()
 	if err := idem.Migrate(ctx, both); !errors.Is(err, idem.ErrInvalidArgument) || !strings.Contains(err.Error(), "public") {
@@ -851,19 +838,7 @@ func TestMigrateRepairLooksAtItsOwnSchema(t *testing.T) {
 	if _, err := public.Exec(ctx, `CREATE SCHEMA tenant`); err != nil {
 		t.Fatal(err)
 	}
-	poolOn := func(searchPath string) *pgxpool.Pool {
-		cfg, err := pgxpool.ParseConfig(url)
-		if err != nil {
-			t.Fatal(err)
-		}
-		cfg.ConnConfig.RuntimeParams["search_path"] = searchPath
-		p, err := pgxpool.NewWithConfig(ctx, cfg)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(p.Close)
-		return p
-	}
+	poolOn := func(searchPath string) *pgxpool.Pool { return poolOnSearchPath(t, url, searchPath) }
 	if err := idem.Migrate(ctx, poolOn("tenant")); err != nil {
 		t.Fatal(err)
 	}
@@ -882,4 +857,21 @@ func TestMigrateRepairLooksAtItsOwnSchema(t *testing.T) {
 	if after := state(); after != before {
 		t.Errorf("Migrate with everything applied changed:\nbefore %s\nafter  %s", before, after)
 	}
+}
+
+// poolOnSearchPath is a pool on the database of url whose connections have
+// searchPath as their search_path, closed with the test.
+func poolOnSearchPath(t *testing.T, url, searchPath string) *pgxpool.Pool {
+	t.Helper()
+	cfg, err := pgxpool.ParseConfig(url)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cfg.ConnConfig.RuntimeParams["search_path"] = searchPath
+	p, err := pgxpool.NewWithConfig(context.Background(), cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(p.Close)
+	return p
 }
